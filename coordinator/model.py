@@ -1,0 +1,164 @@
+"""The backbone forward pass (torch compute; owned by the engine thread).
+
+Rules:
+- Only the engine thread calls ``Transformer.forward``; it owns the KV caches.
+- A forward step batches tokens from many sequences: every dense op (norms, projections, router,
+  output) runs once over all rows; attention runs per sequence against its own KV cache.
+- The routed experts of a layer are computed by one replaceable object, ``ExpertBackend.moe``: the
+  local backend calls ``swarm.experts.slice_partial_sum``; a dispatcher may send rows to volunteers.
+- Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
+  per architecture; per-head q/k RMSNorm before RoPE where the architecture has it; GQA maps query
+  head h to kv head ``h // (n_head / n_head_kv)``; router softmax over all experts, top-k, and
+  renormalisation of the top-k weights where the architecture asks for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from swarm.experts import slice_partial_sum
+from swarm.gguf_model import GGUFModel, ModelConfig
+
+__all__ = ["ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
+
+
+class ExpertBackend(Protocol):
+    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Routed-expert output ``[T, d_model]`` for rows ``x[T, d_model]`` and their top-k choices."""
+        ...
+
+
+class LocalExperts:
+    """All experts of every layer computed on this machine, as one slice per layer."""
+
+    def __init__(self, model: GGUFModel) -> None:
+        self.model = model
+
+    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        rows = torch.arange(x.shape[0]).repeat_interleave(k)
+        return slice_partial_sum(x, rows, topk_ids.reshape(-1), topk_w.reshape(-1), self.model.layers[layer].experts)
+
+
+class KVCache:
+    """Per-sequence K/V for every layer: ``[n_layer, n_ctx, n_head_kv, head_dim]``."""
+
+    def __init__(self, cfg: ModelConfig, n_ctx: int) -> None:
+        self.n_ctx = n_ctx
+        self.k = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_k)
+        self.v = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * 4 + self.v.numel() * 4
+
+
+@dataclass
+class SeqChunk:
+    """Tokens of one sequence fed in this step, starting at position ``pos``."""
+
+    cache: KVCache
+    tokens: list[int]
+    pos: int
+    all_logits: bool = False  # logits at every position (tests) instead of the last only
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class Transformer:
+    def __init__(self, model: GGUFModel, experts: ExpertBackend | None = None) -> None:
+        self.model = model
+        self.cfg = model.config
+        self.experts: ExpertBackend = experts if experts is not None else LocalExperts(model)
+        cfg = self.cfg
+        n_rot = cfg.n_rot
+        # float64 frequencies, cast at use: matches llama.cpp's float32 rope within ~1e-7
+        self._inv_freq = cfg.rope_base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
+
+    # -- pieces -----------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x[T, H, hd]`` at positions ``pos[T]`` (first n_rot dims)."""
+        n_rot = self.cfg.n_rot
+        ang = pos.to(torch.float64).unsqueeze(1) * self._inv_freq.unsqueeze(0)  # [T, n_rot/2]
+        cos = ang.cos().to(torch.float32).unsqueeze(1)
+        sin = ang.sin().to(torch.float32).unsqueeze(1)
+        xr, rest = x[..., :n_rot], x[..., n_rot:]
+        if self.cfg.spec.rope_neox:
+            half = n_rot // 2
+            a, b = xr[..., :half], xr[..., half:]
+            rot = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+        else:
+            a, b = xr[..., 0::2], xr[..., 1::2]
+            rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+        return torch.cat([rot, rest], dim=-1) if rest.shape[-1] else rot
+
+    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = h @ self.model.layers[layer].router.T
+        probs = torch.softmax(logits, dim=-1)
+        w, ids = torch.topk(probs, cfg.n_expert_used, dim=-1)
+        if cfg.spec.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        return ids, w
+
+    # -- forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        """Run one step over all chunks; returns per chunk logits ``[n_tokens or 1, n_vocab]``."""
+        cfg = self.cfg
+        m = self.model
+        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
+        pos = torch.cat([torch.arange(c.pos, c.pos + len(c.tokens)) for c in chunks])
+        bounds: list[tuple[int, int]] = []
+        start = 0
+        for c in chunks:
+            if c.pos + len(c.tokens) > c.cache.n_ctx:
+                raise ValueError(f"sequence exceeds the context ({c.pos + len(c.tokens)} > {c.cache.n_ctx})")
+            bounds.append((start, start + len(c.tokens)))
+            start += len(c.tokens)
+        n_tok = tokens.shape[0]
+        x = m.token_embd.index_select(0, tokens)
+        H, Hkv, hdk, hdv = cfg.n_head, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
+        group = H // Hkv
+        scale = 1.0 / (hdk**0.5)
+        for li, L in enumerate(m.layers):
+            h = rms_norm(x, L.attn_norm, cfg.rms_eps)
+            q = (h @ L.wq.T).view(n_tok, H, hdk)
+            k = (h @ L.wk.T).view(n_tok, Hkv, hdk)
+            v = (h @ L.wv.T).view(n_tok, Hkv, hdv)
+            if L.q_norm is not None and L.k_norm is not None:
+                q = rms_norm(q, L.q_norm, cfg.rms_eps)
+                k = rms_norm(k, L.k_norm, cfg.rms_eps)
+            q = self._rope(q, pos)
+            k = self._rope(k, pos)
+            attn = torch.empty(n_tok, H, hdv)
+            for c, (s, e) in zip(chunks, bounds, strict=True):
+                n = e - s
+                c.cache.k[li, c.pos : c.pos + n] = k[s:e]
+                c.cache.v[li, c.pos : c.pos + n] = v[s:e]
+                kk = c.cache.k[li, : c.pos + n].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, hd]
+                vv = c.cache.v[li, : c.pos + n].repeat_interleave(group, dim=1).transpose(0, 1)
+                qq = q[s:e].transpose(0, 1)  # [H, n, hd]
+                mask = None
+                if n > 1:
+                    kpos = torch.arange(c.pos + n)
+                    qpos = torch.arange(c.pos, c.pos + n)
+                    mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+                attn[s:e] = o.transpose(0, 1)
+            x = x + attn.reshape(n_tok, H * hdv) @ L.wo.T
+            h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
+            ids, w = self.route(li, h)
+            x = x + self.experts.moe(li, h, ids, w)
+        out: list[torch.Tensor] = []
+        for c, (s, e) in zip(chunks, bounds, strict=True):
+            xs = x[s:e] if c.all_logits else x[e - 1 : e]
+            xs = rms_norm(xs, m.output_norm, cfg.rms_eps)
+            out.append(xs @ m.output.T)
+        return out

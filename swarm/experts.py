@@ -1,0 +1,88 @@
+"""Expert math shared by the coordinator's local path and the volunteer (pure compute, torch).
+
+Rules:
+- One function, ``slice_partial_sum``, computes a slice's weighted partial sum for the rows routed
+  to it. The coordinator's local experts and every volunteer call exactly this function, so a slice
+  computed remotely is bit-identical to the same slice computed locally.
+- Fixed summation order: within a slice, experts are added in ascending local index; across slices
+  the caller (``combine_partials``) adds partial sums in ascending ``lo`` order.
+- An expert FFN is SwiGLU: ``down @ (silu(gate @ x) * (up @ x))``, scaled by the router weight
+  after ``down`` (as llama.cpp does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ExpertWeights", "combine_partials", "pairs_from_lists", "slice_partial_sum"]
+
+
+class ExpertWeights(Protocol):
+    n_expert: int
+    d_model: int
+
+    def gate(self, e: int) -> torch.Tensor: ...
+    def up(self, e: int) -> torch.Tensor: ...
+    def down(self, e: int) -> torch.Tensor: ...
+
+
+def slice_partial_sum(
+    x: torch.Tensor,
+    pair_rows: torch.Tensor,
+    pair_experts: torch.Tensor,
+    pair_weights: torch.Tensor,
+    weights: ExpertWeights,
+) -> torch.Tensor:
+    """Weighted sum over a slice's experts for each row of ``x``.
+
+    ``x`` is ``[n, d_model]`` float32; the three pair tensors have one entry per (row, expert) pair
+    that falls in this slice: row index into ``x``, local expert index, router weight. A row appears
+    at most once per expert. Rows with no pair get zeros.
+    """
+    out = torch.zeros_like(x)
+    if pair_rows.numel() == 0:
+        return out
+    experts = torch.unique(pair_experts)  # sorted ascending: the fixed summation order
+    for e in experts.tolist():
+        sel = pair_experts == e
+        rows = pair_rows[sel]
+        xe = x.index_select(0, rows)
+        g = xe @ weights.gate(e).T
+        u = xe @ weights.up(e).T
+        h = (F.silu(g) * u) @ weights.down(e).T
+        out.index_add_(0, rows, h * pair_weights[sel].unsqueeze(1))
+    return out
+
+
+def pairs_from_lists(
+    experts: Sequence[Sequence[int]], row_weights: Sequence[Sequence[float]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row lists of (local expert, weight) -> flat (rows, experts, weights) pair tensors."""
+    rows: list[int] = []
+    exps: list[int] = []
+    ws: list[float] = []
+    for r, (es, wts) in enumerate(zip(experts, row_weights, strict=True)):
+        for e, w in zip(es, wts, strict=True):
+            rows.append(r)
+            exps.append(e)
+            ws.append(w)
+    return (
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(exps, dtype=torch.long),
+        torch.tensor(ws, dtype=torch.float32),
+    )
+
+
+def combine_partials(n_rows: int, d_model: int, partials: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Sum ``(lo, rows, partial)`` contributions in ascending ``lo`` (the canonical order).
+
+    ``rows`` are the indices (into the layer's token rows) that ``partial`` covers.
+    """
+    out = torch.zeros(n_rows, d_model, dtype=torch.float32)
+    for _, rows, part in sorted(partials, key=lambda p: p[0]):
+        out.index_add_(0, rows, part)
+    return out

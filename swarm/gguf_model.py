@@ -1,0 +1,302 @@
+"""GGUF model loading (shell: reads and memory-maps a file).
+
+Rules:
+- Metadata drives everything: dimensions, expert counts, RoPE style and norms come from the GGUF
+  keys of the file's architecture and the architecture table below; nothing is hard-coded per model.
+- Weights stay in their stored type. The file is memory-mapped copy-on-write; tensors are exposed as
+  zero-copy uint8/float views of the map. Expert stacks are dequantised per use (``ExpertStack``);
+  the small dense tensors (norms, attention, router) are materialised once as float32 — a zero-copy
+  view when they are stored as F32.
+- Anything unsupported fails at load with an error that names what is supported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from swarm.errors import ModelError, UnsupportedArchitecture, UnsupportedTensorType
+
+__all__ = [
+    "ARCHITECTURES",
+    "ArchSpec",
+    "ExpertStack",
+    "GGUFModel",
+    "ModelConfig",
+    "QTensor",
+    "file_sha256",
+    "model_id_for",
+]
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What differs between MoE architectures, as data (add an entry to support a new one)."""
+
+    name: str
+    rope_neox: bool  # NEOX (rotate halves) vs adjacent pairs
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    norm_topk: bool  # renormalise the top-k router weights
+    shared_expert: bool = False
+    expert_ff_key: str = "expert_feed_forward_length"
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "qwen3moe": ArchSpec("qwen3moe", rope_neox=True, qk_norm=True, norm_topk=True),
+    # Mixtral-style: arch "llama" with merged expert tensors; expert width is feed_forward_length.
+    "llama": ArchSpec("llama", rope_neox=False, qk_norm=False, norm_topk=True, expert_ff_key="feed_forward_length"),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_rot: int
+    n_expert: int
+    n_expert_used: int
+    d_expert: int
+    rope_base: float
+    rms_eps: float
+    spec: ArchSpec
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_id_for(path: Path, sha256: str | None = None) -> str:
+    """DESIGN §11: ``<GGUF file stem>-<first 12 hex digits of its sha256>``."""
+    digest = sha256 if sha256 is not None else file_sha256(path)
+    return f"{Path(path).stem}-{digest[:12]}"
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A tensor as stored in the GGUF: raw bytes (zero-copy view) + ggml type + logical shape.
+
+    ``shape`` is numpy order (the last dimension is the contiguous row), e.g. an expert stack is
+    ``(n_expert, rows, cols)``. ``raw`` is a uint8 array shaped ``(*shape[:-1], bytes_per_row)``.
+    """
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    raw: np.ndarray[Any, np.dtype[np.uint8]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def to_float(self) -> torch.Tensor:
+        """Dequantise the whole tensor to float32 (zero-copy when stored as F32)."""
+        return dequantize_raw(torch.from_numpy(self.raw), self.qtype, self.shape)
+
+    def select(self, index: int) -> QTensor:
+        """The sub-tensor ``[index]`` along the first axis (zero-copy)."""
+        return QTensor(f"{self.name}[{index}]", self.qtype, self.shape[1:], self.raw[index])
+
+
+def dequantize_raw(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return raw.contiguous().view(torch.float32).reshape(shape)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return raw.contiguous().view(torch.float16).reshape(shape).to(torch.float32)
+    from swarm.quant import dequantize  # the quantised kernels live in one module
+
+    return dequantize(raw, qtype, shape)
+
+
+class ExpertStack:
+    """The three expert tensors of one layer (or a slice of them), dequantised per use.
+
+    ``gate(e)``/``up(e)`` are ``[d_expert, d_model]``, ``down(e)`` is ``[d_model, d_expert]``, all
+    float32, for local expert index ``e`` (0-based within the stack).
+    """
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor) -> None:
+        if not (gate.shape[0] == up.shape[0] == down.shape[0]):
+            raise ModelError("expert tensors disagree on the number of experts")
+        self.gate_t, self.up_t, self.down_t = gate, up, down
+        self.n_expert = gate.shape[0]
+        self.d_expert, self.d_model = gate.shape[1], gate.shape[2]
+        if up.shape[1:] != gate.shape[1:] or down.shape[1:] != (self.d_model, self.d_expert):
+            raise ModelError(f"expert tensor shapes disagree: {gate.shape} {up.shape} {down.shape}")
+
+    def _get(self, t: QTensor, e: int) -> torch.Tensor:
+        return dequantize_raw(torch.from_numpy(t.raw[e]), t.qtype, t.shape[1:])
+
+    def gate(self, e: int) -> torch.Tensor:
+        return self._get(self.gate_t, e)
+
+    def up(self, e: int) -> torch.Tensor:
+        return self._get(self.up_t, e)
+
+    def down(self, e: int) -> torch.Tensor:
+        return self._get(self.down_t, e)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_t.nbytes + self.up_t.nbytes + self.down_t.nbytes
+
+    def bytes_per_expert(self) -> int:
+        return self.nbytes // max(1, self.n_expert)
+
+
+def _field(fields: dict[str, Any], key: str, default: Any = None, *, required: bool = False) -> Any:
+    if key in fields:
+        return fields[key]
+    if required:
+        raise ModelError(f"GGUF metadata key {key!r} is missing")
+    return default
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    ffn_norm: torch.Tensor
+    router: torch.Tensor
+    experts: ExpertStack
+
+
+class GGUFModel:
+    """A loaded MoE GGUF: config, tokenizer metadata, dense weights and per-layer expert stacks."""
+
+    def __init__(self, path: str | Path, *, compute_id: bool = True) -> None:
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path, "c")
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read GGUF {self.path}: {exc}") from exc
+        self.fields: dict[str, Any] = {}
+        for k, f in self.reader.fields.items():
+            try:
+                self.fields[k] = f.contents()
+            except Exception:  # noqa: BLE001 - a field we cannot decode is just absent
+                continue
+        self.sha256 = file_sha256(self.path) if compute_id else ""
+        self.model_id = model_id_for(self.path, self.sha256) if compute_id else self.path.stem
+        self.tensors: dict[str, QTensor] = {}
+        for t in self.reader.tensors:
+            qtype = gguf.GGMLQuantizationType(t.tensor_type)
+            if qtype.name not in SUPPORTED_TYPES:
+                raise UnsupportedTensorType(
+                    f"tensor {t.name} has type {qtype.name}; supported: {', '.join(SUPPORTED_TYPES)}"
+                )
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            data = t.data
+            raw = data.view(np.uint8).reshape(*shape[:-1], -1)
+            self.tensors[t.name] = QTensor(t.name, qtype, shape, raw)
+        self.config = self._read_config()
+        self.layers = [self._layer(i) for i in range(self.config.n_layer)]
+        self.token_embd = self._dense("token_embd.weight")
+        self.output_norm = self._dense("output_norm.weight")
+        self.output = self._dense("output.weight") if "output.weight" in self.tensors else self.token_embd
+
+    # -- config -----------------------------------------------------------------------------
+    def _read_config(self) -> ModelConfig:
+        f = self.fields
+        arch = str(_field(f, "general.architecture", required=True))
+        spec = ARCHITECTURES.get(arch)
+        if spec is None:
+            raise UnsupportedArchitecture(
+                f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        n_expert = int(_field(f, f"{arch}.expert_count", 0))
+        if n_expert <= 0:
+            raise UnsupportedArchitecture(f"{arch} model without experts ({arch}.expert_count missing): not an MoE")
+        d_model = int(_field(f, f"{arch}.embedding_length", required=True))
+        n_head = int(_field(f, f"{arch}.attention.head_count", required=True))
+        n_head_kv = int(_field(f, f"{arch}.attention.head_count_kv", n_head))
+        head_dim_k = int(_field(f, f"{arch}.attention.key_length", d_model // n_head))
+        head_dim_v = int(_field(f, f"{arch}.attention.value_length", head_dim_k))
+        tokens = _field(f, "tokenizer.ggml.tokens", [])
+        n_vocab = len(tokens) if tokens else self.tensors["token_embd.weight"].shape[0]
+        cfg = ModelConfig(
+            arch=arch,
+            n_vocab=n_vocab,
+            n_ctx_train=int(_field(f, f"{arch}.context_length", 2048)),
+            d_model=d_model,
+            n_layer=int(_field(f, f"{arch}.block_count", required=True)),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim_k=head_dim_k,
+            head_dim_v=head_dim_v,
+            n_rot=int(_field(f, f"{arch}.rope.dimension_count", head_dim_k)),
+            n_expert=n_expert,
+            n_expert_used=int(_field(f, f"{arch}.expert_used_count", required=True)),
+            d_expert=int(_field(f, f"{arch}.{spec.expert_ff_key}", required=True)),
+            rope_base=float(_field(f, f"{arch}.rope.freq_base", 10000.0)),
+            rms_eps=float(_field(f, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            spec=spec,
+        )
+        if n_head % n_head_kv != 0:
+            raise ModelError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+        if not 0 < cfg.n_expert_used <= cfg.n_expert:
+            raise ModelError(f"expert_used_count {cfg.n_expert_used} out of range for {cfg.n_expert} experts")
+        return cfg
+
+    # -- tensors ----------------------------------------------------------------------------
+    def tensor(self, name: str) -> QTensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"tensor {name!r} missing from {self.path.name}")
+        return t
+
+    def _dense(self, name: str) -> torch.Tensor:
+        return self.tensor(name).to_float()
+
+    def _layer(self, i: int) -> LayerWeights:
+        p = f"blk.{i}."
+        spec = self.config.spec
+        return LayerWeights(
+            attn_norm=self._dense(p + "attn_norm.weight"),
+            wq=self._dense(p + "attn_q.weight"),
+            wk=self._dense(p + "attn_k.weight"),
+            wv=self._dense(p + "attn_v.weight"),
+            wo=self._dense(p + "attn_output.weight"),
+            q_norm=self._dense(p + "attn_q_norm.weight") if spec.qk_norm else None,
+            k_norm=self._dense(p + "attn_k_norm.weight") if spec.qk_norm else None,
+            ffn_norm=self._dense(p + "ffn_norm.weight"),
+            router=self._dense(p + "ffn_gate_inp.weight"),
+            experts=self.expert_stack(i),
+        )
+
+    def expert_stack(self, layer: int, lo: int = 0, hi: int | None = None) -> ExpertStack:
+        """Experts ``lo..hi-1`` of a layer as a zero-copy ``ExpertStack``."""
+        p = f"blk.{layer}."
+        parts = []
+        for kind in ("gate", "up", "down"):
+            t = self.tensor(f"{p}ffn_{kind}_exps.weight")
+            end = t.shape[0] if hi is None else hi
+            parts.append(QTensor(t.name, t.qtype, (end - lo, *t.shape[1:]), t.raw[lo:end]))
+        return ExpertStack(*parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
