@@ -1,0 +1,319 @@
+"""OpenAI-compatible HTTP API of the coordinator (shell: Starlette ASGI app).
+
+Rules:
+- Every error is JSON ``{"error": {"message", "type", "param", "code"}}`` with a stable ``code``;
+  bad input never takes the server down.
+- A client that disconnects (streamed or not) has its request cancelled, which frees its slot
+  before the engine plans its next step.
+- Past the bounded queue: 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from coordinator.core.scheduler import Emit, Finish, FinishReason
+from coordinator.runtime import EngineFailed, EngineRuntime, RequestHandle
+from coordinator.schemas import ChatRequest, CompletionRequest, decode_chat, decode_completion, gen_params
+from swarm.chat import render_chat
+from swarm.errors import RequestError, SwarmError
+
+__all__ = ["build_app", "error_response"]
+
+
+def error_response(exc: SwarmError | RequestError, status: int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    st = status if status is not None else getattr(exc, "status", 400)
+    body = {
+        "error": {
+            "message": exc.message,
+            "type": "invalid_request_error" if st < 500 else "server_error",
+            "param": getattr(exc, "param", None),
+            "code": exc.code,
+        }
+    }
+    return JSONResponse(body, status_code=st, headers=headers)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, rt: EngineRuntime, model_id: str) -> None:
+        self.rt = rt
+        self.model_id = model_id
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.rt.stats
+        lbl = ["model"]
+        v = [self.model_id]
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(name, doc, labels=lbl)
+            c.add_metric(v, value)
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(name, doc, labels=lbl)
+            g.add_metric(v, value)
+            return g
+
+        yield counter("moe_swarm_requests", "Requests accepted", s.requests_total)
+        yield counter("moe_swarm_requests_rejected", "Requests rejected (queue full, bad prompt)", s.rejected_total)
+        yield counter("moe_swarm_prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total)
+        yield counter("moe_swarm_generated_tokens", "Tokens generated", s.generated_tokens_total)
+        yield counter("moe_swarm_engine_steps", "Engine steps run", s.steps_total)
+        yield gauge("moe_swarm_decode_tokens_per_second", "Aggregate decode tokens/s (EWMA)", s.decode_tps_ewma)
+        yield gauge("moe_swarm_prompt_tokens_per_second", "Aggregate prompt tokens/s (EWMA)", s.prompt_tps_ewma)
+        yield gauge("moe_swarm_queue_depth", "Requests waiting for a slot", self.rt.queue_depth())
+        yield gauge("moe_swarm_busy_slots", "Slots processing a request", self.rt.busy())
+        yield gauge("moe_swarm_slots", "Slots", self.rt.n_slots)
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def build_app(
+    rt: EngineRuntime,
+    *,
+    model_id: str,
+    aliases: Iterable[str] = (),
+    extra_routes: Iterable[BaseRoute] = (),
+    extra_collectors: Iterable[Collector] = (),
+    extra_health: Callable[[], dict[str, Any]] | None = None,
+) -> Starlette:
+    names = {model_id, *aliases}
+    created = int(time.time())
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(rt, model_id))
+    for c in extra_collectors:
+        registry.register(c)
+    tok = rt.tokenizer
+    template = rt.model.fields.get("tokenizer.chat_template")
+
+    def check_model(name: str) -> None:
+        if name not in names:
+            raise RequestError(f"model {name!r} does not exist; this server hosts {model_id!r}", code="model_not_found", status=404, param="model")
+
+    async def models(_: Request) -> Response:
+        return JSONResponse(
+            {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "moe-swarm"}]}
+        )
+
+    async def health(_: Request) -> Response:
+        busy = rt.busy()
+        body: dict[str, Any] = {"status": "ok", "model": model_id, "slots_idle": rt.n_slots - busy, "slots_processing": busy}
+        if extra_health is not None:
+            body.update(extra_health())
+        return JSONResponse(body)
+
+    async def slots(_: Request) -> Response:
+        return JSONResponse(
+            [
+                {
+                    "id": s.id,
+                    "is_processing": s.is_processing,
+                    "n_ctx": s.n_ctx,
+                    "n_prompt": s.n_prompt,
+                    "n_decoded": s.n_decoded,
+                    "tps_ewma": round(s.tps_ewma, 3),
+                }
+                for s in rt.slots()
+            ]
+        )
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def chat(request: Request) -> Response:
+        try:
+            req = decode_chat(await request.body())
+            check_model(req.model)
+            params = gen_params(req, default_max_tokens=rt.n_ctx, max_tokens_override=req.max_completion_tokens)
+            msgs = [msgspec_to_dict(m) for m in req.messages]
+            text = render_chat(
+                template if isinstance(template, str) else None,
+                msgs,
+                add_generation_prompt=True,
+                bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+            )
+            ids = tok.encode(text, parse_special=True)
+            handle = rt.submit(ids, params)
+        except SwarmError as exc:
+            return _err(exc)
+        return await _respond(request, req, handle, chat=True)
+
+    async def completions(request: Request) -> Response:
+        try:
+            req = decode_completion(await request.body())
+            check_model(req.model)
+            params = gen_params(req, default_max_tokens=16)
+            p = req.prompt
+            if isinstance(p, str):
+                ids = tok.encode(p, parse_special=True)
+            elif p and isinstance(p[0], str):
+                ids = tok.encode(str(p[0]), parse_special=True)
+            else:
+                ids = [int(x) for x in p]
+            handle = rt.submit(ids, params)
+        except SwarmError as exc:
+            return _err(exc)
+        return await _respond(request, req, handle, chat=False)
+
+    def _err(exc: SwarmError) -> JSONResponse:
+        if isinstance(exc, RequestError) and exc.status == 503:
+            return error_response(exc, headers={"Retry-After": "1"})
+        return error_response(exc)
+
+    async def _respond(request: Request, req: ChatRequest | CompletionRequest, handle: RequestHandle, *, chat: bool) -> Response:
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        t0 = time.time()
+        if req.stream:
+            return StreamingResponse(
+                _stream(req, handle, rid, int(t0), chat=chat),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        text: list[str] = []
+        ids: list[int] = []
+        finish: Finish | None = None
+        failed: EngineFailed | None = None
+        disconnected = False
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal disconnected
+                while True:
+                    msg = await request.receive()
+                    if msg["type"] == "http.disconnect":
+                        disconnected = True
+                        rt.cancel(handle.req_id)
+                        return
+
+            nursery.start_soon(watch)
+            try:
+                async for ev in handle.events:
+                    if isinstance(ev, Emit):
+                        text.append(ev.text)
+                        ids.extend(ev.token_ids)
+                    elif isinstance(ev, Finish):
+                        finish = ev
+                    else:
+                        failed = ev
+            finally:
+                if finish is None and failed is None:
+                    rt.cancel(handle.req_id)
+                nursery.cancel_scope.cancel()
+        if failed is not None or finish is None:
+            msg = failed.message if failed is not None else "request was cancelled"
+            return error_response(SwarmError(msg, code="engine_error" if failed else "cancelled"), status=500)
+        if disconnected:
+            return Response(status_code=499)
+        content = "".join(text)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(finish.reason)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+            choice["logprobs"] = None
+        else:
+            choice["text"] = content
+            choice["logprobs"] = None
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+        body = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(t0),
+            "model": model_id,
+            "choices": [choice],
+            "usage": _usage(finish),
+        }
+        return JSONResponse(body)
+
+    async def _stream(req: ChatRequest | CompletionRequest, handle: RequestHandle, rid: str, created: int, *, chat: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text: str | None, ids: tuple[int, ...] | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                choice["delta"] = delta
+                choice["logprobs"] = None
+            else:
+                choice["text"] = delta_text or ""
+                choice["logprobs"] = None
+            if ids is not None and req.return_token_ids:
+                choice["token_ids"] = list(ids)
+            return {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
+
+        done = False
+        try:
+            if chat:
+                yield _sse(chunk("", (), None, first=True))
+            async for ev in handle.events:
+                if isinstance(ev, Emit):
+                    if ev.text or (req.return_token_ids and ev.token_ids):
+                        yield _sse(chunk(ev.text, ev.token_ids, None))
+                elif isinstance(ev, Finish):
+                    done = True
+                    if ev.reason is FinishReason.CANCELLED:
+                        return
+                    yield _sse(chunk(None if chat else "", None, _reason(ev.reason)))
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_id, "choices": [], "usage": _usage(ev)})
+                    yield b"data: [DONE]\n\n"
+                else:
+                    done = True
+                    yield _sse({"error": {"message": ev.message, "type": "server_error", "param": None, "code": "engine_error"}})
+                    return
+        finally:
+            if not done:
+                rt.cancel(handle.req_id)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        return error_response(RequestError(f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'not found')}", code=code, status=status))
+
+    routes: list[BaseRoute] = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/slots", slots, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *extra_routes,
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+def _reason(r: FinishReason) -> str:
+    return "length" if r is FinishReason.LENGTH else "stop"
+
+
+def _usage(f: Finish) -> dict[str, int]:
+    return {"prompt_tokens": f.n_prompt, "completion_tokens": f.n_decoded, "total_tokens": f.n_prompt + f.n_decoded}
+
+
+def msgspec_to_dict(m: Any) -> dict[str, Any]:
+    import msgspec
+
+    d: dict[str, Any] = msgspec.to_builtins(m)
+    if d.get("content") is None:
+        d["content"] = ""
+    return d

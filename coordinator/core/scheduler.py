@@ -1,0 +1,304 @@
+"""Slots, admission and continuous batching (pure core: no I/O, no clock, no torch).
+
+Rules:
+- Requests wait in a bounded FIFO queue; past ``max_queue`` a submission is rejected (the shell
+  answers 503 + Retry-After). A free slot takes the oldest waiting request.
+- Every step batches all active slots: each decoding slot feeds exactly one token; prefilling
+  slots share the remaining token budget (``n_batch``) as prompt chunks, oldest first.
+- A slot samples only when its pending tokens are all fed; the shell reports the sampled token
+  (with its decoded text piece) and the core decides what to emit and when to finish.
+- Stop strings: emitted text never contains a stop string, and text that could still become one
+  is held back until it cannot. EOS ends a request unless ``ignore_eos``.
+- A cancelled request frees its slot at once (before the next step is planned).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = [
+    "Admitted",
+    "Emit",
+    "Finish",
+    "FinishReason",
+    "GenParams",
+    "GenRequest",
+    "Rejected",
+    "Scheduler",
+    "SlotView",
+    "StepEntry",
+]
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context is full
+    CANCELLED = "cancelled"  # client went away
+
+
+@dataclass(frozen=True)
+class GenParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    id: int
+    prompt: tuple[int, ...]
+    params: GenParams
+
+
+# -- effects -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    req_id: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    req_id: int
+    reason: str  # "queue_full" | "prompt_too_long" | "empty_prompt"
+
+
+@dataclass(frozen=True)
+class Emit:
+    req_id: int
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finish:
+    req_id: int
+    reason: FinishReason
+    n_prompt: int
+    n_decoded: int
+
+
+Effect = Admitted | Rejected | Emit | Finish
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    slot: int
+    req_id: int
+    tokens: tuple[int, ...]
+    pos: int
+    sample: bool  # the last token of this chunk produces a token to sample
+    prefill: bool = False  # prompt tokens (not a decode token)
+
+
+@dataclass
+class _Slot:
+    id: int
+    req: GenRequest | None = None
+    pending: list[int] = field(default_factory=list)  # tokens not yet fed
+    n_past: int = 0  # tokens in the KV cache
+    n_decoded: int = 0
+    text: str = ""  # generated text not yet emitted (held back for stop strings)
+    held_ids: list[int] = field(default_factory=list)
+    t_start: float = 0.0
+    t_prompt_done: float | None = None
+    tps_ewma: float = 0.0
+    last_token_at: float | None = None
+
+
+@dataclass(frozen=True)
+class SlotView:
+    id: int
+    is_processing: bool
+    n_ctx: int
+    n_prompt: int
+    n_decoded: int
+    tps_ewma: float
+    req_id: int | None
+
+
+class Scheduler:
+    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int = 512, max_queue: int = 64, eot_ids: frozenset[int]) -> None:
+        if n_slots < 1 or n_batch < 1 or max_queue < 0:
+            raise ValueError("n_slots and n_batch must be >= 1, max_queue >= 0")
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.max_queue = max_queue
+        self.eot_ids = eot_ids
+        self.slots = [_Slot(i) for i in range(n_slots)]
+        self.queue: deque[GenRequest] = deque()
+        self.ewma_alpha = 0.2
+        self.total_decoded = 0
+
+    # -- admission ------------------------------------------------------------------------------
+    def submit(self, req: GenRequest, now: float) -> list[Effect]:
+        if not req.prompt:
+            return [Rejected(req.id, "empty_prompt")]
+        if len(req.prompt) >= self.n_ctx:
+            return [Rejected(req.id, "prompt_too_long")]
+        if len(self.queue) >= self.max_queue and self._free_slot() is None:
+            return [Rejected(req.id, "queue_full")]
+        self.queue.append(req)
+        return self._admit(now)
+
+    def _free_slot(self) -> _Slot | None:
+        return next((s for s in self.slots if s.req is None), None)
+
+    def _admit(self, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        while self.queue and (slot := self._free_slot()) is not None:
+            req = self.queue.popleft()
+            slot.req = req
+            slot.pending = list(req.prompt)
+            slot.n_past = 0
+            slot.n_decoded = 0
+            slot.text = ""
+            slot.held_ids = []
+            slot.t_start = now
+            slot.t_prompt_done = None
+            slot.tps_ewma = 0.0
+            slot.last_token_at = None
+            out.append(Admitted(req.id, slot.id))
+        return out
+
+    def cancel(self, req_id: int, now: float) -> list[Effect]:
+        for i, r in enumerate(self.queue):
+            if r.id == req_id:
+                del self.queue[i]
+                return [Finish(req_id, FinishReason.CANCELLED, len(r.prompt), 0)]
+        for s in self.slots:
+            if s.req is not None and s.req.id == req_id:
+                return self._finish(s, FinishReason.CANCELLED, now, flush=False)
+        return []
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self) -> list[StepEntry]:
+        entries: list[StepEntry] = []
+        budget = self.n_batch
+        active = [s for s in self.slots if s.req is not None and s.pending]
+        decoding = [s for s in active if s.t_prompt_done is not None]
+        prefilling = sorted((s for s in active if s.t_prompt_done is None), key=lambda s: s.t_start)
+        for s in decoding:
+            assert s.req is not None
+            entries.append(StepEntry(s.id, s.req.id, tuple(s.pending), s.n_past, True, False))
+            budget -= len(s.pending)
+        for s in prefilling:
+            assert s.req is not None
+            if budget <= 0 and entries:
+                break
+            take = max(1, min(budget, len(s.pending)))
+            entries.append(StepEntry(s.id, s.req.id, tuple(s.pending[:take]), s.n_past, take == len(s.pending), True))
+            budget -= take
+        return sorted(entries, key=lambda e: e.slot)
+
+    def fed(self, entry: StepEntry, now: float) -> None:
+        """The shell ran ``entry`` through the model: its tokens are now in the KV cache."""
+        s = self.slots[entry.slot]
+        if s.req is None or s.req.id != entry.req_id:
+            return  # cancelled while the step ran
+        n = len(entry.tokens)
+        del s.pending[:n]
+        s.n_past += n
+        if not s.pending and s.t_prompt_done is None:
+            s.t_prompt_done = now
+
+    # -- tokens ------------------------------------------------------------------------------------
+    def token(self, slot_id: int, req_id: int, token: int, piece: str, now: float) -> list[Effect]:
+        """A token was sampled for ``slot_id``; ``piece`` is its newly complete decoded text."""
+        s = self.slots[slot_id]
+        if s.req is None or s.req.id != req_id:
+            return []
+        p = s.req.params
+        if s.last_token_at is not None and now > s.last_token_at:
+            inst = 1.0 / (now - s.last_token_at)
+            s.tps_ewma = inst if s.tps_ewma == 0.0 else (1 - self.ewma_alpha) * s.tps_ewma + self.ewma_alpha * inst
+        s.last_token_at = now
+        if token in self.eot_ids and not p.ignore_eos:
+            return self._finish(s, FinishReason.STOP, now, flush=True)
+        s.n_decoded += 1
+        self.total_decoded += 1
+        s.text += piece
+        s.held_ids.append(token)
+        out: list[Effect] = []
+        if p.stop:
+            hit = min((i for i in (s.text.find(x) for x in p.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                s.text = s.text[:hit]
+                return self._finish(s, FinishReason.STOP, now, flush=True)
+            keep = _stop_prefix_len(s.text, p.stop)
+        else:
+            keep = 0
+        emit_upto = len(s.text) - keep
+        if emit_upto > 0 or (s.held_ids and keep == 0):
+            out.append(Emit(s.req.id, s.text[:emit_upto], tuple(s.held_ids)))
+            s.text = s.text[emit_upto:]
+            s.held_ids = []
+        if s.n_decoded >= p.max_tokens or s.n_past + 1 >= self.n_ctx:
+            return out + self._finish(s, FinishReason.LENGTH, now, flush=True)
+        s.pending = [token]
+        return out
+
+    def flush_text(self, slot_id: int, req_id: int, tail: str) -> None:
+        """Text completed only at the end (an incomplete UTF-8 tail flushed by the detokeniser)."""
+        s = self.slots[slot_id]
+        if s.req is not None and s.req.id == req_id:
+            s.text += tail
+
+    def _finish(self, s: _Slot, reason: FinishReason, now: float, *, flush: bool) -> list[Effect]:
+        assert s.req is not None
+        out: list[Effect] = []
+        if flush and (s.text or s.held_ids):
+            out.append(Emit(s.req.id, s.text, tuple(s.held_ids)))
+        out.append(Finish(s.req.id, reason, len(s.req.prompt), s.n_decoded))
+        s.req = None
+        s.pending = []
+        s.text = ""
+        s.held_ids = []
+        return out + self._admit(now)
+
+    # -- views ---------------------------------------------------------------------------------------
+    def busy(self) -> int:
+        return sum(1 for s in self.slots if s.req is not None)
+
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    def has_work(self) -> bool:
+        return any(s.req is not None and s.pending for s in self.slots)
+
+    def views(self) -> list[SlotView]:
+        return [
+            SlotView(
+                id=s.id,
+                is_processing=s.req is not None,
+                n_ctx=self.n_ctx,
+                n_prompt=len(s.req.prompt) if s.req is not None else 0,
+                n_decoded=s.n_decoded if s.req is not None else 0,
+                tps_ewma=s.tps_ewma,
+                req_id=s.req.id if s.req is not None else None,
+            )
+            for s in self.slots
+        ]
+
+    def slot_of(self, req_id: int) -> int | None:
+        return next((s.id for s in self.slots if s.req is not None and s.req.id == req_id), None)
+
+    def params_of(self, slot_id: int) -> GenParams | None:
+        r = self.slots[slot_id].req
+        return r.params if r is not None else None
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                best = max(best, n)
+                break
+    return best

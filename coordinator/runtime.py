@@ -1,0 +1,274 @@
+"""The engine runtime (shell): one engine thread owns the model, KV caches and slots.
+
+Rules:
+- Exactly one thread (``engine``) runs forward passes and sampling; the trio loop submits and
+  cancels requests and receives per-request events over trio memory channels.
+- The scheduling decisions are the pure ``coordinator.core.scheduler.Scheduler``; this shell only
+  moves tokens between it, the model and the channels. A lock guards the scheduler because both
+  threads touch it; it is never held during a forward pass.
+- Events reach trio through ``TrioToken.run_sync_soon`` (never blocks the engine thread).
+- A cancelled request frees its slot before the next step is planned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from coordinator.core.scheduler import (
+    Admitted,
+    Emit,
+    Finish,
+    FinishReason,
+    GenParams,
+    GenRequest,
+    Rejected,
+    Scheduler,
+    SlotView,
+)
+from coordinator.model import ExpertBackend, KVCache, SeqChunk, Transformer
+from coordinator.sampling import make_generator, sample
+from swarm.errors import RequestError
+from swarm.gguf_model import GGUFModel
+from swarm.tokenizer import StreamDecoder, Tokenizer
+
+__all__ = ["EngineFailed", "EngineRuntime", "EngineStats", "RequestHandle"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The forward pass raised: the request ends with this error."""
+
+    req_id: int
+    message: str
+
+
+Event = Emit | Finish | EngineFailed
+
+
+@dataclass
+class RequestHandle:
+    req_id: int
+    n_prompt: int
+    events: trio.MemoryReceiveChannel[Event]
+
+
+@dataclass
+class EngineStats:
+    requests_total: int = 0
+    rejected_total: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    steps_total: int = 0
+    decode_tps_ewma: float = 0.0  # aggregate generated tokens/s over recent steps
+    prompt_tps_ewma: float = 0.0
+    last_step_ms: float = 0.0
+
+
+@dataclass
+class _ReqState:
+    send: trio.MemorySendChannel[Event]
+    generator: torch.Generator
+    decoder: StreamDecoder
+    params: GenParams
+    t_submit: float
+    t_first: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class EngineRuntime:
+    def __init__(
+        self,
+        model: GGUFModel,
+        tokenizer: Tokenizer,
+        *,
+        n_slots: int = 4,
+        n_ctx: int | None = None,
+        n_batch: int = 512,
+        max_queue: int = 64,
+        experts: ExpertBackend | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_ctx = min(n_ctx or model.config.n_ctx_train, model.config.n_ctx_train) if n_ctx else model.config.n_ctx_train
+        self.transformer = Transformer(model, experts)
+        self.sched = Scheduler(
+            n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids)
+        )
+        self.caches = [KVCache(model.config, self.n_ctx) for _ in range(n_slots)]
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._ids = itertools.count(1)
+        self._reqs: dict[int, _ReqState] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.caches)
+
+    def set_experts(self, experts: ExpertBackend) -> None:
+        self.transformer.experts = experts
+
+    # -- service ---------------------------------------------------------------------------------
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        thread.start()
+        try:
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            self._stop = True
+            self._wake.set()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join)
+
+    # -- trio side ---------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: GenParams) -> RequestHandle:
+        """Queue a request; raises ``RequestError`` (status 503 when the queue is full)."""
+        if self._token is None:
+            raise RuntimeError("engine is not running")
+        for t in prompt:
+            if not 0 <= t < self.model.config.n_vocab:
+                raise RequestError(f"token id {t} is out of range [0, {self.model.config.n_vocab})", code="invalid_token")
+        req_id = next(self._ids)
+        send, recv = trio.open_memory_channel[Event](math.inf)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer), params, time.monotonic())
+        now = time.monotonic()
+        with self._lock:
+            self._reqs[req_id] = state
+            effects = self.sched.submit(GenRequest(req_id, tuple(prompt), params), now)
+        for eff in effects:
+            if isinstance(eff, Rejected) and eff.req_id == req_id:
+                with self._lock:
+                    self._reqs.pop(req_id, None)
+                self.stats.rejected_total += 1
+                if eff.reason == "queue_full":
+                    raise RequestError("all slots are busy and the queue is full; retry later", code="server_busy", status=503)
+                if eff.reason == "prompt_too_long":
+                    raise RequestError(
+                        f"prompt has {len(prompt)} tokens; the context is {self.n_ctx} tokens",
+                        code="context_length_exceeded",
+                        param="messages",
+                    )
+                raise RequestError("the prompt is empty", code="empty_prompt", param="prompt")
+        self.stats.requests_total += 1
+        self._wake.set()
+        return RequestHandle(req_id, len(prompt), recv)
+
+    def cancel(self, req_id: int) -> None:
+        with self._lock:
+            effects = self.sched.cancel(req_id, time.monotonic())
+        self._deliver(effects)
+
+    def slots(self) -> list[SlotView]:
+        with self._lock:
+            return self.sched.views()
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return self.sched.queue_depth()
+
+    def busy(self) -> int:
+        with self._lock:
+            return self.sched.busy()
+
+    def _deliver(self, effects: list[Admitted | Rejected | Emit | Finish] | list[Event]) -> None:
+        """Runs in the trio thread: route events to request channels."""
+        for eff in effects:
+            if isinstance(eff, Admitted | Rejected):
+                continue
+            st = self._reqs.get(eff.req_id)
+            if st is None:
+                continue
+            if isinstance(eff, Emit) and eff.token_ids and st.t_first is None:
+                st.t_first = time.monotonic()
+            try:
+                st.send.send_nowait(eff)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
+            if isinstance(eff, Finish | EngineFailed):
+                self._reqs.pop(eff.req_id, None)
+                st.send.close()
+
+    def _post(self, effects: list[Event]) -> None:
+        if effects and self._token is not None:
+            try:
+                self._token.run_sync_soon(self._deliver, effects)
+            except trio.RunFinishedError:
+                pass
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            with self._lock:
+                plan = self.sched.plan()
+            if not plan:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            chunks = [SeqChunk(self.caches[e.slot], list(e.tokens), e.pos) for e in plan]
+            t0 = time.monotonic()
+            try:
+                logits = self.transformer.forward(chunks)
+            except Exception as exc:  # noqa: BLE001 - every request in the step gets the error
+                log.exception("forward pass failed")
+                failed: list[Event] = []
+                with self._lock:
+                    for e in plan:
+                        self.sched.cancel(e.req_id, time.monotonic())
+                        failed.append(EngineFailed(e.req_id, f"engine error: {exc}"))
+                self._post(failed)
+                continue
+            now = time.monotonic()
+            dt = max(now - t0, 1e-9)
+            out: list[Event] = []
+            n_gen = 0
+            n_prompt = 0
+            with self._lock:
+                for e, lg in zip(plan, logits, strict=True):
+                    self.sched.fed(e, now)
+                    st = self._reqs.get(e.req_id)
+                    if st is None or self.sched.slot_of(e.req_id) != e.slot:
+                        continue
+                    if e.prefill:
+                        n_prompt += len(e.tokens)
+                    if not e.sample:
+                        continue
+                    tok = sample(lg[-1], temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
+                    piece = "" if tok in self.tokenizer.eot_ids and not st.params.ignore_eos else st.decoder.push(tok)
+                    effs = self.sched.token(e.slot, e.req_id, tok, piece, now)
+                    n_gen += 1
+                    out.extend(x for x in effs if isinstance(x, Emit | Finish))
+                self.stats.steps_total += 1
+                self.stats.generated_tokens_total += n_gen
+                self.stats.prompt_tokens_total += n_prompt
+                self.stats.last_step_ms = dt * 1000
+                a = 0.2
+                if n_gen:
+                    inst = n_gen / dt
+                    s = self.stats
+                    s.decode_tps_ewma = inst if s.decode_tps_ewma == 0 else (1 - a) * s.decode_tps_ewma + a * inst
+                if n_prompt > 1:
+                    inst = n_prompt / dt
+                    s = self.stats
+                    s.prompt_tps_ewma = inst if s.prompt_tps_ewma == 0 else (1 - a) * s.prompt_tps_ewma + a * inst
+            self._post(out)
+
+
+def finish_reason_text(reason: FinishReason) -> str:
+    return "length" if reason is FinishReason.LENGTH else "stop"

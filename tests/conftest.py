@@ -1,0 +1,45 @@
+"""Shared fixtures: the golden model, a seeded RNG that prints its seed, a live coordinator."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GOLDEN_GGUF = FIXTURES / "golden" / "qwen3moe-tiny-f32.gguf"
+GOLDEN_JSON = FIXTURES / "golden" / "qwen3moe-tiny-f32.llamacpp.json"
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(GOLDEN_JSON.read_text())
+    return data
+
+
+@pytest.fixture(scope="session")
+def golden_model() -> Any:
+    from swarm.gguf_model import GGUFModel
+
+    return GGUFModel(GOLDEN_GGUF)
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> random.Random:
+    seed = int(os.environ.get("MOE_SWARM_TEST_SEED", random.randrange(2**32)))
+    print(f"[rng seed for {request.node.name}: {seed}]")
+    return random.Random(seed)
+
+
+@pytest.fixture
+async def coordinator_url(nursery: trio.Nursery) -> AsyncIterator[str]:
+    from coordinator.server import CoordinatorConfig, serve_coordinator
+
+    url = await nursery.start(serve_coordinator, CoordinatorConfig(model=str(GOLDEN_GGUF), port=0, slots=4, max_queue=2))
+    yield url
