@@ -1,0 +1,451 @@
+"""Expert slices: cut, cache, load and describe (shell: reads the model map, writes cache files).
+
+A slice is ``(model_id, layer, lo, hi)``: experts ``lo .. hi-1`` of one MoE layer (DESIGN §3, §11).
+Its file is safetensors holding the raw GGUF bytes of ``blk.{layer}.ffn_{gate,up,down}_exps.weight``
+rows ``lo:hi`` as uint8 tensors named ``gate``, ``up``, ``down``.
+
+Rules:
+- Byte-deterministic: the same slice of the same GGUF gives the same bytes on every machine, process
+  and run. The safetensors header is written here, canonically: compact JSON with sorted keys, padded
+  with spaces to a multiple of 8 bytes, data in the order gate, up, down. All slice metadata lives in
+  ONE ``__metadata__`` key (``METADATA_KEY``) whose value is canonical JSON (sorted keys, no spaces)
+  of ``SliceMeta``. The slice id is the sha256 hex of the file.
+- Quantised blocks stay quantised: each tensor is ``uint8[hi-lo, rows, bytes_per_row]`` and the
+  metadata carries its ggml type name and logical shape, so a loaded slice dequantises per use with
+  the very code the coordinator uses (``swarm.gguf_model.ExpertStack``): results are bit-identical.
+- A slice file comes from a peer: everything in it is validated and every defect is a
+  ``SliceError`` naming what is wrong, never an assert.
+- Cache files are written to a temp file in the same directory, fsynced and renamed over the target,
+  so a reader never sees a partial file and two concurrent writers cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import struct
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final
+
+import gguf
+import msgspec
+import numpy as np
+import safetensors
+import safetensors.torch
+
+from swarm.errors import ConfigError, SliceError
+from swarm.gguf_model import SUPPORTED_TYPES, ExpertStack, GGUFModel, ModelConfig, QTensor, file_sha256
+
+__all__ = [
+    "EXPERT_KINDS",
+    "METADATA_KEY",
+    "SLICE_FORMAT",
+    "LoadedSlice",
+    "Manifest",
+    "SliceCache",
+    "SliceFile",
+    "SliceKey",
+    "SliceMeta",
+    "TensorInfo",
+    "build_manifest",
+    "check_slice_range",
+    "cut_slice",
+    "load_slice",
+    "parse_slice_arg",
+]
+
+log = logging.getLogger(__name__)
+
+SLICE_FORMAT: Final = 1
+METADATA_KEY: Final = "moe_swarm_slice"
+EXPERT_KINDS: Final = ("gate", "up", "down")
+_MAX_HEADER: Final = 1 << 20  # three tensors and a small metadata blob: anything larger is hostile
+_SLICE_ARG = re.compile(r"([0-9]+):([0-9]+)-([0-9]+)")
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+
+
+# -- identity ---------------------------------------------------------------------------------
+
+
+class SliceKey(msgspec.Struct, frozen=True):
+    """A slice: experts ``lo .. hi-1`` (half-open) of ``layer`` of ``model_id``."""
+
+    model_id: str
+    layer: NonNeg
+    lo: NonNeg
+    hi: Positive
+
+    def __str__(self) -> str:
+        return f"{self.layer}:{self.lo}-{self.hi}"
+
+    @property
+    def n_expert(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def http_path(self) -> str:
+        """The download path on a coordinator (DESIGN §11)."""
+        return f"/v1/slices/{self.model_id}/{self.layer}/{self.lo}-{self.hi}"
+
+    @classmethod
+    def parse(cls, model_id: str, arg: str) -> SliceKey:
+        layer, lo, hi = parse_slice_arg(arg)
+        return cls(model_id, layer, lo, hi)
+
+
+def parse_slice_arg(arg: str) -> tuple[int, int, int]:
+    """``"LAYER:LO-HI"`` (e.g. ``"0:0-4"``) -> ``(layer, lo, hi)``; ``ConfigError`` on bad syntax."""
+    m = _SLICE_ARG.fullmatch(arg.strip())
+    if m is None:
+        raise ConfigError(f"bad slice {arg!r}: expected LAYER:LO-HI, e.g. 0:0-4 (experts 0..3 of layer 0)")
+    layer, lo, hi = (int(g) for g in m.groups())
+    if lo >= hi:
+        raise ConfigError(f"bad slice {arg!r}: LO must be below HI (the range LO-HI is half-open)")
+    return layer, lo, hi
+
+
+def check_slice_range(config: ModelConfig, layer: int, lo: int, hi: int) -> None:
+    """``SliceError`` (code ``bad_slice_range``) unless the slice exists in a model of ``config``."""
+    if not 0 <= layer < config.n_layer:
+        raise SliceError(f"layer {layer} out of range: the model has layers 0..{config.n_layer - 1}",
+                         code="bad_slice_range")
+    if not 0 <= lo < hi <= config.n_expert:
+        raise SliceError(f"expert range {lo}-{hi} invalid: need 0 <= lo < hi <= {config.n_expert} (half-open)",
+                         code="bad_slice_range")
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+class TensorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: str  # ggml type name, e.g. "Q8_0"
+    shape: tuple[int, ...]  # logical shape (numpy order): (n_expert, rows, cols)
+
+
+class SliceMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """The one JSON object stored under ``__metadata__[METADATA_KEY]``."""
+
+    model_id: str
+    arch: str
+    layer: NonNeg
+    lo: NonNeg
+    hi: Positive
+    d_model: Positive
+    d_expert: Positive
+    tensors: dict[str, TensorInfo]
+    format: int = SLICE_FORMAT
+
+    @property
+    def key(self) -> SliceKey:
+        return SliceKey(self.model_id, self.layer, self.lo, self.hi)
+
+
+_meta_decoder = msgspec.json.Decoder(SliceMeta)
+
+
+def _canonical_json(obj: Any) -> bytes:
+    return msgspec.json.encode(obj, order="sorted")
+
+
+def _bytes_per_row(qtype: gguf.GGMLQuantizationType, cols: int) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if cols <= 0 or cols % block:
+        raise SliceError(f"a {qtype.name} row must be a positive multiple of {block} elements, got {cols}")
+    return cols // block * size
+
+
+# -- cutting ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A slice file as parts: the header bytes, then the raw arrays (zero-copy views of the model)."""
+
+    header: bytes
+    arrays: tuple[np.ndarray[Any, np.dtype[np.uint8]], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(int(a.nbytes) for a in self.arrays)
+
+    def chunks(self) -> Iterable[memoryview]:
+        yield memoryview(self.header)
+        for a in self.arrays:
+            yield np.ascontiguousarray(a).reshape(-1).data
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for c in self.chunks():
+            h.update(c)
+        return h.hexdigest()
+
+
+def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
+    cfg = model.config
+    check_slice_range(cfg, layer, lo, hi)
+    stack = model.expert_stack(layer, lo, hi)
+    tensors = {"gate": stack.gate_t, "up": stack.up_t, "down": stack.down_t}
+    meta = SliceMeta(
+        model_id=model.model_id,
+        arch=cfg.arch,
+        layer=layer,
+        lo=lo,
+        hi=hi,
+        d_model=stack.d_model,
+        d_expert=stack.d_expert,
+        tensors={k: TensorInfo(t.qtype.name, tuple(t.shape)) for k, t in tensors.items()},
+    )
+    header: dict[str, Any] = {"__metadata__": {METADATA_KEY: _canonical_json(meta).decode()}}
+    offset = 0
+    for kind in EXPERT_KINDS:
+        raw = tensors[kind].raw
+        header[kind] = {"dtype": "U8", "shape": list(raw.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+    text = _canonical_json(header)
+    text += b" " * (-(8 + len(text)) % 8)  # data starts 8-aligned, as safetensors writes it
+    return _Layout(struct.pack("<Q", len(text)) + text, tuple(tensors[k].raw for k in EXPERT_KINDS))
+
+
+def cut_slice(model: GGUFModel, layer: int, lo: int, hi: int) -> bytes:
+    """The slice file's bytes (byte-deterministic); ``SliceError`` for a slice the model lacks."""
+    return b"".join(_layout(model, layer, lo, hi).chunks())
+
+
+# -- cache ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SliceFile:
+    path: Path
+    sha256: str
+    size: int
+
+
+class SliceCache:
+    """Cuts slices of one model on demand and keeps them as files under ``cache_dir/<model_id>/``.
+
+    ``get`` blocks (it reads the model and writes files): call it from a worker thread. It is
+    thread-safe; concurrent calls for one slice cut it once. A file found on disk from an earlier
+    run is checked against the model once per process and rewritten when it differs.
+    """
+
+    def __init__(self, model: GGUFModel, cache_dir: str | Path) -> None:
+        self.model = model
+        self.dir = Path(cache_dir) / model.model_id
+        self._lock = threading.Lock()
+        self._key_locks: dict[tuple[int, int, int], threading.Lock] = {}
+        self._files: dict[tuple[int, int, int], SliceFile] = {}
+
+    def key(self, layer: int, lo: int, hi: int) -> SliceKey:
+        return SliceKey(self.model.model_id, layer, lo, hi)
+
+    def path_for(self, layer: int, lo: int, hi: int) -> Path:
+        return self.dir / f"{layer}-{lo}-{hi}.safetensors"
+
+    def get(self, layer: int, lo: int, hi: int) -> SliceFile:
+        check_slice_range(self.model.config, layer, lo, hi)
+        k = (layer, lo, hi)
+        with self._lock:
+            key_lock = self._key_locks.setdefault(k, threading.Lock())
+        with key_lock:
+            known = self._files.get(k)
+            if known is not None and _has_size(known.path, known.size):
+                return known
+            sf = self._materialise(layer, lo, hi)
+            self._files[k] = sf
+            return sf
+
+    def _materialise(self, layer: int, lo: int, hi: int) -> SliceFile:
+        layout = _layout(self.model, layer, lo, hi)
+        path = self.path_for(layer, lo, hi)
+        if _has_size(path, layout.size):
+            expected = layout.sha256()
+            if file_sha256(path) == expected:
+                return SliceFile(path, expected, layout.size)
+            log.warning("slice cache file %s does not match the model; rewriting it", path)
+        digest = _write_atomic(path, layout)
+        return SliceFile(path, digest, layout.size)
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except FileNotFoundError:
+        return False
+
+
+def _write_atomic(path: Path, layout: _Layout) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    h = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in layout.chunks():
+                h.update(c)
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return h.hexdigest()
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadedSlice:
+    """A validated slice file; ``experts`` satisfies ``swarm.experts.ExpertWeights``."""
+
+    key: SliceKey
+    meta: SliceMeta
+    experts: ExpertStack
+
+    @property
+    def nbytes(self) -> int:
+        return self.experts.nbytes
+
+
+def _parse_header(head: bytes, total: int) -> tuple[dict[str, Any], SliceMeta]:
+    """Validate a slice file's safetensors header (``head`` = its first bytes, ``total`` = file size)."""
+    if total < 8 or len(head) < 8:
+        raise SliceError(f"not a slice file: {total} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > _MAX_HEADER or 8 + n > total or 8 + n > len(head):
+        raise SliceError(f"not a slice file: safetensors header length {n} does not fit a {total}-byte file")
+    try:
+        header = json.loads(head[8 : 8 + n])
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SliceError(f"not a slice file: the safetensors header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise SliceError("not a slice file: the safetensors header is not a JSON object")
+    extra = header.get("__metadata__")
+    if not isinstance(extra, dict) or not isinstance(extra.get(METADATA_KEY), str):
+        raise SliceError(f"not a slice file: __metadata__[{METADATA_KEY!r}] is missing")
+    try:
+        meta = _meta_decoder.decode(extra[METADATA_KEY])
+    except msgspec.DecodeError as exc:
+        raise SliceError(f"bad slice metadata: {exc}") from exc
+    if meta.format != SLICE_FORMAT:
+        raise SliceError(f"slice format {meta.format} is not supported (this version reads {SLICE_FORMAT})")
+    if meta.lo >= meta.hi:
+        raise SliceError(f"bad slice metadata: empty expert range {meta.lo}-{meta.hi}")
+    if set(meta.tensors) != set(EXPERT_KINDS) or set(header) != {"__metadata__", *EXPERT_KINDS}:
+        raise SliceError(f"a slice holds exactly the tensors {', '.join(EXPERT_KINDS)}; "
+                         f"metadata lists {sorted(meta.tensors)}, the file {sorted(k for k in header if k[:2] != '__')}")
+    n_exp = meta.hi - meta.lo
+    want = {"gate": (n_exp, meta.d_expert, meta.d_model), "up": (n_exp, meta.d_expert, meta.d_model),
+            "down": (n_exp, meta.d_model, meta.d_expert)}
+    end = 0
+    for kind in EXPERT_KINDS:
+        info = meta.tensors[kind]
+        if info.type not in SUPPORTED_TYPES:
+            raise SliceError(f"tensor {kind}: type {info.type!r} is not supported ({', '.join(SUPPORTED_TYPES)})")
+        if info.shape != want[kind]:
+            raise SliceError(f"tensor {kind}: logical shape {list(info.shape)} in the metadata should be "
+                             f"{list(want[kind])} for experts {meta.lo}-{meta.hi}, d_model {meta.d_model}, "
+                             f"d_expert {meta.d_expert}")
+        qtype = gguf.GGMLQuantizationType[info.type]
+        byte_shape = [*info.shape[:-1], _bytes_per_row(qtype, info.shape[-1])]
+        entry = header[kind]
+        if not isinstance(entry, dict) or entry.get("dtype") != "U8" or entry.get("shape") != byte_shape:
+            got = (entry.get("dtype"), entry.get("shape")) if isinstance(entry, dict) else entry
+            raise SliceError(f"tensor {kind}: stored as {got}, but a {info.type} tensor of logical shape "
+                             f"{list(info.shape)} must be U8 {byte_shape}")
+        nbytes = math.prod(byte_shape)
+        if entry.get("data_offsets") != [end, end + nbytes]:
+            raise SliceError(f"tensor {kind}: data_offsets {entry.get('data_offsets')} should be "
+                             f"{[end, end + nbytes]}")
+        end += nbytes
+    if 8 + n + end != total:
+        raise SliceError(f"slice file is {total} bytes, its header describes {8 + n + end}: truncated or padded")
+    return header, meta
+
+
+def load_slice(source: str | Path | bytes | bytearray | memoryview) -> LoadedSlice:
+    """Validate and load a slice file (a path: memory-mapped, zero-copy) or its bytes."""
+    try:
+        if isinstance(source, bytes | bytearray | memoryview):
+            data = bytes(source)
+            _, meta = _parse_header(data, len(data))
+            tensors = safetensors.torch.load(data)
+        else:
+            path = Path(source)
+            try:
+                total = path.stat().st_size
+                with open(path, "rb") as f:
+                    head = f.read(8 + _MAX_HEADER)
+            except OSError as exc:
+                raise SliceError(f"cannot read slice file {path}: {exc}") from exc
+            _, meta = _parse_header(head, total)
+            # framework="pt" maps the file (copy-on-write) and hands out views of the map
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in EXPERT_KINDS}
+    except safetensors.SafetensorError as exc:
+        raise SliceError(f"not a valid safetensors file: {exc}") from exc
+    parts = []
+    for kind in EXPERT_KINDS:
+        info = meta.tensors[kind]
+        raw = tensors[kind].numpy()
+        name = f"blk.{meta.layer}.ffn_{kind}_exps.weight"
+        parts.append(QTensor(name, gguf.GGMLQuantizationType[info.type], tuple(info.shape), raw))
+    return LoadedSlice(meta.key, meta, ExpertStack(*parts))
+
+
+# -- manifest ---------------------------------------------------------------------------------
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """What a volunteer or the market needs to know about a hosted model's experts (DESIGN §11).
+
+    ``tensor_types[layer][kind]`` is the ggml type name of that layer's ``kind`` expert tensor
+    (types may differ between layers, as in llama.cpp's mixed quantisations); ``bytes_per_expert
+    [layer]`` is the raw gate + up + down bytes of one expert of that layer (a slice file of ``n``
+    experts is that times ``n`` plus a small header).
+    """
+
+    model_id: str
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    d_model: int
+    d_expert: int
+    tensor_types: list[dict[str, str]]
+    bytes_per_expert: list[int]
+    gguf_sha256: str
+    slice_format: int = SLICE_FORMAT
+
+
+def build_manifest(model: GGUFModel) -> Manifest:
+    cfg = model.config
+    types: list[dict[str, str]] = []
+    per_expert: list[int] = []
+    for layer in range(cfg.n_layer):
+        stack = model.expert_stack(layer)
+        types.append({"gate": stack.gate_t.qtype.name, "up": stack.up_t.qtype.name, "down": stack.down_t.qtype.name})
+        per_expert.append(stack.nbytes // stack.n_expert)
+    return Manifest(
+        model_id=model.model_id,
+        arch=cfg.arch,
+        n_layer=cfg.n_layer,
+        n_expert=cfg.n_expert,
+        n_expert_used=cfg.n_expert_used,
+        d_model=cfg.d_model,
+        d_expert=cfg.d_expert,
+        tensor_types=types,
+        bytes_per_expert=per_expert,
+        gguf_sha256=model.sha256,
+    )
