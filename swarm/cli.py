@@ -92,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        ns.func(ns)
+        rc = ns.func(ns)
     except SwarmError as exc:
         print(f"moe-swarm: error: {exc} [{exc.code}]", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

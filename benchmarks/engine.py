@@ -1,0 +1,128 @@
+"""Engine throughput on the ``bench`` model: prefill and decode tokens/s at 1 and 4 concurrent
+requests, plus resident memory (DESIGN §11 benchmark format).
+
+    python benchmarks/engine.py [--quick] [--json OUT] [--model PATH]
+
+The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
+Requests go through the real engine runtime (engine thread + scheduler), in process, with
+``ignore_eos`` so every request decodes exactly ``--decode`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
+from coordinator.runtime import EngineRuntime  # noqa: E402
+from swarm.gguf_model import GGUFModel  # noqa: E402
+from swarm.makemodel import make_model  # noqa: E402
+from swarm.tokenizer import Tokenizer  # noqa: E402
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tuple[float, float]:
+    """Returns (prefill seconds = time to first token, decode seconds for the remaining tokens)."""
+    t0 = time.perf_counter()
+    h = rt.submit(prompt, GenParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True))
+    t_first: float | None = None
+    async for ev in h.events:
+        if isinstance(ev, Emit) and ev.token_ids and t_first is None:
+            t_first = time.perf_counter()
+        if isinstance(ev, Finish):
+            break
+    t_end = time.perf_counter()
+    assert t_first is not None
+    return t_first - t0, t_end - t_first
+
+
+async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int) -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+    vocab = rt.model.config.n_vocab
+    for conc in (1, 4):
+        prefill_tps: list[float] = []
+        decode_tps: list[float] = []
+        for rep in range(reps):
+            prompts = [[(7 * i + 13 * j + rep) % (vocab - 3) for j in range(prompt_len)] for i in range(conc)]
+            results: list[tuple[float, float]] = [(0.0, 0.0)] * conc
+            t0 = time.perf_counter()
+
+            async def go(i: int, prompts: list[list[int]] = prompts, results: list[tuple[float, float]] = results) -> None:
+                results[i] = await one_request(rt, prompts[i], n_decode)
+
+            async with trio.open_nursery() as n:
+                for i in range(conc):
+                    n.start_soon(go, i)
+            wall = time.perf_counter() - t0
+            prefill_wall = max(r[0] for r in results)
+            prefill_tps.append(conc * prompt_len / prefill_wall)
+            decode_tps.append(conc * (n_decode - 1) / (wall - prefill_wall))
+        cases.append({"case": f"prefill_c{conc}", "concurrency": conc, "prompt_tokens": prompt_len,
+                      "tokens_per_s": round(statistics.median(prefill_tps), 2)})
+        cases.append({"case": f"decode_c{conc}", "concurrency": conc, "decode_tokens": n_decode,
+                      "tokens_per_s": round(statistics.median(decode_tps), 2)})
+    return cases
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    path = Path(args.model) if args.model else ROOT / "benchmarks" / ".cache" / "bench-qwen3moe.gguf"
+    if not path.exists():
+        print(f"generating the bench model -> {path} (once)", flush=True)
+        make_model(arch="qwen3moe", size="bench", seed=0, out=path)
+    rss0 = rss_mb()
+    model = GGUFModel(path)
+    rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=4, n_ctx=1024)
+    file_mb = path.stat().st_size / 2**20
+    async with trio.open_nursery() as n:
+        await n.start(rt.serve)
+        await one_request(rt, [1, 2, 3, 4], 3)  # warm-up
+        prompt_len, n_decode, reps = (32, 8, 1) if args.quick else (128, 32, 3)
+        cases = await run_cases(rt, prompt_len, n_decode, reps)
+        n.cancel_scope.cancel()
+    cases.append({"case": "memory", "rss_mb": round(rss_mb(), 1), "rss_before_load_mb": round(rss0, 1),
+                  "model_file_mb": round(file_mb, 1)})
+    cfg = model.config
+    return {"benchmark": "engine", "model": model.model_id,
+            "model_shape": f"{cfg.n_layer}L d{cfg.d_model} {cfg.n_expert}e top{cfg.n_expert_used} w{cfg.d_expert}",
+            "cases": cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
+    args = ap.parse_args()
+    result = trio.run(main_async, args)
+    print(f"\nengine benchmark: {result['model']} ({result['model_shape']})")
+    print(f"{'case':<12} {'tokens/s':>10}")
+    for c in result["cases"]:
+        if "tokens_per_s" in c:
+            print(f"{c['case']:<12} {c['tokens_per_s']:>10.2f}")
+    mem = result["cases"][-1]
+    print(f"resident memory {mem['rss_mb']:.0f} MB (model file {mem['model_file_mb']:.0f} MB, "
+          f"before load {mem['rss_before_load_mb']:.0f} MB)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
