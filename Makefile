@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	# CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# trio-typing (a libp2p dependency) ships trio-stubs from an older trio; they shadow trio's own,
+	# current inline types for mypy (no trio.TaskStatus). The runtime package trio_typing stays.
+	rm -rf $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/trio-stubs
 	touch $(STAMP)
 
 demo: $(STAMP)

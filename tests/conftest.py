@@ -43,3 +43,14 @@ async def coordinator_url(nursery: trio.Nursery) -> AsyncIterator[str]:
 
     url = await nursery.start(serve_coordinator, CoordinatorConfig(model=str(GOLDEN_GGUF), port=0, slots=4, max_queue=2))
     yield url
+
+
+async def eventually(check: Any, *, within: float = 10.0, interval: float = 0.02) -> Any:
+    """Poll an async ``check()`` until it returns a truthy value (for state seen only over HTTP)."""
+    with trio.fail_after(within):
+        for _ in range(int(within / interval) + 1):
+            value = await check()
+            if value:
+                return value
+            await trio.sleep(interval)
+    raise AssertionError("condition not met in time")

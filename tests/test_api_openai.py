@@ -9,6 +9,8 @@ import openai
 import pytest
 import trio
 
+from tests.conftest import eventually
+
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 GOLDEN_PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -183,6 +185,10 @@ async def test_queue_full_gets_503_and_disconnect_frees_slot(coordinator_url: st
     mid = await model_id(coordinator_url)
     body = {"model": mid, "prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=coordinator_url, timeout=30) as h:
+
+        async def all_idle() -> bool:
+            return not any(s["is_processing"] for s in (await h.get("/slots")).json())
+
         async with trio.open_nursery() as n:
             started = trio.Semaphore(0)
 
@@ -196,9 +202,10 @@ async def test_queue_full_gets_503_and_disconnect_frees_slot(coordinator_url: st
                 n.start_soon(hold)
             for _ in range(4):
                 await started.acquire()
-            with trio.fail_after(10):
-                while f'moe_swarm_queue_depth{{model="{mid}"}} 2.0' not in (await h.get("/metrics")).text:
-                    await trio.sleep(0.02)
+            async def queued() -> bool:
+                return f'moe_swarm_queue_depth{{model="{mid}"}} 2.0' in (await h.get("/metrics")).text
+
+            await eventually(queued)
             r = await h.post("/v1/completions", json={**body, "stream": False})
             assert r.status_code == 503
             assert r.headers["retry-after"] == "1"
@@ -206,15 +213,11 @@ async def test_queue_full_gets_503_and_disconnect_frees_slot(coordinator_url: st
             slots = (await h.get("/slots")).json()
             assert sum(s["is_processing"] for s in slots) == 4
             n.cancel_scope.cancel()  # every streaming client disconnects
-        with trio.fail_after(10):
-            while any(s["is_processing"] for s in (await h.get("/slots")).json()):
-                await trio.sleep(0.02)
+        await eventually(all_idle)
         # a non-streamed client that disconnects also frees its slot
         with trio.move_on_after(0.5):
             await h.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5000})
-        with trio.fail_after(10):
-            while any(s["is_processing"] for s in (await h.get("/slots")).json()):
-                await trio.sleep(0.02)
+        await eventually(all_idle)
 
 
 async def test_health_slots_metrics(coordinator_url: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 __all__ = [
     "Admitted",
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context is full
     CANCELLED = "cancelled"  # client went away
