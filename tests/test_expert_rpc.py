@@ -1,0 +1,622 @@
+"""The expert protocol end to end, on the fake transport (virtual time) and on real py-libp2p."""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import trio
+import trio.testing
+
+from swarm.errors import (
+    BrokenError,
+    ClosedError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    SliceError,
+    TransportError,
+    TransportTimeout,
+)
+from swarm.expert_rpc import ExpertClient, expert_stream_handler, make_hello, open_expert_client
+from swarm.transport import FakeNetwork, Stream, Transport, open_fake_transport, open_libp2p_transport
+from swarm.wire import (
+    DEFAULT_LIMITS,
+    PROTOCOL_ID,
+    ErrorReply,
+    ExpertRequest,
+    ExpertResponse,
+    FrameReader,
+    Hello,
+    Message,
+    RequestId,
+    WireLimits,
+    encode_frame,
+    tensor_to_payload,
+)
+
+D = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures and helpers
+
+
+@pytest.fixture(params=["fake", "libp2p"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def clock(kind: str) -> trio.testing.MockClock | None:
+    """Virtual time on the fake transport; real time (and real sockets) on libp2p."""
+    return trio.testing.MockClock(autojump_threshold=0) if kind == "fake" else None
+
+
+class Net:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.fake = FakeNetwork()
+        self._n = 0
+
+    def open(
+        self, *, name: str | None = None, key_path: Path | None = None, port: int = 0
+    ) -> AbstractAsyncContextManager[Transport]:
+        if self.kind == "fake":
+            self._n += 1
+            return open_fake_transport(self.fake, peer_id=name or f"peer-{self._n}")
+        return open_libp2p_transport(key_path=key_path, listen_addrs=[f"/ip4/127.0.0.1/tcp/{port}"])
+
+
+@pytest.fixture
+def net(kind: str) -> Net:
+    return Net(kind)
+
+
+def make_request(
+    rid: int,
+    n_rows: int = 3,
+    *,
+    attempt: int = 0,
+    dtype: str = "float32",
+    lo: int = 4,
+    hi: int = 8,
+    experts: list[list[int]] | None = None,
+    weights: list[list[float]] | None = None,
+) -> ExpertRequest:
+    return ExpertRequest(
+        request_id=RequestId(rid),
+        attempt=attempt,
+        model_id="tiny-0123456789ab",
+        layer=1,
+        lo=lo,
+        hi=hi,
+        n_rows=n_rows,
+        dtype=dtype,
+        d_model=D,
+        experts=experts
+        if experts is not None
+        else [[i % (hi - lo), (i + 1) % (hi - lo)] for i in range(n_rows)],
+        weights=weights if weights is not None else [[0.75, 0.25 + i] for i in range(n_rows)],
+    )
+
+
+def expected(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    """What ``weighted`` computes: row i times sum_j w_ij * (expert_ij + 1)."""
+    scale = torch.tensor(
+        [
+            sum(w * (e + 1) for e, w in zip(es, ws, strict=True))
+            for es, ws in zip(req.experts, req.weights, strict=True)
+        ]
+    )
+    return rows * scale[:, None]
+
+
+async def weighted(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    return expected(req, rows)
+
+
+def rows_for(rid: int, n_rows: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rid)
+    return torch.randn(n_rows, D, generator=g)
+
+
+@asynccontextmanager
+async def serving(
+    net: Net,
+    handler: Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]] = weighted,
+    *,
+    limits: WireLimits = DEFAULT_LIMITS,
+    hello: Hello | None = None,
+    name: str | None = None,
+    key_path: Path | None = None,
+    port: int = 0,
+) -> AsyncIterator[Transport]:
+    async with net.open(name=name, key_path=key_path, port=port) as server:
+        server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=hello, limits=limits))
+        yield server
+
+
+@asynccontextmanager
+async def client_of(transport: Transport, server: Transport) -> AsyncIterator[ExpertClient]:
+    async with open_expert_client(transport, server.peer_id, server.listen_addrs) as client:
+        yield client
+
+
+class Raw:
+    """A hand-driven expert stream, for sending what a well-behaved client never would."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.reader = FrameReader(stream)
+
+    @classmethod
+    async def open(cls, transport: Transport, server: Transport, *, hello: Hello | None | bool = True) -> Raw:
+        """Open and exchange Hellos; ``hello=None`` sends none, a ``Hello`` sends that one."""
+        raw = cls(await transport.open_stream(server.peer_id, server.listen_addrs, PROTOCOL_ID))
+        their = await raw.receive()
+        assert isinstance(their, Hello)
+        if hello is True:
+            hello = make_hello()
+        if isinstance(hello, Hello):
+            await raw.stream.write(encode_frame(hello))
+        return raw
+
+    async def send(self, msg: Message, payload: bytes | memoryview = b"") -> None:
+        await self.stream.write(encode_frame(msg, payload))
+
+    async def receive(self) -> Message | None:
+        got = await self.reader.receive_message()
+        return None if got is None else got[0]
+
+    async def call(self, req: ExpertRequest, payload: bytes | memoryview) -> Message | None:
+        await self.send(req, payload)
+        return await self.receive()
+
+    async def ends(self) -> bool:
+        """True once the server has closed (or reset) the stream."""
+        try:
+            return await self.reader.receive_frame() is None
+        except TransportError:
+            return True
+
+
+# --------------------------------------------------------------------------------------------
+# The happy path
+
+
+async def test_pipelined_concurrent_calls_return_their_own_rows(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    in_flight = max_in_flight = 0
+    streams_seen = 0
+
+    async def slow_in_reverse(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        nonlocal in_flight, max_in_flight
+        in_flight += 1
+        max_in_flight = max(max_in_flight, in_flight)
+        await trio.sleep(0.002 * (20 - req.request_id))  # later requests finish first
+        in_flight -= 1
+        return expected(req, rows)
+
+    serve = expert_stream_handler(slow_in_reverse)
+
+    async def counting(stream: Stream) -> None:
+        nonlocal streams_seen
+        streams_seen += 1
+        await serve(stream)
+
+    results: dict[int, torch.Tensor] = {}
+    async with net.open() as server, net.open() as me:
+        server.set_stream_handler(PROTOCOL_ID, counting)
+        async with client_of(me, server) as client:
+
+            async def one(rid: int) -> None:
+                n = 1 + rid % 4
+                results[rid] = await client.call(make_request(rid, n), rows_for(rid, n), timeout=10)
+
+            async with trio.open_nursery() as nursery:
+                for rid in range(20):
+                    nursery.start_soon(one, rid)
+            assert client.sessions_opened == 1
+    assert sorted(results) == list(range(20))
+    for rid, out in results.items():
+        n = 1 + rid % 4
+        assert out.dtype == torch.float32
+        assert torch.equal(out, expected(make_request(rid, n), rows_for(rid, n)))
+    assert streams_seen == 1
+    assert max_in_flight > 1, "calls were not pipelined"
+
+
+async def test_bfloat16_path_and_dtype_negotiation(net: Net, clock: trio.testing.MockClock | None) -> None:
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    async def recording(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        seen.append((req.dtype, rows.clone()))
+        return expected(req, rows)
+
+    rows = rows_for(1)
+    req = make_request(1, dtype="bfloat16")
+    async with serving(net, recording) as server, net.open() as me, client_of(me, server) as client:
+        out = await client.call(req, rows, timeout=10)
+    assert seen[0][0] == "bfloat16"
+    assert torch.equal(seen[0][1], rows.to(torch.bfloat16).float())  # the server got bf16-rounded rows
+    assert out.dtype == torch.float32
+    want = expected(req, rows.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+    assert torch.equal(out, want)
+    assert not torch.equal(out, expected(req, rows))  # bf16 really lost precision on the way
+
+    # a server that only speaks float32: the bfloat16 preference falls back to float32
+    seen.clear()
+    f32_only = make_hello(dtypes=["float32"])
+    async with (
+        serving(net, recording, hello=f32_only) as server,
+        net.open() as me,
+        client_of(me, server) as client,
+    ):
+        out = await client.call(req, rows, timeout=10)
+    assert seen[0][0] == "float32"
+    assert torch.equal(out, expected(req, rows))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input gets error answers; the server keeps serving
+
+
+async def test_bad_requests_get_error_answers_and_the_stream_survives(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    limits = WireLimits(max_frame_bytes=64 * 1024, max_rows=8)
+    release = trio.Event()
+
+    async def handler(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        if req.request_id == 99:
+            await release.wait()
+        return expected(req, rows)
+
+    good = make_request(1)
+    good_payload = tensor_to_payload(rows_for(1), "float32")
+    async with serving(net, handler, limits=limits) as server, net.open() as me:
+        raw = await Raw.open(me, server)
+
+        async def status_of(req: ExpertRequest, payload: bytes | memoryview) -> str:
+            answer = await raw.call(req, payload)
+            assert isinstance(answer, ExpertResponse), answer
+            assert (answer.request_id, answer.attempt) == (req.request_id, req.attempt)
+            if answer.status != "ok":
+                assert answer.message  # every error says what is wrong
+            return answer.status
+
+        assert await status_of(good, good_payload) == "ok"
+        assert (
+            await status_of(
+                make_request(2, experts=[[0, 4], [1], [2]], weights=[[1, 1], [1], [1]]), good_payload
+            )
+            == "bad_index"
+        )
+        assert (
+            await status_of(make_request(3, weights=[[1, math.nan], [1, 1], [1, 1]]), good_payload)
+            == "non_finite"
+        )
+        assert await status_of(make_request(4), bytes(good_payload)[:-4]) == "bad_shape"
+        assert await status_of(make_request(5, n_rows=2), good_payload) == "bad_shape"  # 3 rows of bytes
+        assert await status_of(make_request(6, dtype="float16"), good_payload) == "unsupported_dtype"
+        many = make_request(7, n_rows=9)
+        assert await status_of(many, tensor_to_payload(rows_for(7, 9), "float32")) == "too_many_rows"
+        big = msgspec.structs.replace(make_request(8, n_rows=8), d_model=4096)
+        assert await status_of(big, bytes(8 * 4096 * 4)) == "frame_too_large"  # read, discarded, answered
+        empty_slice = make_request(9, lo=4, hi=4, experts=[[0]] * 3, weights=[[1.0]] * 3)
+        assert await status_of(empty_slice, good_payload) == "bad_shape"
+
+        # an undecodable header with intact framing: an ErrorReply, then business as usual
+        await raw.stream.write(struct.pack("<II", 5, 0) + b"\xc1\xc1\xc1\xc1\xc1")
+        answer = await raw.receive()
+        assert isinstance(answer, ErrorReply) and answer.code == "malformed_header" and not answer.fatal
+        # a header that decodes but is not a request
+        await raw.send(make_hello())
+        answer = await raw.receive()
+        assert isinstance(answer, ErrorReply) and answer.code == "unexpected_message"
+        # the same (request_id, attempt) twice while the first is still computing
+        slow = make_request(99)
+        await raw.send(slow, good_payload)
+        dup = await raw.call(slow, good_payload)
+        assert isinstance(dup, ExpertResponse) and dup.status == "duplicate_request"
+        release.set()
+        first = await raw.receive()
+        assert isinstance(first, ExpertResponse) and first.status == "ok" and first.request_id == 99
+
+        assert await status_of(good, good_payload) == "ok"
+
+        # lost framing: a header length beyond the limit -> fatal ErrorReply, then this stream closes
+        await raw.stream.write(struct.pack("<II", 2**31, 0))
+        answer = await raw.receive()
+        assert isinstance(answer, ErrorReply) and answer.code == "frame_too_large" and answer.fatal
+        assert await raw.ends()
+
+        # ... and the listener still serves a well-behaved client
+        async with client_of(me, server) as client:
+            assert torch.equal(await client.call(good, rows_for(1), timeout=10), expected(good, rows_for(1)))
+
+
+async def test_garbage_and_wrong_version_are_refused_with_a_reason(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    async with serving(net) as server, net.open() as me:
+        # garbage instead of a Hello
+        raw = await Raw.open(me, server, hello=None)
+        await raw.stream.write(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
+        answer = await raw.receive()
+        assert isinstance(answer, ErrorReply) and answer.fatal
+        assert answer.code in {"frame_too_large", "malformed_header"}
+        assert await raw.ends()
+
+        # a Hello of a future version
+        future = Hello(protocol_version=2, dtypes=["float32"], max_frame_bytes=1 << 20, max_rows=8)
+        raw = await Raw.open(me, server, hello=future)
+        answer = await raw.receive()
+        assert isinstance(answer, ErrorReply) and answer.code == "version_mismatch" and answer.fatal
+        assert "version 1" in answer.message and "version 2" in answer.message
+        assert await raw.ends()
+
+        # a request before any Hello
+        raw = await Raw.open(me, server, hello=None)
+        answer = await raw.call(make_request(1), tensor_to_payload(rows_for(1), "float32"))
+        assert isinstance(answer, ErrorReply) and answer.code == "unexpected_message" and answer.fatal
+        assert await raw.ends()
+
+        async with client_of(me, server) as client:
+            req = make_request(1)
+            assert torch.equal(await client.call(req, rows_for(1), timeout=10), expected(req, rows_for(1)))
+
+
+async def test_client_refuses_a_server_of_another_version(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    async def future_server(stream: Stream) -> None:
+        await stream.write(
+            encode_frame(Hello(protocol_version=2, dtypes=["float32"], max_frame_bytes=1 << 20, max_rows=8))
+        )
+        while await stream.read(1 << 16):
+            pass
+
+    async with net.open() as server, net.open() as me:
+        server.set_stream_handler(PROTOCOL_ID, future_server)
+        async with client_of(me, server) as client:
+            with pytest.raises(RemoteProtocolError) as info:
+                await client.call(make_request(1), rows_for(1), timeout=10)
+    assert info.value.code == "version_mismatch"
+
+
+async def test_client_validates_before_sending(net: Net, clock: trio.testing.MockClock | None) -> None:
+    calls = 0
+
+    async def counting(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return expected(req, rows)
+
+    async with serving(net, counting, limits=WireLimits(max_rows=4)) as server, net.open() as me:
+        async with client_of(me, server) as client:
+            with pytest.raises(LocalProtocolError) as info:
+                await client.call(
+                    make_request(1, experts=[[0, 9], [0], [0]], weights=[[1, 1], [1], [1]]),
+                    rows_for(1),
+                    timeout=10,
+                )
+            assert info.value.code == "bad_index"
+            with pytest.raises(LocalProtocolError) as info:
+                await client.call(make_request(2, n_rows=5), rows_for(2, 5), timeout=10)
+            assert info.value.code == "too_many_rows"  # the server's limit, learnt from its Hello
+            with pytest.raises(LocalProtocolError):
+                await client.call(make_request(3), rows_for(3, 2), timeout=10)  # rows do not match n_rows
+            assert calls == 0
+            await client.call(make_request(4), rows_for(4), timeout=10)
+            assert calls == 1
+
+
+async def test_handler_failures_become_error_answers(net: Net, clock: trio.testing.MockClock | None) -> None:
+    async def flaky(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        match req.request_id:
+            case 1:
+                raise ValueError("secret internals")
+            case 2:
+                raise SliceError("slice 4-8 of layer 1 is not loaded", code="slice_not_loaded")
+            case 3:
+                return torch.zeros(req.n_rows + 1, req.d_model)
+            case 4:
+                return torch.full((req.n_rows, req.d_model), math.inf)
+        return expected(req, rows)
+
+    async with serving(net, flaky) as server, net.open() as me, client_of(me, server) as client:
+        for rid, code in [
+            (1, "internal_error"),
+            (2, "slice_not_loaded"),
+            (3, "internal_error"),
+            (4, "non_finite"),
+        ]:
+            with pytest.raises(RemoteProtocolError) as info:
+                await client.call(make_request(rid), rows_for(rid), timeout=10)
+            assert info.value.code == code
+            assert "secret" not in info.value.message
+        req = make_request(5)
+        assert torch.equal(await client.call(req, rows_for(5), timeout=10), expected(req, rows_for(5)))
+        assert client.sessions_opened == 1
+
+
+async def test_client_rejects_wrong_shapes_and_nan_from_the_server(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    async def lying_server(stream: Stream) -> None:
+        reader = FrameReader(stream)
+        await stream.write(encode_frame(make_hello()))
+        while got := await reader.receive_message():
+            msg, _ = got
+            if not isinstance(msg, ExpertRequest):
+                continue
+            ids = {"request_id": msg.request_id, "attempt": msg.attempt, "status": "ok", "dtype": "float32"}
+            if msg.request_id == 1:  # the header promises the right shape, the payload is short
+                answer = ExpertResponse(**ids, n_rows=msg.n_rows, d_model=msg.d_model)
+                await stream.write(encode_frame(answer, bytes(4)))
+            elif msg.request_id == 2:  # a different shape
+                answer = ExpertResponse(**ids, n_rows=msg.n_rows + 1, d_model=msg.d_model)
+                await stream.write(encode_frame(answer, bytes(4 * (msg.n_rows + 1) * msg.d_model)))
+            elif msg.request_id == 3:  # NaN
+                bad = torch.full((msg.n_rows, msg.d_model), math.nan)
+                answer = ExpertResponse(**ids, n_rows=msg.n_rows, d_model=msg.d_model)
+                await stream.write(encode_frame(answer, tensor_to_payload(bad, "float32")))
+            else:
+                answer = ExpertResponse(**ids, n_rows=msg.n_rows, d_model=msg.d_model)
+                await stream.write(encode_frame(answer, bytes(4 * msg.n_rows * msg.d_model)))
+
+    async with net.open() as server, net.open() as me:
+        server.set_stream_handler(PROTOCOL_ID, lying_server)
+        async with client_of(me, server) as client:
+            for rid, code in [(1, "bad_shape"), (2, "bad_shape"), (3, "non_finite")]:
+                with pytest.raises(RemoteProtocolError) as info:
+                    await client.call(make_request(rid), rows_for(rid), timeout=10)
+                assert info.value.code == code
+            out = await client.call(make_request(4), rows_for(4), timeout=10)
+            assert torch.equal(out, torch.zeros(3, D))
+
+
+# --------------------------------------------------------------------------------------------
+# Time, attempts, broken streams
+
+
+async def test_hanging_handler_gives_a_client_timeout(net: Net, clock: trio.testing.MockClock | None) -> None:
+    async def hangs_on_7(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        if req.request_id == 7:
+            await trio.sleep_forever()
+        return expected(req, rows)
+
+    async with serving(net, hangs_on_7) as server, net.open() as me, client_of(me, server) as client:
+        t0 = trio.current_time()
+        with pytest.raises(TransportTimeout):
+            await client.call(make_request(7), rows_for(7), timeout=0.3)
+        elapsed = trio.current_time() - t0
+        if clock is not None:
+            assert elapsed == pytest.approx(0.3)
+        else:
+            assert 0.3 <= elapsed < 1.0
+        req = make_request(8)
+        assert torch.equal(await client.call(req, rows_for(8), timeout=10), expected(req, rows_for(8)))
+        assert client.sessions_opened == 1  # a timeout is not a broken stream
+
+
+async def test_late_answer_from_an_old_attempt_is_ignored(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    late_answer_sent = trio.Event()
+
+    async def slow_first_attempt(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        if (req.request_id, req.attempt) == (5, 0):
+            await trio.sleep(0.5)
+            late_answer_sent.set()
+            return -expected(req, rows)  # distinguishable from the real answer
+        return expected(req, rows)
+
+    req0 = make_request(5, attempt=0)
+    req1 = make_request(5, attempt=1)
+    rows = rows_for(5)
+    async with serving(net, slow_first_attempt) as server, net.open() as me, client_of(me, server) as client:
+        with pytest.raises(TransportTimeout):
+            await client.call(req0, rows, timeout=0.2)
+        assert torch.equal(await client.call(req1, rows, timeout=10), expected(req1, rows))
+        await late_answer_sent.wait()
+        await trio.sleep(0.05)  # let the late answer reach the client and be dropped
+        req2 = make_request(6)
+        assert torch.equal(await client.call(req2, rows_for(6), timeout=10), expected(req2, rows_for(6)))
+        assert client.sessions_opened == 1
+
+
+async def test_server_killed_mid_call_then_reconnect_after_restart(
+    net: Net, clock: trio.testing.MockClock | None, tmp_path: Path
+) -> None:
+    entered = trio.Event()
+
+    async def hangs_on_1(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        if req.request_id == 1:
+            entered.set()
+            await trio.sleep_forever()
+        return expected(req, rows)
+
+    key = tmp_path / "worker.key"  # libp2p: the restarted worker keeps its identity ...
+    where: list[tuple[str, list[str]]] = []
+
+    async def run_worker(port: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with serving(net, hangs_on_1, name="worker", key_path=key, port=port) as server:
+            where.append((server.peer_id, server.listen_addrs))
+            task_status.started()
+            await trio.sleep_forever()
+
+    async with net.open() as me, trio.open_nursery() as nursery:
+        kill = trio.CancelScope()
+
+        async def killable_worker(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with kill:
+                await run_worker(0, task_status=task_status)
+
+        await nursery.start(killable_worker)
+        peer_id, addrs = where[0]
+        async with open_expert_client(me, peer_id, addrs) as client:
+            outcome: list[BaseException] = []
+
+            async def doomed() -> None:
+                try:
+                    await client.call(make_request(1), rows_for(1), timeout=30)
+                except TransportError as exc:
+                    outcome.append(exc)
+
+            async with trio.open_nursery() as calls:
+                calls.start_soon(doomed)
+                await entered.wait()
+                kill.cancel()  # the worker dies with the call in flight
+            assert len(outcome) == 1 and isinstance(outcome[0], BrokenError), outcome
+
+            with pytest.raises(TransportError):  # while it is down
+                await client.call(make_request(2), rows_for(2), timeout=5)
+
+            port = int(addrs[0].split("/tcp/")[1].split("/")[0]) if net.kind == "libp2p" else 0
+            await nursery.start(run_worker, port)  # ... and its address
+            assert where[1][0] == peer_id
+            req = make_request(3)
+            assert torch.equal(await client.call(req, rows_for(3), timeout=10), expected(req, rows_for(3)))
+            assert client.sessions_opened == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_client_aclose_fails_waiting_calls(net: Net, clock: trio.testing.MockClock | None) -> None:
+    async def hangs(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async with serving(net, hangs) as server, net.open() as me, client_of(me, server) as client:
+        errors: list[BaseException] = []
+
+        async def waiting(rid: int) -> None:
+            try:
+                await client.call(make_request(rid), rows_for(rid), timeout=30)
+            except ClosedError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for rid in range(3):
+                nursery.start_soon(waiting, rid)
+            await trio.sleep(0.1)
+            await client.aclose()
+        assert len(errors) == 3
+        with pytest.raises(ClosedError):
+            await client.call(make_request(9), rows_for(9), timeout=1)
+
+
+async def test_unreachable_peer_is_a_transport_error(net: Net, clock: trio.testing.MockClock | None) -> None:
+    async with serving(net) as server, net.open() as me:
+        peer_id, addrs = server.peer_id, server.listen_addrs
+    async with open_expert_client(me, peer_id, addrs) as client:
+        with pytest.raises(TransportError):
+            await client.call(make_request(1), rows_for(1), timeout=5)
