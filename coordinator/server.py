@@ -8,18 +8,28 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import tempfile
 from pathlib import Path
 
 import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from coordinator.api import build_app
+from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.runtime import EngineRuntime
+from coordinator.slices_http import slice_routes
 from swarm.gguf_model import GGUFModel
+from swarm.slices import SliceCache
 from swarm.tokenizer import Tokenizer
+from swarm.transport import open_libp2p_transport
 
 __all__ = ["CoordinatorConfig", "load_runtime", "serve_coordinator"]
 
@@ -34,7 +44,11 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     ctx_size: int | None = None
     n_batch: int = 512
     max_queue: int = 64
-    data_dir: str | None = None
+    data_dir: str | None = None  # identity key + slice cache; default: a temp dir per run
+    dispatch_map: str | None = None  # follow this file (DESIGN §11 dispatch map)
+    p2p_listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    expert_timeout_s: float = 3.0
+    wire_dtype: str = "float32"
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -45,15 +59,45 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
 
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     rt = await trio.to_thread.run_sync(load_runtime, cfg)
-    app = build_app(rt, model_id=rt.model.model_id, aliases=[rt.model.path.stem])
+    model = rt.model
+    with contextlib.ExitStack() as stack:
+        if cfg.data_dir is not None:
+            data_dir = Path(cfg.data_dir)  # expanded at the edge (CLI)
+            await trio.Path(data_dir).mkdir(parents=True, exist_ok=True)
+        else:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-swarm-coordinator-")))
+        async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.p2p_listen) as transport:
+            dispatcher = Dispatcher(model, transport, timeout_s=cfg.expert_timeout_s, wire_dtype=cfg.wire_dtype)
+            rt.set_experts(dispatcher)
+            caches = {model.model_id: SliceCache(model, data_dir / "slices")}
+
+            async def dispatch_report(_: Request) -> Response:
+                return JSONResponse(dispatcher.report())
+
+            app = build_app(
+                rt,
+                model_id=model.model_id,
+                aliases=[model.path.stem],
+                extra_routes=[*slice_routes({model.model_id: model}, caches), Route("/dispatch", dispatch_report, methods=["GET"])],
+                extra_health=lambda: {"peer_id": transport.peer_id},
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(dispatcher.serve)
+                if cfg.dispatch_map is not None:
+                    await nursery.start(watch_dispatch_map_file, Path(cfg.dispatch_map), dispatcher)
+                await _serve_http(rt, app, cfg, nursery, task_status)
+
+
+async def _serve_http(
+    rt: EngineRuntime, app: Starlette, cfg: CoordinatorConfig, nursery: trio.Nursery, task_status: trio.TaskStatus[str]
+) -> None:
     hc = HyperConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.graceful_timeout = 2.0
-    async with trio.open_nursery() as nursery:
-        await nursery.start(rt.serve)
-        binds = await nursery.start(hypercorn_serve, app, hc)
-        url = binds[0] if binds else f"http://{cfg.host}:{cfg.port}"
-        log.info("coordinator serving %s at %s (%d slots, ctx %d)", rt.model.model_id, url, rt.n_slots, rt.n_ctx)
-        task_status.started(url)
+    await nursery.start(rt.serve)
+    binds = await nursery.start(hypercorn_serve, app, hc)
+    url = binds[0] if binds else f"http://{cfg.host}:{cfg.port}"
+    log.info("coordinator serving %s at %s (%d slots, ctx %d)", rt.model.model_id, url, rt.n_slots, rt.n_ctx)
+    task_status.started(url)

@@ -54,7 +54,11 @@ def _coordinator(ns: argparse.Namespace) -> None:
         ctx_size=ns.ctx_size,
         n_batch=ns.batch_size,
         max_queue=ns.max_queue,
-        data_dir=ns.data_dir,
+        data_dir=os.path.expanduser(ns.data_dir) if ns.data_dir else None,
+        dispatch_map=ns.dispatch_map,
+        p2p_listen=tuple(ns.p2p_listen or ["/ip4/127.0.0.1/tcp/0"]),
+        expert_timeout_s=ns.expert_timeout,
+        wire_dtype=ns.wire_dtype,
     )
 
     async def service() -> None:
@@ -63,6 +67,22 @@ def _coordinator(ns: argparse.Namespace) -> None:
             print(f"coordinator ready at {url}", flush=True)
 
     run_service(service)
+
+
+def _volunteer(ns: argparse.Namespace) -> None:
+    from volunteer.static import StaticVolunteerConfig, check_config, serve_static_volunteer
+
+    cfg = StaticVolunteerConfig(
+        coordinator=ns.coordinator,
+        slices=tuple(ns.slices),
+        listen=tuple(ns.listen or ["/ip4/127.0.0.1/tcp/0"]),
+        data_dir=os.path.expanduser(ns.data_dir),
+        model_id=ns.model_id,
+        threads=ns.threads,
+        progress=not ns.no_progress,
+    )
+    check_config(cfg)
+    run_service(serve_static_volunteer, cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ctx-size", type=int, default=None, help="context per slot (default: the model's)")
     c.add_argument("--batch-size", type=int, default=512, help="max tokens per engine step")
     c.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503")
-    c.add_argument("--data-dir", default=None)
+    c.add_argument("--data-dir", default=None, help="identity key and slice cache (default: a temporary directory)")
+    c.add_argument("--dispatch-map", default=None, help="follow this dispatch-map JSON file (re-read when it changes)")
+    c.add_argument("--p2p-listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
+    c.add_argument("--expert-timeout", type=float, default=3.0, help="seconds before a remote expert call falls back")
+    c.add_argument("--wire-dtype", choices=["float32", "bfloat16"], default="float32", help="activations on the wire")
     c.set_defaults(func=_coordinator)
+
+    v = sub.add_parser("volunteer", help="serve expert slices to a coordinator")
+    v.add_argument("--coordinator", required=True, help="coordinator URL (slices are downloaded from it)")
+    v.add_argument("--slice", action="append", dest="slices", required=True, metavar="LAYER:LO-HI",
+                   help="experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
+    v.add_argument("--listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
+    v.add_argument("--data-dir", default=os.path.expanduser("~/.local/share/moe-swarm/volunteer"))
+    v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
+    v.add_argument("--threads", type=int, default=2, help="compute threads")
+    v.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    v.set_defaults(func=_volunteer)
     return p
 
 

@@ -1,0 +1,185 @@
+"""The volunteer's expert server (shell): loaded slices served on ``/moe-swarm/expert/1``.
+
+Rules:
+- A request is served by the held slice that contains its ``[lo, hi)`` (local indices shift by
+  the slice's ``lo``); anything else is answered ``slice_not_held`` and the server keeps serving.
+- Compute runs on at most ``threads`` worker threads (a trio ``CapacityLimiter``), never on the
+  event loop. Requests for the same slice that queue up while a computation runs are merged into
+  one batch (rows concatenated), so concurrent callers share the expert weights' dequantisation;
+  a request that finds the slice idle runs alone, exactly as the coordinator would compute it.
+- Draining (Ctrl-C): new requests are refused with ``draining`` (the coordinator falls back),
+  requests already accepted finish and are answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarm.errors import RemoteProtocolError
+from swarm.experts import pairs_from_lists, slice_partial_sum
+from swarm.slices import LoadedSlice
+from swarm.wire import ExpertRequest
+
+__all__ = ["ExpertServer", "ServeStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeStats:
+    calls: int = 0
+    rows: int = 0
+    batches: int = 0
+    errors: int = 0
+    in_flight: int = 0
+    last_call_at: float = 0.0  # monotonic
+    last_serve_ms: int = 0  # Unix ms of the last answered call
+
+
+@dataclass
+class _Pending:
+    req: ExpertRequest
+    rows: torch.Tensor
+    offset: int  # slice-local index of the request's lo
+    done: trio.Event = field(default_factory=trio.Event)
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class _SliceWorker:
+    """Serialises one slice's computations and merges requests that queue up meanwhile."""
+
+    def __init__(self, sl: LoadedSlice, limiter: trio.CapacityLimiter, max_batch_rows: int) -> None:
+        self.sl = sl
+        self.limiter = limiter
+        self.max_batch_rows = max_batch_rows
+        self.send, self.recv = trio.open_memory_channel[_Pending](1024)
+        self.batches = 0
+
+    async def submit(self, p: _Pending) -> torch.Tensor:
+        await self.send.send(p)
+        await p.done.wait()
+        if p.error is not None:
+            raise p.error
+        assert p.result is not None
+        return p.result
+
+    async def run(self) -> None:
+        """The slice's compute loop (a task of ``ExpertServer.serve``)."""
+        carry: _Pending | None = None
+        while True:
+            first = carry if carry is not None else await self.recv.receive()
+            carry = None
+            batch, n = [first], int(first.rows.shape[0])
+            while True:
+                try:
+                    q = self.recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                if n + int(q.rows.shape[0]) > self.max_batch_rows:
+                    carry = q
+                    break
+                batch.append(q)
+                n += int(q.rows.shape[0])
+            await self._run(batch)
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        self.batches += 1
+        try:
+            outs = await trio.to_thread.run_sync(self._compute, batch, limiter=self.limiter)
+            for p, o in zip(batch, outs, strict=True):
+                p.result = o
+        except BaseException as exc:  # noqa: BLE001 - handed to each waiting request
+            for p in batch:
+                p.error = exc
+        finally:
+            for p in batch:
+                p.done.set()
+
+    def _compute(self, batch: list[_Pending]) -> list[torch.Tensor]:
+        torch.set_grad_enabled(False)
+        xs, prs, pes, pws = [], [], [], []
+        base = 0
+        for p in batch:
+            pr, pe, pw = pairs_from_lists(p.req.experts, p.req.weights)
+            xs.append(p.rows)
+            prs.append(pr + base)
+            pes.append(pe + p.offset)
+            pws.append(pw)
+            base += int(p.rows.shape[0])
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        out = slice_partial_sum(x, torch.cat(prs), torch.cat(pes), torch.cat(pws), self.sl.experts)
+        return list(torch.split(out, [int(p.rows.shape[0]) for p in batch]))
+
+
+class ExpertServer:
+    def __init__(self, slices: list[LoadedSlice], *, threads: int = 2, max_batch_rows: int = 4096) -> None:
+        self.limiter = trio.CapacityLimiter(max(1, threads))
+        self.workers = [_SliceWorker(s, self.limiter, max_batch_rows) for s in slices]
+        self.stats = ServeStats()
+        self.draining = False
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for w in self.workers:
+                nursery.start_soon(w.run)
+            task_status.started()
+
+    @property
+    def slices(self) -> list[LoadedSlice]:
+        return [w.sl for w in self.workers]
+
+    def _find(self, req: ExpertRequest) -> tuple[_SliceWorker, int]:
+        for w in self.workers:
+            k = w.sl.key
+            if k.model_id == req.model_id and k.layer == req.layer and k.lo <= req.lo and req.hi <= k.hi:
+                return w, req.lo - k.lo
+        held = ", ".join(str(w.sl.key) for w in self.workers) or "none"
+        raise RemoteProtocolError(
+            f"slice {req.layer}:{req.lo}-{req.hi} of {req.model_id} is not held here (held: {held})", code="slice_not_held"
+        )
+
+    async def handle(self, req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        """The ``ExpertHandler`` plugged into ``expert_stream_handler``."""
+        if self.draining:
+            raise RemoteProtocolError("volunteer is shutting down", code="draining")
+        worker, offset = self._find(req)
+        if rows.shape[1] != worker.sl.experts.d_model:
+            raise RemoteProtocolError(f"d_model {rows.shape[1]} != slice d_model {worker.sl.experts.d_model}", code="bad_shape")
+        s = self.stats
+        s.in_flight += 1
+        self._idle = trio.Event() if s.in_flight == 1 else self._idle
+        try:
+            out = await worker.submit(_Pending(req, rows, offset))
+        except RemoteProtocolError:
+            s.errors += 1
+            raise
+        except Exception as exc:
+            s.errors += 1
+            log.exception("expert computation failed")
+            raise RemoteProtocolError(f"computation failed: {exc}", code="internal_error") from exc
+        finally:
+            s.in_flight -= 1
+            if s.in_flight == 0:
+                self._idle.set()
+        s.calls += 1
+        s.rows += int(rows.shape[0])
+        s.batches = sum(w.batches for w in self.workers)
+        s.last_call_at = time.monotonic()
+        s.last_serve_ms = int(time.time() * 1000)
+        return out
+
+    async def drain(self, timeout_s: float = 10.0) -> bool:
+        """Refuse new requests and wait for accepted ones; True if all finished in time."""
+        self.draining = True
+        with trio.move_on_after(timeout_s):
+            await self._idle.wait()
+            return True
+        return False

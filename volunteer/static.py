@@ -1,0 +1,132 @@
+"""Volunteer, static mode (shell): fetch the slices named on the command line, serve them.
+
+``moe-swarm volunteer --coordinator URL --slice LAYER:LO-HI [--slice ...] [--listen MULTIADDR]
+[--data-dir DIR]``
+
+Rules:
+- Slices are downloaded from the coordinator (resumable, sha256-verified against the ETag) into
+  ``DATA_DIR/slices/<model_id>/`` and reused on the next start without a download.
+- The libp2p identity persists in ``DATA_DIR/identity.key``: a restarted volunteer keeps its
+  peer id, so dispatch maps that name it stay valid.
+- Once serving, ``DATA_DIR/volunteer.json`` holds the peer id and listen addresses (for scripts
+  that build dispatch maps) and one status line is printed to stdout.
+- Cancellation (Ctrl-C) drains: requests already accepted are answered before the host closes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import trio
+
+from swarm.errors import ConfigError
+from swarm.expert_rpc import expert_stream_handler, make_hello
+from swarm.fetch import fetch_slice
+from swarm.slices import LoadedSlice, load_slice, parse_slice_arg
+from swarm.transport import open_libp2p_transport
+from swarm.wire import PROTOCOL_ID
+from volunteer.server import ExpertServer
+
+__all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]
+
+log = logging.getLogger(__name__)
+
+
+class StaticVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    coordinator: str
+    slices: tuple[str, ...]
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    data_dir: str
+    model_id: str | None = None
+    threads: int = 2
+    progress: bool = True
+    status_interval_s: float = 10.0
+
+
+async def _model_id(client: httpx.AsyncClient, base: str, wanted: str | None) -> str:
+    try:
+        r = await client.get(f"{base}/v1/models")
+        r.raise_for_status()
+        ids = [m["id"] for m in r.json()["data"]]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise ConfigError(f"cannot list the coordinator's models at {base}: {exc}") from exc
+    if wanted is not None:
+        if wanted not in ids:
+            raise ConfigError(f"the coordinator does not host {wanted!r} (it hosts {ids})")
+        return wanted
+    if len(ids) != 1:
+        raise ConfigError(f"the coordinator hosts {len(ids)} models; choose one with --model-id ({ids})")
+    return str(ids[0])
+
+
+async def fetch_and_load(
+    client: httpx.AsyncClient, base: str, model_id: str, slice_args: tuple[str, ...], data_dir: Path, *, progress: bool
+) -> list[LoadedSlice]:
+    loaded = []
+    for arg in slice_args:
+        layer, lo, hi = parse_slice_arg(arg)
+        dest = data_dir / "slices" / model_id / f"{layer}-{lo}-{hi}.safetensors"
+        url = f"{base}/v1/slices/{model_id}/{layer}/{lo}-{hi}"
+        path = await fetch_slice(client, url, dest, progress=progress)
+        sl = await trio.to_thread.run_sync(load_slice, path)
+        if sl.key.model_id != model_id or (sl.key.layer, sl.key.lo, sl.key.hi) != (layer, lo, hi):
+            raise ConfigError(f"{dest} holds {sl.key}, not {model_id} {arg}")
+        loaded.append(sl)
+    return loaded
+
+
+async def serve_static_volunteer(
+    cfg: StaticVolunteerConfig, *, task_status: trio.TaskStatus[dict[str, object]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    data_dir = Path(cfg.data_dir)  # expanded at the edge (CLI)
+    await trio.Path(data_dir).mkdir(parents=True, exist_ok=True)
+    base = cfg.coordinator.rstrip("/")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+        model_id = await _model_id(client, base, cfg.model_id)
+        slices = await fetch_and_load(client, base, model_id, cfg.slices, data_dir, progress=cfg.progress)
+    server = ExpertServer(slices, threads=cfg.threads)
+    async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.listen) as transport:
+        transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
+        info: dict[str, object] = {
+            "peer_id": transport.peer_id,
+            "addrs": transport.listen_addrs,
+            "model_id": model_id,
+            "slices": [str(s.key) for s in slices],
+        }
+        await trio.Path(data_dir / "volunteer.json").write_text(json.dumps(info, indent=2) + "\n")
+        print(f"volunteer ready peer_id={transport.peer_id} addrs={','.join(transport.listen_addrs)} "
+              f"slices={','.join(str(s.key) for s in slices)}", flush=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            nursery.start_soon(_status_loop, server, transport.peer_id, cfg.status_interval_s)
+            task_status.started(info)
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    ok = await server.drain()
+                    log.info("drained (%s); %d calls served", "clean" if ok else "timed out", server.stats.calls)
+                nursery.cancel_scope.cancel()
+
+
+async def _status_loop(server: ExpertServer, peer_id: str, interval_s: float) -> None:
+    while True:
+        await trio.sleep(interval_s)
+        s = server.stats
+        ago = f"{time.monotonic() - s.last_call_at:.1f}s ago" if s.last_call_at else "never"
+        print(f"[volunteer {peer_id[-8:]}] serving {len(server.slices)} slice(s) | calls {s.calls} rows {s.rows} "
+              f"batches {s.batches} errors {s.errors} | last call {ago}", file=sys.stderr, flush=True)
+
+
+def check_config(cfg: StaticVolunteerConfig) -> None:
+    if not cfg.slices:
+        raise ConfigError("give at least one --slice LAYER:LO-HI")
+    for s in cfg.slices:
+        parse_slice_arg(s)
+
