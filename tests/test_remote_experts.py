@@ -1,0 +1,266 @@
+"""Remote experts end to end on real libp2p hosts: exactness, fallback on crashing, hanging and
+lying workers, dispatch-map changes, and the ``/dispatch`` report."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import trio
+
+from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
+from coordinator.model import KVCache, SeqChunk, Transformer
+from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
+from swarm.expert_rpc import expert_stream_handler, make_hello
+from swarm.gguf_model import GGUFModel
+from swarm.slices import cut_slice, load_slice
+from swarm.transport import Transport, open_libp2p_transport
+from swarm.wire import PROTOCOL_ID, ExpertRequest
+from volunteer.server import ExpertServer
+
+
+Handler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]
+
+
+@dataclass
+class Vol:
+    peer_id: str
+    addrs: list[str]
+    server: ExpertServer
+    transport: Transport
+    cancel: trio.CancelScope
+
+
+async def start_volunteer(
+    nursery: trio.Nursery, model: GGUFModel, slices: list[tuple[int, int, int]], *, wrap: Callable[[Handler], Handler] | None = None
+) -> Vol:
+    loaded = [load_slice(cut_slice(model, L, lo, hi)) for L, lo, hi in slices]
+    server = ExpertServer(loaded, threads=1)
+
+    async def run(task_status: trio.TaskStatus[Vol]) -> None:
+        with trio.CancelScope() as cs:
+            async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
+                await n.start(server.serve)
+                handler = wrap(server.handle) if wrap is not None else server.handle
+                t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello()))
+                task_status.started(Vol(t.peer_id, t.listen_addrs, server, t, cs))
+                await trio.sleep_forever()
+
+    vol: Vol = await nursery.start(run)
+    return vol
+
+
+def dmap(model: GGUFModel, version: int, spec: dict[tuple[int, int, int], list[Vol]]) -> DispatchMap:
+    layers: dict[int, list[RangeReplicas]] = {}
+    for (L, lo, hi), vols in spec.items():
+        layers.setdefault(L, []).append(RangeReplicas(lo, hi, [Replica(v.peer_id, v.addrs) for v in vols]))
+    return DispatchMap(model.model_id, version, [LayerRanges(L, r) for L, r in sorted(layers.items())])
+
+
+async def run_forward(tr: Transformer, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+    # the dispatcher blocks its caller until remote answers arrive: call it off the trio thread,
+    # as the engine thread does
+    return await trio.to_thread.run_sync(tr.forward, chunks)
+
+
+async def greedy(tr: Transformer, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    cache = KVCache(tr.cfg, 256)
+    lg = (await run_forward(tr, [SeqChunk(cache, list(prompt), 0, all_logits=True)]))[0]
+    logits = [lg]
+    out = []
+    pos = len(prompt)
+    for _ in range(n):
+        t = int(lg[-1].argmax())
+        out.append(t)
+        lg = (await run_forward(tr, [SeqChunk(cache, [t], pos)]))[0]
+        logits.append(lg)
+        pos += 1
+    return out, logits
+
+
+HALVES = [(L, lo, hi) for L in (0, 1) for lo, hi in ((0, 4), (4, 8))]
+
+
+async def make_dispatcher(nursery: trio.Nursery, model: GGUFModel, transport: Transport | None, **kw: Any) -> Dispatcher:
+    d = Dispatcher(model, transport, **kw)
+    await nursery.start(d.serve)
+    return d
+
+
+@pytest.fixture
+async def coord_transport() -> Any:
+    async with open_libp2p_transport(key_path=None) as t:
+        yield t
+
+
+async def test_remote_equals_local(nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport) -> None:
+    a = await start_volunteer(nursery, golden_model, [(0, 0, 4), (1, 0, 4)])
+    b = await start_volunteer(nursery, golden_model, [(0, 4, 8), (1, 4, 8)])
+    m = dmap(golden_model, 1, {(0, 0, 4): [a], (0, 4, 8): [b], (1, 0, 4): [a], (1, 4, 8): [b]})
+    remote = await make_dispatcher(nursery, golden_model, coord_transport)
+    remote.set_map(m)
+    same_partition_local = await make_dispatcher(nursery, golden_model, None)
+    same_partition_local.set_map(m)
+    prompt = golden["greedy"][0]["prompt_ids"]
+    n = len(golden["greedy"][0]["greedy_ids"])
+    toks_r, lg_r = await greedy(Transformer(golden_model, remote), prompt, n)
+    toks_p, lg_p = await greedy(Transformer(golden_model, same_partition_local), prompt, n)
+    toks_l, lg_l = await greedy(Transformer(golden_model), prompt, n)
+    assert toks_r == toks_l == golden["greedy"][0]["greedy_ids"]
+    # the same partition computed here or on volunteers: bit-identical
+    assert all(torch.equal(x, y) for x, y in zip(lg_r, lg_p, strict=True))
+    # against the one-range all-local forward: only the summation grouping differs
+    assert max((x - y).abs().max().item() for x, y in zip(lg_r, lg_l, strict=True)) <= 1e-5
+    rep = remote.report()
+    assert {w["peer_id"] for w in rep["workers"]} == {a.peer_id, b.peer_id}
+    assert all(w["calls"] > 0 and w["last_serve_ms"] > 0 and w["state"] == "up" for w in rep["workers"])
+    assert all(L["local_rows"] == 0 and L["remote_rows"] > 0 for L in rep["layers"])
+    assert a.server.stats.calls > 0 and b.server.stats.calls > 0
+
+
+async def test_local_remote_mix(nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport) -> None:
+    a = await start_volunteer(nursery, golden_model, [(0, 2, 6)])
+    m = dmap(golden_model, 1, {(0, 2, 6): [a]})
+    d = await make_dispatcher(nursery, golden_model, coord_transport)
+    d.set_map(m)
+    g = golden["greedy"][1]
+    toks, lgs = await greedy(Transformer(golden_model, d), g["prompt_ids"], 12)
+    ref_toks, ref = await greedy(Transformer(golden_model), g["prompt_ids"], 12)
+    assert toks == ref_toks == g["greedy_ids"][:12]
+    assert max((x - y).abs().max().item() for x, y in zip(lgs, ref, strict=True)) <= 1e-5
+    rep = d.report()
+    assert rep["layers"][0]["remote_rows"] > 0 and rep["layers"][0]["local_rows"] > 0
+    assert rep["layers"][1]["remote_rows"] == 0
+
+
+def nan_wrap(h: Handler) -> Handler:
+    async def bad(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        out = await h(req, rows)
+        return torch.full_like(out, float("nan"))
+    return bad
+
+
+def raise_wrap(h: Handler) -> Handler:
+    async def bad(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("disk on fire")
+    return bad
+
+
+def hang_wrap(h: Handler) -> Handler:
+    async def bad(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        await trio.sleep_forever()
+        raise AssertionError
+    return bad
+
+
+@pytest.mark.parametrize("wrap", [nan_wrap, raise_wrap, hang_wrap], ids=["nan", "error", "hang"])
+async def test_misbehaving_worker_falls_back(
+    nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport,
+    wrap: Callable[[Handler], Handler],
+) -> None:
+    bad = await start_volunteer(nursery, golden_model, HALVES, wrap=wrap)
+    m = dmap(golden_model, 1, {k: [bad] for k in HALVES})
+    d = await make_dispatcher(nursery, golden_model, coord_transport, timeout_s=0.3)
+    d.set_map(m)
+    ref = await make_dispatcher(nursery, golden_model, None)
+    ref.set_map(m)
+    g = golden["greedy"][2]
+    toks, lgs = await greedy(Transformer(golden_model, d), g["prompt_ids"], 6)
+    ref_toks, ref_lgs = await greedy(Transformer(golden_model, ref), g["prompt_ids"], 6)
+    assert toks == ref_toks == g["greedy_ids"][:6]
+    assert all(torch.equal(x, y) for x, y in zip(lgs, ref_lgs, strict=True))
+    [w] = d.report()["workers"]
+    assert w["state"] == "down" and w["failures"] >= 1 and w["last_error"]
+    assert w["last_serve_ms"] == 0
+    assert sum(L["fallback_rows"] for L in d.report()["layers"]) > 0
+
+
+async def test_next_replica_then_recovery(nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport) -> None:
+    """A failing first replica hands its range to the second; after its backoff it is tried again."""
+    bad = await start_volunteer(nursery, golden_model, HALVES, wrap=raise_wrap)
+    good = await start_volunteer(nursery, golden_model, HALVES)
+    m = dmap(golden_model, 1, {k: [bad, good] for k in HALVES})
+    d = await make_dispatcher(nursery, golden_model, coord_transport)
+    d.table.backoff_base_s = 0.2
+    d.set_map(m)
+    g = golden["greedy"][0]
+    toks, _ = await greedy(Transformer(golden_model, d), g["prompt_ids"], 8)
+    assert toks == g["greedy_ids"][:8]
+    rep = {w["peer_id"]: w for w in d.report()["workers"]}
+    assert rep[good.peer_id]["calls"] > 0 and rep[good.peer_id]["state"] == "up"
+    assert rep[bad.peer_id]["failures"] >= 1
+    assert sum(L["fallback_rows"] for L in d.report()["layers"]) == 0  # the good replica took everything
+
+
+async def test_dead_worker_then_map_change(nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport, tmp_path: Path) -> None:
+    a = await start_volunteer(nursery, golden_model, HALVES)
+    path = tmp_path / "map.json"
+    import msgspec
+
+    path.write_bytes(msgspec.json.encode(dmap(golden_model, 1, {k: [a] for k in HALVES})))
+    d = await make_dispatcher(nursery, golden_model, coord_transport, timeout_s=1.0)
+    await nursery.start(functools.partial(watch_dispatch_map_file, interval_s=0.05), path, d)
+    assert d.map is not None and d.map.version == 1
+    g = golden["greedy"][0]
+    tr = Transformer(golden_model, d)
+    toks, _ = await greedy(tr, g["prompt_ids"], 4)
+    assert a.server.stats.calls > 0
+    a.cancel.cancel()  # the volunteer dies (its host closes every connection)
+    await trio.sleep(0.2)
+    toks2, _ = await greedy(tr, g["prompt_ids"], 8)
+    assert toks2 == g["greedy_ids"][:8] and toks == toks2[:4]
+    assert d.report()["workers"][0]["state"] == "down"
+    # the operator removes it from the map: the dispatcher detaches it
+    path.write_bytes(msgspec.json.encode(DispatchMap(golden_model.model_id, 2, [])))
+    for _ in range(100):
+        if d.map.version == 2:
+            break
+        await trio.sleep(0.02)
+    assert d.map.version == 2 and d.report()["workers"] == []
+    # a broken file is ignored, the last good map stays
+    path.write_text("{broken")
+    await trio.sleep(0.2)
+    assert d.map.version == 2
+
+
+async def test_map_for_other_model_rejected(nursery: trio.Nursery, golden_model: GGUFModel) -> None:
+    from swarm.errors import ConfigError
+
+    d = await make_dispatcher(nursery, golden_model, None)
+    with pytest.raises(ConfigError, match="this coordinator hosts"):
+        d.set_map(DispatchMap("other-model", 1, []))
+    with pytest.raises(ConfigError, match="beyond 8 experts"):
+        d.set_map(DispatchMap(golden_model.model_id, 1, [LayerRanges(0, [RangeReplicas(4, 9, [])])]))
+    assert d.set_map(DispatchMap(golden_model.model_id, 5, []))
+    assert not d.set_map(DispatchMap(golden_model.model_id, 4, []))  # older: ignored
+
+
+async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], tmp_path: Path) -> None:
+    """Through the real coordinator service: --dispatch-map file, /dispatch, tokens unchanged."""
+    from coordinator.server import CoordinatorConfig, serve_coordinator
+
+    a = await start_volunteer(nursery, golden_model, HALVES)
+    path = tmp_path / "map.json"
+    import msgspec
+
+    path.write_bytes(msgspec.json.encode(dmap(golden_model, 3, {k: [a] for k in HALVES})))
+    url = await nursery.start(serve_coordinator, CoordinatorConfig(model=str(golden_model.path), port=0,
+                                                                  data_dir=str(tmp_path / "c"), dispatch_map=str(path)))
+    g = golden["greedy"][0]
+    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        r = await h.post("/v1/completions", json={"model": golden_model.model_id, "prompt": g["prompt_ids"],
+                                                  "max_tokens": 24, "temperature": 0, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == g["greedy_ids"]
+        rep = (await h.get("/dispatch")).json()
+    assert rep["map_version"] == 3
+    [w] = rep["workers"]
+    assert w["peer_id"] == a.peer_id and w["calls"] > 0 and w["last_serve_ms"] > 0 and w["latency_ewma_ms"] > 0
+    assert set(w) >= {"state", "calls", "rows", "last_serve_ms", "latency_ewma_ms", "failures", "path"}
+    assert json.dumps(rep)
