@@ -1,0 +1,115 @@
+"""Real processes on loopback: a coordinator and a volunteer started from the command line;
+``kill -9`` of the volunteer mid-generation leaves the output unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from swarm.gguf_model import model_id_for
+from tests.conftest import GOLDEN_GGUF, eventually
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swarm.cli", "--log-level", "WARNING", *args]
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self.fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.p = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.fh.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in reversed(started):
+        p.stop()
+
+
+async def wait_for_line(proc: Proc, prefix: str, within: float = 60) -> str:
+    async def found() -> str | None:
+        if proc.p.poll() is not None:
+            raise AssertionError(f"process exited {proc.p.returncode}:\n{proc.text()}")
+        for line in proc.text().splitlines():
+            if line.startswith(prefix):
+                return line
+        return None
+
+    line: str = await eventually(found, within=within, interval=0.05)
+    return line
+
+
+async def test_kill_9_volunteer_mid_generation(procs: list[Proc], tmp_path: Path) -> None:
+    map_path = tmp_path / "map.json"
+    map_path.write_text(json.dumps({"model_id": model_id_for(GOLDEN_GGUF), "version": 0, "layers": []}))
+    coord = Proc(cli("coordinator", "--model", str(GOLDEN_GGUF), "--port", "0", "--data-dir", str(tmp_path / "c"),
+                     "--expert-timeout", "1.0", "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
+    procs.append(coord)
+    url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    async with httpx.AsyncClient(base_url=url, timeout=60) as h:
+        model_id = (await h.get("/v1/models")).json()["data"][0]["id"]
+        body: dict[str, Any] = {"model": model_id, "prompt": "The quick brown fox", "max_tokens": 200, "temperature": 0,
+                                "ignore_eos": True, "return_token_ids": True}
+        local = (await h.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+        assert len(local) == 200
+
+        vol = Proc(cli("volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
+                       "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
+        procs.append(vol)
+        await wait_for_line(vol, "volunteer ready ")
+        info = json.loads((tmp_path / "v" / "volunteer.json").read_text())
+        layers = [{"layer": L, "ranges": [{"lo": 0, "hi": 8, "replicas": [{"peer_id": info["peer_id"], "addrs": info["addrs"]}]}]}
+                  for L in (0, 1)]
+        map_path.write_text(json.dumps({"model_id": model_id, "version": 1, "layers": layers}))
+
+        async def attached() -> bool:
+            return len((await h.get("/dispatch")).json()["workers"]) == 1
+
+        await eventually(attached)
+        tokens: list[int] = []
+        killed_at = None
+        async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])["choices"][0]
+                tokens.extend(ch.get("token_ids", []))
+                if killed_at is None and len(tokens) >= 20:
+                    rep = (await h.get("/dispatch")).json()["workers"][0]
+                    assert rep["calls"] > 0 and rep["last_serve_ms"] > 0  # it really served before dying
+                    vol.p.send_signal(signal.SIGKILL)
+                    killed_at = len(tokens)
+        assert killed_at is not None and killed_at < 200
+        assert tokens == local  # no token lost, duplicated or changed
+        [w] = (await h.get("/dispatch")).json()["workers"]
+        assert w["state"] == "down" and w["failures"] >= 1
+        assert sum(L["fallback_rows"] + L["local_rows"] for L in (await h.get("/dispatch")).json()["layers"]) > 0
+    await trio.sleep(0)
