@@ -10,18 +10,20 @@ Rules:
   after it, our own ``read``/``write`` raise ``ClosedError``. A reset, a dead connection or a
   partition raises ``BrokenError`` -- except that py-libp2p 0.8.1 reports a stream reset by the
   peer as end of stream when the reset arrives before the read, so callers must treat an
-  unexpected ``b""`` as a broken stream too. Only errors from ``swarm.errors`` escape: library exceptions are
-  translated at this boundary.
+  unexpected ``b""`` as a broken stream too. Only errors from ``swarm.errors`` escape: library
+  exceptions are translated at this boundary.
 - ``open_stream`` raises ``DialError`` (a ``TransportError``) when the peer is unknown,
-  unreachable, partitioned away or does not speak the protocol.
+  unreachable, partitioned away or does not speak the protocol, ``TransportTimeout`` when the dial
+  outlasts the transport's dial timeout, ``ClosedError`` once the transport is closed.
 - Inbound streams run their handler in a task owned by the transport; when the handler returns the
   stream is closed, when it raises the stream is reset and the error logged. The listener keeps
   serving every other stream. At most ``max_inbound_streams_per_peer`` inbound streams per peer are
   open at once; more are reset on arrival.
 - The fake uses only trio primitives and ``trio.sleep``, so it runs under ``trio.testing.MockClock``
   (virtual time); its randomness comes from an injected ``random.Random``.
-- The py-libp2p workarounds (see ``_WorkaroundSwarm`` and ``_build_libp2p_host``) are applied when
-  ``open_libp2p_transport`` builds its host; importing this module changes nothing in the library.
+- The py-libp2p 0.8.1 workarounds are listed in one comment block ("py-libp2p 0.8.1 workarounds"
+  below) and applied when ``open_libp2p_transport`` builds and closes its host; importing this
+  module changes nothing in the library.
 """
 
 from __future__ import annotations
@@ -628,17 +630,6 @@ class Libp2pTransport(Transport):
                 break
 
 
-async def _close_quietly(conn: Any) -> None:
-    """Close a connection to the end, even when cancelled: an interrupted close marks the connection
-    closed without closing its socket, and a later close() then returns at once (py-libp2p 0.8.1)."""
-    with trio.move_on_after(5) as scope:
-        scope.shield = True
-        try:
-            await conn.close()
-        except Exception as exc:
-            log.debug("closing connection: %r", exc)
-
-
 def _strip_p2p(addr: str, peer_id: str) -> Any:
     """A multiaddr without its trailing ``/p2p/<id>``; refuses one naming another peer."""
     from multiaddr import Multiaddr
@@ -650,6 +641,51 @@ def _strip_p2p(addr: str, peer_id: str) -> Any:
             raise ValueError(f"address {addr} names peer {named}, not {peer_id}")
         maddr = maddr.decapsulate(Multiaddr(f"/p2p/{named}"))
     return maddr
+
+
+@asynccontextmanager
+async def open_libp2p_transport(
+    *,
+    key_path: Path | None,
+    listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    dial_timeout_s: float = 10.0,
+    max_inbound_streams_per_peer: int = DEFAULT_MAX_INBOUND_STREAMS_PER_PEER,
+) -> AsyncIterator[Libp2pTransport]:
+    """A running libp2p host listening on ``listen_addrs``; closed cleanly on exit.
+
+    The identity is loaded from ``key_path`` (created on first use); ``None`` means a fresh,
+    unsaved identity (tests, one-off tools).
+    """
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from multiaddr import Multiaddr
+
+    if key_path is None:
+        key_pair = create_new_key_pair()
+    else:
+        key_pair = await trio.to_thread.run_sync(load_or_create_identity, key_path)
+    try:
+        maddrs = [Multiaddr(a) for a in listen_addrs]
+    except Exception as exc:
+        raise ConfigError(f"bad listen address in {list(listen_addrs)}: {exc}") from exc
+    host = _build_libp2p_host(key_pair)
+    async with host.run(listen_addrs=maddrs):
+        try:
+            if not host.get_addrs():
+                raise ConfigError(f"could not listen on any of {list(listen_addrs)}")
+            async with trio.open_nursery() as nursery:
+                transport = Libp2pTransport(
+                    host,
+                    nursery,
+                    dial_timeout_s=dial_timeout_s,
+                    max_inbound_streams_per_peer=max_inbound_streams_per_peer,
+                )
+                try:
+                    yield transport
+                finally:
+                    transport._closed = True
+                    nursery.cancel_scope.cancel()
+        finally:
+            await _close_network(host)
 
 
 # --------------------------------------------------------------------------------------------
@@ -668,8 +704,19 @@ def _strip_p2p(addr: str, peer_id: str) -> Any:
 #     last address, and a success only ends the wait if it reaches max_connections_per_peer (3 by
 #     default). Fix: max_connections_per_peer=1 (we want one connection per peer anyway), so the
 #     first success cancels the wait, as happy eyeballs intends.
+# (c) A stream per call costs a multistream-select round trip (~3.5 ms): not patched here;
+#     swarm.expert_rpc keeps one long-lived, pipelined stream per peer instead.
+# (d) Shutdown leaked sockets: the library closes connections and listeners in its service's
+#     ``finally`` while being cancelled, so each close stops at its first checkpoint. The
+#     listening socket lives in a trio system task and stays open; with SO_REUSEPORT a peer
+#     restarted on the same port shares it with the dead listener, which swallows some of its
+#     connections. Fix: ``_close_network`` closes listeners, then connections, shielded, before
+#     the service stops; ``_close_quietly`` shields every connection close (an interrupted close
+#     marks the connection closed, so a second close() returns without closing the socket).
 # Also configured: no dial retries and no negative dial cache (a failed dial otherwise blocks
 # that peer for 60 s even after it is back): retry policy belongs to the caller, who can see it.
+# min_connections = low_watermark = 0, so the auto-connector does not dial peerstore entries to
+# keep 100 connections open.
 # Only Noise and Yamux are offered (new_host also offers TLS, SECIO and plaintext, and Mplex).
 # No ResourceManager: its default circuit breaker, per-peer connection rate limit and
 # memory-based admission fail connections in ways the caller cannot see or configure here; the
@@ -753,51 +800,6 @@ def _build_libp2p_host(key_pair: KeyPair) -> BasicHost:
     return BasicHost(network=swarm)
 
 
-@asynccontextmanager
-async def open_libp2p_transport(
-    *,
-    key_path: Path | None,
-    listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
-    dial_timeout_s: float = 10.0,
-    max_inbound_streams_per_peer: int = DEFAULT_MAX_INBOUND_STREAMS_PER_PEER,
-) -> AsyncIterator[Libp2pTransport]:
-    """A running libp2p host listening on ``listen_addrs``; closed cleanly on exit.
-
-    The identity is loaded from ``key_path`` (created on first use); ``None`` means a fresh,
-    unsaved identity (tests, one-off tools).
-    """
-    from libp2p.crypto.ed25519 import create_new_key_pair
-    from multiaddr import Multiaddr
-
-    if key_path is None:
-        key_pair = create_new_key_pair()
-    else:
-        key_pair = await trio.to_thread.run_sync(load_or_create_identity, key_path)
-    try:
-        maddrs = [Multiaddr(a) for a in listen_addrs]
-    except Exception as exc:
-        raise ConfigError(f"bad listen address in {list(listen_addrs)}: {exc}") from exc
-    host = _build_libp2p_host(key_pair)
-    async with host.run(listen_addrs=maddrs):
-        try:
-            if not host.get_addrs():
-                raise ConfigError(f"could not listen on any of {list(listen_addrs)}")
-            async with trio.open_nursery() as nursery:
-                transport = Libp2pTransport(
-                    host,
-                    nursery,
-                    dial_timeout_s=dial_timeout_s,
-                    max_inbound_streams_per_peer=max_inbound_streams_per_peer,
-                )
-                try:
-                    yield transport
-                finally:
-                    transport._closed = True
-                    nursery.cancel_scope.cancel()
-        finally:
-            await _close_network(host)
-
-
 async def _close_network(host: BasicHost) -> None:
     """Close listeners, then every connection (in parallel), shielded, before the service stops.
 
@@ -819,3 +821,14 @@ async def _close_network(host: BasicHost) -> None:
             for conns in list(network.connections.values()):
                 for conn in list(conns):
                     nursery.start_soon(_close_quietly, conn)
+
+
+async def _close_quietly(conn: Any) -> None:
+    """Close a connection to the end, even when cancelled: an interrupted close marks the connection
+    closed without closing its socket, and a later close() then returns at once (py-libp2p 0.8.1)."""
+    with trio.move_on_after(5) as scope:
+        scope.shield = True
+        try:
+            await conn.close()
+        except Exception as exc:
+            log.debug("closing connection: %r", exc)

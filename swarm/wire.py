@@ -425,13 +425,18 @@ class FrameReader:
     async def receive_message(self) -> tuple[Message, bytearray] | None:
         """The next message and its payload; None at a clean end of stream.
 
-        A payload beyond the limit raises ``FrameTooLarge`` (not fatal) attributed to the request
-        if its header named one; an undecodable header raises ``MalformedHeader`` (not fatal).
+        A payload beyond the limit raises ``FrameTooLarge`` and a request or answer with more than
+        ``max_rows`` rows ``TooManyRows``, both attributed to the request and not fatal; an
+        undecodable header raises ``MalformedHeader`` (not fatal).
         """
         frame = await self.receive_frame()
         if frame is None:
             return None
         msg = decode_message(frame.header)
+        if isinstance(msg, ExpertRequest | ExpertResponse) and msg.n_rows > self._limits.max_rows:
+            raise _attributed(
+                TooManyRows, f"{msg.n_rows} rows exceed the limit of {self._limits.max_rows}", msg
+            )
         if frame.payload is None:
             request_id = getattr(msg, "request_id", None)
             attempt = getattr(msg, "attempt", None)
@@ -467,7 +472,7 @@ def choose_dtype(preferred: str, ours: list[str] | tuple[str, ...], theirs: list
     return common[0]
 
 
-def _attributed(cls: type[WireError], message: str, req: ExpertRequest) -> WireError:
+def _attributed(cls: type[WireError], message: str, req: ExpertRequest | ExpertResponse) -> WireError:
     return cls(message, request_id=req.request_id, attempt=req.attempt)
 
 

@@ -264,6 +264,34 @@ async def test_bfloat16_path_and_dtype_negotiation(net: Net, clock: trio.testing
     assert torch.equal(out, expected(req, rows))
 
 
+async def test_the_server_bounds_requests_in_flight_per_stream(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    running = peak = 0
+
+    async def slow(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await trio.sleep(0.02)
+        running -= 1
+        return expected(req, rows)
+
+    results: dict[int, torch.Tensor] = {}
+    async with serving(net, slow, limits=WireLimits(max_in_flight=2)) as server, net.open() as me:
+        async with client_of(me, server) as client:
+
+            async def one(rid: int) -> None:
+                results[rid] = await client.call(make_request(rid), rows_for(rid), timeout=10)
+
+            async with trio.open_nursery() as nursery:
+                for rid in range(8):
+                    nursery.start_soon(one, rid)
+            assert client.peer_hello is not None and client.peer_hello.max_in_flight == 2
+    assert peak == 2
+    assert all(torch.equal(results[rid], expected(make_request(rid), rows_for(rid))) for rid in range(8))
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input gets error answers; the server keeps serving
 

@@ -320,7 +320,9 @@ async def test_frame_reader_reads_messages_and_attributes_oversized_frames() -> 
         + b"\xc1\xc1\xc1"
         + encode_frame(MESSAGES[4])
     )
-    reader = FrameReader(ChunkedStream(data, 7), WireLimits(max_frame_bytes=1024))
+    data += encode_frame(request(request_id=RequestId(10), n_rows=65), bytes(4))
+    data += encode_frame(MESSAGES[4])
+    reader = FrameReader(ChunkedStream(data, 7), WireLimits(max_frame_bytes=1024, max_rows=64))
     got = await reader.receive_message()
     assert got is not None and got[0] == request() and got[1] == bytes(24)
     with pytest.raises(FrameTooLarge) as info:
@@ -328,6 +330,15 @@ async def test_frame_reader_reads_messages_and_attributes_oversized_frames() -> 
     assert (info.value.request_id, info.value.attempt, info.value.fatal) == (9, 1, False)
     with pytest.raises(MalformedHeader):
         await reader.receive_message()
+    got = await reader.receive_message()
+    assert got is not None and got[0] == MESSAGES[4]
+    with pytest.raises(WireError) as rows_info:
+        await reader.receive_message()
+    assert (rows_info.value.code, rows_info.value.request_id, rows_info.value.fatal) == (
+        "too_many_rows",
+        10,
+        False,
+    )
     got = await reader.receive_message()
     assert got is not None and got[0] == MESSAGES[4]
     assert await reader.receive_message() is None
