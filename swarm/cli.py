@@ -82,6 +82,11 @@ def _volunteer(ns: argparse.Namespace) -> None:
         progress=not ns.no_progress,
     )
     check_config(cfg)
+    import torch
+
+    # parallelism comes from --threads compute threads; one intra-op thread each keeps them from
+    # oversubscribing the cores (OpenMP threads spin while idle)
+    torch.set_num_threads(1)
     run_service(serve_static_volunteer, cfg)
 
 
@@ -116,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
     v.add_argument("--data-dir", default=os.path.expanduser("~/.local/share/moe-swarm/volunteer"))
     v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
-    v.add_argument("--threads", type=int, default=2, help="compute threads")
+    v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads")
     v.add_argument("--no-progress", action="store_true", help="no download progress bar")
     v.set_defaults(func=_volunteer)
     return p
