@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.lowlevel
 
 from swarm.gguf_model import model_id_for
 from tests.conftest import GOLDEN_GGUF, eventually
@@ -112,4 +113,4 @@ async def test_kill_9_volunteer_mid_generation(procs: list[Proc], tmp_path: Path
         [w] = (await h.get("/dispatch")).json()["workers"]
         assert w["state"] == "down" and w["failures"] >= 1
         assert sum(L["fallback_rows"] + L["local_rows"] for L in (await h.get("/dispatch")).json()["layers"]) > 0
-    await trio.sleep(0)
+    await trio.lowlevel.checkpoint()

@@ -25,7 +25,6 @@ from swarm.transport import Transport, open_libp2p_transport
 from swarm.wire import PROTOCOL_ID, ExpertRequest
 from volunteer.server import ExpertServer
 
-
 Handler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]
 
 
