@@ -1,0 +1,360 @@
+"""The market's HTTP API (shell: Starlette ASGI app over ``market.state.Market``).
+
+Endpoints (bodies are JSON of the Structs in ``market.schemas``):
+
+- ``POST /api/models`` (operator token: ``Authorization: Bearer TOKEN``) ``RegisterModels``
+  ``{url, models: [manifest...], epoch}`` -> ``RegisterAck``. Several coordinators may host one
+  model; a coordinator's list replaces its previous one; an older ``epoch`` is refused (409).
+- ``POST /api/expert-volunteer`` ``VolunteerRequest {peer_id, max_bytes | max_experts, models?}``
+  -> ``{"kind": "assignment", model_id, layer, lo, hi, slice, url, size, sha256, lease_id,
+  lease_expires_in_s, scarcity, relays, heartbeat_s, coordinator}`` or ``{"kind":
+  "nothing_needed", reason, retry_after_s}`` (also sent as ``Retry-After``). Polling again
+  while a lease is open returns the same lease. Size and sha256 come from a ``HEAD`` of the
+  slice URL on the coordinator (its ETag), bounded in time; when no coordinator answers, the
+  lease is cancelled and the answer is ``nothing_needed`` / ``coordinator_unreachable``.
+- ``POST /api/expert-coverage`` ``CoverageHeartbeat {peer_id, epoch, sequence, addrs, slices:
+  [{model_id, layer, lo, hi, state, last_serve_ms}], load, max_bytes, signature}`` -> ``CoverageAck
+  {peer_id, epoch, sequence, slices: [SliceDirective], heartbeat_s, ttl_s, relays}``.
+  ``signature`` (base64 in JSON) must be the peer's Ed25519 signature (``swarm.identity``).
+- ``GET /api/expert-demand[?model=ID]`` -> ``DemandView``: per model and segment the replicas,
+  pending, target and scarcity, plus ``recruiting``.
+- ``GET /api/expert-dispatch-map?model=ID[&after=V&wait_s=S]`` -> the DESIGN §11 dispatch map.
+  With ``after``, waits up to ``wait_s`` (<= 30) for a version above ``V`` (long poll), then
+  answers with the current map either way. ``ETag`` is the quoted version; ``If-None-Match``
+  with it -> 304.
+- ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /metrics`` (Prometheus);
+  ``GET /health``.
+
+The release / age-out protocol (what a volunteer does with ``CoverageAck.slices``):
+
+1. A heartbeat lists every slice the volunteer holds, with ``state`` ``loading`` (downloading or
+   loading: not dispatched, but its lease is converted, so nobody else is sent for it),
+   ``serving`` (dispatchable) or ``draining`` (the volunteer is leaving: not dispatched). A
+   slice left out of a heartbeat is released: the market forgets it. An empty list deregisters.
+2. Each directive says what to do with one listed slice: ``keep`` (``dispatched`` tells whether
+   coordinators are told to use it); ``drain`` — the target fell and this holding is surplus: it
+   is out of the dispatch map (coordinators stop sending new calls within about a second);
+   keep answering calls in flight and keep listing it; ``release_in_s`` says when it will be
+   released; if demand rises again before then, it turns back into ``keep`` / dispatched;
+   ``release`` — drop the slice now (``reason``: ``surplus`` after the cooldown, or
+   ``unknown_model`` / ``bad_slice_range``), leave it out of the next heartbeat and poll
+   ``/api/expert-volunteer`` again when idle.
+3. A volunteer silent for ``ttl_s`` expires (its slices leave the map). Heartbeat every
+   ``heartbeat_s`` (a third of the TTL). On a market outage keep serving and retry; the market
+   keeps its registrations, and its first answers after a restart are normal ones.
+
+Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with stable codes:
+``invalid_body`` (400: not JSON or not the schema), ``missing_budget``, ``missing_parameter``,
+``bad_parameter``, ``bad_peer_id``, ``bad_manifest``, ``duplicate_slice`` (400);
+``bad_signature``, ``unauthorized`` (401); ``unknown_model``, ``not_found`` (404);
+``method_not_allowed`` (405); ``stale_epoch``, ``replayed_sequence``, ``stale_registration``,
+``manifest_conflict`` (409); ``body_too_large`` (413); ``store_error`` (503).
+Bad input never takes the market down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from market.core.assign import NoOfferReason
+from market.loops import Clock, MapWatch
+from market.schemas import (
+    Assignment,
+    ErrorBody,
+    ErrorDetail,
+    NothingNeeded,
+    coverage_decoder,
+    register_decoder,
+    volunteer_decoder,
+)
+from market.state import Market, NoOffer, Offer
+from swarm.errors import RequestError, SwarmError
+from swarm.identity import check_peer_id, verify_body
+
+__all__ = ["MarketApi", "SliceDescriber", "build_market_app", "error_response"]
+
+log = logging.getLogger(__name__)
+
+_MAX_BODY: Final = 4 << 20
+_MAX_WAIT_S: Final = 30.0
+_UNREACHABLE_RETRY_S: Final = 2.0
+_encoder = msgspec.json.Encoder()
+
+# url -> (sha256 hex, size); raises SwarmError when the coordinator cannot describe the file
+SliceDescriber = Callable[[str], Awaitable[tuple[str, int]]]
+
+
+@dataclass
+class MarketApi:
+    """What the HTTP layer needs: the market, its clock and the shell's I/O helpers."""
+
+    market: Market
+    clock: Clock
+    describe_slice: SliceDescriber
+    watch: MapWatch = field(default_factory=MapWatch)
+    token: str | None = None
+    relays: list[str] = field(default_factory=list)
+    describe_timeout_s: float = 10.0
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def error_response(exc: SwarmError, status: int | None = None, headers: dict[str, str] | None = None) -> Response:
+    st = status if status is not None else getattr(exc, "status", 400)
+    kind = "invalid_request_error" if st < 500 else "server_error"
+    return _json(ErrorBody(ErrorDetail(exc.message, kind, exc.code, getattr(exc, "param", None))), st, headers)
+
+
+async def _read_body(request: Request, limit: int = _MAX_BODY) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"body larger than {limit} bytes", code="body_too_large", status=413)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"body larger than {limit} bytes", code="body_too_large", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"invalid body: {exc}", code="invalid_body") from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"body is not valid JSON: {exc}", code="invalid_body") from exc
+
+
+def _required_param(request: Request, name: str) -> str:
+    v = request.query_params.get(name)
+    if v is None:
+        raise RequestError(f"query parameter {name!r} is required", code="missing_parameter", param=name)
+    return v
+
+
+def _float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise RequestError(f"{name} must be a number", code="bad_parameter", param=name) from None
+    if not lo <= v <= hi:
+        raise RequestError(f"{name} must be within [{lo}, {hi}]", code="bad_parameter", param=name)
+    return v
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    if not raw.isdigit() or len(raw) > 18:
+        raise RequestError(f"{name} must be a non-negative integer", code="bad_parameter", param=name)
+    return int(raw)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _guarded(fn: Handler) -> Handler:
+    async def run(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except RequestError as exc:
+            return error_response(exc)
+        except SwarmError as exc:  # a store failure: the request did not complete
+            log.error("%s %s failed: %s [%s]", request.method, request.url.path, exc, exc.code)
+            return error_response(exc, 503)
+
+    return run
+
+
+class _MarketCollector(Collector):
+    def __init__(self, api: MarketApi) -> None:
+        self.api = api
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.api.market
+        now = self.api.clock()
+        c = CounterMetricFamily("moe_swarm_market_events", "Market events by kind", labels=["event"])
+        for k, v in sorted(m.counters.items()):
+            c.add_metric([k], v)
+        yield c
+        g = GaugeMetricFamily("moe_swarm_market_volunteers", "Volunteers holding coverage")
+        g.add_metric([], m.live_volunteers())
+        yield g
+        g = GaugeMetricFamily("moe_swarm_market_leases", "Open leases")
+        g.add_metric([], len(m.leases))
+        yield g
+        g = GaugeMetricFamily("moe_swarm_market_coordinators", "Registered coordinators")
+        g.add_metric([], len(m.coordinators))
+        yield g
+        per_model = {
+            "recruiting": ("moe_swarm_market_recruiting", "1 while the model's target is boosted"),
+            "saturated": ("moe_swarm_market_saturated", "1 while a coordinator of the model is saturated"),
+            "target": ("moe_swarm_market_effective_target", "Replicas wanted per expert"),
+            "min": ("moe_swarm_market_replicas_min", "Fewest live replicas of any expert"),
+            "version": ("moe_swarm_market_map_version", "Dispatch map version"),
+        }
+        fams = {k: GaugeMetricFamily(n, d, labels=["model"]) for k, (n, d) in per_model.items()}
+        for mid in sorted(m.models):
+            fams["recruiting"].add_metric([mid], float(m.recruiting(mid)))
+            fams["saturated"].add_metric([mid], float(m.saturated(mid, now)))
+            fams["target"].add_metric([mid], m.target(mid))
+            fams["min"].add_metric([mid], m.counts[mid].min_replicas())
+            fams["version"].add_metric([mid], m.map_version(mid))
+        yield from fams.values()
+
+
+def build_market_app(api: MarketApi) -> Starlette:
+    m = api.market
+    registry = CollectorRegistry()
+    registry.register(_MarketCollector(api))
+
+    def check_token(request: Request) -> None:
+        if api.token is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, value = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), api.token.encode()):
+            raise RequestError("operator token required (Authorization: Bearer TOKEN)", code="unauthorized", status=401)
+
+    @_guarded
+    async def register(request: Request) -> Response:
+        check_token(request)
+        req = _decode(register_decoder, await _read_body(request))
+        ack = m.register(req, api.clock())
+        log.info("coordinator %s registered %s", req.url, ", ".join(ack.model_ids) or "no models")
+        return _json(ack)
+
+    async def describe(offer: Offer) -> tuple[str, str, int] | None:
+        path = offer.lease.slice.http_path
+        for base in offer.sources:
+            url = base.rstrip("/") + path
+            with trio.move_on_after(api.describe_timeout_s):
+                try:
+                    sha, size = await api.describe_slice(url)
+                except SwarmError as exc:
+                    log.warning("cannot describe %s: %s", url, exc)
+                    continue
+                return url, sha, size
+            log.warning("describing %s timed out", url)
+        return None
+
+    def nothing(reason: str, retry_after_s: float, message: str = "") -> Response:
+        body = NothingNeeded(reason, round(retry_after_s, 3), message)
+        return _json(body, headers={"retry-after": str(max(1, round(retry_after_s)))})
+
+    @_guarded
+    async def volunteer(request: Request) -> Response:
+        req = _decode(volunteer_decoder, await _read_body(request))
+        check_peer_id(req.peer_id)
+        res = m.volunteer(req, api.clock())
+        if isinstance(res, NoOffer):
+            return nothing(res.reason.value, res.retry_after_s)
+        found = await describe(res)
+        if found is None:
+            m.cancel_lease(res.lease.lease_id)
+            return nothing(
+                NoOfferReason.COORDINATOR_UNREACHABLE.value,
+                _UNREACHABLE_RETRY_S,
+                "no coordinator hosting the model could describe the slice file",
+            )
+        url, sha, size = found
+        s = res.lease.slice
+        return _json(
+            Assignment(
+                model_id=s.model_id,
+                layer=s.layer,
+                lo=s.lo,
+                hi=s.hi,
+                slice=str(s),
+                url=url,
+                size=size,
+                sha256=sha,
+                lease_id=res.lease.lease_id,
+                lease_expires_in_s=round(max(0.0, res.lease.expires_at - api.clock()), 3),
+                scarcity=res.scarcity,
+                relays=list(api.relays),
+                heartbeat_s=m.policy.heartbeat_s,
+                coordinator=url[: len(url) - len(s.http_path)],
+            )
+        )
+
+    @_guarded
+    async def coverage(request: Request) -> Response:
+        hb = _decode(coverage_decoder, await _read_body(request))
+        verify_body(hb.peer_id, hb, hb.signature)
+        ack = m.heartbeat(hb, api.clock())
+        return _json(msgspec.structs.replace(ack, relays=list(api.relays)))
+
+    @_guarded
+    async def demand(request: Request) -> Response:
+        model = request.query_params.get("model")
+        return _json(m.demand(api.clock(), None if model is None else [model]))
+
+    @_guarded
+    async def dispatch_map(request: Request) -> Response:
+        model = _required_param(request, "model")
+        m.dispatch_map(model)  # 404 for an unknown model before any waiting
+        after = _int_param(request, "after")
+        if after is not None:
+            wait_s = _float_param(request, "wait_s", 10.0, 0.0, _MAX_WAIT_S)
+            await api.watch.wait_until(lambda: m.map_version(model) > after, wait_s)
+        dm = m.dispatch_map(model)
+        etag = f'"{dm.version}"'
+        if request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers={"etag": etag})
+        return _json(dm, headers={"etag": etag, "cache-control": "no-cache"})
+
+    @_guarded
+    async def recruitment(_: Request) -> Response:
+        return _json(m.recruitment(api.clock()))
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def health(_: Request) -> Response:
+        return _json({"status": "ok", "models": len(m.models), "volunteers": m.live_volunteers()})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = str(exc.detail) if isinstance(exc, HTTPException) else "internal error"
+        headers = dict(exc.headers) if isinstance(exc, HTTPException) and exc.headers else None
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        return error_response(RequestError(detail, code=code, status=status), headers=headers)
+
+    return Starlette(
+        routes=[
+            Route("/api/models", register, methods=["POST"]),
+            Route("/api/expert-volunteer", volunteer, methods=["POST"]),
+            Route("/api/expert-coverage", coverage, methods=["POST"]),
+            Route("/api/expert-demand", demand, methods=["GET"]),
+            Route("/api/expert-dispatch-map", dispatch_map, methods=["GET"]),
+            Route("/api/moe/recruitment", recruitment, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+    )

@@ -1,0 +1,104 @@
+"""``moe-swarm market`` (shell: flags -> ``MarketConfig`` -> ``serve_market``).
+
+``moe-swarm market --db PATH [--host H] [--port P] [--token T] [--relay MULTIADDR ...]
+[--poll-interval S] [--saturation-threshold N] [--base-target N] [--boost N] [--lease-s S]
+[--heartbeat-ttl-s S] [--cooldown-s S] [--hold-s S] ...``
+
+Rules: flags are parsed once into a frozen config (constraints checked: ``ConfigError``); the
+token falls back to ``MOE_SWARM_TOKEN``, read here at the edge; ``--db :memory:`` keeps the
+state in the process only (tests, throwaway demos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import msgspec
+import trio
+
+from market.server import MarketConfig, serve_market
+from market.state import MarketPolicy
+from swarm.errors import ConfigError
+
+__all__ = ["add_market_parser", "config_from_args", "run_market_command"]
+
+_DEFAULT_DATA_DIR = "~/.local/share/moe-swarm/market"
+
+
+def add_market_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``market`` on an ``argparse`` subparsers object; ``func(ns) -> int`` runs it."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "market", help="run the demand market: registry, recruitment, dispatch maps (HTTP API)"
+    )
+    d = MarketPolicy()
+    c = MarketConfig(db="")
+    p.add_argument("--db", default=None, help="SQLite database (default: DATA_DIR/market.db; ':memory:' = volatile)")
+    p.add_argument("--data-dir", default=_DEFAULT_DATA_DIR, help="where the default database lives")
+    p.add_argument("--host", default=c.host)
+    p.add_argument("--port", type=int, default=c.port)
+    p.add_argument("--token", default=None, help="operator token for POST /api/models (or MOE_SWARM_TOKEN)")
+    p.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
+                   help="relay offered to volunteers that cannot be dialled (repeatable)")
+    p.add_argument("--poll-interval", type=float, default=c.poll_interval_s, help="seconds between /slots polls")
+    p.add_argument("--poll-timeout", type=float, default=c.poll_timeout_s, help="bound on one /slots poll (s)")
+    p.add_argument("--saturation-threshold", type=int, default=d.saturation_threshold,
+                   help="busy slots at which a coordinator counts as saturated")
+    p.add_argument("--base-target", type=int, default=d.base_target, help="replicas wanted per expert")
+    p.add_argument("--boost", type=int, default=d.boost, help="extra replicas per expert while saturated")
+    p.add_argument("--hold-s", type=float, default=d.hold_s,
+                   help="unsaturated this long before the boost ends (hysteresis)")
+    p.add_argument("--lease-s", type=float, default=d.lease_s, help="how long a handed-out slice stays reserved")
+    p.add_argument("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s,
+                   help="a volunteer silent this long expires")
+    p.add_argument("--cooldown-s", type=float, default=d.cooldown_s,
+                   help="a surplus volunteer is undispatched this long before it is told to release")
+    p.add_argument("--retry-after-s", type=float, default=d.retry_after_s,
+                   help="when idle volunteers should ask again if nothing is needed")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed (reproducible tie-breaks and lease ids)")
+    p.set_defaults(func=run_market_command)
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> MarketConfig:
+    db = ns.db if ns.db is not None else os.path.join(os.path.expanduser(ns.data_dir), "market.db")
+    if db != ":memory:":
+        db = os.path.expanduser(db)
+    raw = {
+        "db": db,
+        "host": ns.host,
+        "port": ns.port,
+        "token": ns.token if ns.token is not None else os.environ.get("MOE_SWARM_TOKEN") or None,
+        "relays": list(ns.relay),
+        "poll_interval_s": ns.poll_interval,
+        "poll_timeout_s": ns.poll_timeout,
+        "seed": ns.seed,
+        "policy": {
+            "saturation_threshold": ns.saturation_threshold,
+            "base_target": ns.base_target,
+            "boost": ns.boost,
+            "hold_s": ns.hold_s,
+            "lease_s": ns.lease_s,
+            "heartbeat_ttl_s": ns.heartbeat_ttl_s,
+            "cooldown_s": ns.cooldown_s,
+            "retry_after_s": ns.retry_after_s,
+        },
+    }
+    try:
+        return msgspec.convert(raw, MarketConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad market flags: {exc}") from exc
+
+
+def run_market_command(ns: argparse.Namespace) -> int:
+    cfg = config_from_args(ns)
+    from swarm.cli import run_service
+
+    async def service() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_market, cfg)
+            print(f"market ready at {url} (db {cfg.db})", flush=True)
+
+    run_service(service)
+    return 0

@@ -1,0 +1,146 @@
+"""Which slice an idle volunteer should serve (pure: no I/O, no clock; randomness is injected).
+
+Rules:
+- Per expert, ``need = max(0, target - replicas - pending)`` (``market.core.demand``); its
+  assignment scarcity is ``need / target``. Only experts with ``need > 0`` are handed out.
+- A candidate segment is a contiguous expert range of one layer. Each layer is cut into aligned
+  chunks of ``n`` experts, ``n`` = how many experts of that layer fit the volunteer's budget
+  (``max_experts`` and/or ``max_bytes`` minus a header allowance); a chunk is split into its
+  runs of needed experts (an expert the volunteer already holds has no need for it, so it is
+  never asked to hold an expert twice, and a window never spans an expert that is covered or
+  leased). Aligned chunks keep the number of distinct slice files small (the coordinator cuts
+  and caches each one) and tile a layer when budgets agree.
+- The chosen segment maximises ``(max scarcity, total scarcity)`` over every eligible model
+  and layer: the scarcest expert first, then the most needed experts per download. Ties are
+  broken by the injected RNG, so volunteers with equal budgets spread over equal needs.
+- The caller turns the pick into a short lease that counts as pending; a second volunteer
+  polling at the same moment therefore sees that segment as less scarce and gets another.
+- When nothing is handed out the result says why (``NoOfferReason``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from market.core.demand import CoverageCounts
+from market.core.records import SliceRef
+from market.core.rng import Rng
+
+__all__ = [
+    "Budget",
+    "ModelSupply",
+    "NoOfferReason",
+    "Pick",
+    "choose_slice",
+    "experts_that_fit",
+    "jittered",
+    "new_lease_id",
+]
+
+_UNBOUNDED = 1 << 62
+
+
+class NoOfferReason(enum.StrEnum):
+    NO_MODELS = "no_models"  # no hosted model (matching the volunteer's filter)
+    NOTHING_SCARCE = "nothing_scarce"  # every expert has its replicas (or they are on their way)
+    BUDGET_TOO_SMALL = "budget_too_small"  # experts are needed but not even one fits the budget
+    COORDINATOR_UNREACHABLE = "coordinator_unreachable"  # set by the shell: no coordinator could describe the file
+
+
+class Budget(msgspec.Struct, frozen=True):
+    max_bytes: int | None = None
+    max_experts: int | None = None
+
+
+def experts_that_fit(budget: Budget, bytes_per_expert: int, header_allowance: int) -> int:
+    """How many experts of ``bytes_per_expert`` bytes a volunteer with ``budget`` can hold (>= 0)."""
+    n = _UNBOUNDED
+    if budget.max_experts is not None:
+        n = min(n, budget.max_experts)
+    if budget.max_bytes is not None:
+        n = min(n, (budget.max_bytes - header_allowance) // max(1, bytes_per_expert))
+    return max(0, n)
+
+
+@dataclass(frozen=True)
+class ModelSupply:
+    """What assignment needs to know about one hosted model."""
+
+    model_id: str
+    bytes_per_expert: Sequence[int]  # per layer
+    counts: CoverageCounts
+    target: int
+
+
+class Pick(msgspec.Struct, frozen=True):
+    slice: SliceRef
+    scarcity: float  # the highest need / target in the segment
+    est_bytes: int  # experts' bytes plus the header allowance
+
+
+def choose_slice(
+    models: Sequence[ModelSupply],
+    budget: Budget,
+    held: Collection[SliceRef],
+    rng: Rng,
+    *,
+    header_allowance: int = 0,
+) -> Pick | NoOfferReason:
+    """The scarcest segment that fits ``budget`` and overlaps nothing in ``held`` (see the rules)."""
+    if not models:
+        return NoOfferReason.NO_MODELS
+    best_key: tuple[float, float] | None = None
+    best: list[tuple[str, int, int, int, int]] = []  # (model_id, layer, lo, hi, bytes_per_expert)
+    any_need = False
+    for m in models:
+        target = m.target
+        if target <= 0:
+            continue
+        held_here: dict[int, set[int]] = {}
+        for s in held:
+            if s.model_id == m.model_id:
+                held_here.setdefault(s.layer, set()).update(range(s.lo, s.hi))
+        n_expert = m.counts.n_expert
+        for layer in range(m.counts.n_layer):
+            reps, pend = m.counts.replicas[layer], m.counts.pending[layer]
+            mine = held_here.get(layer, set())
+            need = [0 if e in mine else max(0, target - reps[e] - pend[e]) for e in range(n_expert)]
+            if not any(need):
+                continue
+            any_need = True
+            bpe = m.bytes_per_expert[layer]
+            n = experts_that_fit(budget, bpe, header_allowance)
+            if n < 1:
+                continue
+            for chunk_lo in range(0, n_expert, n):
+                chunk_hi = min(chunk_lo + n, n_expert)
+                run_lo: int | None = None
+                for e in range(chunk_lo, chunk_hi + 1):
+                    breaks = e == chunk_hi or need[e] == 0
+                    if not breaks and run_lo is None:
+                        run_lo = e
+                    elif breaks and run_lo is not None:
+                        window = need[run_lo:e]
+                        key = (max(window) / target, sum(window) / target)
+                        if best_key is None or key > best_key:
+                            best_key, best = key, [(m.model_id, layer, run_lo, e, bpe)]
+                        elif key == best_key:
+                            best.append((m.model_id, layer, run_lo, e, bpe))
+                        run_lo = None
+    if best_key is None:
+        return NoOfferReason.BUDGET_TOO_SMALL if any_need else NoOfferReason.NOTHING_SCARCE
+    model_id, layer, lo, hi, bpe = best[rng.randrange(len(best))] if len(best) > 1 else best[0]
+    return Pick(SliceRef(model_id, layer, lo, hi), best_key[0], (hi - lo) * bpe + header_allowance)
+
+
+def jittered(rng: Rng, base_s: float, spread: float = 0.2) -> float:
+    """``base_s`` scaled by a uniform factor in ``[1 - spread, 1 + spread]``, so pollers do not march in step."""
+    return max(0.0, base_s * rng.uniform(1.0 - spread, 1.0 + spread))
+
+
+def new_lease_id(rng: Rng) -> str:
+    return f"{rng.getrandbits(64):016x}"

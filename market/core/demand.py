@@ -1,0 +1,111 @@
+"""Demand per ``(model, layer, expert)`` (pure: no I/O, no clock).
+
+Rules (DESIGN §6, §11):
+- ``effective_target = base + boost`` while the model is recruiting (its coordinators are
+  saturated, smoothed by ``market.core.recruit``), else ``base``.
+- ``replicas`` = live coverage that is dispatched: volunteers whose heartbeat is fresh, holding
+  the expert in a slice they report as serving and that the market has not retired. The
+  coordinator's own copy is not a replica.
+- ``pending`` = coverage on its way: unexpired leases and slices reported as loading. It is not a
+  replica (nothing is served yet) but assignment counts it so that two volunteers polling at the
+  same moment do not take the same scarce expert.
+- ``scarcity = (target - replicas) / target``; 0 when the target is 0; negative means surplus.
+- A model with no workers at all is seeded from its metadata: counts exist for every layer and
+  expert from registration on, so demand is visible from zero.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from market.core.records import CoverageRow
+
+__all__ = ["CountKind", "CoverageCounts", "Segment", "contribution", "effective_target", "scarcity", "segments"]
+
+CountKind = Literal["replica", "pending"]
+
+
+def effective_target(base: int, boost: int, recruiting: bool) -> int:
+    return max(0, base + (boost if recruiting else 0))
+
+
+def scarcity(target: int, replicas: int) -> float:
+    return 0.0 if target <= 0 else (target - replicas) / target
+
+
+def contribution(row: CoverageRow) -> CountKind | None:
+    """How a coverage row counts towards demand: a replica, pending, or not at all (retiring, draining)."""
+    if row.dispatched:
+        return "replica"
+    if row.pending:
+        return "pending"
+    return None
+
+
+class CoverageCounts:
+    """Replica and pending counts of every expert of one model, updated incrementally.
+
+    ``replicas[layer][expert]`` and ``pending[layer][expert]`` never go negative: removing more than
+    was added is a bug in the caller and raises ``ValueError``.
+    """
+
+    __slots__ = ("n_expert", "n_layer", "pending", "replicas")
+
+    def __init__(self, n_layer: int, n_expert: int) -> None:
+        self.n_layer = n_layer
+        self.n_expert = n_expert
+        self.replicas: list[list[int]] = [[0] * n_expert for _ in range(n_layer)]
+        self.pending: list[list[int]] = [[0] * n_expert for _ in range(n_layer)]
+
+    def add(self, kind: CountKind, layer: int, lo: int, hi: int, delta: int) -> None:
+        if not (0 <= layer < self.n_layer and 0 <= lo < hi <= self.n_expert):
+            raise ValueError(f"slice {layer}:{lo}-{hi} outside a {self.n_layer}x{self.n_expert} model")
+        row = (self.replicas if kind == "replica" else self.pending)[layer]
+        for e in range(lo, hi):
+            v = row[e] + delta
+            if v < 0:
+                raise ValueError(f"{kind} count of {layer}:{e} would go negative")
+            row[e] = v
+
+    def copy(self) -> CoverageCounts:
+        c = CoverageCounts(self.n_layer, self.n_expert)
+        c.replicas = [list(r) for r in self.replicas]
+        c.pending = [list(r) for r in self.pending]
+        return c
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CoverageCounts):
+            return NotImplemented
+        return self.replicas == other.replicas and self.pending == other.pending
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def min_replicas(self) -> int:
+        return min((min(r) for r in self.replicas), default=0)
+
+
+class Segment(msgspec.Struct, frozen=True):
+    """A maximal run of experts of one layer with the same counts (hence the same demand)."""
+
+    layer: int
+    lo: int
+    hi: int
+    replicas: int
+    pending: int
+    target: int
+    scarcity: float
+
+
+def segments(counts: CoverageCounts, target: int) -> list[Segment]:
+    """The model's demand, layer by layer, as maximal runs of equal ``(replicas, pending)``."""
+    out: list[Segment] = []
+    for layer in range(counts.n_layer):
+        reps, pend = counts.replicas[layer], counts.pending[layer]
+        lo = 0
+        for e in range(1, counts.n_expert + 1):
+            if e == counts.n_expert or reps[e] != reps[lo] or pend[e] != pend[lo]:
+                out.append(Segment(layer, lo, e, reps[lo], pend[lo], target, scarcity(target, reps[lo])))
+                lo = e
+    return out

@@ -1,0 +1,155 @@
+"""Recruitment and age-out (pure: no I/O, no clock; ``now`` is given).
+
+Rules:
+- A coordinator is saturated when its last ``/slots`` poll showed ``busy >= threshold``
+  (default 2). A poll older than ``poll_stale_s`` says nothing; a failed poll is no observation.
+- A model is saturated while any coordinator hosting it is (DESIGN §11).
+- Hysteresis (``step``): a model starts recruiting once it has been saturated for ``rise_s``
+  (default 0: the first saturated poll) and stops only after ``hold_s`` without a saturated
+  observation, so a load that flaps between polls keeps one steady boost instead of thrashing.
+- Age-out (``plan_ageout``), per model, given the effective target:
+  * restore first: a retiring (not yet released) holding covering an expert below target is
+    dispatched again; proven, serving and older holdings are preferred (cheaper than recruiting);
+  * then retire surplus: a counted holding (dispatched or loading) is retired when every expert
+    it covers keeps at least ``target`` counted holdings without it. Loading before serving,
+    never-served before proven, youngest first. Retired holdings leave the dispatch map at once
+    and are told to release after the cooldown (the shell/state layer does the timing).
+  * A holding restored in a round is never retired in the same round (it covers a deficit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Generic, TypeVar
+
+__all__ = [
+    "AgeOut",
+    "Holding",
+    "Observation",
+    "PollView",
+    "RecruitPolicy",
+    "RecruitState",
+    "is_saturated",
+    "observe",
+    "plan_ageout",
+    "step",
+]
+
+
+@dataclass(frozen=True)
+class RecruitPolicy:
+    saturation_threshold: int = 2
+    rise_s: float = 0.0
+    hold_s: float = 10.0
+    poll_stale_s: float = 10.0
+
+
+def is_saturated(busy: int, threshold: int) -> bool:
+    return busy >= threshold
+
+
+@dataclass(frozen=True)
+class PollView:
+    """The last successful poll of one coordinator."""
+
+    busy: int
+    slots: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Observation:
+    saturated: bool
+    at: float  # when the deciding poll was taken
+
+
+def observe(polls: Iterable[PollView | None], now: float, policy: RecruitPolicy) -> Observation | None:
+    """What the fresh polls of a model's coordinators say; ``None`` when none is fresh."""
+    fresh = [p for p in polls if p is not None and now - p.at <= policy.poll_stale_s]
+    if not fresh:
+        return None
+    sat = [p.at for p in fresh if is_saturated(p.busy, policy.saturation_threshold)]
+    if sat:
+        return Observation(True, max(sat))
+    return Observation(False, max(p.at for p in fresh))
+
+
+@dataclass(frozen=True)
+class RecruitState:
+    recruiting: bool = False
+    changed_at: float = 0.0
+    last_saturated_at: float | None = None
+    saturated_since: float | None = None
+
+
+def step(state: RecruitState, obs: Observation | None, now: float, policy: RecruitPolicy) -> RecruitState:
+    """The model's recruitment state after observing ``obs`` at ``now`` (see the hysteresis rule)."""
+    s = state
+    if obs is not None and obs.saturated:
+        last = obs.at if s.last_saturated_at is None else max(s.last_saturated_at, obs.at)
+        since = obs.at if s.saturated_since is None else s.saturated_since
+        s = replace(s, last_saturated_at=last, saturated_since=since)
+        if not s.recruiting and obs.at - since >= policy.rise_s:
+            s = replace(s, recruiting=True, changed_at=now)
+        return s
+    if obs is not None and (s.saturated_since is None or obs.at >= s.saturated_since):
+        s = replace(s, saturated_since=None)
+    if s.recruiting and (s.last_saturated_at is None or now - s.last_saturated_at >= policy.hold_s):
+        s = replace(s, recruiting=False, changed_at=now)
+    return s
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Holding(Generic[K]):
+    """One (volunteer, slice) as age-out sees it."""
+
+    key: K
+    peer_id: str
+    layer: int
+    lo: int
+    hi: int
+    since: float
+    serving: bool  # reported serving (else loading)
+    proven: bool  # has served at least one call
+    counted: bool  # dispatched or loading, not retiring
+    restorable: bool = False  # retiring, cooldown not over
+
+
+@dataclass
+class AgeOut(Generic[K]):
+    restore: list[K] = field(default_factory=list)
+    retire: list[K] = field(default_factory=list)
+
+
+def plan_ageout(n_layer: int, n_expert: int, target: int, holdings: Sequence[Holding[K]]) -> AgeOut[K]:
+    """Which retiring holdings to dispatch again and which counted ones to retire (see the rules)."""
+    counts = [[0] * n_expert for _ in range(n_layer)]
+    for h in holdings:
+        if h.counted:
+            row = counts[h.layer]
+            for e in range(h.lo, h.hi):
+                row[e] += 1
+    out: AgeOut[K] = AgeOut()
+    for h in sorted(
+        (h for h in holdings if h.restorable and not h.counted),
+        key=lambda h: (not h.proven, not h.serving, h.since, h.peer_id),
+    ):
+        row = counts[h.layer]
+        if any(row[e] < target for e in range(h.lo, h.hi)):
+            out.restore.append(h.key)
+            for e in range(h.lo, h.hi):
+                row[e] += 1
+    for h in sorted(
+        (h for h in holdings if h.counted),
+        key=lambda h: (h.serving, h.proven, -h.since, h.peer_id),
+    ):
+        row = counts[h.layer]
+        if all(row[e] - 1 >= target for e in range(h.lo, h.hi)):
+            out.retire.append(h.key)
+            for e in range(h.lo, h.hi):
+                row[e] -= 1
+    return out

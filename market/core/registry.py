@@ -1,0 +1,89 @@
+"""Who is registered, and whether a heartbeat or registration is fresh (pure: no I/O, no clock).
+
+Rules (DESIGN §6, §11):
+- A volunteer's heartbeats carry ``(epoch, sequence)``: ``epoch`` grows on every volunteer
+  restart, ``sequence`` strictly grows within an epoch. A heartbeat is accepted when it is the
+  peer's first, opens a newer epoch (any sequence), or has the current epoch and a higher
+  sequence. An older epoch is ``stale_epoch``; the current epoch with a sequence at or below the
+  last accepted one is ``replayed_sequence``. Rejected heartbeats change nothing.
+- A volunteer silent for longer than the heartbeat TTL expires: its coverage is dropped (its
+  identity row, with the epoch high-water mark, is kept so old heartbeats stay rejected).
+- A coordinator registration carries an ``epoch`` too (its start time): a registration older than
+  the stored one never replaces it; an equal epoch is a retry and is accepted.
+- A heartbeat's slice list is the volunteer's whole holding: ``diff_coverage`` says which rows to
+  add, which to change and which to drop (a slice no longer listed was released).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from market.core.records import CoverageRow, HeldState, SliceRef
+
+__all__ = [
+    "ACCEPTED",
+    "CoverageDiff",
+    "HeartbeatVerdict",
+    "check_heartbeat",
+    "diff_coverage",
+    "is_expired",
+    "registration_is_stale",
+]
+
+
+class HeartbeatVerdict(enum.StrEnum):
+    FIRST = "first"
+    NEXT = "next"
+    NEW_EPOCH = "new_epoch"
+    STALE_EPOCH = "stale_epoch"
+    REPLAYED_SEQUENCE = "replayed_sequence"
+
+
+ACCEPTED = frozenset({HeartbeatVerdict.FIRST, HeartbeatVerdict.NEXT, HeartbeatVerdict.NEW_EPOCH})
+
+
+def check_heartbeat(known: tuple[int, int] | None, epoch: int, sequence: int) -> HeartbeatVerdict:
+    """Judge a heartbeat ``(epoch, sequence)`` against the last accepted ``known`` one."""
+    if known is None:
+        return HeartbeatVerdict.FIRST
+    k_epoch, k_seq = known
+    if epoch > k_epoch:
+        return HeartbeatVerdict.NEW_EPOCH
+    if epoch < k_epoch:
+        return HeartbeatVerdict.STALE_EPOCH
+    return HeartbeatVerdict.NEXT if sequence > k_seq else HeartbeatVerdict.REPLAYED_SEQUENCE
+
+
+def is_expired(last_seen: float, now: float, ttl_s: float) -> bool:
+    return now - last_seen > ttl_s
+
+
+def registration_is_stale(stored_epoch: int | None, epoch: int) -> bool:
+    return stored_epoch is not None and epoch < stored_epoch
+
+
+@dataclass
+class CoverageDiff:
+    added: list[tuple[SliceRef, HeldState]] = field(default_factory=list)
+    changed: list[tuple[CoverageRow, HeldState]] = field(default_factory=list)  # (old row, new state)
+    removed: list[CoverageRow] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.changed or self.removed)
+
+
+def diff_coverage(rows: Mapping[SliceRef, CoverageRow], reported: Mapping[SliceRef, HeldState]) -> CoverageDiff:
+    """What turns the stored ``rows`` of one volunteer into its ``reported`` holding."""
+    d = CoverageDiff()
+    for s, state in reported.items():
+        old = rows.get(s)
+        if old is None:
+            d.added.append((s, state))
+        elif old.state is not state:
+            d.changed.append((old, state))
+    for s, row in rows.items():
+        if s not in reported:
+            d.removed.append(row)
+    return d

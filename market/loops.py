@@ -1,0 +1,102 @@
+"""The market's background tasks (shell: trio tasks around ``market.state.Market``).
+
+- ``run_recruitment_loop``: every ``interval_s`` polls each registered coordinator's ``/slots``
+  concurrently; each poll is bounded by ``timeout_s`` (a hung coordinator costs one timeout, never
+  the loop's rhythm, and is recorded as a failed poll). Ticks are scheduled on trio's clock, so
+  the loop runs under ``trio.testing.MockClock``.
+- ``run_housekeeping``: calls ``Market.tick`` every ``tick_s`` and wakes dispatch-map long-polls
+  when a map changed. A failing store write is logged and retried at the next tick; it never
+  stops the market.
+- ``MapWatch``: long-poll support (``GET /api/expert-dispatch-map?after=V&wait_s=S``).
+
+Rules: the market object is only touched from the trio thread; ``clock()`` gives the market's
+``now`` (wall clock in the service, ``trio.current_time`` in virtual-time tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from market.state import Market
+from swarm.errors import SwarmError
+
+__all__ = ["Clock", "MapWatch", "Poller", "run_housekeeping", "run_recruitment_loop"]
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+Poller = Callable[[str], Awaitable[tuple[int, int]]]  # coordinator URL -> (busy, slots); raises SwarmError
+
+
+class MapWatch:
+    """Wakes waiters whenever some dispatch map changed."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``ready()`` or ``timeout_s``; returns ``ready()``."""
+        with trio.move_on_after(timeout_s):
+            while not ready():
+                await self._event.wait()
+        return ready()
+
+
+async def _poll_one(market: Market, poll: Poller, url: str, clock: Clock, timeout_s: float) -> None:
+    error = "timeout"
+    with trio.move_on_after(timeout_s):
+        try:
+            busy, slots = await poll(url)
+        except SwarmError as exc:
+            error = f"{exc.code}: {exc.message}"
+        else:
+            market.record_poll(url, busy, slots, clock())
+            return
+    market.record_poll_failure(url, error, clock())
+    log.debug("poll of %s failed: %s", url, error)
+
+
+async def run_recruitment_loop(
+    market: Market,
+    poll: Poller,
+    *,
+    clock: Clock,
+    interval_s: float,
+    timeout_s: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    task_status.started()
+    timeout_s = min(timeout_s, interval_s)
+    while True:
+        deadline = trio.current_time() + interval_s
+        async with trio.open_nursery() as nursery:
+            for url in list(market.coordinators):
+                nursery.start_soon(_poll_one, market, poll, url, clock, timeout_s)
+        await trio.sleep_until(deadline)
+
+
+async def run_housekeeping(
+    market: Market,
+    watch: MapWatch,
+    *,
+    clock: Clock,
+    tick_s: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    task_status.started()
+    while True:
+        try:
+            rep = market.tick(clock())
+        except SwarmError:
+            log.exception("market tick failed; retrying at the next tick")
+        else:
+            if rep.changed_maps:
+                watch.notify()
+        await trio.sleep(tick_s)

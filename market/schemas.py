@@ -1,0 +1,271 @@
+"""HTTP bodies of the market API (pure: msgspec Structs and their decoders).
+
+Rules:
+- Request bodies forbid unknown fields and carry their limits as ``msgspec.Meta`` constraints,
+  so bad input is a 400 with a clear message, never an exception inside the market.
+- ``CoverageHeartbeat`` is signed (``swarm.identity``): its field order is part of the signature
+  and must not change; new fields go at the end, with defaults, and both sides must know them
+  (a receiver re-encodes only the fields it knows, so an unknown field breaks verification).
+- Responses are plain Structs encoded as JSON; the two answers of ``/api/expert-volunteer`` are a
+  union tagged by ``kind``: ``"assignment"`` or ``"nothing_needed"``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from market.core.demand import Segment
+from market.core.records import MODEL_ID_PATTERN, HeldState, ModelManifest
+
+__all__ = [
+    "Assignment",
+    "CoordinatorView",
+    "CoverageAck",
+    "CoverageHeartbeat",
+    "DemandView",
+    "ErrorBody",
+    "ErrorDetail",
+    "HeldSlice",
+    "ModelDemand",
+    "ModelRecruitment",
+    "NothingNeeded",
+    "RecruitmentView",
+    "RegisterAck",
+    "RegisterModels",
+    "SlicesReport",
+    "SliceDirective",
+    "SlotInfo",
+    "VolunteerAnswer",
+    "VolunteerRequest",
+    "WorkerSliceView",
+    "WorkerView",
+    "coverage_decoder",
+    "register_decoder",
+    "slots_decoder",
+    "volunteer_decoder",
+]
+
+ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
+PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$", max_length=2048)]
+Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Layer = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Expert = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class RegisterModels(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /api/models``: a coordinator (by its advertised base URL) and the models it hosts.
+
+    ``models`` is the whole list: a model left out is no longer hosted by this coordinator.
+    ``epoch`` (the coordinator's start time in ms, say) orders registrations of one URL.
+    """
+
+    url: Url
+    models: Annotated[list[ModelManifest], msgspec.Meta(max_length=64)]
+    epoch: Epoch = 0
+
+
+class VolunteerRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /api/expert-volunteer``: give me something to serve. At least one budget is required."""
+
+    peer_id: PeerId
+    max_bytes: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    max_experts: Annotated[int, msgspec.Meta(gt=0, le=1 << 20)] | None = None
+    models: Annotated[list[ModelId], msgspec.Meta(max_length=64)] | None = None
+
+
+class HeldSlice(msgspec.Struct, forbid_unknown_fields=True):
+    """A slice a volunteer holds, as reported in its heartbeat."""
+
+    model_id: ModelId
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    state: HeldState = HeldState.SERVING
+    last_serve_ms: NonNeg = 0  # Unix ms of its last served call for this slice; 0 = never
+
+
+class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /api/expert-coverage``: the volunteer's whole holding, signed by its libp2p key.
+
+    ``addrs`` are multiaddrs the coordinator can dial, best first: direct ones, or relayed
+    ``.../p2p-circuit/p2p/<peer_id>`` ones. ``load`` = calls in flight. ``signature`` is
+    ``swarm.identity.sign_body`` of this body (field order matters; see there).
+    """
+
+    peer_id: PeerId
+    epoch: Epoch
+    sequence: Epoch
+    addrs: Annotated[list[Addr], msgspec.Meta(max_length=16)] = []
+    slices: Annotated[list[HeldSlice], msgspec.Meta(max_length=256)] = []
+    load: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
+    max_bytes: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    signature: bytes = b""
+
+
+class SlotInfo(msgspec.Struct):
+    """One entry of a coordinator's ``GET /slots`` (extra fields ignored)."""
+
+    id: int
+    is_processing: bool
+
+
+SlicesReport = list[SlotInfo]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class RegisterAck(msgspec.Struct):
+    url: str
+    model_ids: list[str]
+    epoch: int
+    dispatch_map_paths: dict[str, str]  # model id -> path of its dispatch map on this market
+
+
+class Assignment(msgspec.Struct, tag="assignment", tag_field="kind"):
+    """The slice to serve. Download ``url`` (sha256-check it), report it ``loading`` then
+    ``serving`` in heartbeats before the lease lapses (``lease_expires_in_s``: the market's clock
+    need not match yours)."""
+
+    model_id: str
+    layer: int
+    lo: int
+    hi: int
+    slice: str  # "LAYER:LO-HI"
+    url: str
+    size: int
+    sha256: str
+    lease_id: str
+    lease_expires_in_s: float
+    scarcity: float
+    relays: list[str]  # reserve a slot on one of these when you cannot be dialled
+    heartbeat_s: float  # send coverage at least this often
+    coordinator: str
+
+
+class NothingNeeded(msgspec.Struct, tag="nothing_needed", tag_field="kind"):
+    reason: str  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable
+    retry_after_s: float
+    message: str = ""
+
+
+VolunteerAnswer = Assignment | NothingNeeded
+
+
+class SliceDirective(msgspec.Struct):
+    """What to do with one reported slice.
+
+    ``keep``: carry on (``dispatched`` says whether coordinators are told to use it);
+    ``drain``: no longer dispatched; answer what is in flight, release in ``release_in_s``;
+    ``release``: drop it now (cooldown over, or a slice the market does not know: ``reason``).
+    """
+
+    model_id: str
+    layer: int
+    lo: int
+    hi: int
+    action: Literal["keep", "drain", "release"]
+    dispatched: bool = False
+    release_in_s: float | None = None
+    reason: str = ""
+
+
+class CoverageAck(msgspec.Struct):
+    peer_id: str
+    epoch: int
+    sequence: int
+    slices: list[SliceDirective]
+    heartbeat_s: float
+    ttl_s: float
+    relays: list[str] = []
+
+
+class ModelDemand(msgspec.Struct):
+    model_id: str
+    hosted: bool  # some coordinator serves its slices
+    saturated: bool
+    recruiting: bool
+    base_target: int
+    effective_target: int
+    replicas_min: int
+    segments: list[Segment]
+
+
+class DemandView(msgspec.Struct):
+    recruiting: bool  # some model is recruiting
+    models: list[ModelDemand]
+
+
+class CoordinatorView(msgspec.Struct):
+    url: str
+    ok: bool  # last poll succeeded
+    busy: int | None
+    slots: int | None
+    saturated: bool
+    last_poll_age_s: float | None
+    error: str | None = None
+
+
+class WorkerSliceView(msgspec.Struct):
+    slice: str
+    layer: int
+    lo: int
+    hi: int
+    state: str  # dispatched | loading | draining | retiring | released
+    age_s: float
+    last_serve_ms: int
+
+
+class WorkerView(msgspec.Struct):
+    peer_id: str
+    age_s: float  # since its oldest slice of this model
+    last_heartbeat_age_s: float
+    last_serve_ms: int  # latest over its slices; 0 = never served
+    load: float
+    dispatched: bool
+    slices: list[WorkerSliceView]
+
+
+class ModelRecruitment(msgspec.Struct):
+    model_id: str
+    busy: int
+    slots: int
+    saturated: bool
+    recruiting: bool
+    recruiting_for_s: float | None
+    base_target: int
+    effective_target: int
+    replicas_min: int
+    map_version: int
+    coordinators: list[CoordinatorView]
+    workers: list[WorkerView]
+
+
+class RecruitmentView(msgspec.Struct):
+    recruiting: bool
+    models: list[ModelRecruitment]
+
+
+register_decoder = msgspec.json.Decoder(RegisterModels)
+volunteer_decoder = msgspec.json.Decoder(VolunteerRequest)
+coverage_decoder = msgspec.json.Decoder(CoverageHeartbeat)
+slots_decoder = msgspec.json.Decoder(SlicesReport)

@@ -1,0 +1,166 @@
+"""The market service (shell): store + state + HTTP API on hypercorn's trio worker + loops.
+
+Rules:
+- Configuration is a frozen Struct (``MarketConfig``) built once at the edge and passed by value.
+- ``serve_market`` is a trio service: ``task_status.started(url)`` once the socket is bound and
+  the loops run; cancelling it stops the loops and the server, flushes the volunteers' sequence
+  numbers and closes the store (a new ``serve_market`` on the same file continues where this
+  one stopped).
+- The market's clock is the wall clock (``time.time``): leases, ages and retirement marks are
+  persisted and must stay meaningful across restarts.
+- Outbound HTTP (coordinator ``/slots`` polls, ``HEAD`` of slice files) uses one httpx client;
+  every call is bounded in time; foreign errors become ``SwarmError``s here.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from collections import OrderedDict
+from functools import partial
+from typing import Annotated
+
+import httpx
+import msgspec
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from market.api import MarketApi, SliceDescriber, build_market_app
+from market.loops import Poller, run_housekeeping, run_recruitment_loop
+from market.schemas import slots_decoder
+from market.state import Market, MarketPolicy
+from market.store import InMemoryStore, Store, open_sqlite_store
+from swarm.errors import RemoteProtocolError, SliceError, SwarmError, TransportError
+
+__all__ = ["MEMORY_DB", "MarketConfig", "make_slice_describer", "make_slots_poller", "open_store", "serve_market"]
+
+log = logging.getLogger(__name__)
+
+MEMORY_DB = ":memory:"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class MarketConfig(msgspec.Struct, frozen=True, kw_only=True):
+    db: str  # SQLite file, or ":memory:" for a volatile in-process store
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8090
+    token: str | None = None  # required on POST /api/models when set
+    relays: tuple[str, ...] = ()  # relay multiaddrs offered to volunteers that cannot be dialled
+    poll_interval_s: PosFloat = 2.0
+    poll_timeout_s: PosFloat = 1.0
+    tick_s: PosFloat = 0.25
+    describe_timeout_s: PosFloat = 20.0
+    seed: int | None = None  # RNG seed (tie-breaks, lease ids, jitter); None = from the OS
+    policy: MarketPolicy = MarketPolicy()
+
+
+def open_store(db: str) -> Store:
+    if db == MEMORY_DB:
+        return InMemoryStore()
+    return open_sqlite_store(db)
+
+
+def make_slots_poller(client: httpx.AsyncClient) -> Poller:
+    """``GET {url}/slots`` -> ``(busy, slots)``; ``TransportError`` / ``RemoteProtocolError`` on failure."""
+
+    async def poll(url: str) -> tuple[int, int]:
+        try:
+            r = await client.get(url.rstrip("/") + "/slots")
+        except httpx.HTTPError as exc:
+            raise TransportError(f"GET {url}/slots: {exc!r}", code="poll_failed") from exc
+        if r.status_code != 200:
+            raise TransportError(f"GET {url}/slots: HTTP {r.status_code}", code="poll_failed")
+        try:
+            slots = slots_decoder.decode(r.content)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise RemoteProtocolError(f"GET {url}/slots: unexpected body: {exc}", code="bad_slots") from exc
+        return sum(1 for s in slots if s.is_processing), len(slots)
+
+    return poll
+
+
+def make_slice_describer(client: httpx.AsyncClient, cache_size: int = 4096) -> SliceDescriber:
+    """``HEAD`` a slice URL -> ``(sha256, size)`` from its strong ETag and Content-Length (cached:
+    slice files are byte-deterministic, so a URL's description never changes)."""
+    cache: OrderedDict[str, tuple[str, int]] = OrderedDict()
+
+    async def describe(url: str) -> tuple[str, int]:
+        hit = cache.get(url)
+        if hit is not None:
+            cache.move_to_end(url)
+            return hit
+        try:
+            r = await client.head(url)
+        except httpx.HTTPError as exc:
+            raise SliceError(f"HEAD {url}: {exc!r}", code="slice_unavailable") from exc
+        if r.status_code != 200:
+            raise SliceError(f"HEAD {url}: HTTP {r.status_code}", code="slice_unavailable")
+        etag = r.headers.get("etag", "").strip().removeprefix("W/").strip('"')
+        length = r.headers.get("content-length", "")
+        if not _SHA256.fullmatch(etag) or not length.isdigit() or int(length) <= 0:
+            raise SliceError(f"HEAD {url}: no sha256 ETag / size (etag {etag!r})", code="slice_unavailable")
+        found = (etag, int(length))
+        cache[url] = found
+        while len(cache) > cache_size:
+            cache.popitem(last=False)
+        return found
+
+    return describe
+
+
+async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    clock = time.time
+    store = open_store(cfg.db)
+    try:
+        market = Market(store, cfg.policy, now=clock(), rng=random.Random(cfg.seed))
+        try:
+            timeout = httpx.Timeout(cfg.describe_timeout_s, connect=min(5.0, cfg.describe_timeout_s))
+            async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
+                api = MarketApi(
+                    market,
+                    clock,
+                    make_slice_describer(client),
+                    token=cfg.token,
+                    relays=list(cfg.relays),
+                    describe_timeout_s=cfg.describe_timeout_s,
+                )
+                app = build_market_app(api)
+                hc = HyperConfig()
+                hc.bind = [f"{cfg.host}:{cfg.port}"]
+                hc.accesslog = None
+                hc.errorlog = logging.getLogger("hypercorn.error")
+                hc.graceful_timeout = 1.0
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(partial(run_housekeeping, market, api.watch, clock=clock, tick_s=cfg.tick_s))
+                    await nursery.start(
+                        partial(
+                            run_recruitment_loop,
+                            market,
+                            make_slots_poller(client),
+                            clock=clock,
+                            interval_s=cfg.poll_interval_s,
+                            timeout_s=cfg.poll_timeout_s,
+                        )
+                    )
+                    binds = await nursery.start(hypercorn_serve, app, hc)
+                    url = binds[0] if binds else f"http://{cfg.host}:{cfg.port}"
+                    log.info(
+                        "market serving at %s (db %s; %d models, %d coordinators, %d volunteers with coverage)",
+                        url,
+                        cfg.db,
+                        len(market.models),
+                        len(market.coordinators),
+                        market.live_volunteers(),
+                    )
+                    task_status.started(url)
+        finally:
+            try:
+                market.flush(clock())
+            except SwarmError:
+                log.exception("could not flush volunteer sequence numbers")
+    finally:
+        store.close()

@@ -1,0 +1,136 @@
+"""Peer identities and signed bodies (pure apart from the crypto: no I/O, no clock).
+
+A peer id is the libp2p base58 peer id of an Ed25519 key. Ed25519 public keys are small, so
+libp2p inlines them: the peer id is ``base58(multihash(identity, protobuf(PublicKey)))`` and the
+public key can be recovered from the id alone. That is what lets the market check who signed a
+heartbeat without any key exchange: ``verify_body(peer_id, body, signature)``.
+
+The signed bytes (``signing_bytes``), exactly — the volunteer and the market both use this
+module, but another implementation must produce the same bytes:
+
+1. Take the msgspec Struct's fields in declaration order (``msgspec.structs.fields``), leaving
+   out the field named ``signature`` (wherever it is declared).
+2. Build a map ``{encode_name: value}`` in that order. Every field is included, also when it
+   equals its default, whatever the Struct's ``omit_defaults`` says.
+3. Encode that map with ``msgspec.msgpack.encode`` (default settings). Nested values follow
+   msgspec's default msgpack rules: a nested Struct is a map of its fields in declaration order
+   (so nested Structs must not use ``omit_defaults`` or ``array_like``), lists are arrays,
+   ``bytes`` are bin, floats are float64, ints use the smallest msgpack int that holds them.
+
+The signature is the 64-byte Ed25519 signature of those bytes by the peer's libp2p private key.
+
+Rules:
+- A signature only says "the holder of this peer id's key sent exactly these field values".
+  Freshness (epoch / sequence) is the receiver's business (``market.core.registry``).
+- Both sides must decode the body with the same schema: a field the receiver does not know is
+  not part of what it re-encodes, so the signature will not verify. Signed bodies are decoded
+  with ``forbid_unknown_fields``.
+- Malformed peer ids, non-Ed25519 keys (RSA / secp256k1 ids hash the key, it cannot be
+  recovered) and bad signatures raise ``IdentityError`` (a ``RequestError``: HTTP 4xx), never a
+  library exception or an assert.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from swarm.errors import RequestError
+
+if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair, PublicKey
+
+__all__ = [
+    "SIGNATURE_FIELD",
+    "IdentityError",
+    "check_peer_id",
+    "peer_id_of",
+    "public_key_from_peer_id",
+    "sign_body",
+    "signing_bytes",
+    "verify_body",
+]
+
+SIGNATURE_FIELD = "signature"
+_MAX_PEER_ID_LEN = 128  # an Ed25519 id is 52 base58 characters; anything far longer is garbage
+_ED25519_SIGNATURE_LEN = 64
+
+
+class IdentityError(RequestError):
+    """A peer id that cannot carry an Ed25519 key, or a signature that does not verify."""
+
+    code = "bad_peer_id"
+
+
+def peer_id_of(key_pair: KeyPair) -> str:
+    """The base58 libp2p peer id of ``key_pair`` (what the libp2p host announces)."""
+    from libp2p.peer.id import ID
+
+    return ID.from_pubkey(key_pair.public_key).to_base58()
+
+
+def public_key_from_peer_id(peer_id: str) -> PublicKey:
+    """The Ed25519 public key inlined in ``peer_id``; ``IdentityError`` (``bad_peer_id``) otherwise."""
+    from libp2p.crypto.keys import KeyType
+    from libp2p.peer.id import ID
+
+    if not isinstance(peer_id, str) or not 0 < len(peer_id) <= _MAX_PEER_ID_LEN:
+        raise IdentityError("peer id must be a non-empty base58 string")
+    try:
+        pid = ID.from_base58(peer_id)
+    except Exception as exc:  # base58 raises ValueError; be robust to other library errors
+        raise IdentityError(f"peer id {peer_id[:60]!r} is not base58") from exc
+    if pid.to_base58() != peer_id:
+        raise IdentityError(f"peer id {peer_id[:60]!r} is not in canonical base58")
+    key = pid.extract_public_key()  # None unless an identity multihash of a known key type
+    if key is None:
+        raise IdentityError(f"peer id {peer_id[:60]!r} does not inline a public key (need an Ed25519 libp2p id)")
+    if key.get_type() != KeyType.Ed25519:
+        raise IdentityError(f"peer id {peer_id[:60]!r} is not an Ed25519 id")
+    if ID.from_pubkey(key).to_base58() != peer_id:
+        raise IdentityError(f"peer id {peer_id[:60]!r} does not round-trip through its key")
+    return key
+
+
+def check_peer_id(peer_id: str) -> str:
+    """``peer_id`` if it is a well-formed Ed25519 libp2p id, else ``IdentityError``."""
+    public_key_from_peer_id(peer_id)
+    return peer_id
+
+
+def signing_bytes(body: msgspec.Struct) -> bytes:
+    """The canonical bytes a signature covers (see the module docstring)."""
+    if not isinstance(body, msgspec.Struct):
+        raise TypeError(f"can only sign msgspec Structs, not {type(body).__name__}")
+    fields: dict[str, Any] = {}
+    for f in msgspec.structs.fields(type(body)):
+        if f.name != SIGNATURE_FIELD:
+            fields[f.encode_name] = getattr(body, f.name)
+    return msgspec.msgpack.encode(fields)
+
+
+def sign_body(key_pair: KeyPair, body: msgspec.Struct) -> bytes:
+    """Ed25519 signature of ``signing_bytes(body)`` by ``key_pair`` (any ``signature`` field is ignored)."""
+    from libp2p.crypto.keys import KeyType
+
+    if key_pair.private_key.get_type() != KeyType.Ed25519:
+        raise IdentityError("only Ed25519 identities can sign bodies", code="bad_key_type")
+    return bytes(key_pair.private_key.sign(signing_bytes(body)))
+
+
+def verify_body(peer_id: str, body: msgspec.Struct, signature: bytes) -> None:
+    """Return if ``signature`` is ``peer_id``'s signature of ``body``; raise ``IdentityError`` otherwise.
+
+    Codes: ``bad_peer_id`` (malformed id), ``bad_signature`` (401: wrong length, wrong key or a
+    body that is not the one signed).
+    """
+    key = public_key_from_peer_id(peer_id)
+    if not isinstance(signature, bytes | bytearray) or len(signature) != _ED25519_SIGNATURE_LEN:
+        raise IdentityError("signature must be 64 bytes (Ed25519)", code="bad_signature", status=401)
+    try:
+        ok = key.verify(signing_bytes(body), bytes(signature))
+    except Exception as exc:  # nacl may raise on malformed input rather than return False
+        raise IdentityError("signature does not verify", code="bad_signature", status=401) from exc
+    if not ok:
+        raise IdentityError(f"signature does not verify for peer {peer_id}", code="bad_signature", status=401)

@@ -1,0 +1,437 @@
+"""The market's pure cores, table-driven: demand, assignment, recruitment + age-out, registry, wiring."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from market.core.assign import Budget, ModelSupply, NoOfferReason, Pick, choose_slice, experts_that_fit, jittered
+from market.core.demand import CoverageCounts, Segment, contribution, effective_target, scarcity, segments
+from market.core.records import CoverageRow, HeldState, SliceRef
+from market.core.recruit import (
+    Holding,
+    Observation,
+    PollView,
+    RecruitPolicy,
+    RecruitState,
+    is_saturated,
+    observe,
+    plan_ageout,
+    step,
+)
+from market.core.registry import (
+    ACCEPTED,
+    HeartbeatVerdict,
+    check_heartbeat,
+    diff_coverage,
+    is_expired,
+    registration_is_stale,
+)
+from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
+from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
+
+M = "tiny-0123456789ab"
+
+
+def counts_from(n_layer: int, n_expert: int, replicas: dict[tuple[int, int, int], int] | None = None,
+                pending: dict[tuple[int, int, int], int] | None = None) -> CoverageCounts:
+    c = CoverageCounts(n_layer, n_expert)
+    for (layer, lo, hi), n in (replicas or {}).items():
+        c.add("replica", layer, lo, hi, n)
+    for (layer, lo, hi), n in (pending or {}).items():
+        c.add("pending", layer, lo, hi, n)
+    return c
+
+
+# -- demand -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("base", "boost", "recruiting", "want"),
+    [(1, 1, False, 1), (1, 1, True, 2), (2, 3, True, 5), (0, 1, False, 0), (0, 0, True, 0), (3, 0, True, 3)],
+)
+def test_effective_target(base: int, boost: int, recruiting: bool, want: int) -> None:
+    assert effective_target(base, boost, recruiting) == want
+
+
+@pytest.mark.parametrize(
+    ("target", "replicas", "want"),
+    [(1, 0, 1.0), (2, 1, 0.5), (2, 2, 0.0), (0, 0, 0.0), (0, 3, 0.0), (1, 2, -1.0), (4, 1, 0.75)],
+)
+def test_scarcity(target: int, replicas: int, want: float) -> None:
+    assert scarcity(target, replicas) == want
+
+
+def _row(state: HeldState, retiring: float | None = None) -> CoverageRow:
+    return CoverageRow("p", SliceRef(M, 0, 0, 1), state, 0.0, retiring_since=retiring)
+
+
+@pytest.mark.parametrize(
+    ("row", "want"),
+    [
+        (_row(HeldState.SERVING), "replica"),
+        (_row(HeldState.LOADING), "pending"),
+        (_row(HeldState.DRAINING), None),
+        (_row(HeldState.SERVING, retiring=5.0), None),
+        (_row(HeldState.LOADING, retiring=5.0), None),
+    ],
+    ids=["serving", "loading", "draining", "retiring-serving", "retiring-loading"],
+)
+def test_contribution(row: CoverageRow, want: str | None) -> None:
+    assert contribution(row) == want
+
+
+def test_counts_add_remove_and_guard_rails() -> None:
+    c = counts_from(2, 4, replicas={(0, 1, 3): 1}, pending={(1, 0, 4): 2})
+    assert c.replicas == [[0, 1, 1, 0], [0, 0, 0, 0]]
+    assert c.pending == [[0, 0, 0, 0], [2, 2, 2, 2]]
+    assert c.min_replicas() == 0
+    c.add("replica", 0, 1, 3, -1)
+    assert c.replicas[0] == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="negative"):
+        c.add("replica", 0, 0, 1, -1)
+    for bad in [(2, 0, 1), (0, 3, 5), (0, 2, 2), (-1, 0, 1)]:
+        with pytest.raises(ValueError, match="outside"):
+            c.add("pending", *bad, 1)
+    assert c.copy() == c and c.copy() is not c
+
+
+@pytest.mark.parametrize(
+    ("replicas", "pending", "target", "want"),
+    [
+        ({}, {}, 1, [Segment(0, 0, 4, 0, 0, 1, 1.0), Segment(1, 0, 4, 0, 0, 1, 1.0)]),
+        (
+            {(0, 0, 2): 1},
+            {(1, 3, 4): 1},
+            2,
+            [
+                Segment(0, 0, 2, 1, 0, 2, 0.5),
+                Segment(0, 2, 4, 0, 0, 2, 1.0),
+                Segment(1, 0, 3, 0, 0, 2, 1.0),
+                Segment(1, 3, 4, 0, 1, 2, 1.0),
+            ],
+        ),
+        (
+            {(0, 0, 4): 2, (1, 0, 4): 1},
+            {},
+            1,
+            [Segment(0, 0, 4, 2, 0, 1, -1.0), Segment(1, 0, 4, 1, 0, 1, 0.0)],
+        ),
+        ({}, {}, 0, [Segment(0, 0, 4, 0, 0, 0, 0.0), Segment(1, 0, 4, 0, 0, 0, 0.0)]),
+    ],
+    ids=["seeded-from-zero", "mixed", "surplus", "zero-target"],
+)
+def test_segments(replicas: Any, pending: Any, target: int, want: list[Segment]) -> None:
+    assert segments(counts_from(2, 4, replicas, pending), target) == want
+
+
+# -- assignment -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget", "bpe", "allowance", "want"),
+    [
+        (Budget(max_experts=4), 100, 0, 4),
+        (Budget(max_bytes=1000), 100, 0, 10),
+        (Budget(max_bytes=1000), 100, 150, 8),
+        (Budget(max_bytes=1000, max_experts=3), 100, 0, 3),
+        (Budget(max_bytes=99), 100, 0, 0),
+        (Budget(max_bytes=100), 100, 200, 0),
+    ],
+)
+def test_experts_that_fit(budget: Budget, bpe: int, allowance: int, want: int) -> None:
+    assert experts_that_fit(budget, bpe, allowance) == want
+
+
+def supply(c: CoverageCounts, target: int = 1, bpe: list[int] | None = None, model_id: str = M) -> ModelSupply:
+    return ModelSupply(model_id, bpe or [100] * c.n_layer, c, target)
+
+
+def S(layer: int, lo: int, hi: int, model_id: str = M) -> SliceRef:
+    return SliceRef(model_id, layer, lo, hi)
+
+
+@pytest.mark.parametrize(
+    ("models", "budget", "held", "want"),
+    [
+        ([], Budget(max_experts=4), [], NoOfferReason.NO_MODELS),
+        ([supply(counts_from(2, 8, {(0, 0, 8): 1, (1, 0, 8): 1}))], Budget(max_experts=4), [],
+         NoOfferReason.NOTHING_SCARCE),
+        ([supply(counts_from(2, 8, pending={(0, 0, 8): 1, (1, 0, 8): 1}))], Budget(max_experts=4), [],
+         NoOfferReason.NOTHING_SCARCE),
+        ([supply(counts_from(1, 8), target=0)], Budget(max_experts=4), [], NoOfferReason.NOTHING_SCARCE),
+        ([supply(counts_from(1, 8))], Budget(max_bytes=50), [], NoOfferReason.BUDGET_TOO_SMALL),
+        # only expert 5 of layer 0 lacks a replica: its chunk [4, 8) is trimmed to [5, 6)
+        ([supply(counts_from(1, 8, {(0, 0, 5): 1, (0, 6, 8): 1}))], Budget(max_experts=4), [], S(0, 5, 6)),
+        # boosted target 2: layer 1 (no replica, scarcity 1) beats layer 0 (one replica, 0.5)
+        ([supply(counts_from(2, 4, {(0, 0, 4): 1}), target=2)], Budget(max_experts=4), [], S(1, 0, 4)),
+        # pending [0, 4) makes [4, 8) the only need left
+        ([supply(counts_from(1, 8, pending={(0, 0, 4): 1}))], Budget(max_experts=4), [], S(0, 4, 8)),
+        # the volunteer holds 2-4: the chunk splits around it and the bigger side wins
+        ([supply(counts_from(1, 8))], Budget(max_experts=8), [S(0, 2, 4)], S(0, 4, 8)),
+        # ... a slice of another model does not split anything
+        ([supply(counts_from(1, 8))], Budget(max_experts=8), [S(0, 2, 4, "other-model")], S(0, 0, 8)),
+        # byte budget per layer: only layer 0's small experts fit (4 x 100 bytes)
+        ([supply(counts_from(2, 8), bpe=[100, 1000])], Budget(max_bytes=450), [], None),
+        # the scarcest expert across models wins: model b has an uncovered expert, model a a thin one
+        (
+            [supply(counts_from(1, 4, {(0, 0, 4): 1}), target=2, model_id="a"),
+             supply(counts_from(1, 4, {(0, 0, 3): 1}), target=1, model_id="b")],
+            Budget(max_experts=4),
+            [],
+            S(0, 3, 4, "b"),
+        ),
+    ],
+    ids=[
+        "no-models", "all-covered", "all-pending", "zero-target", "budget-too-small", "trim", "boosted-layer",
+        "pending", "held-splits", "held-other-model", "bytes-per-layer", "across-models",
+    ],
+)
+def test_choose_slice(models: list[ModelSupply], budget: Budget, held: list[SliceRef], want: Any) -> None:
+    got = choose_slice(models, budget, held, random.Random(1))
+    if want is None:  # bytes-per-layer: any aligned 4-chunk of layer 0
+        assert isinstance(got, Pick)
+        assert got.slice.layer == 0 and got.slice.n_expert == 4 and got.slice.lo % 4 == 0
+        assert got.est_bytes == 400
+    elif isinstance(want, NoOfferReason):
+        assert got == want
+    else:
+        assert isinstance(got, Pick)
+        assert got.slice == want
+
+
+def test_choose_slice_header_allowance_counts_against_bytes() -> None:
+    got = choose_slice([supply(counts_from(1, 8))], Budget(max_bytes=450), [], random.Random(0), header_allowance=100)
+    assert isinstance(got, Pick)
+    assert got.slice.n_expert == 3 and got.est_bytes == 400
+
+
+def test_ties_are_broken_by_the_rng_and_reproducibly() -> None:
+    c = counts_from(4, 16)
+    picks = {choose_slice([supply(c)], Budget(max_experts=4), [], random.Random(seed)) for seed in range(60)}
+    slices = {p.slice for p in picks if isinstance(p, Pick)}
+    assert len(slices) > 8  # 16 equally scarce aligned chunks: the RNG spreads volunteers over them
+    assert all(s.lo % 4 == 0 and s.n_expert == 4 for s in slices)
+    a = choose_slice([supply(c)], Budget(max_experts=4), [], random.Random(7))
+    b = choose_slice([supply(c)], Budget(max_experts=4), [], random.Random(7))
+    assert a == b
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_simultaneous_polls_get_disjoint_slices_until_everything_is_leased(seed: int) -> None:
+    """Each pick becomes pending (a lease) before the next poll: no expert is handed out twice
+    while another one still needs a replica, and every expert ends up covered exactly once."""
+    rng = random.Random(seed)
+    c = counts_from(3, 12)
+    handed: list[SliceRef] = []
+    budgets = [Budget(max_experts=rng.choice([1, 2, 3, 4, 5, 12])) for _ in range(100)]
+    for b in budgets:
+        got = choose_slice([supply(c)], b, [], rng)
+        if got == NoOfferReason.NOTHING_SCARCE:
+            break
+        assert isinstance(got, Pick)
+        for h in handed:
+            assert not h.overlaps(got.slice), (h, got.slice)
+        handed.append(got.slice)
+        c.add("pending", got.slice.layer, got.slice.lo, got.slice.hi, 1)
+    assert c.pending == [[1] * 12 for _ in range(3)]
+
+
+def test_jitter_stays_within_its_spread() -> None:
+    rng = random.Random(3)
+    vals = [jittered(rng, 5.0) for _ in range(200)]
+    assert min(vals) >= 4.0 and max(vals) <= 6.0
+    assert len({round(v, 6) for v in vals}) > 100
+
+
+# -- recruitment ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("busy", "threshold", "want"), [(0, 2, False), (1, 2, False), (2, 2, True), (4, 2, True),
+                                                        (1, 1, True)])
+def test_is_saturated(busy: int, threshold: int, want: bool) -> None:
+    assert is_saturated(busy, threshold) is want
+
+
+P = RecruitPolicy(saturation_threshold=2, rise_s=0.0, hold_s=10.0, poll_stale_s=5.0)
+
+
+@pytest.mark.parametrize(
+    ("polls", "now", "want"),
+    [
+        ([], 10.0, None),
+        ([None], 10.0, None),
+        ([PollView(3, 4, 1.0)], 10.0, None),  # stale
+        ([PollView(3, 4, 8.0)], 10.0, Observation(True, 8.0)),
+        ([PollView(1, 4, 8.0)], 10.0, Observation(False, 8.0)),
+        ([PollView(1, 4, 9.0), PollView(2, 4, 7.0)], 10.0, Observation(True, 7.0)),  # any saturated host
+        ([PollView(1, 4, 9.0), PollView(2, 4, 2.0)], 10.0, Observation(False, 9.0)),  # the saturated one is stale
+    ],
+)
+def test_observe(polls: list[PollView | None], now: float, want: Observation | None) -> None:
+    assert observe(polls, now, P) == want
+
+
+def _run(events: list[tuple[float, bool | None]], policy: RecruitPolicy = P) -> list[bool]:
+    st = RecruitState()
+    out: list[bool] = []
+    for now, sat in events:
+        st = step(st, None if sat is None else Observation(sat, now), now, policy)
+        out.append(st.recruiting)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("events", "policy", "want"),
+    [
+        # saturated -> boost at once; unsaturated: the boost holds for hold_s, then falls
+        ([(0, False), (2, True), (4, False), (11.9, False), (12, False)], P, [False, True, True, True, False]),
+        # a flapping load keeps one steady boost (no thrash)
+        ([(0, True), (2, False), (4, True), (6, False), (8, True), (10, False), (17, False), (18, False)], P,
+         [True, True, True, True, True, True, True, False]),
+        # no information (failed polls) does not extend the boost
+        ([(0, True), (5, None), (9.9, None), (10, None)], P, [True, True, True, False]),
+        # rise_s: a short spike does not recruit; a sustained one does
+        ([(0, True), (2, False), (4, True), (6, True), (8, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
+         [False, False, False, False, True]),
+        ([(0, False), (2, False)], P, [False, False]),
+    ],
+    ids=["boost-then-fall", "flapping", "no-info", "rise", "never"],
+)
+def test_recruitment_hysteresis(events: list[tuple[float, bool | None]], policy: RecruitPolicy,
+                                want: list[bool]) -> None:
+    assert _run(events, policy) == want
+
+
+def H(key: str, lo: int, hi: int, since: float, *, serving: bool = True, proven: bool = False, counted: bool = True,
+      restorable: bool = False, layer: int = 0) -> Holding[str]:
+    return Holding(key, key, layer, lo, hi, since, serving, proven, counted, restorable)
+
+
+@pytest.mark.parametrize(
+    ("target", "holdings", "restore", "retire"),
+    [
+        ([1, [H("a", 0, 4, 0)], [], []]),
+        ([1, [H("a", 0, 4, 0, proven=True), H("b", 0, 4, 5)], [], ["b"]]),
+        ([1, [H("a", 0, 4, 9, proven=True), H("b", 0, 4, 5)], [], ["b"]]),  # unproven goes first even if older
+        ([1, [H("a", 0, 4, 0), H("b", 0, 4, 5)], [], ["b"]]),  # youngest first
+        ([1, [H("a", 0, 4, 9), H("b", 0, 4, 5, serving=False)], [], ["b"]]),  # loading first
+        ([2, [H("a", 0, 4, 0), H("b", 0, 4, 5)], [], []]),  # the boost still wants both
+        # partial overlaps: c and b are surplus once a covers 0-4, a must stay
+        ([1, [H("a", 0, 4, 0), H("b", 0, 2, 1), H("c", 2, 4, 2)], [], ["c", "b"]]),
+        # a holding whose removal would leave one expert uncovered stays
+        ([1, [H("a", 0, 4, 0), H("b", 2, 6, 5)], [], []]),
+        # below target: a retiring holding comes back; a released one (not restorable) cannot
+        ([2, [H("a", 0, 4, 0), H("b", 0, 4, 5, counted=False, restorable=True)], ["b"], []]),
+        ([2, [H("a", 0, 4, 0), H("b", 0, 4, 5, counted=False, restorable=False)], [], []]),
+        # no deficit: retiring stays retiring
+        ([1, [H("a", 0, 4, 0), H("b", 0, 4, 5, counted=False, restorable=True)], [], []]),
+        # restore prefers proven holdings; only as many as needed
+        ([2, [H("a", 0, 4, 0), H("b", 0, 4, 5, counted=False, restorable=True),
+              H("c", 0, 4, 6, counted=False, restorable=True, proven=True)], ["c"], []]),
+        # other layers are independent
+        ([1, [H("a", 0, 4, 0), H("b", 0, 4, 1, layer=1)], [], []]),
+    ],
+)
+def test_plan_ageout(target: int, holdings: list[Holding[str]], restore: list[str], retire: list[str]) -> None:
+    plan = plan_ageout(2, 8, target, holdings)
+    assert plan.restore == restore
+    assert plan.retire == retire
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("known", "epoch", "seq", "want"),
+    [
+        (None, 0, 0, HeartbeatVerdict.FIRST),
+        (None, 5, 100, HeartbeatVerdict.FIRST),
+        ((1, 5), 1, 6, HeartbeatVerdict.NEXT),
+        ((1, 5), 1, 1000, HeartbeatVerdict.NEXT),
+        ((1, 5), 1, 5, HeartbeatVerdict.REPLAYED_SEQUENCE),
+        ((1, 5), 1, 4, HeartbeatVerdict.REPLAYED_SEQUENCE),
+        ((1, 5), 2, 0, HeartbeatVerdict.NEW_EPOCH),
+        ((1, 5), 0, 99, HeartbeatVerdict.STALE_EPOCH),
+    ],
+)
+def test_check_heartbeat(known: tuple[int, int] | None, epoch: int, seq: int, want: HeartbeatVerdict) -> None:
+    got = check_heartbeat(known, epoch, seq)
+    assert got == want
+    assert (got in ACCEPTED) == (want in {HeartbeatVerdict.FIRST, HeartbeatVerdict.NEXT, HeartbeatVerdict.NEW_EPOCH})
+
+
+@pytest.mark.parametrize(("last", "now", "ttl", "want"), [(0, 10, 15, False), (0, 15, 15, False), (0, 15.01, 15, True)])
+def test_is_expired(last: float, now: float, ttl: float, want: bool) -> None:
+    assert is_expired(last, now, ttl) is want
+
+
+@pytest.mark.parametrize(("stored", "new", "want"), [(None, 0, False), (5, 5, False), (5, 6, False), (5, 4, True)])
+def test_registration_is_stale(stored: int | None, new: int, want: bool) -> None:
+    assert registration_is_stale(stored, new) is want
+
+
+def test_diff_coverage() -> None:
+    a, b, c = S(0, 0, 4), S(0, 4, 8), S(1, 0, 4)
+    rows = {a: CoverageRow("p", a, HeldState.LOADING, 0.0), b: CoverageRow("p", b, HeldState.SERVING, 0.0)}
+    d = diff_coverage(rows, {a: HeldState.SERVING, c: HeldState.LOADING})
+    assert d.added == [(c, HeldState.LOADING)]
+    assert d.changed == [(rows[a], HeldState.SERVING)]
+    assert d.removed == [rows[b]]
+    assert not diff_coverage(rows, {a: HeldState.LOADING, b: HeldState.SERVING})
+
+
+# -- wiring -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("load", "want"), [(0.0, 0), (0.99, 0), (1.0, 1), (1.9, 1), (2.0, 2), (7.0, 3), (8.0, 4),
+                                            (float("nan"), 0)])
+def test_load_bucket(load: float, want: int) -> None:
+    assert load_bucket(load) == want
+
+
+def SS(peer: str, layer: int, lo: int, hi: int, *, proven: bool = False, load: float = 0.0, since: float = 0.0
+       ) -> ServingSlice:
+    return ServingSlice(peer, layer, lo, hi, (f"/ip4/127.0.0.1/tcp/1/p2p/{peer}",), preference(proven, load, since, peer))
+
+
+def R(*peers: str) -> list[Replica]:
+    return [Replica(p, [f"/ip4/127.0.0.1/tcp/1/p2p/{p}"]) for p in peers]
+
+
+@pytest.mark.parametrize(
+    ("slices", "want"),
+    [
+        ([], []),
+        ([SS("a", 0, 0, 4)], [LayerRanges(0, [RangeReplicas(0, 4, R("a"))])]),
+        # overlapping holdings: cut at every boundary; no range without replicas is listed
+        ([SS("a", 0, 0, 8), SS("b", 0, 4, 12)],
+         [LayerRanges(0, [RangeReplicas(0, 4, R("a")), RangeReplicas(4, 8, R("a", "b")),
+                          RangeReplicas(8, 12, R("b"))])]),
+        ([SS("a", 0, 0, 2), SS("b", 0, 6, 8)],
+         [LayerRanges(0, [RangeReplicas(0, 2, R("a")), RangeReplicas(6, 8, R("b"))])]),
+        # adjacent slices of one volunteer are not merged (it cannot answer a 0-8 call)
+        ([SS("a", 0, 0, 4), SS("a", 0, 4, 8)],
+         [LayerRanges(0, [RangeReplicas(0, 4, R("a")), RangeReplicas(4, 8, R("a"))])]),
+        # preference: proven first, then load bucket, then age, then peer id
+        ([SS("a", 0, 0, 4, since=0), SS("b", 0, 0, 4, proven=True, since=9)],
+         [LayerRanges(0, [RangeReplicas(0, 4, R("b", "a"))])]),
+        ([SS("a", 0, 0, 4, load=5), SS("b", 0, 0, 4, since=9)], [LayerRanges(0, [RangeReplicas(0, 4, R("b", "a"))])]),
+        ([SS("b", 0, 0, 4, since=1), SS("a", 0, 0, 4, since=2), SS("c", 0, 0, 4, since=1)],
+         [LayerRanges(0, [RangeReplicas(0, 4, R("b", "c", "a"))])]),
+        # a peer holding overlapping slices is listed once per range
+        ([SS("a", 0, 0, 8), SS("a", 0, 4, 8)],
+         [LayerRanges(0, [RangeReplicas(0, 4, R("a")), RangeReplicas(4, 8, R("a"))])]),
+        # layers sorted
+        ([SS("a", 2, 0, 4), SS("b", 0, 0, 4)],
+         [LayerRanges(0, [RangeReplicas(0, 4, R("b"))]), LayerRanges(2, [RangeReplicas(0, 4, R("a"))])]),
+    ],
+    ids=["empty", "one", "overlap", "gap", "no-merge", "proven-first", "load", "age-then-id", "dup-peer", "layers"],
+)
+def test_build_layers(slices: list[ServingSlice], want: list[LayerRanges]) -> None:
+    got = build_layers(slices)
+    assert got == want
+    DispatchMap(M, 1, got).validate(n_layer=4, n_expert=16)
+    assert build_layers(list(reversed(slices))) == want  # canonical: input order does not matter
