@@ -105,13 +105,13 @@ class Dispatcher:
                         await c.aclose()
                 self._clients.clear()
 
-    def set_map(self, m: DispatchMap) -> bool:
-        """Adopt ``m`` (trio side). Returns False if it is older than the current map."""
+    def set_map(self, m: DispatchMap, *, force: bool = False) -> bool:
+        """Adopt ``m`` (trio side). Returns False if it is older than the current map (unless ``force``)."""
         if m.model_id != self.model.model_id:
             raise ConfigError(f"dispatch map is for {m.model_id!r}, this coordinator hosts {self.model.model_id!r}",
                               code="bad_dispatch_map")
         m.validate(n_layer=self.cfg.n_layer, n_expert=self.cfg.n_expert)
-        if self.map is not None and m.version < self.map.version:
+        if self.map is not None and m.version < self.map.version and not force:
             return False
         peers = m.peers()
         with self._lock:

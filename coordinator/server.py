@@ -24,10 +24,11 @@ from starlette.routing import Route
 
 from coordinator.api import build_app
 from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
+from coordinator.market_link import MarketLink
 from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
 from swarm.gguf_model import GGUFModel
-from swarm.slices import SliceCache
+from swarm.slices import SliceCache, build_manifest
 from swarm.tokenizer import Tokenizer
 from swarm.transport import open_libp2p_transport
 
@@ -49,6 +50,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     p2p_listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     expert_timeout_s: float = 3.0
     wire_dtype: str = "float32"
+    market: str | None = None  # follow this market's dispatch map and register with it
+    advertise_url: str | None = None  # our URL as the market and volunteers should reach it
+    token: str | None = None  # operator token for the market
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -74,30 +78,45 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
             async def dispatch_report(_: Request) -> Response:
                 return JSONResponse(dispatcher.report())
 
+            links: list[MarketLink] = []
+
+            def health_extra() -> dict[str, object]:
+                extra: dict[str, object] = {"peer_id": transport.peer_id}
+                if links:
+                    extra["market"] = links[0].status()
+                return extra
+
             app = build_app(
                 rt,
                 model_id=model.model_id,
                 aliases=[model.path.stem],
                 extra_routes=[*slice_routes({model.model_id: model}, caches), Route("/dispatch", dispatch_report, methods=["GET"])],
-                extra_health=lambda: {"peer_id": transport.peer_id},
+                extra_health=health_extra,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(dispatcher.serve)
                 if cfg.dispatch_map is not None:
                     await nursery.start(watch_dispatch_map_file, Path(cfg.dispatch_map), dispatcher)
-                await _serve_http(rt, app, cfg, nursery, task_status)
+                url = await nursery.start(_serve_http, rt, app, cfg)
+                if cfg.market is not None:
+                    link = MarketLink(cfg.market, dispatcher, build_manifest(model),
+                                      advertise_url=cfg.advertise_url or url, token=cfg.token)
+                    links.append(link)
+                    await nursery.start(link.serve)
+                task_status.started(url)
 
 
 async def _serve_http(
-    rt: EngineRuntime, app: Starlette, cfg: CoordinatorConfig, nursery: trio.Nursery, task_status: trio.TaskStatus[str]
+    rt: EngineRuntime, app: Starlette, cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     hc = HyperConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.graceful_timeout = 2.0
-    await nursery.start(rt.serve)
-    binds = await nursery.start(hypercorn_serve, app, hc)
-    url = binds[0] if binds else f"http://{cfg.host}:{cfg.port}"
-    log.info("coordinator serving %s at %s (%d slots, ctx %d)", rt.model.model_id, url, rt.n_slots, rt.n_ctx)
-    task_status.started(url)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.serve)
+        binds = await nursery.start(hypercorn_serve, app, hc)
+        url = binds[0] if binds else f"http://{cfg.host}:{cfg.port}"
+        log.info("coordinator serving %s at %s (%d slots, ctx %d)", rt.model.model_id, url, rt.n_slots, rt.n_ctx)
+        task_status.started(url)

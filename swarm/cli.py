@@ -59,6 +59,9 @@ def _coordinator(ns: argparse.Namespace) -> None:
         p2p_listen=tuple(ns.p2p_listen or ["/ip4/127.0.0.1/tcp/0"]),
         expert_timeout_s=ns.expert_timeout,
         wire_dtype=ns.wire_dtype,
+        market=ns.market,
+        advertise_url=ns.advertise_url,
+        token=ns.token or os.environ.get("MOE_SWARM_TOKEN"),
     )
 
     async def service() -> None:
@@ -112,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--p2p-listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
     c.add_argument("--expert-timeout", type=float, default=3.0, help="seconds before a remote expert call falls back")
     c.add_argument("--wire-dtype", choices=["float32", "bfloat16"], default="float32", help="activations on the wire")
+    c.add_argument("--market", default=None, help="register with this market and follow its dispatch map")
+    c.add_argument("--advertise-url", default=None, help="this coordinator's URL as others reach it (default: bound URL)")
+    c.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
     c.set_defaults(func=_coordinator)
 
     v = sub.add_parser("volunteer", help="serve expert slices to a coordinator")

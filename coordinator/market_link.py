@@ -1,0 +1,115 @@
+"""The coordinator's link to the demand market (shell: two trio loops over httpx).
+
+Rules:
+- Registration: ``POST /api/models`` with this coordinator's advertised URL and the manifest of the
+  model it hosts, retried with backoff until accepted, then repeated every ``reregister_s`` so a
+  market that lost its state (or was replaced) learns about us again without a restart.
+- Dispatch map: ``GET /api/expert-dispatch-map?model=ID`` every ``poll_s`` (time-bounded); a map
+  whose version differs from the current one is adopted, so workers attach or detach within about
+  ``poll_s`` of a change. While the market is unreachable the last map stays in force: volunteers
+  keep serving and nothing needs a restart when the market returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import msgspec
+import trio
+
+from coordinator.dispatcher import Dispatcher
+from swarm.dispatch_map import decode_dispatch_map
+from swarm.errors import SwarmError
+from swarm.slices import Manifest
+
+__all__ = ["MarketLink"]
+
+log = logging.getLogger(__name__)
+
+
+class MarketLink:
+    def __init__(
+        self,
+        market_url: str,
+        dispatcher: Dispatcher,
+        manifest: Manifest,
+        *,
+        advertise_url: str,
+        token: str | None,
+        poll_s: float = 0.5,
+        reregister_s: float = 30.0,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.base = market_url.rstrip("/")
+        self.dispatcher = dispatcher
+        self.manifest = manifest
+        self.advertise_url = advertise_url
+        self.token = token
+        self.poll_s = poll_s
+        self.reregister_s = reregister_s
+        self.timeout_s = timeout_s
+        self.epoch = int(time.time() * 1000)
+        self.registered = False
+        self.last_ok: float | None = None
+        self.last_error = ""
+
+    def status(self) -> dict[str, object]:
+        return {
+            "market": self.base,
+            "registered": self.registered,
+            "last_map_ok_s_ago": None if self.last_ok is None else round(time.monotonic() - self.last_ok, 1),
+            "last_error": self.last_error,
+        }
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client, trio.open_nursery() as n:
+            n.start_soon(self._register_loop, client)
+            n.start_soon(self._map_loop, client)
+            task_status.started()
+
+    async def _register_loop(self, client: httpx.AsyncClient) -> None:
+        body = msgspec.json.encode(
+            {"url": self.advertise_url, "models": [msgspec.to_builtins(self.manifest)], "epoch": self.epoch}
+        )
+        backoff = 0.5
+        while True:
+            try:
+                r = await client.post(f"{self.base}/api/models", content=body, headers={"content-type": "application/json"})
+                if r.status_code // 100 == 2:
+                    if not self.registered:
+                        log.info("registered %s with the market at %s", self.manifest.model_id, self.base)
+                    self.registered = True
+                    backoff = 0.5
+                    await trio.sleep(self.reregister_s)
+                    continue
+                self.last_error = f"register: HTTP {r.status_code}: {r.text[:200]}"
+                if r.status_code in (400, 401, 403):
+                    log.error("the market refused our registration: %s", self.last_error)
+            except httpx.HTTPError as exc:
+                self.last_error = f"register: {type(exc).__name__}: {exc}"
+            self.registered = False
+            await trio.sleep(backoff)
+            backoff = min(10.0, backoff * 2)
+
+    async def _map_loop(self, client: httpx.AsyncClient) -> None:
+        url = f"{self.base}/api/expert-dispatch-map"
+        params = {"model": self.manifest.model_id}
+        while True:
+            try:
+                r = await client.get(url, params=params)
+                if r.status_code == 200:
+                    m = decode_dispatch_map(r.content)
+                    cur = self.dispatcher.map
+                    if cur is None or m.version != cur.version:
+                        # the market is the source of truth: a lower version means it was reset
+                        self.dispatcher.set_map(m, force=True)
+                    self.last_ok = time.monotonic()
+                    self.last_error = ""
+                elif r.status_code != 404:  # 404: not registered yet
+                    self.last_error = f"dispatch map: HTTP {r.status_code}"
+            except (httpx.HTTPError, SwarmError) as exc:
+                self.last_error = f"dispatch map: {type(exc).__name__}: {exc}"
+            await trio.sleep(self.poll_s)
