@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from market.core.assign import Budget, ModelSupply, NoOfferReason, Pick, choose_slice, experts_that_fit, jittered
+from market.core.assign import (
+    Budget,
+    ModelSupply,
+    NoOfferReason,
+    Pick,
+    choose_slice,
+    experts_that_fit,
+    jittered,
+)
 from market.core.demand import CoverageCounts, Segment, contribution, effective_target, scarcity, segments
 from market.core.records import CoverageRow, HeldState, SliceRef
 from market.core.recruit import (

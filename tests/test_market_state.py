@@ -1,0 +1,218 @@
+"""``market.state.Market`` without an event loop: registration, pull, heartbeats, directives,
+restore-on-deficit, map versions across restarts, and incremental counts vs a recount."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from market.core.records import HeldState, ModelManifest, SliceRef
+from market.schemas import CoverageHeartbeat, HeldSlice, RegisterModels, VolunteerRequest
+from market.state import Market, MarketPolicy, NoOffer, Offer
+from market.store import InMemoryStore, MemoryBacking
+from swarm.errors import RequestError
+
+MID = "state-0123456789ab"
+URL = "http://c1.test"
+POLICY = MarketPolicy(heartbeat_ttl_s=6.0, cooldown_s=5.0, lease_s=10.0, hold_s=10.0, poll_stale_s=5.0,
+                      header_allowance=0)
+
+
+def manifest(model_id: str = MID, n_layer: int = 2, n_expert: int = 8, bpe: int = 1000) -> ModelManifest:
+    return ModelManifest(model_id=model_id, arch="qwen3moe", n_layer=n_layer, n_expert=n_expert,
+                         bytes_per_expert=[bpe] * n_layer)
+
+
+def new_market(backing: MemoryBacking | None = None, now: float = 0.0, seed: int = 0) -> Market:
+    return Market(InMemoryStore(backing), POLICY, now=now, rng=random.Random(seed))
+
+
+def registered(backing: MemoryBacking | None = None) -> Market:
+    m = new_market(backing)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    return m
+
+
+def hb(peer: str, seq: int, *slices: tuple[int, int, int, HeldState], epoch: int = 1, serve_ms: int = 0,
+       addrs: list[str] | None = None, load: float = 0.0) -> CoverageHeartbeat:
+    return CoverageHeartbeat(peer, epoch, seq, addrs if addrs is not None else [f"/ip4/10.0.0.1/tcp/1/p2p/{peer}"],
+                             [HeldSlice(MID, la, lo, hi, st, serve_ms) for la, lo, hi, st in slices], load)
+
+
+SERVING = HeldState.SERVING
+LOADING = HeldState.LOADING
+
+
+def codes(fn: object) -> str:
+    with pytest.raises(RequestError) as ei:
+        fn()  # type: ignore[operator]
+    return f"{ei.value.status} {ei.value.code}"
+
+
+def test_registration_rules() -> None:
+    m = registered()
+    assert m.hosts_of(MID) == [URL]
+    assert codes(lambda: m.register(RegisterModels(URL, [manifest()], epoch=9), 1.0)) == "409 stale_registration"
+    assert codes(lambda: m.register(RegisterModels("http://c2.test", [manifest(n_expert=16)]), 1.0)) == (
+        "409 manifest_conflict")
+    bad = msgspec.structs.replace(manifest(), bytes_per_expert=[1000])
+    assert codes(lambda: m.register(RegisterModels(URL, [bad], epoch=11), 1.0)) == "400 bad_manifest"
+    assert codes(lambda: m.register(RegisterModels(URL, [manifest(), manifest()], epoch=11), 1.0)) == "400 bad_manifest"
+    # several coordinators may host one model; an equal epoch is a retry
+    m.register(RegisterModels("http://c2.test", [manifest()], epoch=1), 1.0)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 1.0)
+    assert sorted(m.hosts_of(MID)) == [URL, "http://c2.test"]
+    # a coordinator that stops hosting the model drops out of its sources
+    m.register(RegisterModels(URL, [], epoch=12), 2.0)
+    assert m.hosts_of(MID) == ["http://c2.test"]
+
+
+def test_pull_needs_a_budget_and_a_host() -> None:
+    m = new_market()
+    assert codes(lambda: m.volunteer(VolunteerRequest("p"), 0.0)) == "400 missing_budget"
+    res = m.volunteer(VolunteerRequest("p", max_experts=4), 0.0)
+    assert isinstance(res, NoOffer) and res.reason.value == "no_models"
+    assert 4.0 <= res.retry_after_s <= 6.0
+    m = registered()
+    res = m.volunteer(VolunteerRequest("p", max_experts=4, models=["other-model"]), 0.0)
+    assert isinstance(res, NoOffer) and res.reason.value == "no_models"
+    res = m.volunteer(VolunteerRequest("p", max_bytes=999), 0.0)
+    assert isinstance(res, NoOffer) and res.reason.value == "budget_too_small"
+
+
+def test_lease_is_renewed_not_duplicated_then_consumed_by_coverage() -> None:
+    m = registered()
+    a = m.volunteer(VolunteerRequest("p", max_experts=4), 1.0)
+    b = m.volunteer(VolunteerRequest("p", max_experts=4), 2.0)
+    assert isinstance(a, Offer) and isinstance(b, Offer)
+    assert b.renewed and b.lease == a.lease and b.sources == [URL]
+    assert len(m.leases) == 1
+    s = a.lease.slice
+    ack = m.heartbeat(hb("p", 1, (s.layer, s.lo, s.hi, LOADING)), 3.0)
+    assert m.leases == {}  # converted into a loading holding
+    assert [(d.action, d.dispatched) for d in ack.slices] == [("keep", False)]
+    assert m.counts[MID].pending[s.layer][s.lo] == 1
+    ack = m.heartbeat(hb("p", 2, (s.layer, s.lo, s.hi, SERVING)), 4.0)
+    assert [(d.action, d.dispatched) for d in ack.slices] == [("keep", True)]
+    assert m.counts[MID].replicas[s.layer][s.lo] == 1 and m.counts[MID].pending[s.layer][s.lo] == 0
+    # the next pull never hands it an expert it holds
+    c = m.volunteer(VolunteerRequest("p", max_experts=8), 5.0)
+    assert isinstance(c, Offer) and not c.lease.slice.overlaps(s)
+    assert m.counts == m.recount()
+
+
+def test_heartbeat_refuses_unknown_slices_and_duplicates() -> None:
+    m = registered()
+    body = hb("p", 1, (0, 0, 4, SERVING))
+    body = msgspec.structs.replace(body, slices=[*body.slices, HeldSlice("nope-model", 0, 0, 1),
+                                                 HeldSlice(MID, 5, 0, 1), HeldSlice(MID, 0, 4, 99),
+                                                 HeldSlice(MID, 0, 3, 3)])
+    ack = m.heartbeat(body, 1.0)
+    assert [(d.action, d.reason) for d in ack.slices] == [
+        ("keep", ""), ("release", "unknown_model"), ("release", "bad_slice_range"), ("release", "bad_slice_range"),
+        ("release", "bad_slice_range"),
+    ]
+    assert set(m.coverage["p"]) == {SliceRef(MID, 0, 0, 4)}
+    assert codes(lambda: m.heartbeat(hb("p", 2, (0, 0, 4, SERVING), (0, 0, 4, LOADING)), 2.0)) == "400 duplicate_slice"
+    # the rejected heartbeat changed nothing, not even the sequence
+    m.heartbeat(hb("p", 2), 3.0)
+    assert "p" not in m.coverage  # an empty holding deregisters
+
+
+def test_map_version_grows_only_on_change_and_survives_restart() -> None:
+    backing = MemoryBacking()
+    m = registered(backing)
+    m.tick(0.5)
+    assert m.dispatch_map(MID).version == 0 and m.dispatch_map(MID).layers == []
+    m.heartbeat(hb("a", 1, (0, 0, 4, SERVING)), 1.0)
+    m.tick(1.25)
+    v1 = m.dispatch_map(MID)
+    assert v1.version == 1 and v1.peers() == {"a": ["/ip4/10.0.0.1/tcp/1/p2p/a"]}
+    m.heartbeat(hb("a", 2, (0, 0, 4, SERVING)), 2.0)  # nothing changed
+    m.tick(2.25)
+    assert m.dispatch_map(MID).version == 1
+    m.heartbeat(hb("a", 3, (0, 0, 4, SERVING), load=0.5), 3.0)  # same load bucket: no reorder
+    m.tick(3.25)
+    assert m.dispatch_map(MID).version == 1
+    m.heartbeat(hb("a", 4, (0, 0, 4, SERVING), addrs=["/ip4/10.0.0.2/tcp/1/p2p/a"]), 4.0)
+    m.tick(4.25)
+    assert m.dispatch_map(MID).version == 2
+    # restart: same content -> same version; a change afterwards -> version 3, never back to 1
+    m2 = new_market(backing, now=5.0)
+    m2.tick(5.25)
+    assert m2.dispatch_map(MID) == m.dispatch_map(MID)
+    m2.heartbeat(hb("a", 5), 6.0)
+    m2.tick(6.25)
+    assert m2.dispatch_map(MID).version == 3 and m2.dispatch_map(MID).layers == []
+    assert codes(lambda: m2.dispatch_map("nope")) == "404 unknown_model"
+
+
+def test_draining_volunteer_leaves_the_map_and_retiring_one_comes_back_on_deficit() -> None:
+    m = registered()
+    m.heartbeat(hb("a", 1, (0, 0, 8, SERVING), serve_ms=1), 0.0)
+    m.heartbeat(hb("b", 1, (0, 0, 8, SERVING)), 0.1)
+    m.tick(0.25)
+    # base target 1: b (unproven, younger) is surplus -> retired at once, out of the map
+    assert m.dispatch_map(MID).peers().keys() == {"a"}
+    ack = m.heartbeat(hb("b", 2, (0, 0, 8, SERVING)), 1.0)
+    assert ack.slices[0].action == "drain" and ack.slices[0].release_in_s == pytest.approx(4.25)
+    # a leaves (draining): b is needed again before its cooldown ends -> dispatched again
+    m.heartbeat(hb("a", 2, (0, 0, 8, HeldState.DRAINING)), 2.0)
+    m.tick(2.25)
+    assert m.dispatch_map(MID).peers().keys() == {"b"}
+    ack = m.heartbeat(hb("b", 3, (0, 0, 8, SERVING)), 3.0)
+    assert (ack.slices[0].action, ack.slices[0].dispatched) == ("keep", True)
+    assert m.counters["restored"] == 1
+    assert m.counts == m.recount()
+
+
+def test_release_after_cooldown_and_unknown_model_demand() -> None:
+    m = registered()
+    m.heartbeat(hb("a", 1, (0, 0, 8, SERVING)), 0.0)
+    m.heartbeat(hb("b", 1, (0, 0, 8, SERVING)), 0.5)
+    m.tick(1.0)
+    assert m.heartbeat(hb("b", 2, (0, 0, 8, SERVING)), 5.9).slices[0].action == "drain"
+    assert m.heartbeat(hb("b", 3, (0, 0, 8, SERVING)), 6.0).slices[0].action == "release"
+    view = m.recruitment(6.0).models[0]
+    assert {w.peer_id: w.slices[0].state for w in view.workers} == {"a": "dispatched", "b": "released"}
+    m.heartbeat(hb("b", 4), 6.5)
+    assert "b" not in m.coverage
+    assert codes(lambda: m.demand(7.0, ["nope"])) == "404 unknown_model"
+    d = m.demand(7.0)
+    assert d.models[0].segments[0].replicas == 1 and d.models[0].replicas_min == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_counts_match_a_recount_after_random_traffic(seed: int) -> None:
+    rng = random.Random(seed)
+    backing = MemoryBacking()
+    m = registered(backing)
+    seqs: dict[str, int] = {}
+    now = 0.0
+    for _ in range(400):
+        now += rng.uniform(0.0, 1.0)
+        peer = f"p{rng.randrange(12)}"
+        op = rng.random()
+        if op < 0.3:
+            m.volunteer(VolunteerRequest(peer, max_experts=rng.choice([1, 2, 4, 8])), now)
+        elif op < 0.8:
+            seqs[peer] = seqs.get(peer, 0) + 1
+            held = []
+            for _ in range(rng.randrange(3)):
+                layer, lo = rng.randrange(2), rng.randrange(8)
+                held.append((layer, lo, rng.randrange(lo + 1, 9), rng.choice(list(HeldState))))
+            uniq = {(la, lo, hi): (la, lo, hi, st) for la, lo, hi, st in held}
+            m.heartbeat(hb(peer, seqs[peer], *uniq.values()), now)
+        elif op < 0.9:
+            m.record_poll(URL, rng.randrange(5), 4, now)
+        else:
+            m.tick(now)
+        assert m.counts == m.recount()
+    m.tick(now + 1)
+    m.dispatch_map(MID).validate(n_layer=2, n_expert=8)
+    # and a restarted market rebuilds the same counts from the store
+    m.flush(now)
+    m2 = new_market(backing, now=now)
+    assert m2.counts == m.counts
