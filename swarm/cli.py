@@ -16,6 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 import trio
 
 from swarm.errors import SwarmError
@@ -72,24 +73,58 @@ def _coordinator(ns: argparse.Namespace) -> None:
     run_service(service)
 
 
-def _volunteer(ns: argparse.Namespace) -> None:
-    from volunteer.static import StaticVolunteerConfig, check_config, serve_static_volunteer
+def parse_size(text: str) -> int:
+    """``512M``, ``2G``, ``1.5GiB``, ``1000000`` -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMGT" else t
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return int(value * mult)
 
-    cfg = StaticVolunteerConfig(
-        coordinator=ns.coordinator,
-        slices=tuple(ns.slices),
-        listen=tuple(ns.listen or ["/ip4/127.0.0.1/tcp/0"]),
-        data_dir=os.path.expanduser(ns.data_dir),
-        model_id=ns.model_id,
-        threads=ns.threads,
-        progress=not ns.no_progress,
-    )
-    check_config(cfg)
+
+def _volunteer(ns: argparse.Namespace) -> None:
     import torch
 
     # parallelism comes from --threads compute threads; one intra-op thread each keeps them from
     # oversubscribing the cores (OpenMP threads spin while idle)
     torch.set_num_threads(1)
+    listen = tuple(ns.listen or ["/ip4/127.0.0.1/tcp/0"])
+    data_dir = os.path.expanduser(ns.data_dir)
+    if ns.market:
+        if ns.slices or ns.coordinator:
+            raise SwarmError("--market (pull mode) and --coordinator/--slice (static mode) exclude each other",
+                             code="config_error")
+        from volunteer.daemon import PullVolunteerConfig, serve_pull_volunteer
+
+        pcfg = PullVolunteerConfig(
+            market=ns.market, data_dir=data_dir, listen=listen, max_bytes=ns.max_memory, max_experts=ns.max_experts,
+            models=tuple(ns.models or ()), threads=ns.threads, progress=not ns.no_progress,
+            poll_interval_s=ns.poll_interval,
+        )
+        if pcfg.max_bytes is None and pcfg.max_experts is None:
+            pcfg = msgspec.structs.replace(pcfg, max_bytes=1 << 30)
+        run_service(serve_pull_volunteer, pcfg)
+        return
+    if not ns.coordinator or not ns.slices:
+        raise SwarmError("give --market URL (pull mode) or --coordinator URL with --slice LAYER:LO-HI (static mode)",
+                         code="config_error")
+    from volunteer.static import StaticVolunteerConfig, check_config, serve_static_volunteer
+
+    cfg = StaticVolunteerConfig(
+        coordinator=ns.coordinator,
+        slices=tuple(ns.slices),
+        listen=listen,
+        data_dir=data_dir,
+        model_id=ns.model_id,
+        threads=ns.threads,
+        progress=not ns.no_progress,
+    )
+    check_config(cfg)
     run_service(serve_static_volunteer, cfg)
 
 
@@ -120,10 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
     c.set_defaults(func=_coordinator)
 
-    v = sub.add_parser("volunteer", help="serve expert slices to a coordinator")
-    v.add_argument("--coordinator", required=True, help="coordinator URL (slices are downloaded from it)")
-    v.add_argument("--slice", action="append", dest="slices", required=True, metavar="LAYER:LO-HI",
-                   help="experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
+    v = sub.add_parser("volunteer", help="serve expert slices: pulled from a market, or given statically")
+    v.add_argument("--market", default=None, help="pull mode: take the scarcest slice the market offers")
+    v.add_argument("--max-memory", type=parse_size, default=None, help="pull mode: slice budget, e.g. 512M (default 1G)")
+    v.add_argument("--max-experts", type=int, default=None, help="pull mode: budget in experts")
+    v.add_argument("--models", action="append", default=None, help="pull mode: only these model ids (repeatable)")
+    v.add_argument("--poll-interval", type=float, default=2.0, help="pull mode: seconds between market polls")
+    v.add_argument("--coordinator", default=None, help="static mode: coordinator URL (slices are downloaded from it)")
+    v.add_argument("--slice", action="append", dest="slices", default=None, metavar="LAYER:LO-HI",
+                   help="static mode: experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
     v.add_argument("--listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
     v.add_argument("--data-dir", default=os.path.expanduser("~/.local/share/moe-swarm/volunteer"))
     v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")

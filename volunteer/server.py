@@ -60,6 +60,7 @@ class _SliceWorker:
         self.max_batch_rows = max_batch_rows
         self.send, self.recv = trio.open_memory_channel[_Pending](1024)
         self.batches = 0
+        self.last_serve_ms = 0
 
     async def submit(self, p: _Pending) -> torch.Tensor:
         await self.send.send(p)
@@ -73,13 +74,19 @@ class _SliceWorker:
         """The slice's compute loop (a task of ``ExpertServer.serve``)."""
         carry: _Pending | None = None
         while True:
-            first = carry if carry is not None else await self.recv.receive()
+            if carry is not None:
+                first = carry
+            else:
+                try:
+                    first = await self.recv.receive()
+                except trio.EndOfChannel:
+                    return
             carry = None
             batch, n = [first], int(first.rows.shape[0])
             while True:
                 try:
                     q = self.recv.receive_nowait()
-                except trio.WouldBlock:
+                except (trio.WouldBlock, trio.EndOfChannel):
                     break
                 if n + int(q.rows.shape[0]) > self.max_batch_rows:
                     carry = q
@@ -94,6 +101,7 @@ class _SliceWorker:
             outs = await trio.to_thread.run_sync(self._compute, batch, limiter=self.limiter)
             for p, o in zip(batch, outs, strict=True):
                 p.result = o
+            self.last_serve_ms = int(time.time() * 1000)
         except BaseException as exc:  # noqa: BLE001 - handed to each waiting request
             for p in batch:
                 p.error = exc
@@ -120,6 +128,8 @@ class _SliceWorker:
 class ExpertServer:
     def __init__(self, slices: list[LoadedSlice], *, threads: int = 2, max_batch_rows: int = 4096) -> None:
         self.limiter = trio.CapacityLimiter(max(1, threads))
+        self.max_batch_rows = max_batch_rows
+        self._nursery: trio.Nursery | None = None
         self.workers = [_SliceWorker(s, self.limiter, max_batch_rows) for s in slices]
         self.stats = ServeStats()
         self.draining = False
@@ -128,9 +138,39 @@ class ExpertServer:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for w in self.workers:
                 nursery.start_soon(w.run)
             task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def add_slice(self, sl: LoadedSlice) -> None:
+        """Start serving ``sl`` (inside ``serve``)."""
+        if self._nursery is None:
+            raise RuntimeError("the expert server is not running")
+        w = _SliceWorker(sl, self.limiter, self.max_batch_rows)
+        self.workers.append(w)
+        self._nursery.start_soon(w.run)
+
+    def remove_slice(self, model_id: str, layer: int, lo: int, hi: int) -> bool:
+        """Stop taking requests for a slice; requests already queued for it are still answered."""
+        for w in self.workers:
+            k = w.sl.key
+            if (k.model_id, k.layer, k.lo, k.hi) == (model_id, layer, lo, hi):
+                self.workers.remove(w)
+                w.send.close()  # its loop answers what is queued, then ends
+                return True
+        return False
+
+    def last_serve_ms_of(self, model_id: str, layer: int, lo: int, hi: int) -> int:
+        for w in self.workers:
+            k = w.sl.key
+            if (k.model_id, k.layer, k.lo, k.hi) == (model_id, layer, lo, hi):
+                return w.last_serve_ms
+        return 0
 
     @property
     def slices(self) -> list[LoadedSlice]:

@@ -1,0 +1,292 @@
+"""The volunteer desktop daemon, market mode (shell around ``volunteer.core.lifecycle``).
+
+``moe-swarm volunteer --market URL [--max-memory SIZE] [--relay MULTIADDR ...] [--data-dir DIR]``
+
+Rules:
+- Identity: the libp2p key in ``DATA_DIR/identity.key`` (peer id stable across restarts); the
+  ``epoch`` in ``DATA_DIR/epoch`` grows by one on every start, so the market can tell a restarted
+  volunteer's heartbeats from stale ones.
+- Throughput is measured once (a float32 expert FFN at batch 8) and kept in ``DATA_DIR/probe.json``.
+- Every decision (when to poll, what to report, when to drop a slice) is the pure lifecycle core;
+  this shell only performs its effects: HTTP to the market, slice downloads, loading/unloading
+  slices into the ``ExpertServer``, signed heartbeats.
+- Ctrl-C: report the slice ``draining``, answer calls in flight, deregister (empty heartbeat), exit.
+- One status line (stderr) for a person watching.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import torch
+import trio
+
+from market.schemas import CoverageAck, CoverageHeartbeat, HeldSlice
+from swarm.errors import SwarmError
+from swarm.expert_rpc import expert_stream_handler, make_hello
+from swarm.fetch import fetch_slice
+from swarm.identity import sign_body
+from swarm.slices import load_slice
+from swarm.transport import load_or_create_identity, open_libp2p_transport
+from swarm.wire import PROTOCOL_ID
+from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
+from volunteer.server import ExpertServer
+
+__all__ = ["PullVolunteerConfig", "measure_throughput", "serve_pull_volunteer"]
+
+log = logging.getLogger(__name__)
+
+_answer_decoder = msgspec.json.Decoder(dict[str, Any])
+_ack_decoder = msgspec.json.Decoder(CoverageAck)
+
+
+class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    market: str
+    data_dir: str
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    relays: tuple[str, ...] = ()
+    max_bytes: int | None = None
+    max_experts: int | None = None
+    models: tuple[str, ...] = ()
+    threads: int = 2
+    poll_interval_s: float = 2.0
+    progress: bool = True
+    status_interval_s: float = 5.0
+
+
+def measure_throughput(d_model: int = 1024, width: int = 2816, batch: int = 8, reps: int = 5) -> float:
+    """Expert tokens/s of this machine: a float32 SwiGLU FFN at ``batch`` rows (one thread)."""
+    g = torch.Generator().manual_seed(0)
+    wg, wu = torch.randn(width, d_model, generator=g), torch.randn(width, d_model, generator=g)
+    wd = torch.randn(d_model, width, generator=g)
+    x = torch.randn(batch, d_model, generator=g)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+        best = min(best, time.perf_counter() - t0)
+    return batch / best
+
+
+def _next_epoch(path: Path) -> int:
+    try:
+        epoch = int(path.read_text().strip()) + 1
+    except (OSError, ValueError):
+        epoch = int(time.time())  # first start: any value; later starts only grow
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{epoch}\n")
+    tmp.replace(path)
+    return epoch
+
+
+class PullVolunteer:
+    def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, addrs: list[str],
+                 server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
+        self.cfg = cfg
+        self.base = cfg.market.rstrip("/")
+        self.epoch = epoch
+        self.key_pair = key_pair
+        self.peer_id = peer_id
+        self.addrs = addrs
+        self.server = server
+        self.client = client
+        self.nursery = nursery
+        self.core = Lifecycle(rng=random.Random(), poll_interval_s=cfg.poll_interval_s)
+        self.data_dir = Path(cfg.data_dir)
+        self.status = "starting"
+        self.market_ok = True
+        self._hb_lock = trio.Lock()
+        self.deregistered = trio.Event()
+
+    # -- effects --------------------------------------------------------------------------------------
+    def apply(self, effects: list[Any]) -> None:
+        for e in effects:
+            match e:
+                case Poll(at=at):
+                    self.nursery.start_soon(self._poll_at, at)
+                case Fetch(offer=offer):
+                    self.nursery.start_soon(self._fetch, offer)
+                case SendHeartbeat(sequence=seq):
+                    self.nursery.start_soon(self._heartbeat, seq)
+                case Unload(offer=o, reason=reason):
+                    self.server.remove_slice(o.model_id, o.layer, o.lo, o.hi)
+                    self.status = f"released {o.layer}:{o.lo}-{o.hi} ({reason})"
+                    log.info("released slice %d:%d-%d of %s (%s)", o.layer, o.lo, o.hi, o.model_id, reason)
+                case Deregister(sequence=seq):
+                    self.nursery.start_soon(self._deregister, seq)
+
+    async def _poll_at(self, at: float) -> None:
+        await trio.sleep_until(at)
+        if self.core.next_poll != at or self.core.phase is not Phase.IDLE:
+            return  # superseded
+        body: dict[str, Any] = {"peer_id": self.peer_id}
+        if self.cfg.max_bytes is not None:
+            body["max_bytes"] = self.cfg.max_bytes
+        if self.cfg.max_experts is not None:
+            body["max_experts"] = self.cfg.max_experts
+        if self.cfg.models:
+            body["models"] = list(self.cfg.models)
+        try:
+            r = await self.client.post(f"{self.base}/api/expert-volunteer", json=body)
+            ans = _answer_decoder.decode(r.content)
+            r.raise_for_status()
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.market_ok = False
+            self.status = f"market unreachable ({type(exc).__name__}); retrying"
+            self.apply(self.core.poll_failed(trio.current_time()))
+            return
+        self.market_ok = True
+        now = trio.current_time()
+        if ans.get("kind") == "assignment":
+            offer = Offer(
+                model_id=ans["model_id"], layer=ans["layer"], lo=ans["lo"], hi=ans["hi"], url=ans["url"],
+                sha256=ans["sha256"], size=ans["size"], lease_expires_in_s=float(ans["lease_expires_in_s"]),
+                heartbeat_s=float(ans["heartbeat_s"]), relays=tuple(ans.get("relays", [])),
+            )
+            self.status = f"offered {offer.layer}:{offer.lo}-{offer.hi} (scarcity {ans.get('scarcity', 0):.2f}); downloading"
+            self.apply(self.core.offered(offer, now))
+        else:
+            self.status = f"idle: {ans.get('reason', 'nothing needed')}"
+            self.apply(self.core.nothing_needed(float(ans.get("retry_after_s", self.cfg.poll_interval_s)), now))
+
+    async def _fetch(self, offer: Offer) -> None:
+        dest = self.data_dir / "slices" / offer.model_id / f"{offer.layer}-{offer.lo}-{offer.hi}.safetensors"
+        try:
+            path = await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.cfg.progress)
+            sl = await trio.to_thread.run_sync(load_slice, path)
+            k = sl.key
+            if (k.model_id, k.layer, k.lo, k.hi) != (offer.model_id, offer.layer, offer.lo, offer.hi):
+                raise SwarmError(f"downloaded slice is {k}, not the one offered", code="slice_mismatch")
+            self.server.add_slice(sl)
+        except (SwarmError, httpx.HTTPError, OSError) as exc:
+            log.warning("could not fetch slice %d:%d-%d: %s", offer.layer, offer.lo, offer.hi, exc)
+            self.apply(self.core.fetch_failed(str(exc), trio.current_time()))
+            return
+        self.status = f"serving {offer.layer}:{offer.lo}-{offer.hi} of {offer.model_id}"
+        self.apply(self.core.fetched(trio.current_time()))
+
+    def _body(self, seq: int) -> CoverageHeartbeat:
+        held = self.core.held
+        slices = []
+        state = self.core.reported_state()
+        if held is not None and state is not None:
+            o = held.offer
+            slices.append(HeldSlice(model_id=o.model_id, layer=o.layer, lo=o.lo, hi=o.hi, state=state,  # type: ignore[arg-type]
+                                    last_serve_ms=self.server.last_serve_ms_of(o.model_id, o.layer, o.lo, o.hi)))
+        body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=seq, addrs=self.addrs, slices=slices,
+                                 load=float(self.server.stats.in_flight), max_bytes=self.cfg.max_bytes)
+        return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
+
+    async def _post_heartbeat(self, body: CoverageHeartbeat) -> CoverageAck | None:
+        try:
+            r = await self.client.post(f"{self.base}/api/expert-coverage", content=msgspec.json.encode(body),
+                                       headers={"content-type": "application/json"})
+            if r.status_code != 200:
+                log.warning("coverage heartbeat refused: HTTP %d %s", r.status_code, r.text[:300])
+                return None
+            self.market_ok = True
+            return _ack_decoder.decode(r.content)
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.market_ok = False
+            log.debug("heartbeat failed: %s", exc)
+            return None
+
+    async def _heartbeat(self, seq: int) -> None:
+        async with self._hb_lock:  # heartbeats leave in sequence order
+            if seq < self.core.sequence and self.core.phase is not Phase.STOPPING:
+                seq = self.core.sequence  # a newer one is due anyway: send the latest state
+            ack = await self._post_heartbeat(self._body(seq))
+        now = trio.current_time()
+        if ack is None:
+            self.apply(self.core.heartbeat_failed(now))
+            return
+        directives = [(d.model_id, d.layer, d.lo, d.hi, d.action, d.dispatched, d.release_in_s) for d in ack.slices]
+        self.apply(self.core.heartbeat_acked(directives, ack.heartbeat_s, ack.sequence, now))
+        h = self.core.held
+        if h is not None and h.state == "draining" and h.release_in_s is not None:
+            self.status = f"draining {h.offer.layer}:{h.offer.lo}-{h.offer.hi}: surplus, release in {h.release_in_s:.0f}s"
+        elif h is not None and h.state == "serving":
+            self.status = (f"serving {h.offer.layer}:{h.offer.lo}-{h.offer.hi} of {h.offer.model_id}"
+                           f"{'' if h.dispatched else ' (not dispatched yet)'}")
+
+    async def _deregister(self, seq: int) -> None:
+        async with self._hb_lock:
+            body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=max(seq, self.core.sequence),
+                                     addrs=self.addrs, slices=[], load=0.0, max_bytes=self.cfg.max_bytes)
+            body = msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
+            with trio.move_on_after(3):
+                await self._post_heartbeat(body)
+        self.deregistered.set()
+
+    # -- loops ----------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.apply(self.core.start(trio.current_time()))
+        last_status = 0.0
+        while True:
+            await trio.sleep(0.2)
+            now = trio.current_time()
+            self.apply(self.core.tick(now))
+            if now - last_status >= self.cfg.status_interval_s:
+                last_status = now
+                s = self.server.stats
+                market = "" if self.market_ok else " | market unreachable"
+                print(f"[volunteer {self.peer_id[-8:]}] {self.status} | calls {s.calls} rows {s.rows}{market}",
+                      file=sys.stderr, flush=True)
+
+    async def shutdown(self) -> None:
+        """Runs shielded while the nursery is being cancelled: effects are awaited here, not spawned."""
+        for e in self.core.stop(trio.current_time()):
+            if isinstance(e, SendHeartbeat):
+                with trio.move_on_after(3):
+                    async with self._hb_lock:
+                        await self._post_heartbeat(self._body(e.sequence))  # report "draining"
+        ok = await self.server.drain()
+        log.info("drained (%s), deregistering", "clean" if ok else "timed out")
+        for e in self.core.drained(trio.current_time()):
+            if isinstance(e, Deregister):
+                await self._deregister(e.sequence)
+            else:
+                self.apply([e])
+
+
+async def serve_pull_volunteer(
+    cfg: PullVolunteerConfig, *, task_status: trio.TaskStatus[dict[str, object]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    data_dir = Path(cfg.data_dir)
+    await trio.Path(data_dir).mkdir(parents=True, exist_ok=True)
+    epoch = await trio.to_thread.run_sync(_next_epoch, data_dir / "epoch")
+    probe_path = data_dir / "probe.json"
+    try:
+        probe = json.loads(await trio.Path(probe_path).read_text())
+    except (OSError, ValueError):
+        tps = await trio.to_thread.run_sync(measure_throughput)
+        probe = {"expert_tokens_per_s": round(tps, 1), "measured_at": int(time.time())}
+        await trio.Path(probe_path).write_text(json.dumps(probe) + "\n")
+    key_pair = await trio.to_thread.run_sync(load_or_create_identity, data_dir / "identity.key")
+    server = ExpertServer([], threads=cfg.threads)
+    async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.listen) as transport, \
+            httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client, trio.open_nursery() as nursery:
+        transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
+        await nursery.start(server.serve)
+        vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, addrs=list(transport.listen_addrs),
+                            server=server, client=client, nursery=nursery)
+        info: dict[str, object] = {"peer_id": transport.peer_id, "addrs": vol.addrs, "epoch": epoch, **probe}
+        await trio.Path(data_dir / "volunteer.json").write_text(json.dumps(info, indent=2) + "\n")
+        print(f"volunteer ready peer_id={transport.peer_id} epoch={epoch} market={cfg.market} "
+              f"expert_tokens_per_s={probe['expert_tokens_per_s']}", flush=True)
+        nursery.start_soon(vol.run)
+        task_status.started(info)
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await vol.shutdown()
+            nursery.cancel_scope.cancel()
