@@ -57,6 +57,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -128,11 +129,12 @@ async def _read_body(request: Request, limit: int = _MAX_BODY) -> bytes:
         raise RequestError(f"body larger than {limit} bytes", code="body_too_large", status=413)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"body larger than {limit} bytes", code="body_too_large", status=413)
-        chunks.append(chunk)
+    async with aclosing(request.stream()) as stream:  # close the generator when we stop early
+        async for chunk in stream:
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"body larger than {limit} bytes", code="body_too_large", status=413)
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
