@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import trio
 
-from coordinator.core.dispatch import DispatchPolicy, StaticPolicy, WorkerTable
+from coordinator.core.dispatch import BalancedPolicy, DispatchPolicy, WorkerTable
 from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
 from swarm.errors import ConfigError, SwarmError
 from swarm.expert_rpc import ExpertClient
@@ -77,7 +77,7 @@ class Dispatcher:
         self.model = model
         self.cfg = model.config
         self.transport = transport
-        self.policy: DispatchPolicy = policy if policy is not None else StaticPolicy()
+        self.policy: DispatchPolicy = policy if policy is not None else BalancedPolicy()
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
         self.table = WorkerTable()
@@ -156,6 +156,8 @@ class Dispatcher:
                     experts=experts, weights=weights,
                 )
                 t0 = time.monotonic()
+                with self._lock:
+                    self.table.started(peer)
                 try:
                     out = await self._client(peer).call(req, job.x, timeout=self.timeout_s)
                 except SwarmError as exc:
@@ -165,6 +167,9 @@ class Dispatcher:
                     with self._lock:
                         self.table.failed(peer, msg, time.monotonic())
                     continue
+                finally:
+                    with self._lock:
+                        self.table.finished(peer)
                 with self._lock:
                     self.table.succeeded(peer, rows=int(job.x.shape[0]), latency_s=time.monotonic() - t0,
                                          wall_ms=int(time.time() * 1000))

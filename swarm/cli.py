@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_make_model_parser(sub)
 
+    from market.cli import add_market_parser
+
+    add_market_parser(sub)
+
     c = sub.add_parser("coordinator", help="host a GGUF MoE model behind an OpenAI-compatible API")
     c.add_argument("--model", required=True, help="path to a GGUF MoE model")
     c.add_argument("--host", default="127.0.0.1")

@@ -7,6 +7,8 @@ Rules:
 - The policy decides, per expert range, the ordered list of workers to try; an empty list means
   "compute locally". The coordinator's own copy is always the last resort.
 - ``StaticPolicy``: the range's replicas in the map's order, skipping workers that are down.
+- ``BalancedPolicy`` (the default): the same live replicas, ordered to spread calls over them
+  (untried first, then fewest in flight, lowest latency, round robin).
 - Every decision is explainable: ``choose`` returns a reason alongside the candidates.
 """
 
@@ -20,6 +22,7 @@ __all__ = [
     "Choice",
     "ChoiceReason",
     "DispatchPolicy",
+    "BalancedPolicy",
     "StaticPolicy",
     "WorkerHealth",
     "WorkerState",
@@ -58,6 +61,8 @@ class WorkerHealth:
     latency_ewma_ms: float = 0.0
     last_serve_ms: int = 0  # Unix ms of the last successful call; 0 = never served
     last_error: str = ""
+    in_flight: int = 0
+    picks: int = 0  # times chosen first (round-robin tie-break)
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,16 @@ class WorkerTable:
     def is_live(self, peer_id: str, now: float) -> bool:
         w = self.workers.get(peer_id)
         return w is not None and (w.state is WorkerState.UP or now >= w.down_until)
+
+    def started(self, peer_id: str) -> None:
+        w = self.workers.get(peer_id)
+        if w is not None:
+            w.in_flight += 1
+
+    def finished(self, peer_id: str) -> None:
+        w = self.workers.get(peer_id)
+        if w is not None and w.in_flight > 0:
+            w.in_flight -= 1
 
     def succeeded(self, peer_id: str, *, rows: int, latency_s: float, wall_ms: int) -> None:
         w = self.workers.get(peer_id)
@@ -145,3 +160,30 @@ class StaticPolicy:
             return Choice((), ChoiceReason.NO_REPLICA)
         live = tuple(p for p in replicas if table.is_live(p, now))
         return Choice(live, ChoiceReason.REMOTE if live else ChoiceReason.ALL_DOWN)
+
+
+class BalancedPolicy:
+    """Remote whenever a live replica is listed; calls spread over the live replicas.
+
+    Order: a worker that has never served gets the first trial (a newly attached replica proves
+    itself at once instead of idling behind a proven one); then fewest calls in flight, then
+    lowest latency EWMA, then least often picked (round robin among equals); the map's order
+    breaks what is left. The rest follow as fallbacks in the same order.
+    """
+
+    def choose(self, replicas: list[str], table: WorkerTable, now: float) -> Choice:
+        if not replicas:
+            return Choice((), ChoiceReason.NO_REPLICA)
+        live = [p for p in replicas if table.is_live(p, now)]
+        if not live:
+            return Choice((), ChoiceReason.ALL_DOWN)
+        rank = {p: i for i, p in enumerate(replicas)}
+
+        def key(p: str) -> tuple[int, int, float, int, int]:
+            w = table.workers[p]
+            untried = 0 if (w.calls == 0 and w.in_flight == 0) else 1
+            return (untried, w.in_flight, round(w.latency_ewma_ms, 1), w.picks, rank[p])
+
+        order = tuple(sorted(live, key=key))
+        table.workers[order[0]].picks += 1
+        return Choice(order, ChoiceReason.REMOTE)
