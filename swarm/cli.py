@@ -63,6 +63,7 @@ def _coordinator(ns: argparse.Namespace) -> None:
         market=ns.market,
         advertise_url=ns.advertise_url,
         token=ns.token or os.environ.get("MOE_SWARM_TOKEN"),
+        hole_punch=not ns.no_hole_punch,
     )
 
     async def service() -> None:
@@ -93,8 +94,13 @@ def _volunteer(ns: argparse.Namespace) -> None:
     # parallelism comes from --threads compute threads; one intra-op thread each keeps them from
     # oversubscribing the cores (OpenMP threads spin while idle)
     torch.set_num_threads(1)
-    listen = tuple(ns.listen or ["/ip4/127.0.0.1/tcp/0"])
+    if ns.no_direct and ns.listen:
+        raise SwarmError("--no-direct (reachable only through relays) excludes --listen", code="config_error")
+    listen = () if ns.no_direct else tuple(ns.listen or ["/ip4/127.0.0.1/tcp/0"])
     data_dir = os.path.expanduser(ns.data_dir)
+    if ns.market and (ns.relays or ns.no_direct):
+        raise SwarmError("--relay/--no-direct are supported in static mode (--coordinator/--slice) for now",
+                         code="config_error")
     if ns.market:
         if ns.slices or ns.coordinator:
             raise SwarmError("--market (pull mode) and --coordinator/--slice (static mode) exclude each other",
@@ -123,9 +129,38 @@ def _volunteer(ns: argparse.Namespace) -> None:
         model_id=ns.model_id,
         threads=ns.threads,
         progress=not ns.no_progress,
+        relays=tuple(ns.relays or ()),
+        hole_punch=not ns.no_hole_punch,
     )
     check_config(cfg)
     run_service(serve_static_volunteer, cfg)
+
+
+def _relay(ns: argparse.Namespace) -> None:
+    from relay.service import RelayConfig, serve_relay
+
+    cfg = RelayConfig(
+        listen=tuple(ns.listen or ["/ip4/0.0.0.0/tcp/4001"]),
+        announce=tuple(ns.announce or ()),
+        host=ns.host,
+        port=ns.port,
+        data_dir=os.path.expanduser(ns.data_dir),
+        max_reservations=ns.max_reservations,
+        max_circuits=ns.max_circuits,
+        max_circuits_per_peer=ns.max_circuits_per_peer,
+        reservation_ttl_s=ns.reservation_ttl,
+        circuit_max_bytes=ns.circuit_max_bytes,
+        circuit_max_duration_s=ns.circuit_max_duration,
+    )
+    cfg.limits()  # validate before starting anything
+
+    async def service() -> None:
+        async with trio.open_nursery() as n:
+            info = await n.start(serve_relay, cfg)
+            print(f"relay ready peer_id={info['peer_id']} addrs={','.join(info['addrs'])} metrics={info['metrics']}",
+                  flush=True)
+
+    run_service(service)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--market", default=None, help="register with this market and follow its dispatch map")
     c.add_argument("--advertise-url", default=None, help="this coordinator's URL as others reach it (default: bound URL)")
     c.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
+    c.add_argument("--no-hole-punch", action="store_true",
+                   help="keep relayed connections relayed (no DCUtR upgrade to a direct connection)")
     c.set_defaults(func=_coordinator)
 
     v = sub.add_parser("volunteer", help="serve expert slices: pulled from a market, or given statically")
@@ -173,7 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
     v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads")
     v.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    v.add_argument("--relay", action="append", dest="relays", default=None, metavar="MULTIADDR",
+                   help="static mode: a relay to reserve on when not reachable directly, "
+                        "e.g. /ip4/203.0.113.7/tcp/4001/p2p/12D3KooW... (repeatable)")
+    v.add_argument("--no-direct", action="store_true",
+                   help="static mode: do not listen; reachable only through the --relay relays")
+    v.add_argument("--no-hole-punch", action="store_true",
+                   help="do not answer DCUtR: coordinators keep reaching this volunteer through the relay")
     v.set_defaults(func=_volunteer)
+
+    r = sub.add_parser("relay", help="run a circuit relay v2 for volunteers behind NATs")
+    r.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
+                   help="libp2p listen multiaddr, TCP or WebSocket (repeatable; default /ip4/0.0.0.0/tcp/4001), "
+                        "e.g. --listen /ip4/0.0.0.0/tcp/4001 --listen /ip4/0.0.0.0/tcp/443/ws")
+    r.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                   help="public address handed to volunteers with their reservation (repeatable; default: listen ones)")
+    r.add_argument("--host", default="127.0.0.1", help="/metrics and /health bind address")
+    r.add_argument("--port", type=int, default=9090, help="/metrics and /health port")
+    r.add_argument("--data-dir", default=os.path.expanduser("~/.local/share/moe-swarm/relay"),
+                   help="identity key (the relay's peer id stays the same across restarts)")
+    r.add_argument("--max-reservations", type=int, default=128, help="volunteers that can reserve a slot")
+    r.add_argument("--max-circuits", type=int, default=1024, help="open circuits in total")
+    r.add_argument("--max-circuits-per-peer", type=int, default=16, help="open circuits per volunteer and per dialer")
+    r.add_argument("--reservation-ttl", type=int, default=3600, help="seconds a reservation lasts without a refresh")
+    r.add_argument("--circuit-max-bytes", type=int, default=0, help="bytes per direction per circuit (0 = unlimited)")
+    r.add_argument("--circuit-max-duration", type=int, default=0, help="seconds per circuit (0 = unlimited)")
+    r.set_defaults(func=_relay)
     return p
 
 
@@ -181,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:
+        # per-request and connection chatter: visible with --log-level DEBUG
+        for name in ("httpx", "libp2p", "multiaddr", "hypercorn.access"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         rc = ns.func(ns)
     except SwarmError as exc:

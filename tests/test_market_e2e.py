@@ -1,0 +1,124 @@
+"""The whole loop with real processes on loopback: market (SQLite) + coordinator + three pull-mode
+volunteers. Load saturates the coordinator -> the market boosts the target -> an idle volunteer is
+recruited and serves; tokens stay identical to all-local; the load stops -> it ages out.
+
+Bounds stated here (measured ~4-8 s for recruitment and ~8 s for age-out on this 2-core machine):
+recruited volunteer serving within 30 s of saturation onset; released within 30 s of the load's end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.conftest import GOLDEN_GGUF, eventually
+from tests.test_process_e2e import Proc, cli, procs, wait_for_line  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+RECRUIT_BOUND_S = 30.0
+AGE_OUT_BOUND_S = 30.0
+
+
+async def recruitment(h: httpx.AsyncClient, market: str) -> dict[str, Any]:
+    model: dict[str, Any] = (await h.get(f"{market}/api/moe/recruitment")).json()["models"][0]
+    return model
+
+
+async def test_saturation_recruits_then_ages_out(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+    mport, cport = 0, 0
+    market = Proc(cli("market", "--db", str(tmp_path / "market.db"), "--port", str(mport), "--token", "t0k",
+                      "--poll-interval", "0.5", "--hold-s", "2", "--cooldown-s", "2"), tmp_path / "market.log")
+    procs.append(market)
+    murl = (await wait_for_line(market, "market ready at ")).split()[3]
+    coord = Proc(cli("coordinator", "--model", str(GOLDEN_GGUF), "--port", str(cport), "--market", murl, "--token", "t0k",
+                     "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
+    procs.append(coord)
+    curl = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    async with httpx.AsyncClient(timeout=60) as h:
+        model_id = (await h.get(f"{curl}/v1/models")).json()["data"][0]["id"]
+        body: dict[str, Any] = {"model": model_id, "prompt": "The quick brown fox", "max_tokens": 60, "temperature": 0,
+                                "ignore_eos": True, "return_token_ids": True}
+        local = (await h.post(f"{curl}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+
+        async def registered() -> bool:
+            return (await h.get(f"{curl}/health")).json().get("market", {}).get("registered", False)
+
+        await eventually(registered, within=20)
+        for i in range(3):
+            procs.append(Proc(cli("volunteer", "--market", murl, "--max-experts", "8", "--data-dir", str(tmp_path / f"v{i}"),
+                                  "--no-progress", "--poll-interval", "1"), tmp_path / f"volunteer{i}.log"))
+        # base target 1: two volunteers cover both layers, the third has nothing to do
+        async def base_covered() -> bool:
+            m = await recruitment(h, murl)
+            return len(m["workers"]) == 2 and m["replicas_min"] >= 1
+
+        await eventually(base_covered, within=60)
+        base_workers = {w["peer_id"] for w in (await recruitment(h, murl))["workers"]}
+
+        async def attached() -> bool:
+            return len((await h.get(f"{curl}/dispatch")).json()["workers"]) == 2
+
+        await eventually(attached, within=10)
+        assert not (await recruitment(h, murl))["saturated"]
+
+        # saturate: 3 concurrent streams on a threshold of 2
+        stop = trio.Event()
+        onset: float | None = None
+
+        async def load() -> None:
+            while not stop.is_set():
+                await h.post(f"{curl}/v1/completions", json={**body, "max_tokens": 100, "return_token_ids": False})
+
+        async with trio.open_nursery() as n:
+            for _ in range(3):
+                n.start_soon(load)
+
+            async def saturated() -> bool:
+                return bool((await recruitment(h, murl))["saturated"])
+
+            await eventually(saturated, within=20)
+            onset = time.monotonic()
+
+            async def new_worker_serving() -> str | None:
+                rep = (await h.get(f"{curl}/dispatch")).json()
+                for w in rep["workers"]:
+                    if w["peer_id"] not in base_workers and w["last_serve_ms"] > 0:
+                        return str(w["peer_id"])
+                return None
+
+            recruit = await eventually(new_worker_serving, within=RECRUIT_BOUND_S)
+            recruited_after = time.monotonic() - onset
+            m = await recruitment(h, murl)
+            assert m["recruiting"] and m["effective_target"] == 2
+            # tokens under load, with three volunteers serving, equal the all-local ones
+            remote = (await h.post(f"{curl}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+            assert remote == local
+            stop.set()
+        print(f"recruited volunteer serving {recruited_after:.1f} s after saturation onset")
+
+        # the load has ended: the extra volunteer is undispatched and released
+        t_end = time.monotonic()
+
+        async def aged_out() -> bool:
+            m = await recruitment(h, murl)
+            return all(w["peer_id"] != recruit for w in m["workers"]) and not m["recruiting"]
+
+        await eventually(aged_out, within=AGE_OUT_BOUND_S)
+        print(f"aged out {time.monotonic() - t_end:.1f} s after the load ended")
+
+        async def detached() -> bool:
+            rep = (await h.get(f"{curl}/dispatch")).json()
+            return recruit not in {w["peer_id"] for w in rep["workers"]}
+
+        await eventually(detached, within=5)
+        after = (await h.post(f"{curl}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+        assert after == local
+        rec = await recruitment(h, murl)
+        assert json.dumps(rec) and rec["effective_target"] == rec["base_target"] == 1
