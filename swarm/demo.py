@@ -2,13 +2,15 @@
 
 What it does, in order, printing as it goes:
 1. generates the tiny qwen3moe model (``moe-swarm make-model``) into ``demo-data/``;
-2. starts the coordinator as a real process and waits for ``/health``;
-3. sends chat requests through the official ``openai`` client: one streamed, then four concurrent
-   ones computed all-local, printing tokens/s;
-4. starts two volunteers as real processes (each downloads its expert slices from the coordinator
-   and serves them over libp2p), writes a dispatch map, and repeats the four requests: the rows go
-   to the volunteers, the tokens are identical to the all-local run;
-5. shows ``/dispatch`` and ``/slots`` and stops every process it started, cleanly.
+2. starts the market (SQLite) and the coordinator (registered with it) as real processes;
+3. one streamed chat answer through the official ``openai`` client, then four concurrent greedy
+   requests computed all-local: the reference tokens;
+4. starts three pull-mode volunteers: two take the slices the base target needs, one stays idle;
+5. ramps the load (1 then 3 concurrent streams): the coordinator saturates, the market boosts
+   the target, the idle volunteer is recruited and serves; the reference requests repeated under
+   load give identical tokens;
+6. the load stops: the boost ends, the extra volunteer is undispatched and released (age-out);
+7. prints ``/api/moe/recruitment`` and stops every process it started, cleanly.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -83,20 +86,26 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], name: str, timeout: fl
     raise SystemExit(f"{name} did not become healthy in {timeout} s")
 
 
-def start_volunteer(procs: Procs, name: str, url: str, slices: list[str]) -> dict[str, object]:
-    args = ["volunteer", "--coordinator", url, "--data-dir", str(DATA / name), "--no-progress"]
-    for sl in slices:
-        args += ["--slice", sl]
-    info_path = DATA / name / "volunteer.json"
-    info_path.unlink(missing_ok=True)
-    p = procs.start(name, cli(*args))
-    deadline = time.monotonic() + 60
-    while not info_path.exists():
-        if p.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{name} did not start; see {DATA / (name + '.log')}")
-        time.sleep(0.1)
-    info: dict[str, object] = json.loads(info_path.read_text())
-    return info
+def start_volunteer(procs: Procs, name: str, extra: list[str]) -> subprocess.Popen[bytes]:
+    return procs.start(name, cli("volunteer", "--data-dir", str(DATA / name), "--no-progress", "--poll-interval", "1", *extra))
+
+
+def recruitment(market: str) -> dict[str, Any]:
+    model: dict[str, Any] = httpx.get(f"{market}/api/moe/recruitment", timeout=5).json()["models"][0]
+    return model
+
+
+def timeline_line(t0: float, market: str, coord: str, names: dict[str, str]) -> str:
+    m = recruitment(market)
+    served = {w["peer_id"]: w for w in httpx.get(f"{coord}/dispatch", timeout=5).json()["workers"]}
+    parts = []
+    for w in m["workers"]:
+        name = names.get(w["peer_id"], w["peer_id"][-6:])
+        d = served.get(w["peer_id"])
+        state = "serving" if d is not None and d["last_serve_ms"] > 0 else ("dispatched" if w["dispatched"] else "draining")
+        parts.append(f"{name}:{state}")
+    return (f"    t={time.monotonic() - t0:5.1f}s busy={m['busy']}/{m['slots']} saturated={str(m['saturated']):5} "
+            f"recruiting={str(m['recruiting']):5} target={m['effective_target']} workers=[{', '.join(parts)}]")
 
 
 def main() -> None:
@@ -108,37 +117,33 @@ def main() -> None:
     say(f"generating the tiny qwen3moe model -> {model_path.relative_to(ROOT)}")
     make_model(arch="qwen3moe", size="tiny", seed=0, out=model_path)
     model_id = model_id_for(model_path)
-    map_path = DATA / "dispatch-map.json"
-    map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
+    for stale in DATA.glob("market.db*"):
+        stale.unlink()
     procs = Procs()
     try:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        say(f"starting the coordinator on {url} (4 slots, following {map_path.relative_to(ROOT)})")
-        coord = procs.start("coordinator", cli("coordinator", "--model", str(model_path), "--port", str(port), "--slots", "4",
-                                                "--data-dir", str(DATA / "coordinator"), "--dispatch-map", str(map_path)))
-        wait_healthy(url, coord, "coordinator")
-        client = openai.OpenAI(base_url=url + "/v1", api_key="demo", max_retries=0)
+        mport, cport = free_port(), free_port()
+        market, coord = f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{cport}"
+        say(f"starting the market on {market} (SQLite {DATA.relative_to(ROOT)}/market.db; base target 1, boost +1)")
+        mp = procs.start("market", cli("market", "--db", str(DATA / "market.db"), "--port", str(mport), "--token", "demo",
+                                       "--poll-interval", "0.5", "--hold-s", "3", "--cooldown-s", "3"))
+        wait_healthy(market, mp, "market")
+        say(f"starting the coordinator on {coord} (4 slots; saturated at 2 busy)")
+        cp = procs.start("coordinator", cli("coordinator", "--model", str(model_path), "--port", str(cport), "--slots", "4",
+                                            "--data-dir", str(DATA / "coordinator"), "--market", market, "--token", "demo"))
+        wait_healthy(coord, cp, "coordinator")
+        client = openai.OpenAI(base_url=coord + "/v1", api_key="demo", max_retries=0)
         print(f"    model id: {model_id}")
 
         say("one streamed chat request through the openai client")
-        t0 = time.monotonic()
-        n = 0
         print("    assistant: ", end="", flush=True)
         for ev in client.chat.completions.create(
-            model=model_id,
-            messages=[{"role": "user", "content": "Tell me about mixture of experts."}],
-            max_tokens=32,
-            temperature=0.7,
-            seed=1,
-            stream=True,
+            model=model_id, messages=[{"role": "user", "content": "Tell me about mixture of experts."}],
+            max_tokens=32, temperature=0.7, seed=1, stream=True,
         ):
             for ch in ev.choices:
                 if ch.delta.content:
-                    n += 1
                     print(ch.delta.content, end="", flush=True)
-        dt = time.monotonic() - t0
-        print(f"\n    ({n} chunks in {dt:.2f} s; random weights, so the words are noise)")
+        print("\n    (random weights, so the words are noise)")
 
         prompts = ["What is a relay?", "Explain NAT.", "Why volunteer compute?", "Count to five."]
 
@@ -156,51 +161,78 @@ def main() -> None:
             with ThreadPoolExecutor(4) as pool:
                 results = list(pool.map(ask, prompts))
             wall = time.monotonic() - t0
-            total = 0
-            for p, ids, dt in results:
-                total += len(ids)
-                print(f"    {p!r:28} {len(ids)} tokens in {dt:.2f} s ({len(ids) / dt:.1f} tok/s)")
-            print(f"    {label}: {total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate")
+            total = sum(len(ids) for _, ids, _ in results)
+            print(f"    {label}: 4 requests, {total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate")
             return [ids for _, ids, _ in results]
 
-        say("four concurrent chat requests, every expert computed on the coordinator (all-local)")
+        say("reference: four concurrent greedy requests with every expert on the coordinator (all-local)")
         local = run_batch("all-local")
 
-        say("starting two volunteers (real processes) that download and serve expert slices")
-        v1 = start_volunteer(procs, "volunteer-1", url, ["0:0-4", "1:0-4"])
-        v2 = start_volunteer(procs, "volunteer-2", url, ["0:4-8", "1:4-8"])
-        for name, v in (("volunteer-1", v1), ("volunteer-2", v2)):
-            print(f"    {name}: peer {str(v['peer_id'])[-12:]} serves {', '.join(map(str, v['slices']))}")  # type: ignore[call-overload]
-        layers = []
-        for layer in (0, 1):
-            layers.append({"layer": layer, "ranges": [
-                {"lo": 0, "hi": 4, "replicas": [{"peer_id": v1["peer_id"], "addrs": v1["addrs"]}]},
-                {"lo": 4, "hi": 8, "replicas": [{"peer_id": v2["peer_id"], "addrs": v2["addrs"]}]},
-            ]})
-        map_path.write_text(json.dumps({"model_id": model_id, "version": 1, "layers": layers}))
-        deadline = time.monotonic() + 10
-        while len(httpx.get(url + "/dispatch").json()["workers"]) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        print(f"    wrote dispatch map v1 ({map_path.relative_to(ROOT)}); the coordinator attached both workers")
+        say("three volunteers start in pull mode (real processes, each with a budget of 8 experts)")
+        for i in range(3):
+            start_volunteer(procs, f"volunteer-{i + 1}", ["--market", market, "--max-experts", "8"])
+        names: dict[str, str] = {}
+        t0 = time.monotonic()
+        deadline = t0 + 90
+        while time.monotonic() < deadline:
+            for i in range(3):
+                f = DATA / f"volunteer-{i + 1}" / "volunteer.json"
+                if f.exists():
+                    names[json.loads(f.read_text())["peer_id"]] = f"volunteer-{i + 1}"
+            m = recruitment(market)
+            if len(names) == 3 and len(m["workers"]) == 2 and m["replicas_min"] >= 1:
+                break
+            time.sleep(0.5)
+        print(timeline_line(t0, market, coord, names))
+        print("    base target covered: two volunteers hold one layer each; the third has nothing to do yet")
 
-        say("the same four requests, experts now computed by the volunteers over libp2p")
-        remote = run_batch("remote experts")
-        rep = httpx.get(url + "/dispatch").json()
-        for L in rep["layers"]:
-            print(f"    layer {L['layer']}: rows local {L['local_rows']}, remote {L['remote_rows']}, fallback {L['fallback_rows']}")
-        for w in rep["workers"]:
-            print(f"    worker {w['peer_id'][-12:]}: {w['state']}, {w['calls']} calls, {w['rows']} rows, "
-                  f"latency {w['latency_ewma_ms']:.2f} ms, path {w['path']}")
-        same = remote == local
+        say("load ramp through the OpenAI API: 1 stream, then 3 streams (saturation)")
+        stop_at = [time.monotonic() + 3.0, time.monotonic() + 16.0]
+
+        def stream_worker(until: float) -> int:
+            n = 0
+            while time.monotonic() < until:
+                r = client.completions.create(model=model_id, prompt="load", max_tokens=40, temperature=0,
+                                              extra_body={"ignore_eos": True})
+                n += r.usage.completion_tokens if r.usage else 0
+            return n
+
+        t0 = time.monotonic()
+        pool = ThreadPoolExecutor(4)
+        futs = [pool.submit(stream_worker, stop_at[0])]
+        time.sleep(1.5)
+        futs += [pool.submit(stream_worker, stop_at[1]) for _ in range(3)]
+        under_load: list[list[int]] | None = None
+        while any(not f.done() for f in futs):
+            print(timeline_line(t0, market, coord, names), flush=True)
+            if under_load is None and time.monotonic() - t0 > 9:
+                print("    ... repeating the four reference requests while saturated:")
+                under_load = run_batch("under load, volunteers serving")
+            time.sleep(1.0)
+        pool.shutdown()
+        assert under_load is not None
+        same = under_load == local
         print(f"    tokens identical to the all-local run: {'YES' if same else 'NO'}")
         if not same:
             raise SystemExit("remote experts changed the output")
 
-        slots = httpx.get(url + "/slots").json()
-        say("/slots after the run")
-        for s in slots:
-            print(f"    slot {s['id']}: processing={s['is_processing']} tps_ewma={s['tps_ewma']}")
-        say("done: stopping processes (volunteers drain, then exit)")
+        say("the load has stopped: the boost ends, the extra volunteer is undispatched, then released")
+        t1 = time.monotonic()
+        while time.monotonic() - t1 < 30:
+            line = timeline_line(t0, market, coord, names)
+            print(line, flush=True)
+            m = recruitment(market)
+            if not m["recruiting"] and len(m["workers"]) == 2 and time.monotonic() - t1 > 2:
+                break
+            time.sleep(1.0)
+        rep = httpx.get(coord + "/dispatch").json()
+        for L in rep["layers"]:
+            print(f"    layer {L['layer']}: rows local {L['local_rows']}, remote {L['remote_rows']}, fallback {L['fallback_rows']}")
+
+        say(f"GET {market}/api/moe/recruitment")
+        print(json.dumps(recruitment(market), indent=2))
+        print(f"    (live: {market}/api/moe/recruitment, {market}/api/expert-demand, {coord}/dispatch)")
+        say("done: stopping processes (volunteers drain and deregister, then exit)")
     finally:
         procs.stop_all()
     print("Next: README.md (architecture, flags), `make test`, `make bench`.")
