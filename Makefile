@@ -27,6 +27,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --json benchmarks/results/engine.json
+	$(BIN)/python benchmarks/expert_rtt.py --json benchmarks/results/expert_rtt.json
+	$(BIN)/python benchmarks/market.py --json benchmarks/results/market.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check swarm coordinator volunteer relay market tests benchmarks
