@@ -45,7 +45,7 @@ The release / age-out protocol (what a volunteer does with ``CoverageAck.slices`
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with stable codes:
 ``invalid_body`` (400: not JSON or not the schema), ``missing_budget``, ``missing_parameter``,
-``bad_parameter``, ``bad_peer_id``, ``bad_manifest``, ``duplicate_slice`` (400);
+``bad_parameter``, ``bad_peer_id``, ``bad_manifest``, ``bad_url``, ``duplicate_slice`` (400);
 ``bad_signature``, ``unauthorized`` (401); ``unknown_model``, ``not_found`` (404);
 ``method_not_allowed`` (405); ``stale_epoch``, ``replayed_sequence``, ``stale_registration``,
 ``manifest_conflict`` (409); ``body_too_large`` (413); ``store_error`` (503).
@@ -61,6 +61,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import httpx
 import msgspec
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -246,6 +247,13 @@ def build_market_app(api: MarketApi) -> Starlette:
     async def register(request: Request) -> Response:
         check_token(request)
         req = _decode(register_decoder, await _read_body(request))
+        try:
+            parsed = httpx.URL(req.url)
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise RequestError(f"url {req.url[:200]!r} is not a valid URL: {exc}", code="bad_url", param="url") from exc
+        if not parsed.host or parsed.query or parsed.fragment:
+            raise RequestError("url must be a plain http(s)://host[:port][/prefix] base URL", code="bad_url",
+                               param="url")
         ack = m.register(req, api.clock())
         log.info("coordinator %s registered %s", req.url, ", ".join(ack.model_ids) or "no models")
         return _json(ack)

@@ -70,7 +70,7 @@ def make_slots_poller(client: httpx.AsyncClient) -> Poller:
     async def poll(url: str) -> tuple[int, int]:
         try:
             r = await client.get(url.rstrip("/") + "/slots")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise TransportError(f"GET {url}/slots: {exc!r}", code="poll_failed") from exc
         if r.status_code != 200:
             raise TransportError(f"GET {url}/slots: HTTP {r.status_code}", code="poll_failed")
@@ -95,7 +95,7 @@ def make_slice_describer(client: httpx.AsyncClient, cache_size: int = 4096) -> S
             return hit
         try:
             r = await client.head(url)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise SliceError(f"HEAD {url}: {exc!r}", code="slice_unavailable") from exc
         if r.status_code != 200:
             raise SliceError(f"HEAD {url}: HTTP {r.status_code}", code="slice_unavailable")
@@ -114,9 +114,13 @@ def make_slice_describer(client: httpx.AsyncClient, cache_size: int = 4096) -> S
 
 async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     clock = time.time
+    # a poll must stay fresh until the next one has had its chance, whatever the interval
+    policy = msgspec.structs.replace(
+        cfg.policy, poll_stale_s=max(cfg.policy.poll_stale_s, 2 * cfg.poll_interval_s + cfg.poll_timeout_s)
+    )
     store = open_store(cfg.db)
     try:
-        market = Market(store, cfg.policy, now=clock(), rng=random.Random(cfg.seed))
+        market = Market(store, policy, now=clock(), rng=random.Random(cfg.seed))
         try:
             timeout = httpx.Timeout(cfg.describe_timeout_s, connect=min(5.0, cfg.describe_timeout_s))
             async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:

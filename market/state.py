@@ -332,7 +332,8 @@ class Market:
 
     def register(self, req: RegisterModels, now: float) -> RegisterAck:
         """``POST /api/models``. Errors: ``bad_manifest`` (400), ``stale_registration`` and
-        ``manifest_conflict`` (409)."""
+        ``manifest_conflict`` (409). The URL is kept without a trailing slash."""
+        req = msgspec.structs.replace(req, url=req.url.rstrip("/"))
         seen: set[str] = set()
         for m in req.models:
             problems = m.problems()

@@ -175,6 +175,8 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
         ("POST", "/api/models", {"content": b"{}", "headers": {"authorization": "Bearer nope"}}, (401, "unauthorized")),
         ("POST", "/api/models", {"content": b"{not json", "headers": AUTH}, (400, "invalid_body")),
         ("POST", "/api/models", {"json": {"url": "ftp://x", "models": []}, "headers": AUTH}, (400, "invalid_body")),
+        ("POST", "/api/models", {"json": {"url": "http://[::1", "models": []}, "headers": AUTH}, (400, "bad_url")),
+        ("POST", "/api/models", {"json": {"url": "http://h/?q=1", "models": []}, "headers": AUTH}, (400, "bad_url")),
         ("POST", "/api/models", {"json": {"url": coordinator.url, "models": [good_manifest | {"n_layer": 0}]},
                                  "headers": AUTH}, (400, "invalid_body")),
         ("POST", "/api/models", {"json": {"url": coordinator.url, "models": [good_manifest | {"bytes_per_expert": [1]}]},

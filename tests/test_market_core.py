@@ -443,3 +443,24 @@ def test_build_layers(slices: list[ServingSlice], want: list[LayerRanges]) -> No
     assert got == want
     DispatchMap(M, 1, got).validate(n_layer=4, n_expert=16)
     assert build_layers(list(reversed(slices))) == want  # canonical: input order does not matter
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_memoised_layers_give_the_same_picks_as_a_fresh_scan(seed: int) -> None:
+    """The per-layer memo in the counts must never change a decision: the same pulls against a
+    memo-less copy of the counts (same RNG seed) give the same slices, step by step."""
+    rng_a, rng_b, traffic = random.Random(seed), random.Random(seed), random.Random(seed + 100)
+    c = counts_from(6, 16)
+    for _ in range(120):
+        budget = Budget(max_experts=traffic.choice([1, 2, 4, 8]))
+        target = traffic.choice([1, 2])
+        held = [S(traffic.randrange(6), 0, 4)] if traffic.random() < 0.3 else []
+        a = choose_slice([supply(c, target=target)], budget, held, rng_a)
+        b = choose_slice([supply(c.copy(), target=target)], budget, held, rng_b)
+        assert a == b
+        if isinstance(a, Pick):
+            c.add("pending", a.slice.layer, a.slice.lo, a.slice.hi, 1)
+        if traffic.random() < 0.3:  # some coverage arrives, some leases lapse
+            layer, lo = traffic.randrange(6), traffic.randrange(16)
+            c.add("replica", layer, lo, min(16, lo + 4), 1)
+    assert c.memo  # the memo was used

@@ -82,6 +82,33 @@ class Pick(msgspec.Struct, frozen=True):
     est_bytes: int  # experts' bytes plus the header allowance
 
 
+_Key = tuple[float, float]
+_MEMO_LIMIT = 8192
+
+
+def _best_windows(need: list[int], n: int, target: int) -> tuple[_Key | None, list[tuple[int, int]]]:
+    """The best-scoring windows of one layer: runs of needed experts inside aligned n-chunks."""
+    best_key: _Key | None = None
+    best: list[tuple[int, int]] = []
+    n_expert = len(need)
+    for chunk_lo in range(0, n_expert, n):
+        chunk_hi = min(chunk_lo + n, n_expert)
+        run_lo: int | None = None
+        for e in range(chunk_lo, chunk_hi + 1):
+            if e < chunk_hi and need[e] > 0:
+                if run_lo is None:
+                    run_lo = e
+            elif run_lo is not None:
+                window = need[run_lo:e]
+                key = (max(window) / target, sum(window) / target)
+                if best_key is None or key > best_key:
+                    best_key, best = key, [(run_lo, e)]
+                elif key == best_key:
+                    best.append((run_lo, e))
+                run_lo = None
+    return best_key, best
+
+
 def choose_slice(
     models: Sequence[ModelSupply],
     budget: Budget,
@@ -90,47 +117,53 @@ def choose_slice(
     *,
     header_allowance: int = 0,
 ) -> Pick | NoOfferReason:
-    """The scarcest segment that fits ``budget`` and overlaps nothing in ``held`` (see the rules)."""
+    """The scarcest segment that fits ``budget`` and overlaps nothing in ``held`` (see the rules).
+
+    Per-layer results of layers where the volunteer holds nothing are memoised in the counts
+    (keyed by layer, target and chunk size, checked against the layer's version), so a pull
+    costs a scan of the layers that changed since the last one.
+    """
     if not models:
         return NoOfferReason.NO_MODELS
-    best_key: tuple[float, float] | None = None
+    best_key: _Key | None = None
     best: list[tuple[str, int, int, int, int]] = []  # (model_id, layer, lo, hi, bytes_per_expert)
     any_need = False
     for m in models:
         target = m.target
         if target <= 0:
             continue
+        counts = m.counts
         held_here: dict[int, set[int]] = {}
         for s in held:
             if s.model_id == m.model_id:
                 held_here.setdefault(s.layer, set()).update(range(s.lo, s.hi))
-        n_expert = m.counts.n_expert
-        for layer in range(m.counts.n_layer):
-            reps, pend = m.counts.replicas[layer], m.counts.pending[layer]
-            mine = held_here.get(layer, set())
-            need = [0 if e in mine else max(0, target - reps[e] - pend[e]) for e in range(n_expert)]
-            if not any(need):
-                continue
-            any_need = True
+        if len(counts.memo) > _MEMO_LIMIT:
+            counts.memo.clear()
+        for layer in range(counts.n_layer):
             bpe = m.bytes_per_expert[layer]
-            n = experts_that_fit(budget, bpe, header_allowance)
-            if n < 1:
+            n = max(0, min(experts_that_fit(budget, bpe, header_allowance), counts.n_expert))
+            mine = held_here.get(layer)
+            memo_key = (layer, target, n)
+            hit = None if mine else counts.memo.get(memo_key)
+            if hit is not None and hit[0] == counts.version[layer]:
+                layer_key, windows, layer_need = hit[1]
+            else:
+                need = [target - r - p if r + p < target else 0 for r, p in zip(
+                    counts.replicas[layer], counts.pending[layer], strict=True)]
+                if mine:
+                    for e in mine:
+                        need[e] = 0
+                layer_need = any(need)
+                layer_key, windows = _best_windows(need, n, target) if layer_need and n >= 1 else (None, [])
+                if not mine:
+                    counts.memo[memo_key] = (counts.version[layer], (layer_key, windows, layer_need))
+            any_need = any_need or layer_need
+            if layer_key is None:
                 continue
-            for chunk_lo in range(0, n_expert, n):
-                chunk_hi = min(chunk_lo + n, n_expert)
-                run_lo: int | None = None
-                for e in range(chunk_lo, chunk_hi + 1):
-                    breaks = e == chunk_hi or need[e] == 0
-                    if not breaks and run_lo is None:
-                        run_lo = e
-                    elif breaks and run_lo is not None:
-                        window = need[run_lo:e]
-                        key = (max(window) / target, sum(window) / target)
-                        if best_key is None or key > best_key:
-                            best_key, best = key, [(m.model_id, layer, run_lo, e, bpe)]
-                        elif key == best_key:
-                            best.append((m.model_id, layer, run_lo, e, bpe))
-                        run_lo = None
+            if best_key is None or layer_key > best_key:
+                best_key, best = layer_key, [(m.model_id, layer, lo, hi, bpe) for lo, hi in windows]
+            elif layer_key == best_key:
+                best.extend((m.model_id, layer, lo, hi, bpe) for lo, hi in windows)
     if best_key is None:
         return NoOfferReason.BUDGET_TOO_SMALL if any_need else NoOfferReason.NOTHING_SCARCE
     model_id, layer, lo, hi, bpe = best[rng.randrange(len(best))] if len(best) > 1 else best[0]

@@ -16,7 +16,8 @@ Rules (DESIGN §6, §11):
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Hashable
+from typing import Any, Literal
 
 import msgspec
 
@@ -48,16 +49,20 @@ class CoverageCounts:
     """Replica and pending counts of every expert of one model, updated incrementally.
 
     ``replicas[layer][expert]`` and ``pending[layer][expert]`` never go negative: removing more than
-    was added is a bug in the caller and raises ``ValueError``.
+    was added is a bug in the caller and raises ``ValueError``. ``version[layer]`` grows on every
+    change of the layer, so derived per-layer results can be memoised in ``memo`` (assignment
+    does); the memo is not part of the counts' value.
     """
 
-    __slots__ = ("n_expert", "n_layer", "pending", "replicas")
+    __slots__ = ("memo", "n_expert", "n_layer", "pending", "replicas", "version")
 
     def __init__(self, n_layer: int, n_expert: int) -> None:
         self.n_layer = n_layer
         self.n_expert = n_expert
         self.replicas: list[list[int]] = [[0] * n_expert for _ in range(n_layer)]
         self.pending: list[list[int]] = [[0] * n_expert for _ in range(n_layer)]
+        self.version: list[int] = [0] * n_layer
+        self.memo: dict[Hashable, tuple[int, Any]] = {}
 
     def add(self, kind: CountKind, layer: int, lo: int, hi: int, delta: int) -> None:
         if not (0 <= layer < self.n_layer and 0 <= lo < hi <= self.n_expert):
@@ -68,6 +73,7 @@ class CoverageCounts:
             if v < 0:
                 raise ValueError(f"{kind} count of {layer}:{e} would go negative")
             row[e] = v
+        self.version[layer] += 1
 
     def copy(self) -> CoverageCounts:
         c = CoverageCounts(self.n_layer, self.n_expert)

@@ -1,0 +1,301 @@
+"""Market API throughput with 1,000 simulated volunteers: requests/s and latency of
+``POST /api/expert-volunteer`` and ``POST /api/expert-coverage`` (DESIGN §11 benchmark format).
+
+    python benchmarks/market.py [--quick] [--json OUT] [--volunteers N] [--concurrency C]
+
+The market runs as its own process (``moe-swarm market`` via ``market.cli``) on loopback, with a
+SQLite database in a temporary directory (and once more with ``--db :memory:`` for comparison);
+this process runs the simulated volunteers (httpx, ``--concurrency`` connections) and a fake
+coordinator that answers ``/slots`` and the slice ``HEAD``s the market makes to learn each new
+slice's size and sha256. The hosted model has 64 layers x 64 experts (enough 4-expert slices for
+1,000 volunteers at base target 1). Heartbeats are signed (Ed25519, ``swarm.identity``) before
+the clock starts: the market's verification is measured, the volunteers' signing is not.
+
+Cases: ``health-baseline`` (``GET /health``: the HTTP stack alone, for scale), ``expert-volunteer`` (one pull per volunteer: scarcest-slice search over 4,096 experts,
+a lease written, and a ``HEAD`` of the new slice file on the coordinator),
+``expert-volunteer-repoll`` (the same volunteers asking again while their lease is open: the
+same lease back, slice description cached), ``expert-coverage-first`` (each volunteer's first heartbeat: a coverage row
+written), ``expert-coverage-steady`` (later heartbeats: signature check, epoch/sequence check, no
+durable write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
+
+from market.core.records import HeldState, ModelManifest  # noqa: E402
+from market.schemas import CoverageHeartbeat, HeldSlice  # noqa: E402
+from swarm.identity import peer_id_of, sign_body  # noqa: E402
+
+N_LAYER, N_EXPERT, SLICE = 64, 64, 4
+MID = f"bench-{'0' * 12}"
+RUNNER = (
+    "import argparse, sys\n"
+    "from market.cli import add_market_parser\n"
+    "p = argparse.ArgumentParser(); add_market_parser(p.add_subparsers(dest='command'))\n"
+    "ns = p.parse_args(sys.argv[1:]); sys.exit(ns.func(ns))\n"
+)
+
+
+def fake_coordinator() -> Starlette:
+    async def slots(_: Request) -> Response:
+        return JSONResponse([{"id": i, "is_processing": False} for i in range(4)])
+
+    async def slice_file(request: Request) -> Response:
+        body = request.url.path.encode() * 64
+        return Response(body, headers={"etag": f'"{hashlib.sha256(body).hexdigest()}"'})
+
+    return Starlette(routes=[Route("/slots", slots), Route("/v1/slices/{m}/{layer}/{span}", slice_file)])
+
+
+def start_market(db: str) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, "market", "--db", db, "--port", "0", "--token", "bench", "--seed", "1",
+         "--heartbeat-ttl-s", "600", "--lease-s", "600"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("market ready at "):
+        proc.kill()
+        raise SystemExit(f"market did not start: {line!r}")
+    return proc, line.split()[3]
+
+
+class RawConn:
+    """A minimal HTTP/1.1 keep-alive client (the market answers with Content-Length): httpx costs ~3 ms
+    of client CPU per request on trio, which would make this benchmark measure the client."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buf = bytearray()
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        head = (f"{method} {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()
+        await self.stream.send_all(head + body)
+        while (end := self.buf.find(b"\r\n\r\n")) < 0:
+            self.buf += await self._more()
+        lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        size = next(int(h.split(":", 1)[1]) for h in lines[1:] if h.lower().startswith("content-length:"))
+        del self.buf[: end + 4]
+        while len(self.buf) < size:
+            self.buf += await self._more()
+        out = bytes(self.buf[:size])
+        del self.buf[:size]
+        return status, out
+
+    async def _more(self) -> bytes:
+        data = await self.stream.receive_some(1 << 16)
+        if not data:
+            raise ConnectionError("market closed the connection")
+        return data
+
+
+class Pool:
+    """Keep-alive connections; one that the server closed is replaced and the request retried once
+    (a server may close an idle keep-alive connection at any time; this happens rarely here)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.free: list[RawConn] = []
+        self.reconnects = 0
+
+    async def open(self, n: int) -> None:
+        self.free = [RawConn(await trio.open_tcp_stream(self.host, self.port)) for _ in range(n)]
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        conn = self.free.pop()
+        try:
+            return await conn.request(method, path, body)
+        except (ConnectionError, trio.BrokenResourceError):
+            await conn.stream.aclose()
+            self.reconnects += 1
+            conn = RawConn(await trio.open_tcp_stream(self.host, self.port))
+            return await conn.request(method, path, body)
+        finally:
+            self.free.append(conn)
+
+
+async def timed(n: int, concurrency: int, one: Callable[[int], Awaitable[None]]) -> tuple[float, list[float]]:
+    lat: list[float] = []
+    next_i = 0
+
+    async def worker() -> None:
+        nonlocal next_i
+        while next_i < n:
+            i = next_i
+            next_i += 1
+            t = time.perf_counter()
+            await one(i)
+            lat.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    return time.perf_counter() - t0, lat
+
+
+def case(name: str, store: str, wall: float, lat: list[float], **extra: Any) -> dict[str, Any]:
+    lat = sorted(lat)
+    return {
+        "case": f"{name}/{store}",
+        "requests": len(lat),
+        "requests_per_s": round(len(lat) / wall, 1),
+        "median_ms": round(statistics.median(lat) * 1000, 2),
+        "p99_ms": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000, 2),
+        **extra,
+    }
+
+
+async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) -> list[dict[str, Any]]:
+    keys = [create_new_key_pair(i.to_bytes(4, "big") * 8) for i in range(n)]
+    peers = [peer_id_of(k) for k in keys]
+    out: list[dict[str, Any]] = []
+    async with trio.open_nursery() as nursery:
+        hc = Config()
+        hc.bind = ["127.0.0.1:0"]
+        hc.accesslog = None
+        coord_url = (await nursery.start(serve, fake_coordinator(), hc))[0]
+        proc, url = await trio.to_thread.run_sync(start_market, db)
+        try:
+            host, port = url.removeprefix("http://").split(":")
+            pool = Pool(host, int(port))
+            await pool.open(concurrency)
+
+            async def post(path: str, body: bytes) -> bytes:
+                status, resp = await pool.request("POST", path, body)
+                if status != 200:
+                    raise SystemExit(f"{path}: HTTP {status}: {resp[:300]!r}")
+                return resp
+
+            async with httpx.AsyncClient(base_url=url, timeout=60.0) as c:
+                manifest = ModelManifest(model_id=MID, arch="qwen3moe", n_layer=N_LAYER, n_expert=N_EXPERT,
+                                         bytes_per_expert=[1 << 20] * N_LAYER)
+                r = await c.post("/api/models", headers={"authorization": "Bearer bench"},
+                                 content=msgspec.json.encode({"url": coord_url, "models": [manifest], "epoch": 1}))
+                r.raise_for_status()
+                bodies = [msgspec.json.encode({"peer_id": p, "max_experts": SLICE}) for p in peers]
+                got: list[dict[str, Any]] = [{}] * n
+
+                async def health(i: int) -> None:
+                    status, _ = await pool.request("GET", "/health")
+                    if status != 200:
+                        raise SystemExit(f"/health: HTTP {status}")
+
+                wall, lat = await timed(n, concurrency, health)
+                out.append(case("health-baseline", store, wall, lat))
+
+                async def pull(i: int) -> None:
+                    got[i] = json.loads(await post("/api/expert-volunteer", bodies[i]))
+
+                wall, lat = await timed(n, concurrency, pull)
+                assigned = sum(1 for g in got if g.get("kind") == "assignment")
+                out.append(case("expert-volunteer", store, wall, lat, volunteers=n, assigned=assigned))
+
+                async def repoll(i: int) -> None:
+                    again = json.loads(await post("/api/expert-volunteer", bodies[i]))
+                    if again.get("lease_id") != got[i].get("lease_id"):
+                        raise SystemExit(f"volunteer {i} got a different lease on a re-poll")
+
+                wall, lat = await timed(n, concurrency, repoll)
+                out.append(case("expert-volunteer-repoll", store, wall, lat, volunteers=n))
+
+                def signed(i: int, seq: int) -> bytes:
+                    g = got[i]
+                    held = [HeldSlice(MID, g["layer"], g["lo"], g["hi"], HeldState.SERVING)] if "layer" in g else []
+                    hb = CoverageHeartbeat(peers[i], 1, seq, [f"/ip4/127.0.0.1/tcp/{4000 + i}/p2p/{peers[i]}"], held)
+                    return msgspec.json.encode(msgspec.structs.replace(hb, signature=sign_body(keys[i], hb)))
+
+                steady_wall, steady_lat = 0.0, []
+                for rnd in range(1, rounds + 1):
+                    hbs = [signed(i, rnd) for i in range(n)]
+
+                    async def beat(i: int, hbs: list[bytes] = hbs) -> None:
+                        await post("/api/expert-coverage", hbs[i])
+
+                    wall, lat = await timed(n, concurrency, beat)
+                    if rnd == 1:
+                        out.append(case("expert-coverage-first", store, wall, lat, volunteers=n))
+                    else:
+                        steady_wall += wall
+                        steady_lat += lat
+                if steady_lat:
+                    out.append(case("expert-coverage-steady", store, steady_wall, steady_lat, volunteers=n,
+                                    rounds=rounds - 1))
+                alive = (await c.get("/health")).json()
+                dm = (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()
+                first = next(c_ for c_ in out if c_["case"].startswith("expert-coverage-first"))
+                first["live_volunteers"] = alive["volunteers"]
+                first["map_ranges"] = sum(len(layer["ranges"]) for layer in dm["layers"])
+                for c_ in out:
+                    c_["reconnects"] = pool.reconnects
+        finally:
+            proc.terminate()
+            await trio.to_thread.run_sync(proc.wait)
+        nursery.cancel_scope.cancel()
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.volunteers or (200 if args.quick else 1000)
+    rounds = 2 if args.quick else 4
+    cases: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="moe-swarm-bench-market-") as tmp:
+        cases += await run_store("sqlite", str(Path(tmp) / "market.db"), n, args.concurrency, rounds)
+        cases += await run_store("memory", ":memory:", n, args.concurrency, rounds)
+    return {"benchmark": "market", "volunteers": n, "concurrency": args.concurrency,
+            "model_shape": f"{N_LAYER} layers x {N_EXPERT} experts, {SLICE}-expert slices", "cases": cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--volunteers", type=int, default=None, help="simulated volunteers (default 1000; 200 quick)")
+    ap.add_argument("--concurrency", type=int, default=32, help="concurrent client connections")
+    args = ap.parse_args()
+    result = trio.run(main_async, args)
+    print(f"\nmarket benchmark: {result['volunteers']} volunteers, {result['concurrency']} connections, "
+          f"{result['model_shape']}")
+    print(f"{'case':<32} {'requests':>8} {'req/s':>9} {'median ms':>10} {'p99 ms':>8}")
+    for c in result["cases"]:
+        print(f"{c['case']:<32} {c['requests']:>8} {c['requests_per_s']:>9.1f} {c['median_ms']:>10.2f} "
+              f"{c['p99_ms']:>8.2f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
