@@ -22,10 +22,10 @@ Rules:
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 __all__ = [
     "Deregister",
@@ -101,9 +101,15 @@ class Deregister:
 Effect = Poll | Fetch | Unload | SendHeartbeat | Deregister
 
 
+class Rng(Protocol):
+    """What the core needs of an injected ``random.Random``."""
+
+    def random(self) -> float: ...
+
+
 @dataclass
 class Lifecycle:
-    rng: random.Random
+    rng: Rng
     poll_interval_s: float = 2.0
     jitter: float = 0.3
     heartbeat_s: float = 2.0
