@@ -283,14 +283,27 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--volunteers", type=int, default=None, help="simulated volunteers (default 1000; 200 quick)")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent client connections")
+    ap.add_argument("--no-topology", action="store_true", help="skip the recruitment timings in the demo topology")
     args = ap.parse_args()
     result = trio.run(main_async, args)
+    timings: list[dict[str, Any]] = []
+    if not args.no_topology:
+        from _recruitment import measure_recruitment
+
+        timings = measure_recruitment(rounds=1 if args.quick else 3)
+        result["cases"] += timings
     print(f"\nmarket benchmark: {result['volunteers']} volunteers, {result['concurrency']} connections, "
           f"{result['model_shape']}")
     print(f"{'case':<32} {'requests':>8} {'req/s':>9} {'median ms':>10} {'p99 ms':>8}")
     for c in result["cases"]:
-        print(f"{c['case']:<32} {c['requests']:>8} {c['requests_per_s']:>9.1f} {c['median_ms']:>10.2f} "
-              f"{c['p99_ms']:>8.2f}")
+        if "requests" in c:
+            print(f"{c['case']:<32} {c['requests']:>8} {c['requests_per_s']:>9.1f} {c['median_ms']:>10.2f} "
+                  f"{c['p99_ms']:>8.2f}")
+    if timings:
+        print("\ndemo topology (market + coordinator + 3 volunteers, real processes):")
+        print(f"{'case':<32} {'rounds':>8} {'median ms':>10} {'max ms':>8}")
+        for c in timings:
+            print(f"{c['case']:<32} {c['rounds']:>8} {c['median_ms']:>10.1f} {c['max_ms']:>8.1f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
