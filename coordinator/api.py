@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -311,8 +312,6 @@ def _usage(f: Finish) -> dict[str, int]:
 
 
 def msgspec_to_dict(m: Any) -> dict[str, Any]:
-    import msgspec
-
     d: dict[str, Any] = msgspec.to_builtins(m)
     if d.get("content") is None:
         d["content"] = ""

@@ -18,7 +18,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import trio
@@ -27,7 +27,6 @@ from coordinator.core.scheduler import (
     Admitted,
     Emit,
     Finish,
-    FinishReason,
     GenParams,
     GenRequest,
     Rejected,
@@ -81,9 +80,7 @@ class _ReqState:
     generator: torch.Generator
     decoder: StreamDecoder
     params: GenParams
-    t_submit: float
     t_first: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class EngineRuntime:
@@ -100,7 +97,8 @@ class EngineRuntime:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.n_ctx = min(n_ctx or model.config.n_ctx_train, model.config.n_ctx_train) if n_ctx else model.config.n_ctx_train
+        train_ctx = model.config.n_ctx_train
+        self.n_ctx = min(n_ctx, train_ctx) if n_ctx else train_ctx
         self.transformer = Transformer(model, experts)
         self.sched = Scheduler(
             n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids)
@@ -146,7 +144,7 @@ class EngineRuntime:
         req_id = next(self._ids)
         send, recv = trio.open_memory_channel[Event](math.inf)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer), params, time.monotonic())
+        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer), params)
         now = time.monotonic()
         with self._lock:
             self._reqs[req_id] = state
@@ -268,7 +266,3 @@ class EngineRuntime:
                     s = self.stats
                     s.prompt_tps_ewma = inst if s.prompt_tps_ewma == 0 else (1 - a) * s.prompt_tps_ewma + a * inst
             self._post(out)
-
-
-def finish_reason_text(reason: FinishReason) -> str:
-    return "length" if reason is FinishReason.LENGTH else "stop"
