@@ -54,6 +54,7 @@ class MarketLink:
         self.registered = False
         self.last_ok: float | None = None
         self.last_error = ""
+        self._reregister = trio.Event()
 
     def status(self) -> dict[str, object]:
         return {
@@ -83,7 +84,9 @@ class MarketLink:
                         log.info("registered %s with the market at %s", self.manifest.model_id, self.base)
                     self.registered = True
                     backoff = 0.5
-                    await trio.sleep(self.reregister_s)
+                    self._reregister = trio.Event()
+                    with trio.move_on_after(self.reregister_s):
+                        await self._reregister.wait()  # early when the market forgot us
                     continue
                 self.last_error = f"register: HTTP {r.status_code}: {r.text[:200]}"
                 if r.status_code in (400, 401, 403):
@@ -108,7 +111,10 @@ class MarketLink:
                         self.dispatcher.set_map(m, force=True)
                     self.last_ok = time.monotonic()
                     self.last_error = ""
-                elif r.status_code != 404:  # 404: not registered yet
+                elif r.status_code == 404:  # the market does not know the model (yet, or any more)
+                    self.last_error = "dispatch map: the market does not know this model; registering"
+                    self._reregister.set()
+                else:
                     self.last_error = f"dispatch map: HTTP {r.status_code}"
             except (httpx.HTTPError, SwarmError) as exc:
                 self.last_error = f"dispatch map: {type(exc).__name__}: {exc}"

@@ -122,3 +122,77 @@ async def test_saturation_recruits_then_ages_out(procs: list[Proc], tmp_path: Pa
         assert after == local
         rec = await recruitment(h, murl)
         assert json.dumps(rec) and rec["effective_target"] == rec["base_target"] == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_market_outage_changes_nothing(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+    """kill -9 of the market: the coordinator keeps its map, volunteers keep serving; the market
+    restarted on the same database picks everything up again without restarting anyone."""
+    port = _free_port()
+    murl = f"http://127.0.0.1:{port}"
+    margs = cli("market", "--db", str(tmp_path / "market.db"), "--port", str(port), "--token", "t0k", "--poll-interval", "0.5")
+    market = Proc(margs, tmp_path / "market.log")
+    procs.append(market)
+    await wait_for_line(market, "market ready at ")
+    coord = Proc(cli("coordinator", "--model", str(GOLDEN_GGUF), "--port", "0", "--market", murl, "--token", "t0k",
+                     "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
+    procs.append(coord)
+    curl = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    async with httpx.AsyncClient(timeout=60) as h:
+        model_id = (await h.get(f"{curl}/v1/models")).json()["data"][0]["id"]
+        body: dict[str, Any] = {"model": model_id, "prompt": "Hello world", "max_tokens": 30, "temperature": 0,
+                                "ignore_eos": True, "return_token_ids": True}
+        local = (await h.post(f"{curl}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+        vols = []
+        for i in range(2):
+            v = Proc(cli("volunteer", "--market", murl, "--max-experts", "8", "--data-dir", str(tmp_path / f"v{i}"),
+                         "--no-progress", "--poll-interval", "1"), tmp_path / f"volunteer{i}.log")
+            procs.append(v)
+            vols.append(v)
+
+        async def two_attached() -> bool:
+            return len((await h.get(f"{curl}/dispatch")).json()["workers"]) == 2
+
+        await eventually(two_attached, within=60)
+        version = (await h.get(f"{curl}/dispatch")).json()["map_version"]
+
+        market.p.kill()  # kill -9
+        market.p.wait()
+        calls_before = sum(w["calls"] for w in (await h.get(f"{curl}/dispatch")).json()["workers"])
+        for _ in range(2):
+            out = (await h.post(f"{curl}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+            assert out == local
+        rep = (await h.get(f"{curl}/dispatch")).json()
+        assert rep["map_version"] == version and len(rep["workers"]) == 2
+        assert sum(w["calls"] for w in rep["workers"]) > calls_before  # still served remotely
+        assert all(w["state"] == "up" for w in rep["workers"])
+        await trio.sleep(3)  # volunteers' heartbeats fail meanwhile; they keep serving
+        assert all(v.p.poll() is None for v in vols)
+
+        market2 = Proc(margs, tmp_path / "market2.log")
+        procs.append(market2)
+        await wait_for_line(market2, "market ready at ")
+
+        async def recovered() -> bool:
+            m = await recruitment(h, murl)
+            return len(m["workers"]) == 2 and all(w["dispatched"] for w in m["workers"]) and m["replicas_min"] >= 1
+
+        await eventually(recovered, within=30)
+
+        async def coordinator_reconnected() -> bool:
+            m = (await h.get(f"{curl}/health")).json()["market"]
+            return bool(m["registered"] and not m["last_error"])
+
+        await eventually(coordinator_reconnected, within=10, interval=0.5)
+        rep = (await h.get(f"{curl}/dispatch")).json()
+        assert len(rep["workers"]) == 2 and rep["map_version"] >= version
+        out = (await h.post(f"{curl}/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+        assert out == local
+        assert all(v.p.poll() is None for v in vols) and coord.p.poll() is None
