@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 import trio
 
@@ -52,6 +52,7 @@ __all__ = [
     "FakeNetwork",
     "FakeTransport",
     "Libp2pTransport",
+    "NatHooks",
     "Stream",
     "StreamHandler",
     "Transport",
@@ -108,6 +109,20 @@ class Transport(ABC):
 
     @abstractmethod
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None: ...
+
+    def path_to(self, peer_id: str) -> str | None:
+        """How a new stream to ``peer_id`` would travel ("direct", "relayed", "hole-punched"), or
+        None when not connected or when the transport does not know (see ``swarm.core.paths``)."""
+        return None
+
+
+class NatHooks(Protocol):
+    """Relay and NAT support attached to a ``Libp2pTransport`` by ``swarm.nat``."""
+
+    async def connect(self, peer_id: str, addrs: Sequence[str]) -> None:
+        """Ensure a connection to ``peer_id``: direct addresses, then ``/p2p-circuit`` ones."""
+
+    def path_to(self, peer_id: str) -> str | None: ...
 
 
 class _InboundGate:
@@ -567,6 +582,7 @@ class Libp2pTransport(Transport):
         self._dial_timeout_s = dial_timeout_s
         self._gate = _InboundGate(max_inbound_streams_per_peer)
         self._closed = False
+        self.nat: NatHooks | None = None  # set by swarm.nat: circuit dialing, hole punching, paths
 
     @property
     def peer_id(self) -> str:
@@ -575,6 +591,9 @@ class Libp2pTransport(Transport):
     @property
     def listen_addrs(self) -> list[str]:
         return [str(a) for a in self.host.get_addrs()]
+
+    def path_to(self, peer_id: str) -> str | None:
+        return self.nat.path_to(peer_id) if self.nat is not None else None
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         from libp2p.custom_types import TProtocol
@@ -604,7 +623,11 @@ class Libp2pTransport(Transport):
             try:
                 # dial_peer skips connections that are closing and dials afresh; host.new_stream
                 # alone would pick a dead connection that the swarm has not removed yet.
-                await network.dial_peer(pid)
+                # dial_peer skips /p2p-circuit addresses: swarm.nat dials those (workaround (e)).
+                if self.nat is not None:
+                    await self.nat.connect(peer_id, addrs)
+                else:
+                    await network.dial_peer(pid)
                 net_stream = await self.host.new_stream(pid, [TProtocol(protocol)])
             except Exception as exc:
                 raise DialError(f"cannot open {protocol} to {peer_id}: {exc!r}") from exc
@@ -650,11 +673,14 @@ async def open_libp2p_transport(
     listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
     dial_timeout_s: float = 10.0,
     max_inbound_streams_per_peer: int = DEFAULT_MAX_INBOUND_STREAMS_PER_PEER,
+    websocket: bool = False,
 ) -> AsyncIterator[Libp2pTransport]:
     """A running libp2p host listening on ``listen_addrs``; closed cleanly on exit.
 
     The identity is loaded from ``key_path`` (created on first use); ``None`` means a fresh,
-    unsaved identity (tests, one-off tools).
+    unsaved identity (tests, one-off tools). No listen address means a dial-only host (a volunteer
+    reachable only through a relay). ``websocket`` (implied by a ``/ws`` listen address) adds the
+    WebSocket transport, for networks that only let web ports out.
     """
     from libp2p.crypto.ed25519 import create_new_key_pair
     from multiaddr import Multiaddr
@@ -667,10 +693,10 @@ async def open_libp2p_transport(
         maddrs = [Multiaddr(a) for a in listen_addrs]
     except Exception as exc:
         raise ConfigError(f"bad listen address in {list(listen_addrs)}: {exc}") from exc
-    host = _build_libp2p_host(key_pair)
+    host = _build_libp2p_host(key_pair, websocket=websocket or any("/ws" in a for a in listen_addrs))
     async with host.run(listen_addrs=maddrs):
         try:
-            if not host.get_addrs():
+            if maddrs and not host.get_addrs():
                 raise ConfigError(f"could not listen on any of {list(listen_addrs)}")
             async with trio.open_nursery() as nursery:
                 transport = Libp2pTransport(
@@ -715,12 +741,31 @@ async def open_libp2p_transport(
 #     marks the connection closed, so a second close() returns without closing the socket).
 # Also configured: no dial retries and no negative dial cache (a failed dial otherwise blocks
 # that peer for 60 s even after it is back): retry policy belongs to the caller, who can see it.
-# min_connections = low_watermark = 0, so the auto-connector does not dial peerstore entries to
-# keep 100 connections open.
+# min_connections = low_watermark = 0 (fewer connections kept open by the auto-connector).
 # Only Noise and Yamux are offered (new_host also offers TLS, SECIO and plaintext, and Mplex).
 # No ResourceManager: its default circuit breaker, per-peer connection rate limit and
 # memory-based admission fail connections in ways the caller cannot see or configure here; the
 # limits that matter are max_connections (swarm) and max_inbound_streams_per_peer (ours).
+# Relay and NAT traversal (swarm/nat.py, relay/service.py; tests/test_relay_workarounds.py):
+# (e) host.connect() and Swarm.dial_peer skip /p2p-circuit addresses. Libp2pTransport.open_stream
+#     calls swarm.nat's connect hook, which dials them itself (HOP CONNECT, then Noise + Yamux
+#     over the relayed stream).
+# (f) CircuitV2Protocol keys live circuits by peer id, so the end of one circuit closes another
+#     circuit to the same peer, and RelayLimits(data=0) cuts a circuit at its first byte (0 is
+#     meant as "unlimited" by the spec). relay.service is our own hop service (same wire format,
+#     the library's protobufs): one id per circuit, 0 = unlimited, limits omitted when unlimited.
+# (g) A dial-only node with the default RelayConfig roles (CLIENT) sends a RESERVE before every
+#     circuit dial and takes a reservation slot it never uses; reservations also outlived their
+#     peer's connection until expiry. Our dialer never reserves; the relay frees a reservation
+#     when its peer disconnects.
+# (h) The AutoNAT v1 server "dials back" with host.connect(), which returns the connection the
+#     request came in on: every node is told it is reachable. relay.service answers AutoNAT with
+#     a fresh TCP connection and a Noise handshake that proves the peer's identity.
+# (i) The auto-connector re-dialled every peer in the peerstore after any disconnect, even with
+#     min_connections = low_watermark = 0: its target is the midpoint of the low and high
+#     watermarks (150). A NATed volunteer thus re-dialled its coordinator directly behind the
+#     operator's back (--no-hole-punch), and a coordinator re-dialled volunteers it had dropped.
+#     Fix: _WorkaroundSwarm disables it; connections are opened by the caller, who can see them.
 
 
 def _workaround_swarm_class() -> type[Any]:
@@ -732,6 +777,11 @@ def _workaround_swarm_class() -> type[Any]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._negative_peer_cache = _NegativePeerCache(ttl=0.0)
+
+            async def no_auto_connect() -> None:  # workaround (i)
+                await trio.lowlevel.checkpoint()
+
+            self.auto_connector.maybe_connect = no_auto_connect  # type: ignore[method-assign]
 
         async def _do_handle_inbound_connection(
             self, read_write_closer: Any, maddr: Any, failure_event: Any
@@ -764,7 +814,7 @@ def _workaround_swarm_class() -> type[Any]:
     return _WorkaroundSwarm
 
 
-def _build_libp2p_host(key_pair: KeyPair) -> BasicHost:
+def _build_libp2p_host(key_pair: KeyPair, *, websocket: bool = False) -> BasicHost:
     from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
     from libp2p.custom_types import TProtocol
     from libp2p.host.basic_host import BasicHost
@@ -789,11 +839,16 @@ def _build_libp2p_host(key_pair: KeyPair) -> BasicHost:
         },
         muxer_transports_by_protocol={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
     )
+    transports: list[Any] = [TCP()]
+    if websocket:
+        from libp2p.transport.websocket.transport import WebsocketTransport
+
+        transports.append(WebsocketTransport(upgrader))
     swarm = _workaround_swarm_class()(
         peer_id,
         peerstore,
         upgrader,
-        transports=[TCP()],
+        transports=transports,
         retry_config=RetryConfig(max_retries=0),
         connection_config=ConnectionConfig(max_connections_per_peer=1, min_connections=0, low_watermark=0),
     )
