@@ -13,15 +13,23 @@ Rules:
 - A range's partial sum is computed by ``swarm.experts.slice_partial_sum`` on exactly the rows
   that have pairs in the range, locally or on a volunteer, so both give the same bits.
 - The worker table is shared by the two threads under one lock; the trio side owns the clients.
+- Volunteers behind NATs are reached through ``/p2p-circuit`` addresses and upgraded to direct
+  connections by DCUtR hole punching (``swarm.nat``, attached to a libp2p transport while the
+  dispatcher serves). A worker's expert stream opened on a relayed connection moves to a direct
+  one as soon as it exists (``swarm.core.paths.should_migrate``): new calls open a new stream,
+  calls in flight finish on the old one, which is closed after ``timeout_s``. The report gives
+  each worker's path: ``direct``, ``relayed`` or ``hole-punched`` (null: not connected).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,12 +38,15 @@ import torch
 import trio
 
 from coordinator.core.dispatch import BalancedPolicy, DispatchPolicy, WorkerTable
+from swarm.core.paths import Path as ConnPath
+from swarm.core.paths import should_migrate
 from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
 from swarm.errors import ConfigError, SwarmError
 from swarm.expert_rpc import ExpertClient
 from swarm.experts import slice_partial_sum
 from swarm.gguf_model import GGUFModel
-from swarm.transport import Transport
+from swarm.nat import NatConfig, open_nat
+from swarm.transport import Libp2pTransport, Transport
 from swarm.wire import ExpertRequest, RequestId
 
 __all__ = ["Dispatcher", "watch_dispatch_map_file"]
@@ -73,6 +84,7 @@ class Dispatcher:
         policy: DispatchPolicy | None = None,
         timeout_s: float = 3.0,
         wire_dtype: str = "float32",
+        hole_punch: bool = True,
     ) -> None:
         self.model = model
         self.cfg = model.config
@@ -86,15 +98,32 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._clients: dict[str, ExpertClient] = {}
         self._addrs: dict[str, list[str]] = {}
+        self.hole_punch = hole_punch
+        self._session_paths: dict[str, str | None] = {}  # path of each client's stream when it opened
+        self._sessions_seen: dict[str, tuple[int, int]] = {}  # peer -> (id(client), sessions_opened)
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self.counters = [LayerCounters() for _ in range(self.cfg.n_layer)]
 
     # -- trio side --------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self._nat_support():
+            await self._serve(task_status=task_status)
+
+    @contextlib.asynccontextmanager
+    async def _nat_support(self) -> AsyncIterator[None]:
+        """Circuit dialing and hole punching on a libp2p transport (unless someone attached them)."""
+        if isinstance(self.transport, Libp2pTransport) and self.transport.nat is None:
+            async with open_nat(self.transport, NatConfig(hole_punch=self.hole_punch)):
+                yield
+        else:
+            yield
+
+    async def _serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._watch_paths)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -120,6 +149,7 @@ class Dispatcher:
         for p in removed:
             c = self._clients.pop(p, None)
             self._addrs.pop(p, None)
+            self._session_paths.pop(p, None)
             if c is not None and self._nursery is not None:
                 self._nursery.start_soon(c.aclose)
         for p, addrs in peers.items():
@@ -173,11 +203,43 @@ class Dispatcher:
                 with self._lock:
                     self.table.succeeded(peer, rows=int(job.x.shape[0]), latency_s=time.monotonic() - t0,
                                          wall_ms=int(time.time() * 1000))
+                self._note_session(peer)
                 job.result = out
                 job.served_by = peer
                 break
         finally:
             done.put(job)
+
+    def _note_session(self, peer: str) -> None:
+        """Record the path of a client's stream right after it opened (new streams take the best
+        connection, so the connection path then is the stream's path)."""
+        c = self._clients.get(peer)
+        if c is None or self.transport is None:
+            return
+        key = (id(c), c.sessions_opened)
+        if self._sessions_seen.get(peer) != key:
+            self._sessions_seen[peer] = key
+            self._session_paths[peer] = self.transport.path_to(peer)
+
+    async def _watch_paths(self, interval_s: float = 0.1) -> None:
+        """Move expert streams off relays once a direct connection to their worker exists."""
+        while True:
+            await trio.sleep(interval_s)
+            if self.transport is None:
+                continue
+            for peer, path in list(self._session_paths.items()):
+                best = self.transport.path_to(peer)
+                if should_migrate(ConnPath(path) if path else None, ConnPath(best) if best else None):
+                    old = self._clients.pop(peer, None)
+                    self._sessions_seen.pop(peer, None)
+                    self._session_paths[peer] = best
+                    log.info("worker %s: moving its expert stream from the relay to the %s connection", peer, best)
+                    if old is not None and self._nursery is not None:
+                        self._nursery.start_soon(self._close_later, old)
+
+    async def _close_later(self, client: ExpertClient) -> None:
+        await trio.sleep(self.timeout_s)  # calls in flight on the old stream finish first
+        await client.aclose()
 
     def _start_remote(self, layer: int, jobs: list[_RangeJob], done: queue.SimpleQueue[_RangeJob]) -> None:
         """Runs in the trio thread (``run_sync_soon``)."""
@@ -242,6 +304,15 @@ class Dispatcher:
         return slice_partial_sum(j.x, j.pair_rows, j.pair_experts, j.pair_weights, sub)
 
     # -- reporting ------------------------------------------------------------------------------------
+    def _path(self, peer: str) -> str | None:
+        """The path of the worker's expert stream, else of its connection; None if not connected."""
+        if self.transport is None:
+            return None
+        now = self.transport.path_to(peer)
+        if now is None:
+            return None
+        return self._session_paths.get(peer) or now
+
     def report(self) -> dict[str, Any]:
         with self._lock:
             views = self.table.views(time.monotonic())
@@ -253,7 +324,7 @@ class Dispatcher:
             "timeout_s": self.timeout_s,
             "wire_dtype": self.wire_dtype,
             "workers": [
-                {**v.__dict__, "addrs": self._addrs.get(v.peer_id, []), "path": "direct"} for v in views
+                {**v.__dict__, "addrs": self._addrs.get(v.peer_id, []), "path": self._path(v.peer_id)} for v in views
             ],
             "layers": [
                 {"layer": i, "local_rows": c.local_rows, "remote_rows": c.remote_rows, "fallback_rows": c.fallback_rows}

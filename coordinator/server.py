@@ -53,6 +53,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     market: str | None = None  # follow this market's dispatch map and register with it
     advertise_url: str | None = None  # our URL as the market and volunteers should reach it
     token: str | None = None  # operator token for the market
+    hole_punch: bool = True  # upgrade relayed connections to volunteers with DCUtR
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -71,7 +72,8 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
         else:
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-swarm-coordinator-")))
         async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.p2p_listen) as transport:
-            dispatcher = Dispatcher(model, transport, timeout_s=cfg.expert_timeout_s, wire_dtype=cfg.wire_dtype)
+            dispatcher = Dispatcher(model, transport, timeout_s=cfg.expert_timeout_s, wire_dtype=cfg.wire_dtype,
+                                    hole_punch=cfg.hole_punch)
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
 

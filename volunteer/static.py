@@ -1,15 +1,19 @@
 """Volunteer, static mode (shell): fetch the slices named on the command line, serve them.
 
 ``moe-swarm volunteer --coordinator URL --slice LAYER:LO-HI [--slice ...] [--listen MULTIADDR]
-[--data-dir DIR]``
+[--relay MULTIADDR ...] [--no-direct] [--no-hole-punch] [--data-dir DIR]``
 
 Rules:
 - Slices are downloaded from the coordinator (resumable, sha256-verified against the ETag) into
   ``DATA_DIR/slices/<model_id>/`` and reused on the next start without a download.
 - The libp2p identity persists in ``DATA_DIR/identity.key``: a restarted volunteer keeps its
   peer id, so dispatch maps that name it stay valid.
-- Once serving, ``DATA_DIR/volunteer.json`` holds the peer id and listen addresses (for scripts
-  that build dispatch maps) and one status line is printed to stdout.
+- Behind a NAT (``--relay``): the volunteer asks its relays whether it is reachable, reserves a
+  slot on them if not, and advertises its ``/p2p-circuit`` addresses (``swarm.nat``); with
+  ``--no-direct`` it does not listen at all and is reachable only through its relays.
+- Once serving, ``DATA_DIR/volunteer.json`` holds the peer id and the advertised addresses (for
+  scripts that build dispatch maps) and one status line is printed to stdout. The file is
+  rewritten whenever the addresses change (a reservation lost after a relay restart, regained).
 - Cancellation (Ctrl-C) drains: requests already accepted are answered before the host closes.
 """
 
@@ -28,8 +32,8 @@ import trio
 from swarm.errors import ConfigError
 from swarm.expert_rpc import expert_stream_handler, make_hello
 from swarm.fetch import fetch_slice
+from swarm.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
 from swarm.slices import LoadedSlice, load_slice, parse_slice_arg
-from swarm.transport import open_libp2p_transport
 from swarm.wire import PROTOCOL_ID
 from volunteer.server import ExpertServer
 
@@ -47,6 +51,8 @@ class StaticVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True):
     threads: int = 2
     progress: bool = True
     status_interval_s: float = 10.0
+    relays: tuple[str, ...] = ()  # reserve on these when not reachable directly
+    hole_punch: bool = True
 
 
 async def _model_id(client: httpx.AsyncClient, base: str, wanted: str | None) -> str:
@@ -91,20 +97,23 @@ async def serve_static_volunteer(
         model_id = await _model_id(client, base, cfg.model_id)
         slices = await fetch_and_load(client, base, model_id, cfg.slices, data_dir, progress=cfg.progress)
     server = ExpertServer(slices, threads=cfg.threads)
-    async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.listen) as transport:
+    nat_cfg = NatConfig(relays=cfg.relays, hole_punch=cfg.hole_punch)
+    async with open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
         transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
         info: dict[str, object] = {
             "peer_id": transport.peer_id,
-            "addrs": transport.listen_addrs,
+            "addrs": list(nat.advertised),
+            "reachability": nat.reachability.value,
             "model_id": model_id,
             "slices": [str(s.key) for s in slices],
         }
         await trio.Path(data_dir / "volunteer.json").write_text(json.dumps(info, indent=2) + "\n")
-        print(f"volunteer ready peer_id={transport.peer_id} addrs={','.join(transport.listen_addrs)} "
-              f"slices={','.join(str(s.key) for s in slices)}", flush=True)
+        print(f"volunteer ready peer_id={transport.peer_id} addrs={','.join(nat.advertised) or 'none (no relay answered yet)'} "
+              f"reachability={nat.reachability.value} slices={','.join(str(s.key) for s in slices)}", flush=True)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
-            nursery.start_soon(_status_loop, server, transport.peer_id, cfg.status_interval_s)
+            nursery.start_soon(_status_loop, server, transport.peer_id, cfg.status_interval_s, nat)
+            nursery.start_soon(_publish_addrs, nat, info, data_dir / "volunteer.json")
             task_status.started(info)
             try:
                 await trio.sleep_forever()
@@ -115,18 +124,38 @@ async def serve_static_volunteer(
                 nursery.cancel_scope.cancel()
 
 
-async def _status_loop(server: ExpertServer, peer_id: str, interval_s: float) -> None:
+async def _status_loop(server: ExpertServer, peer_id: str, interval_s: float, nat: Nat) -> None:
     while True:
         await trio.sleep(interval_s)
         s = server.stats
         ago = f"{time.monotonic() - s.last_call_at:.1f}s ago" if s.last_call_at else "never"
+        relays = "".join(f" | relay {r.relay.rsplit('/', 1)[-1][-8:]}: {r.state}"
+                         + (f" (expires in {r.expires_in_s:.0f}s)" if r.expires_in_s is not None else "")
+                         + (f" (failures {r.failures}: {r.last_error})" if r.failures else "")
+                         for r in nat.relay_status())
         print(f"[volunteer {peer_id[-8:]}] serving {len(server.slices)} slice(s) | calls {s.calls} rows {s.rows} "
-              f"batches {s.batches} errors {s.errors} | last call {ago}", file=sys.stderr, flush=True)
+              f"batches {s.batches} errors {s.errors} | last call {ago}{relays}", file=sys.stderr, flush=True)
+
+
+async def _publish_addrs(nat: Nat, info: dict[str, object], path: Path) -> None:
+    """Keep ``volunteer.json`` (and the person watching) up to date with the advertised addresses."""
+    while True:
+        await nat.changed.wait()
+        addrs = list(nat.advertised)
+        if addrs == info["addrs"]:
+            continue
+        info["addrs"] = addrs
+        await trio.Path(path).write_text(json.dumps(info, indent=2) + "\n")
+        print(f"[volunteer] addresses now: {', '.join(addrs) or 'none (waiting for a relay)'}", file=sys.stderr, flush=True)
 
 
 def check_config(cfg: StaticVolunteerConfig) -> None:
     if not cfg.slices:
         raise ConfigError("give at least one --slice LAYER:LO-HI")
+    if not cfg.listen and not cfg.relays:
+        raise ConfigError("--no-direct needs at least one --relay MULTIADDR: nobody could reach this volunteer")
+    for r in cfg.relays:
+        parse_relay_addr(r)
     for s in cfg.slices:
         parse_slice_arg(s)
 
