@@ -1,6 +1,6 @@
 """Remote expert round trip vs local compute, over real py-libp2p on loopback (DESIGN §11 format).
 
-    python benchmarks/expert_rtt.py [--quick] [--json OUT] [--calls N]
+    python benchmarks/expert_rtt.py [--quick] [--json OUT] [--calls N] [--via-relay]
 
 One SwiGLU expert, d_model 1024, width 2816, float32 (the size of the public hivemind comparison).
 A server process hosts it on ``/moe-swarm/expert/1`` (the volunteer's ``ExpertServer``) and runs a
@@ -11,6 +11,11 @@ raw TCP echo server. The client process measures, at batch 1, 8 and 64 tokens:
 - ``tcp_floor``: echo of the same request/response byte counts over a plain TCP socket;
 - ``remote_concurrent8``: 8 concurrent callers at batch 8 over one pipelined stream (tokens/s).
 
+``--via-relay`` starts ``moe-swarm relay`` as a third process; the server also reserves a slot on
+it, and the same remote cases run again through the circuit (client -> relay -> server, Noise +
+Yamux end to end inside the relay's Yamux streams), named ``remote_relayed`` and
+``remote_relayed_concurrent8``; the table then gives the relayed/direct ratio per case.
+
 Overhead = remote − local (medians). Target on loopback: <= 2 ms at batch 1 and 8.
 """
 
@@ -19,9 +24,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.expert_rpc import expert_stream_handler, make_hello, open_expert_client  # noqa: E402
 from swarm.experts import slice_partial_sum  # noqa: E402
-from swarm.transport import open_libp2p_transport  # noqa: E402
+from swarm.nat import NatConfig, open_listener_host, open_nat  # noqa: E402
+from swarm.transport import Libp2pTransport, open_libp2p_transport  # noqa: E402
 from swarm.wire import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
 
 D_MODEL, WIDTH = 1024, 2816
@@ -69,7 +77,7 @@ def compute(w: OneExpert, x: torch.Tensor) -> torch.Tensor:
 
 
 # -- server process -------------------------------------------------------------------------------
-async def serve(threads: int) -> None:
+async def serve(threads: int, relay: str | None) -> None:
     w = OneExpert()
     limiter = trio.CapacityLimiter(threads)
 
@@ -94,15 +102,62 @@ async def serve(threads: int) -> None:
             await stream.send_all(buf[: 4 + n])
             del buf[: 4 + n]
 
-    async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
+    logging.getLogger("swarm.nat").setLevel(logging.ERROR)  # the relay may stop first at the end
+    # with a relay: reserve on it even though we are reachable (check_reachability off), so the
+    # same server can be measured directly and through the relay
+    nat = NatConfig(relays=(relay,) if relay else (), hole_punch=False, check_reachability=False)
+    async with open_listener_host(key_path=None, listen_addrs=["/ip4/127.0.0.1/tcp/0"], cfg=nat) as (t, n_), \
+            trio.open_nursery() as n:
         t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello()))
         listeners = await n.start(functools.partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
         port = listeners[0].socket.getsockname()[1]
-        print(json.dumps({"peer_id": t.peer_id, "addrs": t.listen_addrs, "tcp_port": port}), flush=True)
+        circuit = [a for a in n_.advertised if "/p2p-circuit" in a]
+        print(json.dumps({"peer_id": t.peer_id, "addrs": t.listen_addrs, "circuit": circuit, "tcp_port": port}), flush=True)
         await trio.sleep_forever()
 
 
 # -- client ---------------------------------------------------------------------------------------
+async def remote_cases(
+    t: Libp2pTransport, peer_id: str, addrs: list[str], name: str, w: OneExpert, calls: int, batches: list[int],
+    request: Any,
+) -> list[dict[str, Any]]:
+    """``name`` at each batch, then ``name_concurrent8``: 8 callers at batch 8 over one stream."""
+    cases: list[dict[str, Any]] = []
+    async with open_expert_client(t, peer_id, addrs) as client:
+        for batch in batches:
+            x = torch.randn(batch, D_MODEL)
+            for _ in range(5):
+                await client.call(request(batch), x, timeout=30)
+            samples = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                out = await client.call(request(batch), x, timeout=30)
+                samples.append(time.perf_counter() - t0)
+            assert torch.equal(out, compute(w, x)), "remote result differs from local"
+            cases.append({"case": name, "batch": batch, **stats(samples, batch)})
+
+        x8 = torch.randn(8, D_MODEL)
+        per_caller = max(5, calls // 4)
+        lat: list[float] = []
+
+        async def caller() -> None:
+            for _ in range(per_caller):
+                t0 = time.perf_counter()
+                await client.call(request(8), x8, timeout=30)
+                lat.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(caller)
+        wall = time.perf_counter() - t0
+        st = stats(lat, 8)
+        st["tokens_per_s"] = round(8 * 8 * per_caller / wall, 1)
+        cases.append({"case": f"{name}_concurrent8", "batch": 8, **st})
+    return cases
+
+
+
 def stats(samples: list[float], batch: int) -> dict[str, float]:
     s = sorted(samples)
     med = statistics.median(s)
@@ -130,38 +185,13 @@ async def measure(info: dict[str, Any], calls: int, batches: list[int]) -> list[
             samples.append(time.perf_counter() - t0)
         cases.append({"case": "local", "batch": batch, **stats(samples, batch)})
 
-    async with open_libp2p_transport(key_path=None) as t, open_expert_client(t, info["peer_id"], info["addrs"]) as client:
-        for batch in batches:
-            x = torch.randn(batch, D_MODEL)
-            for _ in range(5):
-                await client.call(request(batch), x, timeout=30)
-            samples = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                out = await client.call(request(batch), x, timeout=30)
-                samples.append(time.perf_counter() - t0)
-            assert torch.equal(out, compute(w, x)), "remote result differs from local"
-            cases.append({"case": "remote", "batch": batch, **stats(samples, batch)})
-
-        # 8 concurrent callers, batch 8 each, over the one pipelined stream
-        x8 = torch.randn(8, D_MODEL)
-        per_caller = max(5, calls // 4)
-        lat: list[float] = []
-
-        async def caller() -> None:
-            for _ in range(per_caller):
-                t0 = time.perf_counter()
-                await client.call(request(8), x8, timeout=30)
-                lat.append(time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        async with trio.open_nursery() as n:
-            for _ in range(8):
-                n.start_soon(caller)
-        wall = time.perf_counter() - t0
-        st = stats(lat, 8)
-        st["tokens_per_s"] = round(8 * 8 * per_caller / wall, 1)
-        cases.append({"case": "remote_concurrent8", "batch": 8, **st})
+    async with open_libp2p_transport(key_path=None) as t:
+        cases += await remote_cases(t, info["peer_id"], info["addrs"], "remote", w, calls, batches, request)
+    if info.get("circuit"):
+        # a fresh host, so nothing but the circuit connects it to the server
+        async with open_libp2p_transport(key_path=None) as t, open_nat(t, NatConfig(hole_punch=False)):
+            cases += await remote_cases(t, info["peer_id"], info["circuit"], "remote_relayed", w, calls, batches, request)
+            assert t.path_to(info["peer_id"]) == "relayed", "the relayed cases did not go through the relay"
 
     stream = await trio.open_tcp_stream("127.0.0.1", info["tcp_port"])
     async with stream:
@@ -188,25 +218,48 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=None)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help="server compute threads")
+    ap.add_argument("--via-relay", action="store_true", help="also measure through a moe-swarm relay (third process)")
+    ap.add_argument("--relay", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        trio.run(serve, args.threads)
+        trio.run(serve, args.threads, args.relay)
         return
     calls = args.calls or (20 if args.quick else 200)
-    server = subprocess.Popen([sys.executable, __file__, "--serve", "--threads", str(args.threads)],
-                              stdout=subprocess.PIPE, text=True)
+    procs: list[subprocess.Popen[str]] = []
     try:
+        server_cmd = [sys.executable, __file__, "--serve", "--threads", str(args.threads)]
+        if args.via_relay:
+            tmp = tempfile.mkdtemp(prefix="expert-rtt-relay-")
+            relay = subprocess.Popen([sys.executable, "-m", "swarm.cli", "--log-level", "WARNING", "relay", "--listen",
+                                      "/ip4/127.0.0.1/tcp/0", "--port", "0", "--data-dir", tmp],
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            procs.append(relay)
+            assert relay.stdout is not None
+            line = relay.stdout.readline()
+            assert line.startswith("relay ready "), line
+            server_cmd += ["--relay", line.split("addrs=")[1].split()[0].split(",")[0]]
+        server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, text=True)
+        procs.append(server)
         assert server.stdout is not None
         info = json.loads(server.stdout.readline())
         cases = trio.run(measure, info, calls, [1, 8, 64])
     finally:
-        server.terminate()
-        server.wait(timeout=10)
-    result = {"benchmark": "expert_rtt", "d_model": D_MODEL, "width": WIDTH, "calls": calls, "cases": cases}
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(timeout=10)
+    result = {"benchmark": "expert_rtt", "d_model": D_MODEL, "width": WIDTH, "calls": calls, "via_relay": args.via_relay,
+              "cases": cases}
     print(f"\nexpert_rtt: one SwiGLU expert d_model {D_MODEL} width {WIDTH} float32, {calls} calls per case")
-    print(f"{'case':<20} {'batch':>5} {'median ms':>10} {'p99 ms':>8} {'tokens/s':>10}")
+    direct = {(c["case"], c["batch"]): c for c in cases if c["case"].startswith("remote") and "relayed" not in c["case"]}
+    print(f"{'case':<27} {'batch':>5} {'median ms':>10} {'p99 ms':>8} {'tokens/s':>10} {'relayed/direct':>15}")
     for c in cases:
-        print(f"{c['case']:<20} {c['batch']:>5} {c['median_ms']:>10.3f} {c['p99_ms']:>8.3f} {c['tokens_per_s']:>10.1f}")
+        ratio = ""
+        if "relayed" in c["case"]:
+            d = direct[(c["case"].replace("_relayed", ""), c["batch"])]
+            key = "tokens_per_s" if c["case"].endswith("concurrent8") else "median_ms"
+            ratio = f"{c[key] / d[key]:.2f}x {'tok/s' if key == 'tokens_per_s' else 'time'}"
+            c["relayed_over_direct"] = round(c[key] / d[key], 3)
+        print(f"{c['case']:<27} {c['batch']:>5} {c['median_ms']:>10.3f} {c['p99_ms']:>8.3f} {c['tokens_per_s']:>10.1f} {ratio:>15}")
     local = {c["batch"]: c["median_ms"] for c in cases if c["case"] == "local"}
     print("overhead (remote - local median):",
           ", ".join(f"batch {c['batch']}: {c['median_ms'] - local[c['batch']]:.3f} ms" for c in cases if c["case"] == "remote"))
