@@ -23,7 +23,7 @@ Endpoints (bodies are JSON of the Structs in ``market.schemas``):
   answers with the current map either way. ``ETag`` is the quoted version; ``If-None-Match``
   with it -> 304.
 - ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /metrics`` (Prometheus);
-  ``GET /health``.
+  ``GET /health`` (also lists the relays offered to volunteers).
 
 The release / age-out protocol (what a volunteer does with ``CoverageAck.slices``):
 
@@ -346,7 +346,8 @@ def build_market_app(api: MarketApi) -> Starlette:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(_: Request) -> Response:
-        return _json({"status": "ok", "models": len(m.models), "volunteers": m.live_volunteers()})
+        return _json({"status": "ok", "models": len(m.models), "volunteers": m.live_volunteers(),
+                      "relays": list(api.relays)})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500

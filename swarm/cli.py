@@ -98,9 +98,6 @@ def _volunteer(ns: argparse.Namespace) -> None:
         raise SwarmError("--no-direct (reachable only through relays) excludes --listen", code="config_error")
     listen = () if ns.no_direct else tuple(ns.listen or ["/ip4/127.0.0.1/tcp/0"])
     data_dir = os.path.expanduser(ns.data_dir)
-    if ns.market and (ns.relays or ns.no_direct):
-        raise SwarmError("--relay/--no-direct are supported in static mode (--coordinator/--slice) for now",
-                         code="config_error")
     if ns.market:
         if ns.slices or ns.coordinator:
             raise SwarmError("--market (pull mode) and --coordinator/--slice (static mode) exclude each other",
@@ -110,7 +107,7 @@ def _volunteer(ns: argparse.Namespace) -> None:
         pcfg = PullVolunteerConfig(
             market=ns.market, data_dir=data_dir, listen=listen, max_bytes=ns.max_memory, max_experts=ns.max_experts,
             models=tuple(ns.models or ()), threads=ns.threads, progress=not ns.no_progress,
-            poll_interval_s=ns.poll_interval,
+            poll_interval_s=ns.poll_interval, relays=tuple(ns.relays or ()), hole_punch=not ns.no_hole_punch,
         )
         if pcfg.max_bytes is None and pcfg.max_experts is None:
             pcfg = msgspec.structs.replace(pcfg, max_bytes=1 << 30)
@@ -211,10 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads")
     v.add_argument("--no-progress", action="store_true", help="no download progress bar")
     v.add_argument("--relay", action="append", dest="relays", default=None, metavar="MULTIADDR",
-                   help="static mode: a relay to reserve on when not reachable directly, "
-                        "e.g. /ip4/203.0.113.7/tcp/4001/p2p/12D3KooW... (repeatable)")
+                   help="a relay to reserve on when not reachable directly, e.g. "
+                        "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW... (repeatable; pull mode default: the market's)")
     v.add_argument("--no-direct", action="store_true",
-                   help="static mode: do not listen; reachable only through the --relay relays")
+                   help="do not listen; reachable only through relays")
     v.add_argument("--no-hole-punch", action="store_true",
                    help="do not answer DCUtR: coordinators keep reaching this volunteer through the relay")
     v.set_defaults(func=_volunteer)

@@ -30,12 +30,13 @@ import torch
 import trio
 
 from market.schemas import CoverageAck, CoverageHeartbeat, HeldSlice
-from swarm.errors import SwarmError
+from swarm.errors import ConfigError, SwarmError
 from swarm.expert_rpc import expert_stream_handler, make_hello
 from swarm.fetch import fetch_slice
 from swarm.identity import sign_body
+from swarm.nat import Nat, NatConfig, open_listener_host
 from swarm.slices import load_slice
-from swarm.transport import load_or_create_identity, open_libp2p_transport
+from swarm.transport import load_or_create_identity
 from swarm.wire import PROTOCOL_ID
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer
@@ -51,8 +52,9 @@ _ack_decoder = msgspec.json.Decoder(CoverageAck)
 class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True):
     market: str
     data_dir: str
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    relays: tuple[str, ...] = ()
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # empty: reachable only through relays
+    relays: tuple[str, ...] = ()  # empty: the relays the market offers
+    hole_punch: bool = True
     max_bytes: int | None = None
     max_experts: int | None = None
     models: tuple[str, ...] = ()
@@ -88,14 +90,14 @@ def _next_epoch(path: Path) -> int:
 
 
 class PullVolunteer:
-    def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, addrs: list[str],
+    def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, nat: Nat,
                  server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
         self.cfg = cfg
         self.base = cfg.market.rstrip("/")
         self.epoch = epoch
         self.key_pair = key_pair
         self.peer_id = peer_id
-        self.addrs = addrs
+        self.nat = nat
         self.server = server
         self.client = client
         self.nursery = nursery
@@ -122,6 +124,11 @@ class PullVolunteer:
                     log.info("released slice %d:%d-%d of %s (%s)", o.layer, o.lo, o.hi, o.model_id, reason)
                 case Deregister(sequence=seq):
                     self.nursery.start_soon(self._deregister, seq)
+
+    @property
+    def addrs(self) -> list[str]:
+        """What coordinators should dial: direct and/or ``/p2p-circuit`` addresses, as of now."""
+        return list(self.nat.advertised)
 
     async def _poll_at(self, at: float) -> None:
         await trio.sleep_until(at)
@@ -272,21 +279,39 @@ async def serve_pull_volunteer(
         await trio.Path(probe_path).write_text(json.dumps(probe) + "\n")
     key_pair = await trio.to_thread.run_sync(load_or_create_identity, data_dir / "identity.key")
     server = ExpertServer([], threads=cfg.threads)
-    async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.listen) as transport, \
-            httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client, trio.open_nursery() as nursery:
-        transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
-        await nursery.start(server.serve)
-        vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, addrs=list(transport.listen_addrs),
-                            server=server, client=client, nursery=nursery)
-        info: dict[str, object] = {"peer_id": transport.peer_id, "addrs": vol.addrs, "epoch": epoch, **probe}
-        await trio.Path(data_dir / "volunteer.json").write_text(json.dumps(info, indent=2) + "\n")
-        print(f"volunteer ready peer_id={transport.peer_id} epoch={epoch} market={cfg.market} "
-              f"expert_tokens_per_s={probe['expert_tokens_per_s']}", flush=True)
-        nursery.start_soon(vol.run)
-        task_status.started(info)
-        try:
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                await vol.shutdown()
-            nursery.cancel_scope.cancel()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
+        relays = cfg.relays or await _market_relays(client, cfg.market)
+        if not cfg.listen and not relays:
+            raise ConfigError("reachable only through relays, but neither --relay nor the market names one")
+        nat_cfg = NatConfig(relays=relays, hole_punch=cfg.hole_punch)
+        async with open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
+                trio.open_nursery() as nursery:
+            transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
+            await nursery.start(server.serve)
+            vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
+                                server=server, client=client, nursery=nursery)
+            info: dict[str, object] = {"peer_id": transport.peer_id, "addrs": vol.addrs, "epoch": epoch,
+                                       "reachability": nat.reachability.value, "relays": list(relays), **probe}
+            await trio.Path(data_dir / "volunteer.json").write_text(json.dumps(info, indent=2) + "\n")
+            print(f"volunteer ready peer_id={transport.peer_id} epoch={epoch} market={cfg.market} "
+                  f"reachability={nat.reachability.value} addrs={','.join(vol.addrs) or 'none yet'} "
+                  f"expert_tokens_per_s={probe['expert_tokens_per_s']}", flush=True)
+            nursery.start_soon(vol.run)
+            task_status.started(info)
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await vol.shutdown()
+                nursery.cancel_scope.cancel()
+
+
+async def _market_relays(client: httpx.AsyncClient, market: str) -> tuple[str, ...]:
+    """The relays the market offers (``/health``); none if it cannot be asked now."""
+    try:
+        r = await client.get(f"{market.rstrip('/')}/health")
+        return tuple(str(x) for x in r.json().get("relays", []))
+    except (httpx.HTTPError, ValueError, AttributeError):
+        log.warning("could not ask the market for relays; listening directly only")
+        return ()
+
