@@ -2,10 +2,12 @@
 
 What it does, in order, printing as it goes:
 1. generates the tiny qwen3moe model (``moe-swarm make-model``) into ``demo-data/``;
-2. starts the market (SQLite) and the coordinator (registered with it) as real processes;
+2. starts a circuit relay, the market (SQLite; it offers the relay to volunteers) and the
+   coordinator (registered with the market) as real processes;
 3. one streamed chat answer through the official ``openai`` client, then four concurrent greedy
    requests computed all-local: the reference tokens;
-4. starts three pull-mode volunteers: two take the slices the base target needs, one stays idle;
+4. starts three pull-mode volunteers (one of them listens nowhere and is reachable only through
+   the relay): two take the slices the base target needs, one stays idle;
 5. ramps the load (1 then 3 concurrent streams): the coordinator saturates, the market boosts
    the target, the idle volunteer is recruited and serves; the reference requests repeated under
    load give identical tokens;
@@ -90,6 +92,22 @@ def start_volunteer(procs: Procs, name: str, extra: list[str]) -> subprocess.Pop
     return procs.start(name, cli("volunteer", "--data-dir", str(DATA / name), "--no-progress", "--poll-interval", "1", *extra))
 
 
+def start_relay(procs: Procs) -> str:
+    """Start ``moe-swarm relay`` on loopback; returns its multiaddr (with /p2p/ID)."""
+    log = DATA / "relay.log"
+    p = procs.start("relay", cli("relay", "--listen", "/ip4/127.0.0.1/tcp/0", "--port", "0", "--data-dir", str(DATA / "relay")))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise SystemExit(f"the relay exited; see {log}")
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("relay ready "):
+                addrs = line.split("addrs=", 1)[1].split()[0]
+                return addrs.split(",")[0]
+        time.sleep(0.1)
+    raise SystemExit("the relay did not start in 60 s")
+
+
 def recruitment(market: str) -> dict[str, Any]:
     model: dict[str, Any] = httpx.get(f"{market}/api/moe/recruitment", timeout=5).json()["models"][0]
     return model
@@ -103,7 +121,8 @@ def timeline_line(t0: float, market: str, coord: str, names: dict[str, str]) -> 
         name = names.get(w["peer_id"], w["peer_id"][-6:])
         d = served.get(w["peer_id"])
         state = "serving" if d is not None and d["last_serve_ms"] > 0 else ("dispatched" if w["dispatched"] else "draining")
-        parts.append(f"{name}:{state}")
+        path = f"/{d['path']}" if d is not None and d.get("path") else ""
+        parts.append(f"{name}:{state}{path}")
     return (f"    t={time.monotonic() - t0:5.1f}s busy={m['busy']}/{m['slots']} saturated={str(m['saturated']):5} "
             f"recruiting={str(m['recruiting']):5} target={m['effective_target']} workers=[{', '.join(parts)}]")
 
@@ -123,9 +142,13 @@ def main() -> None:
     try:
         mport, cport = free_port(), free_port()
         market, coord = f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{cport}"
+        say("starting a circuit relay (for volunteers nobody can dial)")
+        relay_addr = start_relay(procs)
+        print(f"    relay: {relay_addr}")
         say(f"starting the market on {market} (SQLite {DATA.relative_to(ROOT)}/market.db; base target 1, boost +1)")
         mp = procs.start("market", cli("market", "--db", str(DATA / "market.db"), "--port", str(mport), "--token", "demo",
-                                       "--poll-interval", "0.5", "--hold-s", "3", "--cooldown-s", "3"))
+                                       "--poll-interval", "0.5", "--hold-s", "3", "--cooldown-s", "3",
+                                       "--relay", relay_addr))
         wait_healthy(market, mp, "market")
         say(f"starting the coordinator on {coord} (4 slots; saturated at 2 busy)")
         cp = procs.start("coordinator", cli("coordinator", "--model", str(model_path), "--port", str(cport), "--slots", "4",
@@ -168,9 +191,11 @@ def main() -> None:
         say("reference: four concurrent greedy requests with every expert on the coordinator (all-local)")
         local = run_batch("all-local")
 
-        say("three volunteers start in pull mode (real processes, each with a budget of 8 experts)")
-        for i in range(3):
-            start_volunteer(procs, f"volunteer-{i + 1}", ["--market", market, "--max-experts", "8"])
+        say("three volunteers start in pull mode (real processes, each with a budget of 8 experts);")
+        print("    volunteer-1 does not listen at all (--no-direct --no-hole-punch): reachable only through the relay")
+        start_volunteer(procs, "volunteer-1", ["--market", market, "--max-experts", "8", "--no-direct", "--no-hole-punch"])
+        for i in (2, 3):
+            start_volunteer(procs, f"volunteer-{i}", ["--market", market, "--max-experts", "8"])
         names: dict[str, str] = {}
         t0 = time.monotonic()
         deadline = t0 + 90
