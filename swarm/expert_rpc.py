@@ -66,6 +66,7 @@ from swarm.wire import (
     VersionMismatch,
     WireError,
     WireLimits,
+    all_finite,
     choose_dtype,
     encode_frame,
     payload_to_tensor,
@@ -115,6 +116,18 @@ def _version_error(theirs: int) -> str:
     )
 
 
+async def _acquire(sync: trio.Lock | trio.Semaphore) -> None:
+    """Acquire ``sync``; when it is free, without the scheduler trip of ``acquire()``.
+
+    Every uncontended ``acquire()`` yields once; on the per-call path those trips add up (each is
+    a pass through trio's run loop), and the awaits that follow are checkpoints anyway.
+    """
+    try:
+        sync.acquire_nowait()
+    except trio.WouldBlock:
+        await sync.acquire()
+
+
 # ============================================================================================
 # Server
 
@@ -138,8 +151,11 @@ async def serve_expert_stream(
 
     async def send(msg: Message, payload: bytes | bytearray | memoryview = b"") -> None:
         frame = encode_frame(msg, payload)
-        async with write_lock:
+        await _acquire(write_lock)
+        try:
             await stream.write(frame)
+        finally:
+            write_lock.release()
 
     first: Hello | WireError | None = None
     try:
@@ -245,7 +261,7 @@ async def _read_requests(
 ) -> None:
     """Read and dispatch requests until the peer closes its side (returns) or framing is lost."""
     while True:
-        await slots.acquire()
+        await _acquire(slots)
         try:
             got = await reader.receive_message()
         except WireError as exc:
@@ -309,7 +325,7 @@ async def _compute(
         return failure(
             "internal_error", f"expert computation returned {got}, expected {(req.n_rows, req.d_model)}"
         )
-    if not out.is_floating_point() or not bool(torch.isfinite(out).all()):
+    if not out.is_floating_point() or not all_finite(out):
         return failure(NonFinite.code, "expert computation produced non-finite values")
     payload = tensor_to_payload(out, req.dtype)
     response = ExpertResponse(
@@ -501,7 +517,9 @@ class ExpertClient:
         )
 
     async def _call(self, req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
-        session = await self._get_session()
+        session = self._session
+        if session is None or session.dead is not None or self._closed:
+            session = await self._get_session()
         peer_limits = self._peer_limits(session.hello)
         try:
             dtype = choose_dtype(req.dtype, self._hello.dtypes, session.hello.dtypes)
@@ -523,7 +541,11 @@ class ExpertClient:
         session.pending[key] = waiter
         try:
             try:
-                await session.send_channel.send(_Outgoing(key, waiter, frame))
+                item = _Outgoing(key, waiter, frame)
+                try:
+                    session.send_channel.send_nowait(item)  # no scheduler trip while the queue has room
+                except trio.WouldBlock:
+                    await session.send_channel.send(item)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 if not waiter.event.is_set():
                     raise _copy(session.dead or BrokenError(f"stream to {self.peer_id} broke")) from None
@@ -552,7 +574,7 @@ class ExpertClient:
             )
         payload = waiter.payload if waiter.payload is not None else bytearray()
         out = payload_to_tensor(payload, resp.dtype, resp.n_rows, resp.d_model)
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             raise NonFinite(f"{self.peer_id} answered request {req.request_id}/{req.attempt} with NaN/inf")
         return out
 

@@ -828,6 +828,8 @@ def _build_libp2p_host(key_pair: KeyPair, *, websocket: bool = False) -> BasicHo
     from libp2p.transport.tcp.tcp import TCP
     from libp2p.transport.upgrader import TransportUpgrader
 
+    from swarm.yamux_tuning import apply_yamux_tuning
+
     peer_id = ID.from_pubkey(key_pair.public_key)
     peerstore = PeerStore()
     peerstore.add_key_pair(peer_id, key_pair)
@@ -839,6 +841,7 @@ def _build_libp2p_host(key_pair: KeyPair, *, websocket: bool = False) -> BasicHo
         },
         muxer_transports_by_protocol={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
     )
+    apply_yamux_tuning(upgrader)  # go-yamux window updates, fewer scheduler trips per frame
     transports: list[Any] = [TCP()]
     if websocket:
         from libp2p.transport.websocket.transport import WebsocketTransport

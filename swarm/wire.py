@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from itertools import chain
 from typing import Annotated, Final, Literal, NewType, Protocol
 
 import msgspec
@@ -67,6 +68,7 @@ __all__ = [
     "VersionMismatch",
     "WireError",
     "WireLimits",
+    "all_finite",
     "choose_dtype",
     "decode_message",
     "encode_frame",
@@ -323,6 +325,13 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._eof:
             raise LocalProtocolError("feed() after feed_eof()")
+        if self._state == self._PAYLOAD_STATE and not self._buf:
+            # the common case for large payloads: copy straight into the payload buffer
+            view = memoryview(data).cast("B")
+            take = min(len(view), self._payload_len - self._filled)
+            self._payload[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            data = view[take:]
         self._buf += data
 
     def feed_eof(self) -> None:
@@ -399,7 +408,7 @@ class FrameReader:
     """Reads frames and messages from a stream (anything with ``async read(max_bytes)``)."""
 
     def __init__(
-        self, stream: _Readable, limits: WireLimits = DEFAULT_LIMITS, *, read_size: int = 1 << 16
+        self, stream: _Readable, limits: WireLimits = DEFAULT_LIMITS, *, read_size: int = 1 << 20
     ) -> None:
         self._stream = stream
         self._limits = limits
@@ -506,6 +515,13 @@ def validate_request(
             req,
         )
     n_local = req.hi - req.lo
+    if list(map(len, req.experts)) == list(map(len, req.weights)):
+        # fast path over the flattened lists (C loops); the per-row loop below names the defect
+        flat_experts = list(chain.from_iterable(req.experts))
+        if (not flat_experts or (min(flat_experts) >= 0 and max(flat_experts) < n_local)) and all(
+            map(math.isfinite, chain.from_iterable(req.weights))
+        ):
+            return
     for i, (experts, weights) in enumerate(zip(req.experts, req.weights, strict=True)):
         if len(experts) != len(weights):
             raise _attributed(BadShape, f"row {i}: {len(experts)} experts but {len(weights)} weights", req)
@@ -523,6 +539,22 @@ def validate_request(
 
 # --------------------------------------------------------------------------------------------
 # Tensors <-> bytes
+
+
+_NUMPY_FLOATS: Final = (torch.float32, torch.float64, torch.float16)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True if ``t`` holds no NaN or infinity.
+
+    CPU float32/64/16 tensors are checked with numpy, single-threaded: ``torch.isfinite(t).all()``
+    goes multi-threaded from 32K elements (64 rows of 1024) and then takes milliseconds on a busy
+    machine (1.9 ms vs 29 us for numpy at [64, 1024] on 2 loaded cores); small tensors still cost
+    ~30 us of torch dispatch vs ~3 us.
+    """
+    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
+        return bool(np.isfinite(t.detach().numpy()).all())
+    return bool(torch.isfinite(t).all())
 
 
 def tensor_to_payload(t: torch.Tensor, dtype: str) -> memoryview:

@@ -63,7 +63,10 @@ class _SliceWorker:
         self.last_serve_ms = 0
 
     async def submit(self, p: _Pending) -> torch.Tensor:
-        await self.send.send(p)
+        try:
+            self.send.send_nowait(p)  # the queue has room: no scheduler trip before waiting
+        except trio.WouldBlock:
+            await self.send.send(p)
         await p.done.wait()
         if p.error is not None:
             raise p.error
