@@ -15,10 +15,11 @@ Rules:
 - The worker table is shared by the two threads under one lock; the trio side owns the clients.
 - Volunteers behind NATs are reached through ``/p2p-circuit`` addresses and upgraded to direct
   connections by DCUtR hole punching (``swarm.nat``, attached to a libp2p transport while the
-  dispatcher serves). A worker's expert stream opened on a relayed connection moves to a direct
-  one as soon as it exists (``swarm.core.paths.should_migrate``): new calls open a new stream,
-  calls in flight finish on the old one, which is closed after ``timeout_s``. The report gives
-  each worker's path: ``direct``, ``relayed`` or ``hole-punched`` (null: not connected).
+  dispatcher serves). A worker's expert stream that may have opened on the relayed connection
+  moves once the connection turned direct (``swarm.core.paths.should_migrate``): new calls open a
+  new stream, calls in flight finish on the old one, which is closed after ``timeout_s``. The
+  report gives each worker's path: ``direct``, ``relayed`` or ``hole-punched`` (null: not
+  connected).
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ import trio
 
 from coordinator.core.dispatch import BalancedPolicy, DispatchPolicy, WorkerTable
 from swarm.core.paths import Path as ConnPath
-from swarm.core.paths import should_migrate
+from swarm.core.paths import session_path, should_migrate
 from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
 from swarm.errors import ConfigError, SwarmError
 from swarm.expert_rpc import ExpertClient
 from swarm.experts import slice_partial_sum
 from swarm.gguf_model import GGUFModel
-from swarm.nat import NatConfig, open_nat
+from swarm.nat import Nat, NatConfig, open_nat
 from swarm.transport import Libp2pTransport, Transport
 from swarm.wire import ExpertRequest, RequestId
 
@@ -99,7 +100,7 @@ class Dispatcher:
         self._clients: dict[str, ExpertClient] = {}
         self._addrs: dict[str, list[str]] = {}
         self.hole_punch = hole_punch
-        self._session_paths: dict[str, str | None] = {}  # path of each client's stream when it opened
+        self._session_opened: dict[str, float] = {}  # peer -> start of the call that opened its stream
         self._sessions_seen: dict[str, tuple[int, int]] = {}  # peer -> (id(client), sessions_opened)
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -149,7 +150,7 @@ class Dispatcher:
         for p in removed:
             c = self._clients.pop(p, None)
             self._addrs.pop(p, None)
-            self._session_paths.pop(p, None)
+            self._session_opened.pop(p, None)
             if c is not None and self._nursery is not None:
                 self._nursery.start_soon(c.aclose)
         for p, addrs in peers.items():
@@ -186,6 +187,7 @@ class Dispatcher:
                     experts=experts, weights=weights,
                 )
                 t0 = time.monotonic()
+                call_started = trio.current_time()
                 with self._lock:
                     self.table.started(peer)
                 try:
@@ -203,37 +205,46 @@ class Dispatcher:
                 with self._lock:
                     self.table.succeeded(peer, rows=int(job.x.shape[0]), latency_s=time.monotonic() - t0,
                                          wall_ms=int(time.time() * 1000))
-                self._note_session(peer)
+                self._note_session(peer, call_started)
                 job.result = out
                 job.served_by = peer
                 break
         finally:
             done.put(job)
 
-    def _note_session(self, peer: str) -> None:
-        """Record the path of a client's stream right after it opened (new streams take the best
-        connection, so the connection path then is the stream's path)."""
+    def _note_session(self, peer: str, call_started: float) -> None:
+        """Remember when the client's current stream opened: no later than the call that opened it."""
         c = self._clients.get(peer)
-        if c is None or self.transport is None:
+        if c is None:
             return
         key = (id(c), c.sessions_opened)
         if self._sessions_seen.get(peer) != key:
             self._sessions_seen[peer] = key
-            self._session_paths[peer] = self.transport.path_to(peer)
+            self._session_opened[peer] = call_started
 
-    async def _watch_paths(self, interval_s: float = 0.1) -> None:
-        """Move expert streams off relays once a direct connection to their worker exists."""
+    def _upgraded_at(self, peer: str) -> float | None:
+        nat = getattr(self.transport, "nat", None)
+        return nat.upgraded_at.get(peer) if isinstance(nat, Nat) else None
+
+    async def _watch_paths(self, interval_s: float = 1.0) -> None:
+        """Move expert streams off relays once a direct connection to their worker exists (woken by
+        the NAT layer's change event; ``interval_s`` bounds the wait for changes it does not see)."""
         while True:
-            await trio.sleep(interval_s)
+            changed = getattr(getattr(self.transport, "nat", None), "changed", None)
+            with trio.move_on_after(interval_s):
+                if isinstance(changed, trio.Event):
+                    await changed.wait()
+                else:
+                    await trio.sleep_forever()
             if self.transport is None:
                 continue
-            for peer, path in list(self._session_paths.items()):
-                best = self.transport.path_to(peer)
-                if should_migrate(ConnPath(path) if path else None, ConnPath(best) if best else None):
+            for peer, opened_at in list(self._session_opened.items()):
+                if should_migrate(opened_at=opened_at, upgraded_at=self._upgraded_at(peer)):
                     old = self._clients.pop(peer, None)
                     self._sessions_seen.pop(peer, None)
-                    self._session_paths[peer] = best
-                    log.info("worker %s: moving its expert stream from the relay to the %s connection", peer, best)
+                    del self._session_opened[peer]
+                    log.info("worker %s: moving its expert stream from the relay to the %s connection", peer,
+                             self.transport.path_to(peer))
                     if old is not None and self._nursery is not None:
                         self._nursery.start_soon(self._close_later, old)
 
@@ -308,10 +319,10 @@ class Dispatcher:
         """The path of the worker's expert stream, else of its connection; None if not connected."""
         if self.transport is None:
             return None
-        now = self.transport.path_to(peer)
-        if now is None:
-            return None
-        return self._session_paths.get(peer) or now
+        best = self.transport.path_to(peer)
+        path = session_path(ConnPath(best) if best else None, opened_at=self._session_opened.get(peer),
+                            upgraded_at=self._upgraded_at(peer))
+        return path.value if path is not None else None
 
     def report(self) -> dict[str, Any]:
         with self._lock:

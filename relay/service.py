@@ -120,9 +120,24 @@ class RelayService:
         self.host.get_network().register_notifee(_DisconnectNotifee(self))
 
     def announce_addrs(self) -> list[str]:
+        """``--announce``, else the listen addresses with wildcards expanded to this host's
+        interfaces (loopback last): what volunteers are given, each ending in ``/p2p/<relay id>``."""
+        from libp2p.utils.address_validation import expand_wildcard_address
+        from multiaddr import Multiaddr
+
         me = str(self.host.get_id())
-        addrs = list(self.cfg.announce) or [a.removesuffix(f"/p2p/{me}") for a in self.transport.listen_addrs]
-        return [a if a.endswith(f"/p2p/{me}") else f"{a}/p2p/{me}" for a in addrs]
+        if self.cfg.announce:
+            addrs = list(self.cfg.announce)
+        else:
+            addrs = []
+            for a in self.transport.listen_addrs:
+                bare = a.removesuffix(f"/p2p/{me}")
+                if "/ip4/0.0.0.0/" in bare or "/ip6/::/" in bare:
+                    addrs.extend(str(x) for x in expand_wildcard_address(Multiaddr(bare)))
+                else:
+                    addrs.append(bare)
+            addrs.sort(key=lambda x: x.startswith(("/ip4/127.", "/ip6/::1/")))
+        return list(dict.fromkeys(a if a.endswith(f"/p2p/{me}") else f"{a}/p2p/{me}" for a in addrs))
 
     def peer_disconnected(self, peer: str) -> None:
         live = [c for c in self.host.get_network().get_connections(_id(peer)) if not c.is_closed]
@@ -404,6 +419,7 @@ class RelayService:
 
     # -- reporting ------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
+        self.ledger.expire(trio.current_time())
         s = self.ledger.stats()
         return {
             "status": "draining" if self.ledger.draining else "ok",
@@ -450,6 +466,7 @@ class _RelayCollector(Collector):
         self.service = service
 
     def collect(self) -> Iterable[Metric]:
+        self.service.ledger.expire(trio.current_time())
         s = self.service.ledger.stats()
         lim = self.service.ledger.limits
 

@@ -228,6 +228,7 @@ class Nat:
         self.advertised: tuple[str, ...] = ()
         self.changed = trio.Event()
         self.upgrades = 0  # relayed connections that turned direct
+        self.upgraded_at: dict[str, float] = {}  # peer -> trio time its relayed connection turned direct
         dial_timeout = max(1, int(cfg.relay_timeout_s))
         self._dcutr = DCUtRProtocol(self.host, read_timeout=dial_timeout, write_timeout=dial_timeout,
                                     dial_timeout=max(1, dial_timeout // 3))
@@ -374,6 +375,7 @@ class Nat:
                 while not self._direct_conns(peer_id):
                     await self._new_connection.wait()
                 self.upgrades += 1
+                self.upgraded_at[peer_id] = trio.current_time()
                 log.info("connection to %s upgraded from relayed to direct (hole punch)", peer_id)
                 self._notify()
             if not self._direct_conns(peer_id):

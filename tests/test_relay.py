@@ -317,3 +317,27 @@ async def test_relay_shutdown_ends_circuits_and_frees_the_port(nursery: trio.Nur
     with trio.socket.socket() as sock:  # nothing listens there any more
         with pytest.raises(OSError):
             await sock.connect(("127.0.0.1", port))
+
+
+async def test_wildcard_listen_announces_concrete_addresses(nursery: trio.Nursery) -> None:
+    relay = await start_relay(nursery, listen=("/ip4/0.0.0.0/tcp/0",))
+    addrs = relay.service.announce_addrs()
+    assert addrs and not any("0.0.0.0" in a for a in addrs)
+    assert all(a.endswith(f"/p2p/{relay.service.transport.peer_id}") for a in addrs)
+    vol = await start_volunteer(nursery, [addrs[0]])
+    assert vol.addrs and vol.addrs[0] == f"{addrs[0]}/p2p-circuit/p2p/{vol.peer_id}"
+    assert not any("0.0.0.0" in a for a in vol.addrs)
+
+
+async def test_reservation_is_refreshed_before_it_expires(nursery: trio.Nursery, coord: Libp2pTransport) -> None:
+    relay = await start_relay(nursery, reservation_ttl_s=2)
+    vol = await start_volunteer(nursery, [relay.addr])
+    await trio.sleep(4.5)  # two TTLs: without refreshes the reservation would be gone
+    [st] = vol.nat.relay_status()
+    assert st.state == "reserved" and st.reservations >= 4 and st.failures == 0, st  # refreshed every ~1 s
+    assert relay.service.ledger.has_reservation(vol.peer_id, trio.current_time())
+    async with open_nat(coord, NatConfig(hole_punch=False)):
+        s = await coord.open_stream(vol.peer_id, vol.addrs, ECHO)
+        await s.write(b"still reachable")
+        assert await s.read(100) == b"still reachable"
+        await s.aclose()

@@ -35,6 +35,7 @@ from swarm.core.paths import (
     dial_plan,
     is_circuit,
     reachability_verdict,
+    session_path,
     should_migrate,
     should_reserve,
 )
@@ -296,15 +297,28 @@ def test_classify_path(relayed: bool, before: bool, path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("session", "best", "migrate"),
+    ("opened_at", "upgraded_at", "migrate"),
     [
-        (Path.RELAYED, Path.HOLE_PUNCHED, True),
-        (Path.RELAYED, Path.DIRECT, True),
-        (Path.RELAYED, Path.RELAYED, False),
-        (Path.RELAYED, None, False),
-        (Path.HOLE_PUNCHED, Path.HOLE_PUNCHED, False),
-        (None, Path.DIRECT, False),
+        (1.0, 2.0, True),  # opened on the relay, then the connection turned direct
+        (2.0, 2.0, True),  # same instant: the stream may still be on the relay, move it
+        (3.0, 2.0, False),  # opened after the upgrade: already on the direct connection
+        (1.0, None, False),  # never upgraded
+        (None, 2.0, False),  # no session
     ],
 )
-def test_should_migrate(session: Path | None, best: Path | None, migrate: bool) -> None:
-    assert should_migrate(session, best) is migrate
+def test_should_migrate(opened_at: float | None, upgraded_at: float | None, migrate: bool) -> None:
+    assert should_migrate(opened_at=opened_at, upgraded_at=upgraded_at) is migrate
+
+
+@pytest.mark.parametrize(
+    ("best", "opened_at", "upgraded_at", "path"),
+    [
+        (Path.HOLE_PUNCHED, 1.0, 2.0, Path.RELAYED),  # not moved yet: its bytes still cross the relay
+        (Path.HOLE_PUNCHED, 3.0, 2.0, Path.HOLE_PUNCHED),
+        (Path.RELAYED, 1.0, None, Path.RELAYED),
+        (Path.DIRECT, None, None, Path.DIRECT),
+        (None, 1.0, 2.0, None),  # not connected
+    ],
+)
+def test_session_path(best: Path | None, opened_at: float | None, upgraded_at: float | None, path: Path | None) -> None:
+    assert session_path(best, opened_at=opened_at, upgraded_at=upgraded_at) is path

@@ -16,8 +16,10 @@ Rules:
 - Path of a connection: ``relayed`` if it runs through a circuit; ``hole-punched`` if it is direct
   but the peer was first reached through a relay (DCUtR or a dial-back upgraded it); otherwise
   ``direct``.
-- An expert session opened on a relayed connection is moved to the direct one as soon as one
-  exists; nothing else triggers a move.
+- An expert session that may have opened before the peer's connection turned direct (the call
+  that opened it started no later than the upgrade) is moved to a new stream, which takes the
+  direct connection. A needless move costs one stream; a missed one would keep the traffic on the
+  relay. Until it moves, such a session is reported ``relayed``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "dial_plan",
     "is_circuit",
     "reachability_verdict",
+    "session_path",
     "should_migrate",
     "should_reserve",
 ]
@@ -113,6 +116,14 @@ def classify_path(*, relayed: bool, reached_via_relay_before: bool) -> Path:
     return Path.HOLE_PUNCHED if reached_via_relay_before else Path.DIRECT
 
 
-def should_migrate(session_path: Path | None, best_path: Path | None) -> bool:
-    """Move an expert session to a new stream: it runs relayed and a direct connection exists."""
-    return session_path is Path.RELAYED and best_path in (Path.DIRECT, Path.HOLE_PUNCHED)
+def should_migrate(*, opened_at: float | None, upgraded_at: float | None) -> bool:
+    """Move an expert session to a new stream? ``opened_at``: when the call that opened it started;
+    ``upgraded_at``: when the peer's relayed connection turned direct (None: it never did)."""
+    return opened_at is not None and upgraded_at is not None and opened_at <= upgraded_at
+
+
+def session_path(best: Path | None, *, opened_at: float | None, upgraded_at: float | None) -> Path | None:
+    """The path an expert session's traffic takes, given the path a new stream would take."""
+    if best is None:
+        return None
+    return Path.RELAYED if should_migrate(opened_at=opened_at, upgraded_at=upgraded_at) else best
