@@ -341,3 +341,21 @@ async def test_reservation_is_refreshed_before_it_expires(nursery: trio.Nursery,
         await s.write(b"still reachable")
         assert await s.read(100) == b"still reachable"
         await s.aclose()
+
+
+async def test_two_relays_survive_the_loss_of_one(nursery: trio.Nursery, coord: Libp2pTransport) -> None:
+    r1 = await start_relay(nursery)
+    r2 = await start_relay(nursery)
+    vol = await start_volunteer(nursery, [r1.addr, r2.addr])
+    await wait_for(lambda: len(vol.nat.advertised) == 2, changed=lambda: vol.nat.changed.wait())
+    addrs = list(vol.nat.advertised)
+    assert addrs == [f"{r.addr}/p2p-circuit/p2p/{vol.peer_id}" for r in (r1, r2)]
+    r1.cancel.cancel()
+    await wait_for(lambda: len(vol.nat.advertised) == 1, changed=lambda: vol.nat.changed.wait())
+    async with open_nat(coord, NatConfig(hole_punch=False)):
+        # the coordinator still holds both addresses: the dead relay's fails, the next one works
+        s = await coord.open_stream(vol.peer_id, addrs, ECHO)
+        await s.write(b"via r2")
+        assert await s.read(10) == b"via r2"
+        await s.aclose()
+    assert r2.service.ledger.stats().circuits_opened_total == 1
