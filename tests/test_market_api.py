@@ -220,7 +220,8 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
             status, body = await raw_post(str(c.base_url), "/api/expert-coverage", 5 << 20, chunked=chunked)
             assert status == 413 and msgspec.json.decode(body)["error"]["code"] == "body_too_large"
         # still serving, and none of it registered anything
-        assert (await c.get("/health")).json() == {"status": "ok", "models": 1, "volunteers": 0}
+        assert (await c.get("/health")).json() == {"status": "ok", "models": 1, "volunteers": 0,
+                                                  "relays": ["/ip4/127.0.0.1/tcp/4001/p2p/R"]}
         assert (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()["version"] == 0
 
 
