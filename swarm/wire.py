@@ -408,7 +408,7 @@ class FrameReader:
     """Reads frames and messages from a stream (anything with ``async read(max_bytes)``)."""
 
     def __init__(
-        self, stream: _Readable, limits: WireLimits = DEFAULT_LIMITS, *, read_size: int = 1 << 20
+        self, stream: _Readable, limits: WireLimits = DEFAULT_LIMITS, *, read_size: int = 1 << 16
     ) -> None:
         self._stream = stream
         self._limits = limits
