@@ -48,7 +48,7 @@ from starlette.routing import Route
 from relay.core.ledger import Admitted, Direction, Refusal, Refused, RelayLedger, RelayLimits
 from swarm.errors import ConfigError
 from swarm.nat import AUTONAT_PROTOCOL, HOP_PROTOCOL, STOP_PROTOCOL, is_relayed_conn
-from swarm.transport import Libp2pTransport, open_libp2p_transport
+from swarm.transport import Libp2pTransport, open_libp2p_transport, quietly
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
@@ -522,21 +522,11 @@ def _ip_of(maddr: Any) -> str | None:
 
 
 async def _close(stream: Any) -> None:
-    with trio.move_on_after(2) as scope:
-        scope.shield = True
-        try:
-            await stream.close()
-        except Exception as exc:
-            log.debug("closing a stream: %r", exc)
+    await quietly(stream.close, "closing a stream", shield=True)
 
 
 async def _reset(stream: Any) -> None:
-    with trio.move_on_after(2) as scope:
-        scope.shield = True
-        try:
-            await stream.reset()
-        except Exception as exc:
-            log.debug("resetting a stream: %r", exc)
+    await quietly(stream.reset, "resetting a stream", shield=True)
 
 
 def _build_app(service: RelayService) -> Starlette:

@@ -67,7 +67,7 @@ from swarm.core.paths import (
     should_reserve,
 )
 from swarm.errors import ConfigError
-from swarm.transport import DialError, Libp2pTransport
+from swarm.transport import DialError, Libp2pTransport, quietly
 
 if TYPE_CHECKING:
     from libp2p.abc import INetConn, INetStream
@@ -628,28 +628,15 @@ def _pid(peer_id: str) -> ID:
 
 
 async def _close_stream_quietly(stream: Any) -> None:
-    with trio.move_on_after(2):
-        try:
-            await stream.close()
-        except Exception as exc:
-            log.debug("closing a relay stream: %r", exc)
+    await quietly(stream.close, "closing a relay stream")
 
 
 async def _reset_quietly(stream: Any) -> None:
-    with trio.move_on_after(2):
-        try:
-            await stream.reset()
-        except Exception as exc:
-            log.debug("resetting a relay stream: %r", exc)
+    await quietly(stream.reset, "resetting a relay stream")
 
 
 async def _close_conn(conn: Any) -> None:
-    with trio.move_on_after(5) as scope:
-        scope.shield = True
-        try:
-            await conn.close()
-        except Exception as exc:
-            log.debug("closing a relayed connection: %r", exc)
+    await quietly(conn.close, "closing a relayed connection", timeout_s=5, shield=True)
 
 
 @asynccontextmanager

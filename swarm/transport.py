@@ -881,12 +881,19 @@ async def _close_network(host: BasicHost) -> None:
                     nursery.start_soon(_close_quietly, conn)
 
 
+async def quietly(action: Callable[[], Awaitable[object]], what: str, *, timeout_s: float = 2.0,
+                  shield: bool = False) -> None:
+    """Best-effort teardown (a close or reset of a library object): bounded in time, shielded from
+    cancellation if asked, failures logged at debug level and never raised."""
+    with trio.move_on_after(timeout_s) as scope:
+        scope.shield = shield
+        try:
+            await action()
+        except Exception as exc:
+            log.debug("%s: %r", what, exc)
+
+
 async def _close_quietly(conn: Any) -> None:
     """Close a connection to the end, even when cancelled: an interrupted close marks the connection
     closed without closing its socket, and a later close() then returns at once (py-libp2p 0.8.1)."""
-    with trio.move_on_after(5) as scope:
-        scope.shield = True
-        try:
-            await conn.close()
-        except Exception as exc:
-            log.debug("closing connection: %r", exc)
+    await quietly(conn.close, "closing connection", timeout_s=5, shield=True)
