@@ -32,6 +32,7 @@ from coordinator.core.scheduler import (
     Rejected,
     Scheduler,
     SlotView,
+    StepEntry,
 )
 from coordinator.model import ExpertBackend, KVCache, SeqChunk, Transformer
 from coordinator.sampling import make_generator, sample
@@ -219,50 +220,67 @@ class EngineRuntime:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            chunks = [SeqChunk(self.caches[e.slot], list(e.tokens), e.pos) for e in plan]
-            t0 = time.monotonic()
             try:
-                logits = self.transformer.forward(chunks)
-            except Exception as exc:  # noqa: BLE001 - every request in the step gets the error
-                log.exception("forward pass failed")
-                failed: list[Event] = []
-                with self._lock:
-                    for e in plan:
-                        self.sched.cancel(e.req_id, time.monotonic())
-                        failed.append(EngineFailed(e.req_id, f"engine error: {exc}"))
-                self._post(failed)
-                continue
-            now = time.monotonic()
-            dt = max(now - t0, 1e-9)
-            out: list[Event] = []
-            n_gen = 0
-            n_prompt = 0
-            with self._lock:
-                for e, lg in zip(plan, logits, strict=True):
-                    self.sched.fed(e, now)
-                    st = self._reqs.get(e.req_id)
-                    if st is None or self.sched.slot_of(e.req_id) != e.slot:
-                        continue
-                    if e.prefill:
-                        n_prompt += len(e.tokens)
-                    if not e.sample:
-                        continue
-                    tok = sample(lg[-1], temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
-                    piece = "" if tok in self.tokenizer.eot_ids and not st.params.ignore_eos else st.decoder.push(tok)
-                    effs = self.sched.token(e.slot, e.req_id, tok, piece, now)
-                    n_gen += 1
-                    out.extend(x for x in effs if isinstance(x, Emit | Finish))
-                self.stats.steps_total += 1
-                self.stats.generated_tokens_total += n_gen
-                self.stats.prompt_tokens_total += n_prompt
-                self.stats.last_step_ms = dt * 1000
-                a = 0.2
-                if n_gen:
-                    inst = n_gen / dt
-                    s = self.stats
-                    s.decode_tps_ewma = inst if s.decode_tps_ewma == 0 else (1 - a) * s.decode_tps_ewma + a * inst
-                if n_prompt > 1:
-                    inst = n_prompt / dt
-                    s = self.stats
-                    s.prompt_tps_ewma = inst if s.prompt_tps_ewma == 0 else (1 - a) * s.prompt_tps_ewma + a * inst
-            self._post(out)
+                self._step(plan)
+            except Exception as exc:  # noqa: BLE001 - the engine thread must outlive any one step
+                log.exception("engine step failed")
+                self._fail(plan, f"engine error: {exc}")
+
+    def _fail(self, plan: list[StepEntry], message: str) -> None:
+        """End every request of a failed step that is still running, with ``message``."""
+        failed: list[Event] = []
+        with self._lock:
+            for e in plan:
+                if self.sched.slot_of(e.req_id) is not None:
+                    self.sched.cancel(e.req_id, time.monotonic())
+                    failed.append(EngineFailed(e.req_id, message))
+        self._post(failed)
+
+    def _step(self, plan: list[StepEntry]) -> None:
+        chunks = [SeqChunk(self.caches[e.slot], list(e.tokens), e.pos) for e in plan]
+        t0 = time.monotonic()
+        logits = self.transformer.forward(chunks)
+        now = time.monotonic()
+        dt = max(now - t0, 1e-9)
+        out: list[Event] = []
+        n_gen = 0
+        n_prompt = 0
+        with self._lock:
+            for e, lg in zip(plan, logits, strict=True):
+                self.sched.fed(e, now)
+                st = self._reqs.get(e.req_id)
+                if st is None or self.sched.slot_of(e.req_id) != e.slot:
+                    continue
+                if e.prefill:
+                    n_prompt += len(e.tokens)
+                if not e.sample:
+                    continue
+                last = lg[-1]
+                if not bool(torch.isfinite(last).all()):
+                    # never sample from (or keep decoding) a sequence whose numbers broke
+                    self.sched.cancel(e.req_id, now)
+                    out.append(EngineFailed(e.req_id, "engine error: non-finite logits"))
+                    continue
+                tok = sample(last, temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
+                piece = "" if tok in self.tokenizer.eot_ids and not st.params.ignore_eos else st.decoder.push(tok)
+                if self.sched.last_token_due(e.slot):
+                    piece += st.decoder.flush()  # an incomplete UTF-8 tail ends as U+FFFD, not lost
+                effs = self.sched.token(e.slot, e.req_id, tok, piece, now)
+                n_gen += 1
+                out.extend(x for x in effs if isinstance(x, Emit | Finish))
+            self._account(n_gen, n_prompt, dt)
+        self._post(out)
+
+    def _account(self, n_gen: int, n_prompt: int, dt: float) -> None:
+        s = self.stats
+        s.steps_total += 1
+        s.generated_tokens_total += n_gen
+        s.prompt_tokens_total += n_prompt
+        s.last_step_ms = dt * 1000
+        a = 0.2
+        if n_gen:
+            inst = n_gen / dt
+            s.decode_tps_ewma = inst if s.decode_tps_ewma == 0 else (1 - a) * s.decode_tps_ewma + a * inst
+        if n_prompt > 1:
+            inst = n_prompt / dt
+            s.prompt_tps_ewma = inst if s.prompt_tps_ewma == 0 else (1 - a) * s.prompt_tps_ewma + a * inst

@@ -126,14 +126,33 @@ def test_cancel_mid_step_ignores_stale_results() -> None:
 
 
 def test_context_full_finishes_with_length() -> None:
+    """n_ctx 5, prompt 3: tokens are fed at positions 3 and 4, the third sampled token has no room."""
     s = mk(n_ctx=5, n_batch=8)
     s.submit(req(1, n=3, max_tokens=100), 0)
     [e] = s.plan()
     s.fed(e, 0)
+    assert not s.last_token_due(0)
     assert s.token(0, 1, 5, "a", 0.1) == [Emit(1, "a", (5,))]
     [e] = s.plan()
+    assert e.pos == 3
     s.fed(e, 0.2)
-    assert s.token(0, 1, 6, "b", 0.2) == [Emit(1, "b", (6,)), Finish(1, FinishReason.LENGTH, 3, 2)]
+    assert s.token(0, 1, 6, "b", 0.2) == [Emit(1, "b", (6,))]
+    [e] = s.plan()
+    assert e.pos == 4  # the last position of the context
+    s.fed(e, 0.3)
+    assert s.last_token_due(0)
+    assert s.token(0, 1, 7, "c", 0.3) == [Emit(1, "c", (7,)), Finish(1, FinishReason.LENGTH, 3, 3)]
+    assert not s.last_token_due(0)
+
+
+def test_last_token_due_at_max_tokens() -> None:
+    s = mk()
+    s.submit(req(1, max_tokens=2), 0)
+    [e] = s.plan()
+    s.fed(e, 0)
+    assert not s.last_token_due(0)
+    s.token(0, 1, 5, "a", 0.1)
+    assert s.last_token_due(0)
 
 
 def test_slot_views_and_tps() -> None:

@@ -238,16 +238,18 @@ class Scheduler:
             out.append(Emit(s.req.id, s.text[:emit_upto], tuple(s.held_ids)))
             s.text = s.text[emit_upto:]
             s.held_ids = []
-        if s.n_decoded >= p.max_tokens or s.n_past + 1 >= self.n_ctx:
+        if s.n_decoded >= p.max_tokens or s.n_past >= self.n_ctx:  # no room to feed this token
             return out + self._finish(s, FinishReason.LENGTH, now, flush=True)
         s.pending = [token]
         return out
 
-    def flush_text(self, slot_id: int, req_id: int, tail: str) -> None:
-        """Text completed only at the end (an incomplete UTF-8 tail flushed by the detokeniser)."""
+    def last_token_due(self, slot_id: int) -> bool:
+        """Whether the next token sampled for this slot ends its request by length (max_tokens or
+        context), so the shell can flush the detokeniser's incomplete tail into that last piece."""
         s = self.slots[slot_id]
-        if s.req is not None and s.req.id == req_id:
-            s.text += tail
+        if s.req is None:
+            return False
+        return s.n_decoded + 1 >= s.req.params.max_tokens or s.n_past >= self.n_ctx
 
     def _finish(self, s: _Slot, reason: FinishReason, now: float, *, flush: bool) -> list[Effect]:
         assert s.req is not None
