@@ -181,6 +181,9 @@ class Dispatcher:
             for attempt, peer in enumerate(job.candidates):
                 if self.transport is None or self._nursery is None:
                     break
+                with self._lock:
+                    if peer not in self.table.workers:
+                        continue  # detached by a map change since this job was planned
                 req = ExpertRequest(
                     request_id=req_id, attempt=attempt, model_id=self.model.model_id, layer=layer, lo=job.r.lo,
                     hi=job.r.hi, n_rows=int(job.x.shape[0]), dtype=self.wire_dtype, d_model=self.cfg.d_model,

@@ -22,7 +22,7 @@ def serving(now: float = 0.0) -> Lifecycle:
     c = lc()
     c.start(now)
     c.offered(OFFER, now)
-    c.fetched(now + 1)
+    c.fetched(OFFER, now + 1)
     return c
 
 
@@ -55,7 +55,7 @@ def test_offer_fetch_serve_heartbeats() -> None:
     assert eff == [Fetch(OFFER), SendHeartbeat(1)]  # "loading" at once: converts the lease
     assert c.phase is Phase.FETCHING and c.reported_state() == "loading"
     assert c.offered(OFFER, 1.1) == []  # one slice at a time
-    assert c.fetched(2.0) == [SendHeartbeat(2)]
+    assert c.fetched(OFFER, 2.0) == [SendHeartbeat(2)]
     assert c.phase is Phase.SERVING and c.reported_state() == "serving"
     assert c.tick(2.5) == [SendHeartbeat(3)]  # the "fetched" heartbeat was due immediately
     assert c.tick(3.0) == []
@@ -66,7 +66,7 @@ def test_fetch_failure_returns_to_polling() -> None:
     c = lc()
     c.start(0)
     c.offered(OFFER, 1.0)
-    eff = c.fetch_failed("sha256 mismatch", 2.0)
+    eff = c.fetch_failed(OFFER, "sha256 mismatch", 2.0)
     assert eff[0] == Unload(OFFER, "fetch_failed") and isinstance(eff[1], SendHeartbeat) and isinstance(eff[2], Poll)
     assert c.phase is Phase.IDLE and c.held is None
 
@@ -123,3 +123,20 @@ def test_shutdown_drains_then_deregisters() -> None:
     assert c.tick(100.0) == []  # no more heartbeats or lease logic while stopping
     eff = c.drained(6.0)
     assert eff[0] == Unload(OFFER, "shutdown") and isinstance(eff[1], Deregister) and eff[1].sequence > hb.sequence
+
+
+def test_a_fetch_that_finishes_after_its_offer_ended_changes_nothing() -> None:
+    """Offer A is released while downloading and B is taken; A's late completion must not mark B
+    serving, and B's own failure must still be handled."""
+    other = Offer(model_id=OFFER.model_id, layer=0, lo=4, hi=8, url="http://c/v1/slices/m/0/4-8", sha256="cd" * 32,
+                  size=1000, lease_expires_in_s=10.0, heartbeat_s=2.0)
+    c = lc()
+    c.start(0)
+    c.offered(OFFER, 0.0)
+    c.heartbeat_acked([(*KEY, "release", False, None)], 2.0, 1, 1.0)
+    assert c.phase is Phase.IDLE
+    c.offered(other, 2.0)
+    assert c.fetched(OFFER, 3.0) == [] and c.reported_state() == "loading"  # A's late completion
+    assert c.fetch_failed(OFFER, "late", 3.1) == []
+    eff = c.fetch_failed(other, "sha256 mismatch", 4.0)
+    assert eff[0] == Unload(other, "fetch_failed") and c.phase is Phase.IDLE

@@ -29,7 +29,7 @@ import msgspec
 import torch
 import trio
 
-from market.schemas import CoverageAck, CoverageHeartbeat, HeldSlice
+from market.schemas import Assignment, CoverageAck, CoverageHeartbeat, HeldSlice, NothingNeeded
 from swarm.errors import ConfigError, SwarmError
 from swarm.expert_rpc import expert_stream_handler, make_hello
 from swarm.fetch import fetch_slice
@@ -39,13 +39,13 @@ from swarm.slices import load_slice
 from swarm.transport import load_or_create_identity
 from swarm.wire import PROTOCOL_ID
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
-from volunteer.server import ExpertServer
+from volunteer.server import ExpertServer, shielded_until_cancelled
 
 __all__ = ["PullVolunteerConfig", "measure_throughput", "serve_pull_volunteer"]
 
 log = logging.getLogger(__name__)
 
-_answer_decoder = msgspec.json.Decoder(dict[str, Any])
+_answer_decoder = msgspec.json.Decoder(Assignment | NothingNeeded)
 _ack_decoder = msgspec.json.Decoder(CoverageAck)
 
 
@@ -106,6 +106,7 @@ class PullVolunteer:
         self.status = "starting"
         self.market_ok = True
         self._hb_lock = trio.Lock()
+        self._fetch_scopes: dict[Offer, trio.CancelScope] = {}
         self.deregistered = trio.Event()
 
     # -- effects --------------------------------------------------------------------------------------
@@ -119,6 +120,9 @@ class PullVolunteer:
                 case SendHeartbeat(sequence=seq):
                     self.nursery.start_soon(self._heartbeat, seq)
                 case Unload(offer=o, reason=reason):
+                    scope = self._fetch_scopes.pop(o, None)
+                    if scope is not None:
+                        scope.cancel()  # a download still running for it
                     self.server.remove_slice(o.model_id, o.layer, o.lo, o.hi)
                     self.status = f"released {o.layer}:{o.lo}-{o.hi} ({reason})"
                     log.info("released slice %d:%d-%d of %s (%s)", o.layer, o.lo, o.hi, o.model_id, reason)
@@ -143,42 +147,53 @@ class PullVolunteer:
             body["models"] = list(self.cfg.models)
         try:
             r = await self.client.post(f"{self.base}/api/expert-volunteer", json=body)
-            ans = _answer_decoder.decode(r.content)
             r.raise_for_status()
+            ans = _answer_decoder.decode(r.content)
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.market_ok = False
-            self.status = f"market unreachable ({type(exc).__name__}); retrying"
+            self.status = f"market unreachable or confused ({type(exc).__name__}); retrying"
             self.apply(self.core.poll_failed(trio.current_time()))
             return
         self.market_ok = True
         now = trio.current_time()
-        if ans.get("kind") == "assignment":
-            offer = Offer(
-                model_id=ans["model_id"], layer=ans["layer"], lo=ans["lo"], hi=ans["hi"], url=ans["url"],
-                sha256=ans["sha256"], size=ans["size"], lease_expires_in_s=float(ans["lease_expires_in_s"]),
-                heartbeat_s=float(ans["heartbeat_s"]), relays=tuple(ans.get("relays", [])),
-            )
-            self.status = f"offered {offer.layer}:{offer.lo}-{offer.hi} (scarcity {ans.get('scarcity', 0):.2f}); downloading"
-            self.apply(self.core.offered(offer, now))
-        else:
-            self.status = f"idle: {ans.get('reason', 'nothing needed')}"
-            self.apply(self.core.nothing_needed(float(ans.get("retry_after_s", self.cfg.poll_interval_s)), now))
+        match ans:
+            case Assignment():
+                offer = Offer(
+                    model_id=ans.model_id, layer=ans.layer, lo=ans.lo, hi=ans.hi, url=ans.url, sha256=ans.sha256,
+                    size=ans.size, lease_expires_in_s=ans.lease_expires_in_s, heartbeat_s=ans.heartbeat_s,
+                    relays=tuple(ans.relays),
+                )
+                self.status = f"offered {offer.layer}:{offer.lo}-{offer.hi} (scarcity {ans.scarcity:.2f}); downloading"
+                self.apply(self.core.offered(offer, now))
+            case NothingNeeded():
+                self.status = f"idle: {ans.reason}"
+                self.apply(self.core.nothing_needed(ans.retry_after_s, now))
 
     async def _fetch(self, offer: Offer) -> None:
         dest = self.data_dir / "slices" / offer.model_id / f"{offer.layer}-{offer.lo}-{offer.hi}.safetensors"
-        try:
-            path = await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.cfg.progress)
-            sl = await trio.to_thread.run_sync(load_slice, path)
-            k = sl.key
-            if (k.model_id, k.layer, k.lo, k.hi) != (offer.model_id, offer.layer, offer.lo, offer.hi):
-                raise SwarmError(f"downloaded slice is {k}, not the one offered", code="slice_mismatch")
+        with trio.CancelScope() as scope:
+            self._fetch_scopes[offer] = scope
+            try:
+                path = await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256,
+                                         progress=self.cfg.progress)
+                sl = await trio.to_thread.run_sync(load_slice, path)
+                k = sl.key
+                if (k.model_id, k.layer, k.lo, k.hi) != (offer.model_id, offer.layer, offer.lo, offer.hi):
+                    raise SwarmError(f"downloaded slice is {k}, not the one offered", code="slice_mismatch")
+            except (SwarmError, httpx.HTTPError, OSError) as exc:
+                log.warning("could not fetch slice %d:%d-%d: %s", offer.layer, offer.lo, offer.hi, exc)
+                self.apply(self.core.fetch_failed(offer, str(exc), trio.current_time()))
+                return
+            finally:
+                if self._fetch_scopes.get(offer) is scope:
+                    del self._fetch_scopes[offer]
+            effects = self.core.fetched(offer, trio.current_time())
+            if not effects:
+                log.info("dropping slice %d:%d-%d: its offer ended while it downloaded", offer.layer, offer.lo, offer.hi)
+                return
             self.server.add_slice(sl)
-        except (SwarmError, httpx.HTTPError, OSError) as exc:
-            log.warning("could not fetch slice %d:%d-%d: %s", offer.layer, offer.lo, offer.hi, exc)
-            self.apply(self.core.fetch_failed(str(exc), trio.current_time()))
-            return
-        self.status = f"serving {offer.layer}:{offer.lo}-{offer.hi} of {offer.model_id}"
-        self.apply(self.core.fetched(trio.current_time()))
+            self.status = f"serving {offer.layer}:{offer.lo}-{offer.hi} of {offer.model_id}"
+            self.apply(effects)
 
     def _body(self, seq: int) -> CoverageHeartbeat:
         held = self.core.held
@@ -249,7 +264,7 @@ class PullVolunteer:
                       file=sys.stderr, flush=True)
 
     async def shutdown(self) -> None:
-        """Runs shielded while the nursery is being cancelled: effects are awaited here, not spawned."""
+        """Report draining, answer calls in flight, deregister. Effects are awaited here, in order."""
         for e in self.core.stop(trio.current_time()):
             if isinstance(e, SendHeartbeat):
                 with trio.move_on_after(3):
@@ -284,7 +299,8 @@ async def serve_pull_volunteer(
         if not cfg.listen and not relays:
             raise ConfigError("reachable only through relays, but neither --relay nor the market names one")
         nat_cfg = NatConfig(relays=relays, hole_punch=cfg.hole_punch)
-        async with open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
+        async with shielded_until_cancelled() as stop, \
+                open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
                 trio.open_nursery() as nursery:
             transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
             await nursery.start(server.serve)
@@ -298,12 +314,10 @@ async def serve_pull_volunteer(
                   f"expert_tokens_per_s={probe['expert_tokens_per_s']}", flush=True)
             nursery.start_soon(vol.run)
             task_status.started(info)
-            try:
-                await trio.sleep_forever()
-            finally:
-                with trio.CancelScope(shield=True):
-                    await vol.shutdown()
-                nursery.cancel_scope.cancel()
+            await stop.wait()  # Ctrl-C / SIGTERM / the caller's cancellation
+            with trio.move_on_after(30):
+                await vol.shutdown()  # host and compute loops still run: calls in flight are answered
+            nursery.cancel_scope.cancel()
 
 
 async def _market_relays(client: httpx.AsyncClient, market: str) -> tuple[str, ...]:

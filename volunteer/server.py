@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -25,9 +27,35 @@ from swarm.experts import pairs_from_lists, slice_partial_sum
 from swarm.slices import LoadedSlice
 from swarm.wire import ExpertRequest
 
-__all__ = ["ExpertServer", "ServeStats"]
+__all__ = ["ExpertServer", "ServeStats", "shielded_until_cancelled"]
 
 log = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def shielded_until_cancelled() -> AsyncIterator[trio.Event]:
+    """Run the body shielded from the caller's cancellation; the yielded event is set when that
+    cancellation arrives, so the body can drain (answer calls in flight, deregister) and then end.
+
+    Without this, Ctrl-C cancels the libp2p host and the compute loops at the same moment as the
+    shutdown code starts, and calls in flight are cut instead of answered. The body must end on
+    its own once the event is set (bound its shutdown in time).
+    """
+    stop = trio.Event()
+    async with trio.open_nursery() as outer:
+
+        async def watch() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                stop.set()
+
+        outer.start_soon(watch)
+        try:
+            with trio.CancelScope(shield=True):
+                yield stop
+        finally:
+            outer.cancel_scope.cancel()
 
 
 @dataclass
@@ -105,7 +133,7 @@ class _SliceWorker:
             for p, o in zip(batch, outs, strict=True):
                 p.result = o
             self.last_serve_ms = int(time.time() * 1000)
-        except BaseException as exc:  # noqa: BLE001 - handed to each waiting request
+        except Exception as exc:  # handed to each waiting request (never a Cancelled: that one is ours)
             for p in batch:
                 p.error = exc
         finally:

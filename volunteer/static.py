@@ -35,7 +35,7 @@ from swarm.fetch import fetch_slice
 from swarm.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
 from swarm.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.wire import PROTOCOL_ID
-from volunteer.server import ExpertServer
+from volunteer.server import ExpertServer, shielded_until_cancelled
 
 __all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]
 
@@ -98,7 +98,8 @@ async def serve_static_volunteer(
         slices = await fetch_and_load(client, base, model_id, cfg.slices, data_dir, progress=cfg.progress)
     server = ExpertServer(slices, threads=cfg.threads)
     nat_cfg = NatConfig(relays=cfg.relays, hole_punch=cfg.hole_punch)
-    async with open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
+    async with shielded_until_cancelled() as stop, \
+            open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
         transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
         info: dict[str, object] = {
             "peer_id": transport.peer_id,
@@ -115,13 +116,10 @@ async def serve_static_volunteer(
             nursery.start_soon(_status_loop, server, transport.peer_id, cfg.status_interval_s, nat)
             nursery.start_soon(_publish_addrs, nat, info, data_dir / "volunteer.json")
             task_status.started(info)
-            try:
-                await trio.sleep_forever()
-            finally:
-                with trio.CancelScope(shield=True):
-                    ok = await server.drain()
-                    log.info("drained (%s); %d calls served", "clean" if ok else "timed out", server.stats.calls)
-                nursery.cancel_scope.cancel()
+            await stop.wait()  # Ctrl-C / SIGTERM: the host and compute loops keep running while we drain
+            ok = await server.drain()
+            log.info("drained (%s); %d calls served", "clean" if ok else "timed out", server.stats.calls)
+            nursery.cancel_scope.cancel()
 
 
 async def _status_loop(server: ExpertServer, peer_id: str, interval_s: float, nat: Nat) -> None:

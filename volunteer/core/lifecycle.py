@@ -7,7 +7,8 @@
 Rules:
 - Polls are jittered (``±jitter`` of the interval) so volunteers started together spread out;
   "nothing needed" waits the market's ``retry_after_s``; a failed poll backs off exponentially.
-- One slice at a time. While fetching, heartbeats report it ``loading`` so the market converts
+- One slice at a time; ``fetched``/``fetch_failed`` name the offer they finish, and one for an
+  offer that is no longer the one being fetched is ignored. While fetching, heartbeats report it ``loading`` so the market converts
   the lease; once loaded it is ``serving``. A lease that lapses before any heartbeat was
   acknowledged means the market has forgotten the offer: the slice is dropped and polling resumes.
 - Directives from each heartbeat answer: ``keep`` carries on; ``drain`` keeps serving calls in
@@ -159,16 +160,22 @@ class Lifecycle:
         return self._poll_after(now, min(self.max_backoff_s, self.poll_interval_s * 2 ** (self.poll_failures - 1)))
 
     # -- fetching -------------------------------------------------------------------------------------
-    def fetched(self, now: float) -> list[Effect]:
-        if self.phase is not Phase.FETCHING or self.held is None:
+    def _fetching(self, offer: Offer) -> bool:
+        return self.phase is Phase.FETCHING and self.held is not None and self.held.offer == offer
+
+    def fetched(self, offer: Offer, now: float) -> list[Effect]:
+        """``offer``'s slice is loaded. A fetch that finishes after its offer was dropped (released,
+        lease lapsed, another offer taken since) changes nothing: the shell must not load it."""
+        if not self._fetching(offer):
             return []
+        assert self.held is not None
         self.phase = Phase.SERVING
         self.held.state = "serving"
         self.next_heartbeat = now
         return self._heartbeat()
 
-    def fetch_failed(self, reason: str, now: float) -> list[Effect]:
-        if self.phase is not Phase.FETCHING or self.held is None:
+    def fetch_failed(self, offer: Offer, reason: str, now: float) -> list[Effect]:
+        if not self._fetching(offer):
             return []
         self.log.append(f"fetch failed: {reason}")
         return self._drop("fetch_failed", now)
