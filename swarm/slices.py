@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import re
 import struct
 import tempfile
 import threading
@@ -41,8 +40,9 @@ import numpy as np
 import safetensors
 import safetensors.torch
 
-from swarm.errors import ConfigError, SliceError
+from swarm.errors import SliceError
 from swarm.gguf_model import SUPPORTED_TYPES, ExpertStack, GGUFModel, ModelConfig, QTensor, file_sha256
+from swarm.ids import SliceKey, parse_slice_arg
 
 __all__ = [
     "EXPERT_KINDS",
@@ -68,50 +68,12 @@ SLICE_FORMAT: Final = 1
 METADATA_KEY: Final = "moe_swarm_slice"
 EXPERT_KINDS: Final = ("gate", "up", "down")
 _MAX_HEADER: Final = 1 << 20  # three tensors and a small metadata blob: anything larger is hostile
-_SLICE_ARG = re.compile(r"([0-9]+):([0-9]+)-([0-9]+)")
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 
 # -- identity ---------------------------------------------------------------------------------
-
-
-class SliceKey(msgspec.Struct, frozen=True):
-    """A slice: experts ``lo .. hi-1`` (half-open) of ``layer`` of ``model_id``."""
-
-    model_id: str
-    layer: NonNeg
-    lo: NonNeg
-    hi: Positive
-
-    def __str__(self) -> str:
-        return f"{self.layer}:{self.lo}-{self.hi}"
-
-    @property
-    def n_expert(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def http_path(self) -> str:
-        """The download path on a coordinator (DESIGN §11)."""
-        return f"/v1/slices/{self.model_id}/{self.layer}/{self.lo}-{self.hi}"
-
-    @classmethod
-    def parse(cls, model_id: str, arg: str) -> SliceKey:
-        layer, lo, hi = parse_slice_arg(arg)
-        return cls(model_id, layer, lo, hi)
-
-
-def parse_slice_arg(arg: str) -> tuple[int, int, int]:
-    """``"LAYER:LO-HI"`` (e.g. ``"0:0-4"``) -> ``(layer, lo, hi)``; ``ConfigError`` on bad syntax."""
-    m = _SLICE_ARG.fullmatch(arg.strip())
-    if m is None:
-        raise ConfigError(f"bad slice {arg!r}: expected LAYER:LO-HI, e.g. 0:0-4 (experts 0..3 of layer 0)")
-    layer, lo, hi = (int(g) for g in m.groups())
-    if lo >= hi:
-        raise ConfigError(f"bad slice {arg!r}: LO must be below HI (the range LO-HI is half-open)")
-    return layer, lo, hi
 
 
 def check_slice_range(config: ModelConfig, layer: int, lo: int, hi: int) -> None:

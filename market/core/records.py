@@ -23,6 +23,7 @@ from typing import Annotated, Final
 import msgspec
 
 from swarm.dispatch_map import LayerRanges
+from swarm.ids import SliceKey
 
 __all__ = [
     "MODEL_ID_PATTERN",
@@ -62,30 +63,7 @@ class Table(enum.StrEnum):
     RECRUITMENT = "recruitment"
 
 
-class SliceRef(msgspec.Struct, frozen=True, order=True):
-    """Experts ``lo .. hi-1`` of ``layer`` of ``model_id``."""
-
-    model_id: ModelId
-    layer: NonNeg
-    lo: NonNeg
-    hi: Positive
-
-    def __str__(self) -> str:
-        return f"{self.layer}:{self.lo}-{self.hi}"
-
-    @property
-    def n_expert(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def http_path(self) -> str:
-        """Where a coordinator serves the slice file (DESIGN §11)."""
-        return f"/v1/slices/{self.model_id}/{self.layer}/{self.lo}-{self.hi}"
-
-    def overlaps(self, other: SliceRef) -> bool:
-        return (
-            self.model_id == other.model_id and self.layer == other.layer and self.lo < other.hi and other.lo < self.hi
-        )
+SliceRef = SliceKey  # the slice identity of DESIGN §11, shared with the coordinator and volunteers
 
 
 class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
