@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,36 @@ async def wait_for_line(proc: Proc, prefix: str, within: float = 60) -> str:
     return line
 
 
+async def attach_single_worker(h: httpx.AsyncClient, map_path: Path, model_id: str, info: dict[str, Any]) -> None:
+    """Write a dispatch map giving every expert of both layers to one volunteer; wait for /dispatch."""
+    layers = [{"layer": L, "ranges": [{"lo": 0, "hi": 8, "replicas": [{"peer_id": info["peer_id"], "addrs": info["addrs"]}]}]}
+              for L in (0, 1)]
+    await trio.Path(map_path).write_text(json.dumps({"model_id": model_id, "version": 1, "layers": layers}))
+
+    async def attached() -> bool:
+        return len((await h.get("/dispatch")).json()["workers"]) == 1
+
+    await eventually(attached)
+
+
+async def stream_with_fault(
+    h: httpx.AsyncClient, body: dict[str, Any], *, after_tokens: int, fault: Callable[[], Awaitable[None]]
+) -> tuple[list[int], int | None]:
+    """Stream a completion and inject ``fault`` once ``after_tokens`` tokens have arrived; returns all
+    streamed token ids and how many had arrived when the fault was injected."""
+    tokens: list[int] = []
+    fault_at = None
+    async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            tokens.extend(json.loads(line[6:])["choices"][0].get("token_ids", []))
+            if fault_at is None and len(tokens) >= after_tokens:
+                await fault()
+                fault_at = len(tokens)
+    return tokens, fault_at
+
+
 async def test_kill_9_volunteer_mid_generation(procs: list[Proc], tmp_path: Path) -> None:
     map_path = tmp_path / "map.json"
     map_path.write_text(json.dumps({"model_id": model_id_for(GOLDEN_GGUF), "version": 0, "layers": []}))
@@ -87,27 +117,14 @@ async def test_kill_9_volunteer_mid_generation(procs: list[Proc], tmp_path: Path
         procs.append(vol)
         await wait_for_line(vol, "volunteer ready ")
         info = json.loads((tmp_path / "v" / "volunteer.json").read_text())
-        layers = [{"layer": L, "ranges": [{"lo": 0, "hi": 8, "replicas": [{"peer_id": info["peer_id"], "addrs": info["addrs"]}]}]}
-                  for L in (0, 1)]
-        map_path.write_text(json.dumps({"model_id": model_id, "version": 1, "layers": layers}))
+        await attach_single_worker(h, map_path, model_id, info)
 
-        async def attached() -> bool:
-            return len((await h.get("/dispatch")).json()["workers"]) == 1
+        async def kill_it() -> None:
+            rep = (await h.get("/dispatch")).json()["workers"][0]
+            assert rep["calls"] > 0 and rep["last_serve_ms"] > 0  # it really served before dying
+            vol.p.send_signal(signal.SIGKILL)
 
-        await eventually(attached)
-        tokens: list[int] = []
-        killed_at = None
-        async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ch = json.loads(line[6:])["choices"][0]
-                tokens.extend(ch.get("token_ids", []))
-                if killed_at is None and len(tokens) >= 20:
-                    rep = (await h.get("/dispatch")).json()["workers"][0]
-                    assert rep["calls"] > 0 and rep["last_serve_ms"] > 0  # it really served before dying
-                    vol.p.send_signal(signal.SIGKILL)
-                    killed_at = len(tokens)
+        tokens, killed_at = await stream_with_fault(h, body, after_tokens=20, fault=kill_it)
         assert killed_at is not None and killed_at < 200
         assert tokens == local  # no token lost, duplicated or changed
         [w] = (await h.get("/dispatch")).json()["workers"]

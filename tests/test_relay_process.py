@@ -17,7 +17,7 @@ import trio
 
 from swarm.gguf_model import model_id_for
 from tests.conftest import GOLDEN_GGUF, eventually
-from tests.test_process_e2e import Proc, cli, procs, wait_for_line
+from tests.test_process_e2e import Proc, attach_single_worker, cli, procs, stream_with_fault, wait_for_line
 
 pytestmark = pytest.mark.slow
 __all__ = ["procs"]  # the fixture, shared with test_process_e2e
@@ -61,27 +61,15 @@ async def test_relay_restart_mid_generation(procs: list[Proc], tmp_path: Path) -
         info = json.loads((tmp_path / "v" / "volunteer.json").read_text())
         assert info["reachability"] == "private"
         assert info["addrs"] == [f"{relay_addr}/p2p-circuit/p2p/{info['peer_id']}"]
-        layers = [{"layer": L, "ranges": [{"lo": 0, "hi": 8, "replicas": [{"peer_id": info["peer_id"], "addrs": info["addrs"]}]}]}
-                  for L in (0, 1)]
-        map_path.write_text(json.dumps({"model_id": model_id, "version": 1, "layers": layers}))
+        await attach_single_worker(h, map_path, model_id, info)
 
-        async def attached() -> bool:
-            return len((await h.get("/dispatch")).json()["workers"]) == 1
+        async def kill_relay() -> None:
+            [w] = (await h.get("/dispatch")).json()["workers"]
+            assert w["calls"] > 0 and w["path"] == "relayed"  # it really served through the relay
+            relay.p.send_signal(signal.SIGKILL)
+            relay.p.wait()
 
-        await eventually(attached)
-        tokens: list[int] = []
-        killed_at = None
-        async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                tokens.extend(json.loads(line[6:])["choices"][0].get("token_ids", []))
-                if killed_at is None and len(tokens) >= 20:
-                    [w] = (await h.get("/dispatch")).json()["workers"]
-                    assert w["calls"] > 0 and w["path"] == "relayed"  # it really served through the relay
-                    relay.p.send_signal(signal.SIGKILL)
-                    relay.p.wait()
-                    killed_at = len(tokens)
+        tokens, killed_at = await stream_with_fault(h, body, after_tokens=20, fault=kill_relay)
         assert killed_at is not None and killed_at < 200
         assert tokens == local  # no token lost, duplicated or changed
         rep = (await h.get("/dispatch")).json()
