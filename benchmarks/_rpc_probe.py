@@ -26,9 +26,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swarm.errors import BrokenError  # noqa: E402
-from swarm.expert_rpc import expert_stream_handler, open_expert_client  # noqa: E402
-from swarm.transport import DialError, Stream, StreamHandler, Transport, open_libp2p_transport  # noqa: E402
-from swarm.wire import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
+from swarm.p2p.transport import DialError, Stream, StreamHandler, Transport, open_libp2p_transport  # noqa: E402
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
+from swarm.rpc.expert import expert_stream_handler, open_expert_client  # noqa: E402
 
 D_MODEL = 1024
 

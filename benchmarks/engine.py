@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
 from coordinator.runtime import EngineRuntime  # noqa: E402
-from swarm.gguf_model import GGUFModel  # noqa: E402
-from swarm.makemodel import make_model  # noqa: E402
-from swarm.tokenizer import Tokenizer  # noqa: E402
+from swarm.model.gguf import GGUFModel  # noqa: E402
+from swarm.text.tokenizer import Tokenizer  # noqa: E402
+from swarm.tools.makemodel import make_model  # noqa: E402
 
 
 def rss_mb() -> float:

@@ -39,11 +39,11 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from swarm.expert_rpc import expert_stream_handler, make_hello, open_expert_client  # noqa: E402
-from swarm.experts import slice_partial_sum  # noqa: E402
-from swarm.nat import NatConfig, open_listener_host, open_nat  # noqa: E402
-from swarm.transport import Libp2pTransport, open_libp2p_transport  # noqa: E402
-from swarm.wire import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
+from swarm.model.experts import slice_partial_sum  # noqa: E402
+from swarm.p2p.nat import NatConfig, open_listener_host, open_nat  # noqa: E402
+from swarm.p2p.transport import Libp2pTransport, open_libp2p_transport  # noqa: E402
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
+from swarm.rpc.expert import expert_stream_handler, make_hello, open_expert_client  # noqa: E402
 
 D_MODEL, WIDTH = 1024, 2816
 MODEL_ID = "bench-expert"
@@ -102,7 +102,7 @@ async def serve(threads: int, relay: str | None) -> None:
             await stream.send_all(buf[: 4 + n])
             del buf[: 4 + n]
 
-    logging.getLogger("swarm.nat").setLevel(logging.ERROR)  # the relay may stop first at the end
+    logging.getLogger("swarm.p2p.nat").setLevel(logging.ERROR)  # the relay may stop first at the end
     # with a relay: reserve on it even though we are reachable (check_reachability off), so the
     # same server can be measured directly and through the relay
     nat = NatConfig(relays=(relay,) if relay else (), hole_punch=False, check_reachability=False)

@@ -8,7 +8,7 @@ SQLite database in a temporary directory (and once more with ``--db :memory:`` f
 this process runs the simulated volunteers (httpx, ``--concurrency`` connections) and a fake
 coordinator that answers ``/slots`` and the slice ``HEAD``s the market makes to learn each new
 slice's size and sha256. The hosted model has 64 layers x 64 experts (enough 4-expert slices for
-1,000 volunteers at base target 1). Heartbeats are signed (Ed25519, ``swarm.identity``) before
+1,000 volunteers at base target 1). Heartbeats are signed (Ed25519, ``swarm.p2p.identity``) before
 the clock starts: the market's verification is measured, the volunteers' signing is not.
 
 Cases: ``health-baseline`` (``GET /health``: the HTTP stack alone, for scale), ``expert-volunteer`` (one pull per volunteer: scarcest-slice search over 4,096 experts,
@@ -50,8 +50,8 @@ sys.path.insert(0, str(ROOT))
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 from market.core.records import HeldState, ModelManifest  # noqa: E402
-from market.schemas import CoverageHeartbeat, HeldSlice  # noqa: E402
-from swarm.identity import peer_id_of, sign_body  # noqa: E402
+from swarm.p2p.identity import peer_id_of, sign_body  # noqa: E402
+from swarm.protocol.market import CoverageHeartbeat, HeldSlice  # noqa: E402
 
 N_LAYER, N_EXPERT, SLICE = 64, 64, 4
 MID = f"bench-{'0' * 12}"

@@ -30,23 +30,17 @@ from starlette.routing import BaseRoute, Route
 from coordinator.core.scheduler import Emit, Finish, FinishReason
 from coordinator.runtime import EngineFailed, EngineRuntime, RequestHandle
 from coordinator.schemas import ChatRequest, CompletionRequest, decode_chat, decode_completion, gen_params
-from swarm.chat import render_chat
 from swarm.errors import RequestError, SwarmError
+from swarm.protocol.http import encode_error
+from swarm.text.chat import render_chat
 
 __all__ = ["build_app", "error_response"]
 
 
-def error_response(exc: SwarmError | RequestError, status: int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(exc: SwarmError | RequestError, status: int | None = None, headers: dict[str, str] | None = None) -> Response:
     st = status if status is not None else getattr(exc, "status", 400)
-    body = {
-        "error": {
-            "message": exc.message,
-            "type": "invalid_request_error" if st < 500 else "server_error",
-            "param": getattr(exc, "param", None),
-            "code": exc.code,
-        }
-    }
-    return JSONResponse(body, status_code=st, headers=headers)
+    body = encode_error(st, exc.code, exc.message, getattr(exc, "param", None))
+    return Response(body, status_code=st, headers=headers, media_type="application/json")
 
 
 class _EngineCollector(Collector):
@@ -173,7 +167,7 @@ def build_app(
             return _err(exc)
         return await _respond(request, req, handle, chat=False)
 
-    def _err(exc: SwarmError) -> JSONResponse:
+    def _err(exc: SwarmError) -> Response:
         if isinstance(exc, RequestError) and exc.status == 503:
             return error_response(exc, headers={"Retry-After": "1"})
         return error_response(exc)

@@ -10,11 +10,11 @@ Rules:
   the next live replica with the next attempt number; when none is left it is computed locally
   (the coordinator holds every expert: the replica of last resort). The failing worker is marked
   down with backoff. A late answer of an old attempt is dropped by the client.
-- A range's partial sum is computed by ``swarm.experts.slice_partial_sum`` on exactly the rows
+- A range's partial sum is computed by ``swarm.model.experts.slice_partial_sum`` on exactly the rows
   that have pairs in the range, locally or on a volunteer, so both give the same bits.
 - The worker table is shared by the two threads under one lock; the trio side owns the clients.
 - Volunteers behind NATs are reached through ``/p2p-circuit`` addresses and upgraded to direct
-  connections by DCUtR hole punching (``swarm.nat``, attached to a libp2p transport while the
+  connections by DCUtR hole punching (``swarm.p2p.nat``, attached to a libp2p transport while the
   dispatcher serves). A worker's expert stream that may have opened on the relayed connection
   moves once the connection turned direct (``swarm.core.paths.should_migrate``): new calls open a
   new stream, calls in flight finish on the old one, which is closed after ``timeout_s``. The
@@ -43,12 +43,12 @@ from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate
 from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
 from swarm.errors import ConfigError, SwarmError
-from swarm.expert_rpc import ExpertClient
-from swarm.experts import slice_partial_sum
-from swarm.gguf_model import GGUFModel
-from swarm.nat import Nat, NatConfig, open_nat
-from swarm.transport import Libp2pTransport, Transport
-from swarm.wire import ExpertRequest, RequestId
+from swarm.model.experts import slice_partial_sum
+from swarm.model.gguf import GGUFModel
+from swarm.p2p.nat import Nat, NatConfig, open_nat
+from swarm.p2p.transport import Libp2pTransport, Transport
+from swarm.protocol.expert import ExpertRequest, RequestId
+from swarm.rpc.expert import ExpertClient
 
 __all__ = ["Dispatcher", "watch_dispatch_map_file"]
 

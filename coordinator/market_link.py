@@ -22,7 +22,7 @@ import trio
 from coordinator.dispatcher import Dispatcher
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
-from swarm.slices import Manifest
+from swarm.protocol.manifest import ModelManifest
 
 __all__ = ["MarketLink"]
 
@@ -34,7 +34,7 @@ class MarketLink:
         self,
         market_url: str,
         dispatcher: Dispatcher,
-        manifest: Manifest,
+        manifest: ModelManifest,
         *,
         advertise_url: str,
         token: str | None,

@@ -5,7 +5,7 @@ Rules:
 - A forward step batches tokens from many sequences: every dense op (norms, projections, router,
   output) runs once over all rows; attention runs per sequence against its own KV cache.
 - The routed experts of a layer are computed by one replaceable object, ``ExpertBackend.moe``: the
-  local backend calls ``swarm.experts.slice_partial_sum``; a dispatcher may send rows to volunteers.
+  local backend calls ``swarm.model.experts.slice_partial_sum``; a dispatcher may send rows to volunteers.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
   per architecture; per-head q/k RMSNorm before RoPE where the architecture has it; GQA maps query
   head h to kv head ``h // (n_head / n_head_kv)``; router softmax over all experts, top-k, and
@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from swarm.experts import slice_partial_sum
-from swarm.gguf_model import GGUFModel, ModelConfig
+from swarm.model.experts import slice_partial_sum
+from swarm.model.gguf import GGUFModel, ModelConfig
 
 __all__ = ["ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
 

@@ -37,8 +37,8 @@ from coordinator.core.scheduler import (
 from coordinator.model import ExpertBackend, KVCache, SeqChunk, Transformer
 from coordinator.sampling import make_generator, sample
 from swarm.errors import RequestError
-from swarm.gguf_model import GGUFModel
-from swarm.tokenizer import StreamDecoder, Tokenizer
+from swarm.model.gguf import GGUFModel
+from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
 __all__ = ["EngineFailed", "EngineRuntime", "EngineStats", "RequestHandle"]
 

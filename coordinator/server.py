@@ -27,10 +27,10 @@ from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.market_link import MarketLink
 from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
-from swarm.gguf_model import GGUFModel
-from swarm.slices import SliceCache, build_manifest
-from swarm.tokenizer import Tokenizer
-from swarm.transport import open_libp2p_transport
+from swarm.model.gguf import GGUFModel
+from swarm.model.slices import SliceCache, build_manifest
+from swarm.p2p.transport import open_libp2p_transport
+from swarm.text.tokenizer import Tokenizer
 
 __all__ = ["CoordinatorConfig", "load_runtime", "serve_coordinator"]
 

@@ -2,7 +2,7 @@
 
 Routes (DESIGN §11):
 
-- ``GET /v1/models/{model_id}/manifest`` -> ``swarm.slices.Manifest`` as JSON.
+- ``GET /v1/models/{model_id}/manifest`` -> ``swarm.protocol.manifest.ModelManifest`` as JSON.
 - ``GET|HEAD /v1/slices/{model_id}/{layer}/{lo}-{hi}`` -> the slice file.
 
 Rules:
@@ -37,8 +37,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from swarm.errors import SliceError, SwarmError
-from swarm.gguf_model import GGUFModel
-from swarm.slices import Manifest, SliceCache, SliceFile, build_manifest, check_slice_range
+from swarm.model.gguf import GGUFModel
+from swarm.model.slices import SliceCache, SliceFile, build_manifest, check_slice_range
+from swarm.protocol.http import encode_error
+from swarm.protocol.manifest import ModelManifest
 
 __all__ = ["ByteRange", "RangeVerdict", "etag_matches", "plan_range", "slice_routes"]
 
@@ -99,21 +101,8 @@ def plan_range(range_header: str | None, if_range: str | None, etag: str, size: 
     return ByteRange(max(0, size - suffix), size)
 
 
-class _ErrorDetail(msgspec.Struct):
-    message: str
-    type: str
-    code: str
-    param: str | None = None
-
-
-class _ErrorBody(msgspec.Struct):
-    error: _ErrorDetail
-
-
 def _error(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = msgspec.json.encode(_ErrorBody(_ErrorDetail(message, kind, code)))
-    return Response(body, status_code=status, headers=dict(headers or {}), media_type="application/json")
+    return Response(encode_error(status, code, message), status_code=status, headers=dict(headers or {}), media_type="application/json")
 
 
 class _FileSpan(Response):
@@ -160,7 +149,7 @@ class _SliceEndpoints:
         self.models = models
         self.caches = caches
         self.limiter = trio.CapacityLimiter(_CUT_THREADS)
-        self.manifests: dict[str, Manifest] = {}
+        self.manifests: dict[str, ModelManifest] = {}
 
     def _unknown(self, model_id: str) -> Response:
         hosted = ", ".join(sorted(self.models)) or "none"

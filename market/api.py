@@ -1,6 +1,6 @@
 """The market's HTTP API (shell: Starlette ASGI app over ``market.state.Market``).
 
-Endpoints (bodies are JSON of the Structs in ``market.schemas``):
+Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
 
 - ``POST /api/models`` (operator token: ``Authorization: Bearer TOKEN``) ``RegisterModels``
   ``{url, models: [manifest...], epoch}`` -> ``RegisterAck``. Several coordinators may host one
@@ -15,7 +15,7 @@ Endpoints (bodies are JSON of the Structs in ``market.schemas``):
 - ``POST /api/expert-coverage`` ``CoverageHeartbeat {peer_id, epoch, sequence, addrs, slices:
   [{model_id, layer, lo, hi, state, last_serve_ms}], load, max_bytes, signature}`` -> ``CoverageAck
   {peer_id, epoch, sequence, slices: [SliceDirective], heartbeat_s, ttl_s, relays}``.
-  ``signature`` (base64 in JSON) must be the peer's Ed25519 signature (``swarm.identity``).
+  ``signature`` (base64 in JSON) must be the peer's Ed25519 signature (``swarm.p2p.identity``).
 - ``GET /api/expert-demand[?model=ID]`` -> ``DemandView``: per model and segment the replicas,
   pending, target and scarcity, plus ``recruiting``.
 - ``GET /api/expert-dispatch-map?model=ID[&after=V&wait_s=S]`` -> the DESIGN §11 dispatch map.
@@ -75,18 +75,17 @@ from starlette.routing import Route
 
 from market.core.assign import NoOfferReason
 from market.loops import Clock, MapWatch
-from market.schemas import (
+from market.state import Market, NoOffer, Offer
+from swarm.errors import RequestError, SwarmError
+from swarm.p2p.identity import check_peer_id, verify_body
+from swarm.protocol.http import encode_error
+from swarm.protocol.market import (
     Assignment,
-    ErrorBody,
-    ErrorDetail,
     NothingNeeded,
     coverage_decoder,
     register_decoder,
     volunteer_decoder,
 )
-from market.state import Market, NoOffer, Offer
-from swarm.errors import RequestError, SwarmError
-from swarm.identity import check_peer_id, verify_body
 
 __all__ = ["MarketApi", "SliceDescriber", "build_market_app", "error_response"]
 
@@ -120,8 +119,8 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 def error_response(exc: SwarmError, status: int | None = None, headers: dict[str, str] | None = None) -> Response:
     st = status if status is not None else getattr(exc, "status", 400)
-    kind = "invalid_request_error" if st < 500 else "server_error"
-    return _json(ErrorBody(ErrorDetail(exc.message, kind, exc.code, getattr(exc, "param", None))), st, headers)
+    body = encode_error(st, exc.code, exc.message, getattr(exc, "param", None))
+    return Response(body, status_code=st, headers=headers, media_type="application/json")
 
 
 async def _read_body(request: Request, limit: int = _MAX_BODY) -> bytes:

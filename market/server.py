@@ -30,10 +30,10 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from market.api import MarketApi, SliceDescriber, build_market_app
 from market.loops import Poller, run_housekeeping, run_recruitment_loop
-from market.schemas import slots_decoder
 from market.state import Market, MarketPolicy
 from market.store import InMemoryStore, Store, open_sqlite_store
 from swarm.errors import RemoteProtocolError, SliceError, SwarmError, TransportError
+from swarm.protocol.market import slots_decoder
 
 __all__ = ["MEMORY_DB", "MarketConfig", "make_slice_describer", "make_slots_poller", "open_store", "serve_market"]
 

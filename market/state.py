@@ -54,9 +54,12 @@ from market.core.records import (
 )
 from market.core.recruit import Holding, PollView, RecruitPolicy, RecruitState, observe, plan_ageout, step
 from market.core.registry import ACCEPTED, check_heartbeat, diff_coverage, is_expired, registration_is_stale
-from market.core.rng import Rng
 from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
-from market.schemas import (
+from market.store import Change, Delete, Put, Store
+from swarm.core.rng import Rng
+from swarm.dispatch_map import DispatchMap
+from swarm.errors import RequestError
+from swarm.protocol.market import (
     CoordinatorView,
     CoverageAck,
     CoverageHeartbeat,
@@ -71,9 +74,6 @@ from market.schemas import (
     WorkerSliceView,
     WorkerView,
 )
-from market.store import Change, Delete, Put, Store
-from swarm.dispatch_map import DispatchMap
-from swarm.errors import RequestError
 
 __all__ = ["Market", "MarketPolicy", "Offer", "TickReport"]
 

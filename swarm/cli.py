@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=os.environ.get("MOE_SWARM_LOG", "INFO"))
     sub = p.add_subparsers(dest="command", required=True)
 
-    from swarm.makemodel import add_make_model_parser
+    from swarm.tools.makemodel import add_make_model_parser
 
     add_make_model_parser(sub)
 

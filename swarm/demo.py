@@ -129,8 +129,8 @@ def timeline_line(t0: float, market: str, coord: str, names: dict[str, str]) -> 
 
 def main() -> None:
     DATA.mkdir(exist_ok=True)
-    from swarm.gguf_model import model_id_for
-    from swarm.makemodel import make_model
+    from swarm.model.gguf import model_id_for
+    from swarm.tools.makemodel import make_model
 
     model_path = DATA / "tiny-qwen3moe.gguf"
     say(f"generating the tiny qwen3moe model -> {model_path.relative_to(ROOT)}")

@@ -25,7 +25,7 @@ def golden() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def golden_model() -> Any:
-    from swarm.gguf_model import GGUFModel
+    from swarm.model.gguf import GGUFModel
 
     return GGUFModel(GOLDEN_GGUF)
 

@@ -1,4 +1,4 @@
-"""swarm.chat: ChatML fallback, HF-style jinja2 templates, and their errors."""
+"""swarm.text.chat: ChatML fallback, HF-style jinja2 templates, and their errors."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from swarm.chat import CHATML_TEMPLATE, render_chat
 from swarm.errors import RequestError, TokenizerError
+from swarm.text.chat import CHATML_TEMPLATE, render_chat
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coordinator.model import KVCache, SeqChunk, Transformer
-from swarm.gguf_model import GGUFModel, model_id_for
+from swarm.model.gguf import GGUFModel, model_id_for
 
 TOL_LLAMACPP = 1e-4
 TOL_BATCHED = 1e-5

@@ -23,9 +23,8 @@ from swarm.errors import (
     TransportError,
     TransportTimeout,
 )
-from swarm.expert_rpc import ExpertClient, expert_stream_handler, make_hello, open_expert_client
-from swarm.transport import FakeNetwork, Stream, Transport, open_fake_transport, open_libp2p_transport
-from swarm.wire import (
+from swarm.p2p.transport import FakeNetwork, Stream, Transport, open_fake_transport, open_libp2p_transport
+from swarm.protocol.expert import (
     DEFAULT_LIMITS,
     PROTOCOL_ID,
     ErrorReply,
@@ -39,6 +38,7 @@ from swarm.wire import (
     encode_frame,
     tensor_to_payload,
 )
+from swarm.rpc.expert import ExpertClient, expert_stream_handler, make_hello, open_expert_client
 
 D = 16
 

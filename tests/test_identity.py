@@ -1,4 +1,4 @@
-"""Peer ids and signed bodies (``swarm.identity``): round trip, tampering, wrong key, bad ids."""
+"""Peer ids and signed bodies (``swarm.p2p.identity``): round trip, tampering, wrong key, bad ids."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.secp256k1 import create_new_key_pair as create_secp256k1_key_pair
 from libp2p.peer.id import ID
 
-from swarm.identity import (
+from swarm.p2p.identity import (
     IdentityError,
     check_peer_id,
     peer_id_of,

@@ -1,4 +1,4 @@
-"""Regression tests for the py-libp2p 0.8.1 problems worked around in ``swarm.transport``.
+"""Regression tests for the py-libp2p 0.8.1 problems worked around in ``swarm.p2p.transport``.
 
 (a) a listener refused every connection after its 250th inbound connection ever;
 (b) every dial waited ~250 ms (the happy-eyeballs delay);
@@ -26,9 +26,15 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from swarm.errors import ConfigError
-from swarm.expert_rpc import expert_stream_handler, open_expert_client
-from swarm.transport import DialError, Libp2pTransport, Stream, load_or_create_identity, open_libp2p_transport
-from swarm.wire import PROTOCOL_ID, ExpertRequest, RequestId
+from swarm.p2p.transport import (
+    DialError,
+    Libp2pTransport,
+    Stream,
+    load_or_create_identity,
+    open_libp2p_transport,
+)
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
+from swarm.rpc.expert import expert_stream_handler, open_expert_client
 
 ECHO = "/test/echo/1"
 

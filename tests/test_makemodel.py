@@ -1,4 +1,4 @@
-"""swarm.makemodel: the generated GGUFs follow the golden file's conventions and are deterministic."""
+"""swarm.tools.makemodel: the generated GGUFs follow the golden file's conventions and are deterministic."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import tokenizers
 import torch
 from gguf import GGMLQuantizationType as T
 
-from swarm import makemodel, quant
 from swarm.errors import ConfigError
+from swarm.model import quant
+from swarm.tools import makemodel
 
 VOCAB_8192_SHA256 = "e73f63491b8eb652131942d319146a8ce90adfc203d1b07721ef08eaf8d4678b"
 GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"

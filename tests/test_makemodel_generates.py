@@ -9,9 +9,9 @@ import trio
 
 from coordinator.core.scheduler import Emit, Finish, FinishReason, GenParams
 from coordinator.runtime import EngineRuntime
-from swarm.gguf_model import GGUFModel
-from swarm.makemodel import make_model
-from swarm.tokenizer import Tokenizer
+from swarm.model.gguf import GGUFModel
+from swarm.text.tokenizer import Tokenizer
+from swarm.tools.makemodel import make_model
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])

@@ -27,11 +27,11 @@ from starlette.routing import Route
 
 from market.cli import add_market_parser, config_from_args
 from market.core.records import HeldState, ModelManifest
-from market.schemas import CoverageHeartbeat, HeldSlice
 from market.server import MarketConfig, serve_market
 from market.state import MarketPolicy
 from swarm.errors import ConfigError
-from swarm.identity import peer_id_of, sign_body
+from swarm.p2p.identity import peer_id_of, sign_body
+from swarm.protocol.market import CoverageHeartbeat, HeldSlice
 from tests.conftest import eventually
 
 MID = "apitest-0123456789ab"

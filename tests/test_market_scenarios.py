@@ -16,11 +16,11 @@ import trio.testing
 
 from market.core.records import HeldState, ModelManifest, SliceRef
 from market.loops import MapWatch, run_housekeeping, run_recruitment_loop
-from market.schemas import CoverageHeartbeat, HeldSlice, RegisterModels, VolunteerRequest
 from market.state import Market, MarketPolicy, NoOffer, Offer
 from market.store import InMemoryStore, MemoryBacking
 from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError, SwarmError, TransportError
+from swarm.protocol.market import CoverageHeartbeat, HeldSlice, RegisterModels, VolunteerRequest
 
 MID = "sim-0123456789ab"
 COORD = "http://coordinator.test"

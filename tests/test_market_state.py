@@ -9,10 +9,10 @@ import msgspec
 import pytest
 
 from market.core.records import HeldState, ModelManifest, SliceRef
-from market.schemas import CoverageHeartbeat, HeldSlice, RegisterModels, VolunteerRequest
 from market.state import Market, MarketPolicy, NoOffer, Offer
 from market.store import InMemoryStore, MemoryBacking
 from swarm.errors import RequestError
+from swarm.protocol.market import CoverageHeartbeat, HeldSlice, RegisterModels, VolunteerRequest
 
 MID = "state-0123456789ab"
 URL = "http://c1.test"

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from swarm.gguf_model import model_id_for
+from swarm.model.gguf import model_id_for
 from tests.conftest import GOLDEN_GGUF, eventually
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""swarm.quant: torch dequantisers against gguf's numpy reference, and the numpy quantisers."""
+"""swarm.model.quant: torch dequantisers against gguf's numpy reference, and the numpy quantisers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from swarm import quant
 from swarm.errors import ModelError, UnsupportedTensorType
+from swarm.model import quant
 
 BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]

@@ -20,12 +20,12 @@ from coordinator.model import Transformer
 from relay.service import RelayConfig, RelayService, open_relay
 from swarm.core.paths import Reachability
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
-from swarm.expert_rpc import expert_stream_handler, make_hello
-from swarm.gguf_model import GGUFModel
-from swarm.nat import Nat, NatConfig, open_listener_host, open_nat
-from swarm.slices import cut_slice, load_slice
-from swarm.transport import DialError, Libp2pTransport, Stream, open_libp2p_transport
-from swarm.wire import PROTOCOL_ID
+from swarm.model.gguf import GGUFModel
+from swarm.model.slices import cut_slice, load_slice
+from swarm.p2p.nat import Nat, NatConfig, open_listener_host, open_nat
+from swarm.p2p.transport import DialError, Libp2pTransport, Stream, open_libp2p_transport
+from swarm.protocol.expert import PROTOCOL_ID
+from swarm.rpc.expert import expert_stream_handler, make_hello
 from tests.test_remote_experts import HALVES, greedy
 from volunteer.server import ExpertServer
 

@@ -8,7 +8,21 @@ import random
 import pytest
 
 from relay.core.ledger import Admitted, Direction, Refusal, Refused, RelayLedger, RelayLimits, Reserved
-from relay.core.reservation import (
+from swarm.core.paths import (
+    DialPlan,
+    DialResult,
+    Path,
+    Reachability,
+    advertised_addrs,
+    classify_path,
+    dial_plan,
+    is_circuit,
+    reachability_verdict,
+    session_path,
+    should_migrate,
+    should_reserve,
+)
+from swarm.core.reservation import (
     Advertise,
     ConnectionLost,
     Effect,
@@ -24,20 +38,6 @@ from relay.core.reservation import (
     Stop,
     TimerFired,
     Withdraw,
-)
-from swarm.core.paths import (
-    DialPlan,
-    DialResult,
-    Path,
-    Reachability,
-    advertised_addrs,
-    classify_path,
-    dial_plan,
-    is_circuit,
-    reachability_verdict,
-    session_path,
-    should_migrate,
-    should_reserve,
 )
 
 # ============================================================================================

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from swarm.gguf_model import model_id_for
+from swarm.model.gguf import model_id_for
 from tests.conftest import GOLDEN_GGUF, eventually
 from tests.test_process_e2e import Proc, attach_single_worker, cli, procs, stream_with_fault, wait_for_line
 

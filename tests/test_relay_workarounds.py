@@ -1,5 +1,5 @@
-"""Regression tests for the py-libp2p 0.8.1 relay/NAT problems worked around in ``swarm.nat`` and
-``relay.service`` (workarounds (e)-(h) in ``swarm/transport.py``), each with a canary that shows
+"""Regression tests for the py-libp2p 0.8.1 relay/NAT problems worked around in ``swarm.p2p.nat`` and
+``relay.service`` (workarounds (e)-(h) in ``swarm/p2p/transport.py``), each with a canary that shows
 the library's own behaviour: when a canary fails, the library fixed the problem and the
 workaround can be reconsidered.
 
@@ -37,8 +37,8 @@ from multiaddr import Multiaddr
 
 from relay.service import RelayConfig, RelayService, open_relay
 from swarm.errors import TransportError
-from swarm.nat import NatConfig, open_listener_host, open_nat
-from swarm.transport import Libp2pTransport, Stream, open_libp2p_transport
+from swarm.p2p.nat import NatConfig, open_listener_host, open_nat
+from swarm.p2p.transport import Libp2pTransport, Stream, open_libp2p_transport
 
 ECHO = "/test/echo/1"
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)

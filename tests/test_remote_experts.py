@@ -18,11 +18,11 @@ import trio
 from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.model import KVCache, SeqChunk, Transformer
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
-from swarm.expert_rpc import expert_stream_handler, make_hello
-from swarm.gguf_model import GGUFModel
-from swarm.slices import cut_slice, load_slice
-from swarm.transport import Transport, open_libp2p_transport
-from swarm.wire import PROTOCOL_ID, ExpertRequest
+from swarm.model.gguf import GGUFModel
+from swarm.model.slices import cut_slice, load_slice
+from swarm.p2p.transport import Transport, open_libp2p_transport
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest
+from swarm.rpc.expert import expert_stream_handler, make_hello
 from volunteer.server import ExpertServer
 
 Handler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]

@@ -10,8 +10,8 @@ import trio
 from coordinator.core.scheduler import Emit, Finish, GenParams
 from coordinator.model import LocalExperts
 from coordinator.runtime import EngineFailed, EngineRuntime
-from swarm.gguf_model import GGUFModel
-from swarm.tokenizer import Tokenizer
+from swarm.model.gguf import GGUFModel
+from swarm.text.tokenizer import Tokenizer
 
 
 class Flaky:

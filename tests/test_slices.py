@@ -21,11 +21,10 @@ import safetensors
 import torch
 
 from swarm.errors import ConfigError, SliceError
-from swarm.experts import slice_partial_sum
-from swarm.gguf_model import GGUFModel, file_sha256
-from swarm.slices import (
+from swarm.model.experts import slice_partial_sum
+from swarm.model.gguf import GGUFModel, file_sha256
+from swarm.model.slices import (
     METADATA_KEY,
-    Manifest,
     SliceCache,
     SliceKey,
     build_manifest,
@@ -33,6 +32,7 @@ from swarm.slices import (
     load_slice,
     parse_slice_arg,
 )
+from swarm.protocol.manifest import ModelManifest
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
 
@@ -132,8 +132,8 @@ CASES = [("golden", 0, 0, 4), ("golden", 1, 3, 8), ("quant", 0, 1, 5), ("quant",
 
 _CHILD = """
 import hashlib, json, sys
-from swarm.gguf_model import GGUFModel
-from swarm.slices import cut_slice
+from swarm.model.gguf import GGUFModel
+from swarm.model.slices import cut_slice
 models = {"golden": GGUFModel(sys.argv[1]), "quant": GGUFModel(sys.argv[2])}
 cases = json.loads(sys.argv[3])
 print(json.dumps([hashlib.sha256(cut_slice(models[m], l, lo, hi)).hexdigest() for m, l, lo, hi in cases]))
@@ -375,4 +375,4 @@ def test_manifest(golden_model: GGUFModel, quant_model: GGUFModel, quant_path: P
     (n,) = struct.unpack("<Q", data[:8])
     assert len(data) == 8 + n + 4 * q.bytes_per_expert[0]
 
-    assert msgspec.json.decode(msgspec.json.encode(q), type=Manifest) == q
+    assert msgspec.json.decode(msgspec.json.encode(q), type=ModelManifest) == q

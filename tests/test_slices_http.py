@@ -22,9 +22,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.slices_http import ByteRange, RangeVerdict, etag_matches, plan_range, slice_routes
 from swarm.errors import SliceError
-from swarm.fetch import fetch_slice
-from swarm.gguf_model import GGUFModel
-from swarm.slices import Manifest, SliceCache, build_manifest, cut_slice
+from swarm.model.fetch import fetch_slice
+from swarm.model.gguf import GGUFModel
+from swarm.model.slices import SliceCache, build_manifest, cut_slice
+from swarm.protocol.manifest import ModelManifest
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
 LAYER, LO, HI = 1, 2, 6
@@ -199,7 +200,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 async def test_manifest_route(server: Server, client: httpx.AsyncClient) -> None:
     r = await client.get(f"{server.url}/v1/models/{server.model.model_id}/manifest")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
-    assert msgspec.json.decode(r.content, type=Manifest) == build_manifest(server.model)
+    assert msgspec.json.decode(r.content, type=ModelManifest) == build_manifest(server.model)
     r = await client.get(f"{server.url}/v1/models/nope-000000000000/manifest")
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "unknown_model"

@@ -1,4 +1,4 @@
-"""swarm.tokenizer: llama.cpp's tokenisation of the golden GGUF, pre-tokenizer rules, decoding, streaming."""
+"""swarm.text.tokenizer: llama.cpp's tokenisation of the golden GGUF, pre-tokenizer rules, decoding, streaming."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import gguf
 import pytest
 
 from swarm.errors import TokenizerError
-from swarm.tokenizer import StreamDecoder, Tokenizer
+from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 GGUF_PATH = GOLDEN / "qwen3moe-tiny-f32.gguf"
@@ -176,7 +176,7 @@ def test_stream_decoder_equals_decode(skip_special: bool) -> None:
 
 
 def _byte_chars() -> list[str]:
-    """GPT-2's byte-to-unicode table, written out independently of swarm.tokenizer."""
+    """GPT-2's byte-to-unicode table, written out independently of swarm.text.tokenizer."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     table: dict[int, str] = {b: chr(b) for b in printable}
     extra = 0

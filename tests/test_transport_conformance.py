@@ -14,7 +14,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from swarm.errors import BrokenError, ClosedError, TransportError
-from swarm.transport import (
+from swarm.p2p.transport import (
     DialError,
     FakeNetwork,
     Stream,

@@ -9,11 +9,11 @@ import pytest
 import torch
 import trio
 
-from swarm.expert_rpc import expert_stream_handler, make_hello, open_expert_client
-from swarm.gguf_model import GGUFModel
-from swarm.slices import cut_slice, load_slice
-from swarm.transport import open_libp2p_transport
-from swarm.wire import PROTOCOL_ID, ExpertRequest, RequestId
+from swarm.model.gguf import GGUFModel
+from swarm.model.slices import cut_slice, load_slice
+from swarm.p2p.transport import open_libp2p_transport
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
+from swarm.rpc.expert import expert_stream_handler, make_hello, open_expert_client
 from volunteer import server as server_mod
 from volunteer.server import ExpertServer, shielded_until_cancelled
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from swarm.errors import BrokenError, LocalProtocolError, RemoteProtocolError
-from swarm.wire import (
+from swarm.protocol.expert import (
     PROTOCOL_ID,
     PROTOCOL_VERSION,
     ErrorReply,

@@ -1,4 +1,4 @@
-"""``swarm.yamux_tuning``: fewer frames per call, a larger window, prompt window waits, stock interop.
+"""``swarm.p2p.patches.yamux``: fewer frames per call, a larger window, prompt window waits, stock interop.
 
 Real host pairs on loopback (``open_libp2p_transport``, tuned), a stock-muxer host built by the same
 function with the tuning switched off, and an in-memory muxer pair under ``MockClock`` for timing.
@@ -20,11 +20,18 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, TYPE_WINDOW_UPDATE, Yamux
 
-import swarm.yamux_tuning
-from swarm.expert_rpc import expert_stream_handler, open_expert_client
-from swarm.transport import Libp2pTransport, Stream, open_libp2p_transport
-from swarm.wire import PROTOCOL_ID, ExpertRequest, ExpertResponse, RequestId, encode_frame, tensor_to_payload
-from swarm.yamux_tuning import TunedYamux, YamuxTuning
+import swarm.p2p.patches.yamux
+from swarm.p2p.patches.yamux import TunedYamux, YamuxTuning
+from swarm.p2p.transport import Libp2pTransport, Stream, open_libp2p_transport
+from swarm.protocol.expert import (
+    PROTOCOL_ID,
+    ExpertRequest,
+    ExpertResponse,
+    RequestId,
+    encode_frame,
+    tensor_to_payload,
+)
+from swarm.rpc.expert import expert_stream_handler, open_expert_client
 
 ECHO = "/test/echo/1"
 D_MODEL = 1024
@@ -37,7 +44,7 @@ async def transport(monkeypatch: pytest.MonkeyPatch, *, tuned: bool) -> AsyncIte
     """Our libp2p transport; ``tuned=False`` builds the same host with the library's own Yamux."""
     with monkeypatch.context() as patch:
         if not tuned:
-            patch.setattr(swarm.yamux_tuning, "apply_yamux_tuning", lambda upgrader: None)
+            patch.setattr(swarm.p2p.patches.yamux, "apply_yamux_tuning", lambda upgrader: None)
         cm = open_libp2p_transport(key_path=None)
         t = await cm.__aenter__()
     try:
@@ -146,7 +153,7 @@ async def test_a_call_is_one_data_frame_each_way_and_no_window_update(
 
 
 async def test_canary_the_stock_muxer_sends_a_window_update_per_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """When this fails, py-libp2p's Yamux changed its window updates: re-measure ``swarm.yamux_tuning``."""
+    """When this fails, py-libp2p's Yamux changed its window updates: re-measure ``swarm.p2p.patches.yamux``."""
     calls = 20
     async with transport(monkeypatch, tuned=False) as server, transport(monkeypatch, tuned=False) as me:
         server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(echo_rows))

@@ -29,15 +29,15 @@ import msgspec
 import torch
 import trio
 
-from market.schemas import Assignment, CoverageAck, CoverageHeartbeat, HeldSlice, NothingNeeded
 from swarm.errors import ConfigError, SwarmError
-from swarm.expert_rpc import expert_stream_handler, make_hello
-from swarm.fetch import fetch_slice
-from swarm.identity import sign_body
-from swarm.nat import Nat, NatConfig, open_listener_host
-from swarm.slices import load_slice
-from swarm.transport import load_or_create_identity
-from swarm.wire import PROTOCOL_ID
+from swarm.model.fetch import fetch_slice
+from swarm.model.slices import load_slice
+from swarm.p2p.identity import sign_body
+from swarm.p2p.nat import Nat, NatConfig, open_listener_host
+from swarm.p2p.transport import load_or_create_identity
+from swarm.protocol.expert import PROTOCOL_ID
+from swarm.protocol.market import Assignment, CoverageAck, CoverageHeartbeat, HeldSlice, NothingNeeded
+from swarm.rpc.expert import expert_stream_handler, make_hello
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer, shielded_until_cancelled
 

@@ -23,9 +23,9 @@ import torch
 import trio
 
 from swarm.errors import RemoteProtocolError
-from swarm.experts import pairs_from_lists, slice_partial_sum
-from swarm.slices import LoadedSlice
-from swarm.wire import ExpertRequest
+from swarm.model.experts import pairs_from_lists, slice_partial_sum
+from swarm.model.slices import LoadedSlice
+from swarm.protocol.expert import ExpertRequest
 
 __all__ = ["ExpertServer", "ServeStats", "shielded_until_cancelled"]
 

@@ -9,7 +9,7 @@ Rules:
 - The libp2p identity persists in ``DATA_DIR/identity.key``: a restarted volunteer keeps its
   peer id, so dispatch maps that name it stay valid.
 - Behind a NAT (``--relay``): the volunteer asks its relays whether it is reachable, reserves a
-  slot on them if not, and advertises its ``/p2p-circuit`` addresses (``swarm.nat``); with
+  slot on them if not, and advertises its ``/p2p-circuit`` addresses (``swarm.p2p.nat``); with
   ``--no-direct`` it does not listen at all and is reachable only through its relays.
 - Once serving, ``DATA_DIR/volunteer.json`` holds the peer id and the advertised addresses (for
   scripts that build dispatch maps) and one status line is printed to stdout. The file is
@@ -30,11 +30,11 @@ import msgspec
 import trio
 
 from swarm.errors import ConfigError
-from swarm.expert_rpc import expert_stream_handler, make_hello
-from swarm.fetch import fetch_slice
-from swarm.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
-from swarm.slices import LoadedSlice, load_slice, parse_slice_arg
-from swarm.wire import PROTOCOL_ID
+from swarm.model.fetch import fetch_slice
+from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
+from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
+from swarm.protocol.expert import PROTOCOL_ID
+from swarm.rpc.expert import expert_stream_handler, make_hello
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
 __all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]

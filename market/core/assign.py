@@ -28,7 +28,7 @@ import msgspec
 
 from market.core.demand import CoverageCounts
 from market.core.records import SliceRef
-from market.core.rng import Rng
+from swarm.core.rng import Rng
 
 __all__ = [
     "Budget",

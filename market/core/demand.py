@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Literal
 
-import msgspec
-
 from market.core.records import CoverageRow
+from swarm.protocol.market import Segment
 
 __all__ = ["CountKind", "CoverageCounts", "Segment", "contribution", "effective_target", "scarcity", "segments"]
 
@@ -90,18 +89,6 @@ class CoverageCounts:
 
     def min_replicas(self) -> int:
         return min((min(r) for r in self.replicas), default=0)
-
-
-class Segment(msgspec.Struct, frozen=True):
-    """A maximal run of experts of one layer with the same counts (hence the same demand)."""
-
-    layer: int
-    lo: int
-    hi: int
-    replicas: int
-    pending: int
-    target: int
-    scarcity: float
 
 
 def segments(counts: CoverageCounts, target: int) -> list[Segment]:

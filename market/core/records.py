@@ -9,21 +9,20 @@ Rules:
 - Slices are half-open ``[lo, hi)`` expert ranges of one layer (DESIGN §11).
 - Times are the market's ``now`` (Unix seconds in the service, virtual seconds in tests):
   persisted times must stay meaningful across a restart, so the service uses the wall clock.
-- ``ModelManifest`` mirrors ``swarm.slices.Manifest`` field for field (the wire shape of
-  ``GET /v1/models/{id}/manifest``) without importing the model code; unknown fields are
-  accepted so a newer coordinator can register with an older market.
+- ``ModelManifest`` is ``swarm.protocol.manifest``'s, the one wire shape of a model's manifest.
 """
 
 from __future__ import annotations
 
 import enum
-import re
 from typing import Annotated, Final
 
 import msgspec
 
 from swarm.dispatch_map import LayerRanges
 from swarm.ids import SliceKey
+from swarm.protocol.manifest import MODEL_ID_PATTERN, ModelManifest
+from swarm.protocol.market import HeldState
 
 __all__ = [
     "MODEL_ID_PATTERN",
@@ -45,10 +44,6 @@ __all__ = [
     "row_table",
 ]
 
-MODEL_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
-_MODEL_ID = re.compile(MODEL_ID_PATTERN)
-
-ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 
@@ -64,31 +59,6 @@ class Table(enum.StrEnum):
 
 
 SliceRef = SliceKey  # the slice identity of DESIGN §11, shared with the coordinator and volunteers
-
-
-class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
-    """What a coordinator says about a model it hosts (same shape as ``swarm.slices.Manifest``)."""
-
-    model_id: ModelId
-    arch: Annotated[str, msgspec.Meta(max_length=64)]
-    n_layer: Annotated[int, msgspec.Meta(ge=1, le=4096)]
-    n_expert: Annotated[int, msgspec.Meta(ge=1, le=65536)]
-    n_expert_used: NonNeg = 0
-    d_model: Positive = 1
-    d_expert: Positive = 1
-    tensor_types: list[dict[str, str]] = []
-    bytes_per_expert: list[Positive]
-    gguf_sha256: str = ""
-    slice_format: int = 1
-
-    def problems(self) -> list[str]:
-        """What makes this manifest unusable (empty when it is fine)."""
-        out: list[str] = []
-        if not _MODEL_ID.match(self.model_id):
-            out.append(f"bad model id {self.model_id!r}")
-        if len(self.bytes_per_expert) != self.n_layer:
-            out.append(f"bytes_per_expert has {len(self.bytes_per_expert)} entries for {self.n_layer} layers")
-        return out
 
 
 class ModelRow(msgspec.Struct, frozen=True, tag=True):
@@ -121,14 +91,6 @@ class VolunteerRow(msgspec.Struct, frozen=True, tag=True):
     first_seen: float
     addrs: list[str] = []
     max_bytes: int | None = None
-
-
-class HeldState(enum.StrEnum):
-    """What a volunteer says about a slice it holds."""
-
-    LOADING = "loading"  # downloading / loading: not dispatchable yet
-    SERVING = "serving"  # loaded and reachable: dispatchable
-    DRAINING = "draining"  # the volunteer is leaving: do not dispatch, it finishes in-flight calls
 
 
 class CoverageRow(msgspec.Struct, frozen=True, tag=True):

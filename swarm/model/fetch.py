@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 
 import httpx
-import msgspec
 import trio
 from tqdm import tqdm
 
 from swarm.errors import SliceError
+from swarm.protocol.http import error_message
 
 __all__ = ["fetch_slice"]
 
@@ -66,21 +66,6 @@ def _digest_from_etag(etag: str | None) -> str | None:
         return None
     inner = etag.strip('"').lower()
     return inner if _SHA256.fullmatch(inner) else None
-
-
-class _ErrorDetail(msgspec.Struct):
-    message: str
-
-
-class _ErrorBody(msgspec.Struct):
-    error: _ErrorDetail
-
-
-def _server_message(body: bytes) -> str:
-    try:
-        return msgspec.json.decode(body, type=_ErrorBody).error.message
-    except msgspec.DecodeError:
-        return body[:200].decode("utf-8", "replace")
 
 
 async def fetch_slice(
@@ -188,7 +173,7 @@ async def _download_once(
                 raise _Transient(f"HTTP {resp.status_code}")
             if resp.status_code not in (200, 206):
                 body = await resp.aread()
-                raise SliceError(f"GET {url}: HTTP {resp.status_code}: {_server_message(body)}")
+                raise SliceError(f"GET {url}: HTTP {resp.status_code}: {error_message(body)}")
             server_digest = _digest_from_etag(etag)
             if expected is not None and server_digest is not None and server_digest != expected:
                 await _discard(part, tag_file)

@@ -3,7 +3,7 @@
 Rules:
 - Request bodies forbid unknown fields and carry their limits as ``msgspec.Meta`` constraints,
   so bad input is a 400 with a clear message, never an exception inside the market.
-- ``CoverageHeartbeat`` is signed (``swarm.identity``): its field order is part of the signature
+- ``CoverageHeartbeat`` is signed (``swarm.p2p.identity``): its field order is part of the signature
   and must not change; new fields go at the end, with defaults, and both sides must know them
   (a receiver re-encodes only the fields it knows, so an unknown field breaks verification).
 - Responses are plain Structs encoded as JSON; the two answers of ``/api/expert-volunteer`` are a
@@ -12,12 +12,12 @@ Rules:
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Literal
 
 import msgspec
 
-from market.core.demand import Segment
-from market.core.records import MODEL_ID_PATTERN, HeldState, ModelManifest
+from swarm.protocol.manifest import MODEL_ID_PATTERN, ModelManifest
 
 __all__ = [
     "Assignment",
@@ -25,8 +25,6 @@ __all__ = [
     "CoverageAck",
     "CoverageHeartbeat",
     "DemandView",
-    "ErrorBody",
-    "ErrorDetail",
     "HeldSlice",
     "ModelDemand",
     "ModelRecruitment",
@@ -55,6 +53,26 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Layer = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Expert = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
+class HeldState(enum.StrEnum):
+    """What a volunteer says about a slice it holds."""
+
+    LOADING = "loading"  # downloading / loading: not dispatchable yet
+    SERVING = "serving"  # loaded and reachable: dispatchable
+    DRAINING = "draining"  # the volunteer is leaving: do not dispatch, it finishes in-flight calls
+
+
+class Segment(msgspec.Struct, frozen=True):
+    """A maximal run of experts of one layer with the same counts (hence the same demand)."""
+
+    layer: int
+    lo: int
+    hi: int
+    replicas: int
+    pending: int
+    target: int
+    scarcity: float
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -97,7 +115,7 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
 
     ``addrs`` are multiaddrs the coordinator can dial, best first: direct ones, or relayed
     ``.../p2p-circuit/p2p/<peer_id>`` ones. ``load`` = calls in flight. ``signature`` is
-    ``swarm.identity.sign_body`` of this body (field order matters; see there).
+    ``swarm.p2p.identity.sign_body`` of this body (field order matters; see there).
     """
 
     peer_id: PeerId
@@ -121,17 +139,6 @@ SlicesReport = list[SlotInfo]
 
 
 # -- responses --------------------------------------------------------------------------------
-
-
-class ErrorDetail(msgspec.Struct):
-    message: str
-    type: str
-    code: str
-    param: str | None = None
-
-
-class ErrorBody(msgspec.Struct):
-    error: ErrorDetail
 
 
 class RegisterAck(msgspec.Struct):

@@ -3,7 +3,7 @@
 The dequantisers turn the raw bytes of a GGUF tensor (a ``uint8`` torch tensor, typically a
 zero-copy view of the memory-mapped file or of a slice file) into float32, on every use of a
 weight, so they are fully vectorised over blocks. The quantisers are numpy and serve the model
-generator (``swarm.makemodel``); K-quant quantisers are simple (no llama.cpp-style search) but
+generator (``swarm.tools.makemodel``); K-quant quantisers are simple (no llama.cpp-style search) but
 follow the ggml block layouts exactly.
 
 Rules:

@@ -1,5 +1,5 @@
 """Relay and NAT traversal for a libp2p host (shell): circuit dialing, hole punching, reachability,
-relay reservations. Decisions live in ``swarm.core.paths`` and ``relay.core.reservation``.
+relay reservations. Decisions live in ``swarm.core.paths`` and ``swarm.core.reservation``.
 
 ``open_nat(transport, cfg)`` attaches a ``Nat`` to a ``Libp2pTransport`` for the lifetime of the
 context (its ``nat`` hook), so ``transport.open_stream`` reaches peers by ``/p2p-circuit``
@@ -19,7 +19,7 @@ Rules:
   dialling each other "as responder" deadlock their Noise handshakes).
 - Listening through relays (``relays``): reachability is asked of the relays first (AutoNAT v1
   dial-back); ``swarm.core.paths`` decides what to advertise and whether to reserve. Each relay
-  gets its own ``relay.core.reservation`` machine: reserve, refresh, re-reserve with backoff after
+  gets its own ``swarm.core.reservation`` machine: reserve, refresh, re-reserve with backoff after
   a lost connection or a refusal. Inbound circuits (STOP) are accepted only from those relays.
 - ``advertised`` is the current address list (direct and/or circuit); ``changed`` is set and
   replaced whenever it or a reservation's state changes.
@@ -40,7 +40,17 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 import trio
 
-from relay.core.reservation import (
+from swarm.core.paths import (
+    DialResult,
+    Reachability,
+    advertised_addrs,
+    classify_path,
+    dial_plan,
+    is_circuit,
+    reachability_verdict,
+    should_reserve,
+)
+from swarm.core.reservation import (
     Advertise,
     ConnectionLost,
     Event,
@@ -56,18 +66,8 @@ from relay.core.reservation import (
     TimerFired,
     Withdraw,
 )
-from swarm.core.paths import (
-    DialResult,
-    Reachability,
-    advertised_addrs,
-    classify_path,
-    dial_plan,
-    is_circuit,
-    reachability_verdict,
-    should_reserve,
-)
 from swarm.errors import ConfigError
-from swarm.transport import DialError, Libp2pTransport, quietly
+from swarm.p2p.transport import DialError, Libp2pTransport, quietly
 
 if TYPE_CHECKING:
     from libp2p.abc import INetConn, INetStream
@@ -675,7 +675,7 @@ async def open_listener_host(
     (or the relays did not answer in time: ``nat.advertised`` may then be empty and fills in
     later; wait on ``nat.changed``). An empty ``listen_addrs`` makes a relay-only host.
     """
-    from swarm.transport import open_libp2p_transport
+    from swarm.p2p.transport import open_libp2p_transport
 
     if not listen_addrs and not cfg.relays:
         raise ConfigError("a host without a listen address needs at least one relay (--relay)")

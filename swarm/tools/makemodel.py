@@ -61,8 +61,8 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType as T
 
-from swarm import quant
 from swarm.errors import ConfigError, SwarmError
+from swarm.model import quant
 
 __all__ = [
     "ARCHITECTURES",

@@ -121,7 +121,7 @@ def dequantize_raw(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: t
         return raw.contiguous().view(torch.float32).reshape(shape)
     if qtype == gguf.GGMLQuantizationType.F16:
         return raw.contiguous().view(torch.float16).reshape(shape).to(torch.float32)
-    from swarm.quant import dequantize  # the quantised kernels live in one module
+    from swarm.model.quant import dequantize  # the quantised kernels live in one module
 
     return dequantize(raw, qtype, shape)
 

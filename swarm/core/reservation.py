@@ -1,7 +1,7 @@
 """A volunteer's reservation on one relay: reserve, refresh, re-reserve with backoff (pure core).
 
 Events in, effects out: ``ReservationClient.handle(event, now) -> list[Effect]``. The shell
-(``swarm.nat``) sends the RESERVE when asked (``SendReserve``), reports the outcome
+(``swarm.p2p.nat``) sends the RESERVE when asked (``SendReserve``), reports the outcome
 (``ReserveSucceeded`` / ``ReserveFailed``), reports a lost connection to the relay
 (``ConnectionLost``), fires the one timer (``SetTimer``; a new one replaces the old), and adds or
 removes the relay's ``/p2p-circuit`` addresses from what the volunteer advertises

@@ -12,7 +12,7 @@ Rules:
   of ``SliceMeta``. The slice id is the sha256 hex of the file.
 - Quantised blocks stay quantised: each tensor is ``uint8[hi-lo, rows, bytes_per_row]`` and the
   metadata carries its ggml type name and logical shape, so a loaded slice dequantises per use with
-  the very code the coordinator uses (``swarm.gguf_model.ExpertStack``): results are bit-identical.
+  the very code the coordinator uses (``swarm.model.gguf.ExpertStack``): results are bit-identical.
 - A slice file comes from a peer: everything in it is validated and every defect is a
   ``SliceError`` naming what is wrong, never an assert.
 - Cache files are written to a temp file in the same directory, fsynced and renamed over the target,
@@ -41,15 +41,15 @@ import safetensors
 import safetensors.torch
 
 from swarm.errors import SliceError
-from swarm.gguf_model import SUPPORTED_TYPES, ExpertStack, GGUFModel, ModelConfig, QTensor, file_sha256
 from swarm.ids import SliceKey, parse_slice_arg
+from swarm.model.gguf import SUPPORTED_TYPES, ExpertStack, GGUFModel, ModelConfig, QTensor, file_sha256
+from swarm.protocol.manifest import SLICE_FORMAT, ModelManifest
 
 __all__ = [
     "EXPERT_KINDS",
     "METADATA_KEY",
     "SLICE_FORMAT",
     "LoadedSlice",
-    "Manifest",
     "SliceCache",
     "SliceFile",
     "SliceKey",
@@ -64,7 +64,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SLICE_FORMAT: Final = 1
 METADATA_KEY: Final = "moe_swarm_slice"
 EXPERT_KINDS: Final = ("gate", "up", "down")
 _MAX_HEADER: Final = 1 << 20  # three tensors and a small metadata blob: anything larger is hostile
@@ -269,7 +268,7 @@ def _write_atomic(path: Path, layout: _Layout) -> str:
 
 @dataclass(frozen=True)
 class LoadedSlice:
-    """A validated slice file; ``experts`` satisfies ``swarm.experts.ExpertWeights``."""
+    """A validated slice file; ``experts`` satisfies ``swarm.model.experts.ExpertWeights``."""
 
     key: SliceKey
     meta: SliceMeta
@@ -369,29 +368,7 @@ def load_slice(source: str | Path | bytes | bytearray | memoryview) -> LoadedSli
 # -- manifest ---------------------------------------------------------------------------------
 
 
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
-    """What a volunteer or the market needs to know about a hosted model's experts (DESIGN §11).
-
-    ``tensor_types[layer][kind]`` is the ggml type name of that layer's ``kind`` expert tensor
-    (types may differ between layers, as in llama.cpp's mixed quantisations); ``bytes_per_expert
-    [layer]`` is the raw gate + up + down bytes of one expert of that layer (a slice file of ``n``
-    experts is that times ``n`` plus a small header).
-    """
-
-    model_id: str
-    arch: str
-    n_layer: int
-    n_expert: int
-    n_expert_used: int
-    d_model: int
-    d_expert: int
-    tensor_types: list[dict[str, str]]
-    bytes_per_expert: list[int]
-    gguf_sha256: str
-    slice_format: int = SLICE_FORMAT
-
-
-def build_manifest(model: GGUFModel) -> Manifest:
+def build_manifest(model: GGUFModel) -> ModelManifest:
     cfg = model.config
     types: list[dict[str, str]] = []
     per_expert: list[int] = []
@@ -399,7 +376,7 @@ def build_manifest(model: GGUFModel) -> Manifest:
         stack = model.expert_stack(layer)
         types.append({"gate": stack.gate_t.qtype.name, "up": stack.up_t.qtype.name, "down": stack.down_t.qtype.name})
         per_expert.append(stack.nbytes // stack.n_expert)
-    return Manifest(
+    return ModelManifest(
         model_id=model.model_id,
         arch=cfg.arch,
         n_layer=cfg.n_layer,

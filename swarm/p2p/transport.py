@@ -117,7 +117,7 @@ class Transport(ABC):
 
 
 class NatHooks(Protocol):
-    """Relay and NAT support attached to a ``Libp2pTransport`` by ``swarm.nat``."""
+    """Relay and NAT support attached to a ``Libp2pTransport`` by ``swarm.p2p.nat``."""
 
     async def connect(self, peer_id: str, addrs: Sequence[str]) -> None:
         """Ensure a connection to ``peer_id``: direct addresses, then ``/p2p-circuit`` ones."""
@@ -582,7 +582,7 @@ class Libp2pTransport(Transport):
         self._dial_timeout_s = dial_timeout_s
         self._gate = _InboundGate(max_inbound_streams_per_peer)
         self._closed = False
-        self.nat: NatHooks | None = None  # set by swarm.nat: circuit dialing, hole punching, paths
+        self.nat: NatHooks | None = None  # set by swarm.p2p.nat: circuit dialing, hole punching, paths
 
     @property
     def peer_id(self) -> str:
@@ -623,7 +623,7 @@ class Libp2pTransport(Transport):
             try:
                 # dial_peer skips connections that are closing and dials afresh; host.new_stream
                 # alone would pick a dead connection that the swarm has not removed yet.
-                # dial_peer skips /p2p-circuit addresses: swarm.nat dials those (workaround (e)).
+                # dial_peer skips /p2p-circuit addresses: swarm.p2p.nat dials those (workaround (e)).
                 if self.nat is not None:
                     await self.nat.connect(peer_id, addrs)
                 else:
@@ -731,7 +731,7 @@ async def open_libp2p_transport(
 #     default). Fix: max_connections_per_peer=1 (we want one connection per peer anyway), so the
 #     first success cancels the wait, as happy eyeballs intends.
 # (c) A stream per call costs a multistream-select round trip (~3.5 ms): not patched here;
-#     swarm.expert_rpc keeps one long-lived, pipelined stream per peer instead.
+#     swarm.rpc.expert keeps one long-lived, pipelined stream per peer instead.
 # (d) Shutdown leaked sockets: the library closes connections and listeners in its service's
 #     ``finally`` while being cancelled, so each close stops at its first checkpoint. The
 #     listening socket lives in a trio system task and stays open; with SO_REUSEPORT a peer
@@ -746,9 +746,9 @@ async def open_libp2p_transport(
 # No ResourceManager: its default circuit breaker, per-peer connection rate limit and
 # memory-based admission fail connections in ways the caller cannot see or configure here; the
 # limits that matter are max_connections (swarm) and max_inbound_streams_per_peer (ours).
-# Relay and NAT traversal (swarm/nat.py, relay/service.py; tests/test_relay_workarounds.py):
+# Relay and NAT traversal (swarm/p2p/nat.py, relay/service.py; tests/test_relay_workarounds.py):
 # (e) host.connect() and Swarm.dial_peer skip /p2p-circuit addresses. Libp2pTransport.open_stream
-#     calls swarm.nat's connect hook, which dials them itself (HOP CONNECT, then Noise + Yamux
+#     calls swarm.p2p.nat's connect hook, which dials them itself (HOP CONNECT, then Noise + Yamux
 #     over the relayed stream).
 # (f) CircuitV2Protocol keys live circuits by peer id, so the end of one circuit closes another
 #     circuit to the same peer, and RelayLimits(data=0) cuts a circuit at its first byte (0 is
@@ -828,7 +828,7 @@ def _build_libp2p_host(key_pair: KeyPair, *, websocket: bool = False) -> BasicHo
     from libp2p.transport.tcp.tcp import TCP
     from libp2p.transport.upgrader import TransportUpgrader
 
-    from swarm.yamux_tuning import apply_yamux_tuning
+    from swarm.p2p.patches.yamux import apply_yamux_tuning
 
     peer_id = ID.from_pubkey(key_pair.public_key)
     peerstore = PeerStore()

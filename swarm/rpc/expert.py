@@ -48,8 +48,8 @@ from swarm.errors import (
     TransportError,
     TransportTimeout,
 )
-from swarm.transport import Stream, StreamHandler, Transport
-from swarm.wire import (
+from swarm.p2p.transport import Stream, StreamHandler, Transport
+from swarm.protocol.expert import (
     DEFAULT_LIMITS,
     PROTOCOL_ID,
     PROTOCOL_VERSION,
