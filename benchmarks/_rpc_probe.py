@@ -25,10 +25,15 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarm.errors import BrokenError  # noqa: E402
-from swarm.p2p.transport import DialError, Stream, StreamHandler, Transport, open_libp2p_transport  # noqa: E402
+from swarm.errors import (
+    BrokenError,  # noqa: E402
+    DialError,
+)
+from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.p2p.transport import Stream, StreamHandler, Transport
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
-from swarm.rpc.expert import expert_stream_handler, open_expert_client  # noqa: E402
+from swarm.rpc.client import open_expert_client
+from swarm.rpc.server import expert_stream_handler
 
 D_MODEL = 1024
 

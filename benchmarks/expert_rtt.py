@@ -40,10 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from swarm.model.experts import slice_partial_sum  # noqa: E402
+from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import NatConfig, open_listener_host, open_nat  # noqa: E402
-from swarm.p2p.transport import Libp2pTransport, open_libp2p_transport  # noqa: E402
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
-from swarm.rpc.expert import expert_stream_handler, make_hello, open_expert_client  # noqa: E402
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, make_hello  # noqa: E402
+from swarm.rpc.client import open_expert_client
+from swarm.rpc.server import expert_stream_handler
 
 D_MODEL, WIDTH = 1024, 2816
 MODEL_ID = "bench-expert"

@@ -45,10 +45,11 @@ from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, 
 from swarm.errors import ConfigError, SwarmError
 from swarm.model.experts import slice_partial_sum
 from swarm.model.gguf import GGUFModel
+from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
-from swarm.p2p.transport import Libp2pTransport, Transport
+from swarm.p2p.transport import Transport
 from swarm.protocol.expert import ExpertRequest, RequestId
-from swarm.rpc.expert import ExpertClient
+from swarm.rpc.client import ExpertClient
 
 __all__ = ["Dispatcher", "watch_dispatch_map_file"]
 

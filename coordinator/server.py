@@ -29,7 +29,7 @@ from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import SliceCache, build_manifest
-from swarm.p2p.transport import open_libp2p_transport
+from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.text.tokenizer import Tokenizer
 
 __all__ = ["CoordinatorConfig", "load_runtime", "serve_coordinator"]

@@ -42,7 +42,7 @@ from market.core.records import (
     row_key,
     row_table,
 )
-from swarm.errors import SwarmError
+from swarm.errors import StoreError
 
 __all__ = [
     "Change",
@@ -52,15 +52,10 @@ __all__ = [
     "Put",
     "SqliteStore",
     "Store",
-    "StoreError",
     "open_sqlite_store",
 ]
 
 SCHEMA_VERSION: Final = 1
-
-
-class StoreError(SwarmError):
-    code = "store_error"
 
 
 class Put(msgspec.Struct, frozen=True, tag=True):

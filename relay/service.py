@@ -47,8 +47,9 @@ from starlette.routing import Route
 
 from relay.core.ledger import Admitted, Direction, Refusal, Refused, RelayLedger, RelayLimits
 from swarm.errors import ConfigError
+from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import AUTONAT_PROTOCOL, HOP_PROTOCOL, STOP_PROTOCOL, is_relayed_conn
-from swarm.p2p.transport import Libp2pTransport, open_libp2p_transport, quietly
+from swarm.p2p.transport import quietly
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream

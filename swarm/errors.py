@@ -1,48 +1,82 @@
-"""The moe-swarm error tree (pure: no I/O).
+"""The moe-swarm error tree: every exception the project raises on purpose (pure: no I/O).
 
 Rules:
-- Every error raised by our code on purpose is a ``SwarmError``.
+- Every error raised by our code on purpose is a ``SwarmError``; every project exception class is
+  defined here, nowhere else.
 - Foreign exceptions are translated at the boundary: ``raise Ours(...) from exc``.
 - Every error carries a stable machine-readable ``code`` (used in HTTP error bodies and in error
   frames on libp2p); the message is for people.
+- A *refusal* (``Refused``: the peer understood a well-formed request and declined it on purpose --
+  it is draining, does not hold the slice, does not serve us) is not a protocol breach
+  (``RemoteProtocolError``: the peer sent something invalid). Callers retry a refusal elsewhere
+  without counting it against the peer's honesty; ``remote_error`` builds the right class from an
+  error frame's code.
 
 Hierarchy::
 
     SwarmError
-    ├── ConfigError                 bad flags, files or settings
+    ├── ConfigError                 bad flags, files or settings (also: the wrong py-libp2p version)
     ├── ModelError                  a GGUF we cannot load
     │   ├── UnsupportedArchitecture
     │   └── UnsupportedTensorType
     ├── TokenizerError
     ├── SliceError                  a slice that cannot be cut, fetched or verified
-    ├── ProtocolError               a peer broke the wire protocol
+    ├── StoreError                  the market's durable store cannot be used
+    ├── ProtocolError
     │   ├── LocalProtocolError      we were about to send something invalid
     │   └── RemoteProtocolError     the peer sent something invalid (or an error frame)
+    │       └── WireError           a broken expert-stream frame (``fatal``: framing lost)
+    │           ├── FrameTooLarge, MalformedHeader, UnexpectedMessage, BadShape, BadIndex,
+    │           └── NonFinite, TooManyRows, UnsupportedDtype, VersionMismatch
+    ├── Refused                     a well-formed request declined on purpose (not a breach)
+    │   ├── Draining                the volunteer is shutting down
+    │   └── SliceNotHeld            the volunteer does not serve that slice
     ├── TransportError
     │   ├── ClosedError
     │   ├── BrokenError
-    │   └── TransportTimeout
+    │   ├── TransportTimeout
+    │   └── DialError               a stream could not be opened
     └── RequestError                an API request that is invalid (-> HTTP 4xx)
+        └── IdentityError           a peer id without an Ed25519 key, or a bad signature
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 __all__ = [
+    "BadIndex",
+    "BadShape",
     "BrokenError",
     "ClosedError",
     "ConfigError",
+    "DialError",
+    "Draining",
+    "FrameTooLarge",
+    "IdentityError",
     "LocalProtocolError",
+    "MalformedHeader",
     "ModelError",
+    "NonFinite",
     "ProtocolError",
+    "Refused",
     "RemoteProtocolError",
     "RequestError",
     "SliceError",
+    "SliceNotHeld",
+    "StoreError",
     "SwarmError",
     "TokenizerError",
+    "TooManyRows",
     "TransportError",
     "TransportTimeout",
+    "UnexpectedMessage",
     "UnsupportedArchitecture",
+    "UnsupportedDtype",
     "UnsupportedTensorType",
+    "VersionMismatch",
+    "WireError",
+    "remote_error",
 ]
 
 
@@ -85,6 +119,10 @@ class SliceError(SwarmError):
     code = "slice_error"
 
 
+class StoreError(SwarmError):
+    code = "store_error"
+
+
 class ProtocolError(SwarmError):
     code = "protocol_error"
 
@@ -95,6 +133,91 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     code = "remote_protocol_error"
+
+
+class WireError(RemoteProtocolError):
+    """The peer broke the wire protocol. ``fatal``: the framing is lost, close the stream.
+
+    ``request_id``/``attempt`` are set when the offending frame could be attributed to a request,
+    so the answer can be routed to the caller waiting for it.
+    """
+
+    code = "remote_protocol_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        fatal: bool = False,
+        request_id: int | None = None,
+        attempt: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.fatal = fatal
+        self.request_id = request_id
+        self.attempt = attempt
+
+
+class FrameTooLarge(WireError):
+    code = "frame_too_large"
+
+
+class MalformedHeader(WireError):
+    code = "malformed_header"
+
+
+class UnexpectedMessage(WireError):
+    code = "unexpected_message"
+
+
+class BadShape(WireError):
+    code = "bad_shape"
+
+
+class BadIndex(WireError):
+    code = "bad_index"
+
+
+class NonFinite(WireError):
+    code = "non_finite"
+
+
+class TooManyRows(WireError):
+    code = "too_many_rows"
+
+
+class UnsupportedDtype(WireError):
+    code = "unsupported_dtype"
+
+
+class VersionMismatch(WireError):
+    code = "version_mismatch"
+
+
+class Refused(SwarmError):
+    """The peer declined a well-formed request on purpose; try elsewhere, it is not a breach."""
+
+    code = "refused"
+
+
+class Draining(Refused):
+    code = "draining"
+
+
+class SliceNotHeld(Refused):
+    code = "slice_not_held"
+
+
+_REFUSALS: Final[dict[str, type[Refused]]] = {"draining": Draining, "slice_not_held": SliceNotHeld}
+
+
+def remote_error(code: str, message: str) -> Refused | RemoteProtocolError:
+    """The error for a peer's error frame with ``code``: a refusal or a protocol breach."""
+    cls = _REFUSALS.get(code)
+    if cls is not None:
+        return cls(message)
+    return RemoteProtocolError(message, code=code)
 
 
 class TransportError(SwarmError):
@@ -113,6 +236,12 @@ class TransportTimeout(TransportError):
     code = "timeout"
 
 
+class DialError(TransportError):
+    """A stream could not be opened: unknown or unreachable peer, partition, protocol not spoken."""
+
+    code = "dial_failed"
+
+
 class RequestError(SwarmError):
     """An invalid API request; ``status`` is the HTTP status to answer with."""
 
@@ -122,3 +251,9 @@ class RequestError(SwarmError):
         super().__init__(message, code=code)
         self.status = status
         self.param = param
+
+
+class IdentityError(RequestError):
+    """A peer id that cannot carry an Ed25519 key, or a signature that does not verify."""
+
+    code = "bad_peer_id"

@@ -23,7 +23,9 @@ from swarm.errors import (
     TransportError,
     TransportTimeout,
 )
-from swarm.p2p.transport import FakeNetwork, Stream, Transport, open_fake_transport, open_libp2p_transport
+from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.p2p.memory import FakeNetwork, open_fake_transport
+from swarm.p2p.transport import Stream, Transport
 from swarm.protocol.expert import (
     DEFAULT_LIMITS,
     PROTOCOL_ID,
@@ -36,9 +38,11 @@ from swarm.protocol.expert import (
     RequestId,
     WireLimits,
     encode_frame,
-    tensor_to_payload,
+    make_hello,
 )
-from swarm.rpc.expert import ExpertClient, expert_stream_handler, make_hello, open_expert_client
+from swarm.rpc.client import ExpertClient, open_expert_client
+from swarm.rpc.server import expert_stream_handler
+from swarm.rpc.tensors import tensor_to_payload
 
 D = 16
 

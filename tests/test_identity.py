@@ -12,8 +12,8 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.secp256k1 import create_new_key_pair as create_secp256k1_key_pair
 from libp2p.peer.id import ID
 
+from swarm.errors import IdentityError
 from swarm.p2p.identity import (
-    IdentityError,
     check_peer_id,
     peer_id_of,
     public_key_from_peer_id,

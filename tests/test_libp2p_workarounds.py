@@ -25,16 +25,13 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from swarm.errors import ConfigError
-from swarm.p2p.transport import (
-    DialError,
-    Libp2pTransport,
-    Stream,
-    load_or_create_identity,
-    open_libp2p_transport,
-)
+from swarm.errors import ConfigError, DialError
+from swarm.p2p.identity import load_or_create_identity
+from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
+from swarm.p2p.transport import Stream
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
-from swarm.rpc.expert import expert_stream_handler, open_expert_client
+from swarm.rpc.client import open_expert_client
+from swarm.rpc.server import expert_stream_handler
 
 ECHO = "/test/echo/1"
 

@@ -27,8 +27,9 @@ from market.core.records import (
     VolunteerRow,
     coverage_key,
 )
-from market.store import Delete, InMemoryStore, MemoryBacking, Put, Store, StoreError, open_sqlite_store
+from market.store import Delete, InMemoryStore, MemoryBacking, Put, Store, open_sqlite_store
 from swarm.dispatch_map import LayerRanges, RangeReplicas, Replica
+from swarm.errors import StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 MID = "tiny-0123456789ab"

@@ -20,12 +20,14 @@ from coordinator.model import Transformer
 from relay.service import RelayConfig, RelayService, open_relay
 from swarm.core.paths import Reachability
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
+from swarm.errors import DialError
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import cut_slice, load_slice
+from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, open_nat
-from swarm.p2p.transport import DialError, Libp2pTransport, Stream, open_libp2p_transport
-from swarm.protocol.expert import PROTOCOL_ID
-from swarm.rpc.expert import expert_stream_handler, make_hello
+from swarm.p2p.transport import Stream
+from swarm.protocol.expert import PROTOCOL_ID, make_hello
+from swarm.rpc.server import expert_stream_handler
 from tests.test_remote_experts import HALVES, greedy
 from volunteer.server import ExpertServer
 

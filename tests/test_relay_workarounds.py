@@ -37,8 +37,9 @@ from multiaddr import Multiaddr
 
 from relay.service import RelayConfig, RelayService, open_relay
 from swarm.errors import TransportError
+from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import NatConfig, open_listener_host, open_nat
-from swarm.p2p.transport import Libp2pTransport, Stream, open_libp2p_transport
+from swarm.p2p.transport import Stream
 
 ECHO = "/test/echo/1"
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)

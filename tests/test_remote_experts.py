@@ -20,9 +20,10 @@ from coordinator.model import KVCache, SeqChunk, Transformer
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import cut_slice, load_slice
-from swarm.p2p.transport import Transport, open_libp2p_transport
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest
-from swarm.rpc.expert import expert_stream_handler, make_hello
+from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.p2p.transport import Transport
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, make_hello
+from swarm.rpc.server import expert_stream_handler
 from volunteer.server import ExpertServer
 
 Handler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]

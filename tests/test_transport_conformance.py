@@ -13,15 +13,10 @@ import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from swarm.errors import BrokenError, ClosedError, TransportError
-from swarm.p2p.transport import (
-    DialError,
-    FakeNetwork,
-    Stream,
-    Transport,
-    open_fake_transport,
-    open_libp2p_transport,
-)
+from swarm.errors import BrokenError, ClosedError, DialError, TransportError
+from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.p2p.memory import FakeNetwork, open_fake_transport
+from swarm.p2p.transport import Stream, Transport
 
 ECHO = "/test/echo/1"
 

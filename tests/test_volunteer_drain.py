@@ -11,9 +11,10 @@ import trio
 
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import cut_slice, load_slice
-from swarm.p2p.transport import open_libp2p_transport
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
-from swarm.rpc.expert import expert_stream_handler, make_hello, open_expert_client
+from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, make_hello
+from swarm.rpc.client import open_expert_client
+from swarm.rpc.server import expert_stream_handler
 from volunteer import server as server_mod
 from volunteer.server import ExpertServer, shielded_until_cancelled
 

@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.errors import BrokenError, LocalProtocolError, RemoteProtocolError
+from swarm.errors import (
+    BrokenError,
+    FrameTooLarge,
+    LocalProtocolError,
+    MalformedHeader,
+    RemoteProtocolError,
+    WireError,
+)
 from swarm.protocol.expert import (
     PROTOCOL_ID,
     PROTOCOL_VERSION,
@@ -22,20 +29,16 @@ from swarm.protocol.expert import (
     Frame,
     FrameDecoder,
     FrameReader,
-    FrameTooLarge,
     Hello,
-    MalformedHeader,
     Message,
     RequestId,
-    WireError,
     WireLimits,
     choose_dtype,
     decode_message,
     encode_frame,
-    payload_to_tensor,
-    tensor_to_payload,
     validate_request,
 )
+from swarm.rpc.tensors import payload_to_tensor, tensor_to_payload
 
 
 def request(**changes: Any) -> ExpertRequest:

@@ -21,17 +21,13 @@ from libp2p.peer.id import ID
 from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, TYPE_WINDOW_UPDATE, Yamux
 
 import swarm.p2p.patches.yamux
+from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.patches.yamux import TunedYamux, YamuxTuning
-from swarm.p2p.transport import Libp2pTransport, Stream, open_libp2p_transport
-from swarm.protocol.expert import (
-    PROTOCOL_ID,
-    ExpertRequest,
-    ExpertResponse,
-    RequestId,
-    encode_frame,
-    tensor_to_payload,
-)
-from swarm.rpc.expert import expert_stream_handler, open_expert_client
+from swarm.p2p.transport import Stream
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, ExpertResponse, RequestId, encode_frame
+from swarm.rpc.client import open_expert_client
+from swarm.rpc.server import expert_stream_handler
+from swarm.rpc.tensors import tensor_to_payload
 
 ECHO = "/test/echo/1"
 D_MODEL = 1024

@@ -32,12 +32,11 @@ import trio
 from swarm.errors import ConfigError, SwarmError
 from swarm.model.fetch import fetch_slice
 from swarm.model.slices import load_slice
-from swarm.p2p.identity import sign_body
+from swarm.p2p.identity import load_or_create_identity, sign_body
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
-from swarm.p2p.transport import load_or_create_identity
-from swarm.protocol.expert import PROTOCOL_ID
+from swarm.protocol.expert import PROTOCOL_ID, make_hello
 from swarm.protocol.market import Assignment, CoverageAck, CoverageHeartbeat, HeldSlice, NothingNeeded
-from swarm.rpc.expert import expert_stream_handler, make_hello
+from swarm.rpc.server import expert_stream_handler
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer, shielded_until_cancelled
 

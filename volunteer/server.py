@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from swarm.errors import RemoteProtocolError
+from swarm.errors import Draining, RemoteProtocolError, SliceNotHeld
 from swarm.model.experts import pairs_from_lists, slice_partial_sum
 from swarm.model.slices import LoadedSlice
 from swarm.protocol.expert import ExpertRequest
@@ -213,14 +213,14 @@ class ExpertServer:
             if k.model_id == req.model_id and k.layer == req.layer and k.lo <= req.lo and req.hi <= k.hi:
                 return w, req.lo - k.lo
         held = ", ".join(str(w.sl.key) for w in self.workers) or "none"
-        raise RemoteProtocolError(
-            f"slice {req.layer}:{req.lo}-{req.hi} of {req.model_id} is not held here (held: {held})", code="slice_not_held"
+        raise SliceNotHeld(
+            f"slice {req.layer}:{req.lo}-{req.hi} of {req.model_id} is not held here (held: {held})"
         )
 
     async def handle(self, req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
         """The ``ExpertHandler`` plugged into ``expert_stream_handler``."""
         if self.draining:
-            raise RemoteProtocolError("volunteer is shutting down", code="draining")
+            raise Draining("volunteer is shutting down")
         worker, offset = self._find(req)
         if rows.shape[1] != worker.sl.experts.d_model:
             raise RemoteProtocolError(f"d_model {rows.shape[1]} != slice d_model {worker.sl.experts.d_model}", code="bad_shape")

@@ -33,8 +33,8 @@ from swarm.errors import ConfigError
 from swarm.model.fetch import fetch_slice
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
-from swarm.protocol.expert import PROTOCOL_ID
-from swarm.rpc.expert import expert_stream_handler, make_hello
+from swarm.protocol.expert import PROTOCOL_ID, make_hello
+from swarm.rpc.server import expert_stream_handler
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
 __all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]

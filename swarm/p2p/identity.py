@@ -1,4 +1,4 @@
-"""Peer identities and signed bodies (pure apart from the crypto: no I/O, no clock).
+"""Peer identities, their storage and signed bodies (pure apart from the crypto and the key file).
 
 A peer id is the libp2p base58 peer id of an Ed25519 key. Ed25519 public keys are small, so
 libp2p inlines them: the peer id is ``base58(multihash(identity, protobuf(PublicKey)))`` and the
@@ -33,16 +33,20 @@ Rules:
 from __future__ import annotations
 
 import functools
+import os
+import random
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from swarm.errors import RequestError
+from swarm.errors import ConfigError, IdentityError
 
 if TYPE_CHECKING:
     from libp2p.crypto.keys import KeyPair, PublicKey
 
 __all__ = [
+    "load_or_create_identity",
     "SIGNATURE_FIELD",
     "IdentityError",
     "check_peer_id",
@@ -56,12 +60,6 @@ __all__ = [
 SIGNATURE_FIELD = "signature"
 _MAX_PEER_ID_LEN = 128  # an Ed25519 id is 52 base58 characters; anything far longer is garbage
 _ED25519_SIGNATURE_LEN = 64
-
-
-class IdentityError(RequestError):
-    """A peer id that cannot carry an Ed25519 key, or a signature that does not verify."""
-
-    code = "bad_peer_id"
 
 
 def peer_id_of(key_pair: KeyPair) -> str:
@@ -137,3 +135,46 @@ def verify_body(peer_id: str, body: msgspec.Struct, signature: bytes) -> None:
         raise IdentityError("signature does not verify", code="bad_signature", status=401) from exc
     if not ok:
         raise IdentityError(f"signature does not verify for peer {peer_id}", code="bad_signature", status=401)
+
+
+def load_or_create_identity(path: Path) -> KeyPair:
+    """The Ed25519 identity stored at ``path`` (libp2p protobuf encoding); created on first use.
+
+    Creation is atomic and safe against a concurrent creator: the key is written to a private
+    temporary file (mode 0600), fsynced and hard-linked into place; if another process linked first,
+    its key wins and is returned.
+    """
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.crypto.keys import KeyPair, KeyType
+    from libp2p.crypto.serialization import deserialize_private_key
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        key_pair = create_new_key_pair()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{random.SystemRandom().getrandbits(32):08x}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(key_pair.private_key.serialize())
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return load_or_create_identity(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return key_pair
+    except OSError as exc:
+        raise ConfigError(f"cannot read identity key {path}: {exc}") from exc
+    try:
+        private_key = deserialize_private_key(data)
+    except Exception as exc:
+        raise ConfigError(
+            f"identity key {path} is corrupt ({exc}); move it away to create a new identity"
+        ) from exc
+    if private_key.get_type() != KeyType.Ed25519:
+        raise ConfigError(f"identity key {path} is {private_key.get_type().name}, expected Ed25519")
+    return KeyPair(private_key, private_key.get_public_key())

@@ -66,8 +66,9 @@ from swarm.core.reservation import (
     TimerFired,
     Withdraw,
 )
-from swarm.errors import ConfigError
-from swarm.p2p.transport import DialError, Libp2pTransport, quietly
+from swarm.errors import ConfigError, DialError
+from swarm.p2p.libp2p import Libp2pTransport
+from swarm.p2p.transport import quietly
 
 if TYPE_CHECKING:
     from libp2p.abc import INetConn, INetStream
@@ -675,7 +676,7 @@ async def open_listener_host(
     (or the relays did not answer in time: ``nat.advertised`` may then be empty and fills in
     later; wait on ``nat.changed``). An empty ``listen_addrs`` makes a relay-only host.
     """
-    from swarm.p2p.transport import open_libp2p_transport
+    from swarm.p2p.libp2p import open_libp2p_transport
 
     if not listen_addrs and not cfg.relays:
         raise ConfigError("a host without a listen address needs at least one relay (--relay)")

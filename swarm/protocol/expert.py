@@ -31,24 +31,36 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Annotated, Final, Literal, NewType, Protocol
 
 import msgspec
-import numpy as np
-import torch
 
-from swarm.errors import BrokenError, LocalProtocolError, RemoteProtocolError
+from swarm.errors import (
+    BadIndex,
+    BadShape,
+    BrokenError,
+    FrameTooLarge,
+    LocalProtocolError,
+    MalformedHeader,
+    NonFinite,
+    TooManyRows,
+    UnsupportedDtype,
+    WireError,
+)
 
 __all__ = [
+    "DEFAULT_AGENT",
+    "RequestKey",
+    "make_hello",
+    "version_mismatch_message",
     "DEFAULT_LIMITS",
     "PREFIX_BYTES",
     "PROTOCOL_ID",
     "PROTOCOL_VERSION",
     "SUPPORTED_DTYPES",
-    "BadIndex",
-    "BadShape",
     "Dtype",
     "ErrorReply",
     "ExpertRequest",
@@ -56,26 +68,15 @@ __all__ = [
     "Frame",
     "FrameDecoder",
     "FrameReader",
-    "FrameTooLarge",
     "Hello",
-    "MalformedHeader",
     "Message",
-    "NonFinite",
     "RequestId",
-    "TooManyRows",
-    "UnexpectedMessage",
-    "UnsupportedDtype",
-    "VersionMismatch",
-    "WireError",
     "WireLimits",
-    "all_finite",
     "choose_dtype",
     "decode_message",
     "encode_frame",
     "encode_message",
     "itemsize",
-    "payload_to_tensor",
-    "tensor_to_payload",
     "validate_request",
 ]
 
@@ -94,70 +95,6 @@ RequestId = NewType("RequestId", int)
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-
-
-class WireError(RemoteProtocolError):
-    """The peer broke the wire protocol. ``fatal``: the framing is lost, close the stream.
-
-    ``request_id``/``attempt`` are set when the offending frame could be attributed to a request,
-    so the answer can be routed to the caller waiting for it.
-    """
-
-    code = "remote_protocol_error"
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: str | None = None,
-        fatal: bool = False,
-        request_id: int | None = None,
-        attempt: int | None = None,
-    ) -> None:
-        super().__init__(message, code=code)
-        self.fatal = fatal
-        self.request_id = request_id
-        self.attempt = attempt
-
-
-class FrameTooLarge(WireError):
-    code = "frame_too_large"
-
-
-class MalformedHeader(WireError):
-    code = "malformed_header"
-
-
-class UnexpectedMessage(WireError):
-    code = "unexpected_message"
-
-
-class BadShape(WireError):
-    code = "bad_shape"
-
-
-class BadIndex(WireError):
-    code = "bad_index"
-
-
-class NonFinite(WireError):
-    code = "non_finite"
-
-
-class TooManyRows(WireError):
-    code = "too_many_rows"
-
-
-class UnsupportedDtype(WireError):
-    code = "unsupported_dtype"
-
-
-class VersionMismatch(WireError):
-    code = "version_mismatch"
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,54 +475,32 @@ def validate_request(
 
 
 # --------------------------------------------------------------------------------------------
-# Tensors <-> bytes
+# Hello
 
 
-_NUMPY_FLOATS: Final = (torch.float32, torch.float64, torch.float16)
+DEFAULT_AGENT: Final = "moe-swarm/0.1"
+RequestKey = tuple[int, int]  # (request_id, attempt): what answers are routed by
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """True if ``t`` holds no NaN or infinity.
-
-    CPU float32/64/16 tensors are checked with numpy, single-threaded: ``torch.isfinite(t).all()``
-    goes multi-threaded from 32K elements (64 rows of 1024) and then takes milliseconds on a busy
-    machine (1.9 ms vs 29 us for numpy at [64, 1024] on 2 loaded cores); small tensors still cost
-    ~30 us of torch dispatch vs ~3 us.
-    """
-    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
-        return bool(np.isfinite(t.detach().numpy()).all())
-    return bool(torch.isfinite(t).all())
-
-
-def tensor_to_payload(t: torch.Tensor, dtype: str) -> memoryview:
-    """Rows as raw little-endian bytes in ``dtype`` (shares memory when no conversion is needed)."""
-    itemsize(dtype)  # raises UnsupportedDtype
-    src = t.detach()
-    if src.device.type != "cpu":
-        src = src.cpu()
-    if dtype == "float32":
-        arr = src.to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
-    else:
-        arr = src.to(torch.bfloat16).contiguous().view(torch.int16).numpy().astype("<i2", copy=False)
-    return arr.data.cast("B")
+def make_hello(
+    limits: WireLimits = DEFAULT_LIMITS,
+    *,
+    agent: str = DEFAULT_AGENT,
+    dtypes: Sequence[str] = SUPPORTED_DTYPES,
+) -> Hello:
+    """The Hello advertising ``limits`` and ``dtypes``."""
+    return Hello(
+        protocol_version=PROTOCOL_VERSION,
+        dtypes=list(dtypes),
+        max_frame_bytes=limits.max_frame_bytes,
+        max_rows=limits.max_rows,
+        max_in_flight=limits.max_in_flight,
+        agent=agent,
+    )
 
 
-def payload_to_tensor(buf: bytearray | memoryview, dtype: str, n_rows: int, d_model: int) -> torch.Tensor:
-    """Raw bytes as float32 ``[n_rows, d_model]``; float32 payloads share memory with ``buf``.
-
-    ``buf`` must be writable (a ``bytearray``, as ``FrameReader`` returns): torch warns on
-    read-only buffers. Raises ``BadShape`` if the length does not match.
-    """
-    size = itemsize(dtype)
-    view = memoryview(buf)
-    if view.nbytes != n_rows * d_model * size:
-        raise BadShape(f"payload of {view.nbytes} bytes, expected {n_rows * d_model * size}")
-    if view.nbytes == 0:
-        return torch.zeros((n_rows, d_model), dtype=torch.float32)
-    if view.readonly:
-        view = memoryview(bytearray(view))
-    if dtype == "float32":
-        arr = np.frombuffer(view, dtype="<f4").astype(np.float32, copy=False)
-        return torch.from_numpy(arr).view(n_rows, d_model)
-    bits = np.frombuffer(view, dtype="<i2").astype(np.int16, copy=False)
-    return torch.from_numpy(bits).view(torch.bfloat16).view(n_rows, d_model).to(torch.float32)
+def version_mismatch_message(theirs: int) -> str:
+    return (
+        f"protocol {PROTOCOL_ID} version mismatch: this peer speaks version {PROTOCOL_VERSION}, "
+        f"the other side sent version {theirs}"
+    )

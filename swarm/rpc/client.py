@@ -1,39 +1,29 @@
-"""The expert protocol ``/moe-swarm/expert/1`` over one ``Stream`` (shell: trio tasks, no policy).
+"""The client side of the expert stream ``/moe-swarm/expert/1`` (shell: trio tasks, no policy).
 
-Server: ``serve_expert_stream`` answers the requests of one stream; plug it into a transport with
-``transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=..., limits=...))``.
-Client: ``open_expert_client`` keeps one long-lived stream per peer and pipelines calls over it.
+``open_expert_client`` keeps one long-lived stream per peer and pipelines calls over it (a stream
+per call would cost a multistream negotiation each: py-libp2p fact (c)). The server side is
+``swarm.rpc.server``; the two share only the ``Hello`` (``swarm.protocol.expert``).
 
 Rules:
-- Each side's first frame is its ``Hello``; a version mismatch is answered with a fatal
-  ``ErrorReply`` naming both versions, then the stream is closed.
-- The server reads a request only while fewer than ``limits.max_in_flight`` are being computed
-  (back-pressure through the stream), runs each in its own task and answers as each finishes,
-  tagged ``(request_id, attempt)``; answers may overtake each other.
-- Bad input never takes the server down: a request that fails validation, an undecodable header
-  or an oversized frame is answered with an error and the next frame is served; only lost framing
-  (a header length beyond the limit) ends the stream, after a fatal ``ErrorReply``. A handler's
-  exception becomes an error response (a ``SwarmError`` keeps its code, anything else is
-  ``internal_error``); a handler's result of the wrong shape or with NaN/inf is never sent.
-- Client: one stream per peer, opened lazily under the first caller's deadline and re-opened by
-  the next call after it breaks. A reader task routes answers to waiting callers by
+- One stream per peer, opened lazily under the first caller's deadline and re-opened by the next
+  call after it breaks. A reader task routes answers to waiting callers by
   ``(request_id, attempt)``; an answer nobody waits for (late, expired, duplicate) is dropped.
   A writer task sends frames whole, so a caller's cancellation never cuts a frame in half; a
   frame whose caller gave up before it was sent is not sent at all.
-- Client errors: ``TransportTimeout`` (deadline), ``BrokenError`` (the stream died under the call),
-  ``ClosedError`` (client closed), ``DialError`` (could not open), ``RemoteProtocolError`` (error
-  answer, wrong shape, NaN/inf, bad frame), ``LocalProtocolError`` (the request itself is invalid or
-  beyond the peer's limits). Retry and hedging policy belongs to the caller.
+- Errors: ``TransportTimeout`` (deadline), ``BrokenError`` (the stream died under the call),
+  ``ClosedError`` (client closed), ``DialError`` (could not open), ``Refused`` (the peer declined
+  on purpose: ``draining``, ``slice_not_held``), ``RemoteProtocolError`` (error answer, wrong
+  shape, NaN/inf, bad frame), ``LocalProtocolError`` (the request itself is invalid or beyond the
+  peer's limits). Retry and hedging policy belongs to the caller.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Final
 
 import msgspec
 import torch
@@ -43,13 +33,19 @@ from swarm.errors import (
     BrokenError,
     ClosedError,
     LocalProtocolError,
+    NonFinite,
     RemoteProtocolError,
     SwarmError,
     TransportError,
     TransportTimeout,
+    UnexpectedMessage,
+    VersionMismatch,
+    WireError,
+    remote_error,
 )
-from swarm.p2p.transport import Stream, StreamHandler, Transport
+from swarm.p2p.transport import Stream, Transport
 from swarm.protocol.expert import (
+    DEFAULT_AGENT,
     DEFAULT_LIMITS,
     PROTOCOL_ID,
     PROTOCOL_VERSION,
@@ -59,300 +55,20 @@ from swarm.protocol.expert import (
     ExpertResponse,
     FrameReader,
     Hello,
-    Message,
-    NonFinite,
-    RequestId,
-    UnexpectedMessage,
-    VersionMismatch,
-    WireError,
+    RequestKey,
     WireLimits,
-    all_finite,
     choose_dtype,
     encode_frame,
-    payload_to_tensor,
-    tensor_to_payload,
+    make_hello,
     validate_request,
+    version_mismatch_message,
 )
-
-__all__ = [
-    "DEFAULT_AGENT",
-    "ExpertClient",
-    "ExpertHandler",
-    "expert_stream_handler",
-    "make_hello",
-    "open_expert_client",
-    "serve_expert_stream",
-]
+from swarm.rpc.tensors import all_finite, payload_to_tensor, tensor_to_payload
 
 log = logging.getLogger(__name__)
 
-DEFAULT_AGENT: Final = "moe-swarm/0.1"
+__all__ = ["ExpertClient", "open_expert_client"]
 
-ExpertHandler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]
-_Key = tuple[int, int]  # (request_id, attempt)
-
-
-def make_hello(
-    limits: WireLimits = DEFAULT_LIMITS,
-    *,
-    agent: str = DEFAULT_AGENT,
-    dtypes: Sequence[str] = SUPPORTED_DTYPES,
-) -> Hello:
-    """The Hello advertising ``limits`` and ``dtypes``."""
-    return Hello(
-        protocol_version=PROTOCOL_VERSION,
-        dtypes=list(dtypes),
-        max_frame_bytes=limits.max_frame_bytes,
-        max_rows=limits.max_rows,
-        max_in_flight=limits.max_in_flight,
-        agent=agent,
-    )
-
-
-def _version_error(theirs: int) -> str:
-    return (
-        f"protocol {PROTOCOL_ID} version mismatch: this peer speaks version {PROTOCOL_VERSION}, "
-        f"the other side sent version {theirs}"
-    )
-
-
-async def _acquire(sync: trio.Lock | trio.Semaphore) -> None:
-    """Acquire ``sync``; when it is free, without the scheduler trip of ``acquire()``.
-
-    Every uncontended ``acquire()`` yields once; on the per-call path those trips add up (each is
-    a pass through trio's run loop), and the awaits that follow are checkpoints anyway.
-    """
-    try:
-        sync.acquire_nowait()
-    except trio.WouldBlock:
-        await sync.acquire()
-
-
-# ============================================================================================
-# Server
-
-
-async def serve_expert_stream(
-    stream: Stream,
-    handler: ExpertHandler,
-    *,
-    hello: Hello,
-    limits: WireLimits = DEFAULT_LIMITS,
-    hello_timeout_s: float = 10.0,
-    drain_timeout_s: float = 10.0,
-) -> None:
-    """Serve one expert stream until the peer closes it or it breaks; never raises for peer faults.
-
-    After the peer closes its side, answers still being computed get ``drain_timeout_s`` to finish.
-    """
-    peer = stream.remote_peer_id
-    reader = FrameReader(stream, limits)
-    write_lock = trio.Lock()
-
-    async def send(msg: Message, payload: bytes | bytearray | memoryview = b"") -> None:
-        frame = encode_frame(msg, payload)
-        await _acquire(write_lock)
-        try:
-            await stream.write(frame)
-        finally:
-            write_lock.release()
-
-    first: Hello | WireError | None = None
-    try:
-        await send(hello)
-        with trio.move_on_after(hello_timeout_s):
-            first = await _receive_hello(reader)
-        if first is None:
-            return
-        if isinstance(first, WireError):
-            await send(ErrorReply(code=first.code, message=first.message, fatal=True))
-            return
-        if first.protocol_version != PROTOCOL_VERSION:
-            await send(
-                ErrorReply(
-                    code=VersionMismatch.code, message=_version_error(first.protocol_version), fatal=True
-                )
-            )
-            return
-        log.debug("expert stream from %s (%s) open", peer, first.agent)
-        await _serve_requests(
-            stream, reader, handler, send, hello=hello, limits=limits, drain_timeout_s=drain_timeout_s
-        )
-    except TransportError as exc:
-        log.debug("expert stream from %s ended: %r", peer, exc)
-
-
-async def _receive_hello(reader: FrameReader) -> Hello | WireError | None:
-    try:
-        got = await reader.receive_message()
-    except WireError as exc:
-        return exc
-    if got is None:
-        return None
-    msg, _ = got
-    if not isinstance(msg, Hello):
-        return UnexpectedMessage(f"the first frame must be a Hello, got {type(msg).__name__}", fatal=True)
-    return msg
-
-
-async def _serve_requests(
-    stream: Stream,
-    reader: FrameReader,
-    handler: ExpertHandler,
-    send: Callable[[Message, bytes | bytearray | memoryview], Awaitable[None]],
-    *,
-    hello: Hello,
-    limits: WireLimits,
-    drain_timeout_s: float,
-) -> None:
-    peer = stream.remote_peer_id
-    slots = trio.Semaphore(limits.max_in_flight)
-    in_flight: set[_Key] = set()
-
-    async def answer_error(exc: WireError) -> None:
-        if exc.request_id is not None and exc.attempt is not None:
-            await send(
-                ExpertResponse(
-                    request_id=RequestId(exc.request_id),
-                    attempt=exc.attempt,
-                    status=exc.code,
-                    message=exc.message,
-                ),
-                b"",
-            )
-        else:
-            await send(ErrorReply(code=exc.code, message=exc.message, fatal=exc.fatal), b"")
-
-    async with trio.open_nursery() as nursery:
-
-        async def run_one(req: ExpertRequest, rows: torch.Tensor) -> None:
-            key = (req.request_id, req.attempt)
-            try:
-                response, payload = await _compute(handler, req, rows, peer)
-                await send(response, payload)
-            except TransportError as exc:  # the stream is gone: nobody left to answer
-                log.debug("expert stream from %s broke while answering: %r", peer, exc)
-                nursery.cancel_scope.cancel()
-            finally:
-                in_flight.discard(key)
-                slots.release()
-
-        try:
-            await _read_requests(
-                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, peer
-            )
-        except TransportError as exc:
-            log.debug("expert stream from %s ended: %r", peer, exc)
-            nursery.cancel_scope.cancel()
-        else:  # the peer is done sending: finish what is in flight, then close
-            nursery.cancel_scope.deadline = trio.current_time() + drain_timeout_s
-
-
-async def _read_requests(
-    reader: FrameReader,
-    slots: trio.Semaphore,
-    in_flight: set[_Key],
-    answer_error: Callable[[WireError], Awaitable[None]],
-    run_one: Callable[[ExpertRequest, torch.Tensor], Awaitable[None]],
-    nursery: trio.Nursery,
-    hello: Hello,
-    limits: WireLimits,
-    peer: str,
-) -> None:
-    """Read and dispatch requests until the peer closes its side (returns) or framing is lost."""
-    while True:
-        await _acquire(slots)
-        try:
-            got = await reader.receive_message()
-        except WireError as exc:
-            slots.release()
-            log.info("bad frame from %s: %s (%s)", peer, exc.message, exc.code)
-            await answer_error(exc)
-            if exc.fatal:
-                nursery.cancel_scope.cancel()
-                return
-            continue
-        except BaseException:
-            slots.release()
-            raise
-        if got is None:
-            slots.release()
-            return
-        msg, payload = got
-        if not isinstance(msg, ExpertRequest):
-            slots.release()
-            await answer_error(UnexpectedMessage(f"unexpected {type(msg).__name__} after the Hello"))
-            continue
-        key = (msg.request_id, msg.attempt)
-        try:
-            validate_request(msg, len(payload), limits=limits, dtypes=hello.dtypes)
-            if key in in_flight:
-                raise WireError(
-                    f"request {key} is already in flight on this stream",
-                    code="duplicate_request",
-                    request_id=msg.request_id,
-                    attempt=msg.attempt,
-                )
-            rows = payload_to_tensor(payload, msg.dtype, msg.n_rows, msg.d_model)
-        except WireError as exc:
-            slots.release()
-            await answer_error(exc)
-            continue
-        in_flight.add(key)
-        nursery.start_soon(run_one, msg, rows)
-
-
-async def _compute(
-    handler: ExpertHandler, req: ExpertRequest, rows: torch.Tensor, peer: str
-) -> tuple[ExpertResponse, bytes | bytearray | memoryview]:
-    """Run the handler; an error response for any failure, never a bad tensor."""
-
-    def failure(code: str, message: str) -> tuple[ExpertResponse, bytes]:
-        return ExpertResponse(
-            request_id=req.request_id, attempt=req.attempt, status=code, message=message
-        ), b""
-
-    try:
-        out = await handler(req, rows)
-    except SwarmError as exc:
-        return failure(exc.code, exc.message)
-    except Exception as exc:
-        log.exception("expert handler failed on request %s/%s from %s", req.request_id, req.attempt, peer)
-        return failure("internal_error", f"expert computation failed: {type(exc).__name__}")
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (req.n_rows, req.d_model):
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        log.error("expert handler returned %s for request of shape %s", got, (req.n_rows, req.d_model))
-        return failure(
-            "internal_error", f"expert computation returned {got}, expected {(req.n_rows, req.d_model)}"
-        )
-    if not out.is_floating_point() or not all_finite(out):
-        return failure(NonFinite.code, "expert computation produced non-finite values")
-    payload = tensor_to_payload(out, req.dtype)
-    response = ExpertResponse(
-        request_id=req.request_id,
-        attempt=req.attempt,
-        status="ok",
-        dtype=req.dtype,
-        n_rows=req.n_rows,
-        d_model=req.d_model,
-    )
-    return response, payload
-
-
-def expert_stream_handler(
-    handler: ExpertHandler, *, hello: Hello | None = None, limits: WireLimits = DEFAULT_LIMITS
-) -> StreamHandler:
-    """A transport stream handler serving ``handler`` on each inbound expert stream."""
-    our_hello = hello if hello is not None else make_hello(limits)
-
-    async def on_stream(stream: Stream) -> None:
-        await serve_expert_stream(stream, handler, hello=our_hello, limits=limits)
-
-    return on_stream
-
-
-# ============================================================================================
-# Client
 
 
 @dataclass(eq=False)
@@ -365,7 +81,7 @@ class _Waiter:
 
 @dataclass(eq=False)
 class _Outgoing:
-    key: _Key
+    key: RequestKey
     waiter: _Waiter
     frame: bytes
 
@@ -382,7 +98,7 @@ class _Session:
         self.stream = stream
         self.hello = server_hello
         self.reader = reader
-        self.pending: dict[_Key, _Waiter] = {}
+        self.pending: dict[RequestKey, _Waiter] = {}
         self.send_channel, self.receive_channel = trio.open_memory_channel[_Outgoing](queue_size)
         self.dead: SwarmError | None = None
         self.cancel_scope = trio.CancelScope()
@@ -452,7 +168,7 @@ class _Session:
 
     def _resolve(
         self,
-        key: _Key,
+        key: RequestKey,
         *,
         response: ExpertResponse | ErrorReply | None = None,
         payload: bytearray | None = None,
@@ -564,9 +280,7 @@ class ExpertClient:
         if isinstance(resp, ErrorReply):
             raise RemoteProtocolError(f"{self.peer_id}: {resp.message}", code=resp.code)
         if resp.status != "ok":
-            raise RemoteProtocolError(
-                f"{self.peer_id} answered {resp.status}: {resp.message}", code=resp.status
-            )
+            raise remote_error(resp.status, f"{self.peer_id} answered {resp.status}: {resp.message}")
         if (resp.n_rows, resp.d_model) != (req.n_rows, req.d_model):
             raise RemoteProtocolError(
                 f"{self.peer_id} answered [{resp.n_rows}, {resp.d_model}] to a [{req.n_rows}, {req.d_model}] request",
@@ -614,7 +328,7 @@ class ExpertClient:
             if not isinstance(msg, Hello):
                 raise UnexpectedMessage(f"{self.peer_id} sent {type(msg).__name__} instead of a Hello")
             if msg.protocol_version != PROTOCOL_VERSION:
-                raise VersionMismatch(_version_error(msg.protocol_version))
+                raise VersionMismatch(version_mismatch_message(msg.protocol_version))
             queue_size = max(1, min(msg.max_in_flight, self._limits.max_in_flight))
             return _Session(stream, msg, reader, queue_size)
         except BaseException:

@@ -1,0 +1,68 @@
+"""Expert rows as tensors <-> the wire's raw bytes (torch lives here, with the RPC users, not in
+``swarm.protocol``).
+
+Rules:
+- Payloads are row-major little-endian float32 or bfloat16 (its raw 16-bit pattern).
+- Encoding and decoding share memory with the tensor or receive buffer wherever the dtype allows.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import torch
+
+from swarm.errors import BadShape
+from swarm.protocol.expert import itemsize
+
+__all__ = ["all_finite", "payload_to_tensor", "tensor_to_payload"]
+
+_NUMPY_FLOATS: Final = (torch.float32, torch.float64, torch.float16)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True if ``t`` holds no NaN or infinity.
+
+    CPU float32/64/16 tensors are checked with numpy, single-threaded: ``torch.isfinite(t).all()``
+    goes multi-threaded from 32K elements (64 rows of 1024) and then takes milliseconds on a busy
+    machine (1.9 ms vs 29 us for numpy at [64, 1024] on 2 loaded cores); small tensors still cost
+    ~30 us of torch dispatch vs ~3 us.
+    """
+    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
+        return bool(np.isfinite(t.detach().numpy()).all())
+    return bool(torch.isfinite(t).all())
+
+
+def tensor_to_payload(t: torch.Tensor, dtype: str) -> memoryview:
+    """Rows as raw little-endian bytes in ``dtype`` (shares memory when no conversion is needed)."""
+    itemsize(dtype)  # raises UnsupportedDtype
+    src = t.detach()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    if dtype == "float32":
+        arr = src.to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
+    else:
+        arr = src.to(torch.bfloat16).contiguous().view(torch.int16).numpy().astype("<i2", copy=False)
+    return arr.data.cast("B")
+
+
+def payload_to_tensor(buf: bytearray | memoryview, dtype: str, n_rows: int, d_model: int) -> torch.Tensor:
+    """Raw bytes as float32 ``[n_rows, d_model]``; float32 payloads share memory with ``buf``.
+
+    ``buf`` must be writable (a ``bytearray``, as ``FrameReader`` returns): torch warns on
+    read-only buffers. Raises ``BadShape`` if the length does not match.
+    """
+    size = itemsize(dtype)
+    view = memoryview(buf)
+    if view.nbytes != n_rows * d_model * size:
+        raise BadShape(f"payload of {view.nbytes} bytes, expected {n_rows * d_model * size}")
+    if view.nbytes == 0:
+        return torch.zeros((n_rows, d_model), dtype=torch.float32)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    if dtype == "float32":
+        arr = np.frombuffer(view, dtype="<f4").astype(np.float32, copy=False)
+        return torch.from_numpy(arr).view(n_rows, d_model)
+    bits = np.frombuffer(view, dtype="<i2").astype(np.int16, copy=False)
+    return torch.from_numpy(bits).view(torch.bfloat16).view(n_rows, d_model).to(torch.float32)
