@@ -30,6 +30,7 @@ from coordinator.core.scheduler import (
     GenParams,
     GenRequest,
     Rejected,
+    RejectReason,
     Scheduler,
     SlotView,
     StepEntry,
@@ -155,9 +156,9 @@ class EngineRuntime:
                 with self._lock:
                     self._reqs.pop(req_id, None)
                 self.stats.rejected_total += 1
-                if eff.reason == "queue_full":
+                if eff.reason is RejectReason.QUEUE_FULL:
                     raise RequestError("all slots are busy and the queue is full; retry later", code="server_busy", status=503)
-                if eff.reason == "prompt_too_long":
+                if eff.reason is RejectReason.PROMPT_TOO_LONG:
                     raise RequestError(
                         f"prompt has {len(prompt)} tokens; the context is {self.n_ctx} tokens",
                         code="context_length_exceeded",

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import tempfile
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import trio
@@ -27,9 +28,11 @@ from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.market_link import MarketLink
 from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
+from swarm.config import HttpUrl, Multiaddr, NonNegInt, Port, PosFloat, PosInt
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.protocol.expert import Dtype
 from swarm.text.tokenizer import Tokenizer
 
 __all__ = ["CoordinatorConfig", "load_runtime", "serve_coordinator"]
@@ -37,21 +40,23 @@ __all__ = ["CoordinatorConfig", "load_runtime", "serve_coordinator"]
 log = logging.getLogger(__name__)
 
 
-class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
+class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``moe-swarm coordinator``'s settings (built by ``coordinator.cli``; constraints checked there)."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
     host: str = "127.0.0.1"
-    port: int = 8080
-    slots: int = 4
-    ctx_size: int | None = None
-    n_batch: int = 512
-    max_queue: int = 64
-    data_dir: str | None = None  # identity key + slice cache; default: a temp dir per run
+    port: Port = 8080
+    slots: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    ctx_size: PosInt | None = None
+    n_batch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    max_queue: NonNegInt = 64
+    data_dir: str | None = None  # identity key + slice cache; None: a temporary directory (embedding, tests)
     dispatch_map: str | None = None  # follow this file (DESIGN §11 dispatch map)
-    p2p_listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    expert_timeout_s: float = 3.0
-    wire_dtype: str = "float32"
-    market: str | None = None  # follow this market's dispatch map and register with it
-    advertise_url: str | None = None  # our URL as the market and volunteers should reach it
+    p2p_listen: tuple[Multiaddr, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    expert_timeout_s: PosFloat = 3.0
+    wire_dtype: Dtype = Dtype.FLOAT32
+    market: HttpUrl | None = None  # follow this market's dispatch map and register with it
+    advertise_url: HttpUrl | None = None  # our URL as the market and volunteers should reach it
     token: str | None = None  # operator token for the market
     hole_punch: bool = True  # upgrade relayed connections to volunteers with DCUtR
 

@@ -12,6 +12,7 @@ from coordinator.core.scheduler import (
     GenParams,
     GenRequest,
     Rejected,
+    RejectReason,
     Scheduler,
     _stop_prefix_len,
 )
@@ -31,7 +32,7 @@ def test_admission_queue_and_rejection() -> None:
     s = mk(n_slots=1, max_queue=1)
     assert s.submit(req(1), 0) == [Admitted(1, 0)]
     assert s.submit(req(2), 0) == []  # queued
-    assert s.submit(req(3), 0) == [Rejected(3, "queue_full")]
+    assert s.submit(req(3), 0) == [Rejected(3, RejectReason.QUEUE_FULL)]
     assert s.queue_depth() == 1
     # cancelling the running one admits the queued one
     eff = s.cancel(1, 1.0)
@@ -40,7 +41,7 @@ def test_admission_queue_and_rejection() -> None:
 
 @pytest.mark.parametrize(
     ("prompt_len", "reason"),
-    [(0, "empty_prompt"), (64, "prompt_too_long"), (100, "prompt_too_long")],
+    [(0, RejectReason.EMPTY_PROMPT), (64, RejectReason.PROMPT_TOO_LONG), (100, RejectReason.PROMPT_TOO_LONG)],
 )
 def test_bad_prompts_rejected(prompt_len: int, reason: str) -> None:
     s = mk()

@@ -25,6 +25,8 @@ __all__ = [
     "FinishReason",
     "GenParams",
     "GenRequest",
+    "RejectReason",
+    "RejectReason",
     "Rejected",
     "Scheduler",
     "SlotView",
@@ -62,10 +64,16 @@ class Admitted:
     slot: int
 
 
+class RejectReason(StrEnum):
+    QUEUE_FULL = "queue_full"  # every slot busy and the queue at its bound
+    PROMPT_TOO_LONG = "prompt_too_long"  # the prompt leaves no room in a slot's context
+    EMPTY_PROMPT = "empty_prompt"
+
+
 @dataclass(frozen=True)
 class Rejected:
     req_id: int
-    reason: str  # "queue_full" | "prompt_too_long" | "empty_prompt"
+    reason: RejectReason
 
 
 @dataclass(frozen=True)
@@ -138,11 +146,11 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------------
     def submit(self, req: GenRequest, now: float) -> list[Effect]:
         if not req.prompt:
-            return [Rejected(req.id, "empty_prompt")]
+            return [Rejected(req.id, RejectReason.EMPTY_PROMPT)]
         if len(req.prompt) >= self.n_ctx:
-            return [Rejected(req.id, "prompt_too_long")]
+            return [Rejected(req.id, RejectReason.PROMPT_TOO_LONG)]
         if len(self.queue) >= self.max_queue and self._free_slot() is None:
-            return [Rejected(req.id, "queue_full")]
+            return [Rejected(req.id, RejectReason.QUEUE_FULL)]
         self.queue.append(req)
         return self._admit(now)
 

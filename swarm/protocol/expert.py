@@ -29,12 +29,13 @@ Rules:
 
 from __future__ import annotations
 
+import enum
 import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Annotated, Final, Literal, NewType, Protocol
+from typing import Annotated, Final, NewType, Protocol
 
 import msgspec
 
@@ -62,6 +63,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_DTYPES",
     "Dtype",
+    "Status",
     "ErrorReply",
     "ExpertRequest",
     "ExpertResponse",
@@ -83,9 +85,41 @@ __all__ = [
 PROTOCOL_ID: Final = "/moe-swarm/expert/1"
 PROTOCOL_VERSION: Final = 1
 
-Dtype = Literal["float32", "bfloat16"]
-SUPPORTED_DTYPES: Final[tuple[Dtype, ...]] = ("float32", "bfloat16")
-_ITEMSIZE: Final[dict[str, int]] = {"float32": 4, "bfloat16": 2}
+
+
+class Dtype(enum.StrEnum):
+    """Activations on the wire (bfloat16 travels as its raw 16-bit pattern)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+SUPPORTED_DTYPES: Final[tuple[Dtype, ...]] = (Dtype.FLOAT32, Dtype.BFLOAT16)
+_ITEMSIZE: Final[dict[str, int]] = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2}
+
+
+class Status(enum.StrEnum):
+    """``ExpertResponse.status``: ``ok`` or the stable code of what went wrong (``swarm.errors``).
+
+    The codes this version emits and acts on. Refusals (``draining``, ``slice_not_held``) are
+    distinct from breaches and failures (``swarm.errors.remote_error``). The wire field stays an open
+    string: a handler's ``SwarmError`` keeps its own code, and a newer peer's code is still reported.
+    """
+
+    OK = "ok"
+    DRAINING = "draining"
+    SLICE_NOT_HELD = "slice_not_held"
+    INTERNAL_ERROR = "internal_error"
+    REMOTE_PROTOCOL_ERROR = "remote_protocol_error"
+    FRAME_TOO_LARGE = "frame_too_large"
+    MALFORMED_HEADER = "malformed_header"
+    UNEXPECTED_MESSAGE = "unexpected_message"
+    BAD_SHAPE = "bad_shape"
+    BAD_INDEX = "bad_index"
+    NON_FINITE = "non_finite"
+    TOO_MANY_ROWS = "too_many_rows"
+    UNSUPPORTED_DTYPE = "unsupported_dtype"
+    VERSION_MISMATCH = "version_mismatch"
 
 _PREFIX = struct.Struct("<II")
 PREFIX_BYTES: Final = _PREFIX.size
@@ -159,9 +193,9 @@ class ExpertResponse(msgspec.Struct, frozen=True, kw_only=True, tag="expert_resp
 
     request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
     attempt: NonNegInt
-    status: str
+    status: str  # a ``Status``; an open set on the wire (a newer peer's code still decodes and is reported)
     message: str = ""
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.FLOAT32
     n_rows: NonNegInt = 0
     d_model: NonNegInt = 0
 
@@ -411,7 +445,7 @@ def choose_dtype(preferred: str, ours: list[str] | tuple[str, ...], theirs: list
     common = [d for d in SUPPORTED_DTYPES if d in ours and d in theirs]
     if not common:
         raise UnsupportedDtype(f"no common dtype: we support {list(ours)}, the peer supports {theirs}")
-    for candidate in (preferred, "float32"):
+    for candidate in (preferred, Dtype.FLOAT32):
         for d in common:
             if d == candidate:
                 return d

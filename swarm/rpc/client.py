@@ -56,6 +56,7 @@ from swarm.protocol.expert import (
     FrameReader,
     Hello,
     RequestKey,
+    Status,
     WireLimits,
     choose_dtype,
     encode_frame,
@@ -279,7 +280,7 @@ class ExpertClient:
             raise BrokenError(f"stream to {self.peer_id} broke")
         if isinstance(resp, ErrorReply):
             raise RemoteProtocolError(f"{self.peer_id}: {resp.message}", code=resp.code)
-        if resp.status != "ok":
+        if resp.status != Status.OK:
             raise remote_error(resp.status, f"{self.peer_id} answered {resp.status}: {resp.message}")
         if (resp.n_rows, resp.d_model) != (req.n_rows, req.d_model):
             raise RemoteProtocolError(

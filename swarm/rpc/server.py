@@ -38,6 +38,7 @@ from swarm.p2p.transport import Stream, StreamHandler, acquire
 from swarm.protocol.expert import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
+    Dtype,
     ErrorReply,
     ExpertRequest,
     ExpertResponse,
@@ -46,6 +47,7 @@ from swarm.protocol.expert import (
     Message,
     RequestId,
     RequestKey,
+    Status,
     WireLimits,
     encode_frame,
     make_hello,
@@ -248,12 +250,12 @@ async def _compute(
         return failure(exc.code, exc.message)
     except Exception as exc:
         log.exception("expert handler failed on request %s/%s from %s", req.request_id, req.attempt, peer)
-        return failure("internal_error", f"expert computation failed: {type(exc).__name__}")
+        return failure(Status.INTERNAL_ERROR, f"expert computation failed: {type(exc).__name__}")
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (req.n_rows, req.d_model):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         log.error("expert handler returned %s for request of shape %s", got, (req.n_rows, req.d_model))
         return failure(
-            "internal_error", f"expert computation returned {got}, expected {(req.n_rows, req.d_model)}"
+            Status.INTERNAL_ERROR, f"expert computation returned {got}, expected {(req.n_rows, req.d_model)}"
         )
     if not out.is_floating_point() or not all_finite(out):
         return failure(NonFinite.code, "expert computation produced non-finite values")
@@ -261,8 +263,8 @@ async def _compute(
     response = ExpertResponse(
         request_id=req.request_id,
         attempt=req.attempt,
-        status="ok",
-        dtype=req.dtype,
+        status=Status.OK,
+        dtype=Dtype(req.dtype),
         n_rows=req.n_rows,
         d_model=req.d_model,
     )

@@ -1,0 +1,93 @@
+"""Configuration helpers (pure apart from reading the environment at the edge, when asked).
+
+Rules (STYLE.md §6):
+- Every service's config is a frozen msgspec Struct whose fields carry their limits as
+  ``msgspec.Meta`` constraints; the CLI builds it once with ``build_config`` and passes it down
+  by value. A bad value is a ``ConfigError`` naming the flag, never a traceback from deep inside.
+- Nothing here reads the environment or the disk on import; ``env_token`` and ``data_dir_for``
+  are called by the CLI, at the edge.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, TypeVar
+
+import msgspec
+
+from swarm.errors import ConfigError
+
+__all__ = [
+    "TOKEN_ENV",
+    "HttpUrl",
+    "Multiaddr",
+    "NonNegFloat",
+    "NonNegInt",
+    "Port",
+    "PosFloat",
+    "PosInt",
+    "build_config",
+    "data_dir_for",
+    "env_token",
+    "parse_size",
+]
+
+T = TypeVar("T")
+
+TOKEN_ENV: Final = "MOE_SWARM_TOKEN"
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+HttpUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s/]+(/[^\s]*)?$", max_length=2048)]
+Multiaddr = Annotated[str, msgspec.Meta(pattern=r"^/[^\s]+$", max_length=1024)]
+
+_PATH = re.compile(r"^\$\.?")
+
+
+def build_config(cls: type[T], values: Mapping[str, Any], *, flags: Mapping[str, str] | None = None) -> T:
+    """``cls`` from ``values`` (field name -> value), every constraint checked.
+
+    ``flags`` maps field names to the flag a person typed (default ``--field-name``), so the error
+    names what to fix: ``ConfigError: --port: Expected `int` <= 65535``.
+    """
+    try:
+        return msgspec.convert(dict(values), cls)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        field, _, rest = text.rpartition(" - at `")
+        where = rest.rstrip("`") if field else ""
+        name = _PATH.sub("", where).split(".")[0].split("[")[0]
+        flag = (flags or {}).get(name, "--" + name.replace("_", "-")) if name else ""
+        message = field if field else text
+        raise ConfigError(f"{flag}: {message}" if flag else f"bad configuration: {message}") from exc
+
+
+def env_token(given: str | None) -> str | None:
+    """The operator token: the flag, else ``MOE_SWARM_TOKEN``, else None (read at the edge only)."""
+    if given is not None:
+        return given
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def data_dir_for(role: str, given: str | None = None) -> str:
+    """``--data-dir`` expanded, default ``~/.local/share/moe-swarm/<role>`` (DESIGN §11)."""
+    return os.path.expanduser(given if given is not None else f"~/.local/share/moe-swarm/{role}")
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``2G``, ``1.5GiB``, ``1000000`` -> bytes; ``ValueError`` with a clear message otherwise."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMGT" else t
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+    if not value > 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * mult)

@@ -1,0 +1,49 @@
+"""Running a role's service from the command line (shell): signals, exit codes, flag adapters.
+
+Rules:
+- Every long-running command is a trio service run under a signal-aware cancel scope: SIGINT or
+  SIGTERM triggers a graceful shutdown (drain, deregister) instead of a traceback.
+- Roles' ``cli`` modules use these helpers; only ``swarm.cli`` knows every role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from swarm.config import parse_size
+
+__all__ = ["run_service", "size_flag"]
+
+
+def run_service(service: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    """Run a trio service until it ends or SIGINT/SIGTERM asks it to stop."""
+
+    async def runner() -> None:
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+
+                async def watch() -> None:
+                    async for _ in signals:
+                        logging.getLogger("moe-swarm").info("shutting down")
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(watch)
+                await service(*args)
+                nursery.cancel_scope.cancel()
+
+    trio.run(runner)
+
+
+def size_flag(text: str) -> int:
+    """``parse_size`` for argparse: a bad size is a usage error naming the value."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
