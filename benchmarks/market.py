@@ -57,8 +57,8 @@ N_LAYER, N_EXPERT, SLICE = 64, 64, 4
 MID = f"bench-{'0' * 12}"
 RUNNER = (
     "import argparse, sys\n"
-    "from market.cli import add_market_parser\n"
-    "p = argparse.ArgumentParser(); add_market_parser(p.add_subparsers(dest='command'))\n"
+    "from market.cli import add_parser\n"
+    "p = argparse.ArgumentParser(); add_parser(p.add_subparsers(dest='command'))\n"
     "ns = p.parse_args(sys.argv[1:]); sys.exit(ns.func(ns))\n"
 )
 

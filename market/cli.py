@@ -15,19 +15,16 @@ import argparse
 import os
 from typing import Any
 
-import msgspec
 import trio
 
 from market.server import MarketConfig, serve_market
 from market.state import MarketPolicy
-from swarm.errors import ConfigError
+from swarm.config import build_config, data_dir_for, env_token
+from swarm.service import run_service
 
-__all__ = ["add_market_parser", "config_from_args", "run_market_command"]
+__all__ = ["add_parser", "config_from_args", "run"]
 
-_DEFAULT_DATA_DIR = "~/.local/share/moe-swarm/market"
-
-
-def add_market_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``market`` on an ``argparse`` subparsers object; ``func(ns) -> int`` runs it."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "market", help="run the demand market: registry, recruitment, dispatch maps (HTTP API)"
@@ -35,7 +32,7 @@ def add_market_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = MarketPolicy()
     c = MarketConfig(db="")
     p.add_argument("--db", default=None, help="SQLite database (default: DATA_DIR/market.db; ':memory:' = volatile)")
-    p.add_argument("--data-dir", default=_DEFAULT_DATA_DIR, help="where the default database lives")
+    p.add_argument("--data-dir", default=None, help="where the default database lives (default ~/.local/share/moe-swarm/market)")
     p.add_argument("--host", default=c.host)
     p.add_argument("--port", type=int, default=c.port)
     p.add_argument("--token", default=None, help="operator token for POST /api/models (or MOE_SWARM_TOKEN)")
@@ -57,19 +54,19 @@ def add_market_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--retry-after-s", type=float, default=d.retry_after_s,
                    help="when idle volunteers should ask again if nothing is needed")
     p.add_argument("--seed", type=int, default=None, help="RNG seed (reproducible tie-breaks and lease ids)")
-    p.set_defaults(func=run_market_command)
+    p.set_defaults(func=run)
     return p
 
 
 def config_from_args(ns: argparse.Namespace) -> MarketConfig:
-    db = ns.db if ns.db is not None else os.path.join(os.path.expanduser(ns.data_dir), "market.db")
+    db = ns.db if ns.db is not None else os.path.join(data_dir_for("market", ns.data_dir), "market.db")
     if db != ":memory:":
         db = os.path.expanduser(db)
     raw = {
         "db": db,
         "host": ns.host,
         "port": ns.port,
-        "token": ns.token if ns.token is not None else os.environ.get("MOE_SWARM_TOKEN") or None,
+        "token": env_token(ns.token),
         "relays": list(ns.relay),
         "poll_interval_s": ns.poll_interval,
         "poll_timeout_s": ns.poll_timeout,
@@ -85,16 +82,12 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "retry_after_s": ns.retry_after_s,
         },
     }
-    try:
-        return msgspec.convert(raw, MarketConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"bad market flags: {exc}") from exc
+    return build_config(MarketConfig, raw, flags={"relays": "--relay", "poll_interval_s": "--poll-interval",
+                                                 "poll_timeout_s": "--poll-timeout"})
 
 
-def run_market_command(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
-    from swarm.cli import run_service
-
     async def service() -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_market, cfg)

@@ -61,7 +61,8 @@ def build_config(cls: type[T], values: Mapping[str, Any], *, flags: Mapping[str,
         text = str(exc)
         field, _, rest = text.rpartition(" - at `")
         where = rest.rstrip("`") if field else ""
-        name = _PATH.sub("", where).split(".")[0].split("[")[0]
+        fields = [f for f in re.split(r"[.\[\]]", _PATH.sub("", where)) if f and not f.isdigit()]
+        name = fields[-1] if fields else ""
         flag = (flags or {}).get(name, "--" + name.replace("_", "-")) if name else ""
         message = field if field else text
         raise ConfigError(f"{flag}: {message}" if flag else f"bad configuration: {message}") from exc

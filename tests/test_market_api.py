@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from market.cli import add_market_parser, config_from_args
+from market.cli import add_parser, config_from_args
 from market.core.records import HeldState, ModelManifest
 from market.server import MarketConfig, serve_market
 from market.state import MarketPolicy
@@ -389,7 +389,7 @@ async def test_concurrent_polls_over_http_get_different_slices(tmp_path: Path, c
 
 def test_cli_flags_make_the_config() -> None:
     p = argparse.ArgumentParser()
-    add_market_parser(p.add_subparsers(dest="command"))
+    add_parser(p.add_subparsers(dest="command"))
     ns = p.parse_args(["market", "--db", "/tmp/x.db", "--port", "9001", "--token", "t", "--relay", "/ip4/1.2.3.4/tcp/1",
                        "--relay", "/ip4/5.6.7.8/tcp/2", "--poll-interval", "0.5", "--saturation-threshold", "3",
                        "--base-target", "2", "--boost", "2", "--lease-s", "7", "--heartbeat-ttl-s", "9",
@@ -399,10 +399,10 @@ def test_cli_flags_make_the_config() -> None:
     assert cfg.relays == ("/ip4/1.2.3.4/tcp/1", "/ip4/5.6.7.8/tcp/2") and cfg.poll_interval_s == 0.5
     assert cfg.policy == MarketPolicy(saturation_threshold=3, base_target=2, boost=2, lease_s=7.0,
                                       heartbeat_ttl_s=9.0, cooldown_s=4.0, hold_s=6.0)
-    assert ns.func.__name__ == "run_market_command"
-    with pytest.raises(ConfigError):
+    assert ns.func.__name__ == "run" and ns.func.__module__ == "market.cli"
+    with pytest.raises(ConfigError, match="^--boost: "):
         config_from_args(p.parse_args(["market", "--db", ":memory:", "--boost", "-1"]))
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="^--poll-interval: "):
         config_from_args(p.parse_args(["market", "--db", ":memory:", "--poll-interval", "0"]))
     default = config_from_args(p.parse_args(["market", "--data-dir", "/tmp/mkt"]))
     assert default.db == "/tmp/mkt/market.db" and default.policy == MarketPolicy()

@@ -22,13 +22,14 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import msgspec
 import torch
 import trio
 
+from swarm.config import HttpUrl, Multiaddr, PosFloat, PosInt
 from swarm.errors import ConfigError, SwarmError
 from swarm.model.fetch import fetch_slice
 from swarm.model.slices import load_slice
@@ -48,19 +49,21 @@ _answer_decoder = msgspec.json.Decoder(Assignment | NothingNeeded)
 _ack_decoder = msgspec.json.Decoder(CoverageAck)
 
 
-class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    market: str
+class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``moe-swarm volunteer --market``'s settings (built by ``volunteer.cli``)."""
+
+    market: HttpUrl
     data_dir: str
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # empty: reachable only through relays
-    relays: tuple[str, ...] = ()  # empty: the relays the market offers
+    listen: tuple[Multiaddr, ...] = ("/ip4/127.0.0.1/tcp/0",)  # empty: reachable only through relays
+    relays: tuple[Multiaddr, ...] = ()  # empty: the relays the market offers
     hole_punch: bool = True
-    max_bytes: int | None = None
-    max_experts: int | None = None
+    max_bytes: PosInt | None = None
+    max_experts: PosInt | None = None
     models: tuple[str, ...] = ()
-    threads: int = 2
-    poll_interval_s: float = 2.0
+    threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
+    poll_interval_s: PosFloat = 2.0
     progress: bool = True
-    status_interval_s: float = 5.0
+    status_interval_s: PosFloat = 5.0
 
 
 def measure_throughput(d_model: int = 1024, width: int = 2816, batch: int = 8, reps: int = 5) -> float:

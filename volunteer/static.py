@@ -24,11 +24,13 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Annotated
 
 import httpx
 import msgspec
 import trio
 
+from swarm.config import HttpUrl, Multiaddr, PosFloat
 from swarm.errors import ConfigError
 from swarm.model.fetch import fetch_slice
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
@@ -42,16 +44,18 @@ __all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]
 log = logging.getLogger(__name__)
 
 
-class StaticVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    coordinator: str
+class StaticVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``moe-swarm volunteer --coordinator URL --slice ...``'s settings (built by ``volunteer.cli``)."""
+
+    coordinator: HttpUrl
     slices: tuple[str, ...]
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    listen: tuple[Multiaddr, ...] = ("/ip4/127.0.0.1/tcp/0",)
     data_dir: str
     model_id: str | None = None
-    threads: int = 2
+    threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
     progress: bool = True
-    status_interval_s: float = 10.0
-    relays: tuple[str, ...] = ()  # reserve on these when not reachable directly
+    status_interval_s: PosFloat = 10.0
+    relays: tuple[Multiaddr, ...] = ()  # reserve on these when not reachable directly
     hole_punch: bool = True
 
 

@@ -1,0 +1,72 @@
+"""``moe-swarm coordinator`` (shell: flags -> ``CoordinatorConfig`` -> ``serve_coordinator``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import trio
+
+from coordinator.server import CoordinatorConfig, serve_coordinator
+from swarm.config import build_config, data_dir_for, env_token
+from swarm.service import run_service
+
+__all__ = ["add_parser", "config_from_args"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    c: argparse.ArgumentParser = subparsers.add_parser(
+        "coordinator", help="host a GGUF MoE model behind an OpenAI-compatible API")
+    c.add_argument("--model", required=True, help="path to a GGUF MoE model")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=8080)
+    c.add_argument("--slots", type=int, default=4, help="parallel sequences batched per step")
+    c.add_argument("--ctx-size", type=int, default=None, help="context per slot (default: the model's)")
+    c.add_argument("--batch-size", type=int, default=512, help="max tokens per engine step")
+    c.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503")
+    c.add_argument("--data-dir", default=None,
+                   help="identity key and slice cache (default ~/.local/share/moe-swarm/coordinator)")
+    c.add_argument("--dispatch-map", default=None, help="follow this dispatch-map JSON file (re-read when it changes)")
+    c.add_argument("--p2p-listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
+    c.add_argument("--expert-timeout", type=float, default=3.0, help="seconds before a remote expert call falls back")
+    c.add_argument("--wire-dtype", choices=["float32", "bfloat16"], default="float32", help="activations on the wire")
+    c.add_argument("--market", default=None, help="register with this market and follow its dispatch map")
+    c.add_argument("--advertise-url", default=None, help="this coordinator's URL as others reach it (default: bound URL)")
+    c.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
+    c.add_argument("--no-hole-punch", action="store_true",
+                   help="keep relayed connections relayed (no DCUtR upgrade to a direct connection)")
+    c.set_defaults(func=run)
+    return c
+
+
+def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
+    return build_config(CoordinatorConfig, {
+        "model": ns.model,
+        "host": ns.host,
+        "port": ns.port,
+        "slots": ns.slots,
+        "ctx_size": ns.ctx_size,
+        "n_batch": ns.batch_size,
+        "max_queue": ns.max_queue,
+        "data_dir": data_dir_for("coordinator", ns.data_dir),
+        "dispatch_map": ns.dispatch_map,
+        "p2p_listen": tuple(ns.p2p_listen or ["/ip4/127.0.0.1/tcp/0"]),
+        "expert_timeout_s": ns.expert_timeout,
+        "wire_dtype": ns.wire_dtype,
+        "market": ns.market,
+        "advertise_url": ns.advertise_url,
+        "token": env_token(ns.token),
+        "hole_punch": not ns.no_hole_punch,
+    }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch"})
+
+
+def run(ns: argparse.Namespace) -> int:
+    cfg = config_from_args(ns)
+
+    async def service() -> None:
+        async with trio.open_nursery() as n:
+            url = await n.start(serve_coordinator, cfg)
+            print(f"coordinator ready at {url}", flush=True)
+
+    run_service(service)
+    return 0

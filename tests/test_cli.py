@@ -1,0 +1,71 @@
+"""The command line: every role's flags become a constrained config; a bad value is one clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarm.cli import build_parser, main
+from swarm.errors import ConfigError
+
+
+def config(*argv: str) -> object:
+    ns = build_parser().parse_args(list(argv))
+    module = __import__(ns.func.__module__, fromlist=["_"])
+    if ns.command == "volunteer":
+        return module.pull_config_from_args(ns) if ns.market else module.static_config_from_args(ns)
+    return module.config_from_args(ns)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["coordinator", "--model", "m.gguf", "--port", "70000"], "--port"),
+        (["coordinator", "--model", "m.gguf", "--slots", "0"], "--slots"),
+        (["coordinator", "--model", "m.gguf", "--expert-timeout", "0"], "--expert-timeout"),
+        (["coordinator", "--model", "m.gguf", "--market", "market:8090"], "--market"),
+        (["coordinator", "--model", "m.gguf", "--p2p-listen", "127.0.0.1:4001"], "--p2p-listen"),
+        (["volunteer", "--market", "http://m:8090", "--threads", "0"], "--threads"),
+        (["volunteer", "--market", "http://m:8090", "--poll-interval", "-1"], "--poll-interval"),
+        (["volunteer", "--market", "ftp://m"], "--market"),
+        (["volunteer", "--coordinator", "localhost:8080", "--slice", "0:0-4"], "--coordinator"),
+        (["relay", "--port", "-1"], "--port"),
+        (["relay", "--reservation-ttl", "0"], "--reservation-ttl"),
+        (["relay", "--listen", "0.0.0.0:4001"], "--listen"),
+        (["market", "--db", ":memory:", "--port", "65536"], "--port"),
+    ],
+)
+def test_a_bad_flag_value_is_a_config_error_naming_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{flag}: "):
+        config(*argv)
+
+
+def test_mutually_exclusive_volunteer_modes() -> None:
+    with pytest.raises(ConfigError, match="exclude each other"):
+        config("volunteer", "--market", "http://m:8090", "--slice", "0:0-4")
+    with pytest.raises(ConfigError, match="excludes --listen"):
+        config("volunteer", "--market", "http://m:8090", "--no-direct", "--listen", "/ip4/127.0.0.1/tcp/0")
+    with pytest.raises(ConfigError, match="static mode"):
+        config("volunteer", "--slice", "0:0-4")
+
+
+def test_main_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["coordinator", "--model", "m.gguf", "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["moe-swarm: error: --port: Expected `int` <= 65535 [config_error]"]
+
+
+def test_data_dirs_default_under_the_users_share(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    share = tmp_path / ".local/share/moe-swarm"
+    assert config("coordinator", "--model", "m.gguf").data_dir == str(share / "coordinator")  # type: ignore[attr-defined]
+    assert config("relay").data_dir == str(share / "relay")  # type: ignore[attr-defined]
+    assert config("volunteer", "--market", "http://m:8090").data_dir == str(share / "volunteer")  # type: ignore[attr-defined]
+    assert config("market").db == str(share / "market" / "market.db")  # type: ignore[attr-defined]
+
+
+def test_the_token_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_SWARM_TOKEN", "from-env")
+    assert config("coordinator", "--model", "m.gguf").token == "from-env"  # type: ignore[attr-defined]
+    assert config("coordinator", "--model", "m.gguf", "--token", "flag").token == "flag"  # type: ignore[attr-defined]

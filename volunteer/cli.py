@@ -1,0 +1,101 @@
+"""``moe-swarm volunteer`` (shell: flags -> ``PullVolunteerConfig`` or ``StaticVolunteerConfig`` -> serve).
+
+Pull mode (``--market``) takes the scarcest slice the market offers; static mode
+(``--coordinator`` + ``--slice``) serves what it is told. The two exclude each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from swarm.config import build_config, data_dir_for
+from swarm.errors import ConfigError
+from swarm.service import run_service, size_flag
+
+__all__ = ["add_parser", "pull_config_from_args", "static_config_from_args"]
+
+_FLAGS = {"max_bytes": "--max-memory", "poll_interval_s": "--poll-interval", "relays": "--relay",
+          "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice"}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    v: argparse.ArgumentParser = subparsers.add_parser(
+        "volunteer", help="serve expert slices: pulled from a market, or given statically")
+    v.add_argument("--market", default=None, help="pull mode: take the scarcest slice the market offers")
+    v.add_argument("--max-memory", type=size_flag, default=None, help="pull mode: slice budget, e.g. 512M (default 1G)")
+    v.add_argument("--max-experts", type=int, default=None, help="pull mode: budget in experts")
+    v.add_argument("--models", action="append", default=None, help="pull mode: only these model ids (repeatable)")
+    v.add_argument("--poll-interval", type=float, default=2.0, help="pull mode: seconds between market polls")
+    v.add_argument("--coordinator", default=None, help="static mode: coordinator URL (slices are downloaded from it)")
+    v.add_argument("--slice", action="append", dest="slices", default=None, metavar="LAYER:LO-HI",
+                   help="static mode: experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
+    v.add_argument("--listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
+    v.add_argument("--data-dir", default=None,
+                   help="identity key, restart epoch and slice cache (default ~/.local/share/moe-swarm/volunteer)")
+    v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
+    v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads")
+    v.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    v.add_argument("--relay", action="append", dest="relays", default=None, metavar="MULTIADDR",
+                   help="a relay to reserve on when not reachable directly, e.g. "
+                        "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW... (repeatable; pull mode default: the market's)")
+    v.add_argument("--no-direct", action="store_true",
+                   help="do not listen; reachable only through relays")
+    v.add_argument("--no-hole-punch", action="store_true",
+                   help="do not answer DCUtR: coordinators keep reaching this volunteer through the relay")
+    v.set_defaults(func=run)
+    return v
+
+
+def _listen(ns: argparse.Namespace) -> tuple[str, ...]:
+    if ns.no_direct and ns.listen:
+        raise ConfigError("--no-direct (reachable only through relays) excludes --listen")
+    return () if ns.no_direct else tuple(ns.listen or ["/ip4/127.0.0.1/tcp/0"])
+
+
+def pull_config_from_args(ns: argparse.Namespace) -> Any:
+    from volunteer.daemon import PullVolunteerConfig
+
+    if ns.slices or ns.coordinator:
+        raise ConfigError("--market (pull mode) and --coordinator/--slice (static mode) exclude each other")
+    max_bytes = ns.max_memory
+    if max_bytes is None and ns.max_experts is None:
+        max_bytes = 1 << 30
+    return build_config(PullVolunteerConfig, {
+        "market": ns.market, "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
+        "max_bytes": max_bytes, "max_experts": ns.max_experts, "models": tuple(ns.models or ()),
+        "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
+        "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch,
+    }, flags=_FLAGS)
+
+
+def static_config_from_args(ns: argparse.Namespace) -> Any:
+    from volunteer.static import StaticVolunteerConfig, check_config
+
+    if not ns.coordinator or not ns.slices:
+        raise ConfigError("give --market URL (pull mode) or --coordinator URL with --slice LAYER:LO-HI (static mode)")
+    cfg = build_config(StaticVolunteerConfig, {
+        "coordinator": ns.coordinator, "slices": tuple(ns.slices), "listen": _listen(ns),
+        "data_dir": data_dir_for("volunteer", ns.data_dir), "model_id": ns.model_id, "threads": ns.threads,
+        "progress": not ns.no_progress, "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch,
+    }, flags=_FLAGS)
+    check_config(cfg)
+    return cfg
+
+
+def run(ns: argparse.Namespace) -> int:
+    import torch
+
+    # parallelism comes from --threads compute threads; one intra-op thread each keeps them from
+    # oversubscribing the cores (OpenMP threads spin while idle)
+    torch.set_num_threads(1)
+    if ns.market:
+        from volunteer.daemon import serve_pull_volunteer
+
+        run_service(serve_pull_volunteer, pull_config_from_args(ns))
+    else:
+        from volunteer.static import serve_static_volunteer
+
+        run_service(serve_static_volunteer, static_config_from_args(ns))
+    return 0
