@@ -14,9 +14,9 @@ Rules:
 - ``qtype`` changes only the expert tensors. Norms and the router are always F32; embeddings,
   attention and output use the size's dense type (F32, or F16 for ``bench``).
 - The tokenizer is byte-level BPE (``gpt2``): the 256 byte tokens in GPT-2 byte-to-unicode order,
-  then merges learned by a small deterministic trainer from the English text embedded below
-  (smaller vocabularies are prefixes of larger ones), then the control tokens ``<|endoftext|>``
-  (bos, padding), ``<|im_start|>``, ``<|im_end|>`` (eos). The chat template is ChatML.
+  then merges learned by a small deterministic trainer (``swarm.tools.bpe``) from an English text
+  (``swarm/tools/corpus.txt``; smaller vocabularies are prefixes of larger ones), then the control
+  tokens ``<|endoftext|>`` (bos, padding), ``<|im_start|>``, ``<|im_end|>`` (eos). The chat template is ChatML.
 - The file is written to a temporary name beside ``out`` and renamed, so ``out`` is never partial.
 
 Sizes (parameters and file bytes for the default types; ``qwen3moe`` / ``mixtral``)::
@@ -43,13 +43,9 @@ width 64) accepts only F32, F16, BF16, Q8_0 and Q4_0. Writing ``bench`` takes 30
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import hashlib
-import heapq
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +59,7 @@ from gguf import GGMLQuantizationType as T
 
 from swarm.errors import ConfigError, SwarmError
 from swarm.model import quant
+from swarm.tools.bpe import BpeVocab, build_vocab
 
 __all__ = [
     "ARCHITECTURES",
@@ -93,7 +90,6 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 @dataclass(frozen=True)
@@ -130,129 +126,6 @@ _FILE_TYPES: dict[T, gguf.LlamaFileType] = {
 }
 _UNQUANTISED = frozenset({T.F32, T.F16, T.BF16})
 QTYPE_NAMES: tuple[str, ...] = tuple(t.name for t in _FILE_TYPES)
-
-# ---------------------------------------------------------------------------------------------
-# tokenizer
-
-# Pre-tokenisation for training: an ASCII rendering of the qwen2/llama-bpe split rules (a word
-# with its leading space, single digits, punctuation runs, whitespace runs).
-_PRETOKENIZE = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")
-
-
-_CORPUS_WEIGHT = 16
-
-
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map, in GPT-2's token order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-@dataclass(frozen=True)
-class BpeVocab:
-    tokens: tuple[str, ...]  # byte tokens, merged tokens, then SPECIAL_TOKENS
-    token_types: tuple[int, ...]  # gguf.TokenType: NORMAL, or CONTROL for the special tokens
-    merges: tuple[str, ...]  # "left right", by rank
-
-    def token_id(self, token: str) -> int:
-        return self.tokens.index(token)
-
-
-def _training_words() -> list[tuple[str, int]]:
-    """Pre-tokens of the corpus with counts, plus each word's case/space variants, which lets the
-    small corpus supply ~10k merges; sorted for a deterministic trainer. Corpus occurrences weigh
-    ``_CORPUS_WEIGHT`` times a variant, so the first merges are those of ordinary English text."""
-    found = collections.Counter(_PRETOKENIZE.findall(_CORPUS))
-    counts = collections.Counter({word: n * _CORPUS_WEIGHT for word, n in found.items()})
-    variants: collections.Counter[str] = collections.Counter()
-    for word in sorted(found):
-        core = word.lstrip(" ")
-        if core.isascii() and core.isalpha():
-            for form in sorted({core.lower(), core.capitalize(), core.upper()}):
-                variants[form] += 1
-                variants[" " + form] += 1
-    counts.update(variants)
-    return sorted(counts.items())
-
-
-def _train_merges(n_tokens: int) -> tuple[list[str], list[tuple[str, str]]]:
-    """Byte-level BPE: merge the most frequent adjacent pair (ties: smallest pair) until the
-    vocabulary has ``n_tokens`` tokens. Incremental pair counts with a lazily invalidated heap."""
-    b2u = _byte_to_unicode()
-    vocab = list(b2u.values())
-    known = set(vocab)
-    words_counts = _training_words()
-    words = [[b2u[b] for b in word.encode("utf-8")] for word, _ in words_counts]
-    freq = [count for _, count in words_counts]
-    pair_count: dict[tuple[str, str], int] = collections.defaultdict(int)
-    pair_words: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
-    for i, symbols in enumerate(words):
-        for pair in zip(symbols, symbols[1:], strict=False):
-            pair_count[pair] += freq[i]
-            pair_words[pair].add(i)
-    heap = [(-count, left, right) for (left, right), count in pair_count.items()]
-    heapq.heapify(heap)
-    merges: list[tuple[str, str]] = []
-    while len(vocab) < n_tokens and heap:
-        neg, left, right = heapq.heappop(heap)
-        pair = (left, right)
-        if pair_count.get(pair, 0) != -neg:
-            continue  # stale heap entry
-        merges.append(pair)
-        merged = left + right
-        if merged not in known:
-            known.add(merged)
-            vocab.append(merged)
-        touched: set[tuple[str, str]] = set()
-        for i in sorted(pair_words.pop(pair)):
-            symbols = words[i]
-            for old in zip(symbols, symbols[1:], strict=False):
-                pair_count[old] -= freq[i]
-                touched.add(old)
-            out: list[str] = []
-            j = 0
-            while j < len(symbols):
-                if j + 1 < len(symbols) and symbols[j] == left and symbols[j + 1] == right:
-                    out.append(merged)
-                    j += 2
-                else:
-                    out.append(symbols[j])
-                    j += 1
-            words[i] = out
-            for new in zip(out, out[1:], strict=False):
-                pair_count[new] += freq[i]
-                pair_words[new].add(i)
-                touched.add(new)
-        pair_count.pop(pair, None)
-        touched.discard(pair)
-        for p in sorted(touched):
-            if pair_count.get(p, 0) > 0:
-                heapq.heappush(heap, (-pair_count[p], p[0], p[1]))
-            else:
-                pair_count.pop(p, None)
-                pair_words.pop(p, None)
-    if len(vocab) < n_tokens:
-        raise ConfigError(f"the built-in corpus supplies only {len(vocab)} BPE tokens, {n_tokens} asked")
-    return vocab, merges
-
-
-@functools.lru_cache(maxsize=8)
-def build_vocab(vocab_size: int) -> BpeVocab:
-    """The byte-level BPE vocabulary of ``vocab_size`` tokens (including the 3 special tokens)."""
-    n_special = len(SPECIAL_TOKENS)
-    if vocab_size < 256 + n_special:
-        raise ConfigError(f"vocab_size must be at least {256 + n_special}, got {vocab_size}")
-    vocab, merges = _train_merges(vocab_size - n_special)
-    tokens = (*vocab, *SPECIAL_TOKENS)
-    types = (int(gguf.TokenType.NORMAL),) * len(vocab) + (int(gguf.TokenType.CONTROL),) * n_special
-    return BpeVocab(tokens, types, tuple(f"{a} {b}" for a, b in merges))
-
 
 # ---------------------------------------------------------------------------------------------
 # tensors
@@ -496,155 +369,3 @@ def main_make_model(argv: Sequence[str] | None = None) -> int:
     except SwarmError as exc:
         print(f"moe-swarm make-model: error: {exc.message}", file=sys.stderr)
         return 2
-
-
-# A small original English text: the BPE training corpus. Changing it changes every model file.
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all.
-A mixture of experts is a neural network in which a small router chooses, for every token, a few
-expert feed-forward blocks out of many. Only the chosen experts run, so the model can hold far more
-parameters than it spends on any single step. Volunteers on a peer-to-peer network each keep a slice
-of the experts in memory and answer requests from a coordinator that runs attention and routing.
-
-Morning light crept across the valley while the river carried leaves toward the distant harbour.
-Farmers walked along the narrow paths between fields of wheat, barley, oats and sunflowers, talking
-quietly about rain, markets, prices, tractors and the weather that always seemed to change too soon.
-In the village square, children played games with chalk and marbles; an old baker sold warm bread,
-honey cakes, apple pies and cinnamon rolls from a wooden cart painted green and yellow.
-
-Science begins with curiosity. Someone notices a pattern, asks why it happens, proposes an
-explanation, and then designs an experiment that could prove the explanation wrong. Measurements are
-repeated, errors are estimated, and results are shared so that others can check them. Physics,
-chemistry, biology, geology and astronomy all follow this careful rhythm of doubt and evidence.
-
-Computers store numbers as bits. A floating point value keeps a sign, an exponent and a mantissa;
-half precision uses sixteen bits, single precision thirty-two, and double precision sixty-four.
-Quantisation squeezes weights into four, five, six or eight bits per value, with a shared scale for
-each block, which saves memory and bandwidth at the cost of a little accuracy.
-
-She opened the letter slowly. Her grandmother had written it decades ago, in careful handwriting,
-describing a journey by train through mountains, forests, deserts and coastal towns. Every page
-mentioned small kindnesses: a stranger who shared an orange, a conductor who found a lost glove,
-a musician who played the violin beneath a bridge until the evening lamps were lit.
-
-How do you cook a simple soup? Chop onions, carrots, celery and garlic. Warm olive oil in a heavy pot,
-soften the vegetables, add tomatoes, lentils, beans, stock, pepper, salt, thyme and a bay leaf, then
-simmer gently for forty minutes. Serve it with fresh bread, grated cheese and a squeeze of lemon.
-
-Networks fail in interesting ways. Packets are delayed, duplicated, reordered or dropped; links go
-down; machines restart without warning. Robust systems use timeouts, retries, hedged requests,
-leases, heartbeats and careful bookkeeping so that every decision can be explained afterwards.
-Good engineers write tests that simulate partitions, latency, loss and clock skew before users do.
-
-History remembers empires, kings, queens, generals and treaties, but ordinary people built the roads,
-bridges, cathedrals, ships, libraries and universities. Merchants traded silk, spices, salt, copper,
-iron, timber, wool and glass across oceans and continents, carrying languages, recipes and ideas.
-
-Music is organised sound. Melody, harmony, rhythm and timbre combine in songs, symphonies, operas,
-ballads, marches and lullabies. A piano has eighty-eight keys; a guitar usually has six strings; a
-drum kit includes cymbals, snares, toms and a bass drum. Orchestras tune to the oboe before playing.
-
-In mathematics, a matrix multiplies a vector by taking weighted sums of its columns. Eigenvalues,
-determinants, gradients, integrals, probabilities and logarithms appear everywhere: in statistics,
-engineering, economics, cryptography and machine learning. The softmax function turns scores into
-probabilities; attention compares queries with keys and mixes values accordingly.
-
-Winter arrived early that year. Snow covered rooftops, chimneys, fences and gardens; icicles hung from
-gutters; frozen ponds invited skaters wearing scarves, mittens and woollen hats. Families gathered
-near fireplaces, reading novels, knitting sweaters, solving puzzles and telling stories late at night.
-
-The athlete trained every day: running, swimming, cycling, stretching, lifting weights and resting.
-Coaches measured heart rate, speed, endurance and recovery. At the championship she finished third,
-smiled broadly, thanked her teammates and promised to return stronger next season.
-
-Please remember to save your work often. Check the configuration file, verify the checksum, restart
-the service, and read the logs carefully if anything looks unusual. Ask questions early; answers are
-cheaper than mistakes. Documentation, examples and tutorials help newcomers become contributors.
-
-Birds migrate thousands of kilometres each spring and autumn. Swallows, geese, cranes, storks and
-warblers navigate using the sun, the stars, the magnetic field of the earth and familiar landmarks.
-Scientists attach tiny transmitters to follow them across seas, islands, wetlands and mountain passes.
-
-Language models predict the next token given the previous ones. A tokenizer splits text into pieces;
-byte pair encoding starts from single bytes and repeatedly merges the most frequent adjacent pair.
-The vocabulary grows until it reaches the desired size, and every string can still be encoded because
-each byte remains available on its own.
-
-Travellers often say that the best part of a trip is the unexpected: a festival in a small town, a
-conversation with a fisherman, a meal cooked by a family who insisted on sharing, or a sunset seen
-from a hilltop after missing the last bus. Maps, tickets, passports and suitcases are merely tools.
-
-Gardening teaches patience. Seeds need water, soil, sunlight and time. Tomatoes climb wooden stakes,
-beans twist around strings, pumpkins sprawl across paths, and roses demand pruning, feeding and care.
-Worms, bees, butterflies and ladybirds are welcome guests; slugs, aphids and weeds are not.
-
-The committee met on Thursday to discuss the budget, the schedule and the proposal for a new library.
-After long debate, they voted seven to two in favour, asked the architect for revised drawings, and
-agreed to publish the minutes online so that every resident could read the reasoning behind it.
-
-Oceans cover most of our planet. Whales sing across enormous distances, coral reefs shelter colourful
-fish, octopuses solve puzzles, and currents distribute heat from the tropics toward the poles. Tides
-rise and fall because of the moon, while storms build waves that travel across entire basins.
-
-Why does bread rise? Yeast consumes sugar and releases carbon dioxide, which forms bubbles trapped by
-gluten. Kneading strengthens the dough; proofing lets it expand; baking sets the structure and browns
-the crust through caramelisation and the chemical reactions that give toast its wonderful aroma.
-
-Software is written by people for people. Clear names, small functions, honest comments, typed
-interfaces and automated checks make programs easier to change. Reviewers look for correctness,
-simplicity, security, performance and whether the code explains itself to the next reader.
-Zebras, jaguars, kangaroos, penguins, quokkas, yaks and vultures rarely appear in the same sentence.
-
-Astronomers photograph galaxies, nebulae, comets and asteroids with telescopes on remote plateaus.
-Light from faraway quasars departed billions of years before our sun ignited; spectroscopy reveals
-hydrogen, helium, oxygen and nitrogen, and slight redshifts betray an expanding, accelerating cosmos.
-
-The carpenter measured twice and cut once. Chisels, hammers, saws, planes, clamps, drills and sandpaper
-lay organised on the workbench; shavings curled beneath it like pale ribbons. Oak, walnut, maple,
-cherry, pine and birch each behave differently when glued, varnished, polished or exposed to humidity.
-
-Medicine advances through patient observation. Nurses monitor temperature, pulse, breathing and blood
-pressure; physicians diagnose infections, fractures, allergies and chronic illnesses; pharmacists
-explain dosage, interactions and side effects. Vaccines, antibiotics, anaesthesia and hygiene have
-saved countless lives, yet compassion remains the oldest and most dependable treatment.
-
-Economists argue about inflation, unemployment, productivity, wages, taxation and interest rates.
-Households budget for rent, groceries, electricity, transport, insurance and holidays. Entrepreneurs
-borrow capital, hire employees, negotiate contracts, design products and occasionally go bankrupt.
-
-Philosophers ask difficult questions: what is knowledge, what makes an action just, whether free will
-exists, how minds relate to bodies, and why anything exists rather than nothing. Socratic dialogue,
-skeptical inquiry, logical analysis and thought experiments remain surprisingly useful methods.
-
-Volcanoes erupt when magma forces its way through cracks in the crust. Lava flows, ash clouds and
-pyroclastic surges reshape landscapes; later, fertile soils attract vineyards, orchards and villages.
-Earthquakes, tsunamis, landslides, hurricanes, droughts and floods remind everyone of nature's power.
-
-Our kitchen smelled of roasted garlic, rosemary, paprika, ginger, cumin, coriander, turmeric, vanilla
-and nutmeg. Grandfather whisked eggs, folded flour, melted butter, toasted almonds, peeled potatoes,
-sliced mushrooms, squeezed oranges and scolded anybody who dared to open the oven door too early.
-
-Electricity flows when electrons move through conductors. Voltage, current, resistance, capacitance
-and inductance obey tidy equations; transistors switch billions of times per second inside processors;
-batteries, generators, transformers, turbines and solar panels keep modern cities humming overnight.
-
-The detective examined footprints, fingerprints, receipts, photographs and an abandoned umbrella.
-Witnesses contradicted each other, alibis crumbled, and a forgotten diary finally revealed the motive:
-jealousy, greed, revenge and a misunderstanding that began with an unanswered telephone call.
-
-Painters experiment with pigments, brushes, canvases, palettes and perspective. Impressionists chased
-fleeting reflections; cubists fractured geometry; surrealists painted dreams; sculptors carved marble,
-cast bronze, welded steel and modelled clay, while photographers captured shadows with lenses.
-
-Children learn vocabulary astonishingly quickly: nouns, verbs, adjectives, adverbs, pronouns and
-prepositions accumulate through stories, jokes, songs, arguments and endless questions. Teachers
-encourage reading, writing, arithmetic, geography, handwriting, spelling and thoughtful listening.
-
-Railways transformed continents. Locomotives pulled carriages across viaducts, tunnels and plains;
-stations became cathedrals of iron and glass; timetables synchronised clocks; porters, signalmen,
-engineers and ticket inspectors kept passengers moving through fog, blizzards and summer heatwaves.
-
-Privacy matters online. Encryption protects messages, signatures authenticate senders, hashes detect
-tampering, and careful protocols avoid leaking metadata. Passwords should be long, unique and stored
-in a manager; backups should be tested; permissions should follow the principle of least privilege.
-"""
