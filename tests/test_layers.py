@@ -1,0 +1,265 @@
+"""The import layers (DESIGN §1, README "Code layout"), checked over every module's imports.
+
+Rules, each a test below (the checker itself is tested on a planted tree of each violation):
+1. The ``swarm`` library never imports a role (``coordinator``, ``market``, ``volunteer``, ``relay``);
+   only the application layer may: ``swarm/cli.py``, ``swarm/demo.py``, ``swarm/tools/``.
+2. A role never imports another role: roles meet only in ``swarm`` (``swarm.protocol`` for the
+   contracts between processes).
+3. A ``core/`` module is pure: nothing it imports, directly or through project modules, does I/O,
+   reads a clock, touches torch or uses global randomness.
+4. Torch-free layers stay torch-free, transitively: the foundations (``swarm`` root modules and
+   ``swarm.core``), ``swarm.protocol`` and the whole ``market`` role.
+5. No import cycle between modules (function-local imports count: they only hide a cycle).
+
+Imports under ``if TYPE_CHECKING:`` are ignored (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLES = ("coordinator", "market", "volunteer", "relay")
+PACKAGES = ("swarm", *ROLES)
+APPLICATION = ("swarm.cli", "swarm.demo", "swarm.tools")
+IMPURE = frozenset({
+    "trio", "anyio", "asyncio", "socket", "ssl", "select", "selectors", "threading", "multiprocessing",
+    "subprocess", "os", "io", "time", "datetime", "random", "secrets", "torch", "numpy", "httpx", "sqlite3",
+    "libp2p", "multiaddr", "starlette", "hypercorn", "urllib", "http", "shutil", "tempfile", "pathlib",
+    "logging", "gguf", "safetensors", "tokenizers", "prometheus_client",
+})
+TORCH_FREE = ("swarm.errors", "swarm.ids", "swarm.dispatch_map", "swarm.config", "swarm.core", "swarm.protocol", "market")
+
+
+@dataclass
+class Graph:
+    modules: dict[str, Path] = field(default_factory=dict)
+    project: dict[str, set[str]] = field(default_factory=dict)  # module -> project modules it imports
+    external: dict[str, set[str]] = field(default_factory=dict)  # module -> top-level foreign packages
+
+    def resolve(self, name: str) -> str | None:
+        """The project module ``name`` refers to: itself, or its nearest enclosing project module."""
+        while name:
+            if name in self.modules:
+                return name
+            name = name.rpartition(".")[0]
+        return None
+
+    def closure(self, start: str) -> dict[str, list[str]]:
+        """Every project module reachable from ``start``, each with one import chain leading to it."""
+        chains = {start: [start]}
+        todo = [start]
+        while todo:
+            m = todo.pop()
+            for dep in sorted(self.project[m]):
+                if dep not in chains:
+                    chains[dep] = [*chains[m], dep]
+                    todo.append(dep)
+        return chains
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(tree: ast.AST, module: str, is_pkg: bool) -> Iterable[str]:
+    """Dotted names imported at run time."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                keep = len(parts) - node.level + (1 if is_pkg else 0)
+                base = ".".join([*parts[:keep], *([base] if base else [])])
+            # ``from a import b``: the module ``a.b`` if there is one, else ``a`` (``Graph.resolve``)
+            yield from (f"{base}.{a.name}" if a.name != "*" else base for a in node.names)
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def build_graph(root: Path, packages: Iterable[str] = PACKAGES) -> Graph:
+    g = Graph()
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            g.modules[".".join(parts)] = path
+    for name, path in g.modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        project: set[str] = set()
+        external: set[str] = set()
+        for imported in _runtime_imports(tree, name, path.name == "__init__.py"):
+            target = g.resolve(imported)
+            if target is not None:
+                if target != name:
+                    project.add(target)
+            elif imported.split(".")[0] not in packages:
+                external.add(imported.split(".")[0])
+        g.project[name], g.external[name] = project, external
+    return g
+
+
+def _within(module: str, prefixes: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _role(module: str) -> str | None:
+    top = module.split(".")[0]
+    return top if top in ROLES else None
+
+
+def library_importing_roles(g: Graph) -> list[str]:
+    return [f"{m} imports {d}" for m in g.modules if _within(m, ["swarm"]) and not _within(m, APPLICATION)
+            for d in sorted(g.project[m]) if _role(d)]
+
+
+def roles_importing_roles(g: Graph) -> list[str]:
+    return [f"{m} imports {d}" for m in g.modules if _role(m)
+            for d in sorted(g.project[m]) if _role(d) not in (None, _role(m))]
+
+
+def impure_cores(g: Graph) -> list[str]:
+    out = []
+    for m in sorted(g.modules):
+        if "core" not in m.split(".")[1:]:
+            continue
+        for dep, chain in sorted(g.closure(m).items()):
+            for ext in sorted(g.external[dep] & IMPURE):
+                out.append(f"{' -> '.join(chain)} imports {ext}")
+    return out
+
+
+def torch_in_torch_free_layers(g: Graph) -> list[str]:
+    out = []
+    for m in sorted(g.modules):
+        if not _within(m, TORCH_FREE):
+            continue
+        for dep, chain in sorted(g.closure(m).items()):
+            if "torch" in g.external[dep]:
+                out.append(f"{' -> '.join(chain)} imports torch")
+    return out
+
+
+def cycles(g: Graph) -> list[str]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(g.modules):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(g.project[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, deps = work[-1]
+            advanced = False
+            for dep in deps:
+                if dep not in index:
+                    index[dep] = low[dep] = counter
+                    counter += 1
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(g.project[dep]))))
+                    advanced = True
+                    break
+                if dep in on_stack:
+                    low[node] = min(low[node], index[dep])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return [" <-> ".join(c) for c in sorted(found)]
+
+
+RULES = {
+    "library imports a role": library_importing_roles,
+    "role imports another role": roles_importing_roles,
+    "impure core": impure_cores,
+    "torch in a torch-free layer": torch_in_torch_free_layers,
+    "import cycle": cycles,
+}
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return build_graph(ROOT)
+
+
+def test_the_graph_sees_the_project(graph: Graph) -> None:
+    assert {"swarm.protocol.expert", "swarm.p2p.nat.service", "market.core.assign", "coordinator.cli"} <= set(graph.modules)
+    assert "swarm.protocol.expert" in graph.project["swarm.rpc.client"]
+    assert "torch" in graph.external["swarm.rpc.tensors"]
+    assert any(".core." in m for m in graph.modules)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_layer_rule(graph: Graph, rule: str) -> None:
+    found = RULES[rule](graph)
+    assert not found, f"{rule}:\n  " + "\n  ".join(found)
+
+
+# -- the checker catches each violation (a planted tree) ---------------------------------------------
+
+PLANTED = {
+    "swarm/__init__.py": "",
+    "swarm/errors.py": "",
+    "swarm/protocol/__init__.py": "",
+    "swarm/protocol/wire.py": "from swarm.model import tensors\n",
+    "swarm/model/__init__.py": "",
+    "swarm/model/tensors.py": "import torch\n",
+    "swarm/lib.py": "def f():\n    from market import api\n",
+    "swarm/cli.py": "import market.api\nimport coordinator.cli\n",
+    "swarm/core/__init__.py": "",
+    "swarm/core/machine.py": "from swarm import helper\n",
+    "swarm/helper.py": "import time\n",
+    "swarm/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import market.api\n",
+    "market/__init__.py": "",
+    "market/api.py": "from coordinator import cli\n",
+    "coordinator/__init__.py": "",
+    "coordinator/cli.py": "from coordinator import a\n",
+    "coordinator/a.py": "def g():\n    import coordinator.b\n",
+    "coordinator/b.py": "from coordinator.a import g\n",
+    "volunteer/__init__.py": "",
+    "relay/__init__.py": "",
+}
+
+
+def test_the_checker_reports_every_planted_violation(tmp_path: Path) -> None:
+    for rel, text in PLANTED.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    g = build_graph(tmp_path)
+    assert library_importing_roles(g) == ["swarm.lib imports market.api"]  # not swarm.cli, not TYPE_CHECKING
+    assert roles_importing_roles(g) == ["market.api imports coordinator.cli"]
+    assert impure_cores(g) == ["swarm.core.machine -> swarm.helper imports time"]
+    assert torch_in_torch_free_layers(g) == ["swarm.protocol.wire -> swarm.model.tensors imports torch"]
+    assert cycles(g) == ["coordinator.a <-> coordinator.b"]
