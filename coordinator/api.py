@@ -6,11 +6,12 @@ Rules:
 - A client that disconnects (streamed or not) has its request cancelled, which frees its slot
   before the engine plans its next step.
 - Past the bounded queue: 503 with ``Retry-After``.
+- Every body is a ``coordinator.schemas`` Struct (errors: ``swarm.protocol.http``'s), encoded by
+  this module's one encoder.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -24,12 +25,34 @@ from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from coordinator.core.scheduler import Emit, Finish, FinishReason
 from coordinator.runtime import EngineFailed, EngineRuntime, RequestHandle
-from coordinator.schemas import ChatRequest, CompletionRequest, decode_chat, decode_completion, gen_params
+from coordinator.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatRequest,
+    ChoiceFinishReason,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionRequest,
+    Health,
+    ModelCard,
+    ModelList,
+    SlotInfo,
+    Usage,
+    decode_chat,
+    decode_completion,
+    gen_params,
+)
 from swarm.errors import RequestError, SwarmError
 from swarm.protocol.http import encode_error
 from swarm.text.chat import render_chat
@@ -75,8 +98,15 @@ class _EngineCollector(Collector):
         yield gauge("moe_swarm_slots", "Slots", self.rt.n_slots)
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+_encoder = msgspec.json.Encoder()
+
+
+def _json(body: msgspec.Struct | list[SlotInfo] | dict[str, Any]) -> Response:
+    return Response(_encoder.encode(body), media_type="application/json")
+
+
+def _sse(body: ChatCompletionChunk | CompletionChunk) -> bytes:
+    return b"data: " + _encoder.encode(body) + b"\n\n"
 
 
 def build_app(
@@ -101,29 +131,30 @@ def build_app(
         if name not in names:
             raise RequestError(f"model {name!r} does not exist; this server hosts {model_id!r}", code="model_not_found", status=404, param="model")
 
+    model_list = ModelList(data=(ModelCard(id=model_id, created=created, owned_by="moe-swarm"),))
+
     async def models(_: Request) -> Response:
-        return JSONResponse(
-            {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "moe-swarm"}]}
-        )
+        return _json(model_list)
 
     async def health(_: Request) -> Response:
         busy = rt.busy()
-        body: dict[str, Any] = {"status": "ok", "model": model_id, "slots_idle": rt.n_slots - busy, "slots_processing": busy}
-        if extra_health is not None:
-            body.update(extra_health())
-        return JSONResponse(body)
+        body = Health(model=model_id, slots_idle=rt.n_slots - busy, slots_processing=busy)
+        if extra_health is None:
+            return _json(body)
+        # the server's extras (peer id, market link) are still a dict: merged after our fields
+        return _json(msgspec.structs.asdict(body) | extra_health())
 
     async def slots(_: Request) -> Response:
-        return JSONResponse(
+        return _json(
             [
-                {
-                    "id": s.id,
-                    "is_processing": s.is_processing,
-                    "n_ctx": s.n_ctx,
-                    "n_prompt": s.n_prompt,
-                    "n_decoded": s.n_decoded,
-                    "tps_ewma": round(s.tps_ewma, 3),
-                }
+                SlotInfo(
+                    id=s.id,
+                    is_processing=s.is_processing,
+                    n_ctx=s.n_ctx,
+                    n_prompt=s.n_prompt,
+                    n_decoded=s.n_decoded,
+                    tps_ewma=round(s.tps_ewma, 3),
+                )
                 for s in rt.slots()
             ]
         )
@@ -217,44 +248,38 @@ def build_app(
         if disconnected:
             return Response(status_code=499)
         content = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(finish.reason)}
+        reason = _reason(finish.reason)
+        token_ids = tuple(ids) if req.return_token_ids else msgspec.UNSET
         if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-            choice["logprobs"] = None
-        else:
-            choice["text"] = content
-            choice["logprobs"] = None
-        if req.return_token_ids:
-            choice["token_ids"] = ids
-        body = {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(t0),
-            "model": model_id,
-            "choices": [choice],
-            "usage": _usage(finish),
-        }
-        return JSONResponse(body)
+            return _json(ChatCompletion(
+                id=rid, created=int(t0), model=model_id, usage=_usage(finish),
+                choices=(ChatChoice(finish_reason=reason, message=AssistantMessage(content=content), token_ids=token_ids),),
+            ))
+        return _json(Completion(
+            id=rid, created=int(t0), model=model_id, usage=_usage(finish),
+            choices=(CompletionChoice(finish_reason=reason, text=content, token_ids=token_ids),),
+        ))
 
     async def _stream(req: ChatRequest | CompletionRequest, handle: RequestHandle, rid: str, created: int, *, chat: bool) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta_text: str | None, ids: tuple[int, ...] | None, reason: str | None, first: bool = False) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+        def chunk(
+            delta_text: str | None, ids: tuple[int, ...] | None, reason: ChoiceFinishReason | None, first: bool = False
+        ) -> ChatCompletionChunk | CompletionChunk:
+            token_ids = ids if ids is not None and req.return_token_ids else msgspec.UNSET
             if chat:
-                delta: dict[str, Any] = {}
-                if first:
-                    delta["role"] = "assistant"
-                if delta_text is not None:
-                    delta["content"] = delta_text
-                choice["delta"] = delta
-                choice["logprobs"] = None
-            else:
-                choice["text"] = delta_text or ""
-                choice["logprobs"] = None
-            if ids is not None and req.return_token_ids:
-                choice["token_ids"] = list(ids)
-            return {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
+                delta = ChatDelta(role="assistant" if first else None, content=delta_text)
+                return ChatCompletionChunk(
+                    id=rid, created=created, model=model_id,
+                    choices=(ChatChunkChoice(finish_reason=reason, delta=delta, token_ids=token_ids),),
+                )
+            return CompletionChunk(
+                id=rid, created=created, model=model_id,
+                choices=(CompletionChunkChoice(finish_reason=reason, text=delta_text or "", token_ids=token_ids),),
+            )
+
+        def usage_chunk(f: Finish) -> ChatCompletionChunk | CompletionChunk:
+            if chat:
+                return ChatCompletionChunk(id=rid, created=created, model=model_id, choices=(), usage=_usage(f))
+            return CompletionChunk(id=rid, created=created, model=model_id, choices=(), usage=_usage(f))
 
         done = False
         try:
@@ -270,11 +295,11 @@ def build_app(
                         return
                     yield _sse(chunk(None if chat else "", None, _reason(ev.reason)))
                     if req.stream_options is not None and req.stream_options.include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_id, "choices": [], "usage": _usage(ev)})
+                        yield _sse(usage_chunk(ev))
                     yield b"data: [DONE]\n\n"
                 else:
                     done = True
-                    yield _sse({"error": {"message": ev.message, "type": "server_error", "param": None, "code": "engine_error"}})
+                    yield b"data: " + encode_error(500, "engine_error", ev.message) + b"\n\n"
                     return
         finally:
             if not done:
@@ -297,12 +322,12 @@ def build_app(
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 
 
-def _reason(r: FinishReason) -> str:
-    return "length" if r is FinishReason.LENGTH else "stop"
+def _reason(r: FinishReason) -> ChoiceFinishReason:
+    return ChoiceFinishReason.LENGTH if r is FinishReason.LENGTH else ChoiceFinishReason.STOP
 
 
-def _usage(f: Finish) -> dict[str, int]:
-    return {"prompt_tokens": f.n_prompt, "completion_tokens": f.n_decoded, "total_tokens": f.n_prompt + f.n_decoded}
+def _usage(f: Finish) -> Usage:
+    return Usage(prompt_tokens=f.n_prompt, completion_tokens=f.n_decoded, total_tokens=f.n_prompt + f.n_decoded)
 
 
 def msgspec_to_dict(m: Any) -> dict[str, Any]:

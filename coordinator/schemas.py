@@ -1,26 +1,54 @@
-"""OpenAI-compatible request bodies (pure: msgspec Structs and their validation).
+"""The coordinator's HTTP bodies (pure: msgspec Structs, their validation and nothing else).
+
+OpenAI-compatible requests (``/v1/chat/completions``, ``/v1/completions``) and responses
+(``chat.completion``, ``chat.completion.chunk``, ``text_completion`` whole and streamed, the
+``/v1/models`` list), plus the coordinator's own ``/health`` and ``/slots``. Errors are
+``swarm.protocol.http``'s ``ErrorBody``, streamed or not.
 
 Rules:
 - Bodies are decoded by one typed decoder per endpoint; a type error names the offending field.
-- Unknown fields are ignored (clients send many optional fields) except those whose silent
-  omission would change the meaning of the answer, which are refused by ``validate_*``.
+- Unknown request fields are ignored (clients send many optional fields) except those whose silent
+  omission would change the meaning of the answer, which are refused by ``decode_*`` and
+  ``gen_params``.
 - Range checks raise ``RequestError`` with ``param`` set, mapped to HTTP 400 by the API shell.
+- Responses carry the keys and values the official ``openai`` client reads, in a fixed order: a
+  field the OpenAI shape always carries is always encoded (``null`` included); only the chat
+  ``delta``'s fields, ``usage`` outside the last chunk and our ``token_ids`` extension are left out
+  when absent.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from enum import StrEnum
+from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from coordinator.core.scheduler import GenParams
 from swarm.errors import RequestError
 
 __all__ = [
+    "AssistantMessage",
+    "ChatChoice",
+    "ChatChunkChoice",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatDelta",
     "ChatMessage",
     "ChatRequest",
+    "ChoiceFinishReason",
+    "Completion",
+    "CompletionChoice",
+    "CompletionChunk",
+    "CompletionChunkChoice",
     "CompletionRequest",
+    "Health",
+    "ModelCard",
+    "ModelList",
+    "SlotInfo",
     "StreamOptions",
+    "Usage",
     "decode_chat",
     "decode_completion",
     "gen_params",
@@ -61,6 +89,134 @@ class ChatRequest(_Common, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[int | str]
     echo: bool = False
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+class ChoiceFinishReason(StrEnum):
+    """Why a choice ended, as OpenAI spells it (the scheduler's ``CANCELLED`` never reaches a client)."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context is full
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    finish_reason: ChoiceFinishReason
+    message: AssistantMessage
+    logprobs: None = None
+    token_ids: tuple[int, ...] | UnsetType = UNSET  # only when the request asked for ``return_token_ids``
+
+
+class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: tuple[ChatChoice, ...]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a chunk adds to the message: ``role`` in the first chunk only, no ``content`` in the last."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    finish_reason: ChoiceFinishReason | None = None
+    delta: ChatDelta
+    logprobs: None = None
+    token_ids: tuple[int, ...] | UnsetType = UNSET
+
+
+class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: tuple[ChatChunkChoice, ...]
+    usage: Usage | UnsetType = UNSET  # only in the extra last chunk of ``stream_options.include_usage``
+
+
+class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    finish_reason: ChoiceFinishReason
+    text: str
+    logprobs: None = None
+    token_ids: tuple[int, ...] | UnsetType = UNSET
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: tuple[CompletionChoice, ...]
+    usage: Usage
+
+
+class CompletionChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    finish_reason: ChoiceFinishReason | None = None
+    text: str
+    logprobs: None = None
+    token_ids: tuple[int, ...] | UnsetType = UNSET
+
+
+class CompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """A streamed ``text_completion``: OpenAI gives chunks the same ``object`` as the whole answer."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: tuple[CompletionChunkChoice, ...]
+    usage: Usage | UnsetType = UNSET
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct, frozen=True, kw_only=True):
+    object: Literal["list"] = "list"
+    data: tuple[ModelCard, ...]
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True):
+    """``/health``'s own fields; the server adds its peer id and market link next to them."""
+
+    status: Literal["ok"] = "ok"
+    model: str
+    slots_idle: int
+    slots_processing: int
+
+
+class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
+    id: int
+    is_processing: bool
+    n_ctx: int
+    n_prompt: int
+    n_decoded: int
+    tps_ewma: float
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)

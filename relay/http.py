@@ -1,23 +1,30 @@
-"""The relay's HTTP side (shell): ``/metrics`` (Prometheus) and ``/health`` (JSON)."""
+"""The relay's HTTP side (shell): ``/metrics`` (Prometheus) and ``/health`` (JSON).
+
+Rules:
+- ``/health`` is ``relay.service.RelayHealth``, encoded by this module's one encoder.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 if TYPE_CHECKING:
     from relay.service import RelayService
 
 __all__ = ["build_app"]
+
+_encoder = msgspec.json.Encoder()
 
 
 class _RelayCollector(Collector):
@@ -63,7 +70,7 @@ def build_app(service: RelayService) -> Starlette:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(_: Request) -> Response:
-        return JSONResponse(service.health())
+        return Response(_encoder.encode(service.health()), media_type="application/json")
 
     return Starlette(routes=[Route("/metrics", metrics, methods=["GET"]), Route("/health", health, methods=["GET"])])
 

@@ -30,6 +30,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,7 @@ from swarm.p2p.nat import AUTONAT_PROTOCOL, HOP_PROTOCOL
 if TYPE_CHECKING:
     pass
 
-__all__ = ["RelayConfig", "RelayService", "open_relay", "serve_relay"]
+__all__ = ["RelayConfig", "RelayHealth", "RelayService", "RelayStatus", "open_relay", "serve_relay"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,23 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+
+
+class RelayStatus(StrEnum):
+    OK = "ok"
+    DRAINING = "draining"  # shutting down: new reservations and circuits are refused
+
+
+class RelayHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """``/health``'s body."""
+
+    status: RelayStatus
+    peer_id: str
+    addrs: tuple[str, ...]  # what volunteers are given (``announce_addrs``)
+    reservations: int
+    circuits: int
+    bytes_relayed: int  # since start, both directions
+    limits: RelayConfig  # the whole configuration this relay runs with
 
 
 class RelayService:
@@ -137,18 +155,18 @@ class RelayService:
     def dialback_results(self) -> Counter[str]:
         return self.autonat.results
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> RelayHealth:
         self.ledger.expire(trio.current_time())
         s = self.ledger.stats()
-        return {
-            "status": "draining" if self.ledger.draining else "ok",
-            "peer_id": self.transport.peer_id,
-            "addrs": self.announce_addrs(),
-            "reservations": s.reservations,
-            "circuits": s.circuits,
-            "bytes_relayed": s.bytes_relayed_total,
-            "limits": msgspec.structs.asdict(self.cfg) | {"listen": list(self.cfg.listen), "announce": list(self.cfg.announce)},
-        }
+        return RelayHealth(
+            status=RelayStatus.DRAINING if self.ledger.draining else RelayStatus.OK,
+            peer_id=self.transport.peer_id,
+            addrs=tuple(self.announce_addrs()),
+            reservations=s.reservations,
+            circuits=s.circuits,
+            bytes_relayed=s.bytes_relayed_total,
+            limits=self.cfg,
+        )
 
 
 class _DisconnectNotifee:

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import torch
 import trio
 
 from coordinator.dispatcher import Dispatcher
 from coordinator.model import Transformer
-from relay.service import RelayConfig, RelayService, open_relay
+from relay.service import RelayConfig, RelayHealth, RelayService, RelayStatus, open_relay
 from swarm.core.paths import Reachability
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
 from swarm.errors import DialError
@@ -261,15 +262,23 @@ async def test_metrics_and_health(nursery: trio.Nursery, coord: Libp2pTransport)
         base = relay.service.metrics_url.removesuffix("/metrics")
         async with httpx.AsyncClient(base_url=base) as h:
             text = (await h.get("/metrics")).text
-            health = (await h.get("/health")).json()
+            r = await h.get("/health")
         await s.aclose()
     metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
     assert metrics["moe_swarm_relay_reservations"] == 1
     assert metrics["moe_swarm_relay_circuits"] == 1
     assert metrics["moe_swarm_relay_bytes_relayed_total"] >= 100_000  # 50 kB each way, plus handshakes
     assert metrics['moe_swarm_relay_refusals_total{reason="no_reservation"}'] == 0
-    assert health["peer_id"] == relay.service.transport.peer_id and health["reservations"] == 1 and health["status"] == "ok"
-    assert health["limits"]["circuit_max_bytes"] == 0  # unlimited by default
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    health = msgspec.json.decode(r.content, type=RelayHealth)
+    assert msgspec.json.encode(health) == r.content  # strict: the body is exactly the Struct
+    assert health.peer_id == relay.service.transport.peer_id and health.status is RelayStatus.OK
+    assert (health.reservations, health.circuits) == (1, 1) and health.bytes_relayed >= 100_000
+    assert health.addrs == tuple(relay.service.announce_addrs()) and health.limits == relay.service.cfg
+    raw = r.json()
+    assert list(raw) == ["status", "peer_id", "addrs", "reservations", "circuits", "bytes_relayed", "limits"]
+    assert raw["status"] == "ok" and raw["limits"]["circuit_max_bytes"] == 0  # unlimited by default
+    assert raw["limits"]["listen"] == list(relay.service.cfg.listen)
 
 
 async def test_websocket_relay(nursery: trio.Nursery) -> None:
