@@ -204,13 +204,13 @@ class _MarketCollector(Collector):
             c.add_metric([k], v)
         yield c
         g = GaugeMetricFamily("moe_swarm_market_volunteers", "Volunteers holding coverage")
-        g.add_metric([], m.live_volunteers())
+        g.add_metric([], m.ix.live_volunteers())
         yield g
         g = GaugeMetricFamily("moe_swarm_market_leases", "Open leases")
-        g.add_metric([], len(m.leases))
+        g.add_metric([], len(m.ix.leases))
         yield g
         g = GaugeMetricFamily("moe_swarm_market_coordinators", "Registered coordinators")
-        g.add_metric([], len(m.coordinators))
+        g.add_metric([], len(m.ix.coordinators))
         yield g
         per_model = {
             "recruiting": ("moe_swarm_market_recruiting", "1 while the model's target is boosted"),
@@ -220,11 +220,11 @@ class _MarketCollector(Collector):
             "version": ("moe_swarm_market_map_version", "Dispatch map version"),
         }
         fams = {k: GaugeMetricFamily(n, d, labels=["model"]) for k, (n, d) in per_model.items()}
-        for mid in sorted(m.models):
-            fams["recruiting"].add_metric([mid], float(m.recruiting(mid)))
-            fams["saturated"].add_metric([mid], float(m.saturated(mid, now)))
-            fams["target"].add_metric([mid], m.target(mid))
-            fams["min"].add_metric([mid], m.counts[mid].min_replicas())
+        for mid in sorted(m.ix.models):
+            fams["recruiting"].add_metric([mid], float(m.ix.recruiting(mid)))
+            fams["saturated"].add_metric([mid], float(m.ix.saturated(mid, now)))
+            fams["target"].add_metric([mid], m.ix.target(mid))
+            fams["min"].add_metric([mid], m.ix.counts[mid].min_replicas())
             fams["version"].add_metric([mid], m.map_version(mid))
         yield from fams.values()
 
@@ -345,7 +345,7 @@ def build_market_app(api: MarketApi) -> Starlette:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(_: Request) -> Response:
-        return _json({"status": "ok", "models": len(m.models), "volunteers": m.live_volunteers(),
+        return _json({"status": "ok", "models": len(m.ix.models), "volunteers": m.ix.live_volunteers(),
                       "relays": list(api.relays)})
 
     async def http_error(request: Request, exc: Exception) -> Response:

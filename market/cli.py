@@ -17,8 +17,8 @@ from typing import Any
 
 import trio
 
+from market.policy import MarketPolicy
 from market.server import MarketConfig, serve_market
-from market.state import MarketPolicy
 from swarm.config import build_config, data_dir_for, env_token
 from swarm.service import run_service
 

@@ -77,7 +77,7 @@ async def run_recruitment_loop(
     while True:
         deadline = trio.current_time() + interval_s
         async with trio.open_nursery() as nursery:
-            for url in list(market.coordinators):
+            for url in list(market.ix.coordinators):
                 nursery.start_soon(_poll_one, market, poll, url, clock, timeout_s)
         await trio.sleep_until(deadline)
 

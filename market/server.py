@@ -30,7 +30,8 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from market.api import MarketApi, SliceDescriber, build_market_app
 from market.loops import Poller, run_housekeeping, run_recruitment_loop
-from market.state import Market, MarketPolicy
+from market.policy import MarketPolicy
+from market.state import Market
 from market.store import InMemoryStore, Store, open_sqlite_store
 from swarm.errors import RemoteProtocolError, SliceError, SwarmError, TransportError
 from swarm.protocol.market import slots_decoder
@@ -156,9 +157,9 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
                         "market serving at %s (db %s; %d models, %d coordinators, %d volunteers with coverage)",
                         url,
                         cfg.db,
-                        len(market.models),
-                        len(market.coordinators),
-                        market.live_volunteers(),
+                        len(market.ix.models),
+                        len(market.ix.coordinators),
+                        market.ix.live_volunteers(),
                     )
                     task_status.started(url)
         finally:

@@ -1,4 +1,5 @@
-"""The market's pure cores, table-driven: demand, assignment, recruitment + age-out, registry, wiring."""
+"""The market's pure cores, table-driven: demand, assignment, recruitment + age-out, registry, wiring,
+heartbeat directives and download-source ranking."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from market.core.assign import (
     jittered,
 )
 from market.core.demand import CoverageCounts, Segment, contribution, effective_target, scarcity, segments
+from market.core.directive import Action, Directive, Reason, directive, in_cooldown, slice_refusal
 from market.core.records import CoverageRow, HeldState, SliceRef
 from market.core.recruit import (
     Holding,
@@ -24,6 +26,7 @@ from market.core.recruit import (
     PollView,
     RecruitPolicy,
     RecruitState,
+    coordinator_saturated,
     is_saturated,
     observe,
     plan_ageout,
@@ -37,6 +40,7 @@ from market.core.registry import (
     is_expired,
     registration_is_stale,
 )
+from market.core.sources import Source, rank_sources
 from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
 
@@ -282,6 +286,23 @@ def test_observe(polls: list[PollView | None], now: float, want: Observation | N
     assert observe(polls, now, P) == want
 
 
+@pytest.mark.parametrize(
+    ("poll", "now", "want"),
+    [
+        (None, 10.0, False),  # never answered
+        (PollView(2, 4, 8.0), 10.0, True),
+        (PollView(1, 4, 8.0), 10.0, False),  # below the threshold
+        (PollView(4, 4, 5.0), 10.0, True),  # exactly poll_stale_s old: still fresh
+        (PollView(4, 4, 4.9), 10.0, False),  # stale: says nothing
+    ],
+)
+def test_coordinator_saturated(poll: PollView | None, now: float, want: bool) -> None:
+    assert coordinator_saturated(poll, now, P) is want
+    # the one rule: a model with this coordinator alone is observed saturated exactly when it is
+    obs = observe([poll], now, P)
+    assert (obs is not None and obs.saturated) is want
+
+
 def _run(events: list[tuple[float, bool | None]], policy: RecruitPolicy = P) -> list[bool]:
     st = RecruitState()
     out: list[bool] = []
@@ -464,3 +485,111 @@ def test_memoised_layers_give_the_same_picks_as_a_fresh_scan(seed: int) -> None:
             layer, lo = traffic.randrange(6), traffic.randrange(16)
             c.add("replica", layer, lo, min(16, lo + 4), 1)
     assert c.memo  # the memo was used
+
+
+# -- heartbeat directives ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "layer", "lo", "hi", "want"),
+    [
+        ((2, 8), 0, 0, 8, None),
+        ((2, 8), 1, 7, 8, None),
+        (None, 0, 0, 4, Reason.UNKNOWN_MODEL),
+        (None, 0, 3, 3, Reason.BAD_SLICE_RANGE),  # an empty range is refused first, whatever the model
+        ((2, 8), 0, 5, 4, Reason.BAD_SLICE_RANGE),
+        ((2, 8), 2, 0, 1, Reason.BAD_SLICE_RANGE),  # no such layer
+        ((2, 8), 0, 4, 9, Reason.BAD_SLICE_RANGE),  # past the last expert
+    ],
+)
+def test_slice_refusal(shape: tuple[int, int] | None, layer: int, lo: int, hi: int, want: Reason | None) -> None:
+    assert slice_refusal(shape, layer, lo, hi) is want
+
+
+@pytest.mark.parametrize(
+    ("retiring_since", "now", "cooldown", "want"),
+    [(None, 0.0, 5.0, False), (10.0, 10.0, 5.0, True), (10.0, 14.99, 5.0, True), (10.0, 15.0, 5.0, False),
+     (10.0, 10.0, 0.0, False)],
+)
+def test_in_cooldown(retiring_since: float | None, now: float, cooldown: float, want: bool) -> None:
+    assert in_cooldown(retiring_since, now, cooldown) is want
+
+
+@pytest.mark.parametrize(
+    ("retiring_since", "now", "refusal", "want", "wire_reason"),
+    [
+        (None, 3.0, None, Directive(Action.KEEP, Reason.HELD), ""),
+        (10.0, 10.0, None, Directive(Action.DRAIN, Reason.SURPLUS, 5.0), "surplus"),
+        (10.0, 14.75, None, Directive(Action.DRAIN, Reason.SURPLUS, 0.25), "surplus"),
+        (10.0, 9.0, None, Directive(Action.DRAIN, Reason.SURPLUS, 6.0), "surplus"),  # retired "in the future"
+        (10.0, 15.0, None, Directive(Action.RELEASE, Reason.SURPLUS), "surplus"),  # the cooldown is over
+        (10.0, 99.0, None, Directive(Action.RELEASE, Reason.SURPLUS), "surplus"),
+        (None, 3.0, Reason.UNKNOWN_MODEL, Directive(Action.RELEASE, Reason.UNKNOWN_MODEL), "unknown_model"),
+        (10.0, 11.0, Reason.BAD_SLICE_RANGE, Directive(Action.RELEASE, Reason.BAD_SLICE_RANGE), "bad_slice_range"),
+    ],
+    ids=["kept", "drain-start", "drain-end", "drain-early", "release-at-cooldown", "release-late", "unknown-model",
+         "refusal-wins"],
+)
+def test_directive(retiring_since: float | None, now: float, refusal: Reason | None, want: Directive,
+                   wire_reason: str) -> None:
+    got = directive(retiring_since, now, 5.0, refusal)
+    assert got == want
+    assert got.wire_reason == wire_reason
+    if refusal is None:  # drain is exactly the cooldown rule
+        assert (got.action is Action.DRAIN) is in_cooldown(retiring_since, now, 5.0)
+
+
+def test_zero_cooldown_releases_at_once() -> None:
+    assert directive(10.0, 10.0, 0.0) == Directive(Action.RELEASE, Reason.SURPLUS)
+
+
+# -- download sources -------------------------------------------------------------------------
+
+
+class ScriptedRng:
+    """Answers ``uniform`` from a script and counts the draws; any other call fails the test."""
+
+    def __init__(self, draws: list[float]) -> None:
+        self.draws = list(draws)
+        self.calls = 0
+
+    def uniform(self, a: float, b: float) -> float:
+        assert (a, b) == (0.0, 1.0)
+        self.calls += 1
+        return self.draws.pop(0)
+
+    def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int:
+        raise AssertionError("rank_sources draws only uniform")
+
+    def getrandbits(self, k: int, /) -> int:
+        raise AssertionError("rank_sources draws only uniform")
+
+
+def src(url: str, ok: bool, busy: int | None = None, slots: int = 4) -> Source:
+    return Source(url, ok, None if busy is None else PollView(busy, slots, 0.0))
+
+
+@pytest.mark.parametrize(
+    ("sources", "draws", "want"),
+    [
+        ([], [], []),
+        ([src("a", False, 0), src("b", True, 3)], [0.5, 0.5], ["b", "a"]),  # a failed last poll ranks last
+        ([src("a", True, 3), src("b", True, 1)], [0.0, 0.9], ["b", "a"]),  # less busy first
+        ([src("a", True), src("b", True, 3)], [0.0, 0.9], ["b", "a"]),  # never answered counts as fully busy
+        ([src("a", True, 1, slots=0), src("b", True, 3)], [0.0, 0.9], ["b", "a"]),  # 0 slots: busy / 1
+        ([src("a", False), src("b", False, 4)], [0.7, 0.2], ["b", "a"]),  # equal (1.0): the draw decides
+        ([src("a", True, 2), src("b", True, 2)], [0.7, 0.2], ["b", "a"]),
+        ([src("b", True, 2), src("a", True, 2)], [0.3, 0.3], ["a", "b"]),  # equal draws: the URL
+    ],
+    ids=["none", "ok-first", "least-busy", "never-polled", "zero-slots", "tie-failed", "tie-ok", "tie-url"],
+)
+def test_rank_sources(sources: list[Source], draws: list[float], want: list[str]) -> None:
+    rng = ScriptedRng(draws)
+    assert rank_sources(sources, rng) == want
+    assert rng.calls == len(sources)  # exactly one draw per source
+
+
+def test_rank_sources_is_reproducible_from_a_seed() -> None:
+    sources = [src(f"http://c{i}", True, 1) for i in range(6)]
+    assert rank_sources(sources, random.Random(7)) == rank_sources(sources, random.Random(7))
+    assert len({tuple(rank_sources(sources, random.Random(s))) for s in range(20)}) > 1  # equals are spread

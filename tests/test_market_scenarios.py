@@ -16,7 +16,8 @@ import trio.testing
 
 from market.core.records import HeldState, ModelManifest, SliceRef
 from market.loops import MapWatch, run_housekeeping, run_recruitment_loop
-from market.state import Market, MarketPolicy, NoOffer, Offer
+from market.policy import MarketPolicy
+from market.state import Market, NoOffer, Offer
 from market.store import InMemoryStore, MemoryBacking
 from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError, SwarmError, TransportError
@@ -163,7 +164,7 @@ def replicas_per_range(dm: DispatchMap) -> list[int]:
 
 
 def serving_peers(market: Market) -> set[str]:
-    return {peer for peer, rows in market.coverage.items() if any(r.dispatched for r in rows.values())}
+    return {peer for peer, rows in market.ix.coverage.items() if any(r.dispatched for r in rows.values())}
 
 
 async def start_world(nursery: trio.Nursery, world: World, n_volunteers: int, seed: int) -> trio.CancelScope:
@@ -195,16 +196,16 @@ async def test_saturation_boost_recruit_serve_then_age_out(autojump_clock: trio.
         base = serving_peers(m)
         assert len(base) == 4
         assert all(c > 0 for p, c in world.calls.items() if p in base)  # they serve
-        assert not m.recruiting(MID) and m.target(MID) == 1
+        assert not m.ix.recruiting(MID) and m.ix.target(MID) == 1
 
         # load: the poll at t=20 sees busy >= 2 -> recruiting at once (rise_s = 0)
         await trio.sleep_until(19.0)
         world.busy = 3
         await trio.sleep_until(19.9)
-        assert not m.recruiting(MID)
+        assert not m.ix.recruiting(MID)
         await trio.sleep_until(20.3)
-        assert m.recruiting(MID) and m.target(MID) == 2
-        assert 20.0 <= m.recruit[MID].changed_at <= 20.0 + TICK_S
+        assert m.ix.recruiting(MID) and m.ix.target(MID) == 2
+        assert 20.0 <= m.ix.recruit[MID].changed_at <= 20.0 + TICK_S
         assert m.demand(20.3).recruiting
 
         # the idle volunteers come back within their retry-after (5 s +- 20%) and are wired in
@@ -220,10 +221,10 @@ async def test_saturation_boost_recruit_serve_then_age_out(autojump_clock: trio.
         await trio.sleep_until(39.0)
         world.busy = 0
         await trio.sleep_until(47.9)
-        assert m.recruiting(MID)
+        assert m.ix.recruiting(MID)
         assert replicas_per_range(m.dispatch_map(MID)) == [2, 2, 2, 2]
         await trio.sleep_until(48.0 + TICK_S + 0.01)
-        assert not m.recruiting(MID) and m.target(MID) == 1
+        assert not m.ix.recruiting(MID) and m.ix.target(MID) == 1
         # the surplus (the youngest: the recruits) is out of the map at once, not yet released
         assert replicas_per_range(m.dispatch_map(MID)) == [1, 1, 1, 1]
         assert serving_peers(m) == base
@@ -235,12 +236,12 @@ async def test_saturation_boost_recruit_serve_then_age_out(autojump_clock: trio.
         assert released == recruited
         assert all(53.0 <= t <= 48.25 + 5 + POLICY.heartbeat_s + 0.01 for t, _, what in world.log if "release" in what)
         assert world.lost == []
-        assert m.counts[MID].replicas == [[1] * 8, [1] * 8]
-        assert m.counts == m.recount()
+        assert m.ix.counts[MID].replicas == [[1] * 8, [1] * 8]
+        assert m.ix.counts == m.ix.recount()
         # and they stay idle: nothing is scarce any more
         await trio.sleep_until(70.0)
         assert serving_peers(m) == base
-        assert all(p not in m.coverage for p in recruited)
+        assert all(p not in m.ix.coverage for p in recruited)
         nursery.cancel_scope.cancel()
 
 
@@ -255,7 +256,7 @@ async def test_flapping_load_does_not_thrash(autojump_clock: trio.testing.MockCl
             world.busy = 3 if k % 2 == 0 else 0
             await trio.sleep(4.0)
             members.append(frozenset(m.dispatch_map(MID).peers()))
-            assert m.recruiting(MID)
+            assert m.ix.recruiting(MID)
         world.busy = 0
         assert replicas_per_range(m.dispatch_map(MID)) == [2, 2, 2, 2]
         # once recruited (within two rounds), the membership stays put through the flapping
@@ -288,12 +289,12 @@ async def test_simultaneous_polls_get_different_slices(autojump_clock: trio.test
         for i, a in enumerate(slices):
             for b in slices[i + 1:]:
                 assert not a.overlaps(b), (a, b)
-        assert m.counts[MID].pending == [[1] * 16, [1] * 16]
+        assert m.ix.counts[MID].pending == [[1] * 16, [1] * 16]
         # a ninth finds nothing scarce; the leases lapse after lease_s and the need comes back
         late = m.volunteer(VolunteerRequest("vol-late", max_experts=4), trio.current_time())
         assert isinstance(late, NoOffer) and late.reason.value == "nothing_scarce"
         await trio.sleep_until(5.0 + POLICY.lease_s + TICK_S + 0.01)
-        assert m.leases == {} and m.counts[MID].pending == [[0] * 16, [0] * 16]
+        assert m.ix.leases == {} and m.ix.counts[MID].pending == [[0] * 16, [0] * 16]
         again = m.volunteer(VolunteerRequest("vol-late", max_experts=4), trio.current_time())
         assert isinstance(again, Offer)
         nursery.cancel_scope.cancel()
@@ -323,7 +324,7 @@ async def test_stale_and_replayed_heartbeats_are_rejected(autojump_clock: trio.t
                 world.m().heartbeat(bad, trio.current_time())
             assert ei.value.code == code and ei.value.status == 409
         # the rejected (empty) heartbeats did not deregister anything
-        assert set(world.m().coverage["vol-x"]) == {SliceRef(MID, 0, 0, 4)}
+        assert set(world.m().ix.coverage["vol-x"]) == {SliceRef(MID, 0, 0, 4)}
         world.m().heartbeat(hb(2, 6, [s]), trio.current_time())
         await trio.sleep(POLICY.flush_s + TICK_S)  # the sequence is flushed to the store
 
@@ -338,13 +339,13 @@ async def test_stale_and_replayed_heartbeats_are_rejected(autojump_clock: trio.t
         # a restarted volunteer (new epoch) is accepted and its holding replaces the old one
         ack = world.m().heartbeat(hb(3, 0, [HeldSlice(MID, 1, 0, 8)]), trio.current_time())
         assert [d.action for d in ack.slices] == ["keep"]
-        assert set(world.m().coverage["vol-x"]) == {SliceRef(MID, 1, 0, 8)}
+        assert set(world.m().ix.coverage["vol-x"]) == {SliceRef(MID, 1, 0, 8)}
 
         # a silent volunteer expires after the TTL and leaves the map
         await trio.sleep(1.0)
         assert world.m().dispatch_map(MID).peers() == {"vol-x": ["/ip4/10.0.0.9/tcp/1"]}
         await trio.sleep(POLICY.heartbeat_ttl_s + TICK_S)
-        assert "vol-x" not in world.m().coverage
+        assert "vol-x" not in world.m().ix.coverage
         assert world.m().dispatch_map(MID).layers == []
         nursery.cancel_scope.cancel()
 
@@ -356,7 +357,7 @@ async def test_market_restart_mid_run(autojump_clock: trio.testing.MockClock) ->
         world.busy = 3
         await trio.sleep_until(30.0)
         m1 = world.m()
-        assert m1.recruiting(MID)
+        assert m1.ix.recruiting(MID)
         assert replicas_per_range(m1.dispatch_map(MID)) == [2, 2, 2, 2]
         before = m1.dispatch_map(MID)
         peers_before = serving_peers(m1)
@@ -380,8 +381,8 @@ async def test_market_restart_mid_run(autojump_clock: trio.testing.MockClock) ->
         await nursery.start(market_task)
         m2 = world.m()
         assert m2 is not m1
-        assert COORD in m2.coordinators and MID in m2.models
-        assert m2.recruiting(MID)
+        assert COORD in m2.ix.coordinators and MID in m2.ix.models
+        assert m2.ix.recruiting(MID)
         await trio.sleep(TICK_S + 0.01)
         after = m2.dispatch_map(MID)
         assert after.version >= before.version  # the version never goes back
@@ -399,7 +400,7 @@ async def test_market_restart_mid_run(autojump_clock: trio.testing.MockClock) ->
         await trio.sleep(POLICY.hold_s + POLICY.cooldown_s + 3 * POLICY.heartbeat_s)
         assert replicas_per_range(m2.dispatch_map(MID)) == [1, 1, 1, 1]
         assert world.lost == []
-        assert m2.counts == m2.recount()
+        assert m2.ix.counts == m2.ix.recount()
         nursery.cancel_scope.cancel()
 
 
@@ -415,11 +416,11 @@ async def test_a_hung_coordinator_never_stalls_the_poll_loop(autojump_clock: tri
         # rounds start every 2 s (t = 2, 4, 6, 8: the t = 0 round found no coordinator yet) and each
         # ended at its 1 s timeout, recorded as a failed poll of both coordinators
         assert m.counters["polls_failed"] == 2 * 4
-        assert m.polls[COORD].error == "timeout"
+        assert m.ix.polls[COORD].error == "timeout"
         world.hang_polls = False
         world.busy = 2
         await trio.sleep(POLL_S + TICK_S)
-        assert m.polls[COORD].ok and m.recruiting(MID)
+        assert m.ix.polls[COORD].ok and m.ix.recruiting(MID)
         nursery.cancel_scope.cancel()
 
 

@@ -1,5 +1,6 @@
 """``market.state.Market`` without an event loop: registration, pull, heartbeats, directives,
-restore-on-deficit, map versions across restarts, and incremental counts vs a recount."""
+restore-on-deficit, map versions across restarts, incremental counts vs a recount, and the
+views (``market.views``) built on the same core rules."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import random
 import msgspec
 import pytest
 
-from market.core.records import HeldState, ModelManifest, SliceRef
-from market.state import Market, MarketPolicy, NoOffer, Offer
+from market.core.records import CoverageRow, HeldState, ModelManifest, SliceRef
+from market.policy import MarketPolicy
+from market.state import Market, NoOffer, Offer
 from market.store import InMemoryStore, MemoryBacking
+from market.views import state_name
 from swarm.errors import RequestError
 from swarm.protocol.market import CoverageHeartbeat, HeldSlice, RegisterModels, VolunteerRequest
 
@@ -53,7 +56,7 @@ def codes(fn: object) -> str:
 
 def test_registration_rules() -> None:
     m = registered()
-    assert m.hosts_of(MID) == [URL]
+    assert m.ix.hosts_of(MID) == [URL]
     assert codes(lambda: m.register(RegisterModels(URL, [manifest()], epoch=9), 1.0)) == "409 stale_registration"
     assert codes(lambda: m.register(RegisterModels("http://c2.test", [manifest(n_expert=16)]), 1.0)) == (
         "409 manifest_conflict")
@@ -63,10 +66,10 @@ def test_registration_rules() -> None:
     # several coordinators may host one model; an equal epoch is a retry
     m.register(RegisterModels("http://c2.test", [manifest()], epoch=1), 1.0)
     m.register(RegisterModels(URL, [manifest()], epoch=10), 1.0)
-    assert sorted(m.hosts_of(MID)) == [URL, "http://c2.test"]
+    assert sorted(m.ix.hosts_of(MID)) == [URL, "http://c2.test"]
     # a coordinator that stops hosting the model drops out of its sources
     m.register(RegisterModels(URL, [], epoch=12), 2.0)
-    assert m.hosts_of(MID) == ["http://c2.test"]
+    assert m.ix.hosts_of(MID) == ["http://c2.test"]
 
 
 def test_pull_needs_a_budget_and_a_host() -> None:
@@ -88,19 +91,19 @@ def test_lease_is_renewed_not_duplicated_then_consumed_by_coverage() -> None:
     b = m.volunteer(VolunteerRequest("p", max_experts=4), 2.0)
     assert isinstance(a, Offer) and isinstance(b, Offer)
     assert b.renewed and b.lease == a.lease and b.sources == [URL]
-    assert len(m.leases) == 1
+    assert len(m.ix.leases) == 1
     s = a.lease.slice
     ack = m.heartbeat(hb("p", 1, (s.layer, s.lo, s.hi, LOADING)), 3.0)
-    assert m.leases == {}  # converted into a loading holding
+    assert m.ix.leases == {}  # converted into a loading holding
     assert [(d.action, d.dispatched) for d in ack.slices] == [("keep", False)]
-    assert m.counts[MID].pending[s.layer][s.lo] == 1
+    assert m.ix.counts[MID].pending[s.layer][s.lo] == 1
     ack = m.heartbeat(hb("p", 2, (s.layer, s.lo, s.hi, SERVING)), 4.0)
     assert [(d.action, d.dispatched) for d in ack.slices] == [("keep", True)]
-    assert m.counts[MID].replicas[s.layer][s.lo] == 1 and m.counts[MID].pending[s.layer][s.lo] == 0
+    assert m.ix.counts[MID].replicas[s.layer][s.lo] == 1 and m.ix.counts[MID].pending[s.layer][s.lo] == 0
     # the next pull never hands it an expert it holds
     c = m.volunteer(VolunteerRequest("p", max_experts=8), 5.0)
     assert isinstance(c, Offer) and not c.lease.slice.overlaps(s)
-    assert m.counts == m.recount()
+    assert m.ix.counts == m.ix.recount()
 
 
 def test_heartbeat_refuses_unknown_slices_and_duplicates() -> None:
@@ -114,11 +117,11 @@ def test_heartbeat_refuses_unknown_slices_and_duplicates() -> None:
         ("keep", ""), ("release", "unknown_model"), ("release", "bad_slice_range"), ("release", "bad_slice_range"),
         ("release", "bad_slice_range"),
     ]
-    assert set(m.coverage["p"]) == {SliceRef(MID, 0, 0, 4)}
+    assert set(m.ix.coverage["p"]) == {SliceRef(MID, 0, 0, 4)}
     assert codes(lambda: m.heartbeat(hb("p", 2, (0, 0, 4, SERVING), (0, 0, 4, LOADING)), 2.0)) == "400 duplicate_slice"
     # the rejected heartbeat changed nothing, not even the sequence
     m.heartbeat(hb("p", 2), 3.0)
-    assert "p" not in m.coverage  # an empty holding deregisters
+    assert "p" not in m.ix.coverage  # an empty holding deregisters
 
 
 def test_map_version_grows_only_on_change_and_survives_restart() -> None:
@@ -165,7 +168,7 @@ def test_draining_volunteer_leaves_the_map_and_retiring_one_comes_back_on_defici
     ack = m.heartbeat(hb("b", 3, (0, 0, 8, SERVING)), 3.0)
     assert (ack.slices[0].action, ack.slices[0].dispatched) == ("keep", True)
     assert m.counters["restored"] == 1
-    assert m.counts == m.recount()
+    assert m.ix.counts == m.ix.recount()
 
 
 def test_release_after_cooldown_and_unknown_model_demand() -> None:
@@ -178,10 +181,36 @@ def test_release_after_cooldown_and_unknown_model_demand() -> None:
     view = m.recruitment(6.0).models[0]
     assert {w.peer_id: w.slices[0].state for w in view.workers} == {"a": "dispatched", "b": "released"}
     m.heartbeat(hb("b", 4), 6.5)
-    assert "b" not in m.coverage
+    assert "b" not in m.ix.coverage
     assert codes(lambda: m.demand(7.0, ["nope"])) == "404 unknown_model"
     d = m.demand(7.0)
     assert d.models[0].segments[0].replicas == 1 and d.models[0].replicas_min == 0
+
+
+def test_views_and_recruitment_share_one_saturation_rule() -> None:
+    m = registered()
+    m.record_poll(URL, 3, 4, 0.0)  # busy 3 >= threshold 2
+    for now, want in [(5.0, True), (5.01, False)]:  # POLICY.poll_stale_s == 5.0
+        view = m.recruitment(now).models[0]
+        assert (view.coordinators[0].saturated, view.saturated) == (want, want)
+        assert m.demand(now).models[0].saturated is want
+        assert m.ix.saturated(MID, now) is want
+
+
+@pytest.mark.parametrize(
+    ("state", "retiring_since", "now", "want"),
+    [
+        (SERVING, None, 1.0, "dispatched"),
+        (LOADING, None, 1.0, "loading"),
+        (HeldState.DRAINING, None, 1.0, "draining"),
+        (SERVING, 1.0, 5.9, "retiring"),  # the heartbeat answer is "drain"
+        (LOADING, 1.0, 2.0, "retiring"),
+        (SERVING, 1.0, 6.0, "released"),  # POLICY.cooldown_s == 5.0: the answer is "release"
+    ],
+)
+def test_dashboard_state_name(state: HeldState, retiring_since: float | None, now: float, want: str) -> None:
+    row = CoverageRow("p", SliceRef(MID, 0, 0, 4), state, 0.0, retiring_since)
+    assert state_name(row, now, POLICY.cooldown_s) == want
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -209,10 +238,10 @@ def test_incremental_counts_match_a_recount_after_random_traffic(seed: int) -> N
             m.record_poll(URL, rng.randrange(5), 4, now)
         else:
             m.tick(now)
-        assert m.counts == m.recount()
+        assert m.ix.counts == m.ix.recount()
     m.tick(now + 1)
     m.dispatch_map(MID).validate(n_layer=2, n_expert=8)
     # and a restarted market rebuilds the same counts from the store
     m.flush(now)
     m2 = new_market(backing, now=now)
-    assert m2.counts == m.counts
+    assert m2.ix.counts == m.ix.counts

@@ -1,8 +1,10 @@
 """Recruitment and age-out (pure: no I/O, no clock; ``now`` is given).
 
 Rules:
-- A coordinator is saturated when its last ``/slots`` poll showed ``busy >= threshold``
-  (default 2). A poll older than ``poll_stale_s`` says nothing; a failed poll is no observation.
+- A coordinator is saturated when its last successful ``/slots`` poll showed
+  ``busy >= threshold`` (default 2) and is at most ``poll_stale_s`` old
+  (``coordinator_saturated``, the one definition: recruitment and the dashboard both use it). An
+  older poll says nothing; a failed poll is no observation.
 - A model is saturated while any coordinator hosting it is (DESIGN §11).
 - Hysteresis (``step``): a model starts recruiting once it has been saturated for ``rise_s``
   (default 0: the first saturated poll) and stops only after ``hold_s`` without a saturated
@@ -30,6 +32,8 @@ __all__ = [
     "PollView",
     "RecruitPolicy",
     "RecruitState",
+    "coordinator_saturated",
+    "is_fresh",
     "is_saturated",
     "observe",
     "plan_ageout",
@@ -58,6 +62,15 @@ class PollView:
     at: float
 
 
+def is_fresh(poll: PollView, now: float, policy: RecruitPolicy) -> bool:
+    return now - poll.at <= policy.poll_stale_s
+
+
+def coordinator_saturated(poll: PollView | None, now: float, policy: RecruitPolicy) -> bool:
+    """Whether one coordinator, by its last successful poll, is saturated at ``now``."""
+    return poll is not None and is_fresh(poll, now, policy) and is_saturated(poll.busy, policy.saturation_threshold)
+
+
 @dataclass(frozen=True)
 class Observation:
     saturated: bool
@@ -66,10 +79,10 @@ class Observation:
 
 def observe(polls: Iterable[PollView | None], now: float, policy: RecruitPolicy) -> Observation | None:
     """What the fresh polls of a model's coordinators say; ``None`` when none is fresh."""
-    fresh = [p for p in polls if p is not None and now - p.at <= policy.poll_stale_s]
+    fresh = [p for p in polls if p is not None and is_fresh(p, now, policy)]
     if not fresh:
         return None
-    sat = [p.at for p in fresh if is_saturated(p.busy, policy.saturation_threshold)]
+    sat = [p.at for p in fresh if coordinator_saturated(p, now, policy)]
     if sat:
         return Observation(True, max(sat))
     return Observation(False, max(p.at for p in fresh))

@@ -1,0 +1,229 @@
+"""The market's in-memory indexes and the queries over them (no I/O, no clock, no randomness).
+
+Sans-IO but stateful: ``Indexes`` holds what the market knows (registered models, coordinators
+and their polls, volunteers, coverage, leases, recruitment state, published maps) arranged for
+the handlers (``market.state``) and the views (``market.views``) to read. It never calls the
+store: a mutation that is a durable fact appends its ``Change`` to the caller's batch, and the
+caller commits the batch.
+
+Rules:
+- ``coverage`` (peer -> slice -> row) and ``by_model`` (model -> (peer, slice) -> row) hold the
+  same rows; a peer with no rows is absent from ``coverage``.
+- A peer has at most one outstanding lease (``lease_of``).
+- ``counts`` (replicas / pending per expert) are maintained incrementally on every coverage and
+  lease change (``market.core.demand.contribution`` says how a row counts); ``recount()``
+  rebuilds them from the rows, and the two must always be equal.
+- Every coverage change marks its model in ``dirty_maps`` and ``dirty_ageout``; the market's tick
+  consumes and clears both sets.
+- A slice is indexed only when its model is registered and the slice lies inside it
+  (``market.core.directive.slice_refusal``); ``load`` drops stored rows that do not.
+- Runtime only (lost on restart, never in a ``Change``): polls, last heartbeat time, load,
+  per-slice last serve, the unflushed sequence mark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from market.core.demand import CoverageCounts, contribution, effective_target
+from market.core.directive import Reason, slice_refusal
+from market.core.records import (
+    CoordinatorRow,
+    CoverageRow,
+    LeaseRow,
+    MapRow,
+    ModelRow,
+    SliceRef,
+    Snapshot,
+    Table,
+    VolunteerRow,
+    coverage_key,
+)
+from market.core.recruit import PollView, RecruitState, observe
+from market.core.sources import Source
+from market.policy import MarketPolicy
+from market.store import Change, Delete, Put
+
+__all__ = ["Indexes", "LiveVolunteer", "PollRecord"]
+
+
+@dataclass
+class LiveVolunteer:
+    """A volunteer's identity row plus what its last heartbeat said (runtime)."""
+
+    row: VolunteerRow
+    last_seen: float
+    load: float = 0.0
+    dirty: bool = False  # a sequence newer than the stored row
+    last_serve_ms: dict[SliceRef, int] = field(default_factory=dict)
+
+
+@dataclass
+class PollRecord:
+    """The outcome of a coordinator's ``/slots`` polls (runtime)."""
+
+    ok: bool = False
+    at: float | None = None  # last attempt
+    error: str | None = None
+    last_ok: PollView | None = None
+
+
+class Indexes:
+    def __init__(self, policy: MarketPolicy) -> None:
+        self.policy = policy
+        self.recruit_policy = policy.recruit_policy()
+        self.models: dict[str, ModelRow] = {}
+        self.counts: dict[str, CoverageCounts] = {}
+        self.coordinators: dict[str, CoordinatorRow] = {}
+        self.polls: dict[str, PollRecord] = {}
+        self.volunteers: dict[str, LiveVolunteer] = {}
+        self.coverage: dict[str, dict[SliceRef, CoverageRow]] = {}  # peer -> slice -> row
+        self.by_model: dict[str, dict[tuple[str, SliceRef], CoverageRow]] = {}
+        self.leases: dict[str, LeaseRow] = {}
+        self.lease_of: dict[str, str] = {}  # peer -> its outstanding lease id
+        self.recruit: dict[str, RecruitState] = {}
+        self.maps: dict[str, MapRow] = {}
+        self.dirty_maps: set[str] = set()
+        self.dirty_ageout: set[str] = set()
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load(self, snap: Snapshot, now: float) -> list[Change]:
+        """Index everything durable; return the deletes of stored rows that cannot be indexed.
+
+        Volunteers are treated as just seen and recruiting models as just saturated (one TTL /
+        one ``hold_s`` of grace after a restart).
+        """
+        for m in snap.models:
+            self.add_model(m)
+        for c in snap.coordinators:
+            self.coordinators[c.url] = c
+            self.polls[c.url] = PollRecord()
+        for v in snap.volunteers:
+            self.volunteers[v.peer_id] = LiveVolunteer(v, last_seen=now)
+        for r in snap.recruitment:
+            if r.model_id in self.models and r.recruiting:
+                self.recruit[r.model_id] = RecruitState(True, r.changed_at, last_saturated_at=now)
+        for mr in snap.maps:
+            if mr.model_id in self.models:
+                self.maps[mr.model_id] = mr
+        dropped: list[Change] = []
+        for row in snap.coverage:
+            if self.slice_problem(row.slice) is None:
+                self.index_cov(row)
+                if row.peer_id not in self.volunteers:  # cannot happen with our writes; keep the row alive for one TTL anyway
+                    self.volunteers[row.peer_id] = LiveVolunteer(VolunteerRow(row.peer_id, 0, 0, now), last_seen=now)
+            else:
+                dropped.append(Delete(Table.COVERAGE, coverage_key(row.peer_id, row.slice)))
+        for lease in snap.leases:
+            if self.slice_problem(lease.slice) is None and lease.peer_id not in self.lease_of:
+                self.index_lease(lease)
+            else:
+                dropped.append(Delete(Table.LEASES, lease.lease_id))
+        self.dirty_maps.update(self.models)
+        self.dirty_ageout.update(self.models)
+        return dropped
+
+    def add_model(self, row: ModelRow) -> None:
+        m = row.manifest
+        self.models[m.model_id] = row
+        if m.model_id not in self.counts:
+            self.counts[m.model_id] = CoverageCounts(m.n_layer, m.n_expert)
+            self.by_model[m.model_id] = {}
+            self.maps.setdefault(m.model_id, MapRow(m.model_id, 0, []))
+            self.dirty_maps.add(m.model_id)
+
+    def slice_problem(self, s: SliceRef) -> Reason | None:
+        row = self.models.get(s.model_id)
+        shape = None if row is None else (row.manifest.n_layer, row.manifest.n_expert)
+        return slice_refusal(shape, s.layer, s.lo, s.hi)
+
+    # -- coverage and leases --------------------------------------------------------------------
+
+    def touch(self, model_id: str) -> None:
+        self.dirty_maps.add(model_id)
+        self.dirty_ageout.add(model_id)
+
+    def index_cov(self, row: CoverageRow, sign: int = 1) -> None:
+        s = row.slice
+        kind = contribution(row)
+        if kind is not None:
+            self.counts[s.model_id].add(kind, s.layer, s.lo, s.hi, sign)
+        if sign > 0:
+            self.coverage.setdefault(row.peer_id, {})[s] = row
+            self.by_model[s.model_id][(row.peer_id, s)] = row
+        else:
+            rows = self.coverage.get(row.peer_id, {})
+            rows.pop(s, None)
+            if not rows:
+                self.coverage.pop(row.peer_id, None)
+            self.by_model[s.model_id].pop((row.peer_id, s), None)
+        self.touch(s.model_id)
+
+    def put_cov(self, row: CoverageRow, changes: list[Change]) -> None:
+        old = self.coverage.get(row.peer_id, {}).get(row.slice)
+        if old is not None:
+            self.index_cov(old, -1)
+        self.index_cov(row)
+        changes.append(Put(row))
+
+    def del_cov(self, row: CoverageRow, changes: list[Change]) -> None:
+        self.index_cov(row, -1)
+        changes.append(Delete(Table.COVERAGE, coverage_key(row.peer_id, row.slice)))
+
+    def index_lease(self, lease: LeaseRow, sign: int = 1) -> None:
+        s = lease.slice
+        self.counts[s.model_id].add("pending", s.layer, s.lo, s.hi, sign)
+        if sign > 0:
+            self.leases[lease.lease_id] = lease
+            self.lease_of[lease.peer_id] = lease.lease_id
+        else:
+            self.leases.pop(lease.lease_id, None)
+            if self.lease_of.get(lease.peer_id) == lease.lease_id:
+                del self.lease_of[lease.peer_id]
+
+    def del_lease(self, lease: LeaseRow, changes: list[Change]) -> None:
+        self.index_lease(lease, -1)
+        changes.append(Delete(Table.LEASES, lease.lease_id))
+
+    def recount(self) -> dict[str, CoverageCounts]:
+        """The counts rebuilt from the rows (for tests: must equal ``self.counts``)."""
+        out = {mid: CoverageCounts(r.manifest.n_layer, r.manifest.n_expert) for mid, r in self.models.items()}
+        for rows in self.coverage.values():
+            for row in rows.values():
+                kind = contribution(row)
+                if kind is not None:
+                    out[row.slice.model_id].add(kind, row.slice.layer, row.slice.lo, row.slice.hi, 1)
+        for lease in self.leases.values():
+            out[lease.slice.model_id].add("pending", lease.slice.layer, lease.slice.lo, lease.slice.hi, 1)
+        return out
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def hosts_of(self, model_id: str) -> list[str]:
+        return [url for url, c in self.coordinators.items() if model_id in c.model_ids]
+
+    def poll_views(self, model_id: str) -> list[PollView | None]:
+        return [self.polls[u].last_ok if u in self.polls else None for u in self.hosts_of(model_id)]
+
+    def sources(self, model_id: str) -> list[Source]:
+        """The coordinators hosting ``model_id`` as download sources (``market.core.sources``)."""
+        out: list[Source] = []
+        for url in self.hosts_of(model_id):
+            p = self.polls.get(url)
+            out.append(Source(url, p is not None and p.ok, p.last_ok if p is not None else None))
+        return out
+
+    def saturated(self, model_id: str, now: float) -> bool:
+        obs = observe(self.poll_views(model_id), now, self.recruit_policy)
+        return obs is not None and obs.saturated
+
+    def recruiting(self, model_id: str) -> bool:
+        st = self.recruit.get(model_id)
+        return st is not None and st.recruiting
+
+    def target(self, model_id: str) -> int:
+        return effective_target(self.policy.base_target, self.policy.boost, self.recruiting(model_id))
+
+    def live_volunteers(self) -> int:
+        return len(self.coverage)

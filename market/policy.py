@@ -1,0 +1,50 @@
+"""The market's decision parameters (pure: a frozen msgspec Struct, no I/O).
+
+Rules:
+- Config is data: loaded once at the edge (``market.cli``), validated by its constraints, and
+  passed down by value; nothing reads it from the environment.
+- Defaults are DESIGN §11's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from market.core.recruit import RecruitPolicy
+
+__all__ = ["MarketPolicy"]
+
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """The market's decision parameters (defaults: DESIGN §11)."""
+
+    base_target: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 1
+    boost: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 1
+    saturation_threshold: Annotated[int, msgspec.Meta(ge=1)] = 2
+    rise_s: NonNegFloat = 0.0  # saturated this long before the boost starts
+    hold_s: NonNegFloat = 10.0  # unsaturated this long before the boost ends (hysteresis)
+    poll_stale_s: PosFloat = 10.0  # an older successful poll says nothing
+    lease_s: PosFloat = 30.0
+    heartbeat_ttl_s: PosFloat = 15.0
+    cooldown_s: NonNegFloat = 10.0  # retired (not dispatched) this long before "release"
+    retry_after_s: PosFloat = 5.0
+    flush_s: PosFloat = 5.0
+    header_allowance: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024  # slice header + slack, in bytes
+    volunteer_gc_s: PosFloat = 7 * 24 * 3600.0  # forget silent volunteers without coverage after this
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.heartbeat_ttl_s / 3.0
+
+    def recruit_policy(self) -> RecruitPolicy:
+        return RecruitPolicy(
+            saturation_threshold=self.saturation_threshold,
+            rise_s=self.rise_s,
+            hold_s=self.hold_s,
+            poll_stale_s=self.poll_stale_s,
+        )

@@ -1,0 +1,162 @@
+"""The market's read views: ``/api/expert-demand``, ``/api/moe/recruitment``, dispatch maps.
+
+Pure reads over ``market.indexes.Indexes`` (no I/O, no clock: ``now`` is given; nothing is
+written, no randomness).
+
+Rules:
+- A view asked about a model that is not registered raises ``RequestError`` ``unknown_model``
+  (404, ``param="model"``).
+- Views decide nothing of their own: saturation is ``market.core.recruit``'s
+  (``coordinator_saturated`` per coordinator, ``observe`` per model), targets and segments are
+  ``market.core.demand``'s, a holding's state name follows ``market.core.directive``.
+- Models, workers and slices are listed in sorted order; ages are rounded to milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from market.core.demand import segments
+from market.core.directive import Action, directive
+from market.core.records import CoverageRow
+from market.core.recruit import RecruitState, coordinator_saturated
+from market.indexes import Indexes, PollRecord
+from swarm.dispatch_map import DispatchMap
+from swarm.errors import RequestError
+from swarm.protocol.market import (
+    CoordinatorView,
+    DemandView,
+    ModelDemand,
+    ModelRecruitment,
+    RecruitmentView,
+    WorkerSliceView,
+    WorkerView,
+)
+
+__all__ = ["demand_view", "dispatch_map", "map_version", "recruitment_view", "state_name"]
+
+
+def _unknown_model(model_id: str) -> RequestError:
+    return RequestError(f"no model {model_id!r} is registered", code="unknown_model", status=404, param="model")
+
+
+def dispatch_map(ix: Indexes, model_id: str) -> DispatchMap:
+    row = ix.maps.get(model_id)
+    if row is None or model_id not in ix.models:
+        raise _unknown_model(model_id)
+    return DispatchMap(model_id, row.version, row.layers)
+
+
+def map_version(ix: Indexes, model_id: str) -> int:
+    row = ix.maps.get(model_id)
+    return row.version if row else 0
+
+
+def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None) -> DemandView:
+    out: list[ModelDemand] = []
+    for mid in sorted(ix.models if model_ids is None else model_ids):
+        if mid not in ix.models:
+            raise _unknown_model(mid)
+        target = ix.target(mid)
+        c = ix.counts[mid]
+        out.append(
+            ModelDemand(
+                mid,
+                hosted=bool(ix.hosts_of(mid)),
+                saturated=ix.saturated(mid, now),
+                recruiting=ix.recruiting(mid),
+                base_target=ix.policy.base_target,
+                effective_target=target,
+                replicas_min=c.min_replicas(),
+                segments=segments(c, target),
+            )
+        )
+    return DemandView(any(ix.recruiting(m) for m in ix.models), out)
+
+
+def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
+    out: list[ModelRecruitment] = []
+    for mid in sorted(ix.models):
+        coords: list[CoordinatorView] = []
+        busy = slots = 0
+        for url in ix.hosts_of(mid):
+            p = ix.polls.get(url, PollRecord())
+            last = p.last_ok
+            if last is not None:
+                busy += last.busy
+                slots += last.slots
+            coords.append(
+                CoordinatorView(
+                    url,
+                    p.ok,
+                    last.busy if last else None,
+                    last.slots if last else None,
+                    coordinator_saturated(last, now, ix.recruit_policy),
+                    None if p.at is None else round(now - p.at, 3),
+                    p.error,
+                )
+            )
+        st = ix.recruit.get(mid, RecruitState())
+        out.append(
+            ModelRecruitment(
+                mid,
+                busy=busy,
+                slots=slots,
+                saturated=ix.saturated(mid, now),
+                recruiting=st.recruiting,
+                recruiting_for_s=round(now - st.changed_at, 3) if st.recruiting else None,
+                base_target=ix.policy.base_target,
+                effective_target=ix.target(mid),
+                replicas_min=ix.counts[mid].min_replicas(),
+                map_version=map_version(ix, mid),
+                coordinators=coords,
+                workers=_workers(ix, mid, now),
+            )
+        )
+    return RecruitmentView(any(m.recruiting for m in out), out)
+
+
+def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
+    by_peer: dict[str, list[CoverageRow]] = {}
+    for (peer, _), r in ix.by_model[model_id].items():
+        by_peer.setdefault(peer, []).append(r)
+    out: list[WorkerView] = []
+    for peer, rows in sorted(by_peer.items()):
+        v = ix.volunteers.get(peer)
+        views: list[WorkerSliceView] = []
+        for r in sorted(rows, key=lambda r: r.slice):
+            views.append(
+                WorkerSliceView(
+                    str(r.slice),
+                    r.slice.layer,
+                    r.slice.lo,
+                    r.slice.hi,
+                    state_name(r, now, ix.policy.cooldown_s),
+                    round(now - r.since, 3),
+                    v.last_serve_ms.get(r.slice, 0) if v else 0,
+                )
+            )
+        out.append(
+            WorkerView(
+                peer,
+                age_s=round(now - min(r.since for r in rows), 3),
+                last_heartbeat_age_s=round(now - v.last_seen, 3) if v else 0.0,
+                last_serve_ms=max((w.last_serve_ms for w in views), default=0),
+                load=v.load if v else 0.0,
+                dispatched=any(r.dispatched for r in rows),
+                slices=views,
+            )
+        )
+    return out
+
+
+_RETIRED_NAME = {Action.DRAIN: "retiring", Action.RELEASE: "released"}
+
+
+def state_name(row: CoverageRow, now: float, cooldown_s: float) -> str:
+    """The dashboard's name for a holding: ``retiring`` / ``released`` (the heartbeat answer
+    ``drain`` / ``release``), else ``dispatched`` or the state the volunteer reported."""
+    name = _RETIRED_NAME.get(directive(row.retiring_since, now, cooldown_s).action)
+    if name is not None:
+        return name
+    return "dispatched" if row.dispatched else row.state.value
