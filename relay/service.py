@@ -44,6 +44,7 @@ from relay.core.ledger import RelayLedger, RelayLimits
 from relay.hop import HopService
 from relay.http import build_app
 from relay.streams import peer_of
+from swarm.config import Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosInt
 from swarm.errors import ConfigError
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import AUTONAT_PROTOCOL, HOP_PROTOCOL
@@ -58,21 +59,23 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 16
 
 
-class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
-    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/4001",)
-    announce: tuple[str, ...] = ()  # public addresses handed to volunteers (default: the listen ones)
+class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``moe-swarm relay``'s settings (built by ``relay.cli``; 0 = unlimited where noted)."""
+
+    listen: tuple[Multiaddr, ...] = ("/ip4/0.0.0.0/tcp/4001",)
+    announce: tuple[Multiaddr, ...] = ()  # public addresses handed to volunteers (default: the listen ones)
     host: str = "127.0.0.1"  # /metrics and /health
-    port: int = 9090
+    port: Port = 9090
     data_dir: str | None = None  # identity key; None = a fresh identity per run
-    max_reservations: int = 128
-    max_circuits: int = 1024
-    max_circuits_per_peer: int = 16
-    reservation_ttl_s: int = 3600
-    circuit_max_bytes: int = 0  # per direction; 0 = unlimited
-    circuit_max_duration_s: int = 0  # 0 = unlimited
-    timeout_s: float = 10.0  # one protocol exchange (reading a request, reaching a destination)
-    max_dialbacks: int = 8
-    drain_timeout_s: float = 1.0
+    max_reservations: NonNegInt = 128
+    max_circuits: NonNegInt = 1024
+    max_circuits_per_peer: NonNegInt = 16
+    reservation_ttl_s: PosInt = 3600
+    circuit_max_bytes: NonNegInt = 0  # per direction; 0 = unlimited
+    circuit_max_duration_s: NonNegInt = 0  # 0 = unlimited
+    timeout_s: PosFloat = 10.0  # one protocol exchange (reading a request, reaching a destination)
+    max_dialbacks: PosInt = 8
+    drain_timeout_s: NonNegFloat = 1.0
 
     def limits(self) -> RelayLimits:
         try:
