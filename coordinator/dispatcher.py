@@ -106,6 +106,14 @@ class Dispatcher:
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self.counters = [LayerCounters() for _ in range(self.cfg.n_layer)]
+        self.maps_rejected = 0  # map files or market maps that could not be adopted
+        self.map_error = ""  # why the last one was not
+
+    def reject_map(self, reason: str) -> None:
+        """A map from the file or the market was not adopted: count it, keep the reason for /dispatch."""
+        self.maps_rejected += 1
+        self.map_error = reason
+        log.error("%s", reason)
 
     # -- trio side --------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -335,6 +343,8 @@ class Dispatcher:
         return {
             "model_id": self.model.model_id,
             "map_version": m.version if m is not None else None,
+            "maps_rejected": self.maps_rejected,
+            "map_error": self.map_error,
             "policy": type(self.policy).__name__,
             "timeout_s": self.timeout_s,
             "wire_dtype": self.wire_dtype,
@@ -371,7 +381,7 @@ async def watch_dispatch_map_file(
             except SwarmError as exc:
                 if first:
                     raise
-                log.error("ignoring the changed dispatch map %s: %s", path, exc)
+                dispatcher.reject_map(f"ignoring the changed dispatch map {path}: {exc}")
         if first:
             first = False
             task_status.started()

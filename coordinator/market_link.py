@@ -116,6 +116,9 @@ class MarketLink:
                     self._reregister.set()
                 else:
                     self.last_error = f"dispatch map: HTTP {r.status_code}"
-            except (httpx.HTTPError, SwarmError) as exc:
+            except httpx.HTTPError as exc:
                 self.last_error = f"dispatch map: {type(exc).__name__}: {exc}"
+            except SwarmError as exc:  # a map the dispatcher cannot use: keep the last good one
+                self.last_error = f"dispatch map: {type(exc).__name__}: {exc}"
+                self.dispatcher.reject_map(f"ignoring the market's dispatch map: {exc}")
             await trio.sleep(self.poll_s)

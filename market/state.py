@@ -76,8 +76,7 @@ from swarm.protocol.market import (
     VolunteerRequest,
 )
 
-# MarketPolicy lives in market.policy; it is re-exported here for tests/test_market_api.py.
-__all__ = ["Market", "MarketPolicy", "NoOffer", "Offer", "TickReport"]
+__all__ = ["Market", "NoOffer", "Offer", "TickReport"]
 
 log = logging.getLogger(__name__)
 

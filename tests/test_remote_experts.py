@@ -224,10 +224,14 @@ async def test_dead_worker_then_map_change(nursery: trio.Nursery, golden_model: 
             break
         await trio.sleep(0.02)
     assert d.map.version == 2 and d.report()["workers"] == []
-    # a broken file is ignored, the last good map stays
+    # a broken file is read, rejected and ignored: the last good map stays
+    assert d.report()["maps_rejected"] == 0
     path.write_text("{broken")
-    await trio.sleep(0.2)
-    assert d.map.version == 2
+    with trio.fail_after(10):
+        while d.report()["maps_rejected"] == 0:
+            await trio.sleep(0.02)
+    assert d.map.version == 2 and d.report()["workers"] == []
+    assert d.report()["maps_rejected"] == 1 and str(path) in d.report()["map_error"]
 
 
 async def test_map_for_other_model_rejected(nursery: trio.Nursery, golden_model: GGUFModel) -> None:
