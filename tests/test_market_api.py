@@ -27,8 +27,8 @@ from starlette.routing import Route
 
 from market.cli import add_parser, config_from_args
 from market.core.records import HeldState, ModelManifest
-from market.server import MarketConfig, serve_market
 from market.policy import MarketPolicy
+from market.server import MarketConfig, serve_market
 from swarm.errors import ConfigError
 from swarm.p2p.identity import peer_id_of, sign_body
 from swarm.protocol.market import CoverageHeartbeat, HeldSlice

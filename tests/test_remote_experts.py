@@ -24,6 +24,7 @@ from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.p2p.transport import Transport
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, make_hello
 from swarm.rpc.server import expert_stream_handler
+from tests.conftest import eventually
 from volunteer.server import ExpertServer
 
 Handler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]
@@ -227,9 +228,10 @@ async def test_dead_worker_then_map_change(nursery: trio.Nursery, golden_model: 
     # a broken file is read, rejected and ignored: the last good map stays
     assert d.report()["maps_rejected"] == 0
     path.write_text("{broken")
-    with trio.fail_after(10):
-        while d.report()["maps_rejected"] == 0:
-            await trio.sleep(0.02)
+    async def rejected() -> bool:
+        return bool(d.report()["maps_rejected"])
+
+    await eventually(rejected)
     assert d.map.version == 2 and d.report()["workers"] == []
     assert d.report()["maps_rejected"] == 1 and str(path) in d.report()["map_error"]
 
