@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,12 +21,14 @@ import torch
 import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network import swarm as libp2p_swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from swarm.errors import ConfigError, DialError
 from swarm.p2p.identity import load_or_create_identity
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
+from swarm.p2p.patches import PINNED_LIBP2P, check_libp2p_version, installed_libp2p_version
 from swarm.p2p.transport import Stream
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
 from swarm.rpc.client import open_expert_client
@@ -82,21 +83,22 @@ async def test_a_listener_accepts_300_sequential_connections() -> None:
         await wait_until(lambda: limiter.borrowed_tokens <= 1)
 
 
-async def test_b_dial_latency_on_loopback_is_well_under_100ms() -> None:
+async def test_b_a_dial_does_not_wait_out_the_happy_eyeballs_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library waits ``_HAPPY_EYEBALLS_DELAY`` after a dial unless the first success ends the wait
+    (max_connections_per_peer=1). Stretched to 60 s, a dial that waited for it could not finish in 20."""
+    monkeypatch.setattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY", 60.0)
     async with open_libp2p_transport(key_path=None) as server, open_libp2p_transport(key_path=None) as client:
         server.set_stream_handler(ECHO, echo)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            assert await roundtrip(client, server, b"x") == b"x"  # connect + Noise + Yamux + stream
-            times.append(time.perf_counter() - t0)
-            await client.disconnect(server.peer_id)
-            await wait_until(lambda: not connections(client, server.peer_id))
-    assert statistics.median(times) < 0.1, times
+        with trio.fail_after(20):
+            for _ in range(5):
+                assert await roundtrip(client, server, b"x") == b"x"  # connect + Noise + Yamux + stream
+                await client.disconnect(server.peer_id)
+                await wait_until(lambda: not connections(client, server.peer_id))
 
 
-async def test_b_canary_the_unconfigured_library_still_waits_250ms() -> None:
+async def test_b_canary_the_unconfigured_library_still_waits_out_the_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     """When this fails, py-libp2p fixed its dial delay and the max_connections_per_peer=1 setting can go."""
+    monkeypatch.setattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY", 1.0)
     a, b = new_host(key_pair=create_new_key_pair()), new_host(key_pair=create_new_key_pair())
     loopback = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
     async with a.run(loopback), b.run(loopback):
@@ -105,7 +107,7 @@ async def test_b_canary_the_unconfigured_library_still_waits_250ms() -> None:
         elapsed = time.perf_counter() - t0
         await a.close()
         await b.close()
-    assert elapsed >= 0.24
+    assert elapsed >= 1.0  # a lower bound: load can only add to it
 
 
 async def test_c_expert_calls_share_one_stream() -> None:
@@ -200,3 +202,25 @@ async def test_persisted_identity_gives_the_same_peer_id(tmp_path: Path) -> None
         assert t.peer_id == first
     async with open_libp2p_transport(key_path=None) as t:
         assert t.peer_id != first
+
+
+def test_the_patches_refuse_any_libp2p_but_the_pinned_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import swarm.p2p.patches as patches
+
+    check_libp2p_version()
+    assert installed_libp2p_version() == PINNED_LIBP2P == "0.8.1"
+    for other in ("0.8.2", "0.9.0", "0.8"):
+        with pytest.raises(ConfigError, match=f"py-libp2p {other} is installed.*written for exactly 0.8.1"):
+            check_libp2p_version(other)
+    monkeypatch.setattr(patches, "installed_libp2p_version", lambda: None)
+    with pytest.raises(ConfigError, match="py-libp2p is not installed"):
+        check_libp2p_version()
+
+
+async def test_a_host_is_not_built_on_another_libp2p_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import swarm.p2p.patches as patches
+
+    monkeypatch.setattr(patches, "installed_libp2p_version", lambda: "0.9.0")
+    with pytest.raises(ConfigError, match="py-libp2p 0.9.0 is installed"):
+        async with open_libp2p_transport(key_path=None):
+            pass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 from typing import Any
 
 import pytest
@@ -15,6 +15,7 @@ from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, make_hello
 from swarm.rpc.client import open_expert_client
 from swarm.rpc.server import expert_stream_handler
+from tests.conftest import eventually
 from volunteer import server as server_mod
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
@@ -22,12 +23,16 @@ from volunteer.server import ExpertServer, shielded_until_cancelled
 @pytest.mark.parametrize("shielded", [True, False])
 async def test_cancel_drains_calls_in_flight(golden_model: GGUFModel, monkeypatch: Any, shielded: bool) -> None:
     real = server_mod._SliceWorker._compute
+    computing, release = threading.Event(), threading.Event()
+    gate = {"on": False}
 
-    def slow(self: Any, batch: Any) -> Any:
-        time.sleep(0.5)  # a long expert computation, in its worker thread
+    def gated(self: Any, batch: Any) -> Any:
+        if gate["on"]:  # a long expert computation, in its worker thread: it ends when the test says
+            computing.set()
+            assert release.wait(30)
         return real(self, batch)
 
-    monkeypatch.setattr(server_mod._SliceWorker, "_compute", slow)
+    monkeypatch.setattr(server_mod._SliceWorker, "_compute", gated)
     server = ExpertServer([load_slice(cut_slice(golden_model, 0, 0, 8))], threads=1)
     vol_scope = trio.CancelScope()
 
@@ -56,20 +61,28 @@ async def test_cancel_drains_calls_in_flight(golden_model: GGUFModel, monkeypatc
     async with trio.open_nursery() as nursery:
         peer, addrs = await nursery.start(volunteer)
         async with open_libp2p_transport(key_path=None) as ct, open_expert_client(ct, peer, addrs) as client:
-            await client.call(req, x, timeout=5)  # connected and warm
+            first = await client.call(req, x, timeout=5)  # connected and warm
+            gate["on"] = True
 
-            async def stop_soon() -> None:
-                await trio.sleep(0.2)
-                vol_scope.cancel()  # Ctrl-C while the next call computes
+            async def ctrl_c_while_computing() -> None:
+                await trio.to_thread.run_sync(computing.wait)  # the second call is in its compute thread
+                vol_scope.cancel()
+                if shielded:  # the volunteer saw the stop: draining, its host still up
 
-            nursery.start_soon(stop_soon)
+                    async def draining() -> bool:
+                        return server.draining
+
+                    await eventually(draining)
+                release.set()  # only now the computation may finish
+
+            nursery.start_soon(ctrl_c_while_computing)
             req2 = ExpertRequest(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "request_id": RequestId(2)})
             if shielded:
-                out = await client.call(req2, x, timeout=5)
-                assert out.shape == x.shape and bool(torch.isfinite(out).all())
+                out = await client.call(req2, x, timeout=20)
+                assert torch.equal(out, first)  # the answer of the call that was in flight at Ctrl-C
                 assert server.stats.calls == 2 and server.draining
             else:
                 from swarm.errors import TransportError
 
                 with pytest.raises(TransportError):
-                    await client.call(req2, x, timeout=5)
+                    await client.call(req2, x, timeout=20)
