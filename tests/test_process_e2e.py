@@ -68,6 +68,18 @@ async def wait_for_line(proc: Proc, prefix: str, within: float = 60) -> str:
     return line
 
 
+async def wait_for_text(proc: Proc, text: str, within: float = 60) -> str:
+    """The first line of ``proc``'s output containing ``text`` (log lines start with a timestamp)."""
+
+    async def found() -> str | None:
+        if proc.p.poll() is not None:
+            raise AssertionError(f"process exited {proc.p.returncode}:\n{proc.text()}")
+        return next((line for line in proc.text().splitlines() if text in line), None)
+
+    line: str = await eventually(found, within=within, interval=0.05)
+    return line
+
+
 async def attach_single_worker(h: httpx.AsyncClient, map_path: Path, model_id: str, info: dict[str, Any]) -> None:
     """Write a dispatch map giving every expert of both layers to one volunteer; wait for /dispatch."""
     layers = [{"layer": L, "ranges": [{"lo": 0, "hi": 8, "replicas": [{"peer_id": info["peer_id"], "addrs": info["addrs"]}]}]}

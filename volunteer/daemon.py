@@ -107,6 +107,7 @@ class PullVolunteer:
         self.data_dir = Path(cfg.data_dir)
         self.status = "starting"
         self.market_ok = True
+        self.heartbeat_failures = 0  # in a row; the first of an outage is logged
         self._hb_lock = trio.Lock()
         self._fetch_scopes: dict[Offer, trio.CancelScope] = {}
         self.deregistered = trio.Event()
@@ -216,11 +217,16 @@ class PullVolunteer:
             if r.status_code != 200:
                 log.warning("coverage heartbeat refused: HTTP %d %s", r.status_code, r.text[:300])
                 return None
-            self.market_ok = True
+            if self.heartbeat_failures:
+                log.warning("the market answers heartbeats again (after %d failed)", self.heartbeat_failures)
+            self.market_ok, self.heartbeat_failures = True, 0
             return _ack_decoder.decode(r.content)
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.market_ok = False
-            log.debug("heartbeat failed: %s", exc)
+            self.heartbeat_failures += 1
+            if self.heartbeat_failures == 1:  # once per outage, not once per heartbeat
+                log.warning("heartbeat to the market failed (%s: %s); still serving, retrying",
+                            type(exc).__name__, exc)
             return None
 
     async def _heartbeat(self, seq: int) -> None:
