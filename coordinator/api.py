@@ -44,16 +44,15 @@ from coordinator.schemas import (
     CompletionChunk,
     CompletionChunkChoice,
     CompletionRequest,
-    Health,
     ModelCard,
     ModelList,
-    SlotInfo,
     Usage,
     decode_chat,
     decode_completion,
     gen_params,
 )
 from swarm.errors import RequestError, SwarmError
+from swarm.protocol.coordinator import Health, MarketLinkStatus, SlotInfo
 from swarm.protocol.http import encode_error
 from swarm.text.chat import render_chat
 
@@ -116,7 +115,7 @@ def build_app(
     aliases: Iterable[str] = (),
     extra_routes: Iterable[BaseRoute] = (),
     extra_collectors: Iterable[Collector] = (),
-    extra_health: Callable[[], dict[str, Any]] | None = None,
+    extra_health: Callable[[], tuple[str, MarketLinkStatus | None]] | None = None,
 ) -> Starlette:
     names = {model_id, *aliases}
     created = int(time.time())
@@ -138,11 +137,9 @@ def build_app(
 
     async def health(_: Request) -> Response:
         busy = rt.busy()
-        body = Health(model=model_id, slots_idle=rt.n_slots - busy, slots_processing=busy)
-        if extra_health is None:
-            return _json(body)
-        # the server's extras (peer id, market link) are still a dict: merged after our fields
-        return _json(msgspec.structs.asdict(body) | extra_health())
+        peer_id, market = extra_health() if extra_health is not None else (None, None)
+        return _json(Health(model=model_id, slots_idle=rt.n_slots - busy, slots_processing=busy,
+                            peer_id=peer_id, market=market))
 
     async def slots(_: Request) -> Response:
         return _json(

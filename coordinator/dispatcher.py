@@ -33,7 +33,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import trio
@@ -48,6 +47,7 @@ from swarm.model.gguf import GGUFModel
 from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
+from swarm.protocol.coordinator import DispatchReport, LayerRows, WorkerReport
 from swarm.protocol.expert import ExpertRequest, RequestId
 from swarm.rpc.client import ExpertClient
 
@@ -327,35 +327,32 @@ class Dispatcher:
         return slice_partial_sum(j.x, j.pair_rows, j.pair_experts, j.pair_weights, sub)
 
     # -- reporting ------------------------------------------------------------------------------------
-    def _path(self, peer: str) -> str | None:
+    def _path(self, peer: str) -> ConnPath | None:
         """The path of the worker's expert stream, else of its connection; None if not connected."""
         if self.transport is None:
             return None
         best = self.transport.path_to(peer)
-        path = session_path(ConnPath(best) if best else None, opened_at=self._session_opened.get(peer),
+        return session_path(ConnPath(best) if best else None, opened_at=self._session_opened.get(peer),
                             upgraded_at=self._upgraded_at(peer))
-        return path.value if path is not None else None
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> DispatchReport:
+        """``/dispatch``: the map followed, every worker's health and path, rows per layer."""
         with self._lock:
             views = self.table.views(time.monotonic())
         m = self.map
-        return {
-            "model_id": self.model.model_id,
-            "map_version": m.version if m is not None else None,
-            "maps_rejected": self.maps_rejected,
-            "map_error": self.map_error,
-            "policy": type(self.policy).__name__,
-            "timeout_s": self.timeout_s,
-            "wire_dtype": self.wire_dtype,
-            "workers": [
-                {**v.__dict__, "addrs": self._addrs.get(v.peer_id, []), "path": self._path(v.peer_id)} for v in views
-            ],
-            "layers": [
-                {"layer": i, "local_rows": c.local_rows, "remote_rows": c.remote_rows, "fallback_rows": c.fallback_rows}
-                for i, c in enumerate(self.counters)
-            ],
-        }
+        return DispatchReport(
+            model_id=self.model.model_id,
+            map_version=m.version if m is not None else None,
+            maps_rejected=self.maps_rejected,
+            map_error=self.map_error,
+            policy=type(self.policy).__name__,
+            timeout_s=self.timeout_s,
+            wire_dtype=str(self.wire_dtype),
+            workers=[WorkerReport(**v.__dict__, addrs=self._addrs.get(v.peer_id, []), path=self._path(v.peer_id))
+                     for v in views],
+            layers=[LayerRows(layer=i, local_rows=c.local_rows, remote_rows=c.remote_rows, fallback_rows=c.fallback_rows)
+                    for i, c in enumerate(self.counters)],
+        )
 
 
 async def watch_dispatch_map_file(

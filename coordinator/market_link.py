@@ -22,6 +22,7 @@ import trio
 from coordinator.dispatcher import Dispatcher
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
+from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.manifest import ModelManifest
 
 __all__ = ["MarketLink"]
@@ -56,13 +57,13 @@ class MarketLink:
         self.last_error = ""
         self._reregister = trio.Event()
 
-    def status(self) -> dict[str, object]:
-        return {
-            "market": self.base,
-            "registered": self.registered,
-            "last_map_ok_s_ago": None if self.last_ok is None else round(time.monotonic() - self.last_ok, 1),
-            "last_error": self.last_error,
-        }
+    def status(self) -> MarketLinkStatus:
+        return MarketLinkStatus(
+            market=self.base,
+            registered=self.registered,
+            last_map_ok_s_ago=None if self.last_ok is None else round(time.monotonic() - self.last_ok, 1),
+            last_error=self.last_error,
+        )
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}

@@ -43,10 +43,8 @@ __all__ = [
     "CompletionChunk",
     "CompletionChunkChoice",
     "CompletionRequest",
-    "Health",
     "ModelCard",
     "ModelList",
-    "SlotInfo",
     "StreamOptions",
     "Usage",
     "decode_chat",
@@ -199,24 +197,6 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
 class ModelList(msgspec.Struct, frozen=True, kw_only=True):
     object: Literal["list"] = "list"
     data: tuple[ModelCard, ...]
-
-
-class Health(msgspec.Struct, frozen=True, kw_only=True):
-    """``/health``'s own fields; the server adds its peer id and market link next to them."""
-
-    status: Literal["ok"] = "ok"
-    model: str
-    slots_idle: int
-    slots_processing: int
-
-
-class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
-    id: int
-    is_processing: bool
-    n_ctx: int
-    n_prompt: int
-    n_decoded: int
-    tps_ewma: float
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)

@@ -20,7 +20,7 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from coordinator.api import build_app
@@ -32,6 +32,7 @@ from swarm.config import HttpUrl, Multiaddr, NonNegInt, Port, PosFloat, PosInt
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.expert import Dtype
 from swarm.text.tokenizer import Tokenizer
 
@@ -83,15 +84,12 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
 
             async def dispatch_report(_: Request) -> Response:
-                return JSONResponse(dispatcher.report())
+                return Response(msgspec.json.encode(dispatcher.report()), media_type="application/json")
 
             links: list[MarketLink] = []
 
-            def health_extra() -> dict[str, object]:
-                extra: dict[str, object] = {"peer_id": transport.peer_id}
-                if links:
-                    extra["market"] = links[0].status()
-                return extra
+            def health_extra() -> tuple[str, MarketLinkStatus | None]:
+                return transport.peer_id, (links[0].status() if links else None)
 
             app = build_app(
                 rt,

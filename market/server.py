@@ -34,7 +34,7 @@ from market.policy import MarketPolicy
 from market.state import Market
 from market.store import InMemoryStore, Store, open_sqlite_store
 from swarm.errors import RemoteProtocolError, SliceError, SwarmError, TransportError
-from swarm.protocol.market import slots_decoder
+from swarm.protocol.coordinator import slots_decoder
 
 __all__ = ["MEMORY_DB", "MarketConfig", "make_slice_describer", "make_slots_poller", "open_store", "serve_market"]
 

@@ -26,11 +26,10 @@ from coordinator.schemas import (
     ChoiceFinishReason,
     Completion,
     CompletionChunk,
-    Health,
     ModelList,
-    SlotInfo,
 )
 from swarm.model.gguf import GGUFModel
+from swarm.protocol.coordinator import Health, SlotInfo
 from swarm.protocol.http import ErrorBody
 from swarm.text.tokenizer import Tokenizer
 

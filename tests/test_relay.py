@@ -32,6 +32,13 @@ from swarm.rpc.server import expert_stream_handler
 from tests.test_remote_experts import HALVES, greedy
 from volunteer.server import ExpertServer
 
+
+def report(d: Dispatcher) -> dict[str, Any]:
+    """``/dispatch`` as its JSON readers see it."""
+    out: dict[str, Any] = msgspec.to_builtins(d.report())
+    return out
+
+
 ECHO = "/test/echo/1"
 FAST = dict(backoff_base_s=0.1, backoff_max_s=0.4, relay_timeout_s=5.0)
 
@@ -133,9 +140,9 @@ async def test_relay_only_volunteer_serves_bit_identical(
     ref_toks, ref_lgs = await greedy(Transformer(golden_model, local), g["prompt_ids"], 12)
     assert toks == ref_toks == g["greedy_ids"][:12]
     assert all(torch.equal(x, y) for x, y in zip(lgs, ref_lgs, strict=True))  # same partition: same bits
-    [w] = d.report()["workers"]
+    [w] = report(d)["workers"]
     assert w["path"] == "relayed" and w["calls"] > 0 and w["failures"] == 0
-    assert sum(L["fallback_rows"] + L["local_rows"] for L in d.report()["layers"]) == 0
+    assert sum(L["fallback_rows"] + L["local_rows"] for L in report(d)["layers"]) == 0
     s = relay.service.ledger.stats()
     assert s.reservations == 1 and s.circuits == 1 and s.bytes_relayed_total > 50_000
 
@@ -154,11 +161,11 @@ async def test_hole_punch_moves_the_expert_stream_to_a_direct_connection(
         toks, _ = await greedy(tr, g["prompt_ids"], 4)
         assert toks == g["greedy_ids"][:4]
         # the NATless volunteer dials back at once: the connection turns direct, the stream follows
-        await wait_for(lambda: d.report()["workers"][0]["path"] == "hole-punched" and nat.upgrades == 1)
-        calls_before = d.report()["workers"][0]["calls"]
+        await wait_for(lambda: report(d)["workers"][0]["path"] == "hole-punched" and nat.upgrades == 1)
+        calls_before = report(d)["workers"][0]["calls"]
         toks, _ = await greedy(tr, g["prompt_ids"], 12)
         assert toks == g["greedy_ids"][:12]
-        [w] = d.report()["workers"]
+        [w] = report(d)["workers"]
         assert w["path"] == "hole-punched" and w["calls"] > calls_before and w["failures"] == 0
         # the relayed connection is closed after its grace: the relay carries nothing any more
         await wait_for(lambda: relay.service.ledger.stats().circuits == 0)

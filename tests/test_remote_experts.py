@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import torch
 import trio
@@ -22,10 +23,18 @@ from swarm.model.gguf import GGUFModel
 from swarm.model.slices import cut_slice, load_slice
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.p2p.transport import Transport
+from swarm.protocol.coordinator import dispatch_decoder, health_decoder
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, make_hello
 from swarm.rpc.server import expert_stream_handler
 from tests.conftest import eventually
 from volunteer.server import ExpertServer
+
+
+def report(d: Dispatcher) -> dict[str, Any]:
+    """``/dispatch`` as its JSON readers see it."""
+    out: dict[str, Any] = msgspec.to_builtins(d.report())
+    return out
+
 
 Handler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]
 
@@ -119,7 +128,7 @@ async def test_remote_equals_local(nursery: trio.Nursery, golden_model: GGUFMode
     assert all(torch.equal(x, y) for x, y in zip(lg_r, lg_p, strict=True))
     # against the one-range all-local forward: only the summation grouping differs
     assert max((x - y).abs().max().item() for x, y in zip(lg_r, lg_l, strict=True)) <= 1e-5
-    rep = remote.report()
+    rep = report(remote)
     assert {w["peer_id"] for w in rep["workers"]} == {a.peer_id, b.peer_id}
     assert all(w["calls"] > 0 and w["last_serve_ms"] > 0 and w["state"] == "up" for w in rep["workers"])
     assert all(L["local_rows"] == 0 and L["remote_rows"] > 0 for L in rep["layers"])
@@ -136,7 +145,7 @@ async def test_local_remote_mix(nursery: trio.Nursery, golden_model: GGUFModel, 
     ref_toks, ref = await greedy(Transformer(golden_model), g["prompt_ids"], 12)
     assert toks == ref_toks == g["greedy_ids"][:12]
     assert max((x - y).abs().max().item() for x, y in zip(lgs, ref, strict=True)) <= 1e-5
-    rep = d.report()
+    rep = report(d)
     assert rep["layers"][0]["remote_rows"] > 0 and rep["layers"][0]["local_rows"] > 0
     assert rep["layers"][1]["remote_rows"] == 0
 
@@ -177,10 +186,10 @@ async def test_misbehaving_worker_falls_back(
     ref_toks, ref_lgs = await greedy(Transformer(golden_model, ref), g["prompt_ids"], 6)
     assert toks == ref_toks == g["greedy_ids"][:6]
     assert all(torch.equal(x, y) for x, y in zip(lgs, ref_lgs, strict=True))
-    [w] = d.report()["workers"]
+    [w] = report(d)["workers"]
     assert w["state"] == "down" and w["failures"] >= 1 and w["last_error"]
     assert w["last_serve_ms"] == 0
-    assert sum(L["fallback_rows"] for L in d.report()["layers"]) > 0
+    assert sum(L["fallback_rows"] for L in report(d)["layers"]) > 0
 
 
 async def test_next_replica_then_recovery(nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport) -> None:
@@ -194,16 +203,15 @@ async def test_next_replica_then_recovery(nursery: trio.Nursery, golden_model: G
     g = golden["greedy"][0]
     toks, _ = await greedy(Transformer(golden_model, d), g["prompt_ids"], 8)
     assert toks == g["greedy_ids"][:8]
-    rep = {w["peer_id"]: w for w in d.report()["workers"]}
+    rep = {w["peer_id"]: w for w in report(d)["workers"]}
     assert rep[good.peer_id]["calls"] > 0 and rep[good.peer_id]["state"] == "up"
     assert rep[bad.peer_id]["failures"] >= 1
-    assert sum(L["fallback_rows"] for L in d.report()["layers"]) == 0  # the good replica took everything
+    assert sum(L["fallback_rows"] for L in report(d)["layers"]) == 0  # the good replica took everything
 
 
 async def test_dead_worker_then_map_change(nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport, tmp_path: Path) -> None:
     a = await start_volunteer(nursery, golden_model, HALVES)
     path = tmp_path / "map.json"
-    import msgspec
 
     path.write_bytes(msgspec.json.encode(dmap(golden_model, 1, {k: [a] for k in HALVES})))
     d = await make_dispatcher(nursery, golden_model, coord_transport, timeout_s=1.0)
@@ -217,23 +225,23 @@ async def test_dead_worker_then_map_change(nursery: trio.Nursery, golden_model: 
     await trio.sleep(0.2)
     toks2, _ = await greedy(tr, g["prompt_ids"], 8)
     assert toks2 == g["greedy_ids"][:8] and toks == toks2[:4]
-    assert d.report()["workers"][0]["state"] == "down"
+    assert report(d)["workers"][0]["state"] == "down"
     # the operator removes it from the map: the dispatcher detaches it
     path.write_bytes(msgspec.json.encode(DispatchMap(golden_model.model_id, 2, [])))
     for _ in range(100):
         if d.map.version == 2:
             break
         await trio.sleep(0.02)
-    assert d.map.version == 2 and d.report()["workers"] == []
+    assert d.map.version == 2 and report(d)["workers"] == []
     # a broken file is read, rejected and ignored: the last good map stays
-    assert d.report()["maps_rejected"] == 0
+    assert report(d)["maps_rejected"] == 0
     path.write_text("{broken")
     async def rejected() -> bool:
-        return bool(d.report()["maps_rejected"])
+        return bool(report(d)["maps_rejected"])
 
     await eventually(rejected)
-    assert d.map.version == 2 and d.report()["workers"] == []
-    assert d.report()["maps_rejected"] == 1 and str(path) in d.report()["map_error"]
+    assert d.map.version == 2 and report(d)["workers"] == []
+    assert report(d)["maps_rejected"] == 1 and str(path) in report(d)["map_error"]
 
 
 async def test_map_for_other_model_rejected(nursery: trio.Nursery, golden_model: GGUFModel) -> None:
@@ -254,7 +262,6 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
 
     a = await start_volunteer(nursery, golden_model, HALVES)
     path = tmp_path / "map.json"
-    import msgspec
 
     path.write_bytes(msgspec.json.encode(dmap(golden_model, 3, {k: [a] for k in HALVES})))
     url = await nursery.start(serve_coordinator, CoordinatorConfig(model=str(golden_model.path), port=0,
@@ -264,9 +271,13 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
         r = await h.post("/v1/completions", json={"model": golden_model.model_id, "prompt": g["prompt_ids"],
                                                   "max_tokens": 24, "temperature": 0, "return_token_ids": True})
         assert r.json()["choices"][0]["token_ids"] == g["greedy_ids"]
-        rep = (await h.get("/dispatch")).json()
-    assert rep["map_version"] == 3
+        body = (await h.get("/dispatch")).content
+        health = health_decoder.decode((await h.get("/health")).content)
+    typed = dispatch_decoder.decode(body)  # the one definition of /dispatch decodes what is served
+    assert msgspec.json.encode(typed) == body
+    rep = json.loads(body)
+    assert rep["map_version"] == typed.map_version == 3
     [w] = rep["workers"]
     assert w["peer_id"] == a.peer_id and w["calls"] > 0 and w["last_serve_ms"] > 0 and w["latency_ewma_ms"] > 0
     assert set(w) >= {"state", "calls", "rows", "last_serve_ms", "latency_ewma_ms", "failures", "path"}
-    assert json.dumps(rep)
+    assert typed.workers[0].path == "direct" and health.peer_id and health.market is None

@@ -32,16 +32,13 @@ __all__ = [
     "RecruitmentView",
     "RegisterAck",
     "RegisterModels",
-    "SlicesReport",
     "SliceDirective",
-    "SlotInfo",
     "VolunteerAnswer",
     "VolunteerRequest",
     "WorkerSliceView",
     "WorkerView",
     "coverage_decoder",
     "register_decoder",
-    "slots_decoder",
     "volunteer_decoder",
 ]
 
@@ -128,14 +125,6 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     signature: bytes = b""
 
 
-class SlotInfo(msgspec.Struct):
-    """One entry of a coordinator's ``GET /slots`` (extra fields ignored)."""
-
-    id: int
-    is_processing: bool
-
-
-SlicesReport = list[SlotInfo]
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -275,4 +264,3 @@ class RecruitmentView(msgspec.Struct):
 register_decoder = msgspec.json.Decoder(RegisterModels)
 volunteer_decoder = msgspec.json.Decoder(VolunteerRequest)
 coverage_decoder = msgspec.json.Decoder(CoverageHeartbeat)
-slots_decoder = msgspec.json.Decoder(SlicesReport)

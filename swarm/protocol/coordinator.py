@@ -1,0 +1,100 @@
+"""What a coordinator tells other processes (pure: msgspec Structs): ``/slots`` (polled by the market),
+``/health`` and ``/dispatch`` (read by operators, the demo, benchmarks and tests).
+
+Rules:
+- One definition per body, used by the coordinator to encode and by every reader to decode.
+- Readers tolerate unknown fields (a newer coordinator may add some); new fields get defaults.
+- ``/slots`` follows llama-server's ``/slots`` (``id``, ``is_processing``, ``n_ctx``, ``n_decoded``...).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from swarm.core.paths import Path
+
+__all__ = [
+    "DispatchReport",
+    "Health",
+    "LayerRows",
+    "MarketLinkStatus",
+    "SlotInfo",
+    "WorkerReport",
+    "dispatch_decoder",
+    "health_decoder",
+    "slots_decoder",
+]
+
+
+class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of ``GET /slots``; the market counts ``is_processing`` to tell saturation."""
+
+    id: int
+    is_processing: bool
+    n_ctx: int = 0
+    n_prompt: int = 0
+    n_decoded: int = 0
+    tps_ewma: float = 0.0
+
+
+class MarketLinkStatus(msgspec.Struct, frozen=True, kw_only=True):
+    market: str
+    registered: bool
+    last_map_ok_s_ago: float | None
+    last_error: str
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /health``: ``peer_id`` is the coordinator's libp2p id (what volunteers allow with
+    ``--allow-peer``); ``market`` is set when it follows a market."""
+
+    status: str = "ok"
+    model: str
+    slots_idle: int
+    slots_processing: int
+    peer_id: str | None = None
+    market: MarketLinkStatus | None = None
+
+
+class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker of ``/dispatch``: its health as the dispatcher sees it and how it is reached."""
+
+    peer_id: str
+    state: str  # up | down | untried (coordinator.core.dispatch)
+    calls: int
+    rows: int
+    failures: int
+    latency_ewma_ms: float
+    last_serve_ms: int  # Unix ms of its last successful call from this coordinator; 0 = never
+    last_error: str
+    retry_in_s: float
+    addrs: list[str] = []
+    path: Path | None = None  # direct | relayed | hole-punched; None when not connected
+
+
+class LayerRows(msgspec.Struct, frozen=True, kw_only=True):
+    """Rows (token, expert pairs grouped by range) of one MoE layer, by where they were computed."""
+
+    layer: int
+    local_rows: int
+    remote_rows: int
+    fallback_rows: int
+
+
+class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /dispatch``: the map followed, its workers, and per-layer row counts."""
+
+    model_id: str
+    map_version: int | None
+    maps_rejected: int = 0  # maps from the file or the market that could not be adopted
+    map_error: str = ""  # why the last one was not
+    policy: str
+    timeout_s: float
+    wire_dtype: str
+    workers: list[WorkerReport]
+    layers: list[LayerRows]
+
+
+slots_decoder = msgspec.json.Decoder(list[SlotInfo])
+health_decoder = msgspec.json.Decoder(Health)
+dispatch_decoder = msgspec.json.Decoder(DispatchReport)
