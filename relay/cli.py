@@ -60,8 +60,7 @@ def run(ns: argparse.Namespace) -> int:
     async def service() -> None:
         async with trio.open_nursery() as n:
             info = await n.start(serve_relay, cfg)
-            print(f"relay ready peer_id={info['peer_id']} addrs={','.join(info['addrs'])} metrics={info['metrics']}",
-                  flush=True)
+            print(f"relay ready peer_id={info.peer_id} addrs={','.join(info.addrs)} metrics={info.metrics}", flush=True)
 
     run_service(service)
     return 0

@@ -25,7 +25,6 @@ Rules:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -48,6 +47,7 @@ from swarm.config import Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosI
 from swarm.errors import ConfigError
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import AUTONAT_PROTOCOL, HOP_PROTOCOL
+from swarm.protocol.status import RelayInfo, encode_info
 
 if TYPE_CHECKING:
     pass
@@ -230,15 +230,14 @@ async def open_relay(cfg: RelayConfig) -> AsyncIterator[RelayService]:
                 log.info("relay stopped: %d circuits opened, %d bytes relayed", s.circuits_opened_total, s.bytes_relayed_total)
 
 
-async def serve_relay(cfg: RelayConfig, *, task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_relay(cfg: RelayConfig, *, task_status: trio.TaskStatus[RelayInfo] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the relay until cancelled; ``task_status.started(info)`` with its peer id, addresses and
     metrics URL once both the libp2p listeners and the HTTP endpoint are up (also written to
     ``DATA_DIR/relay.json``)."""
     async with open_relay(cfg) as service:
-        info: dict[str, Any] = {"peer_id": service.transport.peer_id, "addrs": service.announce_addrs(),
-                                "metrics": service.metrics_url}
+        info = RelayInfo(peer_id=service.transport.peer_id, addrs=service.announce_addrs(), metrics=service.metrics_url)
         if cfg.data_dir is not None:
-            await trio.Path(cfg.data_dir, "relay.json").write_text(json.dumps(info, indent=2) + "\n")
-        log.info("relay %s listening on %s", info["peer_id"], ", ".join(info["addrs"]))
+            await trio.Path(cfg.data_dir, "relay.json").write_bytes(encode_info(info))
+        log.info("relay %s listening on %s", info.peer_id, ", ".join(info.addrs))
         task_status.started(info)
         await trio.sleep_forever()

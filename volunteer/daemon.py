@@ -36,7 +36,15 @@ from swarm.model.slices import load_slice
 from swarm.p2p.identity import load_or_create_identity, sign_body
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
 from swarm.protocol.expert import PROTOCOL_ID, make_hello
-from swarm.protocol.market import Assignment, CoverageAck, CoverageHeartbeat, HeldSlice, NothingNeeded
+from swarm.protocol.market import (
+    Assignment,
+    CoverageAck,
+    CoverageHeartbeat,
+    HeldSlice,
+    NothingNeeded,
+    VolunteerRequest,
+)
+from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import expert_stream_handler
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer, shielded_until_cancelled
@@ -141,15 +149,11 @@ class PullVolunteer:
         await trio.sleep_until(at)
         if self.core.next_poll != at or self.core.phase is not Phase.IDLE:
             return  # superseded
-        body: dict[str, Any] = {"peer_id": self.peer_id}
-        if self.cfg.max_bytes is not None:
-            body["max_bytes"] = self.cfg.max_bytes
-        if self.cfg.max_experts is not None:
-            body["max_experts"] = self.cfg.max_experts
-        if self.cfg.models:
-            body["models"] = list(self.cfg.models)
+        body = VolunteerRequest(peer_id=self.peer_id, max_bytes=self.cfg.max_bytes, max_experts=self.cfg.max_experts,
+                                models=list(self.cfg.models) or None)
         try:
-            r = await self.client.post(f"{self.base}/api/expert-volunteer", json=body)
+            r = await self.client.post(f"{self.base}/api/expert-volunteer", content=msgspec.json.encode(body),
+                                       headers={"content-type": "application/json"})
             r.raise_for_status()
             ans = _answer_decoder.decode(r.content)
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -288,7 +292,7 @@ class PullVolunteer:
 
 
 async def serve_pull_volunteer(
-    cfg: PullVolunteerConfig, *, task_status: trio.TaskStatus[dict[str, object]] = trio.TASK_STATUS_IGNORED
+    cfg: PullVolunteerConfig, *, task_status: trio.TaskStatus[VolunteerInfo] = trio.TASK_STATUS_IGNORED
 ) -> None:
     data_dir = Path(cfg.data_dir)
     await trio.Path(data_dir).mkdir(parents=True, exist_ok=True)
@@ -314,9 +318,9 @@ async def serve_pull_volunteer(
             await nursery.start(server.serve)
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
                                 server=server, client=client, nursery=nursery)
-            info: dict[str, object] = {"peer_id": transport.peer_id, "addrs": vol.addrs, "epoch": epoch,
-                                       "reachability": nat.reachability.value, "relays": list(relays), **probe}
-            await trio.Path(data_dir / "volunteer.json").write_text(json.dumps(info, indent=2) + "\n")
+            info = VolunteerInfo(peer_id=transport.peer_id, addrs=vol.addrs, epoch=epoch,
+                                 reachability=nat.reachability.value, relays=list(relays), **probe)
+            await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))
             print(f"volunteer ready peer_id={transport.peer_id} epoch={epoch} market={cfg.market} "
                   f"reachability={nat.reachability.value} addrs={','.join(vol.addrs) or 'none yet'} "
                   f"expert_tokens_per_s={probe['expert_tokens_per_s']}", flush=True)

@@ -19,7 +19,6 @@ Rules:
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -36,6 +35,7 @@ from swarm.model.fetch import fetch_slice
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
 from swarm.protocol.expert import PROTOCOL_ID, make_hello
+from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import expert_stream_handler
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
@@ -92,7 +92,7 @@ async def fetch_and_load(
 
 
 async def serve_static_volunteer(
-    cfg: StaticVolunteerConfig, *, task_status: trio.TaskStatus[dict[str, object]] = trio.TASK_STATUS_IGNORED
+    cfg: StaticVolunteerConfig, *, task_status: trio.TaskStatus[VolunteerInfo] = trio.TASK_STATUS_IGNORED
 ) -> None:
     data_dir = Path(cfg.data_dir)  # expanded at the edge (CLI)
     await trio.Path(data_dir).mkdir(parents=True, exist_ok=True)
@@ -105,14 +105,9 @@ async def serve_static_volunteer(
     async with shielded_until_cancelled() as stop, \
             open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
         transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
-        info: dict[str, object] = {
-            "peer_id": transport.peer_id,
-            "addrs": list(nat.advertised),
-            "reachability": nat.reachability.value,
-            "model_id": model_id,
-            "slices": [str(s.key) for s in slices],
-        }
-        await trio.Path(data_dir / "volunteer.json").write_text(json.dumps(info, indent=2) + "\n")
+        info = VolunteerInfo(peer_id=transport.peer_id, addrs=list(nat.advertised), reachability=nat.reachability.value,
+                             model_id=model_id, slices=[str(s.key) for s in slices])
+        await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))
         print(f"volunteer ready peer_id={transport.peer_id} addrs={','.join(nat.advertised) or 'none (no relay answered yet)'} "
               f"reachability={nat.reachability.value} slices={','.join(str(s.key) for s in slices)}", flush=True)
         async with trio.open_nursery() as nursery:
@@ -139,15 +134,15 @@ async def _status_loop(server: ExpertServer, peer_id: str, interval_s: float, na
               f"batches {s.batches} errors {s.errors} | last call {ago}{relays}", file=sys.stderr, flush=True)
 
 
-async def _publish_addrs(nat: Nat, info: dict[str, object], path: Path) -> None:
+async def _publish_addrs(nat: Nat, info: VolunteerInfo, path: Path) -> None:
     """Keep ``volunteer.json`` (and the person watching) up to date with the advertised addresses."""
     while True:
         await nat.changed.wait()
         addrs = list(nat.advertised)
-        if addrs == info["addrs"]:
+        if addrs == info.addrs:
             continue
-        info["addrs"] = addrs
-        await trio.Path(path).write_text(json.dumps(info, indent=2) + "\n")
+        info.addrs = addrs
+        await trio.Path(path).write_bytes(encode_info(info))
         print(f"[volunteer] addresses now: {', '.join(addrs) or 'none (waiting for a relay)'}", file=sys.stderr, flush=True)
 
 
