@@ -2,7 +2,7 @@
 
 Sans-IO apart from its ``Store``: every method takes ``now``; randomness comes from the injected
 ``rng``; nothing awaits, sleeps or reads a clock. With an ``InMemoryStore`` it runs under virtual
-time (``tests/test_market_scenarios.py``); the HTTP shell (``market.api``, ``market.server``)
+time (``tests/sim/test_market_scenarios.py``); the HTTP shell (``market.api``, ``market.server``)
 calls it from one trio task at a time. ``Market`` translates requests into calls of the pure
 cores (``market.core``), applies their answers to the indexes (``market.indexes``) and writes
 the facts they decide; the read views live in ``market.views``.

@@ -9,7 +9,7 @@ Rules:
 - ``apply(changes)`` is atomic: every put and delete of the batch lands, or none (and
   ``StoreError`` is raised). A put replaces the row with the same key; deleting a missing key is
   a no-op. Rows go through the same msgspec JSON encoding in both implementations, so the one
-  conformance suite (``tests/test_market_store.py``) covers the encoding too.
+  conformance suite (``tests/integration/test_market_store.py``) covers the encoding too.
 - ``load()`` returns every row, each table sorted by key.
 - After ``close()`` every call raises ``StoreError`` (``store_closed``); ``close()`` is idempotent.
 - SQLite: WAL journal, ``synchronous=NORMAL``: a committed batch survives the process being

@@ -3,7 +3,7 @@
 Everything above ``swarm.p2p`` (the expert protocol, the dispatcher, the volunteer) sees only
 ``Transport`` and ``Stream``. Two implementations: ``swarm.p2p.memory`` (an in-memory fake with
 latency, loss and partitions, for virtual-time tests) and ``swarm.p2p.libp2p`` (py-libp2p: Noise,
-Yamux, TCP); ``tests/test_transport_conformance.py`` runs one suite against both.
+Yamux, TCP); ``tests/sim/test_transport_conformance.py`` runs one suite against both.
 
 Rules:
 - ``Stream.read(max_bytes)`` returns 1..max_bytes bytes, or ``b""`` once the peer has closed its side.

@@ -6,8 +6,8 @@ and replace the Yamux muxer, which is safe only against the exact code they were
 with a ``ConfigError`` naming both versions. Nothing is patched at import: each workaround is
 applied per host (``swarm.p2p.patches.host``, ``swarm.p2p.patches.yamux``) or lives in our own
 code in place of the library's (``swarm.p2p.nat``, ``relay``). Each has a regression test
-(``tests/test_libp2p_workarounds.py``, ``tests/test_relay_workarounds.py``,
-``tests/test_yamux_tuning.py``) with a canary that fails when the library fixes the bug itself.
+(``tests/integration/test_libp2p_workarounds.py``, ``tests/integration/test_relay_workarounds.py``,
+``tests/integration/test_yamux_tuning.py``) with a canary that fails when the library fixes the bug itself.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def check_libp2p_version(installed: str | None = None) -> None:
 # No ResourceManager: its default circuit breaker, per-peer connection rate limit and
 # memory-based admission fail connections in ways the caller cannot see or configure here; the
 # limits that matter are max_connections (swarm) and max_inbound_streams_per_peer (ours).
-# Relay and NAT traversal (swarm/p2p/nat.py, relay/service.py; tests/test_relay_workarounds.py):
+# Relay and NAT traversal (swarm/p2p/nat/, relay/; tests/integration/test_relay_workarounds.py):
 # (e) host.connect() and Swarm.dial_peer skip /p2p-circuit addresses. Libp2pTransport.open_stream
 #     calls swarm.p2p.nat's connect hook, which dials them itself (HOP CONNECT, then Noise + Yamux
 #     over the relayed stream).

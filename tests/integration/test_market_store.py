@@ -31,7 +31,7 @@ from market.store import Delete, InMemoryStore, MemoryBacking, Put, Store, open_
 from swarm.dispatch_map import LayerRanges, RangeReplicas, Replica
 from swarm.errors import StoreError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MID = "tiny-0123456789ab"
 MANIFEST = ModelManifest(
     model_id=MID, arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2, d_model=16, d_expert=8,

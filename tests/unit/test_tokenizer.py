@@ -14,7 +14,7 @@ import pytest
 from swarm.errors import TokenizerError
 from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
-GOLDEN = Path(__file__).parent / "fixtures" / "golden"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden"
 GGUF_PATH = GOLDEN / "qwen3moe-tiny-f32.gguf"
 LLAMACPP = json.loads((GOLDEN / "qwen3moe-tiny-f32.llamacpp.json").read_text(encoding="utf-8"))
 

@@ -20,7 +20,7 @@ from swarm.model import quant
 from swarm.tools import makemodel
 
 VOCAB_8192_SHA256 = "e73f63491b8eb652131942d319146a8ce90adfc203d1b07721ef08eaf8d4678b"
-GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from swarm.model.gguf import GGUFModel
 from swarm.model.slices import SliceCache, build_manifest, cut_slice
 from swarm.protocol.manifest import ModelManifest
 
-GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
 LAYER, LO, HI = 1, 2, 6
 
 

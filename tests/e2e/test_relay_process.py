@@ -17,7 +17,14 @@ import trio
 
 from swarm.model.gguf import model_id_for
 from tests.conftest import GOLDEN_GGUF, eventually
-from tests.test_process_e2e import Proc, attach_single_worker, cli, procs, stream_with_fault, wait_for_line
+from tests.e2e.test_process_e2e import (
+    Proc,
+    attach_single_worker,
+    cli,
+    procs,
+    stream_with_fault,
+    wait_for_line,
+)
 
 pytestmark = pytest.mark.slow
 __all__ = ["procs"]  # the fixture, shared with test_process_e2e

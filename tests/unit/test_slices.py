@@ -34,7 +34,7 @@ from swarm.model.slices import (
 )
 from swarm.protocol.manifest import ModelManifest
 
-GOLDEN = Path(__file__).parent / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
 
 # A small quantised model: layer 0 mixes three stored types, layer 1 is all Q8_0.
 Q = gguf.GGMLQuantizationType

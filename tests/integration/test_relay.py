@@ -29,7 +29,7 @@ from swarm.p2p.nat import Nat, NatConfig, open_listener_host, open_nat
 from swarm.p2p.transport import Stream
 from swarm.protocol.expert import PROTOCOL_ID, make_hello
 from swarm.rpc.server import expert_stream_handler
-from tests.test_remote_experts import HALVES, greedy
+from tests.integration.test_remote_experts import HALVES, greedy
 from volunteer.server import ExpertServer
 
 

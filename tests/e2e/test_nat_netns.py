@@ -38,7 +38,7 @@ from tests.conftest import GOLDEN_GGUF
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PUB, NAT1_WAN, NAT2_WAN, HOME1, HOME2 = "10.77.1.1", "10.77.1.11", "10.77.1.12", "10.77.2.2", "10.77.3.2"
 VOL_PORT = 4010
 NFT_RULES = """

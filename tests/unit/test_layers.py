@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("coordinator", "market", "volunteer", "relay")
 PACKAGES = ("swarm", *ROLES)
 APPLICATION = ("swarm.cli", "swarm.demo", "swarm.tools")

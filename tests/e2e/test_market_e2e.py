@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from tests.conftest import GOLDEN_GGUF, eventually
-from tests.test_process_e2e import Proc, cli, procs, wait_for_line, wait_for_text  # noqa: F401 - fixture
+from tests.e2e.test_process_e2e import Proc, cli, procs, wait_for_line, wait_for_text  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 
