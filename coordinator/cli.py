@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import trio
-
 from coordinator.server import CoordinatorConfig, serve_coordinator
 from swarm.config import build_config, data_dir_for, env_token
-from swarm.service import run_service
+from swarm.service import run_announced
 
 __all__ = ["add_parser", "config_from_args"]
 
@@ -61,12 +59,5 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
-    cfg = config_from_args(ns)
-
-    async def service() -> None:
-        async with trio.open_nursery() as n:
-            url = await n.start(serve_coordinator, cfg)
-            print(f"coordinator ready at {url}", flush=True)
-
-    run_service(service)
+    run_announced(serve_coordinator, config_from_args(ns), lambda url: f"coordinator ready at {url}")
     return 0

@@ -15,12 +15,10 @@ import argparse
 import os
 from typing import Any
 
-import trio
-
 from market.policy import MarketPolicy
 from market.server import MarketConfig, serve_market
 from swarm.config import build_config, data_dir_for, env_token
-from swarm.service import run_service
+from swarm.service import run_announced
 
 __all__ = ["add_parser", "config_from_args", "run"]
 
@@ -88,10 +86,5 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
 
 def run(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
-    async def service() -> None:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_market, cfg)
-            print(f"market ready at {url} (db {cfg.db})", flush=True)
-
-    run_service(service)
+    run_announced(serve_market, cfg, lambda url: f"market ready at {url} (db {cfg.db})")
     return 0

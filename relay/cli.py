@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import trio
-
 from relay.service import RelayConfig, serve_relay
 from swarm.config import build_config, data_dir_for
-from swarm.service import run_service
+from swarm.service import run_announced
 
 __all__ = ["add_parser", "config_from_args"]
 
@@ -55,12 +53,6 @@ def config_from_args(ns: argparse.Namespace) -> RelayConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
-    cfg = config_from_args(ns)
-
-    async def service() -> None:
-        async with trio.open_nursery() as n:
-            info = await n.start(serve_relay, cfg)
-            print(f"relay ready peer_id={info.peer_id} addrs={','.join(info.addrs)} metrics={info.metrics}", flush=True)
-
-    run_service(service)
+    run_announced(serve_relay, config_from_args(ns),
+                  lambda info: f"relay ready peer_id={info.peer_id} addrs={','.join(info.addrs)} metrics={info.metrics}")
     return 0

@@ -45,7 +45,7 @@ from relay.http import build_app
 from relay.streams import peer_of
 from swarm.config import Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosInt
 from swarm.errors import ConfigError
-from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
+from swarm.p2p.libp2p import Libp2pTransport, connection_notifee, open_libp2p_transport
 from swarm.p2p.nat import AUTONAT_PROTOCOL, HOP_PROTOCOL
 from swarm.protocol.status import RelayInfo, encode_info
 
@@ -123,7 +123,7 @@ class RelayService:
 
         self.host.set_stream_handler(TProtocol(HOP_PROTOCOL), self.hop.on_stream)
         self.host.set_stream_handler(TProtocol(AUTONAT_PROTOCOL), self.autonat.on_stream)
-        self.host.get_network().register_notifee(_DisconnectNotifee(self))
+        self.host.get_network().register_notifee(connection_notifee(lambda conn: None, self._on_disconnected))
 
     def announce_addrs(self) -> list[str]:
         """``--announce``, else the listen addresses with wildcards expanded to this host's
@@ -144,6 +144,12 @@ class RelayService:
                     addrs.append(bare)
             addrs.sort(key=lambda x: x.startswith(("/ip4/127.", "/ip6/::1/")))
         return list(dict.fromkeys(a if a.endswith(f"/p2p/{me}") else f"{a}/p2p/{me}" for a in addrs))
+
+    def _on_disconnected(self, conn: Any) -> None:
+        try:
+            self.peer_disconnected(str(conn.muxed_conn.peer_id))
+        except Exception as exc:
+            log.debug("disconnect notification: %r", exc)
 
     def peer_disconnected(self, peer: str) -> None:
         live = [c for c in self.host.get_network().get_connections(peer_of(peer)) if not c.is_closed]
@@ -170,35 +176,6 @@ class RelayService:
             bytes_relayed=s.bytes_relayed_total,
             limits=self.cfg,
         )
-
-
-class _DisconnectNotifee:
-    def __new__(cls, service: RelayService) -> Any:
-        from libp2p.abc import INotifee
-
-        class Notifee(INotifee):
-            async def opened_stream(self, network: Any, stream: Any) -> None:
-                return None
-
-            async def closed_stream(self, network: Any, stream: Any) -> None:
-                return None
-
-            async def connected(self, network: Any, conn: Any) -> None:
-                return None
-
-            async def disconnected(self, network: Any, conn: Any) -> None:
-                try:
-                    service.peer_disconnected(str(conn.muxed_conn.peer_id))
-                except Exception as exc:
-                    log.debug("disconnect notification: %r", exc)
-
-            async def listen(self, network: Any, multiaddr: Any) -> None:
-                return None
-
-            async def listen_close(self, network: Any, multiaddr: Any) -> None:
-                return None
-
-        return Notifee()
 
 
 @asynccontextmanager

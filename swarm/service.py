@@ -18,7 +18,7 @@ import trio
 
 from swarm.config import parse_size
 
-__all__ = ["run_service", "size_flag"]
+__all__ = ["run_announced", "run_service", "size_flag"]
 
 
 def run_service(service: Callable[..., Awaitable[Any]], *args: Any) -> None:
@@ -39,6 +39,18 @@ def run_service(service: Callable[..., Awaitable[Any]], *args: Any) -> None:
                 nursery.cancel_scope.cancel()
 
     trio.run(runner)
+
+
+def run_announced(serve: Callable[..., Awaitable[Any]], cfg: Any, announce: Callable[[Any], str]) -> None:
+    """Run ``serve(cfg, task_status=...)`` and print ``announce(started value)`` once it is up: the
+    one "... ready ..." line that scripts (the demo, tests) wait for."""
+
+    async def service() -> None:
+        async with trio.open_nursery() as nursery:
+            started = await nursery.start(serve, cfg)
+            print(announce(started), flush=True)
+
+    run_service(service)
 
 
 def size_flag(text: str) -> int:

@@ -12,7 +12,7 @@ Rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from libp2p.abc import INetStream
     from libp2p.host.basic_host import BasicHost
 
-__all__ = ["Libp2pTransport", "open_libp2p_transport"]
+__all__ = ["Libp2pTransport", "connection_notifee", "open_libp2p_transport"]
 
 log = logging.getLogger(__name__)
 
@@ -263,3 +263,28 @@ async def open_libp2p_transport(
             await close_network(host)
 
 
+def connection_notifee(on_connected: Callable[[Any], None], on_disconnected: Callable[[Any], None]) -> Any:
+    """A py-libp2p swarm notifee calling ``on_connected(conn)`` / ``on_disconnected(conn)`` (sync,
+    non-blocking callbacks); register it with ``host.get_network().register_notifee``."""
+    from libp2p.abc import INotifee
+
+    class Notifee(INotifee):
+        async def opened_stream(self, network: Any, stream: Any) -> None:
+            return None
+
+        async def closed_stream(self, network: Any, stream: Any) -> None:
+            return None
+
+        async def connected(self, network: Any, conn: Any) -> None:
+            on_connected(conn)
+
+        async def disconnected(self, network: Any, conn: Any) -> None:
+            on_disconnected(conn)
+
+        async def listen(self, network: Any, multiaddr: Any) -> None:
+            return None
+
+        async def listen_close(self, network: Any, multiaddr: Any) -> None:
+            return None
+
+    return Notifee()

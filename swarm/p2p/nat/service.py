@@ -54,7 +54,7 @@ from swarm.core.reservation import (
     ReservationPolicy,
 )
 from swarm.errors import ConfigError, DialError
-from swarm.p2p.libp2p import Libp2pTransport
+from swarm.p2p.libp2p import Libp2pTransport, connection_notifee
 from swarm.p2p.nat.addrs import (
     DCUTR_PROTOCOL,
     STOP_PROTOCOL,
@@ -75,38 +75,6 @@ if TYPE_CHECKING:
 __all__ = ["Nat", "open_listener_host", "open_nat"]
 
 log = logging.getLogger(__name__)
-
-class _Watcher:
-    """Swarm notifee: reports closed connections to a callback (sync, non-blocking)."""
-
-    def __init__(self, on_connected: Any, on_disconnected: Any) -> None:
-        from libp2p.abc import INotifee
-
-        outer = self
-
-        class Notifee(INotifee):
-            async def opened_stream(self, network: Any, stream: Any) -> None:
-                return None
-
-            async def closed_stream(self, network: Any, stream: Any) -> None:
-                return None
-
-            async def connected(self, network: Any, conn: Any) -> None:
-                outer.on_connected(conn)
-
-            async def disconnected(self, network: Any, conn: Any) -> None:
-                outer.on_disconnected(conn)
-
-            async def listen(self, network: Any, multiaddr: Any) -> None:
-                return None
-
-            async def listen_close(self, network: Any, multiaddr: Any) -> None:
-                return None
-
-        self.on_connected = on_connected
-        self.on_disconnected = on_disconnected
-        self.notifee = Notifee()
-
 
 class Nat:
     """Relay and NAT support of one ``Libp2pTransport``. Create with ``open_nat``."""
@@ -135,7 +103,7 @@ class Nat:
         self._dcutr = DCUtRProtocol(self.host, read_timeout=dial_timeout, write_timeout=dial_timeout,
                                     dial_timeout=max(1, dial_timeout // 3))
         self._new_connection = trio.Event()  # set and replaced whenever a connection opens
-        self._watcher = _Watcher(self._on_connected, self._on_disconnected)
+        self._notifee = connection_notifee(self._on_connected, self._on_disconnected)
 
     # -- NatHooks ----------------------------------------------------------------------------------
     async def connect(self, peer_id: str, addrs: Sequence[str]) -> None:
@@ -364,7 +332,7 @@ async def open_nat(
     network = transport.host.get_network()
     async with trio.open_nursery() as nursery:
         nat = Nat(transport, cfg, nursery, rng if rng is not None else random.Random())
-        network.register_notifee(nat._watcher.notifee)
+        network.register_notifee(nat._notifee)
         transport.nat = nat
         try:
             yield nat
@@ -372,7 +340,7 @@ async def open_nat(
             transport.nat = None
             nursery.cancel_scope.cancel()
             try:
-                network.remove_notifee(nat._watcher.notifee)
+                network.remove_notifee(nat._notifee)
             except Exception:
                 pass
 
