@@ -265,7 +265,7 @@ def test_nobody_can_dial_the_volunteer_directly(swarm: Swarm) -> None:
     # a libp2p dial from the public side, to its private address and to its NAT's public one, fails
     probe = (
         "import sys, trio\n"
-        "from swarm.p2p.transport import open_libp2p_transport, DialError\n"
+        "from swarm.p2p.libp2p import open_libp2p_transport\n"
         "async def main():\n"
         f"    async with open_libp2p_transport(key_path=None, listen_addrs=['/ip4/{PUB}/tcp/0'], dial_timeout_s=3) as t:\n"
         f"        for a in ('/ip4/{HOME1}/tcp/{VOL_PORT}', '/ip4/{NAT1_WAN}/tcp/{VOL_PORT}'):\n"
