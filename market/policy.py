@@ -13,14 +13,12 @@ from typing import Annotated
 import msgspec
 
 from market.core.recruit import RecruitPolicy
+from swarm.config import NonNegFloat, PosFloat
 
 __all__ = ["MarketPolicy"]
 
-PosFloat = Annotated[float, msgspec.Meta(gt=0)]
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 
-
-class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True):
+class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The market's decision parameters (defaults: DESIGN §11)."""
 
     base_target: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 1

@@ -20,7 +20,6 @@ import re
 import time
 from collections import OrderedDict
 from functools import partial
-from typing import Annotated
 
 import httpx
 import msgspec
@@ -33,6 +32,7 @@ from market.loops import Poller, run_housekeeping, run_recruitment_loop
 from market.policy import MarketPolicy
 from market.state import Market
 from market.store import InMemoryStore, Store, open_sqlite_store
+from swarm.config import Multiaddr, Port, PosFloat
 from swarm.errors import RemoteProtocolError, SliceError, SwarmError, TransportError
 from swarm.protocol.coordinator import slots_decoder
 
@@ -42,15 +42,14 @@ log = logging.getLogger(__name__)
 
 MEMORY_DB = ":memory:"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 
 
-class MarketConfig(msgspec.Struct, frozen=True, kw_only=True):
+class MarketConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     db: str  # SQLite file, or ":memory:" for a volatile in-process store
     host: str = "127.0.0.1"
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8090
+    port: Port = 8090
     token: str | None = None  # required on POST /api/models when set
-    relays: tuple[str, ...] = ()  # relay multiaddrs offered to volunteers that cannot be dialled
+    relays: tuple[Multiaddr, ...] = ()  # relay multiaddrs offered to volunteers that cannot be dialled
     poll_interval_s: PosFloat = 2.0
     poll_timeout_s: PosFloat = 1.0
     tick_s: PosFloat = 0.25

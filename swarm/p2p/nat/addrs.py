@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
+from swarm.config import Multiaddr, NonNegFloat, PosFloat
 from swarm.core.paths import is_circuit
 from swarm.errors import ConfigError, DialError
 from swarm.p2p.transport import quietly
@@ -42,16 +43,16 @@ DCUTR_PROTOCOL: Final = "/libp2p/dcutr"
 AUTONAT_PROTOCOL: Final = "/libp2p/autonat/1.0.0"
 
 
-class NatConfig(msgspec.Struct, frozen=True, kw_only=True):
-    relays: tuple[str, ...] = ()  # listen through these (multiaddrs ending in /p2p/<relay id>)
+class NatConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    relays: tuple[Multiaddr, ...] = ()  # listen through these (multiaddrs ending in /p2p/<relay id>)
     hole_punch: bool = True  # drive DCUtR after circuit dials / answer it as a listener
-    circuit_delay_s: float = 0.3  # head start of direct addresses over circuit ones
-    relay_timeout_s: float = 10.0  # one RESERVE, CONNECT or AutoNAT exchange
-    hole_punch_timeout_s: float = 15.0  # how long a relayed connection may take to turn direct
-    relayed_close_grace_s: float = 10.0  # keep the relayed connection this long after an upgrade
+    circuit_delay_s: NonNegFloat = 0.3  # head start of direct addresses over circuit ones
+    relay_timeout_s: PosFloat = 10.0  # one RESERVE, CONNECT or AutoNAT exchange
+    hole_punch_timeout_s: PosFloat = 15.0  # how long a relayed connection may take to turn direct
+    relayed_close_grace_s: NonNegFloat = 10.0  # keep the relayed connection this long after an upgrade
     check_reachability: bool = True  # ask the relays (AutoNAT); off = assume private
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 30.0
+    backoff_base_s: PosFloat = 0.5
+    backoff_max_s: PosFloat = 30.0
 
 
 @dataclass(frozen=True)
