@@ -19,7 +19,8 @@ Rules:
   moves once the connection turned direct (``swarm.core.paths.should_migrate``): new calls open a
   new stream, calls in flight finish on the old one, which is closed after ``timeout_s``. The
   report gives each worker's path: ``direct``, ``relayed`` or ``hole-punched`` (null: not
-  connected).
+  connected), and ``relayed_bytes``: the expert-stream payload bytes that have crossed a relay to
+  and from it (``Transport.relayed_bytes``; it stops growing once the stream has moved).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
 from swarm.protocol.coordinator import DispatchReport, LayerRows, WorkerReport
-from swarm.protocol.expert import ExpertRequest, RequestId
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
 from swarm.rpc.client import ExpertClient
 
 __all__ = ["Dispatcher", "watch_dispatch_map_file"]
@@ -348,7 +349,9 @@ class Dispatcher:
             policy=type(self.policy).__name__,
             timeout_s=self.timeout_s,
             wire_dtype=str(self.wire_dtype),
-            workers=[WorkerReport(**v.__dict__, addrs=self._addrs.get(v.peer_id, []), path=self._path(v.peer_id))
+            workers=[WorkerReport(**v.__dict__, addrs=self._addrs.get(v.peer_id, []), path=self._path(v.peer_id),
+                                  relayed_bytes=self.transport.relayed_bytes(v.peer_id, PROTOCOL_ID)
+                                  if self.transport is not None else 0)
                      for v in views],
             layers=[LayerRows(layer=i, local_rows=c.local_rows, remote_rows=c.remote_rows, fallback_rows=c.fallback_rows)
                     for i, c in enumerate(self.counters)],

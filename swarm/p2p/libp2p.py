@@ -42,9 +42,10 @@ log = logging.getLogger(__name__)
 
 
 class _Libp2pStream(Stream):
-    def __init__(self, net_stream: INetStream, remote_peer_id: str) -> None:
+    def __init__(self, net_stream: INetStream, remote_peer_id: str, meter: Callable[[int], None] | None = None) -> None:
         self._s = net_stream
         self._remote = remote_peer_id
+        self._meter = meter  # called with the payload bytes moved, on relayed connections only
         self._closed = False
         self._eof = False
         self._leftover = b""
@@ -79,6 +80,8 @@ class _Libp2pStream(Stream):
         if not data:
             self._eof = True
             return b""
+        if self._meter is not None:
+            self._meter(len(data))
         if len(data) > max_bytes:
             data, self._leftover = data[:max_bytes], data[max_bytes:]
         return data
@@ -92,6 +95,8 @@ class _Libp2pStream(Stream):
             if self._closed:
                 raise ClosedError("stream closed locally") from exc
             raise BrokenError(f"stream to {self._remote} broke: {exc!r}") from exc
+        if self._meter is not None:
+            self._meter(len(data))
 
     async def aclose(self) -> None:
         if self._closed:
@@ -132,6 +137,7 @@ class Libp2pTransport(Transport):
         self._gate = InboundGate(max_inbound_streams_per_peer)
         self._closed = False
         self.nat: NatHooks | None = None  # set by swarm.p2p.nat: circuit dialing, hole punching, paths
+        self._relayed_bytes: dict[tuple[str, str], int] = {}  # (peer, protocol) -> payload bytes via relays
 
     @property
     def peer_id(self) -> str:
@@ -144,12 +150,32 @@ class Libp2pTransport(Transport):
     def path_to(self, peer_id: str) -> str | None:
         return self.nat.path_to(peer_id) if self.nat is not None else None
 
+    def relayed_bytes(self, peer_id: str, protocol: str) -> int:
+        return self._relayed_bytes.get((peer_id, protocol), 0)
+
+    def _meter_for(self, net_stream: INetStream, peer_id: str, protocol: str) -> Callable[[int], None] | None:
+        """A byte counter for ``net_stream`` if its connection runs through a relay, else None."""
+        from libp2p.connection_types import ConnectionType
+
+        try:
+            relayed = net_stream.muxed_conn.get_connection_type() == ConnectionType.RELAYED
+        except Exception:
+            relayed = False
+        if not relayed:
+            return None
+        key = (peer_id, protocol)
+
+        def meter(n: int) -> None:
+            self._relayed_bytes[key] = self._relayed_bytes.get(key, 0) + n
+
+        return meter
+
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         from libp2p.custom_types import TProtocol
 
         async def on_stream(net_stream: INetStream) -> None:
             remote = str(net_stream.muxed_conn.peer_id)
-            stream = _Libp2pStream(net_stream, remote)
+            stream = _Libp2pStream(net_stream, remote, self._meter_for(net_stream, remote, protocol))
             await run_inbound(self._gate, handler, stream, stream.reset)
 
         self.host.set_stream_handler(TProtocol(protocol), on_stream)
@@ -180,7 +206,7 @@ class Libp2pTransport(Transport):
                 net_stream = await self.host.new_stream(pid, [TProtocol(protocol)])
             except Exception as exc:
                 raise DialError(f"cannot open {protocol} to {peer_id}: {exc!r}") from exc
-            return _Libp2pStream(net_stream, peer_id)
+            return _Libp2pStream(net_stream, peer_id, self._meter_for(net_stream, peer_id, protocol))
         raise TransportTimeout(f"opening {protocol} to {peer_id} took longer than {self._dial_timeout_s}s")
 
     async def disconnect(self, peer_id: str) -> None:

@@ -20,6 +20,9 @@ Rules:
   handler returns the stream is closed, when it raises the stream is reset and the error logged.
   The listener keeps serving every other stream. At most ``max_inbound_streams_per_peer`` inbound
   streams per peer are open at once (``InboundGate``); more are reset on arrival.
+- ``relayed_bytes(peer, protocol)`` counts what a stream on a relayed connection carried: the
+  payload bytes its reads and writes moved (not the muxer's headers, window updates or pings), by
+  the connection the stream actually runs on, not by what a new stream would take.
 """
 
 from __future__ import annotations
@@ -95,6 +98,11 @@ class Transport(ABC):
         """How a new stream to ``peer_id`` would travel ("direct", "relayed", "hole-punched"), or
         None when not connected or when the transport does not know (see ``swarm.core.paths``)."""
         return None
+
+    def relayed_bytes(self, peer_id: str, protocol: str) -> int:
+        """Payload bytes (sent + received) of ``protocol`` streams with ``peer_id`` that ran through
+        a relay circuit, since the transport started; 0 for a transport without relays."""
+        return 0
 
 
 class NatHooks(Protocol):

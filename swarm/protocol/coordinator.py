@@ -70,6 +70,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     retry_in_s: float
     addrs: list[str] = []
     path: Path | None = None  # direct | relayed | hole-punched; None when not connected
+    relayed_bytes: int = 0  # expert-stream payload bytes that crossed a relay (stops growing once moved)
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):

@@ -175,6 +175,43 @@ async def test_hole_punch_moves_the_expert_stream_to_a_direct_connection(
         assert coord.path_to(vol.peer_id) == "hole-punched"
 
 
+async def test_the_expert_stream_leaves_the_relay_when_the_connection_turns_direct(
+    nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord: Libp2pTransport
+) -> None:
+    """DCUtR may report success well after the direct connection exists (py-libp2p 0.8.1 polls for
+    it every 0.2 s, then closes its stream over the relay; longer on a busy machine), simulated
+    here by a DCUtR that returns 2 s late. The stream moves when the connection turns direct: the
+    report never says ``hole-punched`` while expert frames still go through the relay, and no
+    expert byte crosses the relay once it does."""
+    relay = await start_relay(nursery)
+    vol = await start_volunteer(nursery, [relay.addr], model=golden_model, hole_punch=True)
+    async with open_nat(coord, NatConfig(hole_punch=True)) as nat:
+        initiate = nat._dcutr.initiate_hole_punch
+
+        async def late(peer_id: Any) -> bool:
+            ok = await initiate(peer_id)
+            await trio.sleep(2.0)
+            return ok
+
+        nat._dcutr.initiate_hole_punch = late  # type: ignore[method-assign]
+        d = Dispatcher(golden_model, coord)
+        await nursery.start(d.serve)
+        d.set_map(dmap(golden_model, 1, {k: [vol] for k in HALVES}))
+        tr = Transformer(golden_model, d)
+        g = golden["greedy"][0]
+        toks, _ = await greedy(tr, g["prompt_ids"], 4)
+        assert toks == g["greedy_ids"][:4]
+        assert report(d)["workers"][0]["relayed_bytes"] > 0  # the first calls went through the relay
+        await wait_for(lambda: report(d)["workers"][0]["path"] == "hole-punched")
+        before = report(d)["workers"][0]["relayed_bytes"]
+        toks, _ = await greedy(tr, g["prompt_ids"], 12)
+        assert toks == g["greedy_ids"][:12]
+        [w] = report(d)["workers"]
+        assert w["path"] == "hole-punched" and w["failures"] == 0, w
+        assert w["relayed_bytes"] == before, w  # not one expert byte through the relay after the move
+        assert nat.upgrades == 1
+
+
 async def test_reachable_volunteer_advertises_direct_and_reserves_nothing(nursery: trio.Nursery, coord: Libp2pTransport) -> None:
     relay = await start_relay(nursery)
     vol = await start_volunteer(nursery, [relay.addr], listen=("/ip4/127.0.0.1/tcp/0",))

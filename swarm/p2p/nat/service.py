@@ -16,8 +16,11 @@ Rules:
   (``/libp2p/dcutr``) asks the peer to dial back while we dial its observed addresses; a NATed
   peer can always reach a public dialer this way. Once a direct connection exists new streams
   use it (py-libp2p prefers direct connections) and the relayed one is closed after
-  ``relayed_close_grace_s``. A listener only answers DCUtR (it never drives it: two NATed peers
-  dialling each other "as responder" deadlock their Noise handshakes).
+  ``relayed_close_grace_s``. ``upgraded_at[peer]`` is when a direct connection joined relayed
+  ones (stamped as the swarm registers it, whoever dialled, so at the instant ``path_to``
+  changes; ``changed`` fires): what ``swarm.core.paths.should_migrate`` compares sessions with.
+  A listener only answers DCUtR (it never drives it: two NATed peers dialling each other "as
+  responder" deadlock their Noise handshakes).
 - Listening through relays (``relays``): reachability is asked of the relays first (AutoNAT v1
   dial-back); ``swarm.core.paths`` decides what to advertise and whether to reserve. Each relay
   gets its own ``swarm.core.reservation`` machine: reserve, refresh, re-reserve with backoff after
@@ -99,6 +102,7 @@ class Nat:
         self.changed = trio.Event()
         self.upgrades = 0  # relayed connections that turned direct
         self.upgraded_at: dict[str, float] = {}  # peer -> trio time its relayed connection turned direct
+        self._direct_noted: set[str] = set()  # peers with a direct connection _on_connected has seen
         dial_timeout = max(1, int(cfg.relay_timeout_s))
         self._dcutr = DCUtRProtocol(self.host, read_timeout=dial_timeout, write_timeout=dial_timeout,
                                     dial_timeout=max(1, dial_timeout // 3))
@@ -202,12 +206,8 @@ class Nat:
                     log.debug("DCUtR with %s returned %s", peer_id, ok)
                 except Exception as exc:  # the library logs and returns False; guard the rest
                     log.debug("DCUtR with %s failed: %r", peer_id, exc)
-                while not self._direct_conns(peer_id):
+                while not self._direct_conns(peer_id):  # the upgrade itself is noted by _on_connected
                     await self._new_connection.wait()
-                self.upgrades += 1
-                self.upgraded_at[peer_id] = trio.current_time()
-                log.info("connection to %s upgraded from relayed to direct (hole punch)", peer_id)
-                self._notify()
             if not self._direct_conns(peer_id):
                 log.info("no direct connection to %s: staying relayed", peer_id)
                 return
@@ -302,12 +302,41 @@ class Nat:
     def _on_connected(self, conn: Any) -> None:
         self._new_connection.set()
         self._new_connection = trio.Event()
+        if not is_relayed_conn(conn):
+            try:
+                peer = str(conn.muxed_conn.peer_id)
+            except Exception:
+                return
+            self._note_direct(peer, conn)
+
+    def _note_direct(self, peer_id: str, conn: Any) -> None:
+        """``conn``, direct, just opened: if it is the first direct connection to ``peer_id`` while
+        a relayed one is open, this is the moment the peer's connection turned direct
+        (``upgraded_at``).
+
+        Noted here, when the swarm registers the connection -- the moment ``path_to`` starts to say
+        ``hole-punched`` -- not when DCUtR returns: py-libp2p 0.8.1 polls for the connection every
+        0.2 s and then closes its stream over the relay, and until ``upgraded_at`` is set, expert
+        streams opened on the relay are neither moved nor reported ``relayed``. A hole punch can
+        land two direct connections at once (both dials succeed); the swarm may register both
+        before notifying either, hence "first" by notification, not by the connection list.
+        """
+        first = peer_id not in self._direct_noted
+        self._direct_noted.add(peer_id)
+        if not first or not any(is_relayed_conn(c) for c in self._live(peer_id) if c is not conn):
+            return  # another direct connection, or a first connection that replaced no relayed one
+        self.upgrades += 1
+        self.upgraded_at[peer_id] = trio.current_time()
+        log.info("connection to %s upgraded from relayed to direct (hole punch)", peer_id)
+        self._notify()
 
     def _on_disconnected(self, conn: Any) -> None:
         try:
             peer = str(conn.muxed_conn.peer_id)
         except Exception:
             return
+        if not self._direct_conns(peer):
+            self._direct_noted.discard(peer)  # a later direct connection is an upgrade again
         res = self._reservations.get(peer)
         if res is not None and not self._live(peer):
             try:
