@@ -18,7 +18,8 @@ Hierarchy::
     ├── ConfigError                 bad flags, files or settings (also: the wrong py-libp2p version)
     ├── ModelError                  a GGUF we cannot load
     │   ├── UnsupportedArchitecture
-    │   └── UnsupportedTensorType
+    │   ├── UnsupportedTensorType
+    │   └── KernelError             bad arguments to a native kernel (checked before ggml asserts)
     ├── TokenizerError
     ├── SliceError                  a slice that cannot be cut, fetched or verified
     ├── StoreError                  the market's durable store cannot be used
@@ -54,6 +55,7 @@ __all__ = [
     "Draining",
     "FrameTooLarge",
     "IdentityError",
+    "KernelError",
     "LocalProtocolError",
     "MalformedHeader",
     "ModelError",
@@ -109,6 +111,12 @@ class UnsupportedArchitecture(ModelError):
 
 class UnsupportedTensorType(ModelError):
     code = "unsupported_tensor_type"
+
+
+class KernelError(ModelError):
+    """Bad arguments to a native kernel, refused before they reach ggml (whose asserts abort)."""
+
+    code = "kernel_error"
 
 
 class TokenizerError(SwarmError):
