@@ -31,6 +31,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--market", default=None, help="register with this market and follow its dispatch map")
     c.add_argument("--advertise-url", default=None, help="this coordinator's URL as others reach it (default: bound URL)")
     c.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
+    c.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
+                   help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
     c.add_argument("--no-hole-punch", action="store_true",
                    help="keep relayed connections relayed (no DCUtR upgrade to a direct connection)")
     c.set_defaults(func=run)
@@ -55,6 +57,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "advertise_url": ns.advertise_url,
         "token": env_token(ns.token),
         "hole_punch": not ns.no_hole_punch,
+        "kernel": ns.kernel,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch"})
 
 

@@ -10,7 +10,7 @@ Rules:
   the next live replica with the next attempt number; when none is left it is computed locally
   (the coordinator holds every expert: the replica of last resort). The failing worker is marked
   down with backoff. A late answer of an old attempt is dropped by the client.
-- A range's partial sum is computed by ``swarm.model.experts.slice_partial_sum`` on exactly the rows
+- A range's partial sum is computed by its ``swarm.model.kernels.ExpertKernel`` on exactly the rows
   that have pairs in the range, locally or on a volunteer, so both give the same bits.
 - The worker table is shared by the two threads under one lock; the trio side owns the clients.
 - Volunteers behind NATs are reached through ``/p2p-circuit`` addresses and upgraded to direct
@@ -43,8 +43,8 @@ from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate
 from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
 from swarm.errors import ConfigError, SwarmError
-from swarm.model.experts import slice_partial_sum
 from swarm.model.gguf import GGUFModel
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
 from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
@@ -88,7 +88,9 @@ class Dispatcher:
         timeout_s: float = 3.0,
         wire_dtype: str = "float32",
         hole_punch: bool = True,
+        kernel: KernelBackend = DEFAULT_BACKEND,
     ) -> None:
+        self.kernel = kernel
         self.model = model
         self.cfg = model.config
         self.transport = transport
@@ -325,9 +327,14 @@ class Dispatcher:
 
     def _local(self, layer: int, j: _RangeJob) -> torch.Tensor:
         sub = self.model.expert_stack(layer, j.r.lo, j.r.hi)
-        return slice_partial_sum(j.x, j.pair_rows, j.pair_experts, j.pair_weights, sub)
+        return expert_kernel(sub, self.kernel).partial_sum(j.x, j.pair_rows, j.pair_experts, j.pair_weights)
 
     # -- reporting ------------------------------------------------------------------------------------
+    def _peer_kernel_id(self, peer: str) -> str:
+        c = self._clients.get(peer)
+        hello = c.peer_hello if c is not None else None
+        return hello.kernel_id if hello is not None else ""
+
     def _path(self, peer: str) -> ConnPath | None:
         """The path of the worker's expert stream, else of its connection; None if not connected."""
         if self.transport is None:
@@ -349,9 +356,11 @@ class Dispatcher:
             policy=type(self.policy).__name__,
             timeout_s=self.timeout_s,
             wire_dtype=str(self.wire_dtype),
+            kernel_id=kernel_id(self.kernel),
             workers=[WorkerReport(**v.__dict__, addrs=self._addrs.get(v.peer_id, []), path=self._path(v.peer_id),
                                   relayed_bytes=self.transport.relayed_bytes(v.peer_id, PROTOCOL_ID)
-                                  if self.transport is not None else 0)
+                                  if self.transport is not None else 0,
+                                  kernel_id=self._peer_kernel_id(v.peer_id))
                      for v in views],
             layers=[LayerRows(layer=i, local_rows=c.local_rows, remote_rows=c.remote_rows, fallback_rows=c.fallback_rows)
                     for i, c in enumerate(self.counters)],

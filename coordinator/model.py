@@ -5,7 +5,7 @@ Rules:
 - A forward step batches tokens from many sequences: every dense op (norms, projections, router,
   output) runs once over all rows; attention runs per sequence against its own KV cache.
 - The routed experts of a layer are computed by one replaceable object, ``ExpertBackend.moe``: the
-  local backend calls ``swarm.model.experts.slice_partial_sum``; a dispatcher may send rows to volunteers.
+  local backend calls each layer's ``swarm.model.kernels.ExpertKernel``; a dispatcher may send rows to volunteers.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
   per architecture; per-head q/k RMSNorm before RoPE where the architecture has it; GQA maps query
   head h to kv head ``h // (n_head / n_head_kv)``; router softmax over all experts, top-k, and
@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from swarm.model.experts import slice_partial_sum
 from swarm.model.gguf import GGUFModel, ModelConfig
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel
 
 __all__ = ["ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
 
@@ -35,13 +35,14 @@ class ExpertBackend(Protocol):
 class LocalExperts:
     """All experts of every layer computed on this machine, as one slice per layer."""
 
-    def __init__(self, model: GGUFModel) -> None:
+    def __init__(self, model: GGUFModel, kernel: KernelBackend = DEFAULT_BACKEND) -> None:
         self.model = model
+        self.kernels = [expert_kernel(layer.experts, kernel) for layer in model.layers]
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         k = topk_ids.shape[1]
         rows = torch.arange(x.shape[0]).repeat_interleave(k)
-        return slice_partial_sum(x, rows, topk_ids.reshape(-1), topk_w.reshape(-1), self.model.layers[layer].experts)
+        return self.kernels[layer].partial_sum(x, rows, topk_ids.reshape(-1), topk_w.reshape(-1))
 
 
 class KVCache:

@@ -30,6 +30,7 @@ from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
 from swarm.config import HttpUrl, Multiaddr, NonNegInt, Port, PosFloat, PosInt
 from swarm.model.gguf import GGUFModel
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.coordinator import MarketLinkStatus
@@ -60,6 +61,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     advertise_url: HttpUrl | None = None  # our URL as the market and volunteers should reach it
     token: str | None = None  # operator token for the market
     hole_punch: bool = True  # upgrade relayed connections to volunteers with DCUtR
+    kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml (default) or the torch reference
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -79,6 +81,7 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-swarm-coordinator-")))
         async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.p2p_listen) as transport:
             dispatcher = Dispatcher(model, transport, timeout_s=cfg.expert_timeout_s, wire_dtype=cfg.wire_dtype,
+                                    kernel=cfg.kernel,
                                     hole_punch=cfg.hole_punch)
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}

@@ -37,6 +37,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
     v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads")
     v.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    v.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
+                   help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
     v.add_argument("--relay", action="append", dest="relays", default=None, metavar="MULTIADDR",
                    help="a relay to reserve on when not reachable directly, e.g. "
                         "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW... (repeatable; pull mode default: the market's)")
@@ -66,7 +68,7 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
         "market": ns.market, "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
         "max_bytes": max_bytes, "max_experts": ns.max_experts, "models": tuple(ns.models or ()),
         "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
-        "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch,
+        "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch, "kernel": ns.kernel,
     }, flags=_FLAGS)
 
 
@@ -79,6 +81,7 @@ def static_config_from_args(ns: argparse.Namespace) -> Any:
         "coordinator": ns.coordinator, "slices": tuple(ns.slices), "listen": _listen(ns),
         "data_dir": data_dir_for("volunteer", ns.data_dir), "model_id": ns.model_id, "threads": ns.threads,
         "progress": not ns.no_progress, "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch,
+        "kernel": ns.kernel,
     }, flags=_FLAGS)
     check_config(cfg)
     return cfg

@@ -32,6 +32,7 @@ import trio
 from swarm.config import HttpUrl, Multiaddr, PosFloat, PosInt
 from swarm.errors import ConfigError, SwarmError
 from swarm.model.fetch import fetch_slice
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import load_slice
 from swarm.p2p.identity import load_or_create_identity, sign_body
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
@@ -65,6 +66,7 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     listen: tuple[Multiaddr, ...] = ("/ip4/127.0.0.1/tcp/0",)  # empty: reachable only through relays
     relays: tuple[Multiaddr, ...] = ()  # empty: the relays the market offers
     hole_punch: bool = True
+    kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml or the torch reference
     max_bytes: PosInt | None = None
     max_experts: PosInt | None = None
     models: tuple[str, ...] = ()
@@ -305,7 +307,7 @@ async def serve_pull_volunteer(
         probe = {"expert_tokens_per_s": round(tps, 1), "measured_at": int(time.time())}
         await trio.Path(probe_path).write_text(json.dumps(probe) + "\n")
     key_pair = await trio.to_thread.run_sync(load_or_create_identity, data_dir / "identity.key")
-    server = ExpertServer([], threads=cfg.threads)
+    server = ExpertServer([], threads=cfg.threads, kernel=cfg.kernel)
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
         relays = cfg.relays or await _market_relays(client, cfg.market)
         if not cfg.listen and not relays:
@@ -314,7 +316,7 @@ async def serve_pull_volunteer(
         async with shielded_until_cancelled() as stop, \
                 open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
                 trio.open_nursery() as nursery:
-            transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
+            transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer", kernel_id=server.kernel_id)))
             await nursery.start(server.serve)
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
                                 server=server, client=client, nursery=nursery)

@@ -23,7 +23,8 @@ import torch
 import trio
 
 from swarm.errors import Draining, RemoteProtocolError, SliceNotHeld
-from swarm.model.experts import pairs_from_lists, slice_partial_sum
+from swarm.model.experts import pairs_from_lists
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
 from swarm.model.slices import LoadedSlice
 from swarm.protocol.expert import ExpertRequest
 
@@ -82,8 +83,10 @@ class _Pending:
 class _SliceWorker:
     """Serialises one slice's computations and merges requests that queue up meanwhile."""
 
-    def __init__(self, sl: LoadedSlice, limiter: trio.CapacityLimiter, max_batch_rows: int) -> None:
+    def __init__(self, sl: LoadedSlice, limiter: trio.CapacityLimiter, max_batch_rows: int,
+                 kernel: KernelBackend = DEFAULT_BACKEND) -> None:
         self.sl = sl
+        self.kernel = expert_kernel(sl.experts, kernel)
         self.limiter = limiter
         self.max_batch_rows = max_batch_rows
         self.send, self.recv = trio.open_memory_channel[_Pending](1024)
@@ -152,16 +155,19 @@ class _SliceWorker:
             pws.append(pw)
             base += int(p.rows.shape[0])
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
-        out = slice_partial_sum(x, torch.cat(prs), torch.cat(pes), torch.cat(pws), self.sl.experts)
+        out = self.kernel.partial_sum(x, torch.cat(prs), torch.cat(pes), torch.cat(pws))
         return list(torch.split(out, [int(p.rows.shape[0]) for p in batch]))
 
 
 class ExpertServer:
-    def __init__(self, slices: list[LoadedSlice], *, threads: int = 2, max_batch_rows: int = 4096) -> None:
+    def __init__(self, slices: list[LoadedSlice], *, threads: int = 2, max_batch_rows: int = 4096,
+                 kernel: KernelBackend = DEFAULT_BACKEND) -> None:
         self.limiter = trio.CapacityLimiter(max(1, threads))
         self.max_batch_rows = max_batch_rows
+        self.kernel = kernel
+        self.kernel_id = kernel_id(kernel)  # what this server's Hello announces
         self._nursery: trio.Nursery | None = None
-        self.workers = [_SliceWorker(s, self.limiter, max_batch_rows) for s in slices]
+        self.workers = [_SliceWorker(s, self.limiter, max_batch_rows, kernel) for s in slices]
         self.stats = ServeStats()
         self.draining = False
         self._idle = trio.Event()
@@ -182,7 +188,7 @@ class ExpertServer:
         """Start serving ``sl`` (inside ``serve``)."""
         if self._nursery is None:
             raise RuntimeError("the expert server is not running")
-        w = _SliceWorker(sl, self.limiter, self.max_batch_rows)
+        w = _SliceWorker(sl, self.limiter, self.max_batch_rows, self.kernel)
         self.workers.append(w)
         self._nursery.start_soon(w.run)
 

@@ -32,6 +32,7 @@ import trio
 from swarm.config import HttpUrl, Multiaddr, PosFloat
 from swarm.errors import ConfigError
 from swarm.model.fetch import fetch_slice
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
 from swarm.protocol.expert import PROTOCOL_ID, make_hello
@@ -57,6 +58,7 @@ class StaticVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     status_interval_s: PosFloat = 10.0
     relays: tuple[Multiaddr, ...] = ()  # reserve on these when not reachable directly
     hole_punch: bool = True
+    kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml or the torch reference
 
 
 async def _model_id(client: httpx.AsyncClient, base: str, wanted: str | None) -> str:
@@ -100,11 +102,11 @@ async def serve_static_volunteer(
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
         model_id = await _model_id(client, base, cfg.model_id)
         slices = await fetch_and_load(client, base, model_id, cfg.slices, data_dir, progress=cfg.progress)
-    server = ExpertServer(slices, threads=cfg.threads)
+    server = ExpertServer(slices, threads=cfg.threads, kernel=cfg.kernel)
     nat_cfg = NatConfig(relays=cfg.relays, hole_punch=cfg.hole_punch)
     async with shielded_until_cancelled() as stop, \
             open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
-        transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer")))
+        transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer", kernel_id=server.kernel_id)))
         info = VolunteerInfo(peer_id=transport.peer_id, addrs=list(nat.advertised), reachability=nat.reachability.value,
                              model_id=model_id, slices=[str(s.key) for s in slices])
         await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))

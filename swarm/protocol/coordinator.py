@@ -71,6 +71,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     addrs: list[str] = []
     path: Path | None = None  # direct | relayed | hole-punched; None when not connected
     relayed_bytes: int = 0  # expert-stream payload bytes that crossed a relay (stops growing once moved)
+    kernel_id: str = ""  # the expert kernel its Hello announced ("" before the first stream or from old peers)
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,6 +93,7 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     policy: str
     timeout_s: float
     wire_dtype: str
+    kernel_id: str = ""  # the coordinator's own expert kernel: equal ids give bit-identical results
     workers: list[WorkerReport]
     layers: list[LayerRows]
 

@@ -156,6 +156,7 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="t
     max_rows: PosInt
     max_in_flight: PosInt = 16
     agent: str = ""  # role and software, e.g. "moe-swarm/0.1 volunteer"; for logs only
+    kernel_id: str = ""  # the expert kernel's id (swarm.model.kernels); "" from peers before it existed
 
 
 class ExpertRequest(
@@ -521,6 +522,7 @@ def make_hello(
     *,
     agent: str = DEFAULT_AGENT,
     dtypes: Sequence[str] = SUPPORTED_DTYPES,
+    kernel_id: str = "",
 ) -> Hello:
     """The Hello advertising ``limits`` and ``dtypes``."""
     return Hello(
@@ -530,6 +532,7 @@ def make_hello(
         max_rows=limits.max_rows,
         max_in_flight=limits.max_in_flight,
         agent=agent,
+        kernel_id=kernel_id,
     )
 
 

@@ -20,6 +20,7 @@ from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.model import KVCache, SeqChunk, Transformer
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
 from swarm.model.gguf import GGUFModel
+from swarm.model.kernels import kernel_id
 from swarm.model.slices import cut_slice, load_slice
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.p2p.transport import Transport
@@ -59,7 +60,7 @@ async def start_volunteer(
             async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
                 await n.start(server.serve)
                 handler = wrap(server.handle) if wrap is not None else server.handle
-                t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello()))
+                t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello(kernel_id=server.kernel_id)))
                 task_status.started(Vol(t.peer_id, t.listen_addrs, server, t, cs))
                 await trio.sleep_forever()
 
@@ -281,3 +282,5 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
     assert w["peer_id"] == a.peer_id and w["calls"] > 0 and w["last_serve_ms"] > 0 and w["latency_ewma_ms"] > 0
     assert set(w) >= {"state", "calls", "rows", "last_serve_ms", "latency_ewma_ms", "failures", "path"}
     assert typed.workers[0].path == "direct" and health.peer_id and health.market is None
+    # the volunteer's Hello announced its kernel: the same as the coordinator's, so results are bit-identical
+    assert typed.kernel_id == kernel_id() and typed.workers[0].kernel_id == typed.kernel_id

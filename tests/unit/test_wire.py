@@ -36,6 +36,8 @@ from swarm.protocol.expert import (
     choose_dtype,
     decode_message,
     encode_frame,
+    encode_message,
+    make_hello,
     validate_request,
 )
 from swarm.rpc.tensors import payload_to_tensor, tensor_to_payload
@@ -345,3 +347,14 @@ async def test_frame_reader_reads_messages_and_attributes_oversized_frames() -> 
     got = await reader.receive_message()
     assert got is not None and got[0] == MESSAGES[4]
     assert await reader.receive_message() is None
+
+
+def test_hello_kernel_id_is_optional_for_old_peers() -> None:
+    """Schema evolution: a v1 Hello written before ``kernel_id`` existed still decodes (as "")."""
+    old = msgspec.msgpack.encode({"type": "hello", "protocol_version": 1, "dtypes": ["float32"],
+                                  "max_frame_bytes": 1 << 20, "max_rows": 64})
+    hello = decode_message(old)
+    assert isinstance(hello, Hello) and hello.kernel_id == ""
+    new = make_hello(kernel_id="ggml-0.15.3-avx+avx2-0123456789ab")
+    back = decode_message(encode_message(new))
+    assert isinstance(back, Hello) and back.kernel_id == "ggml-0.15.3-avx+avx2-0123456789ab"

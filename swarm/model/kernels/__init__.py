@@ -1,0 +1,132 @@
+"""The ``ExpertKernel`` seam: how a slice's weighted partial sum is computed (shell over native code).
+
+Every place that computes routed experts -- the coordinator's local path, the dispatcher's
+fallback, a volunteer's server -- asks ``expert_kernel(stack, backend)`` for the kernel of one
+``(slice, backend)`` and calls ``partial_sum``. Two backends:
+
+- ``ggml`` (the default): ggml's own CPU kernels on the quantised bytes as stored
+  (``swarm.model.kernels.ggml``): activations are quantised as llama.cpp quantises them
+  (Q8_0/Q8_1/Q8_K, fp16/bf16) and dot products run in integer/SIMD code.
+- ``torch``: dequantise each expert matrix, then float32 matmuls
+  (``swarm.model.experts.slice_partial_sum``): the reference, and the fallback for tests.
+
+Rules:
+- ``partial_sum(x, pair_rows, pair_experts, pair_weights)`` returns ``[n, d_model]`` float32: per
+  row, ``acc = 0`` then ``acc += y_e * w_e`` for its pairs in ascending local expert index (DESIGN
+  §3), whatever the order the pairs come in. Rows without pairs are zero.
+- The ggml kernels are batch-invariant: a row's result never depends on the other rows in the call
+  (tested for n in {1, 2, 3, 8, 64} and every type), so a volunteer may batch calls from many
+  coordinators. The torch reference promises no such thing (BLAS picks its paths by shape).
+- ``kernel_id`` names the backend, its version and every build flag that changes numerics; equal
+  ids and equal inputs give equal bits (local = remote). Different ids agree within a tolerance.
+- The ggml kernels are pooled per (types, shape): a pooled kernel is rebound to the slice's bytes
+  for one call and returned, so concurrent callers each get their own and graph buffers are shared
+  across layers; the bytes are never copied (zero-copy over the memory-mapped GGUF or slice file).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from swarm.model.experts import slice_partial_sum
+
+if TYPE_CHECKING:
+    from swarm.model.gguf import ExpertStack
+    from swarm.model.kernels.ggml import GgmlExpertKernel
+
+__all__ = ["DEFAULT_BACKEND", "ExpertKernel", "KernelBackend", "expert_kernel", "kernel_id"]
+
+
+class KernelBackend(enum.StrEnum):
+    GGML = "ggml"
+    TORCH = "torch"
+
+
+DEFAULT_BACKEND = KernelBackend.GGML
+
+
+class ExpertKernel(Protocol):
+    kernel_id: str
+
+    def partial_sum(
+        self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def kernel_id(backend: KernelBackend = DEFAULT_BACKEND) -> str:
+    """The id of ``backend`` as built and loaded in this process."""
+    if backend is KernelBackend.TORCH:
+        return f"torch-{torch.__version__.split('+')[0]}-dequant-f32-v1"
+    from swarm.model.kernels import ggml
+
+    return ggml.kernel_id()
+
+
+class TorchExpertKernel:
+    """Dequantise-then-float32 matmuls: the reference path."""
+
+    def __init__(self, stack: ExpertStack) -> None:
+        self.stack = stack
+        self.kernel_id = kernel_id(KernelBackend.TORCH)
+
+    def partial_sum(
+        self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return slice_partial_sum(x, pair_rows, pair_experts, pair_weights, self.stack)
+
+
+_PoolKey = tuple[tuple[int, int, int], int, int, int]
+_POOL: dict[_PoolKey, list[GgmlExpertKernel]] = {}
+_POOL_LOCK = threading.Lock()
+
+
+@contextmanager
+def _pooled(stack: ExpertStack) -> Iterator[GgmlExpertKernel]:
+    """A ggml kernel bound to ``stack``'s bytes, for the duration of one computation."""
+    from swarm.model.kernels.ggml import GgmlExpertKernel
+
+    types = (int(stack.gate_t.qtype), int(stack.up_t.qtype), int(stack.down_t.qtype))
+    key = (types, stack.d_model, stack.d_expert, stack.n_expert)
+    raws = tuple(np.ascontiguousarray(t.raw).reshape(-1) for t in (stack.gate_t, stack.up_t, stack.down_t))
+    with _POOL_LOCK:
+        free = _POOL.setdefault(key, [])
+        k = free.pop() if free else None
+    if k is None:
+        k = GgmlExpertKernel(raws[0], raws[1], raws[2], types, stack.d_model, stack.d_expert, stack.n_expert)
+    else:
+        k.rebind(raws[0], raws[1], raws[2])
+    try:
+        yield k
+    finally:
+        with _POOL_LOCK:
+            _POOL[key].append(k)
+
+
+class GgmlKernel:
+    """ggml on the bytes as stored (see the module rules)."""
+
+    def __init__(self, stack: ExpertStack) -> None:
+        self.stack = stack
+        self.kernel_id = kernel_id(KernelBackend.GGML)
+
+    def partial_sum(
+        self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
+    ) -> torch.Tensor:
+        xs = x.detach().to(torch.float32).contiguous().numpy()
+        with _pooled(self.stack) as k:
+            out = k.compute(xs, pair_rows.numpy(), pair_experts.numpy(), pair_weights.detach().to(torch.float32).numpy())
+        return torch.from_numpy(out)
+
+
+def expert_kernel(stack: ExpertStack, backend: KernelBackend = DEFAULT_BACKEND) -> ExpertKernel:
+    """The kernel computing ``stack``'s experts with ``backend``."""
+    if backend is KernelBackend.TORCH:
+        return TorchExpertKernel(stack)
+    return GgmlKernel(stack)
