@@ -44,7 +44,7 @@ from swarm.core.paths import session_path, should_migrate
 from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
 from swarm.errors import ConfigError, SwarmError
 from swarm.model.gguf import GGUFModel
-from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
+from swarm.model.kernels import KernelBackend, expert_kernel, kernel_id
 from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
@@ -88,9 +88,9 @@ class Dispatcher:
         timeout_s: float = 3.0,
         wire_dtype: str = "float32",
         hole_punch: bool = True,
-        kernel: KernelBackend = DEFAULT_BACKEND,
+        kernel: KernelBackend | None = None,
     ) -> None:
-        self.kernel = kernel
+        self.kernel = kernel if kernel is not None else model.kernel
         self.model = model
         self.cfg = model.config
         self.transport = transport

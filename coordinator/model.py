@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.model.gguf import GGUFModel, ModelConfig
-from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel
+from swarm.model.kernels import KernelBackend, expert_kernel
 
 __all__ = ["ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
 
@@ -35,9 +35,9 @@ class ExpertBackend(Protocol):
 class LocalExperts:
     """All experts of every layer computed on this machine, as one slice per layer."""
 
-    def __init__(self, model: GGUFModel, kernel: KernelBackend = DEFAULT_BACKEND) -> None:
+    def __init__(self, model: GGUFModel, kernel: KernelBackend | None = None) -> None:
         self.model = model
-        self.kernels = [expert_kernel(layer.experts, kernel) for layer in model.layers]
+        self.kernels = [expert_kernel(layer.experts, kernel or model.kernel) for layer in model.layers]
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         k = topk_ids.shape[1]
@@ -101,7 +101,7 @@ class Transformer:
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        logits = h @ self.model.layers[layer].router.T
+        logits = self.model.layers[layer].router(h)
         probs = torch.softmax(logits, dim=-1)
         w, ids = torch.topk(probs, cfg.n_expert_used, dim=-1)
         if cfg.spec.norm_topk:
@@ -124,15 +124,15 @@ class Transformer:
             bounds.append((start, start + len(c.tokens)))
             start += len(c.tokens)
         n_tok = tokens.shape[0]
-        x = m.token_embd.index_select(0, tokens)
+        x = m.token_embd(tokens)
         H, Hkv, hdk, hdv = cfg.n_head, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
         group = H // Hkv
         scale = 1.0 / (hdk**0.5)
         for li, L in enumerate(m.layers):
             h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-            q = (h @ L.wq.T).view(n_tok, H, hdk)
-            k = (h @ L.wk.T).view(n_tok, Hkv, hdk)
-            v = (h @ L.wv.T).view(n_tok, Hkv, hdv)
+            q = L.wq(h).view(n_tok, H, hdk)
+            k = L.wk(h).view(n_tok, Hkv, hdk)
+            v = L.wv(h).view(n_tok, Hkv, hdv)
             if L.q_norm is not None and L.k_norm is not None:
                 q = rms_norm(q, L.q_norm, cfg.rms_eps)
                 k = rms_norm(k, L.k_norm, cfg.rms_eps)
@@ -153,7 +153,7 @@ class Transformer:
                     mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
                 attn[s:e] = o.transpose(0, 1)
-            x = x + attn.reshape(n_tok, H * hdv) @ L.wo.T
+            x = x + L.wo(attn.reshape(n_tok, H * hdv))
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
             ids, w = self.route(li, h)
             x = x + self.experts.moe(li, h, ids, w)
@@ -161,5 +161,5 @@ class Transformer:
         for c, (s, e) in zip(chunks, bounds, strict=True):
             xs = x[s:e] if c.all_logits else x[e - 1 : e]
             xs = rms_norm(xs, m.output_norm, cfg.rms_eps)
-            out.append(xs @ m.output.T)
+            out.append(m.output(xs))
         return out

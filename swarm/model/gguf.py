@@ -15,13 +15,17 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 import torch
 
 from swarm.errors import ModelError, UnsupportedArchitecture, UnsupportedTensorType
+from swarm.model.kernels.dense import Embedding, Linear
+
+if TYPE_CHECKING:
+    from swarm.model.kernels import KernelBackend
 
 __all__ = [
     "ARCHITECTURES",
@@ -173,22 +177,25 @@ def _field(fields: dict[str, Any], key: str, default: Any = None, *, required: b
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
+    wq: Linear
+    wk: Linear
+    wv: Linear
+    wo: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
-    router: torch.Tensor
+    router: Linear
     experts: ExpertStack
 
 
 class GGUFModel:
     """A loaded MoE GGUF: config, tokenizer metadata, dense weights and per-layer expert stacks."""
 
-    def __init__(self, path: str | Path, *, compute_id: bool = True) -> None:
+    def __init__(self, path: str | Path, *, compute_id: bool = True, kernel: KernelBackend | None = None) -> None:
+        from swarm.model.kernels import DEFAULT_BACKEND
+
         self.path = Path(path)
+        self.kernel = kernel if kernel is not None else DEFAULT_BACKEND  # dense and expert kernels
         try:
             self.reader = gguf.GGUFReader(self.path, "c")
         except (OSError, ValueError) as exc:
@@ -214,9 +221,9 @@ class GGUFModel:
             self.tensors[t.name] = QTensor(t.name, qtype, shape, raw)
         self.config = self._read_config()
         self.layers = [self._layer(i) for i in range(self.config.n_layer)]
-        self.token_embd = self._dense("token_embd.weight")
+        self.token_embd = Embedding(self.tensor("token_embd.weight"))
         self.output_norm = self._dense("output_norm.weight")
-        self.output = self._dense("output.weight") if "output.weight" in self.tensors else self.token_embd
+        self.output = self._linear("output.weight" if "output.weight" in self.tensors else "token_embd.weight")
 
     # -- config -----------------------------------------------------------------------------
     def _read_config(self) -> ModelConfig:
@@ -271,19 +278,22 @@ class GGUFModel:
     def _dense(self, name: str) -> torch.Tensor:
         return self.tensor(name).to_float()
 
+    def _linear(self, name: str) -> Linear:
+        return Linear(self.tensor(name), self.kernel)
+
     def _layer(self, i: int) -> LayerWeights:
         p = f"blk.{i}."
         spec = self.config.spec
         return LayerWeights(
             attn_norm=self._dense(p + "attn_norm.weight"),
-            wq=self._dense(p + "attn_q.weight"),
-            wk=self._dense(p + "attn_k.weight"),
-            wv=self._dense(p + "attn_v.weight"),
-            wo=self._dense(p + "attn_output.weight"),
+            wq=self._linear(p + "attn_q.weight"),
+            wk=self._linear(p + "attn_k.weight"),
+            wv=self._linear(p + "attn_v.weight"),
+            wo=self._linear(p + "attn_output.weight"),
             q_norm=self._dense(p + "attn_q_norm.weight") if spec.qk_norm else None,
             k_norm=self._dense(p + "attn_k_norm.weight") if spec.qk_norm else None,
             ffn_norm=self._dense(p + "ffn_norm.weight"),
-            router=self._dense(p + "ffn_gate_inp.weight"),
+            router=self._linear(p + "ffn_gate_inp.weight"),
             experts=self.expert_stack(i),
         )
 

@@ -9,6 +9,8 @@ import torch
 
 from coordinator.model import KVCache, SeqChunk, Transformer
 from swarm.model.gguf import GGUFModel, model_id_for
+from swarm.model.kernels import KernelBackend
+from tests.conftest import GOLDEN_GGUF
 
 TOL_LLAMACPP = 1e-4
 TOL_BATCHED = 1e-5
@@ -37,10 +39,21 @@ def test_model_id_and_metadata(golden_model: GGUFModel, golden: dict[str, Any]) 
     assert (cfg.n_expert, cfg.n_expert_used, cfg.d_expert) == (8, 2, 64)
 
 
+@pytest.fixture(scope="module")
+def torch_model() -> GGUFModel:
+    return GGUFModel(GOLDEN_GGUF, kernel=KernelBackend.TORCH)
+
+
+@pytest.mark.parametrize("backend", list(KernelBackend))
 @pytest.mark.parametrize("i", range(3))
-def test_logits_match_llamacpp(golden_model: GGUFModel, golden: dict[str, Any], i: int) -> None:
+def test_logits_match_llamacpp(
+    golden_model: GGUFModel, torch_model: GGUFModel, golden: dict[str, Any], i: int, backend: KernelBackend
+) -> None:
+    """Both kernel backends (ggml's, the default, and the torch reference) on the F32 golden file."""
     seq = golden["sequences"][i]
-    tr = Transformer(golden_model)
+    model = golden_model if backend is KernelBackend.GGML else torch_model
+    assert model.kernel is backend
+    tr = Transformer(model)
     logits = tr.forward([SeqChunk(KVCache(tr.cfg, 256), seq["tokens"], 0, all_logits=True)])[0]
     ref = torch.tensor(seq["logits"])
     assert logits.shape == ref.shape
