@@ -23,6 +23,7 @@ import torch
 
 from swarm.errors import ModelError, UnsupportedArchitecture, UnsupportedTensorType
 from swarm.model.kernels.dense import Embedding, Linear
+from swarm.model.quant import dequantize_raw
 
 if TYPE_CHECKING:
     from swarm.model.kernels import KernelBackend
@@ -118,16 +119,6 @@ class QTensor:
     def select(self, index: int) -> QTensor:
         """The sub-tensor ``[index]`` along the first axis (zero-copy)."""
         return QTensor(f"{self.name}[{index}]", self.qtype, self.shape[1:], self.raw[index])
-
-
-def dequantize_raw(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    if qtype == gguf.GGMLQuantizationType.F32:
-        return raw.contiguous().view(torch.float32).reshape(shape)
-    if qtype == gguf.GGMLQuantizationType.F16:
-        return raw.contiguous().view(torch.float16).reshape(shape).to(torch.float32)
-    from swarm.model.quant import dequantize  # the quantised kernels live in one module
-
-    return dequantize(raw, qtype, shape)
 
 
 class ExpertStack:

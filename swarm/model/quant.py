@@ -48,6 +48,7 @@ __all__ = [
     "block_shape",
     "bytes_per_row",
     "dequantize",
+    "dequantize_raw",
     "quantize",
     "tensor_nbytes",
 ]
@@ -326,3 +327,12 @@ def quantize(x: npt.NDArray[Any], qtype: T) -> _U8Array:
         return _K_QUANTISERS[qtype](blocks).reshape(out_shape)
     raw: _U8Array = gguf.quants.quantize(x32, qtype).view(np.uint8)
     return raw.reshape(out_shape)
+
+
+def dequantize_raw(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw GGUF bytes of ``qtype`` -> float32 of ``shape`` (zero-copy for F32)."""
+    if qtype == T.F32:
+        return raw.contiguous().view(torch.float32).reshape(shape)
+    if qtype == T.F16:
+        return raw.contiguous().view(torch.float16).reshape(shape).to(torch.float32)
+    return dequantize(raw, qtype, shape)

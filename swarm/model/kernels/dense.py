@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from swarm.model.quant import dequantize_raw
+
 if TYPE_CHECKING:
     from swarm.model.gguf import QTensor
     from swarm.model.kernels import KernelBackend
@@ -73,8 +75,6 @@ class Embedding:
         self.table = table
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        from swarm.model.gguf import dequantize_raw
-
         idx = ids.numpy()
         rows = np.ascontiguousarray(self.table.raw[idx])
         return dequantize_raw(torch.from_numpy(rows), self.table.qtype, (len(idx), self.table.shape[1]))
