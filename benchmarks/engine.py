@@ -1,7 +1,14 @@
 """Engine throughput on the ``bench`` model: prefill and decode tokens/s at 1 and 4 concurrent
 requests, plus resident memory (DESIGN §11 benchmark format).
 
-    python benchmarks/engine.py [--quick] [--json OUT] [--model PATH]
+    python benchmarks/engine.py [--quick] [--json OUT] [--model PATH] [--kernel ggml|torch]
+                                [--llamacpp-python PYTHON]
+
+``--llamacpp-python`` names a Python that has llama-cpp-python (a scratch venv, not a project
+dependency): llama.cpp then runs on the same file in a subprocess in the same run -- 2 threads, the
+same prompt tokens, an F16 KV cache -- and its tokens/s stand beside ours. Threads: our engine
+thread runs torch with 2 intra-op threads and the ggml kernels with 1 thread, one after the other
+(never more than 2 busy).
 
 The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
 Requests go through the real engine runtime (engine thread + scheduler), in process, with
@@ -13,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
 from coordinator.runtime import EngineRuntime  # noqa: E402
 from swarm.model.gguf import GGUFModel  # noqa: E402
+from swarm.model.kernels import KernelBackend  # noqa: E402
 from swarm.text.tokenizer import Tokenizer  # noqa: E402
 from swarm.tools.makemodel import make_model  # noqa: E402
 
@@ -80,13 +89,47 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
     return cases
 
 
+LLAMACPP_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+import llama_cpp
+path, prompt_len, n_decode, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2,
+                      type_k=llama_cpp.GGML_TYPE_F16, type_v=llama_cpp.GGML_TYPE_F16, verbose=False)
+vocab = llm.n_vocab()
+pre, dec = [], []
+for rep in range(reps):
+    prompt = [(13 * j + rep) % (vocab - 3) for j in range(prompt_len)]
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    for _ in range(n_decode - 1):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t2 = time.perf_counter()
+    pre.append(prompt_len / (t1 - t0))
+    dec.append((n_decode - 1) / (t2 - t1))
+print(json.dumps({"prefill": sorted(pre)[len(pre) // 2], "decode": sorted(dec)[len(dec) // 2],
+                  "version": llama_cpp.__version__}))
+"""
+
+
+def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, reps: int) -> dict[str, Any]:
+    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(prompt_len), str(n_decode), str(reps)],
+                         capture_output=True, text=True, check=True, timeout=1800)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     path = Path(args.model) if args.model else ROOT / "benchmarks" / ".cache" / "bench-qwen3moe.gguf"
     if not path.exists():
         print(f"generating the bench model -> {path} (once)", flush=True)
         make_model(arch="qwen3moe", size="bench", seed=0, out=path)
     rss0 = rss_mb()
-    model = GGUFModel(path)
+    model = GGUFModel(path, kernel=KernelBackend(args.kernel))
     rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=4, n_ctx=1024)
     file_mb = path.stat().st_size / 2**20
     async with trio.open_nursery() as n:
@@ -95,8 +138,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         prompt_len, n_decode, reps = (32, 8, 1) if args.quick else (128, 32, 3)
         cases = await run_cases(rt, prompt_len, n_decode, reps)
         n.cancel_scope.cancel()
-    cases.append({"case": "memory", "rss_mb": round(rss_mb(), 1), "rss_before_load_mb": round(rss0, 1),
-                  "model_file_mb": round(file_mb, 1)})
+    for c in cases:
+        c["model"] = path.name
+        c["kernel"] = args.kernel
+    if args.llamacpp_python:
+        ref = run_llamacpp(args.llamacpp_python, path, prompt_len, n_decode, reps)
+        for c in cases:
+            if c["case"] in ("prefill_c1", "decode_c1"):
+                c["llamacpp_tokens_per_s"] = round(ref["prefill" if c["case"] == "prefill_c1" else "decode"], 2)
+                c["llamacpp_version"] = ref["version"]
+    cases.append({"case": "rss", "model": path.name, "rss_mb": round(rss_mb(), 1), "rss_before_load_mb": round(rss0, 1),
+                  "file_mb": round(file_mb, 1)})
     cfg = model.config
     return {"benchmark": "engine", "model": model.model_id,
             "model_shape": f"{cfg.n_layer}L d{cfg.d_model} {cfg.n_expert}e top{cfg.n_expert_used} w{cfg.d_expert}",
@@ -108,15 +160,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
+    ap.add_argument("--kernel", choices=["ggml", "torch"], default="ggml", help="expert and dense kernels")
+    ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python: run llama.cpp too")
     args = ap.parse_args()
     result = trio.run(main_async, args)
     print(f"\nengine benchmark: {result['model']} ({result['model_shape']})")
-    print(f"{'case':<12} {'tokens/s':>10}")
+    print(f"{'case':<12} {'tokens/s':>10} {'llama.cpp':>10} {'ratio':>7}   (kernel {args.kernel})")
     for c in result["cases"]:
         if "tokens_per_s" in c:
-            print(f"{c['case']:<12} {c['tokens_per_s']:>10.2f}")
+            ref = c.get("llamacpp_tokens_per_s")
+            extra = f" {ref:>10.2f} {c['tokens_per_s'] / ref:>7.2f}" if ref else ""
+            print(f"{c['case']:<12} {c['tokens_per_s']:>10.2f}{extra}")
     mem = result["cases"][-1]
-    print(f"resident memory {mem['rss_mb']:.0f} MB (model file {mem['model_file_mb']:.0f} MB, "
+    print(f"resident memory {mem['rss_mb']:.0f} MB (model file {mem['file_mb']:.0f} MB, "
           f"before load {mem['rss_before_load_mb']:.0f} MB)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

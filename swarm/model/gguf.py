@@ -39,7 +39,11 @@ __all__ = [
     "model_id_for",
 ]
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# what llama.cpp's common quantisations write for MoE files; ggml's kernels compute all of them, the
+# torch reference path (``--kernel torch``) dequantises them (its own torch code for the common ones,
+# gguf's numpy reference for the rest)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,8 @@ class GGUFModel:
             qtype = gguf.GGMLQuantizationType(t.tensor_type)
             if qtype.name not in SUPPORTED_TYPES:
                 raise UnsupportedTensorType(
-                    f"tensor {t.name} has type {qtype.name}; supported: {', '.join(SUPPORTED_TYPES)}"
+                    f"tensor {t.name} of {self.path.name} has type {qtype.name}, which moe-swarm cannot compute; "
+                    f"supported: {', '.join(SUPPORTED_TYPES)}"
                 )
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             data = t.data

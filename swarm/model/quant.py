@@ -330,9 +330,21 @@ def quantize(x: npt.NDArray[Any], qtype: T) -> _U8Array:
 
 
 def dequantize_raw(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
-    """Raw GGUF bytes of ``qtype`` -> float32 of ``shape`` (zero-copy for F32)."""
+    """Raw GGUF bytes of ``qtype`` -> float32 of ``shape`` (zero-copy for F32).
+
+    Types without a torch dequantiser here (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS: ggml's
+    kernels compute them on the engine's paths) go through gguf's numpy reference: exact, slower.
+    """
     if qtype == T.F32:
         return raw.contiguous().view(torch.float32).reshape(shape)
     if qtype == T.F16:
         return raw.contiguous().view(torch.float16).reshape(shape).to(torch.float32)
+    if qtype not in SUPPORTED_TYPES:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = raw.reshape(-1, shape[-1] // block * size).numpy()
+        try:
+            values = gguf.quants.dequantize(rows, qtype)
+        except NotImplementedError as exc:
+            raise UnsupportedTensorType(f"no dequantiser for {qtype.name}: {exc}") from exc
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
     return dequantize(raw, qtype, shape)
