@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from swarm.model.gguf import GGUFModel, ModelConfig
 from swarm.model.kernels import KernelBackend, expert_kernel
 
-__all__ = ["ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
+__all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
 
 
 class ExpertBackend(Protocol):
@@ -45,17 +45,25 @@ class LocalExperts:
         return self.kernels[layer].partial_sum(x, rows, topk_ids.reshape(-1), topk_w.reshape(-1))
 
 
-class KVCache:
-    """Per-sequence K/V for every layer: ``[n_layer, n_ctx, n_head_kv, head_dim]``."""
+KV_TYPES: dict[str, torch.dtype] = {"f16": torch.float16, "f32": torch.float32}
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int) -> None:
+
+class KVCache:
+    """Per-sequence K/V for every layer: ``[n_layer, n_ctx, n_head_kv, head_dim]``.
+
+    ``dtype`` float16 (the coordinator's default, like llama.cpp's) halves the cache; attention reads
+    it back as float32. float32 keeps K/V exact (the tests that compare logits with llama.cpp's
+    F32-KV goldens use it).
+    """
+
+    def __init__(self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32) -> None:
         self.n_ctx = n_ctx
-        self.k = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_k)
-        self.v = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v)
+        self.k = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_k, dtype=dtype)
+        self.v = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v, dtype=dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * 4 + self.v.numel() * 4
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 @dataclass
@@ -143,15 +151,17 @@ class Transformer:
                 n = e - s
                 c.cache.k[li, c.pos : c.pos + n] = k[s:e]
                 c.cache.v[li, c.pos : c.pos + n] = v[s:e]
-                kk = c.cache.k[li, : c.pos + n].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, hd]
-                vv = c.cache.v[li, : c.pos + n].repeat_interleave(group, dim=1).transpose(0, 1)
+                # [Hkv, L, hd] views of the cache: SDPA maps query head h to kv head h // group itself
+                # (no per-step copy of the prefix for each query head); an f16 cache is read as f32
+                kk = c.cache.k[li, : c.pos + n].transpose(0, 1).to(torch.float32)
+                vv = c.cache.v[li, : c.pos + n].transpose(0, 1).to(torch.float32)
                 qq = q[s:e].transpose(0, 1)  # [H, n, hd]
                 mask = None
                 if n > 1:
                     kpos = torch.arange(c.pos + n)
                     qpos = torch.arange(c.pos, c.pos + n)
                     mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=group > 1)
                 attn[s:e] = o.transpose(0, 1)
             x = x + L.wo(attn.reshape(n_tok, H * hdv))
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)

@@ -35,7 +35,7 @@ from coordinator.core.scheduler import (
     SlotView,
     StepEntry,
 )
-from coordinator.model import ExpertBackend, KVCache, SeqChunk, Transformer
+from coordinator.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
 from coordinator.sampling import make_generator, sample
 from swarm.errors import RequestError
 from swarm.model.gguf import GGUFModel
@@ -96,6 +96,7 @@ class EngineRuntime:
         n_batch: int = 512,
         max_queue: int = 64,
         experts: ExpertBackend | None = None,
+        kv_type: str = "f16",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -105,7 +106,7 @@ class EngineRuntime:
         self.sched = Scheduler(
             n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids)
         )
-        self.caches = [KVCache(model.config, self.n_ctx) for _ in range(n_slots)]
+        self.caches = [KVCache(model.config, self.n_ctx, KV_TYPES[kv_type]) for _ in range(n_slots)]
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import trio
@@ -61,13 +61,15 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     advertise_url: HttpUrl | None = None  # our URL as the market and volunteers should reach it
     token: str | None = None  # operator token for the market
     hole_punch: bool = True  # upgrade relayed connections to volunteers with DCUtR
-    kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml (default) or the torch reference
+    kernel: KernelBackend = DEFAULT_BACKEND  # expert and dense kernels: ggml (default) or the torch reference
+    kv_type: Literal["f16", "f32"] = "f16"  # KV cache element type (llama.cpp's default is f16 too)
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
-    model = GGUFModel(Path(cfg.model))
+    model = GGUFModel(Path(cfg.model), kernel=cfg.kernel)
     tok = Tokenizer.from_gguf_fields(model.fields)
-    return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue)
+    return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue,
+                         kv_type=cfg.kv_type)
 
 
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
