@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from swarm.model.gguf import GGUFModel, ModelConfig
 from swarm.model.kernels import KernelBackend, expert_kernel
@@ -151,18 +150,22 @@ class Transformer:
                 n = e - s
                 c.cache.k[li, c.pos : c.pos + n] = k[s:e]
                 c.cache.v[li, c.pos : c.pos + n] = v[s:e]
-                # [Hkv, L, hd] views of the cache: SDPA maps query head h to kv head h // group itself
-                # (no per-step copy of the prefix for each query head); an f16 cache is read as f32
-                kk = c.cache.k[li, : c.pos + n].transpose(0, 1).to(torch.float32)
-                vv = c.cache.v[li, : c.pos + n].transpose(0, 1).to(torch.float32)
-                qq = q[s:e].transpose(0, 1)  # [H, n, hd]
-                mask = None
+                # grouped-query attention on [Hkv, L, hd] views of the cache: query head h reads kv head
+                # h // group, as llama.cpp maps them; no per-head copy of the prefix (an f16 cache is
+                # read as f32, one copy of the kv heads)
+                L_ = c.pos + n
+                kk = c.cache.k[li, :L_].transpose(0, 1).to(torch.float32)  # [Hkv, L, hd]
+                vv = c.cache.v[li, :L_].transpose(0, 1).to(torch.float32)
+                qq = q[s:e].view(n, Hkv, group, hdk).permute(1, 2, 0, 3).reshape(Hkv, group * n, hdk)
+                scores = torch.bmm(qq, kk.transpose(1, 2)) * scale  # [Hkv, group * n, L]
                 if n > 1:
-                    kpos = torch.arange(c.pos + n)
-                    qpos = torch.arange(c.pos, c.pos + n)
-                    mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-                attn[s:e] = o.transpose(0, 1)
+                    kpos = torch.arange(L_)
+                    qpos = torch.arange(c.pos, L_)
+                    masked = (kpos.unsqueeze(0) > qpos.unsqueeze(1)).repeat(group, 1)  # [group * n, L]
+                    scores = scores.masked_fill(masked, float("-inf"))
+                o = torch.bmm(torch.softmax(scores, dim=-1), vv)  # [Hkv, group * n, hdv]
+                o = o.view(Hkv, group, n, hdv).permute(2, 0, 1, 3).reshape(n, H, hdv)
+                attn[s:e] = o
             x = x + L.wo(attn.reshape(n_tok, H * hdv))
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
             ids, w = self.route(li, h)
