@@ -34,6 +34,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
                    help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
     c.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
+    c.add_argument("--threads", type=int, default=None, help="compute threads in all (default: the physical cores)")
     c.add_argument("--no-hole-punch", action="store_true",
                    help="keep relayed connections relayed (no DCUtR upgrade to a direct connection)")
     c.set_defaults(func=run)
@@ -60,6 +61,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "hole_punch": not ns.no_hole_punch,
         "kernel": ns.kernel,
         "kv_type": ns.kv_type,
+        "threads": ns.threads,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch"})
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "data_dir_for",
     "env_token",
     "parse_size",
+    "physical_cores",
 ]
 
 T = TypeVar("T")
@@ -78,6 +79,30 @@ def env_token(given: str | None) -> str | None:
 def data_dir_for(role: str, given: str | None = None) -> str:
     """``--data-dir`` expanded, default ``~/.local/share/moe-swarm/<role>`` (DESIGN §11)."""
     return os.path.expanduser(given if given is not None else f"~/.local/share/moe-swarm/{role}")
+
+
+def physical_cores(cpuinfo: str = "/proc/cpuinfo") -> int:
+    """Physical CPU cores (not hyper-threads): the default for ``--threads``; ``os.cpu_count()`` if unknown."""
+    try:
+        with open(cpuinfo) as f:
+            text = f.read()
+    except OSError:
+        return os.cpu_count() or 1
+    cores: set[tuple[str, str]] = set()
+    phys = core = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "physical id":
+            phys = value
+        elif key == "core id":
+            core = value
+        elif not key and phys and core:
+            cores.add((phys, core))
+            phys = core = ""
+    if phys and core:
+        cores.add((phys, core))
+    return len(cores) or os.cpu_count() or 1
 
 
 def parse_size(text: str) -> int:

@@ -26,6 +26,7 @@ def config(*argv: str) -> object:
         (["coordinator", "--model", "m.gguf", "--expert-timeout", "0"], "--expert-timeout"),
         (["coordinator", "--model", "m.gguf", "--market", "market:8090"], "--market"),
         (["coordinator", "--model", "m.gguf", "--p2p-listen", "127.0.0.1:4001"], "--p2p-listen"),
+        (["coordinator", "--model", "m.gguf", "--threads", "0"], "--threads"),
         (["volunteer", "--market", "http://m:8090", "--threads", "0"], "--threads"),
         (["volunteer", "--market", "http://m:8090", "--poll-interval", "-1"], "--poll-interval"),
         (["volunteer", "--market", "ftp://m"], "--market"),
@@ -69,3 +70,16 @@ def test_the_token_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("MOE_SWARM_TOKEN", "from-env")
     assert config("coordinator", "--model", "m.gguf").token == "from-env"  # type: ignore[attr-defined]
     assert config("coordinator", "--model", "m.gguf", "--token", "flag").token == "flag"  # type: ignore[attr-defined]
+
+
+def test_threads_default_to_the_physical_cores(tmp_path: Path) -> None:
+    from swarm.config import physical_cores
+
+    # two cores with two hyper-threads each: 4 logical CPUs, 2 physical cores
+    blocks = [f"processor\t: {i}\nphysical id\t: 0\ncore id\t\t: {i // 2}\n" for i in range(4)]
+    info = tmp_path / "cpuinfo"
+    info.write_text("\n".join(blocks) + "\n")
+    assert physical_cores(str(info)) == 2
+    assert physical_cores(str(tmp_path / "missing")) >= 1
+    assert config("coordinator", "--model", "m.gguf").threads is None  # type: ignore[attr-defined]
+    assert config("coordinator", "--model", "m.gguf", "--threads", "2").threads == 2  # type: ignore[attr-defined]
