@@ -31,7 +31,7 @@ from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
 from swarm.config import HttpUrl, Multiaddr, NonNegInt, Port, PosFloat, PosInt, physical_cores
 from swarm.model.gguf import GGUFModel
-from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, set_compute_threads
 from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.coordinator import MarketLinkStatus
@@ -70,7 +70,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
-    torch.set_num_threads(cfg.threads or physical_cores())
+    threads = cfg.threads or physical_cores()
+    torch.set_num_threads(threads)
+    set_compute_threads(threads)
     model = GGUFModel(Path(cfg.model), kernel=cfg.kernel)
     tok = Tokenizer.from_gguf_fields(model.fields)
     return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue,

@@ -80,3 +80,23 @@ def test_kernel_ids_name_backend_version_and_build() -> None:
     assert gid.startswith("ggml-0.15.3-") and "avx2" in gid and "fma" in gid
     assert tid.startswith("torch-") and gid != tid
     assert kernel_id(KernelBackend.GGML) == gid  # stable within a process
+
+
+def test_big_calls_on_more_threads_give_the_same_bits(golden_model: GGUFModel) -> None:
+    """The coordinator lets big calls (prefill) use every compute thread: the bits do not change."""
+    from swarm.model.kernels import BIG_BATCH, compute_threads, set_compute_threads
+    from swarm.model.kernels.dense import Linear
+
+    stack = golden_model.layers[0].experts
+    n = BIG_BATCH
+    x = torch.randn(n, stack.d_model, generator=torch.Generator().manual_seed(12))
+    rows, exps, ws = routed(n, stack.n_expert, 2, seed=13)
+    lin = Linear(golden_model.tensor("blk.0.attn_q.weight"), KernelBackend.GGML)
+    one = expert_kernel(stack).partial_sum(x, rows, exps, ws), lin(x)
+    try:
+        set_compute_threads(2)
+        assert compute_threads(rows.numel()) == 2 and compute_threads(1) == 1
+        two = expert_kernel(stack).partial_sum(x, rows, exps, ws), lin(x)
+    finally:
+        set_compute_threads(1)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])

@@ -41,7 +41,25 @@ if TYPE_CHECKING:
     from swarm.model.gguf import ExpertStack
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
-__all__ = ["DEFAULT_BACKEND", "ExpertKernel", "KernelBackend", "expert_kernel", "kernel_id"]
+__all__ = ["DEFAULT_BACKEND", "BIG_BATCH", "ExpertKernel", "KernelBackend", "compute_threads", "expert_kernel",
+           "kernel_id", "set_compute_threads"]
+
+# ggml threads for big calls (prefill): the engine thread alternates torch and ggml, so the ggml
+# kernels may use the same thread budget as torch. Small calls (decode) stay on one thread, where a
+# second one costs more than it gives. Results do not depend on the thread count (tested).
+BIG_BATCH = 64  # rows (dense) or pairs (experts) from which a call uses every compute thread
+_THREADS = 1
+
+
+def set_compute_threads(n: int) -> None:
+    """The ggml threads big calls may use (the coordinator sets its ``--threads``; volunteers keep 1,
+    their parallelism is one worker thread per call)."""
+    global _THREADS
+    _THREADS = max(1, int(n))
+
+
+def compute_threads(size: int) -> int:
+    return _THREADS if size >= BIG_BATCH else 1
 
 
 class KernelBackend(enum.StrEnum):
@@ -82,24 +100,25 @@ class TorchExpertKernel:
         return slice_partial_sum(x, pair_rows, pair_experts, pair_weights, self.stack)
 
 
-_PoolKey = tuple[tuple[int, int, int], int, int, int]
+_PoolKey = tuple[tuple[int, int, int], int, int, int, int]
 _POOL: dict[_PoolKey, list[GgmlExpertKernel]] = {}
 _POOL_LOCK = threading.Lock()
 
 
 @contextmanager
-def _pooled(stack: ExpertStack) -> Iterator[GgmlExpertKernel]:
+def _pooled(stack: ExpertStack, n_threads: int = 1) -> Iterator[GgmlExpertKernel]:
     """A ggml kernel bound to ``stack``'s bytes, for the duration of one computation."""
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
     types = (int(stack.gate_t.qtype), int(stack.up_t.qtype), int(stack.down_t.qtype))
-    key = (types, stack.d_model, stack.d_expert, stack.n_expert)
+    key = (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads)
     raws = tuple(np.ascontiguousarray(t.raw).reshape(-1) for t in (stack.gate_t, stack.up_t, stack.down_t))
     with _POOL_LOCK:
         free = _POOL.setdefault(key, [])
         k = free.pop() if free else None
     if k is None:
-        k = GgmlExpertKernel(raws[0], raws[1], raws[2], types, stack.d_model, stack.d_expert, stack.n_expert)
+        k = GgmlExpertKernel(raws[0], raws[1], raws[2], types, stack.d_model, stack.d_expert, stack.n_expert,
+                             n_threads=n_threads)
     else:
         k.rebind(raws[0], raws[1], raws[2])
     try:
@@ -120,7 +139,7 @@ class GgmlKernel:
         self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
     ) -> torch.Tensor:
         xs = x.detach().to(torch.float32).contiguous().numpy()
-        with _pooled(self.stack) as k:
+        with _pooled(self.stack, compute_threads(int(pair_rows.numel()))) as k:
             out = k.compute(xs, pair_rows.numpy(), pair_experts.numpy(), pair_weights.detach().to(torch.float32).numpy())
         return torch.from_numpy(out)
 

@@ -39,20 +39,23 @@ class Linear:
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.backend = backend
-        self._ggml: GgmlMatmul | None = None
+        self._ggml: dict[int, GgmlMatmul] = {}  # by thread count
         self._f32: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._use_ggml = backend is KernelBackend.GGML
 
-    def _matmul(self) -> GgmlMatmul:
-        if self._ggml is None:
+    def _matmul(self, n_threads: int) -> GgmlMatmul:
+        mm = self._ggml.get(n_threads)
+        if mm is None:
             with self._lock:
-                if self._ggml is None:
+                mm = self._ggml.get(n_threads)
+                if mm is None:
                     from swarm.model.kernels.ggml import GgmlMatmul
 
                     raw = np.ascontiguousarray(self.weight.raw).reshape(-1)
-                    self._ggml = GgmlMatmul(raw, int(self.weight.qtype), self.out_features, self.in_features)
-        return self._ggml
+                    mm = GgmlMatmul(raw, int(self.weight.qtype), self.out_features, self.in_features, n_threads=n_threads)
+                    self._ggml[n_threads] = mm
+        return mm
 
     def dense(self) -> torch.Tensor:
         """The weight as float32 ``[out, in]`` (dequantised once; the torch backend's copy)."""
@@ -63,8 +66,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self._use_ggml:
             return x @ self.dense().T
+        from swarm.model.kernels import compute_threads
+
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        out = torch.from_numpy(self._matmul()(flat.numpy()))
+        out = torch.from_numpy(self._matmul(compute_threads(flat.shape[0]))(flat.numpy()))
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
