@@ -6,9 +6,9 @@ requests, plus resident memory (DESIGN §11 benchmark format).
 
 ``--llamacpp-python`` names a Python that has llama-cpp-python (a scratch venv, not a project
 dependency): llama.cpp then runs on the same file in a subprocess in the same run -- 2 threads, the
-same prompt tokens, an F16 KV cache -- and its tokens/s stand beside ours. Threads: our engine
-thread runs torch with 2 intra-op threads and the ggml kernels with 1 thread, one after the other
-(never more than 2 busy).
+same prompt tokens, an F16 KV cache -- and its tokens/s stand beside ours. Threads (``--threads``,
+default the physical cores, as the coordinator): the engine thread runs torch on that many intra-op
+threads and the ggml kernels on as many for big calls (prefill) or one (decode), one after the other.
 
 The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
 Requests go through the real engine runtime (engine thread + scheduler), in process, with
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
 from coordinator.runtime import EngineRuntime  # noqa: E402
+from swarm.config import physical_cores  # noqa: E402
 from swarm.model.gguf import GGUFModel  # noqa: E402
-from swarm.model.kernels import KernelBackend  # noqa: E402
+from swarm.model.kernels import KernelBackend, set_compute_threads  # noqa: E402
 from swarm.text.tokenizer import Tokenizer  # noqa: E402
 from swarm.tools.makemodel import make_model  # noqa: E402
 
@@ -128,6 +130,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if not path.exists():
         print(f"generating the bench model -> {path} (once)", flush=True)
         make_model(arch="qwen3moe", size="bench", seed=0, out=path)
+    threads = args.threads or physical_cores()
+    torch.set_num_threads(threads)  # what `moe-swarm coordinator --threads` does (coordinator.server)
+    set_compute_threads(threads)
     rss0 = rss_mb()
     model = GGUFModel(path, kernel=KernelBackend(args.kernel))
     rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=4, n_ctx=1024)
@@ -161,6 +166,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
     ap.add_argument("--kernel", choices=["ggml", "torch"], default="ggml", help="expert and dense kernels")
+    ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")
     ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python: run llama.cpp too")
     args = ap.parse_args()
     result = trio.run(main_async, args)
