@@ -1,9 +1,10 @@
-"""Expert math shared by the coordinator's local path and the volunteer (pure compute, torch).
+"""Expert math in torch: the reference of the ``ExpertKernel`` seam (``swarm.model.kernels``).
 
 Rules:
-- One function, ``slice_partial_sum``, computes a slice's weighted partial sum for the rows routed
-  to it. The coordinator's local experts and every volunteer call exactly this function, so a slice
-  computed remotely is bit-identical to the same slice computed locally.
+- ``slice_partial_sum`` computes a slice's weighted partial sum for the rows routed to it, from
+  dequantised float32 weights. It is the ``torch`` backend (``--kernel torch``) and the definition
+  the ggml kernels follow (same summation order); the coordinator's local path, its fallback and
+  every volunteer call their kernel through the seam, so equal kernel ids give equal bits.
 - Fixed summation order: within a slice, experts are added in ascending local index; across slices
   the caller (``combine_partials``) adds partial sums in ascending ``lo`` order.
 - An expert FFN is SwiGLU: ``down @ (silu(gate @ x) * (up @ x))``, scaled by the router weight
