@@ -139,8 +139,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     file_mb = path.stat().st_size / 2**20
     async with trio.open_nursery() as n:
         await n.start(rt.serve)
-        await one_request(rt, [1, 2, 3, 4], 3)  # warm-up
         prompt_len, n_decode, reps = (32, 8, 1) if args.quick else (128, 32, 3)
+        # warm-up at full size: every expert's pages of the memory-mapped file are read once, and the
+        # kernels' graphs for these sizes are built, before anything is timed
+        await one_request(rt, [(5 * j + 1) % (model.config.n_vocab - 3) for j in range(prompt_len)], n_decode)
         cases = await run_cases(rt, prompt_len, n_decode, reps)
         n.cancel_scope.cancel()
     for c in cases:
