@@ -384,3 +384,30 @@ def test_unaligned_weights(rng, t):
         v = buf[off:off + raw.nbytes]
         v[:] = raw
         assert np.array_equal(bits(K.GgmlMatmul(v, t, 32, 256)(x)), bits(ref))
+
+
+def test_kernels_in_different_threads_use_their_own_pools():
+    """A volunteer's worker threads compute at the same time: each calling thread gets its own
+    ggml threadpool (no shared pool lock to queue on), and the bits do not change."""
+    rng = np.random.default_rng(5)
+    d = 256
+    w = K.quantize(rng.standard_normal((64, d)).astype(np.float32), "Q8_0")
+    mm = K.GgmlMatmul(w, "Q8_0", 64, d)
+    x = rng.standard_normal((3, d)).astype(np.float32)
+    ref = mm(x)
+    seen, outs = [], []
+    together = threading.Barrier(3)  # all alive at once: three distinct threads
+
+    def work():
+        together.wait(timeout=30)
+        seen.append(K._threadpool(1, 0))
+        outs.append(mm(x))
+        together.wait(timeout=30)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({p[0] for p in seen}) == 3 and K._threadpool(1, 0) not in seen
+    assert all(np.array_equal(o, ref) for o in outs)

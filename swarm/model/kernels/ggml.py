@@ -225,17 +225,21 @@ def numeric_fingerprint(types: Sequence[str] = SUPPORTED_TYPES) -> str:
 
 # ----------------------------------------------------------------------------- threadpools
 
-_POOLS: dict[tuple[int, int], tuple[int, threading.Lock]] = {}
+_POOLS: dict[tuple[int, int, int], tuple[int, threading.Lock]] = {}
 _POOLS_LOCK = threading.Lock()
 
 
 def _threadpool(n_threads: int, poll: int) -> tuple[int, threading.Lock]:
-    """A persistent ggml threadpool per (n_threads, poll); never freed (process lifetime)."""
+    """The calling thread's persistent ggml threadpool for (n_threads, poll); never freed.
+
+    One per calling thread, so kernels computing in different threads (a volunteer's workers) run
+    at the same time instead of queueing on one pool; a pool of one thread has no worker threads.
+    """
     if not 1 <= n_threads <= 64:
         raise KernelError(f"n_threads must be in 1..64, got {n_threads}")
     if not 0 <= poll <= 100:
         raise KernelError(f"poll must be in 0..100, got {poll}")
-    key = (n_threads, poll)
+    key = (n_threads, poll, threading.get_ident())
     with _POOLS_LOCK:
         if key not in _POOLS:
             p = g.ggml_threadpool_params_default(n_threads)
@@ -311,8 +315,12 @@ class _Plan:
         self.work = np.empty(max(1, self.cplan.work_size), dtype=np.uint8)
         self.cplan.work_data = ctypes.cast(self.work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
 
-    def compute(self) -> None:
-        st = g.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
+    def compute(self, n_threads: int, poll: int) -> None:
+        """Compute on the calling thread's pool (the plan's work size depends only on n_threads)."""
+        pool, lock = _threadpool(n_threads, poll)
+        with lock:
+            self.cplan.threadpool = pool  # type: ignore[assignment]  # ctypes takes the raw pointer
+            st = g.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
         if st != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {st}")
 
@@ -379,7 +387,7 @@ class GgmlExpertKernel:
             _as_raw(down, rd * d_model * n_expert, "down"),
         )
         self.n_threads, self.max_pairs = int(n_threads), int(max_pairs)
-        self._pool, self._pool_lock = _threadpool(self.n_threads, poll)
+        self._pool, self._poll = _threadpool(self.n_threads, poll)[0], poll
         self._wctx = _Ctx(4 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
         self._w = (
             _weight_tensor(self._wctx, self.types[0], (d_model, d_expert, n_expert), self._raw[0], "gate_exps"),
@@ -470,8 +478,7 @@ class GgmlExpertKernel:
                 iv[:m] = exps[s:e]
                 if m < iv.size:  # padding slots: repeat the last expert (its weights are hot)
                     iv[m:] = exps[e - 1]
-                with self._pool_lock:
-                    plan.compute()
+                plan.compute(self.n_threads, self._poll)
                 out[s:e] = yv[:m]
         return out
 
@@ -568,7 +575,7 @@ class GgmlMatmul:
         self.out_features, self.in_features = int(out_features), int(in_features)
         self._raw = _as_raw(w, row_nbytes(self.type, in_features) * out_features, "W")
         self.n_threads, self.max_rows = int(n_threads), int(max_rows)
-        self._pool, self._pool_lock = _threadpool(self.n_threads, poll)
+        self._pool, self._poll = _threadpool(self.n_threads, poll)[0], poll
         self._wctx = _Ctx(2 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
         self._w = _weight_tensor(self._wctx, self.type, (in_features, out_features), self._raw, "W")
         self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray]] = {}
@@ -609,8 +616,7 @@ class GgmlMatmul:
                 m = e - s
                 plan, xv, yv = self._plan(_bucket(m, self.max_rows))
                 xv[:m] = x[s:e]
-                with self._pool_lock:
-                    plan.compute()
+                plan.compute(self.n_threads, self._poll)
                 out[s:e] = yv[:m]
         return out[0] if squeeze else out
 
