@@ -83,20 +83,25 @@ def test_kernel_ids_name_backend_version_and_build() -> None:
 
 
 def test_big_calls_on_more_threads_give_the_same_bits(golden_model: GGUFModel) -> None:
-    """The coordinator lets big calls (prefill) use every compute thread: the bits do not change."""
-    from swarm.model.kernels import BIG_BATCH, compute_threads, set_compute_threads
+    """The coordinator lets big calls use every compute thread: the bits do not change."""
+    from swarm.model.kernels import BIG_WORK, compute_threads, set_compute_threads
     from swarm.model.kernels.dense import Linear
 
     stack = golden_model.layers[0].experts
-    n = BIG_BATCH
+    n = 64
     x = torch.randn(n, stack.d_model, generator=torch.Generator().manual_seed(12))
     rows, exps, ws = routed(n, stack.n_expert, 2, seed=13)
     lin = Linear(golden_model.tensor("blk.0.attn_q.weight"), KernelBackend.GGML)
     one = expert_kernel(stack).partial_sum(x, rows, exps, ws), lin(x)
+    import swarm.model.kernels as kernels
+
+    big_work = kernels.BIG_WORK
     try:
         set_compute_threads(2)
-        assert compute_threads(rows.numel()) == 2 and compute_threads(1) == 1
+        kernels.BIG_WORK = 1  # the golden model is tiny: make every call "big"
+        assert compute_threads(1) == 2 and compute_threads(0) == 1 and big_work == BIG_WORK
         two = expert_kernel(stack).partial_sum(x, rows, exps, ws), lin(x)
     finally:
         set_compute_threads(1)
+        kernels.BIG_WORK = big_work
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])

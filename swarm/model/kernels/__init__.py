@@ -41,13 +41,15 @@ if TYPE_CHECKING:
     from swarm.model.gguf import ExpertStack
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
-__all__ = ["DEFAULT_BACKEND", "BIG_BATCH", "ExpertKernel", "KernelBackend", "compute_threads", "expert_kernel",
+__all__ = ["BIG_WORK", "DEFAULT_BACKEND", "ExpertKernel", "KernelBackend", "compute_threads", "expert_kernel",
            "kernel_id", "set_compute_threads"]
 
-# ggml threads for big calls (prefill): the engine thread alternates torch and ggml, so the ggml
-# kernels may use the same thread budget as torch. Small calls (decode) stay on one thread, where a
-# second one costs more than it gives. Results do not depend on the thread count (tested).
-BIG_BATCH = 64  # rows (dense) or pairs (experts) from which a call uses every compute thread
+# ggml threads for big calls: the engine thread alternates torch and ggml, so the ggml kernels may
+# use the same thread budget as torch. A call's size is its multiply-accumulates; below BIG_WORK a
+# second thread costs more than it gives (measured on the bench model: a 1024x1024 projection of one
+# row is slower on 2 threads, the output head of one row or 4 routed experts of one token faster).
+# Results do not depend on the thread count (tested).
+BIG_WORK = 4_000_000  # multiply-accumulates from which a call uses every compute thread
 _THREADS = 1
 
 
@@ -58,8 +60,9 @@ def set_compute_threads(n: int) -> None:
     _THREADS = max(1, int(n))
 
 
-def compute_threads(size: int) -> int:
-    return _THREADS if size >= BIG_BATCH else 1
+def compute_threads(work: int) -> int:
+    """Threads for a call of ``work`` multiply-accumulates."""
+    return _THREADS if work >= BIG_WORK else 1
 
 
 class KernelBackend(enum.StrEnum):
@@ -139,7 +142,8 @@ class GgmlKernel:
         self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
     ) -> torch.Tensor:
         xs = x.detach().to(torch.float32).contiguous().numpy()
-        with _pooled(self.stack, compute_threads(int(pair_rows.numel()))) as k:
+        work = int(pair_rows.numel()) * 3 * self.stack.d_model * self.stack.d_expert
+        with _pooled(self.stack, compute_threads(work)) as k:
             out = k.compute(xs, pair_rows.numpy(), pair_experts.numpy(), pair_weights.detach().to(torch.float32).numpy())
         return torch.from_numpy(out)
 

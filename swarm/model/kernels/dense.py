@@ -69,7 +69,8 @@ class Linear:
         from swarm.model.kernels import compute_threads
 
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        out = torch.from_numpy(self._matmul(compute_threads(flat.shape[0]))(flat.numpy()))
+        work = flat.shape[0] * self.out_features * self.in_features
+        out = torch.from_numpy(self._matmul(compute_threads(work))(flat.numpy()))
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
