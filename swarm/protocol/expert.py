@@ -196,7 +196,7 @@ class ExpertResponse(msgspec.Struct, frozen=True, kw_only=True, tag="expert_resp
     attempt: NonNegInt
     status: str  # a ``Status``; an open set on the wire (a newer peer's code still decodes and is reported)
     message: str = ""
-    dtype: Dtype = Dtype.FLOAT32
+    dtype: str = Dtype.FLOAT32  # open like ``status``: an unknown dtype is an UnsupportedDtype error, not an undecodable frame
     n_rows: NonNegInt = 0
     d_model: NonNegInt = 0
 
