@@ -7,8 +7,9 @@ requests, plus resident memory (DESIGN §11 benchmark format).
 ``--llamacpp-python`` names a Python that has llama-cpp-python (a scratch venv, not a project
 dependency): llama.cpp then runs on the same file in a subprocess in the same run -- 2 threads, the
 same prompt tokens, an F16 KV cache -- and its tokens/s stand beside ours. Threads (``--threads``,
-default the physical cores, as the coordinator): the engine thread runs torch on that many intra-op
-threads and the ggml kernels on as many for big calls (prefill) or one (decode), one after the other.
+default the physical cores, as the coordinator: ``swarm.model.kernels.configure_threads``): the ggml
+kernels use that many for big calls and one for small ones; torch (attention, norms) one intra-op
+thread on the engine thread (all of them with ``--kernel torch``).
 
 The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
 Requests go through the real engine runtime (engine thread + scheduler), in process, with
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import trio
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
 from coordinator.runtime import EngineRuntime  # noqa: E402
 from swarm.config import physical_cores  # noqa: E402
 from swarm.model.gguf import GGUFModel  # noqa: E402
-from swarm.model.kernels import KernelBackend, set_compute_threads  # noqa: E402
+from swarm.model.kernels import KernelBackend, configure_threads  # noqa: E402
 from swarm.text.tokenizer import Tokenizer  # noqa: E402
 from swarm.tools.makemodel import make_model  # noqa: E402
 
@@ -131,8 +131,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(f"generating the bench model -> {path} (once)", flush=True)
         make_model(arch="qwen3moe", size="bench", seed=0, out=path)
     threads = args.threads or physical_cores()
-    torch.set_num_threads(threads)  # what `moe-swarm coordinator --threads` does (coordinator.server)
-    set_compute_threads(threads)
+    configure_threads(threads, KernelBackend(args.kernel))  # what `moe-swarm coordinator --threads` does
     rss0 = rss_mb()
     model = GGUFModel(path, kernel=KernelBackend(args.kernel))
     rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=4, n_ctx=1024)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
-import torch
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
@@ -31,7 +30,7 @@ from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
 from swarm.config import HttpUrl, Multiaddr, NonNegInt, Port, PosFloat, PosInt, physical_cores
 from swarm.model.gguf import GGUFModel
-from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, set_compute_threads
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, configure_threads
 from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.coordinator import MarketLinkStatus
@@ -64,15 +63,14 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     hole_punch: bool = True  # upgrade relayed connections to volunteers with DCUtR
     kernel: KernelBackend = DEFAULT_BACKEND  # expert and dense kernels: ggml (default) or the torch reference
     kv_type: Literal["f16", "f32"] = "f16"  # KV cache element type (llama.cpp's default is f16 too)
-    # compute threads: the engine thread's torch intra-op threads; the ggml kernels run one thread in
-    # between torch ops, so no more than this many are busy. None: the physical cores
+    # compute threads: the ggml kernels' threads for big calls (torch's too with the torch kernel; with
+    # ggml, torch keeps one: swarm.model.kernels.configure_threads). None: the physical cores
     threads: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
     threads = cfg.threads or physical_cores()
-    torch.set_num_threads(threads)
-    set_compute_threads(threads)
+    configure_threads(threads, cfg.kernel)
     model = GGUFModel(Path(cfg.model), kernel=cfg.kernel)
     tok = Tokenizer.from_gguf_fields(model.fields)
     return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue,
