@@ -17,7 +17,8 @@ It writes, into ``--out`` (default: ``tests/fixtures/golden`` beside this file):
   multiples of 256, so llama.cpp's Q4_K_M mixes Q4_K and Q6_K with its fallbacks (Q5_0 for Q4_K,
   Q8_0 for Q6_K). The F32 source is only a temporary file; its sha256 goes into the JSON.
 - ``<name>.llamacpp.json`` for each: llama.cpp's raw logits and greedy continuations with an F32
-  KV cache, flash attention off, 2 threads (schema: tests/fixtures/golden/README.md).
+  KV cache, flash attention off, 2 threads, ``GGML_CPU_TILED_MM=0`` (batch-invariant kernels, see
+  below; schema: tests/fixtures/golden/README.md).
 
 Everything is a pure function of the constants below: a second run gives the same bytes (checked
 by ``--check``, which regenerates into a temporary directory and compares sha256s).
@@ -35,9 +36,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import gguf
-import llama_cpp
-import numpy as np
+# llama.cpp's CPU backend (ggml 0.25.3 in llama-cpp-python 0.3.36) multiplies batches of 8 or more
+# rows by K-quant weights in a tiled kernel whose float summation order differs from the one-row
+# kernel, so a row's result depends on how many rows share the call (prefill vs decode). The project's
+# kernels are batch-invariant by design (ggml 0.15.3, GGML_LLAMAFILE=OFF); so that the goldens are
+# llama.cpp's batch-invariant numbers, the tiled path is switched off -- read once, at library load,
+# hence before the import. (With it on, the Q4_K_M logits move by ~1e-6, and by ~0.06 where an
+# activation then lands on the other side of a Q8_K rounding boundary.)
+os.environ["GGML_CPU_TILED_MM"] = "0"
+
+import gguf  # noqa: E402
+import llama_cpp  # noqa: E402
+import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE.parent / "tests" / "fixtures" / "golden"
@@ -321,6 +331,7 @@ def build_json(path: Path, source: str, ftype_name: str, src_path: Path, tiny_go
             "n_ctx": N_CTX,
             "n_batch": N_CTX,
             "n_threads": N_THREADS,
+            "env": {"GGML_CPU_TILED_MM": os.environ["GGML_CPU_TILED_MM"]},
             "greedy_margin_threshold": MARGIN,
         },
         "n_vocab": n_vocab,

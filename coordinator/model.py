@@ -1,4 +1,4 @@
-"""The backbone forward pass (torch compute; owned by the engine thread).
+"""The backbone forward pass (owned by the engine thread).
 
 Rules:
 - Only the engine thread calls ``Transformer.forward``; it owns the KV caches.
@@ -6,6 +6,12 @@ Rules:
   output) runs once over all rows; attention runs per sequence against its own KV cache.
 - The routed experts of a layer are computed by one replaceable object, ``ExpertBackend.moe``: the
   local backend calls each layer's ``swarm.model.kernels.ExpertKernel``; a dispatcher may send rows to volunteers.
+- With the ggml kernels (the default) each layer's dense halves are one ggml graph each
+  (``swarm.model.kernels.block``: norm, q/k/v, q/k norms and RoPE; output projection, residual, norm,
+  router softmax), attention is ggml's on in-place views of the KV cache (V kept transposed, the view
+  padded to 256 rows as llama.cpp pads it) and the head is one graph: llama.cpp's own ops, so its
+  numbers (tests: within 1.6e-6 of llama.cpp on Q8_0, Q4_0 and Q4_K_M files). The torch path (the
+  reference backend) computes the same math with torch ops.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
   per architecture; per-head q/k RMSNorm before RoPE where the architecture has it; GQA maps query
   head h to kv head ``h // (n_head / n_head_kv)``; router softmax over all experts, top-k, and
@@ -17,10 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from swarm.model.gguf import GGUFModel, ModelConfig
-from swarm.model.kernels import KernelBackend, expert_kernel
+from swarm.model.kernels import KernelBackend, compute_threads, expert_kernel
+from swarm.model.kernels.block import Attention, AttnIn, AttnOut, DenseWeight, Head
+from swarm.model.kernels.dense import Linear
 
 __all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
 
@@ -48,17 +57,18 @@ KV_TYPES: dict[str, torch.dtype] = {"f16": torch.float16, "f32": torch.float32}
 
 
 class KVCache:
-    """Per-sequence K/V for every layer: ``[n_layer, n_ctx, n_head_kv, head_dim]``.
+    """Per-sequence K/V for every layer: K ``[n_layer, n_ctx, n_head_kv, head_dim_k]``, V transposed
+    ``[n_layer, n_head_kv, head_dim_v, n_ctx]`` (llama.cpp's layout without flash attention: the
+    attention's V product reads each (head, dim) row over the positions in place).
 
-    ``dtype`` float16 (the coordinator's default, like llama.cpp's) halves the cache; attention reads
-    it back as float32. float32 keeps K/V exact (the tests that compare logits with llama.cpp's
-    F32-KV goldens use it).
+    ``dtype`` float16 (the coordinator's default, like llama.cpp's) halves the cache; float32 keeps
+    K/V exact (the tests that compare logits with llama.cpp's F32-KV goldens use it).
     """
 
     def __init__(self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32) -> None:
         self.n_ctx = n_ctx
         self.k = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_k, dtype=dtype)
-        self.v = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v, dtype=dtype)
+        self.v = torch.zeros(cfg.n_layer, cfg.n_head_kv, cfg.head_dim_v, n_ctx, dtype=dtype)
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +89,32 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def _dw(lin: Linear) -> DenseWeight:
+    t = lin.weight
+    return DenseWeight(np.ascontiguousarray(t.raw).reshape(-1), int(t.qtype), lin.out_features, lin.in_features)
+
+
+class _GgmlDense:
+    """The ggml graphs of every layer's dense halves and the head (``swarm.model.kernels.block``)."""
+
+    def __init__(self, model: GGUFModel) -> None:
+        cfg = model.config
+        self.attn_in: list[AttnIn] = []
+        self.attn_out: list[AttnOut] = []
+        for L in model.layers:
+            self.attn_in.append(AttnIn(
+                attn_norm=L.attn_norm.numpy(), wq=_dw(L.wq), wk=_dw(L.wk), wv=_dw(L.wv),
+                q_norm=None if L.q_norm is None else L.q_norm.numpy(),
+                k_norm=None if L.k_norm is None else L.k_norm.numpy(),
+                n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v,
+                n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps))
+            self.attn_out.append(AttnOut(wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dw(L.router),
+                                         eps=cfg.rms_eps))
+        self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
+        self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
+                              head_dim_v=cfg.head_dim_v, kv_pad=256)
+
+
 class Transformer:
     def __init__(self, model: GGUFModel, experts: ExpertBackend | None = None) -> None:
         self.model = model
@@ -88,6 +124,8 @@ class Transformer:
         n_rot = cfg.n_rot
         # float64 frequencies, cast at use: matches llama.cpp's float32 rope within ~1e-7
         self._inv_freq = cfg.rope_base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
+        # ggml: each layer's dense halves and the head are one graph each (llama.cpp's own ops)
+        self._ggml = _GgmlDense(model) if model.kernel is KernelBackend.GGML else None
 
     # -- pieces -----------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -107,12 +145,17 @@ class Transformer:
         return torch.cat([rot, rest], dim=-1) if rest.shape[-1] else rot
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
+        """Top-k experts and weights of rows ``h`` (the torch path; ggml computes the probabilities
+        in the layer's graph and selects with ``select``)."""
         logits = self.model.layers[layer].router(h)
-        probs = torch.softmax(logits, dim=-1)
-        w, ids = torch.topk(probs, cfg.n_expert_used, dim=-1)
-        if cfg.spec.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
+        return self.select(torch.softmax(logits, dim=-1))
+
+    def select(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of router probabilities; renormalised as llama.cpp does (the sum in double, one
+        float32 division) where the architecture asks for it."""
+        w, ids = torch.topk(probs, self.cfg.n_expert_used, dim=-1)
+        if self.cfg.spec.norm_topk:
+            w = w / w.double().sum(-1, keepdim=True).float()
         return ids, w
 
     # -- forward ----------------------------------------------------------------------------
@@ -135,27 +178,41 @@ class Transformer:
         H, Hkv, hdk, hdv = cfg.n_head, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
         group = H // Hkv
         scale = 1.0 / (hdk**0.5)
+        gd = self._ggml
+        pos_np = pos.to(torch.int32).numpy()
         for li, L in enumerate(m.layers):
-            h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-            q = L.wq(h).view(n_tok, H, hdk)
-            k = L.wk(h).view(n_tok, Hkv, hdk)
-            v = L.wv(h).view(n_tok, Hkv, hdv)
-            if L.q_norm is not None and L.k_norm is not None:
-                q = rms_norm(q, L.q_norm, cfg.rms_eps)
-                k = rms_norm(k, L.k_norm, cfg.rms_eps)
-            q = self._rope(q, pos)
-            k = self._rope(k, pos)
+            if gd is not None:
+                blk = gd.attn_in[li]
+                qn, kn, vn = blk(x.numpy(), pos_np, compute_threads(n_tok * blk.macs))
+                q = torch.from_numpy(qn).view(n_tok, H, hdk)
+                k = torch.from_numpy(kn).view(n_tok, Hkv, hdk)
+                v = torch.from_numpy(vn).view(n_tok, Hkv, hdv)
+            else:
+                h = rms_norm(x, L.attn_norm, cfg.rms_eps)
+                q = L.wq(h).view(n_tok, H, hdk)
+                k = L.wk(h).view(n_tok, Hkv, hdk)
+                v = L.wv(h).view(n_tok, Hkv, hdv)
+                if L.q_norm is not None and L.k_norm is not None:
+                    q = rms_norm(q, L.q_norm, cfg.rms_eps)
+                    k = rms_norm(k, L.k_norm, cfg.rms_eps)
+                q = self._rope(q, pos)
+                k = self._rope(k, pos)
             attn = torch.empty(n_tok, H, hdv)
             for c, (s, e) in zip(chunks, bounds, strict=True):
                 n = e - s
                 c.cache.k[li, c.pos : c.pos + n] = k[s:e]
-                c.cache.v[li, c.pos : c.pos + n] = v[s:e]
+                c.cache.v[li, :, :, c.pos : c.pos + n] = v[s:e].permute(1, 2, 0)
+                if gd is not None:
+                    nt = compute_threads(gd.attn.macs(n, gd.attn.n_kv(c.pos + n, c.cache.n_ctx)))
+                    attn[s:e] = torch.from_numpy(gd.attn(q[s:e].reshape(n, H * hdk).numpy(), c.cache.k[li].numpy(),
+                                                         c.cache.v[li].numpy(), c.pos, nt)).view(n, H, hdv)
+                    continue
                 # grouped-query attention on [Hkv, L, hd] views of the cache: query head h reads kv head
                 # h // group, as llama.cpp maps them; no per-head copy of the prefix (an f16 cache is
                 # read as f32, one copy of the kv heads)
                 L_ = c.pos + n
                 kk = c.cache.k[li, :L_].transpose(0, 1).to(torch.float32)  # [Hkv, L, hd]
-                vv = c.cache.v[li, :L_].transpose(0, 1).to(torch.float32)
+                vv = c.cache.v[li, :, :, :L_].transpose(1, 2).to(torch.float32)  # [Hkv, L, hdv]
                 qq = q[s:e].view(n, Hkv, group, hdk).permute(1, 2, 0, 3).reshape(Hkv, group * n, hdk)
                 scores = torch.bmm(qq, kk.transpose(1, 2)) * scale  # [Hkv, group * n, L]
                 if n > 1:
@@ -166,13 +223,22 @@ class Transformer:
                 o = torch.bmm(torch.softmax(scores, dim=-1), vv)  # [Hkv, group * n, hdv]
                 o = o.view(Hkv, group, n, hdv).permute(2, 0, 1, 3).reshape(n, H, hdv)
                 attn[s:e] = o
-            x = x + L.wo(attn.reshape(n_tok, H * hdv))
-            h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
-            ids, w = self.route(li, h)
+            if gd is not None:
+                blk_o = gd.attn_out[li]
+                x2n, hn, probs = blk_o(attn.reshape(n_tok, H * hdv).numpy(), x.numpy(),
+                                       compute_threads(n_tok * blk_o.macs))
+                x, h = torch.from_numpy(x2n), torch.from_numpy(hn)
+                ids, w = self.select(torch.from_numpy(probs))
+            else:
+                x = x + L.wo(attn.reshape(n_tok, H * hdv))
+                h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
+                ids, w = self.route(li, h)
             x = x + self.experts.moe(li, h, ids, w)
         out: list[torch.Tensor] = []
         for c, (s, e) in zip(chunks, bounds, strict=True):
             xs = x[s:e] if c.all_logits else x[e - 1 : e]
-            xs = rms_norm(xs, m.output_norm, cfg.rms_eps)
-            out.append(m.output(xs))
+            if gd is not None:
+                out.append(torch.from_numpy(gd.head(xs.contiguous().numpy(), compute_threads(len(xs) * gd.head.macs))))
+            else:
+                out.append(m.output(rms_norm(xs, m.output_norm, cfg.rms_eps)))
         return out

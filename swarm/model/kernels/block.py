@@ -1,0 +1,409 @@
+"""ggml graphs for the dense halves of a transformer layer (shell over native code).
+
+A decode step used to cost ~30 small torch ops and five separate ggml matmuls per layer around
+attention; on a 2-core machine that Python/dispatch overhead was a third of the step. Here each
+half is one ggml graph, built once per row bucket (and thread count) and recomputed with new data:
+
+- ``AttnIn``: ``x`` -> RMSNorm * ``attn_norm`` -> q, k, v projections -> per-head q/k RMSNorm
+  (where the architecture has it) -> RoPE (NEOX or adjacent pairs) at the given positions.
+- ``AttnOut``: attention output, residual -> ``x2 = residual + W_o @ attn`` -> RMSNorm *
+  ``ffn_norm`` -> router logits -> softmax. Returns ``x2`` (the MoE residual), the normed rows
+  (the experts' input) and the router probabilities.
+- ``Head``: RMSNorm * ``output_norm`` -> output projection.
+
+These are llama.cpp's own ops (``ggml_rms_norm`` sums in double, ``ggml_rope_ext`` with its
+theta recurrence, ``ggml_soft_max``), so the numbers are llama.cpp's, not an imitation of them.
+
+Rules (as ``swarm.model.kernels.ggml``): weights are zero-copy views of the GGUF's bytes; every
+op works row by row (a row's result never depends on the other rows or the bucket -- padding
+rows are zeros); shapes are checked in Python before ggml sees them; a graph object is
+thread-safe (one lock) and computes on the calling thread's threadpool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ggml.ggml as g
+import numpy as np
+
+from swarm.errors import KernelError
+from swarm.model.kernels.ggml import (
+    _as_raw,
+    _bucket,
+    _Ctx,
+    _f32_view,
+    _i32_view,
+    _Plan,
+    _type_id,
+    _weight_tensor,
+    row_nbytes,
+)
+
+__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head"]
+
+_NODES = 64
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    """A 2-D GGUF weight ``[out, in]`` as raw bytes in its stored type."""
+
+    raw: np.ndarray
+    qtype: int
+    out_features: int
+    in_features: int
+
+
+def _f32(a: np.ndarray, n: int, what: str) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+    if a.size != n:
+        raise KernelError(f"{what}: expected {n} float32 values, got {a.size}")
+    return a
+
+
+class _Graphs:
+    """Bucketed graphs over a set of weight tensors; subclasses define ``_build``."""
+
+    def __init__(self, max_rows: int = 256) -> None:
+        self.max_rows = int(max_rows)
+        self._keep: list[np.ndarray] = []  # arrays the weight tensors point into
+        self._wctx = _Ctx(16 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
+        self._plans: dict[tuple[int, int], tuple[_Plan, dict[str, np.ndarray]]] = {}
+        self._lock = threading.Lock()
+
+    def _dense(self, w: DenseWeight, name: str) -> Any:
+        tid = _type_id(w.qtype)
+        raw = _as_raw(w.raw, row_nbytes(tid, w.in_features) * w.out_features, name)
+        self._keep.append(raw)
+        return _weight_tensor(self._wctx, tid, (w.in_features, w.out_features), raw, name)
+
+    def _vec(self, a: np.ndarray, n: int, name: str) -> Any:
+        arr = _f32(a, n, name)
+        self._keep.append(arr)
+        t = g.ggml_new_tensor_1d(self._wctx.ctx, g.GGML_TYPE_F32, n)
+        t.contents.data = arr.ctypes.data
+        g.ggml_set_name(t, name.encode())
+        return t
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        """Inputs (name -> (tensor, numpy shape, dtype)) and the output tensors in order."""
+        raise NotImplementedError
+
+    def _mem(self, b: int) -> int:
+        raise NotImplementedError
+
+    def _plan(self, b: int, n_threads: int) -> tuple[_Plan, dict[str, np.ndarray]]:
+        key = (b, n_threads)
+        p = self._plans.get(key)
+        if p is not None:
+            return p
+        ctx = _Ctx(self._mem(b) + 64 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_NODES, False) + 64 * 64,
+                   no_alloc=False)
+        inputs, outputs = self._build(ctx.ctx, b)
+        graph = g.ggml_new_graph_custom(ctx.ctx, _NODES, False)
+        for t in outputs:
+            g.ggml_set_output(t)
+            g.ggml_build_forward_expand(graph, t)
+        plan = _Plan(ctx, graph, n_threads, 0)
+        views: dict[str, np.ndarray] = {}
+        for name, (t, shape, kind) in inputs.items():
+            v = _i32_view(t, shape) if kind == "i32" else _f32_view(t, shape)
+            v[:] = 0
+            views[name] = v
+        for i, t in enumerate(outputs):
+            views[f"out{i}"] = _f32_view(t, (b, int(g.ggml_nelements(t)) // b))  # rows are the last dim
+        p = (plan, views)
+        self._plans[key] = p
+        return p
+
+    def _run(self, n: int, n_threads: int, fill: Callable[[dict[str, np.ndarray], int, int], None],
+             n_out: int) -> list[np.ndarray]:
+        outs: list[np.ndarray] | None = None
+        with self._lock:
+            for s in range(0, n, self.max_rows):
+                e = min(n, s + self.max_rows)
+                m = e - s
+                plan, views = self._plan(_bucket(m, self.max_rows), n_threads)
+                fill(views, s, e)
+                plan.compute(n_threads, 0)
+                if outs is None:
+                    outs = [np.empty((n, views[f"out{i}"].shape[1]), dtype=np.float32) for i in range(n_out)]
+                for i in range(n_out):
+                    outs[i][s:e] = views[f"out{i}"][:m]
+        assert outs is not None
+        return outs
+
+    def close(self) -> None:
+        with self._lock:
+            for plan, _ in self._plans.values():
+                plan.ctx.free()
+            self._plans.clear()
+            self._wctx.free()
+
+
+def _rms(ctx: Any, x: Any, w: Any, eps: float) -> Any:
+    return g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, ctypes.c_float(eps)), w)
+
+
+class AttnIn(_Graphs):
+    """``x[n, d]``, positions ``[n]`` -> roped ``q[n, H*hdk]``, roped ``k[n, Hkv*hdk]``, ``v[n, Hkv*hdv]``."""
+
+    def __init__(self, *, attn_norm: np.ndarray, wq: DenseWeight, wk: DenseWeight, wv: DenseWeight,
+                 q_norm: np.ndarray | None, k_norm: np.ndarray | None, n_head: int, n_head_kv: int,
+                 head_dim_k: int, head_dim_v: int, n_rot: int, rope_neox: bool, rope_base: float, eps: float,
+                 max_rows: int = 256) -> None:
+        super().__init__(max_rows)
+        d = wq.in_features
+        if (wq.out_features, wk.out_features, wv.out_features) != (n_head * head_dim_k, n_head_kv * head_dim_k,
+                                                                   n_head_kv * head_dim_v):
+            raise KernelError("q/k/v projection shapes do not match the head counts")
+        if wk.in_features != d or wv.in_features != d:
+            raise KernelError("q/k/v projections differ in input width")
+        if (q_norm is None) != (k_norm is None):
+            raise KernelError("q_norm and k_norm come together")
+        if not 0 < n_rot <= head_dim_k or n_rot % 2:
+            raise KernelError(f"n_rot {n_rot} must be even and at most head_dim_k {head_dim_k}")
+        self.d, self.H, self.Hkv, self.hdk, self.hdv = d, n_head, n_head_kv, head_dim_k, head_dim_v
+        self.n_rot, self.mode = n_rot, (2 if rope_neox else 0)  # GGML_ROPE_TYPE_NEOX / normal
+        self.rope_base, self.eps = float(rope_base), float(eps)
+        self._norm = self._vec(attn_norm, d, "attn_norm")
+        self._wq, self._wk, self._wv = self._dense(wq, "wq"), self._dense(wk, "wk"), self._dense(wv, "wv")
+        self._qn = self._vec(q_norm, head_dim_k, "q_norm") if q_norm is not None else None
+        self._kn = self._vec(k_norm, head_dim_k, "k_norm") if k_norm is not None else None
+        self.macs = d * (wq.out_features + wk.out_features + wv.out_features)
+
+    def _mem(self, b: int) -> int:
+        q, kv = self.H * self.hdk, self.Hkv * max(self.hdk, self.hdv)
+        return 4 * b * (3 * self.d + 4 * q + 8 * kv) + 4 * b
+
+    def _rope(self, ctx: Any, t: Any, pos: Any) -> Any:
+        return g.ggml_rope_ext(ctx, t, pos, None, self.n_rot, self.mode, 0, ctypes.c_float(self.rope_base),
+                               ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_float(1.0), ctypes.c_float(32.0),
+                               ctypes.c_float(1.0))
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
+        pos = g.ggml_new_tensor_1d(ctx, g.GGML_TYPE_I32, b)
+        g.ggml_set_input(x)
+        g.ggml_set_input(pos)
+        h = _rms(ctx, x, self._norm, self.eps)
+        q = g.ggml_reshape_3d(ctx, g.ggml_mul_mat(ctx, self._wq, h), self.hdk, self.H, b)
+        k = g.ggml_reshape_3d(ctx, g.ggml_mul_mat(ctx, self._wk, h), self.hdk, self.Hkv, b)
+        v = g.ggml_mul_mat(ctx, self._wv, h)
+        if self._qn is not None and self._kn is not None:
+            q = _rms(ctx, q, self._qn, self.eps)
+            k = _rms(ctx, k, self._kn, self.eps)
+        q = self._rope(ctx, q, pos)
+        k = self._rope(ctx, k, pos)
+        return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, [q, k, v]
+
+    def __call__(self, x: np.ndarray, pos: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
+        if x.ndim != 2 or x.shape[1] != self.d or p.shape[0] != x.shape[0]:
+            raise KernelError(f"x must be [n, {self.d}] with n positions, got {x.shape} and {p.shape}")
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["x"][: e - s] = x[s:e]
+            v["pos"][: e - s] = p[s:e]
+
+        q, k, vv = self._run(x.shape[0], n_threads, fill, 3)
+        return q, k, vv
+
+
+class AttnOut(_Graphs):
+    """Attention output ``a[n, H*hdv]``, residual ``x[n, d]`` -> ``x2 = x + W_o a``, ``h = RMSNorm(x2)
+    * ffn_norm``, router probabilities ``softmax(W_r h)`` ``[n, n_expert]``."""
+
+    def __init__(self, *, wo: DenseWeight, ffn_norm: np.ndarray, router: DenseWeight, eps: float,
+                 max_rows: int = 256) -> None:
+        super().__init__(max_rows)
+        if router.in_features != wo.out_features:
+            raise KernelError("router input width differs from the output projection's")
+        self.d, self.a, self.n_expert, self.eps = wo.out_features, wo.in_features, router.out_features, float(eps)
+        self._wo, self._wr = self._dense(wo, "wo"), self._dense(router, "router")
+        self._norm = self._vec(ffn_norm, self.d, "ffn_norm")
+        self.macs = self.d * (self.a + self.n_expert)
+
+    def _mem(self, b: int) -> int:
+        return 4 * b * (self.a + 6 * self.d + 3 * self.n_expert)
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        a = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.a, b)
+        x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
+        g.ggml_set_input(a)
+        g.ggml_set_input(x)
+        x2 = g.ggml_add(ctx, g.ggml_mul_mat(ctx, self._wo, a), x)
+        h = _rms(ctx, x2, self._norm, self.eps)
+        probs = g.ggml_soft_max(ctx, g.ggml_mul_mat(ctx, self._wr, h))
+        return {"a": (a, (b, self.a), "f32"), "x": (x, (b, self.d), "f32")}, [x2, h, probs]
+
+    def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if a.ndim != 2 or a.shape[1] != self.a or x.shape != (a.shape[0], self.d):
+            raise KernelError(f"a must be [n, {self.a}] and x [n, {self.d}], got {a.shape} and {x.shape}")
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["a"][: e - s] = a[s:e]
+            v["x"][: e - s] = x[s:e]
+
+        x2, h, probs = self._run(a.shape[0], n_threads, fill, 3)
+        return x2, h, probs
+
+
+class Head(_Graphs):
+    """``x[n, d]`` -> ``W_out (RMSNorm(x) * output_norm)`` ``[n, n_vocab]``."""
+
+    def __init__(self, *, output_norm: np.ndarray, output: DenseWeight, eps: float, max_rows: int = 256) -> None:
+        super().__init__(max_rows)
+        self.d, self.n_vocab, self.eps = output.in_features, output.out_features, float(eps)
+        self._norm = self._vec(output_norm, self.d, "output_norm")
+        self._w = self._dense(output, "output")
+        self.macs = self.d * self.n_vocab
+
+    def _mem(self, b: int) -> int:
+        return 4 * b * (4 * self.d + self.n_vocab)
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
+        g.ggml_set_input(x)
+        return {"x": (x, (b, self.d), "f32")}, [g.ggml_mul_mat(ctx, self._w, _rms(ctx, x, self._norm, self.eps))]
+
+    def __call__(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.d:
+            raise KernelError(f"x must be [n, {self.d}], got {x.shape}")
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["x"][: e - s] = x[s:e]
+
+        return self._run(x.shape[0], n_threads, fill, 1)[0]
+
+
+class Attention:
+    """Causal grouped-query attention of one sequence's new rows against its KV cache, as llama.cpp
+    computes it without flash attention: ``kq = K q`` (query head h reads kv head h // group),
+    ``softmax(kq * scale + mask)``, ``V^T kq``, over ``n_kv`` cache rows -- the used rows rounded up
+    to ``kv_pad`` (llama.cpp pads its KV view; the padding changes the dot products' summation
+    order, never their terms: masked rows weigh exactly 0).
+
+    Both are read in place (strided leaves over the caches, as llama.cpp's views): K
+    ``[n_ctx, Hkv, hdk]``, V transposed ``[Hkv, hdv, n_ctx]``. The padding rows ``used .. n_kv``
+    (not yet written for this sequence) are zeroed before each call, so a previous occupant's
+    numbers -- even non-finite ones -- never meet a 0 weight as inf * 0.
+    """
+
+    def __init__(self, *, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int, kv_pad: int = 256,
+                 max_rows: int = 256, max_graphs: int = 32) -> None:
+        if n_head % n_head_kv:
+            raise KernelError("n_head must be a multiple of n_head_kv")
+        self.H, self.Hkv, self.hdk, self.hdv = n_head, n_head_kv, head_dim_k, head_dim_v
+        self.kv_pad, self.max_rows, self.max_graphs = int(kv_pad), int(max_rows), int(max_graphs)
+        self.scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim_k)))
+        self._plans: dict[tuple[int, int, int, int], tuple[_Plan, tuple[Any, Any, int], dict[str, np.ndarray], _Ctx]] = {}
+        self._lock = threading.Lock()
+
+    def n_kv(self, used: int, n_ctx: int) -> int:
+        return min(n_ctx, -(-used // self.kv_pad) * self.kv_pad)
+
+    def _plan(self, b: int, n_kv: int, tid: int, n_threads: int
+              ) -> tuple[_Plan, tuple[Any, Any, int], dict[str, np.ndarray], _Ctx]:
+        key = (b, n_kv, tid, n_threads)
+        p = self._plans.get(key)
+        if p is not None:
+            return p
+        if len(self._plans) >= self.max_graphs:  # drop the oldest (dicts keep insertion order)
+            old = self._plans.pop(next(iter(self._plans)))
+            old[0].ctx.free()
+            old[3].free()
+        H, Hkv, hdk, hdv = self.H, self.Hkv, self.hdk, self.hdv
+        es = 2 if tid == g.GGML_TYPE_F16 else 4
+        mem = 4 * b * (H * hdk + 3 * H * n_kv + 2 * H * hdv) + 4 * n_kv * b
+        ctx = _Ctx(mem + 32 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_NODES, False) + 32 * 64,
+                   no_alloc=False)
+        lctx = _Ctx(4 * g.ggml_tensor_overhead() + 256, no_alloc=True)
+        c = ctx.ctx
+        q = g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, hdk, H, b)
+        mask = g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, n_kv, b)
+        k = g.ggml_new_tensor_3d(lctx.ctx, tid, hdk, n_kv, Hkv)  # strided views of the caches, as llama.cpp's
+        k.contents.nb[1] = Hkv * hdk * es
+        k.contents.nb[2] = hdk * es
+        k.contents.nb[3] = Hkv * hdk * es * n_kv
+        vt = g.ggml_new_tensor_3d(lctx.ctx, tid, n_kv, hdv, Hkv)  # nb[1], nb[2] depend on n_ctx: set per call
+        for t in (q, vt, mask, k):
+            g.ggml_set_input(t)
+        kq = g.ggml_mul_mat(c, k, g.ggml_permute(c, q, 0, 2, 1, 3))  # [n_kv, b, H]
+        kq = g.ggml_soft_max_ext(c, kq, mask, ctypes.c_float(self.scale), ctypes.c_float(0.0))
+        kqv = g.ggml_mul_mat(c, vt, kq)  # [hdv, b, H]
+        out = g.ggml_cont(c, g.ggml_permute(c, kqv, 0, 2, 1, 3))  # [hdv, H, b]
+        g.ggml_set_output(out)
+        graph = g.ggml_new_graph_custom(c, _NODES, False)
+        g.ggml_build_forward_expand(graph, out)
+        plan = _Plan(ctx, graph, n_threads, 0)
+        views = {"q": _f32_view(q, (b, H * hdk)), "mask": _f32_view(mask, (b, n_kv)), "out": _f32_view(out, (b, H * hdv))}
+        views["q"][:] = 0
+        views["mask"][:] = 0
+        p = (plan, (k, vt, es), views, lctx)
+        self._plans[key] = p
+        return p
+
+    def macs(self, n: int, n_kv: int) -> int:
+        return n * n_kv * self.H * (self.hdk + self.hdv)
+
+    def __call__(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int,
+                 n_threads: int = 1) -> np.ndarray:
+        """``q[n, H*hdk]`` (roped) of rows at positions ``pos .. pos+n-1``; ``k_cache`` ``[n_ctx, Hkv,
+        hdk]`` and ``v_cache`` ``[Hkv, hdv, n_ctx]``, float32 or float16, already holding this step's
+        rows. Returns ``[n, H*hdv]``."""
+        n = q.shape[0]
+        n_ctx = k_cache.shape[0]
+        if q.shape != (n, self.H * self.hdk) or k_cache.shape[1:] != (self.Hkv, self.hdk) \
+                or v_cache.shape != (self.Hkv, self.hdv, n_ctx) or k_cache.dtype != v_cache.dtype:
+            raise KernelError("attention shapes do not match")
+        if not k_cache.flags.c_contiguous or not v_cache.flags.c_contiguous:
+            raise KernelError("KV caches must be C-contiguous")
+        if k_cache.dtype == np.float16:
+            tid = g.GGML_TYPE_F16
+        elif k_cache.dtype == np.float32:
+            tid = g.GGML_TYPE_F32
+        else:
+            raise KernelError(f"KV cache type {k_cache.dtype} is not supported")
+        used = pos + n
+        if used > n_ctx:
+            raise KernelError("rows beyond the cache")
+        n_kv = self.n_kv(used, n_ctx)
+        out = np.empty((n, self.H * self.hdv), dtype=np.float32)
+        kpos = np.arange(n_kv)
+        with self._lock:
+            for s in range(0, n, self.max_rows):
+                e = min(n, s + self.max_rows)
+                m = e - s
+                b = _bucket(m, self.max_rows)
+                plan, (kt, vt, es), v, _ = self._plan(b, n_kv, tid, n_threads)
+                if n_kv > used:
+                    k_cache[used:n_kv] = 0
+                    v_cache[:, :, used:n_kv] = 0
+                kt.contents.data = k_cache.ctypes.data
+                vt.contents.data = v_cache.ctypes.data
+                vt.contents.nb[1] = n_ctx * es
+                vt.contents.nb[2] = self.hdv * n_ctx * es
+                vt.contents.nb[3] = self.Hkv * self.hdv * n_ctx * es
+                v["q"][:m] = q[s:e]
+                qpos = pos + s + np.arange(b)
+                v["mask"][:] = np.where(kpos[None, :] > np.minimum(qpos, used - 1)[:, None], -np.inf, 0.0)
+                plan.compute(n_threads, 0)
+                out[s:e] = v["out"][:m]
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for plan, _, _, lctx in self._plans.values():
+                plan.ctx.free()
+                lctx.free()
+            self._plans.clear()
