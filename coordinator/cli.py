@@ -37,6 +37,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=None, help="compute threads in all (default: the physical cores)")
     c.add_argument("--no-hole-punch", action="store_true",
                    help="keep relayed connections relayed (no DCUtR upgrade to a direct connection)")
+    c.add_argument("--dispatch", choices=["adaptive", "offload"], default="adaptive",
+                   help="adaptive: local when idle, split with proven volunteers under load (default); "
+                        "offload: every range with a live volunteer goes remote")
+    c.add_argument("--saturation-threshold", type=int, default=2,
+                   help="busy slots from which the coordinator counts as under load")
+    c.add_argument("--serve-ttl", type=float, default=20.0,
+                   help="seconds proven volunteers keep their share after the load ends")
+    c.add_argument("--hedge-floor-ms", type=float, default=50.0,
+                   help="a slow remote call is raced against another copy after max(this, its p95)")
+    c.add_argument("--hot-experts", type=int, default=0,
+                   help="the K most-routed experts of each layer always run locally")
     c.set_defaults(func=run)
     return c
 
@@ -62,7 +73,13 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "kernel": ns.kernel,
         "kv_type": ns.kv_type,
         "threads": ns.threads,
-    }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch"})
+        "dispatch": ns.dispatch,
+        "saturation_threshold": ns.saturation_threshold,
+        "serve_ttl_s": ns.serve_ttl,
+        "hedge_floor_ms": ns.hedge_floor_ms,
+        "hot_experts": ns.hot_experts,
+    }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
+              "serve_ttl_s": "--serve-ttl"})
 
 
 def run(ns: argparse.Namespace) -> int:

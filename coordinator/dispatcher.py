@@ -1,18 +1,28 @@
-"""Remote experts: the coordinator's dispatcher (shell between the engine thread and libp2p).
+"""Remote experts: the coordinator's dispatcher (shell around ``coordinator.core.dispatch``).
 
 Rules:
-- ``Dispatcher.moe`` is the engine's ``ExpertBackend``; it runs in the engine thread. Per MoE
-  layer it partitions the experts by the dispatch map's ranges, groups the routed (row, expert)
-  pairs by range, asks the policy (pure, ``coordinator.core.dispatch``) where each range goes,
-  hands the remote ones to the trio loop *before* computing the local ones, then waits for the
-  remote answers and combines every range's partial sum in ascending ``lo`` (canonical order).
-- A remote range whose worker errors, times out, or answers the wrong shape or NaN is retried on
-  the next live replica with the next attempt number; when none is left it is computed locally
-  (the coordinator holds every expert: the replica of last resort). The failing worker is marked
-  down with backoff. A late answer of an old attempt is dropped by the client.
-- A range's partial sum is computed by its ``swarm.model.kernels.ExpertKernel`` on exactly the rows
-  that have pairs in the range, locally or on a volunteer, so both give the same bits.
-- The worker table is shared by the two threads under one lock; the trio side owns the clients.
+- Every decision is the core's (``DispatchCore.handle(event, now)``, ``now`` = ``trio.current_time()``):
+  where a range runs, hedges, retries, fallbacks, deadlines, marking workers down, when a layer is
+  complete. This module only moves tensors and bytes: it groups a layer's routed pairs by the
+  dispatch map's ranges, reports what happened as events, and executes the effects (expert calls
+  in the nursery, the local kernel on the local runner, timers as sleeping tasks, cancellation by
+  cancel scope). It runs on the trio thread only, so the core needs no lock.
+- ``dispatch_layer`` dispatches one MoE layer from a trio task; ``Dispatcher.moe`` is the engine's
+  ``ExpertBackend``: it runs in the engine thread and calls ``dispatch_layer`` through
+  ``trio.from_thread.run`` (DESIGN §5). Without a running loop (``serve`` not started) ``moe``
+  computes every range locally, in the same partition.
+- The local share computes while the remote calls are in flight: in production the local kernel
+  runs on one worker thread (``trio.to_thread.run_sync`` under a ``CapacityLimiter(1)``: the local
+  ranges queue, which is what the core's backlog estimate models); tests plug in an async runner.
+- A range's partial sum is computed by the same ``ExpertKernel`` on exactly the rows that have pairs
+  in it, locally or on a volunteer; partial sums are added in ascending ``lo`` (DESIGN §3): the
+  output does not depend on who won a hedge. A cancelled call's answer is discarded (the v1 stream
+  has no Cancel frame; the client drops answers nobody waits for).
+- Load: every ``sample_interval_s`` the ``load_probe`` (busy slots, slots) runs on a worker thread
+  under ``sample_timeout_s``; a hung or failed probe is abandoned and reported
+  (``LoadSampleTimeout``), it never blocks dispatch.
+- Clocks: the trio clock for every decision and measurement; the wall clock only for the Unix-ms
+  stamps of the report (``last_serve_ms``, error and mode-change times).
 - Volunteers behind NATs are reached through ``/p2p-circuit`` addresses and upgraded to direct
   connections by DCUtR hole punching (``swarm.p2p.nat``, attached to a libp2p transport while the
   dispatcher serves). A worker's expert stream that may have opened on the relayed connection
@@ -26,91 +36,255 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from coordinator.core.dispatch import BalancedPolicy, DispatchPolicy, WorkerTable
+from coordinator.core.dispatch import (
+    CallId,
+    Cancel,
+    CancelTimer,
+    Combine,
+    DispatchConfig,
+    DispatchCore,
+    Effect,
+    Event,
+    Fail,
+    FailureKind,
+    Hedge,
+    LayerReady,
+    LoadSample,
+    LoadSampleTimeout,
+    LocalDone,
+    LocalFailed,
+    MarkDown,
+    MarkProven,
+    ModeChanged,
+    RangeWork,
+    RemoteDone,
+    RemoteFailed,
+    RunLocal,
+    SendRemote,
+    StartTimer,
+    StepId,
+    Timer,
+    TimerFired,
+    WorkersListed,
+    WorkerTable,
+)
 from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate
-from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
-from swarm.errors import ConfigError, SwarmError
+from swarm.dispatch_map import DispatchMap, decode_dispatch_map, partition_layer
+from swarm.errors import (
+    BrokenError,
+    ClosedError,
+    ConfigError,
+    DialError,
+    DispatchFailed,
+    ProtocolError,
+    Refused,
+    SwarmError,
+    TransportTimeout,
+)
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend, expert_kernel, kernel_id
 from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
-from swarm.protocol.coordinator import DispatchReport, LayerRows, WorkerReport
+from swarm.protocol.coordinator import (
+    DispatchErrorReport,
+    DispatchReport,
+    LayerRows,
+    ModeChange,
+    WorkerReport,
+)
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
 from swarm.rpc.client import ExpertClient
 
-__all__ = ["Dispatcher", "watch_dispatch_map_file"]
+__all__ = [
+    "DispatchCollector",
+    "Dispatcher",
+    "HostedModel",
+    "LocalJob",
+    "LocalKernel",
+    "LocalRunner",
+    "LoadProbe",
+    "watch_dispatch_map_file",
+]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _RangeJob:
-    r: RangeReplicas
-    rows: torch.Tensor  # indices into the layer's rows, ascending
-    x: torch.Tensor  # x[rows]
-    pair_rows: torch.Tensor  # indices into ``x`` (this job's rows)
-    pair_experts: torch.Tensor  # local expert index (relative to lo)
+@dataclass(frozen=True)
+class LocalJob:
+    """One range's share of a layer: ``x`` = the rows with pairs in ``[lo, hi)``, the pairs (row into
+    ``x``, expert relative to ``lo``, weight) in the router's order."""
+
+    layer: int
+    lo: int
+    hi: int
+    x: torch.Tensor
+    pair_rows: torch.Tensor
+    pair_experts: torch.Tensor
     pair_weights: torch.Tensor
-    candidates: tuple[str, ...] = ()
-    result: torch.Tensor | None = None
-    served_by: str | None = None
-    errors: list[str] = field(default_factory=list)
+
+
+LocalKernel = Callable[[LocalJob], torch.Tensor]  # synchronous: the partial sums [rows, d_model]
+LocalRunner = Callable[[LocalJob], Awaitable[torch.Tensor]]  # runs a LocalJob from the trio thread
+LoadProbe = Callable[[], tuple[int, int]]  # (busy slots, slots)
+
+
+class _Dims(Protocol):
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_expert(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+
+
+class HostedModel(Protocol):
+    """What the dispatcher needs of the hosted model (a ``GGUFModel``; tests pass a small fake)."""
+
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def config(self) -> _Dims: ...
 
 
 @dataclass
-class LayerCounters:
-    local_rows: int = 0
-    remote_rows: int = 0
-    fallback_rows: int = 0
+class _Job:
+    lo: int
+    hi: int
+    replicas: tuple[str, ...]
+    rows: torch.Tensor  # indices into the layer's rows, ascending
+    local: LocalJob
+    request: tuple[list[list[int]], list[list[float]]] | None = None  # per-row (experts, weights), built once
+
+    def lists(self) -> tuple[list[list[int]], list[list[float]]]:
+        if self.request is None:
+            n = int(self.local.x.shape[0])
+            experts: list[list[int]] = [[] for _ in range(n)]
+            weights: list[list[float]] = [[] for _ in range(n)]
+            for r, e, w in zip(self.local.pair_rows.tolist(), self.local.pair_experts.tolist(),
+                               self.local.pair_weights.tolist(), strict=True):
+                experts[r].append(e)
+                weights[r].append(w)
+            self.request = (experts, weights)
+        return self.request
+
+
+@dataclass(eq=False)
+class _StepRun:
+    layer: int
+    jobs: list[_Job]
+    done: trio.Event = field(default_factory=trio.Event)
+    results: dict[CallId, torch.Tensor] = field(default_factory=dict)
+    combine: Combine | None = None
+    fail: Fail | None = None
+
+
+def _failure_kind(exc: SwarmError) -> FailureKind:
+    match exc:
+        case TransportTimeout():
+            return FailureKind.TIMEOUT
+        case DialError():
+            return FailureKind.DIAL
+        case BrokenError():
+            return FailureKind.BROKEN
+        case ClosedError():
+            return FailureKind.CLOSED
+        case Refused():
+            return FailureKind.REFUSED
+        case ProtocolError():
+            return FailureKind.PROTOCOL
+    return FailureKind.OTHER
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _always_held(layer: int, lo: int, hi: int) -> bool:
+    return True
 
 
 class Dispatcher:
     def __init__(
         self,
-        model: GGUFModel,
+        model: GGUFModel | HostedModel,
         transport: Transport | None,
         *,
-        policy: DispatchPolicy | None = None,
-        timeout_s: float = 3.0,
+        config: DispatchConfig | None = None,
+        timeout_s: float | None = None,
         wire_dtype: str = "float32",
         hole_punch: bool = True,
         kernel: KernelBackend | None = None,
+        load_probe: LoadProbe | None = None,
+        probe_in_thread: bool = True,
+        held: Callable[[int, int, int], bool] = _always_held,
+        local_kernel: LocalKernel | None = None,
+        local_runner: LocalRunner | None = None,
     ) -> None:
-        self.kernel = kernel if kernel is not None else model.kernel
+        """``config`` holds the policy (``timeout_s``, if given, overrides its deadline); ``held(layer,
+        lo, hi)`` tells the ranges the coordinator holds; ``local_kernel`` computes a range here
+        (default: the model's experts with ``kernel``); ``local_runner`` runs it from the trio thread
+        (default: ``local_kernel`` on a worker thread); ``load_probe`` gives (busy slots, slots), called on
+        a worker thread unless ``probe_in_thread`` is False (tests under a virtual clock)."""
+        cfg = config if config is not None else DispatchConfig()
+        if timeout_s is not None:
+            cfg = dataclasses.replace(cfg, timeout_s=timeout_s)
+        self.config = cfg
         self.model = model
         self.cfg = model.config
+        self.kernel: KernelBackend | None = kernel if kernel is not None else getattr(model, "kernel", None)
         self.transport = transport
-        self.policy: DispatchPolicy = policy if policy is not None else BalancedPolicy()
-        self.timeout_s = timeout_s
+        self.timeout_s = cfg.timeout_s
         self.wire_dtype = wire_dtype
-        self.table = WorkerTable()
+        self.hole_punch = hole_punch
+        self.load_probe = load_probe
+        self.probe_in_thread = probe_in_thread
+        self.held = held
+        if local_kernel is None:
+            if not isinstance(model, GGUFModel):
+                raise ConfigError("a dispatcher without a GGUF model needs a local_kernel")
+            local_kernel = self._model_kernel
+        self.local_kernel: LocalKernel = local_kernel
+        self._local_runner: LocalRunner = local_runner if local_runner is not None else self._thread_runner
+        self._local_limiter = trio.CapacityLimiter(1)
+        self.core = DispatchCore(cfg, n_layer=self.cfg.n_layer, n_expert=self.cfg.n_expert)
         self.map: DispatchMap | None = None
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self._step_ids = itertools.count(1)
+        self._steps: dict[StepId, _StepRun] = {}
+        self._calls: dict[CallId, trio.CancelScope] = {}
+        self._timers: dict[Timer, trio.CancelScope] = {}
+        self._events: deque[Event] = deque()
+        self._handling = False
+        self._last_now = 0.0
         self._clients: dict[str, ExpertClient] = {}
         self._addrs: dict[str, list[str]] = {}
-        self.hole_punch = hole_punch
         self._session_opened: dict[str, float] = {}  # peer -> start of the call that opened its stream
         self._sessions_seen: dict[str, tuple[int, int]] = {}  # peer -> (id(client), sessions_opened)
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self.counters = [LayerCounters() for _ in range(self.cfg.n_layer)]
+        self._mode_changes: deque[ModeChange] = deque(maxlen=16)
         self.maps_rejected = 0  # map files or market maps that could not be adopted
         self.map_error = ""  # why the last one was not
+
+    @property
+    def table(self) -> WorkerTable:
+        return self.core.table
 
     def reject_map(self, reason: str) -> None:
         """A map from the file or the market was not adopted: count it, keep the reason for /dispatch."""
@@ -133,15 +307,18 @@ class Dispatcher:
             yield
 
     async def _serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self._token = trio.lowlevel.current_trio_token()
             nursery.start_soon(self._watch_paths)
+            if self.load_probe is not None:
+                nursery.start_soon(self._sample_load, self.load_probe)
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+                self._token = None
                 for c in list(self._clients.values()):
                     with trio.CancelScope(shield=True):
                         await c.aclose()
@@ -156,9 +333,10 @@ class Dispatcher:
         if self.map is not None and m.version < self.map.version and not force:
             return False
         peers = m.peers()
-        with self._lock:
-            added, removed = self.table.sync(set(peers), time.monotonic())
-            self.map = m
+        before = set(self.core.table.workers)
+        self.map = m
+        self._post(WorkersListed(frozenset(peers)))
+        added, removed = peers.keys() - before, before - peers.keys()
         for p in removed:
             c = self._clients.pop(p, None)
             self._addrs.pop(p, None)
@@ -174,6 +352,239 @@ class Dispatcher:
         log.info("dispatch map v%d: %d workers (+%d -%d)", m.version, len(peers), len(added), len(removed))
         return True
 
+    # -- events in, effects out ---------------------------------------------------------------------
+    def _post(self, ev: Event) -> None:
+        """Hand ``ev`` to the core and execute its effects (events raised meanwhile queue up)."""
+        self._events.append(ev)
+        if self._handling:
+            return
+        self._handling = True
+        try:
+            while self._events:
+                e = self._events.popleft()
+                for eff in self.core.handle(e, self._now()):
+                    self._execute(eff)
+        finally:
+            self._handling = False
+
+    def _now(self) -> float:
+        """The trio clock (the core's only clock); outside a trio run (a map set before serving) the
+        last time seen."""
+        try:
+            self._last_now = trio.current_time()
+        except RuntimeError:
+            pass
+        return self._last_now
+
+    def _execute(self, eff: Effect) -> None:
+        match eff:
+            case SendRemote(call=call, step=step, index=index, peer=peer, request_id=rid, attempt=attempt):
+                self._start_remote(call, step, index, peer, rid, attempt)
+            case Hedge(call=call, step=step, index=index, peer=None):
+                self._start_local(call, step, index)
+            case Hedge(call=call, step=step, index=index, peer=str() as peer, request_id=rid, attempt=attempt):
+                self._start_remote(call, step, index, peer, rid, attempt)
+            case RunLocal(call=call, step=step, index=index):
+                self._start_local(call, step, index)
+            case Cancel(call=call):
+                scope = self._calls.pop(call, None)
+                if scope is not None:
+                    scope.cancel()
+            case StartTimer(timer=timer, at=at):
+                self._start_timer(timer, at)
+            case CancelTimer(timer=timer):
+                scope = self._timers.pop(timer, None)
+                if scope is not None:
+                    scope.cancel()
+            case MarkDown(peer=peer, kind=kind, message=message, retry_at=retry_at):
+                log.warning("worker %s marked down (%s: %s), retry in %.1fs", peer, kind.value, message,
+                            max(0.0, retry_at - trio.current_time()))
+            case MarkProven(peer=peer):
+                log.info("worker %s proven", peer)
+            case Combine(step=step) | Fail(step=step):
+                run = self._steps.get(step)
+                if run is not None:
+                    if isinstance(eff, Combine):
+                        run.combine = eff
+                    else:
+                        run.fail = eff
+                    run.done.set()
+            case ModeChanged(state=state, reason=reason):
+                log.info("dispatch: %s (%s)", state.value, reason.value)
+                self._mode_changes.append(ModeChange(at_ms=_wall_ms(), state=state.value, reason=reason.value))
+
+    def _spawn(self, fn: Callable[[trio.CancelScope], Awaitable[None]], scope: trio.CancelScope) -> bool:
+        if self._nursery is None:
+            return False
+        self._nursery.start_soon(fn, scope)
+        return True
+
+    def _start_timer(self, timer: Timer, at: float) -> None:
+        scope = trio.CancelScope()
+        self._timers[timer] = scope
+
+        async def fire(scope: trio.CancelScope) -> None:
+            with scope:
+                await trio.sleep_until(at)
+            if not scope.cancelled_caught and self._timers.get(timer) is scope:
+                del self._timers[timer]
+                self._post(TimerFired(timer))
+
+        if not self._spawn(fire, scope):
+            self._timers.pop(timer, None)
+
+    def _start_remote(self, call: CallId, step: StepId, index: int, peer: str, rid: int, attempt: int) -> None:
+        run = self._steps.get(step)
+        if run is None or self.transport is None or self._nursery is None:
+            self._events.append(RemoteFailed(call, FailureKind.CLOSED, "the dispatcher is not serving"))
+            return
+        job = run.jobs[index]
+        experts, weights = job.lists()
+        req = ExpertRequest(
+            request_id=RequestId(rid), attempt=attempt, model_id=self.model.model_id, layer=run.layer, lo=job.lo,
+            hi=job.hi, n_rows=int(job.local.x.shape[0]), dtype=self.wire_dtype, d_model=self.cfg.d_model,
+            experts=experts, weights=weights,
+        )
+        scope = trio.CancelScope()
+        self._calls[call] = scope
+
+        async def remote(scope: trio.CancelScope) -> None:
+            started = trio.current_time()
+            ev: Event | None = None
+            with scope:
+                try:
+                    out = await self._client(peer).call(req, job.local.x, timeout=self.timeout_s)
+                except SwarmError as exc:
+                    msg = f"{type(exc).__name__}[{exc.code}]: {exc.message}"
+                    log.info("expert call to %s failed (layer %d %d-%d): %s", peer, run.layer, job.lo, job.hi, msg)
+                    ev = RemoteFailed(call, _failure_kind(exc), msg, _wall_ms())
+                else:
+                    run.results[call] = out
+                    self._note_session(peer, started)
+                    ev = RemoteDone(call, _wall_ms())
+            if self._calls.get(call) is scope:
+                del self._calls[call]
+            if ev is not None and not scope.cancelled_caught:
+                self._post(ev)
+
+        self._spawn(remote, scope)
+
+    def _start_local(self, call: CallId, step: StepId, index: int) -> None:
+        run = self._steps.get(step)
+        if run is None or self._nursery is None:
+            self._events.append(LocalFailed(call, "the dispatcher is not serving"))
+            return
+        job = run.jobs[index].local
+        scope = trio.CancelScope()
+        self._calls[call] = scope
+
+        async def local(scope: trio.CancelScope) -> None:
+            ev: Event | None = None
+            with scope:
+                async with self._local_limiter:  # one local range at a time: the core's backlog model
+                    t0 = trio.current_time()
+                    try:
+                        out = await self._local_runner(job)
+                    except Exception as exc:  # a bug or a kernel error: reported, the layer fails
+                        log.exception("local experts failed (layer %d %d-%d)", job.layer, job.lo, job.hi)
+                        ev = LocalFailed(call, f"{type(exc).__name__}: {exc}")
+                    else:
+                        run.results[call] = out
+                        ev = LocalDone(call, trio.current_time() - t0)
+            if self._calls.get(call) is scope:
+                del self._calls[call]
+            if ev is not None and not scope.cancelled_caught:
+                self._post(ev)
+
+        self._spawn(local, scope)
+
+    def _model_kernel(self, job: LocalJob) -> torch.Tensor:
+        assert isinstance(self.model, GGUFModel)
+        sub = self.model.expert_stack(job.layer, job.lo, job.hi)
+        k = expert_kernel(sub, self.kernel) if self.kernel is not None else expert_kernel(sub)
+        return k.partial_sum(job.x, job.pair_rows, job.pair_experts, job.pair_weights)
+
+    def _compute_in_thread(self, job: LocalJob) -> torch.Tensor:
+        with torch.no_grad():
+            return self.local_kernel(job)
+
+    async def _thread_runner(self, job: LocalJob) -> torch.Tensor:
+        return await trio.to_thread.run_sync(self._compute_in_thread, job)
+
+    async def _sample_load(self, probe: LoadProbe) -> None:
+        c = self.config
+        while True:
+            ev: Event = LoadSampleTimeout(f"no load sample within {c.sample_timeout_s:g}s")
+            with trio.move_on_after(c.sample_timeout_s):
+                try:
+                    if self.probe_in_thread:
+                        busy, n_slots = await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
+                    else:
+                        busy, n_slots = probe()
+                    ev = LoadSample(int(busy), int(n_slots))
+                except Exception as exc:  # the probe is the engine's: whatever it raises, dispatch goes on
+                    ev = LoadSampleTimeout(f"load sample failed: {type(exc).__name__}: {exc}")
+            self._post(ev)
+            await trio.sleep(c.sample_interval_s)
+
+    # -- one layer -------------------------------------------------------------------------------------
+    def _jobs(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> list[_Job]:
+        n_tok, k = topk_ids.shape
+        all_rows = torch.arange(n_tok).repeat_interleave(k)
+        all_e = topk_ids.reshape(-1)
+        all_w = topk_w.reshape(-1)
+        m = self.map
+        jobs: list[_Job] = []
+        for r in partition_layer(m.ranges_of(layer) if m is not None else [], self.cfg.n_expert):
+            sel = (all_e >= r.lo) & (all_e < r.hi)
+            if not bool(sel.any()):
+                continue
+            pr = all_rows[sel]
+            rows = torch.unique(pr)
+            local = LocalJob(layer, r.lo, r.hi, x.index_select(0, rows), torch.searchsorted(rows, pr),
+                             all_e[sel] - r.lo, all_w[sel])
+            replicas = tuple(rep.peer_id for rep in r.replicas) if self.transport is not None else ()
+            jobs.append(_Job(r.lo, r.hi, replicas, rows, local))
+        return jobs
+
+    def _combine(self, n_tok: int, jobs: list[_Job], results: Iterable[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(n_tok, self.cfg.d_model, dtype=torch.float32)
+        for j, res in zip(jobs, results, strict=True):  # jobs are in ascending lo
+            out.index_add_(0, j.rows, res)
+        return out
+
+    async def dispatch_layer(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                             topk_w: torch.Tensor) -> torch.Tensor:
+        """The routed-expert output ``[T, d_model]`` of one MoE layer (trio side)."""
+        jobs = self._jobs(layer, x, topk_ids, topk_w)
+        works = tuple(RangeWork(j.lo, j.hi, int(j.local.x.shape[0]), int(j.local.pair_rows.shape[0]), j.replicas,
+                                self.held(layer, j.lo, j.hi)) for j in jobs)
+        expert_pairs: tuple[int, ...] = ()
+        if self.config.hot_experts > 0:
+            expert_pairs = tuple(int(n) for n in torch.bincount(topk_ids.reshape(-1), minlength=self.cfg.n_expert))
+        step = StepId(next(self._step_ids))
+        run = _StepRun(layer, jobs)
+        self._steps[step] = run
+        try:
+            self._post(LayerReady(step, layer, works, expert_pairs))
+            # no deadline here: every remote call has the core's deadline, the local kernel returns
+            await run.done.wait()
+        finally:
+            del self._steps[step]
+        if run.fail is not None:
+            raise DispatchFailed(run.fail.message)
+        assert run.combine is not None
+        return self._combine(int(topk_ids.shape[0]), jobs, (run.results[c] for c in run.combine.calls))
+
+    # -- engine thread ------------------------------------------------------------------------------
+    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        token = self._token
+        if token is None:  # not serving: every range here, in the same partition (same bits)
+            jobs = self._jobs(layer, x, topk_ids, topk_w)
+            return self._combine(int(topk_ids.shape[0]), jobs, (self.local_kernel(j.local) for j in jobs))
+        return trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token)
+
+    # -- NAT path migration ---------------------------------------------------------------------------
     def _client(self, peer: str) -> ExpertClient:
         c = self._clients.get(peer)
         if c is None:
@@ -181,51 +592,6 @@ class Dispatcher:
             c = ExpertClient(self.transport, peer, self._addrs.get(peer, []), self._nursery)
             self._clients[peer] = c
         return c
-
-    async def _run_remote(self, layer: int, job: _RangeJob, done: queue.SimpleQueue[_RangeJob]) -> None:
-        try:
-            req_id = RequestId(next(self._ids))
-            experts: list[list[int]] = [[] for _ in range(job.x.shape[0])]
-            weights: list[list[float]] = [[] for _ in range(job.x.shape[0])]
-            for r, e, w in zip(job.pair_rows.tolist(), job.pair_experts.tolist(), job.pair_weights.tolist(), strict=True):
-                experts[r].append(e)
-                weights[r].append(w)
-            for attempt, peer in enumerate(job.candidates):
-                if self.transport is None or self._nursery is None:
-                    break
-                with self._lock:
-                    if peer not in self.table.workers:
-                        continue  # detached by a map change since this job was planned
-                req = ExpertRequest(
-                    request_id=req_id, attempt=attempt, model_id=self.model.model_id, layer=layer, lo=job.r.lo,
-                    hi=job.r.hi, n_rows=int(job.x.shape[0]), dtype=self.wire_dtype, d_model=self.cfg.d_model,
-                    experts=experts, weights=weights,
-                )
-                t0 = time.monotonic()
-                call_started = trio.current_time()
-                with self._lock:
-                    self.table.started(peer)
-                try:
-                    out = await self._client(peer).call(req, job.x, timeout=self.timeout_s)
-                except SwarmError as exc:
-                    msg = f"{type(exc).__name__}[{exc.code}]: {exc.message}"
-                    job.errors.append(f"{peer}: {msg}")
-                    log.warning("expert call to %s failed (layer %d %d-%d): %s", peer, layer, job.r.lo, job.r.hi, msg)
-                    with self._lock:
-                        self.table.failed(peer, msg, time.monotonic())
-                    continue
-                finally:
-                    with self._lock:
-                        self.table.finished(peer)
-                with self._lock:
-                    self.table.succeeded(peer, rows=int(job.x.shape[0]), latency_s=time.monotonic() - t0,
-                                         wall_ms=int(time.time() * 1000))
-                self._note_session(peer, call_started)
-                job.result = out
-                job.served_by = peer
-                break
-        finally:
-            done.put(job)
 
     def _note_session(self, peer: str, call_started: float) -> None:
         """Remember when the client's current stream opened: no later than the call that opened it."""
@@ -267,68 +633,6 @@ class Dispatcher:
         await trio.sleep(self.timeout_s)  # calls in flight on the old stream finish first
         await client.aclose()
 
-    def _start_remote(self, layer: int, jobs: list[_RangeJob], done: queue.SimpleQueue[_RangeJob]) -> None:
-        """Runs in the trio thread (``run_sync_soon``)."""
-        for job in jobs:
-            if self._nursery is None:
-                done.put(job)
-            else:
-                self._nursery.start_soon(self._run_remote, layer, job, done)
-
-    # -- engine thread ------------------------------------------------------------------------------
-    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        n_tok, k = topk_ids.shape
-        all_rows = torch.arange(n_tok).repeat_interleave(k)
-        all_e = topk_ids.reshape(-1)
-        all_w = topk_w.reshape(-1)
-        m = self.map
-        ranges = partition_layer(m.ranges_of(layer) if m is not None else [], self.cfg.n_expert)
-        jobs: list[_RangeJob] = []
-        now = time.monotonic()
-        for r in ranges:
-            sel = (all_e >= r.lo) & (all_e < r.hi)
-            if not bool(sel.any()):
-                continue
-            pr = all_rows[sel]
-            rows = torch.unique(pr)
-            job = _RangeJob(r, rows, x.index_select(0, rows), torch.searchsorted(rows, pr), all_e[sel] - r.lo, all_w[sel])
-            with self._lock:
-                job.candidates = self.policy.choose([rep.peer_id for rep in r.replicas], self.table, now).candidates
-            jobs.append(job)
-        remote = [j for j in jobs if j.candidates and self.transport is not None]
-        done: queue.SimpleQueue[_RangeJob] = queue.SimpleQueue()
-        if remote:
-            assert self._token is not None
-            self._token.run_sync_soon(self._start_remote, layer, remote, done)
-        c = self.counters[layer]
-        for j in jobs:
-            if not (j.candidates and self.transport is not None):
-                j.result = self._local(layer, j)
-                c.local_rows += int(j.x.shape[0])
-        # every remote job reports back (success or exhausted candidates) within
-        # len(candidates) * timeout; the margin only guards against a dead trio loop
-        deadline = time.monotonic() + max((len(j.candidates) for j in remote), default=0) * self.timeout_s + 5.0
-        for _ in remote:
-            try:
-                j = done.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-        for j in remote:
-            if j.result is None or j.served_by is None:
-                j.result = self._local(layer, j)
-                c.fallback_rows += int(j.x.shape[0])
-            else:
-                c.remote_rows += int(j.x.shape[0])
-        out = torch.zeros(n_tok, self.cfg.d_model, dtype=torch.float32)
-        for j in sorted(jobs, key=lambda j: j.r.lo):
-            assert j.result is not None
-            out.index_add_(0, j.rows, j.result)
-        return out
-
-    def _local(self, layer: int, j: _RangeJob) -> torch.Tensor:
-        sub = self.model.expert_stack(layer, j.r.lo, j.r.hi)
-        return expert_kernel(sub, self.kernel).partial_sum(j.x, j.pair_rows, j.pair_experts, j.pair_weights)
-
     # -- reporting ------------------------------------------------------------------------------------
     def _peer_kernel_id(self, peer: str) -> str:
         c = self._clients.get(peer)
@@ -344,27 +648,81 @@ class Dispatcher:
                             upgraded_at=self._upgraded_at(peer))
 
     def report(self) -> DispatchReport:
-        """``/dispatch``: the map followed, every worker's health and path, rows per layer."""
-        with self._lock:
-            views = self.table.views(time.monotonic())
+        """``/dispatch``: the map followed, every worker's health and path, rows per layer, the load
+        state, decisions by reason and the last failures (trio side)."""
+        now = self._now()
+        core = self.core
+        c = self.config
         m = self.map
+        s = core.sample
         return DispatchReport(
             model_id=self.model.model_id,
             map_version=m.version if m is not None else None,
             maps_rejected=self.maps_rejected,
             map_error=self.map_error,
-            policy=type(self.policy).__name__,
+            policy=c.mode.value,
             timeout_s=self.timeout_s,
             wire_dtype=str(self.wire_dtype),
-            kernel_id=kernel_id(self.kernel),
+            kernel_id=kernel_id(self.kernel) if self.kernel is not None else "",
             workers=[WorkerReport(**v.__dict__, addrs=self._addrs.get(v.peer_id, []), path=self._path(v.peer_id),
                                   relayed_bytes=self.transport.relayed_bytes(v.peer_id, PROTOCOL_ID)
                                   if self.transport is not None else 0,
                                   kernel_id=self._peer_kernel_id(v.peer_id))
-                     for v in views],
-            layers=[LayerRows(layer=i, local_rows=c.local_rows, remote_rows=c.remote_rows, fallback_rows=c.fallback_rows)
-                    for i, c in enumerate(self.counters)],
+                     for v in core.table.views(now)],
+            layers=[LayerRows(layer=i, local_rows=r.local_rows, remote_rows=r.remote_rows, fallback_rows=r.fallback_rows)
+                    for i, r in enumerate(core.rows)],
+            mode=c.mode.value,
+            load_state=core.load_state(now).value,
+            busy=s.busy if s is not None else None,
+            n_slots=s.n_slots if s is not None else None,
+            load_sample_age_s=round(now - s.at, 3) if s is not None else None,
+            load_samples_failed=core.samples_failed,
+            saturation_threshold=c.saturation_threshold,
+            serve_ttl_s=c.serve_ttl_s,
+            hedge_floor_ms=c.hedge_floor_s * 1000.0,
+            hot_experts=c.hot_experts,
+            decisions={r.value: n for r, n in sorted(core.decisions.items())},
+            errors_total=core.errors_total,
+            errors=[DispatchErrorReport(at_ms=e.wall_ms, peer=e.peer, layer=e.layer, lo=e.lo, hi=e.hi,
+                                        attempt=e.attempt, reason=e.kind.value, message=e.message)
+                    for e in core.errors],
+            stale_answers=core.stale_answers,
+            mode_changes=list(self._mode_changes),
         )
+
+    def collector(self) -> DispatchCollector:
+        return DispatchCollector(self)
+
+
+class DispatchCollector(Collector):
+    """``/metrics``: dispatch decisions by reason, failures, rows by where they ran, the load state."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.d = dispatcher
+
+    def collect(self) -> Iterable[Metric]:
+        core = self.d.core
+        model = self.d.model.model_id
+        dec = CounterMetricFamily("moe_swarm_dispatch_decisions", "Dispatch decisions by reason",
+                                  labels=["model", "reason"])
+        for r, n in sorted(core.decisions.items()):
+            dec.add_metric([model, r.value], n)
+        yield dec
+        err = CounterMetricFamily("moe_swarm_dispatch_errors", "Failed expert calls by reason",
+                                  labels=["model", "reason"])
+        for k, n in sorted(core.errors_by_kind.items()):
+            err.add_metric([model, k.value], n)
+        yield err
+        rows = CounterMetricFamily("moe_swarm_dispatch_rows", "Expert rows by where they were computed",
+                                   labels=["model", "where"])
+        rows.add_metric([model, "local"], sum(r.local_rows for r in core.rows))
+        rows.add_metric([model, "remote"], sum(r.remote_rows for r in core.rows))
+        rows.add_metric([model, "fallback"], sum(r.fallback_rows for r in core.rows))
+        yield rows
+        state = GaugeMetricFamily("moe_swarm_dispatch_loaded", "1 while dispatch treats the coordinator as loaded",
+                                  labels=["model", "state"])
+        state.add_metric([model, core.load_state(self.d._now()).value], 1.0)
+        yield state
 
 
 async def watch_dispatch_map_file(

@@ -24,11 +24,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from coordinator.api import build_app
+from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.market_link import MarketLink
 from coordinator.runtime import EngineRuntime
 from coordinator.slices_http import slice_routes
-from swarm.config import HttpUrl, Multiaddr, NonNegInt, Port, PosFloat, PosInt, physical_cores
+from swarm.config import HttpUrl, Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, physical_cores
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, configure_threads
 from swarm.model.slices import SliceCache, build_manifest
@@ -37,7 +38,7 @@ from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.expert import Dtype
 from swarm.text.tokenizer import Tokenizer
 
-__all__ = ["CoordinatorConfig", "load_runtime", "serve_coordinator"]
+__all__ = ["CoordinatorConfig", "dispatch_config", "load_runtime", "serve_coordinator"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,13 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # compute threads: the ggml kernels' threads for big calls (torch's too with the torch kernel; with
     # ggml, torch keeps one: swarm.model.kernels.configure_threads). None: the physical cores
     threads: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
+    # load-adaptive dispatch (DESIGN §5 layer 1; coordinator.core.dispatch): "offload" sends every range
+    # with a live replica remote whatever the load (the behaviour before adaptive dispatch)
+    dispatch: Literal["adaptive", "offload"] = "adaptive"
+    saturation_threshold: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2  # busy slots = under load
+    serve_ttl_s: NonNegFloat = 20.0  # proven workers keep their share this long after the load ends
+    hedge_floor_ms: NonNegFloat = 50.0  # a remote call is raced no earlier than this (else its p95)
+    hot_experts: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0  # the K most-routed experts of a layer stay local
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -75,6 +83,13 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
     tok = Tokenizer.from_gguf_fields(model.fields)
     return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue,
                          kv_type=cfg.kv_type)
+
+
+def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:
+    """The dispatch core's policy from the coordinator's settings."""
+    return DispatchConfig(mode=DispatchMode(cfg.dispatch), saturation_threshold=cfg.saturation_threshold,
+                          serve_ttl_s=cfg.serve_ttl_s, hedge_floor_s=cfg.hedge_floor_ms / 1000.0,
+                          hot_experts=cfg.hot_experts, timeout_s=cfg.expert_timeout_s)
 
 
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
@@ -87,9 +102,9 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
         else:
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-swarm-coordinator-")))
         async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.p2p_listen) as transport:
-            dispatcher = Dispatcher(model, transport, timeout_s=cfg.expert_timeout_s, wire_dtype=cfg.wire_dtype,
-                                    kernel=cfg.kernel,
-                                    hole_punch=cfg.hole_punch)
+            dispatcher = Dispatcher(model, transport, config=dispatch_config(cfg), wire_dtype=cfg.wire_dtype,
+                                    kernel=cfg.kernel, hole_punch=cfg.hole_punch,
+                                    load_probe=lambda: (rt.busy(), rt.n_slots))
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
 
@@ -106,6 +121,7 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                 model_id=model.model_id,
                 aliases=[model.path.stem],
                 extra_routes=[*slice_routes({model.model_id: model}, caches), Route("/dispatch", dispatch_report, methods=["GET"])],
+                extra_collectors=[dispatcher.collector()],
                 extra_health=health_extra,
             )
             async with trio.open_nursery() as nursery:

@@ -23,6 +23,7 @@ Hierarchy::
     ├── TokenizerError
     ├── SliceError                  a slice that cannot be cut, fetched or verified
     ├── StoreError                  the market's durable store cannot be used
+    ├── DispatchFailed              a layer's experts could not be computed anywhere (no replica, not held)
     ├── ProtocolError
     │   ├── LocalProtocolError      we were about to send something invalid
     │   └── RemoteProtocolError     the peer sent something invalid (or an error frame)
@@ -52,6 +53,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DialError",
+    "DispatchFailed",
     "Draining",
     "FrameTooLarge",
     "IdentityError",
@@ -129,6 +131,12 @@ class SliceError(SwarmError):
 
 class StoreError(SwarmError):
     code = "store_error"
+
+
+class DispatchFailed(SwarmError):
+    """A range of experts the coordinator does not hold had no replica that answered."""
+
+    code = "dispatch_failed"
 
 
 class ProtocolError(SwarmError):

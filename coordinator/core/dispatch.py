@@ -1,34 +1,117 @@
-"""Worker health and the dispatch policy (pure core: no I/O, no clock; ``now`` is given).
+"""Load-adaptive expert dispatch (pure core: no I/O, no clock; ``now`` is given, DESIGN §5 "layer 1").
+
+Events in, effects out: ``DispatchCore.handle(event, now) -> list[Effect]``. The shell
+(``coordinator.dispatcher``) reports what happened (a layer's routed pairs are ready, a remote
+call answered or failed, a local computation finished, a timer fired, a load sample came in or
+timed out) and does what the effects ask (send a call, run the local kernel, cancel a loser,
+start or cancel a timer, combine a layer). Every placement carries a ``Reason``; the core counts
+them (``decisions``), and keeps the last failures (``errors``) for ``/dispatch``.
 
 Rules:
-- A worker is ``up`` until a call to it fails (error, timeout, wrong shape, NaN); then it is
-  ``down`` with exponential backoff (``backoff_base * 2**(k-1)``, capped) and gets no work until
-  the backoff passes; its next call is a trial — success makes it ``up``, failure doubles the wait.
-- The policy decides, per expert range, the ordered list of workers to try; an empty list means
-  "compute locally". The coordinator's own copy is always the last resort.
-- ``StaticPolicy``: the range's replicas in the map's order, skipping workers that are down.
-- ``BalancedPolicy`` (the default): the same live replicas, ordered to spread calls over them
-  (untried first, then fewest in flight, lowest latency, round robin).
-- Every decision is explainable: ``choose`` returns a reason alongside the candidates.
+- Workers (``WorkerTable``): a worker is ``up`` until a call to it fails (error, timeout, wrong
+  shape, NaN, or ``max_hedge_losses`` hedges lost in a row); then it is ``down`` with exponential
+  backoff (``backoff_base_s * 2**(k-1)``, capped) and gets no work until the backoff passes.
+  A worker is **proven** once it has answered a call correctly since it attached; that is sticky
+  until it detaches or fails (the trust issue adds quarantine). Each attach makes it due for one
+  **trial**.
+- Load: ``LoadSample(busy, n_slots)`` every ``sample_interval_s`` (the shell bounds the sample in
+  time; a sample that hangs or fails is ``LoadSampleTimeout`` and changes nothing). ``busy >=
+  saturation_threshold`` is *loaded*. A sample older than ``sample_max_age_s`` has aged out and
+  says nothing. After the load ends (an idle sample, or the loaded one aged out) the state is
+  ``serve_ttl`` for ``serve_ttl_s``, then ``idle``: hysteresis, so a flapping load does not thrash.
+- Placement of a layer's ranges (``LayerReady``), in ascending ``lo``:
+  - a range holding one of the layer's ``hot_experts`` most-routed experts runs locally (HOT_EXPERT)
+    when the coordinator holds it; the partition is never changed, so the bits are not either;
+  - ``offload`` mode (the pre-adaptive behaviour): a live replica gets it (OFFLOAD_REMOTE, replicas in
+    ``BalancedPolicy`` order), else local (NO_REPLICA / ALL_DOWN);
+  - idle: held ranges run locally (IDLE_LOCAL);
+  - loaded: a live unproven replica due for its trial gets the range *and* the local copy computes
+    it (TRIAL_HEDGE; first result wins, the remote call still runs to its end to prove the worker);
+    otherwise the earliest estimated finish among local (its backlog of pairs plus these, at the
+    measured seconds per pair) and each live proven replica (latency EWMA times one plus its calls
+    in flight) wins: LOAD_EARLIEST_FINISH_LOCAL / _REMOTE. Ties go local;
+  - serve TTL: the same earliest-finish choice without trials, reason SERVE_TTL;
+  - not held: remote only (NOT_HELD), proven replicas first; no live replica: ``Fail``
+    (NO_REPLICA / ALL_DOWN).
+- Hedging: every remote call (not a trial) gets a hedge timer at ``max(hedge_floor_s, p95)`` of its
+  worker's recent latencies (no history: half the timeout). If it fires before any result for the
+  range, the range is raced against the local copy (held) or the next live replica (HEDGE_SLOW).
+  The first result wins; every other call of the range is cancelled (``Cancel``), a cancelled
+  remote call counts as a lost hedge for its worker.
+- Deadlines: every remote call has a deadline timer at ``timeout_s``; expiry is a failure.
+- Failure of a remote call: its worker is marked down (``MarkDown``), the failure is recorded.
+  If the range has no result and no other call in flight: the next live replica that has not
+  been tried for this range (RETRY_NEXT; adaptive mode: proven ones only while the range is
+  held), else the local copy (FALLBACK_LOCAL), else ``Fail`` (ALL_FAILED).
+- Attempt numbers count a range's remote calls (0, 1, ...); the request id is the range's. An
+  answer for a call that is no longer pending (cancelled, timed out, unknown) changes nothing
+  (``stale_answers``).
+- ``Combine(step, calls)`` once every range of the layer has a result: the winning call of each
+  range, in ascending ``lo`` (DESIGN §3: the same kernel on the same rows wherever it ran, summed
+  in the same order, whoever won).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import NewType, Protocol
 
 __all__ = [
+    "BalancedPolicy",
+    "CallId",
+    "Cancel",
+    "CancelTimer",
     "Choice",
     "ChoiceReason",
+    "Combine",
+    "DispatchConfig",
+    "DispatchCore",
+    "DispatchMode",
     "DispatchPolicy",
-    "BalancedPolicy",
+    "Effect",
+    "ErrorRecord",
+    "Event",
+    "Fail",
+    "FailureKind",
+    "Hedge",
+    "LayerReady",
+    "LayerRowCounts",
+    "LoadSample",
+    "LoadSampleTimeout",
+    "LoadState",
+    "LocalDone",
+    "LocalFailed",
+    "MarkDown",
+    "MarkProven",
+    "ModeChanged",
+    "RangeWork",
+    "Reason",
+    "RemoteDone",
+    "RemoteFailed",
+    "RunLocal",
+    "SendRemote",
+    "StartTimer",
     "StaticPolicy",
+    "StepId",
+    "Timer",
+    "TimerFired",
+    "TimerKind",
     "WorkerHealth",
     "WorkerState",
     "WorkerTable",
     "WorkerView",
+    "WorkersListed",
+    "p95",
 ]
+
+CallId = NewType("CallId", int)
+StepId = NewType("StepId", int)
+
+
+# -- worker health -------------------------------------------------------------------------------
 
 
 class WorkerState(StrEnum):
@@ -48,6 +131,9 @@ class Choice:
     reason: ChoiceReason
 
 
+LATENCY_WINDOW = 64  # recent latencies kept per worker for its p95
+
+
 @dataclass
 class WorkerHealth:
     peer_id: str
@@ -63,6 +149,10 @@ class WorkerHealth:
     last_error: str = ""
     in_flight: int = 0
     picks: int = 0  # times chosen first (round-robin tie-break)
+    proven: bool = False  # answered correctly since it attached (sticky until detached or failed)
+    trial_due: bool = True  # one hedged trial at the first loaded dispatch after it attached
+    hedge_losses: int = 0  # hedges lost in a row
+    latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
 
 @dataclass(frozen=True)
@@ -76,6 +166,20 @@ class WorkerView:
     last_serve_ms: int
     last_error: str
     retry_in_s: float
+    proven: bool = False
+    p95_ms: float = 0.0
+    in_flight: int = 0
+
+
+def p95(samples: deque[float] | list[float]) -> float | None:
+    """The 95th percentile (nearest rank) of ``samples``; with fewer than 8, twice their maximum
+    (too few to tell a tail from the bulk); None without any."""
+    if not samples:
+        return None
+    if len(samples) < 8:
+        return 2.0 * max(samples)
+    s = sorted(samples)
+    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)]
 
 
 class WorkerTable:
@@ -99,6 +203,10 @@ class WorkerTable:
         w = self.workers.get(peer_id)
         return w is not None and (w.state is WorkerState.UP or now >= w.down_until)
 
+    def is_proven(self, peer_id: str) -> bool:
+        w = self.workers.get(peer_id)
+        return w is not None and w.proven
+
     def started(self, peer_id: str) -> None:
         w = self.workers.get(peer_id)
         if w is not None:
@@ -115,25 +223,49 @@ class WorkerTable:
             return
         w.state = WorkerState.UP
         w.consecutive_failures = 0
+        w.hedge_losses = 0
         w.calls += 1
         w.rows += rows
-        ms = latency_s * 1000.0
-        w.latency_ewma_ms = ms if w.latency_ewma_ms == 0.0 else (1 - self.ewma_alpha) * w.latency_ewma_ms + self.ewma_alpha * ms
+        w.proven = True
+        w.trial_due = False
+        self._sample(w, latency_s)
         w.last_serve_ms = wall_ms
 
-    def failed(self, peer_id: str, reason: str, now: float) -> None:
+    def _sample(self, w: WorkerHealth, latency_s: float) -> None:
+        ms = latency_s * 1000.0
+        w.latency_ewma_ms = ms if w.latency_ewma_ms == 0.0 else (1 - self.ewma_alpha) * w.latency_ewma_ms + self.ewma_alpha * ms
+        w.latencies_s.append(latency_s)
+
+    def lost_hedge(self, peer_id: str, elapsed_s: float) -> int:
+        """A call of this worker lost a hedge after ``elapsed_s`` (a lower bound of its latency,
+        recorded as a sample so its estimates rise); returns the losses in a row."""
         w = self.workers.get(peer_id)
         if w is None:
-            return
+            return 0
+        w.hedge_losses += 1
+        self._sample(w, elapsed_s)
+        return w.hedge_losses
+
+    def failed(self, peer_id: str, reason: str, now: float) -> float:
+        """Mark down with backoff; returns when it is live again (``now`` if unknown)."""
+        w = self.workers.get(peer_id)
+        if w is None:
+            return now
         w.failures += 1
         w.consecutive_failures += 1
+        w.hedge_losses = 0
         w.state = WorkerState.DOWN
+        w.proven = False
+        w.trial_due = True  # it proves itself again with a trial, once its backoff passes
         w.down_until = now + min(self.backoff_max_s, self.backoff_base_s * 2 ** (w.consecutive_failures - 1))
         w.last_error = reason
+        return w.down_until
 
     def views(self, now: float) -> list[WorkerView]:
-        return [
-            WorkerView(
+        out = []
+        for w in sorted(self.workers.values(), key=lambda w: w.peer_id):
+            q = p95(w.latencies_s)
+            out.append(WorkerView(
                 peer_id=w.peer_id,
                 state=w.state.value,
                 calls=w.calls,
@@ -143,9 +275,11 @@ class WorkerTable:
                 last_serve_ms=w.last_serve_ms,
                 last_error=w.last_error,
                 retry_in_s=round(max(0.0, w.down_until - now), 3) if w.state is WorkerState.DOWN else 0.0,
-            )
-            for w in sorted(self.workers.values(), key=lambda w: w.peer_id)
-        ]
+                proven=w.proven,
+                p95_ms=round(q * 1000.0, 3) if q is not None else 0.0,
+                in_flight=w.in_flight,
+            ))
+        return out
 
 
 class DispatchPolicy(Protocol):
@@ -187,3 +321,748 @@ class BalancedPolicy:
         order = tuple(sorted(live, key=key))
         table.workers[order[0]].picks += 1
         return Choice(order, ChoiceReason.REMOTE)
+
+
+# -- configuration, reasons ----------------------------------------------------------------------
+
+
+class DispatchMode(StrEnum):
+    ADAPTIVE = "adaptive"  # DESIGN §5 layer 1: local when idle, earliest finish under load
+    OFFLOAD = "offload"  # every range with a live replica goes remote (the pre-adaptive behaviour)
+
+
+class LoadState(StrEnum):
+    IDLE = "idle"
+    LOADED = "loaded"
+    SERVE_TTL = "serve_ttl"
+
+
+class Reason(StrEnum):
+    """Why a range went where it went (or why a call was cancelled, a worker marked down)."""
+
+    IDLE_LOCAL = "idle_local"
+    LOAD_EARLIEST_FINISH_LOCAL = "load_earliest_finish_local"
+    LOAD_EARLIEST_FINISH_REMOTE = "load_earliest_finish_remote"
+    SERVE_TTL = "serve_ttl"
+    TRIAL_HEDGE = "trial_hedge"
+    HOT_EXPERT = "hot_expert"
+    OFFLOAD_REMOTE = "offload_remote"
+    NOT_HELD = "not_held"
+    NO_REPLICA = "no_replica"
+    ALL_DOWN = "all_down"
+    HEDGE_SLOW = "hedge_slow"
+    RETRY_NEXT = "retry_next"
+    FALLBACK_LOCAL = "fallback_local"
+    ALL_FAILED = "all_failed"
+    LOST_RACE = "lost_race"  # Cancel: another call of the range answered first
+    DEADLINE = "deadline"  # Cancel: no answer within the timeout
+    LOAD_ONSET = "load_onset"  # ModeChanged
+    LOAD_ENDED = "load_ended"
+    TTL_EXPIRED = "ttl_expired"
+
+
+class FailureKind(StrEnum):
+    TIMEOUT = "timeout"
+    BROKEN = "broken"  # the stream or connection died under the call
+    DIAL = "dial_failed"
+    CLOSED = "closed"
+    REFUSED = "refused"  # draining, slice not held
+    PROTOCOL = "protocol"  # error answer, wrong shape, NaN, bad frame
+    SLOW = "slow"  # lost ``max_hedge_losses`` hedges in a row
+    LOCAL = "local"  # the coordinator's own kernel failed
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    mode: DispatchMode = DispatchMode.ADAPTIVE
+    saturation_threshold: int = 2  # busy slots from which the coordinator is under load
+    serve_ttl_s: float = 20.0
+    sample_interval_s: float = 2.0
+    sample_timeout_s: float = 1.0  # the shell's bound on one load sample
+    sample_max_age_s: float = 6.0  # a sample older than this says nothing
+    timeout_s: float = 3.0  # deadline of one remote call
+    hedge: bool = True
+    hedge_floor_s: float = 0.05
+    max_hedge_losses: int = 3  # lost hedges in a row that mark a worker down
+    hot_experts: int = 0  # the K most-routed experts of each layer always run locally
+    hot_decay: float = 0.98  # per layer call: the routing counts' memory
+    local_cost_prior_s: float = 20e-6  # seconds per (row, expert) pair before the first measurement
+    ewma_alpha: float = 0.2
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_errors: int = 32  # failures kept for /dispatch
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RangeWork:
+    """One range of a layer with routed pairs: what the shell grouped, what the map lists."""
+
+    lo: int
+    hi: int
+    rows: int
+    pairs: int
+    replicas: tuple[str, ...] = ()  # preference order (the map's)
+    held: bool = True  # the coordinator holds these experts
+
+
+@dataclass(frozen=True)
+class WorkersListed:
+    """The dispatch map changed: these workers are listed now (new ones attach, missing detach)."""
+
+    peers: frozenset[str]
+
+
+@dataclass(frozen=True)
+class LayerReady:
+    step: StepId
+    layer: int
+    ranges: tuple[RangeWork, ...]  # ascending lo, only ranges with pairs
+    expert_pairs: tuple[int, ...] = ()  # routed pairs per expert of the layer (hot-expert counts)
+
+
+@dataclass(frozen=True)
+class RemoteDone:
+    call: CallId
+    wall_ms: int  # Unix ms (for last_serve_ms only)
+
+
+@dataclass(frozen=True)
+class RemoteFailed:
+    call: CallId
+    kind: FailureKind
+    message: str
+    wall_ms: int = 0
+
+
+@dataclass(frozen=True)
+class LocalDone:
+    call: CallId
+    compute_s: float  # time the kernel ran (not the wait for the local runner)
+
+
+@dataclass(frozen=True)
+class LocalFailed:
+    call: CallId
+    message: str
+
+
+class TimerKind(StrEnum):
+    HEDGE = "hedge"
+    DEADLINE = "deadline"
+
+
+@dataclass(frozen=True)
+class Timer:
+    kind: TimerKind
+    call: CallId
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    timer: Timer
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    busy: int
+    n_slots: int
+
+
+@dataclass(frozen=True)
+class LoadSampleTimeout:
+    message: str = "load sample timed out"
+
+
+Event = (
+    WorkersListed | LayerReady | RemoteDone | RemoteFailed | LocalDone | LocalFailed | TimerFired | LoadSample
+    | LoadSampleTimeout
+)
+
+
+# -- effects ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendRemote:
+    call: CallId
+    step: StepId
+    layer: int
+    index: int  # the range's position in LayerReady.ranges
+    lo: int
+    hi: int
+    peer: str
+    request_id: int
+    attempt: int
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class RunLocal:
+    call: CallId
+    step: StepId
+    layer: int
+    index: int
+    lo: int
+    hi: int
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class Hedge:
+    """Race a slow call: compute the range locally (``peer is None``) or on ``peer``."""
+
+    call: CallId
+    step: StepId
+    layer: int
+    index: int
+    lo: int
+    hi: int
+    peer: str | None
+    request_id: int
+    attempt: int
+    reason: Reason
+    slow_call: CallId
+
+
+@dataclass(frozen=True)
+class Cancel:
+    call: CallId
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class StartTimer:
+    timer: Timer
+    at: float
+
+
+@dataclass(frozen=True)
+class CancelTimer:
+    timer: Timer
+
+
+@dataclass(frozen=True)
+class MarkDown:
+    peer: str
+    kind: FailureKind
+    message: str
+    retry_at: float
+
+
+@dataclass(frozen=True)
+class MarkProven:
+    peer: str
+
+
+@dataclass(frozen=True)
+class Combine:
+    step: StepId
+    layer: int
+    calls: tuple[CallId, ...]  # the winner of each range, ascending lo
+
+
+@dataclass(frozen=True)
+class Fail:
+    step: StepId
+    layer: int
+    lo: int
+    hi: int
+    reason: Reason
+    message: str
+
+
+@dataclass(frozen=True)
+class ModeChanged:
+    state: LoadState
+    reason: Reason
+
+
+Effect = (
+    SendRemote | RunLocal | Hedge | Cancel | StartTimer | CancelTimer | MarkDown | MarkProven | Combine | Fail
+    | ModeChanged
+)
+
+
+# -- state -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    at: float  # core time
+    wall_ms: int
+    peer: str
+    layer: int
+    lo: int
+    hi: int
+    attempt: int
+    kind: FailureKind
+    message: str
+
+
+@dataclass
+class LayerRowCounts:
+    local_rows: int = 0  # placed local and computed there
+    remote_rows: int = 0  # answered by a worker
+    fallback_rows: int = 0  # placed remote, computed locally (failure, hedge or trial won locally)
+
+
+@dataclass
+class _Call:
+    call: CallId
+    step: StepId
+    layer: int
+    index: int
+    work: RangeWork
+    peer: str | None  # None: local
+    attempt: int
+    started: float
+    trial: bool = False
+    done: bool = False
+
+
+@dataclass
+class _Range:
+    work: RangeWork
+    request_id: int
+    planned_local: bool
+    pending: set[CallId] = field(default_factory=set)
+    tried: set[str] = field(default_factory=set)
+    attempts: int = 0
+    winner: CallId | None = None
+    failed: bool = False
+
+
+@dataclass
+class _Step:
+    step: StepId
+    layer: int
+    ranges: list[_Range]
+
+
+@dataclass(frozen=True)
+class _Sample:
+    busy: int
+    n_slots: int
+    at: float
+
+
+class DispatchCore:
+    """The dispatch state machine; ``handle`` is the only way in (queries are read-only)."""
+
+    def __init__(self, config: DispatchConfig = DispatchConfig(), *, n_layer: int = 0, n_expert: int = 0) -> None:
+        self.config = config
+        self.table = WorkerTable(backoff_base_s=config.backoff_base_s, backoff_max_s=config.backoff_max_s,
+                                 ewma_alpha=config.ewma_alpha)
+        self.balanced = BalancedPolicy()
+        self.n_expert = n_expert
+        self.decisions: Counter[Reason] = Counter()
+        self.errors: deque[ErrorRecord] = deque(maxlen=config.max_errors)
+        self.errors_total = 0
+        self.errors_by_kind: Counter[FailureKind] = Counter()
+        self.stale_answers = 0
+        self.samples_failed = 0
+        self.rows = [LayerRowCounts() for _ in range(n_layer)]
+        self.local_cost_s = config.local_cost_prior_s  # per (row, expert) pair, EWMA
+        self.local_backlog_pairs = 0
+        self.sample: _Sample | None = None
+        self.load_ended_at: float | None = None
+        self.state = LoadState.IDLE
+        self._steps: dict[StepId, _Step] = {}
+        self._calls: dict[CallId, _Call] = {}
+        self._ids = 0
+        self._request_ids = 0
+        self._hot: dict[int, list[float]] = {}
+        self._winners: dict[CallId, bool] = {}  # winning call -> answered remotely (until its layer combines)
+
+    # -- queries ---------------------------------------------------------------------------------
+    def load_state(self, now: float) -> LoadState:
+        """idle / loaded / serve_ttl at ``now`` (see the module rules)."""
+        c = self.config
+        s = self.sample
+        ended: float | None
+        if s is not None and s.busy >= c.saturation_threshold:
+            if now - s.at <= c.sample_max_age_s:
+                return LoadState.LOADED
+            end = s.at + c.sample_max_age_s  # aged out: the load is not known to go on
+            ended = end if self.load_ended_at is None else max(end, self.load_ended_at)
+        else:
+            ended = self.load_ended_at
+        if ended is not None and now - ended < c.serve_ttl_s:
+            return LoadState.SERVE_TTL
+        return LoadState.IDLE
+
+    def hot_experts(self, layer: int) -> frozenset[int]:
+        """The layer's ``hot_experts`` most-routed experts so far (ties: the lower index)."""
+        k = self.config.hot_experts
+        counts = self._hot.get(layer)
+        if k <= 0 or not counts:
+            return frozenset()
+        order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
+        return frozenset(e for e in order[:k] if counts[e] > 0)
+
+    def in_flight(self) -> int:
+        return sum(1 for c in self._calls.values() if not c.done)
+
+    def active_steps(self) -> int:
+        return len(self._steps)
+
+    # -- the machine -------------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        match event:
+            case WorkersListed(peers=peers):
+                self.table.sync(set(peers), now)
+            case LayerReady():
+                self._mode(now, out)
+                self._layer_ready(event, now, out)
+            case RemoteDone(call=cid, wall_ms=wall_ms):
+                self._remote_done(cid, wall_ms, now, out)
+            case RemoteFailed(call=cid, kind=kind, message=message, wall_ms=wall_ms):
+                self._remote_failed(cid, kind, message, wall_ms, now, out)
+            case LocalDone(call=cid, compute_s=compute_s):
+                self._local_done(cid, compute_s, now, out)
+            case LocalFailed(call=cid, message=message):
+                self._local_failed(cid, message, now, out)
+            case TimerFired(timer=timer):
+                self._timer(timer, now, out)
+            case LoadSample(busy=busy, n_slots=n_slots):
+                prev, thr = self.sample, self.config.saturation_threshold
+                if prev is not None and prev.busy >= thr and busy < thr:
+                    self.load_ended_at = min(now, prev.at + self.config.sample_max_age_s)
+                self.sample = _Sample(busy, n_slots, now)
+                self._mode(now, out)
+            case LoadSampleTimeout():
+                self.samples_failed += 1
+                self._mode(now, out)
+        for e in out:
+            r = getattr(e, "reason", None)
+            if isinstance(r, Reason) and not isinstance(e, ModeChanged):
+                self.decisions[r] += 1
+        return out
+
+    def _mode(self, now: float, out: list[Effect]) -> None:
+        new = self.load_state(now)
+        if new is self.state:
+            return
+        reason = {LoadState.LOADED: Reason.LOAD_ONSET, LoadState.SERVE_TTL: Reason.LOAD_ENDED,
+                  LoadState.IDLE: Reason.TTL_EXPIRED if self.state is LoadState.SERVE_TTL else Reason.LOAD_ENDED}[new]
+        self.state = new
+        out.append(ModeChanged(new, reason))
+
+    def _new_call(self, st: _Step, index: int, peer: str | None, attempt: int, now: float, *,
+                  trial: bool = False) -> _Call:
+        self._ids += 1
+        c = _Call(CallId(self._ids), st.step, st.layer, index, st.ranges[index].work, peer, attempt, now, trial=trial)
+        self._calls[c.call] = c
+        return c
+
+    def _layer_ready(self, ev: LayerReady, now: float, out: list[Effect]) -> None:
+        st = _Step(ev.step, ev.layer, [])
+        self._steps[ev.step] = st
+        hot = self.hot_experts(ev.layer)
+        state = self.state
+        c = self.config
+        for i, w in enumerate(ev.ranges):
+            self._request_ids += 1
+            r = _Range(w, self._request_ids, planned_local=True)
+            st.ranges.append(r)
+            live = [p for p in w.replicas if self.table.is_live(p, now)]
+            proven = [p for p in live if self.table.is_proven(p)]
+            if w.held and any(w.lo <= e < w.hi for e in hot):
+                self._local(st, i, Reason.HOT_EXPERT, now, out)
+            elif c.mode is DispatchMode.OFFLOAD:
+                if live:
+                    order = self.balanced.choose(list(w.replicas), self.table, now).candidates
+                    self._send(st, i, order[0], Reason.OFFLOAD_REMOTE, now, out)
+                elif w.held:
+                    self._local(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
+                else:
+                    self._fail(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
+            elif not w.held:
+                if live:
+                    self._send(st, i, self._best_remote(proven or live, now)[0], Reason.NOT_HELD, now, out)
+                else:
+                    self._fail(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
+            elif state is LoadState.IDLE:
+                self._local(st, i, Reason.IDLE_LOCAL, now, out)
+            else:
+                trial = next((p for p in live if not self.table.is_proven(p) and self.table.workers[p].trial_due), None)
+                if state is LoadState.LOADED and trial is not None:
+                    self.table.workers[trial].trial_due = False
+                    self._send(st, i, trial, Reason.TRIAL_HEDGE, now, out, trial=True)
+                    self._local(st, i, Reason.TRIAL_HEDGE, now, out)
+                    continue
+                local_finish = (self.local_backlog_pairs + w.pairs) * self.local_cost_s
+                if proven:
+                    peer, remote_finish = self._best_remote(proven, now)
+                    if remote_finish < local_finish:
+                        self._send(st, i, peer, Reason.SERVE_TTL if state is LoadState.SERVE_TTL
+                                   else Reason.LOAD_EARLIEST_FINISH_REMOTE, now, out)
+                        continue
+                self._local(st, i, Reason.SERVE_TTL if state is LoadState.SERVE_TTL
+                            else Reason.LOAD_EARLIEST_FINISH_LOCAL, now, out)
+        if ev.expert_pairs and c.hot_experts > 0:
+            counts = self._hot.setdefault(ev.layer, [0.0] * len(ev.expert_pairs))
+            for e, n in enumerate(ev.expert_pairs):
+                counts[e] = counts[e] * c.hot_decay + n
+        self._maybe_combine(st, out)
+
+    def _remote_estimate(self, peer: str, now: float) -> float:
+        w = self.table.workers[peer]
+        lat = w.latency_ewma_ms / 1000.0 if w.latency_ewma_ms > 0 else self.config.timeout_s / 2
+        return lat * (1 + w.in_flight)
+
+    def _best_remote(self, peers: list[str], now: float) -> tuple[str, float]:
+        """The peer with the earliest estimated finish (the map's order breaks ties)."""
+        best = min(peers, key=lambda p: self._remote_estimate(p, now))
+        return best, self._remote_estimate(best, now)
+
+    def _hedge_after(self, peer: str) -> float:
+        w = self.table.workers.get(peer)
+        q = p95(w.latencies_s) if w is not None else None
+        return max(self.config.hedge_floor_s, q if q is not None else self.config.timeout_s / 2)
+
+    def _local(self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], *,
+               hedge_of: CallId | None = None) -> None:
+        r = st.ranges[i]
+        call = self._new_call(st, i, None, -1, now)
+        r.pending.add(call.call)
+        self.local_backlog_pairs += r.work.pairs
+        w = r.work
+        if hedge_of is not None:
+            out.append(Hedge(call.call, st.step, st.layer, i, w.lo, w.hi, None, r.request_id, -1, reason, hedge_of))
+        else:
+            out.append(RunLocal(call.call, st.step, st.layer, i, w.lo, w.hi, reason))
+
+    def _send(self, st: _Step, i: int, peer: str, reason: Reason, now: float, out: list[Effect], *,
+              trial: bool = False, hedge_of: CallId | None = None) -> None:
+        r = st.ranges[i]
+        r.planned_local = r.planned_local and reason is Reason.TRIAL_HEDGE
+        call = self._new_call(st, i, peer, r.attempts, now, trial=trial)
+        r.attempts += 1
+        r.tried.add(peer)
+        r.pending.add(call.call)
+        self.table.started(peer)
+        w = r.work
+        if hedge_of is not None:
+            out.append(Hedge(call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt, reason,
+                             hedge_of))
+        else:
+            out.append(SendRemote(call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt,
+                                  reason))
+        out.append(StartTimer(Timer(TimerKind.DEADLINE, call.call), now + self.config.timeout_s))
+        if self.config.hedge and not trial:
+            out.append(StartTimer(Timer(TimerKind.HEDGE, call.call), now + self._hedge_after(peer)))
+
+    def _fail(self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], message: str = "") -> None:
+        r = st.ranges[i]
+        r.failed = True
+        w = r.work
+        text = message or {
+            Reason.NO_REPLICA: "no replica listed and the coordinator does not hold these experts",
+            Reason.ALL_DOWN: "every listed replica is down and the coordinator does not hold these experts",
+        }.get(reason, "every replica failed and the coordinator does not hold these experts")
+        out.append(Fail(st.step, st.layer, w.lo, w.hi, reason, f"layer {st.layer} experts {w.lo}-{w.hi}: {text}"))
+        self._end_step(st, out, cancel_reason=Reason.ALL_FAILED)
+
+    def _end_step(self, st: _Step, out: list[Effect], *, cancel_reason: Reason) -> None:
+        """Forget the step; cancel what is still pending (a trial's remote call runs on: it proves)."""
+        for r in st.ranges:
+            for cid in sorted(r.pending):
+                c = self._calls[cid]
+                if c.trial:
+                    continue
+                self._cancel(c, cancel_reason, out)
+            r.pending.clear()
+        self._steps.pop(st.step, None)
+
+    def _cancel(self, c: _Call, reason: Reason, out: list[Effect]) -> None:
+        if c.done:
+            return
+        c.done = True
+        self._calls.pop(c.call, None)
+        out.append(Cancel(c.call, reason))
+        if c.peer is None:
+            self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
+        else:
+            self.table.finished(c.peer)
+            out.append(CancelTimer(Timer(TimerKind.DEADLINE, c.call)))
+            out.append(CancelTimer(Timer(TimerKind.HEDGE, c.call)))
+
+    def _maybe_combine(self, st: _Step, out: list[Effect]) -> None:
+        if st.step not in self._steps or any(r.winner is None for r in st.ranges):
+            return
+        counts = self.rows[st.layer] if st.layer < len(self.rows) else LayerRowCounts()
+        for r in st.ranges:
+            assert r.winner is not None
+            if self._winners.pop(r.winner):
+                counts.remote_rows += r.work.rows
+            elif r.planned_local:
+                counts.local_rows += r.work.rows
+            else:
+                counts.fallback_rows += r.work.rows
+        out.append(Combine(st.step, st.layer, tuple(r.winner for r in st.ranges if r.winner is not None)))
+        self._end_step(st, out, cancel_reason=Reason.LOST_RACE)
+
+    def _win(self, c: _Call, now: float, out: list[Effect]) -> None:
+        """``c`` answered: the range's result unless another call won first; losers are cancelled."""
+        st = self._steps.get(c.step)
+        if st is None:
+            return
+        r = st.ranges[c.index]
+        r.pending.discard(c.call)
+        if r.winner is not None:
+            return
+        r.winner = c.call
+        self._winners[c.call] = c.peer is not None
+        for other in sorted(r.pending):
+            o = self._calls.get(other)
+            if o is None:
+                continue
+            if o.trial:  # a trial runs to its end: its answer proves the worker
+                continue
+            if o.peer is not None:
+                losses = self.table.lost_hedge(o.peer, now - o.started)
+                self._cancel(o, Reason.LOST_RACE, out)
+                if losses >= self.config.max_hedge_losses:
+                    self._mark_down(o, FailureKind.SLOW, f"lost {losses} hedges in a row", 0, now, out, record=True)
+            else:
+                self._cancel(o, Reason.LOST_RACE, out)
+        r.pending = {p for p in r.pending if p in self._calls and self._calls[p].trial}
+        self._maybe_combine(st, out)
+
+    def _remote_done(self, cid: CallId, wall_ms: int, now: float, out: list[Effect]) -> None:
+        c = self._calls.get(cid)
+        if c is None or c.done or c.peer is None:
+            self.stale_answers += 1
+            return
+        c.done = True
+        del self._calls[cid]
+        self.table.finished(c.peer)
+        was_proven = self.table.is_proven(c.peer)
+        self.table.succeeded(c.peer, rows=c.work.rows, latency_s=now - c.started, wall_ms=wall_ms)
+        out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
+        out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
+        if not was_proven:
+            out.append(MarkProven(c.peer))
+        self._win(c, now, out)
+
+    def _mark_down(self, c: _Call, kind: FailureKind, message: str, wall_ms: int, now: float, out: list[Effect], *,
+                   record: bool) -> None:
+        assert c.peer is not None
+        retry_at = self.table.failed(c.peer, f"{kind.value}: {message}", now)
+        out.append(MarkDown(c.peer, kind, message, retry_at))
+        if record:
+            self._record(c, kind, message, wall_ms, now)
+
+    def _record(self, c: _Call, kind: FailureKind, message: str, wall_ms: int, now: float) -> None:
+        self.errors.append(ErrorRecord(now, wall_ms, c.peer or "local", c.layer, c.work.lo, c.work.hi, c.attempt, kind,
+                                       message))
+        self.errors_total += 1
+        self.errors_by_kind[kind] += 1
+
+    def _remote_failed(self, cid: CallId, kind: FailureKind, message: str, wall_ms: int, now: float,
+                       out: list[Effect]) -> None:
+        c = self._calls.get(cid)
+        if c is None or c.done or c.peer is None:
+            self.stale_answers += 1
+            return
+        c.done = True
+        del self._calls[cid]
+        self.table.finished(c.peer)
+        out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
+        out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
+        self._record(c, kind, message, wall_ms, now)
+        self._mark_down(c, kind, message, wall_ms, now, out, record=False)
+        st = self._steps.get(c.step)
+        if st is None:
+            return
+        r = st.ranges[c.index]
+        r.pending.discard(cid)
+        if r.winner is not None or r.pending:
+            return  # another call (a hedge, the trial's local copy) still runs for it
+        self._recover(st, c.index, now, out)
+
+    def _recover(self, st: _Step, i: int, now: float, out: list[Effect]) -> None:
+        """A range lost its last call: the next live replica not tried yet, else local, else fail."""
+        r = st.ranges[i]
+        w = r.work
+        untried = [p for p in w.replicas if p not in r.tried and self.table.is_live(p, now)]
+        if self.config.mode is DispatchMode.ADAPTIVE and w.held:
+            untried = [p for p in untried if self.table.is_proven(p)]
+        if untried:
+            peer = (self.balanced.choose(untried, self.table, now).candidates[0]
+                    if self.config.mode is DispatchMode.OFFLOAD else self._best_remote(untried, now)[0])
+            self._send(st, i, peer, Reason.RETRY_NEXT, now, out)
+        elif w.held:
+            r.planned_local = False
+            self._local(st, i, Reason.FALLBACK_LOCAL, now, out)
+        else:
+            self._fail(st, i, Reason.ALL_FAILED, now, out)
+
+    def _local_done(self, cid: CallId, compute_s: float, now: float, out: list[Effect]) -> None:
+        c = self._calls.get(cid)
+        if c is None or c.done or c.peer is not None:
+            return
+        c.done = True
+        del self._calls[cid]
+        w = c.work
+        self.local_backlog_pairs = max(0, self.local_backlog_pairs - w.pairs)
+        if w.pairs > 0 and compute_s > 0:
+            a = self.config.ewma_alpha
+            self.local_cost_s = (1 - a) * self.local_cost_s + a * compute_s / w.pairs
+        self._win(c, now, out)
+
+    def _local_failed(self, cid: CallId, message: str, now: float, out: list[Effect]) -> None:
+        c = self._calls.get(cid)
+        if c is None or c.done or c.peer is not None:
+            return
+        c.done = True
+        del self._calls[cid]
+        self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
+        self._record(c, FailureKind.LOCAL, message, 0, now)
+        st = self._steps.get(c.step)
+        if st is None:
+            return
+        r = st.ranges[c.index]
+        r.pending.discard(cid)
+        if r.winner is None and not r.pending:
+            self._fail(st, c.index, Reason.ALL_FAILED, now, out, message=f"local experts failed: {message}")
+
+    def _timer(self, timer: Timer, now: float, out: list[Effect]) -> None:
+        c = self._calls.get(timer.call)
+        if c is None or c.done or c.peer is None:
+            return  # the call ended meanwhile: a stale timer
+        if timer.kind is TimerKind.DEADLINE:
+            self._cancel(c, Reason.DEADLINE, out)
+            self._record(c, FailureKind.TIMEOUT, f"no answer within {self.config.timeout_s:g}s", 0, now)
+            self._mark_down(c, FailureKind.TIMEOUT, f"no answer within {self.config.timeout_s:g}s", 0, now, out,
+                            record=False)
+            st = self._steps.get(c.step)
+            if st is None:
+                return
+            r = st.ranges[c.index]
+            r.pending.discard(c.call)
+            if r.winner is None and not r.pending:
+                self._recover(st, c.index, now, out)
+            return
+        st = self._steps.get(c.step)
+        if st is None:
+            return
+        r = st.ranges[c.index]
+        if r.winner is not None or len(r.pending) > 1:
+            return  # already answered, or already raced
+        w = r.work
+        if w.held:
+            r.planned_local = False
+            self._local(st, c.index, Reason.HEDGE_SLOW, now, out, hedge_of=c.call)
+            return
+        others = [p for p in w.replicas if p not in r.tried and self.table.is_live(p, now)]
+        if others:
+            proven = [p for p in others if self.table.is_proven(p)]
+            self._send(st, c.index, self._best_remote(proven or others, now)[0], Reason.HEDGE_SLOW, now, out,
+                       hedge_of=c.call)

@@ -14,10 +14,12 @@ import msgspec
 from swarm.core.paths import Path
 
 __all__ = [
+    "DispatchErrorReport",
     "DispatchReport",
     "Health",
     "LayerRows",
     "MarketLinkStatus",
+    "ModeChange",
     "SlotInfo",
     "WorkerReport",
     "dispatch_decoder",
@@ -72,6 +74,9 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     path: Path | None = None  # direct | relayed | hole-punched; None when not connected
     relayed_bytes: int = 0  # expert-stream payload bytes that crossed a relay (stops growing once moved)
     kernel_id: str = ""  # the expert kernel its Hello announced ("" before the first stream or from old peers)
+    proven: bool = False  # answered a call correctly since it attached (adaptive dispatch uses only these)
+    p95_ms: float = 0.0  # p95 of its recent call latencies (its hedge threshold, with the floor)
+    in_flight: int = 0
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +86,27 @@ class LayerRows(msgspec.Struct, frozen=True, kw_only=True):
     local_rows: int
     remote_rows: int
     fallback_rows: int
+
+
+class DispatchErrorReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One failed expert call (``/dispatch`` keeps the last few)."""
+
+    at_ms: int  # Unix ms (0: not known)
+    peer: str  # "local" for the coordinator's own kernel
+    layer: int
+    lo: int
+    hi: int
+    attempt: int
+    reason: str  # timeout | broken | dial_failed | closed | refused | protocol | slow | local | other
+    message: str
+
+
+class ModeChange(msgspec.Struct, frozen=True, kw_only=True):
+    """A switch of the dispatcher's load state (idle / loaded / serve_ttl) and why."""
+
+    at_ms: int
+    state: str
+    reason: str
 
 
 class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,6 +122,22 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     kernel_id: str = ""  # the coordinator's own expert kernel: equal ids give bit-identical results
     workers: list[WorkerReport]
     layers: list[LayerRows]
+    # load-adaptive dispatch (DESIGN §5 layer 1); defaults so that older readers and writers still decode
+    mode: str = ""  # adaptive | offload
+    load_state: str = ""  # idle | loaded | serve_ttl
+    busy: int | None = None  # the last load sample (None: none yet)
+    n_slots: int | None = None
+    load_sample_age_s: float | None = None
+    load_samples_failed: int = 0  # samples that timed out or failed
+    saturation_threshold: int = 0
+    serve_ttl_s: float = 0.0
+    hedge_floor_ms: float = 0.0
+    hot_experts: int = 0
+    decisions: dict[str, int] = {}  # placements, hedges, retries and cancels by reason
+    errors_total: int = 0
+    errors: list[DispatchErrorReport] = []  # the last failures, oldest first
+    stale_answers: int = 0  # answers of calls no longer waited for (ignored)
+    mode_changes: list[ModeChange] = []  # the last load-state switches, oldest first
 
 
 slots_decoder = msgspec.json.Decoder(list[SlotInfo])

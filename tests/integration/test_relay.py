@@ -16,6 +16,7 @@ import pytest
 import torch
 import trio
 
+from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.dispatcher import Dispatcher
 from coordinator.model import Transformer
 from relay.service import RelayConfig, RelayHealth, RelayService, RelayStatus, open_relay
@@ -31,6 +32,9 @@ from swarm.protocol.expert import PROTOCOL_ID, make_hello
 from swarm.rpc.server import expert_stream_handler
 from tests.integration.test_remote_experts import HALVES, greedy
 from volunteer.server import ExpertServer
+
+# the remote path whatever the load (the relay carries every call), no hedging
+OFFLOAD = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False)
 
 
 def report(d: Dispatcher) -> dict[str, Any]:
@@ -129,7 +133,7 @@ async def test_relay_only_volunteer_serves_bit_identical(
     vol = await start_volunteer(nursery, [relay.addr], model=golden_model)
     assert vol.nat.reachability is Reachability.PRIVATE  # no listen address: nothing to check
     assert vol.addrs == [f"{relay.addr}/p2p-circuit/p2p/{vol.peer_id}"]
-    d = Dispatcher(golden_model, coord, hole_punch=False)
+    d = Dispatcher(golden_model, coord, hole_punch=False, config=OFFLOAD)
     await nursery.start(d.serve)
     d.set_map(dmap(golden_model, 1, {k: [vol] for k in HALVES}))
     local = Dispatcher(golden_model, None)
@@ -153,7 +157,7 @@ async def test_hole_punch_moves_the_expert_stream_to_a_direct_connection(
     relay = await start_relay(nursery)
     vol = await start_volunteer(nursery, [relay.addr], model=golden_model, hole_punch=True, relayed_close_grace_s=0.5)
     async with open_nat(coord, NatConfig(hole_punch=True, relayed_close_grace_s=0.5)) as nat:
-        d = Dispatcher(golden_model, coord)
+        d = Dispatcher(golden_model, coord, config=OFFLOAD)
         await nursery.start(d.serve)
         d.set_map(dmap(golden_model, 1, {k: [vol] for k in HALVES}))
         tr = Transformer(golden_model, d)
@@ -194,7 +198,7 @@ async def test_the_expert_stream_leaves_the_relay_when_the_connection_turns_dire
             return ok
 
         nat._dcutr.initiate_hole_punch = late  # type: ignore[method-assign]
-        d = Dispatcher(golden_model, coord)
+        d = Dispatcher(golden_model, coord, config=OFFLOAD)
         await nursery.start(d.serve)
         d.set_map(dmap(golden_model, 1, {k: [vol] for k in HALVES}))
         tr = Transformer(golden_model, d)

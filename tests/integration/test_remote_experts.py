@@ -16,6 +16,7 @@ import pytest
 import torch
 import trio
 
+from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.model import KVCache, SeqChunk, Transformer
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
@@ -99,7 +100,13 @@ async def greedy(tr: Transformer, prompt: list[int], n: int) -> tuple[list[int],
 HALVES = [(L, lo, hi) for L in (0, 1) for lo, hi in ((0, 4), (4, 8))]
 
 
+# These tests exercise the remote path: every range with a live replica goes remote whatever the load,
+# and a slow call waits for its deadline (the adaptive policy and hedging: tests/sim/test_dispatcher_scenarios.py)
+OFFLOAD = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False)
+
+
 async def make_dispatcher(nursery: trio.Nursery, model: GGUFModel, transport: Transport | None, **kw: Any) -> Dispatcher:
+    kw.setdefault("config", OFFLOAD)
     d = Dispatcher(model, transport, **kw)
     await nursery.start(d.serve)
     return d
@@ -266,7 +273,8 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
 
     path.write_bytes(msgspec.json.encode(dmap(golden_model, 3, {k: [a] for k in HALVES})))
     url = await nursery.start(serve_coordinator, CoordinatorConfig(model=str(golden_model.path), port=0,
-                                                                  data_dir=str(tmp_path / "c"), dispatch_map=str(path)))
+                                                                  data_dir=str(tmp_path / "c"), dispatch_map=str(path),
+                                                                  dispatch="offload"))
     g = golden["greedy"][0]
     async with httpx.AsyncClient(base_url=url, timeout=30) as h:
         r = await h.post("/v1/completions", json={"model": golden_model.model_id, "prompt": g["prompt_ids"],

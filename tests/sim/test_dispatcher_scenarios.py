@@ -1,0 +1,415 @@
+"""The dispatcher end to end under virtual time: the real shell (``coordinator.dispatcher``) and core,
+the real expert stream client and server (``swarm.rpc``) on the in-memory fake network, a
+synchronous fake kernel on both sides (the same function, so hedges must not change bits), and
+local and remote compute that take virtual time (``trio.sleep``), so the assertions on virtual
+time are exact: a real kernel on a worker thread under a jumping clock would time out."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from coordinator.core.dispatch import DispatchConfig, Reason
+from coordinator.dispatcher import Dispatcher, LocalJob
+from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
+from swarm.model.experts import pairs_from_lists
+from swarm.p2p.memory import FakeNetwork, open_fake_transport
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest
+from swarm.rpc.server import expert_stream_handler
+
+D = 16
+N_EXPERT = 8
+MODEL_ID = "fake-0123456789ab"
+LOCAL_S_PER_PAIR = 1e-3  # the coordinator's local kernel: 1 ms per (row, expert) pair
+REMOTE_S_PER_PAIR = 0.5e-3  # a volunteer's
+LATENCY_S = 0.5e-3  # one way
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+@dataclass(frozen=True)
+class Dims:
+    n_layer: int = 2
+    n_expert: int = N_EXPERT
+    d_model: int = D
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    model_id: str = MODEL_ID
+    config: Dims = Dims()
+
+
+def partial_sum(layer: int, lo: int, x: torch.Tensor, pr: torch.Tensor, pe: torch.Tensor, pw: torch.Tensor) -> torch.Tensor:
+    """The fake expert kernel: per row, contributions in pair order starting from zero."""
+    out = torch.zeros_like(x)
+    for r, e, w in zip(pr.tolist(), pe.tolist(), pw.tolist(), strict=True):
+        out[r] += w * torch.tanh(x[r] * (lo + e + 1) * 0.1 + layer)
+    return out
+
+
+def fake_kernel(job: LocalJob) -> torch.Tensor:
+    return partial_sum(job.layer, job.lo, job.x, job.pair_rows, job.pair_experts, job.pair_weights)
+
+
+async def local_runner(job: LocalJob) -> torch.Tensor:
+    await trio.sleep(LOCAL_S_PER_PAIR * int(job.pair_rows.shape[0]))
+    return fake_kernel(job)
+
+
+def routing(n_tok: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token t goes to experts t % 4 and 4 + t % 4: both halves get n_tok pairs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tok, D, generator=g)
+    ids = torch.tensor([[t % 4, 4 + t % 4] for t in range(n_tok)])
+    w = torch.rand(n_tok, 2, generator=g)
+    return x, ids, w / w.sum(dim=1, keepdim=True)
+
+
+Behaviour = Callable[[ExpertRequest], Awaitable[float | None]]  # extra delay; None: answer garbage
+
+
+@dataclass
+class Volunteer:
+    peer_id: str
+    calls: list[ExpertRequest] = field(default_factory=list)
+    answered: int = 0
+    behaviour: Behaviour | None = None
+
+    async def handle(self, req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+        self.calls.append(req)
+        pr, pe, pw = pairs_from_lists(req.experts, req.weights)
+        garbage = False
+        if self.behaviour is not None:
+            extra = await self.behaviour(req)
+            garbage = extra is None
+            if extra:
+                await trio.sleep(extra)
+        await trio.sleep(REMOTE_S_PER_PAIR * int(pr.shape[0]))
+        self.answered += 1
+        out = partial_sum(req.layer, req.lo, rows, pr, pe, pw)
+        return out * 3.0 + 1.0 if garbage else out
+
+
+class Swarm:
+    def __init__(self, nursery: trio.Nursery, net: FakeNetwork) -> None:
+        self.nursery = nursery
+        self.net = net
+        self.scopes: dict[str, trio.CancelScope] = {}
+
+    async def volunteer(self, name: str, behaviour: Behaviour | None = None) -> Volunteer:
+        vol = Volunteer(name, behaviour=behaviour)
+
+        async def run(task_status: trio.TaskStatus[None]) -> None:
+            with trio.CancelScope() as cs:
+                self.scopes[name] = cs
+                async with open_fake_transport(self.net, peer_id=name) as t:
+                    t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(vol.handle))
+                    task_status.started()
+                    await trio.sleep_forever()
+
+        await self.nursery.start(run)
+        return vol
+
+    @asynccontextmanager
+    async def coordinator(self, **kw: object) -> AsyncIterator[Dispatcher]:
+        async with open_fake_transport(self.net, peer_id="coordinator") as t:
+            kw.setdefault("probe_in_thread", False)
+            d = Dispatcher(FakeModel(), t, local_kernel=fake_kernel, local_runner=local_runner, **kw)  # type: ignore[arg-type]
+            async with trio.open_nursery() as n:
+                await n.start(d.serve)
+                yield d
+                n.cancel_scope.cancel()
+
+
+def dmap(spec: dict[tuple[int, int, int], list[str]], version: int = 1) -> DispatchMap:
+    layers: dict[int, list[RangeReplicas]] = {}
+    for (L, lo, hi), peers in spec.items():
+        layers.setdefault(L, []).append(RangeReplicas(lo, hi, [Replica(p, []) for p in peers]))
+    return DispatchMap(MODEL_ID, version, [LayerRanges(L, r) for L, r in sorted(layers.items())])
+
+
+HALVES = [(L, lo, hi) for L in (0, 1) for lo, hi in ((0, 4), (4, 8))]
+
+
+def reference(m: DispatchMap, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Every range computed here (a dispatcher that is not serving), in the same partition."""
+    d = Dispatcher(FakeModel(), None, local_kernel=fake_kernel)  # type: ignore[arg-type]
+    d.set_map(m)
+    return d.moe(layer, x, ids, w)
+
+
+class Load:
+    def __init__(self, busy: int = 0, n_slots: int = 4) -> None:
+        self.busy = busy
+        self.n_slots = n_slots
+
+    def __call__(self) -> tuple[int, int]:
+        return self.busy, self.n_slots
+
+
+async def step(d: Dispatcher, m: DispatchMap, layer: int = 0, seed: int = 0, n_tok: int = 8) -> float:
+    """One layer dispatched; asserts its bits equal the all-local ones; returns its virtual duration."""
+    x, ids, w = routing(n_tok, seed)
+    t0 = trio.current_time()
+    out = await d.dispatch_layer(layer, x, ids, w)
+    elapsed = trio.current_time() - t0
+    assert torch.equal(out, reference(m, layer, x, ids, w))
+    return elapsed
+
+
+def decisions(d: Dispatcher) -> dict[str, int]:
+    return dict(d.report().decisions)
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+def worker(d: Dispatcher, peer: str) -> dict[str, object]:
+    [w] = [w for w in d.report().workers if w.peer_id == peer]
+    return {"state": w.state, "calls": w.calls, "proven": w.proven, "failures": w.failures,
+            "last_serve_ms": w.last_serve_ms, "last_error": w.last_error}
+
+
+async def wait_sample(d: Dispatcher) -> None:
+    """Let the 2-second load sampler take its next sample."""
+    await trio.sleep(d.config.sample_interval_s + 0.01)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+async def test_idle_then_load_then_idle(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    vol = await sw.volunteer("w1")
+    m = dmap({k: ["w1"] for k in HALVES})
+    load = Load(busy=1)
+    async with sw.coordinator(load_probe=load, config=DispatchConfig(serve_ttl_s=20.0)) as d:
+        d.set_map(m)
+        # idle (1 busy slot < threshold 2): the experts the coordinator holds run here
+        for i in range(4):
+            await step(d, m, layer=i % 2, seed=i)
+        assert decisions(d) == {Reason.IDLE_LOCAL.value: 8}
+        assert vol.calls == [] and d.report().load_state == "idle"
+        assert worker(d, "w1")["proven"] is False
+
+        # load: the unproven worker gets one hedged trial (remote and local at once; it wins)
+        load.busy = 3
+        await wait_sample(d)
+        assert d.report().load_state == "loaded"
+        before = decisions(d)
+        await step(d, m, seed=10)
+        got = delta(decisions(d), before)
+        assert got[Reason.TRIAL_HEDGE.value] == 2  # its SendRemote and its RunLocal
+        assert worker(d, "w1")["proven"] is True and len(vol.calls) == 1
+        # then the two halves split between the worker and the coordinator by earliest finish
+        before = decisions(d)
+        rows_before = [(L.local_rows, L.remote_rows) for L in d.report().layers]
+        durations = [await step(d, m, layer=i % 2, seed=20 + i) for i in range(6)]
+        got = delta(decisions(d), before)
+        assert got.get(Reason.LOAD_EARLIEST_FINISH_REMOTE.value, 0) == 6
+        assert got.get(Reason.LOAD_EARLIEST_FINISH_LOCAL.value, 0) == 6
+        rows = [(L.local_rows - a, L.remote_rows - b) for L, (a, b) in zip(d.report().layers, rows_before, strict=True)]
+        assert all(local == remote == 3 * 8 for local, remote in rows)
+        # both shares ran at once: a step lasts the local half's 8 ms, not local + remote
+        local_ms = 8 * LOCAL_S_PER_PAIR
+        assert all(local_ms - 1e-9 <= t < local_ms + 1e-3 for t in durations), durations
+
+        # the load ends: proven work goes on for the serve TTL (hysteresis) ...
+        load.busy = 0
+        await wait_sample(d)
+        assert d.report().load_state == "serve_ttl"
+        before, calls = decisions(d), len(vol.calls)
+        await step(d, m, seed=40)
+        assert delta(decisions(d), before) == {Reason.SERVE_TTL.value: 2}
+        assert len(vol.calls) == calls + 1
+        # ... then everything is local again
+        await trio.sleep(20.0)
+        assert d.report().load_state == "idle"
+        before, calls = decisions(d), len(vol.calls)
+        await step(d, m, seed=50)
+        assert delta(decisions(d), before) == {Reason.IDLE_LOCAL.value: 2}
+        assert len(vol.calls) == calls
+        states = [c.state for c in d.report().mode_changes]
+        assert states == ["loaded", "serve_ttl", "idle"]
+        assert [c.reason for c in d.report().mode_changes] == ["load_onset", "load_ended", "ttl_expired"]
+        assert d.report().errors == [] and worker(d, "w1")["failures"] == 0
+
+
+async def test_worker_that_never_serves(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    async def hang(req: ExpertRequest) -> float | None:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    vol = await sw.volunteer("mute", hang)
+    m = dmap({k: ["mute"] for k in HALVES})
+    async with sw.coordinator(load_probe=Load(busy=4), timeout_s=3.0) as d:
+        d.set_map(m)
+        await trio.sleep(0.01)  # the first sample
+        # its trial: the local copy answers the step, the hanging call does not hold it up
+        assert await step(d, m) < 0.05
+        assert len(vol.calls) == 1
+        # not proven: the next steps are local, while the trial waits out its deadline
+        before = decisions(d)
+        for i in range(3):
+            assert await step(d, m, seed=i + 1) < 0.05
+        assert delta(decisions(d), before) == {Reason.LOAD_EARLIEST_FINISH_LOCAL.value: 6}
+        await trio.sleep(3.0)
+        assert worker(d, "mute") == {"state": "down", "calls": 0, "proven": False, "failures": 1,
+                                     "last_serve_ms": 0, "last_error": worker(d, "mute")["last_error"]}
+        [err] = d.report().errors
+        assert (err.peer, err.layer, err.lo, err.reason) == ("mute", 0, 0, "timeout")
+        assert len(vol.calls) == 1  # it never got another call
+
+
+async def test_slow_worker_is_hedged(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    slow = trio.Event()
+
+    async def maybe_slow(req: ExpertRequest) -> float | None:
+        return 2.5 if slow.is_set() else 0.0
+
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    await sw.volunteer("w1", maybe_slow)
+    m = dmap({k: ["w1"] for k in HALVES})
+    cfg = DispatchConfig(hedge_floor_s=0.05, timeout_s=3.0, max_hedge_losses=3)
+    async with sw.coordinator(load_probe=Load(busy=4), config=cfg) as d:
+        d.set_map(m)
+        await trio.sleep(0.01)
+        for i in range(3):
+            await step(d, m, seed=i)  # trial, then splits: proven, a few fast latencies
+        assert worker(d, "w1")["proven"] is True
+        slow.set()
+        before = decisions(d)
+        # the slow call is raced against the local copy after the hedge floor (its p95 is below it)
+        t = await step(d, m, seed=7)
+        assert 0.05 <= t < 0.05 + 8 * LOCAL_S_PER_PAIR + 1e-3, t
+        got = delta(decisions(d), before)
+        assert got[Reason.HEDGE_SLOW.value] == 1 and got[Reason.LOST_RACE.value] == 1
+        # the lost hedge counted as a 50 ms latency: its estimate now loses to the local copy
+        before = decisions(d)
+        for i in range(2):
+            assert await step(d, m, seed=8 + i) <= 2 * 8 * LOCAL_S_PER_PAIR + 1e-9
+        assert delta(decisions(d), before) == {Reason.LOAD_EARLIEST_FINISH_LOCAL.value: 4}
+        assert worker(d, "w1")["state"] == "up" and d.report().errors == []
+
+
+async def test_worker_failing_mid_step(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    net = FakeNetwork(latency_s=LATENCY_S)
+    sw = Swarm(nursery, net)
+
+    async def pause(req: ExpertRequest) -> float | None:
+        return 0.02
+
+    await sw.volunteer("w1", pause)
+    w2 = await sw.volunteer("w2")
+    # layer 0: the coordinator does not hold experts 0-3 (remote only: w1, then w2); 4-7 only w1
+    m = dmap({(0, 0, 4): ["w1", "w2"], (0, 4, 8): ["w1"]})
+    cfg = DispatchConfig(timeout_s=3.0, hedge_floor_s=1.0)
+    async with sw.coordinator(load_probe=Load(busy=4), config=cfg, held=lambda layer, lo, hi: lo != 0) as d:
+        d.set_map(m)
+        await trio.sleep(0.01)
+        await step(d, m, seed=1)  # w1 serves 0-3 (not held) and has its trial on 4-7
+        assert worker(d, "w1")["proven"] is True and w2.calls == []
+        before = decisions(d)
+        async with trio.open_nursery() as n:
+            n.start_soon(step, d, m, 0, 2)
+            await trio.sleep(0.005)  # both calls are in flight on w1
+            net.partition("coordinator", "w1")  # its connection dies
+        got = delta(decisions(d), before)
+        assert got[Reason.NOT_HELD.value] == 1 and got[Reason.RETRY_NEXT.value] == 1  # 0-3: on to w2
+        assert got.get(Reason.FALLBACK_LOCAL.value, 0) + got.get(Reason.LOAD_EARLIEST_FINISH_LOCAL.value, 0) == 1
+        assert len(w2.calls) == 1 and w2.calls[0].attempt == 1  # the range's second attempt
+        w = worker(d, "w1")
+        assert w["state"] == "down" and w["failures"] == 1 and w["proven"] is False
+        errs = d.report().errors
+        assert {(e.peer, e.layer, e.lo, e.hi, e.attempt) for e in errs} >= {("w1", 0, 0, 4, 0)}
+        assert all(e.reason in ("broken", "closed") for e in errs)
+        assert d.report().errors_total == len(errs)
+        # while w1 is down and nothing else holds 0-3 but w2, the next steps use w2
+        await step(d, m, seed=3)
+        assert len(w2.calls) == 2
+
+
+async def test_stale_answer_of_an_old_attempt_is_ignored(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    first = [True]
+
+    async def slow_garbage_once(req: ExpertRequest) -> float | None:
+        if first[0]:
+            first[0] = False
+            await trio.sleep(0.5)
+            return None  # ... then a wrong answer, after the range was answered elsewhere
+        return 0.0
+
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    a = await sw.volunteer("a", slow_garbage_once)
+    b = await sw.volunteer("b")
+    m = dmap({(0, 0, 4): ["a", "b"], (0, 4, 8): ["a", "b"]})
+    cfg = DispatchConfig(timeout_s=0.2, hedge_floor_s=0.05)
+    async with sw.coordinator(config=cfg, held=lambda layer, lo, hi: False) as d:
+        d.set_map(m)
+        # 0-3 goes to a (attempt 0); its hedge after half the timeout goes to b (attempt 1): b wins
+        t = await step(d, m, seed=1)
+        assert 0.1 <= t < 0.11, t
+        assert (a.calls[0].lo, a.calls[0].attempt) == (0, 0)
+        assert (0, 1) in [(r.lo, r.attempt) for r in b.calls]
+        assert decisions(d)[Reason.HEDGE_SLOW.value] == 1
+        # a's answer of attempt 0 arrives after that: nobody waits for it, nothing changes
+        await trio.sleep(0.5)
+        assert a.answered == len(a.calls) == 1
+        await step(d, m, seed=2)  # and the next step's bits are right too
+        assert d.report().errors == [] and worker(d, "a")["failures"] == 0
+
+
+async def test_not_held_without_replica_fails(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    from swarm.errors import DispatchFailed
+
+    async with sw.coordinator(held=lambda layer, lo, hi: lo != 0) as d:
+        d.set_map(dmap({(0, 4, 8): []}))
+        x, ids, w = routing()
+        with pytest.raises(DispatchFailed, match="layer 0 experts 0-4"):
+            await d.dispatch_layer(0, x, ids, w)
+        assert decisions(d)[Reason.NO_REPLICA.value] == 1
+
+
+async def test_hung_load_probe_never_blocks_dispatch(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    release = threading.Event()
+    calls = [0]
+
+    def probe() -> tuple[int, int]:
+        calls[0] += 1
+        if calls[0] > 1:
+            release.wait(30)  # hangs (a thread the sampler abandons after its bound)
+        return 4, 4
+
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    await sw.volunteer("w1")
+    m = dmap({k: ["w1"] for k in HALVES})
+    try:
+        async with sw.coordinator(load_probe=probe, probe_in_thread=True, config=DispatchConfig(serve_ttl_s=5.0)) as d:
+            d.set_map(m)
+            with trio.fail_after(1):  # the first sample comes from a real thread: step virtual time until it is in
+                while d.report().busy is None:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            assert d.report().load_state == "loaded"
+            await trio.sleep(2.5)  # the second sample hangs: the last one holds until it ages out
+            assert d.report().load_state == "loaded"
+            assert await step(d, m) < 0.05
+            await trio.sleep(4.0)  # 6.5 s since the good sample: aged out
+            rep = d.report()
+            assert rep.load_state == "serve_ttl" and rep.load_samples_failed >= 2
+            await step(d, m, seed=1)
+    finally:
+        release.set()
