@@ -1,10 +1,50 @@
-"""Pure dispatch core: worker health with backoff, static and balanced replica choice."""
+"""Pure dispatch core, table-driven: worker health with backoff, static and balanced replica choice, and the
+load-adaptive machine (load state, placement by reason, earliest finish, trials, hedges, deadlines, retries,
+fallbacks, hot experts, stale answers, row counts)."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.core.dispatch import BalancedPolicy, ChoiceReason, StaticPolicy, WorkerTable
+from coordinator.core.dispatch import (
+    BalancedPolicy,
+    CallId,
+    Cancel,
+    CancelTimer,
+    ChoiceReason,
+    Combine,
+    DispatchConfig,
+    DispatchCore,
+    DispatchMode,
+    Effect,
+    Fail,
+    FailureKind,
+    Hedge,
+    LayerReady,
+    LoadSample,
+    LoadSampleTimeout,
+    LoadState,
+    LocalDone,
+    LocalFailed,
+    MarkDown,
+    MarkProven,
+    ModeChanged,
+    RangeWork,
+    Reason,
+    RemoteDone,
+    RemoteFailed,
+    RunLocal,
+    SendRemote,
+    StartTimer,
+    StaticPolicy,
+    StepId,
+    Timer,
+    TimerFired,
+    TimerKind,
+    WorkersListed,
+    WorkerTable,
+    p95,
+)
 
 
 def table(*peers: str) -> WorkerTable:
@@ -84,3 +124,386 @@ def test_balanced_policy_trials_new_then_spreads() -> None:
     t.failed("old", "x", 0.0)
     c = pol.choose(["old", "new"], t, 0.1)
     assert c.candidates == ("new",) and c.reason is ChoiceReason.REMOTE
+
+
+# -- the load-adaptive core (DispatchCore): events in, effects out -----------------------------------
+
+
+MS = 1e-3
+
+
+def core(*peers: str, **kw: object) -> DispatchCore:
+    kw.setdefault("local_cost_prior_s", 1 * MS)  # 1 ms per pair: a range of 8 pairs = 8 ms here
+    c = DispatchCore(DispatchConfig(**kw), n_layer=2, n_expert=8)  # type: ignore[arg-type]
+    c.handle(WorkersListed(frozenset(peers)), 0.0)
+    return c
+
+
+def rw(lo: int, hi: int, *replicas: str, held: bool = True, pairs: int = 8, rows: int = 8) -> RangeWork:
+    return RangeWork(lo, hi, rows, pairs, tuple(replicas), held)
+
+
+def ready(c: DispatchCore, now: float, *ranges: RangeWork, step: int = 1, layer: int = 0,
+          expert_pairs: tuple[int, ...] = ()) -> list[Effect]:
+    return c.handle(LayerReady(StepId(step), layer, tuple(ranges), expert_pairs), now)
+
+
+def prove(c: DispatchCore, peer: str, latency_s: float) -> None:
+    """``peer`` has answered a call correctly (the worker table's record of it)."""
+    c.table.succeeded(peer, rows=8, latency_s=latency_s, wall_ms=1)
+
+
+def loaded(c: DispatchCore, now: float = 0.0, busy: int = 4) -> None:
+    c.handle(LoadSample(busy, 4), now)
+    assert c.load_state(now) is LoadState.LOADED
+
+
+def placements(effects: list[Effect]) -> list[tuple[str, str | None, Reason]]:
+    """(kind, peer, reason) of every placement: local, remote, hedge, fail."""
+    out: list[tuple[str, str | None, Reason]] = []
+    for e in effects:
+        match e:
+            case SendRemote(peer=peer, reason=reason):
+                out.append(("remote", peer, reason))
+            case RunLocal(reason=reason):
+                out.append(("local", None, reason))
+            case Hedge(peer=peer, reason=reason):
+                out.append(("hedge", peer, reason))
+            case Fail(reason=reason):
+                out.append(("fail", None, reason))
+    return out
+
+
+def only(effects: list[Effect], kind: type) -> list[Effect]:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def call_of(effects: list[Effect], kind: type = SendRemote) -> CallId:
+    [e] = only(effects, kind)
+    return e.call  # type: ignore[attr-defined, no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("events", "at", "state"),
+    [
+        ([], 0.0, LoadState.IDLE),
+        ([(0.0, LoadSample(1, 4))], 0.0, LoadState.IDLE),  # below the threshold of 2
+        ([(0.0, LoadSample(2, 4))], 0.0, LoadState.LOADED),
+        ([(0.0, LoadSample(4, 4))], 5.9, LoadState.LOADED),  # the sample holds ...
+        ([(0.0, LoadSample(4, 4))], 6.0, LoadState.LOADED),
+        ([(0.0, LoadSample(4, 4))], 6.1, LoadState.SERVE_TTL),  # ... until it ages out (6 s); then the TTL
+        ([(0.0, LoadSample(4, 4))], 25.9, LoadState.SERVE_TTL),
+        ([(0.0, LoadSample(4, 4))], 26.0, LoadState.IDLE),
+        ([(0.0, LoadSample(4, 4)), (2.0, LoadSample(0, 4))], 2.0, LoadState.SERVE_TTL),
+        ([(0.0, LoadSample(4, 4)), (2.0, LoadSample(0, 4))], 21.9, LoadState.SERVE_TTL),
+        ([(0.0, LoadSample(4, 4)), (2.0, LoadSample(0, 4))], 22.0, LoadState.IDLE),
+        # a timed-out sample changes nothing: the last one holds until it ages out
+        ([(0.0, LoadSample(4, 4)), (2.0, LoadSampleTimeout()), (4.0, LoadSampleTimeout())], 5.0, LoadState.LOADED),
+        ([(0.0, LoadSample(0, 4)), (2.0, LoadSampleTimeout())], 3.0, LoadState.IDLE),
+        # an idle sample after the loaded one aged out: the TTL counts from the age-out
+        ([(0.0, LoadSample(4, 4)), (10.0, LoadSample(0, 4))], 25.9, LoadState.SERVE_TTL),
+        ([(0.0, LoadSample(4, 4)), (10.0, LoadSample(0, 4))], 26.0, LoadState.IDLE),
+    ],
+)
+def test_load_state(events: list[tuple[float, LoadSample | LoadSampleTimeout]], at: float, state: LoadState) -> None:
+    c = core()
+    for now, ev in events:
+        c.handle(ev, now)
+    assert c.load_state(at) is state
+
+
+def test_threshold_and_ttl_are_configurable() -> None:
+    c = core(saturation_threshold=4, serve_ttl_s=1.0)
+    c.handle(LoadSample(3, 4), 0.0)
+    assert c.load_state(0.0) is LoadState.IDLE
+    c.handle(LoadSample(4, 4), 1.0)
+    c.handle(LoadSample(0, 4), 2.0)
+    assert (c.load_state(2.9), c.load_state(3.0)) == (LoadState.SERVE_TTL, LoadState.IDLE)
+
+
+def test_mode_changes_are_effects_with_reasons() -> None:
+    c = core()
+    assert c.handle(LoadSample(4, 4), 0.0) == [ModeChanged(LoadState.LOADED, Reason.LOAD_ONSET)]
+    assert c.handle(LoadSample(4, 4), 2.0) == []
+    assert c.handle(LoadSample(0, 4), 4.0) == [ModeChanged(LoadState.SERVE_TTL, Reason.LOAD_ENDED)]
+    assert c.handle(LoadSample(0, 4), 24.0) == [ModeChanged(LoadState.IDLE, Reason.TTL_EXPIRED)]
+
+
+@pytest.mark.parametrize(
+    ("setup", "work", "expect"),
+    [
+        # idle: held ranges run here, whatever the replicas
+        ("idle", rw(0, 4, "p"), [("local", None, Reason.IDLE_LOCAL)]),
+        ("idle proven 1ms", rw(0, 4, "p"), [("local", None, Reason.IDLE_LOCAL)]),
+        # not held: remote only, or fail
+        ("idle", rw(0, 4, "p", held=False), [("remote", "p", Reason.NOT_HELD)]),
+        ("loaded", rw(0, 4, "p", held=False), [("remote", "p", Reason.NOT_HELD)]),
+        ("idle", rw(0, 4, held=False), [("fail", None, Reason.NO_REPLICA)]),
+        ("idle p down", rw(0, 4, "p", held=False), [("fail", None, Reason.ALL_DOWN)]),
+        # loaded: the unproven replica's one trial is hedged by the local copy
+        ("loaded", rw(0, 4, "p"), [("remote", "p", Reason.TRIAL_HEDGE), ("local", None, Reason.TRIAL_HEDGE)]),
+        ("loaded trial spent", rw(0, 4, "p"), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
+        ("loaded p down", rw(0, 4, "p"), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
+        ("loaded", rw(0, 4), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
+        # loaded, proven: earliest estimated finish (8 pairs at 1 ms here vs the replica's EWMA)
+        ("loaded proven 5ms", rw(0, 4, "p"), [("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)]),
+        ("loaded proven 9ms", rw(0, 4, "p"), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
+        ("loaded proven 8ms", rw(0, 4, "p"), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),  # ties: local
+        ("loaded proven 5ms", rw(0, 4, "p", pairs=4), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
+        # serve TTL: the same choice, no trials
+        ("ttl proven 5ms", rw(0, 4, "p"), [("remote", "p", Reason.SERVE_TTL)]),
+        ("ttl", rw(0, 4, "p"), [("local", None, Reason.SERVE_TTL)]),
+        # offload mode: remote whenever a replica is live
+        ("offload", rw(0, 4, "p"), [("remote", "p", Reason.OFFLOAD_REMOTE)]),
+        ("offload", rw(0, 4), [("local", None, Reason.NO_REPLICA)]),
+        ("offload p down", rw(0, 4, "p"), [("local", None, Reason.ALL_DOWN)]),
+        ("offload p down", rw(0, 4, "p", held=False), [("fail", None, Reason.ALL_DOWN)]),
+    ],
+)
+def test_placement(setup: str, work: RangeWork, expect: list[tuple[str, str | None, Reason]]) -> None:
+    words = setup.split()
+    c = core("p", mode=DispatchMode.OFFLOAD if "offload" in words else DispatchMode.ADAPTIVE)
+    if "proven" in words:
+        prove(c, "p", float(words[-1].removesuffix("ms")) * MS)
+    if "down" in words:
+        c.table.failed("p", "x", 0.0)
+    if "spent" in words:
+        c.table.workers["p"].trial_due = False
+    now = 0.0
+    if "loaded" in words:
+        loaded(c)
+    if "ttl" in words:
+        loaded(c)
+        c.handle(LoadSample(0, 4), 1.0)
+        now = 1.0
+    assert placements(ready(c, now, work)) == expect
+    # every decision is counted by its reason
+    assert sum(c.decisions.values()) == len(expect)
+
+
+def test_earliest_finish_counts_the_local_backlog_and_the_replica_queue() -> None:
+    c = core("p")
+    prove(c, "p", 5 * MS)
+    loaded(c)
+    # a: remote 5 ms < local 8; b: remote 10 (one call queued) > local 8; c: local 16 > remote 10
+    eff = ready(c, 0.0, rw(0, 2, "p"), rw(2, 4, "p"), rw(4, 6, "p"))
+    assert placements(eff) == [("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE),
+                               ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL),
+                               ("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)]
+
+
+def test_hot_experts_run_locally_and_keep_the_partition() -> None:
+    c = core("p", mode=DispatchMode.OFFLOAD, hot_experts=1)
+    counts = (0, 1, 0, 0, 0, 9, 0, 0)
+    eff = ready(c, 0.0, rw(0, 4, "p"), rw(4, 8, "p"), expert_pairs=counts)
+    assert placements(eff) == [("remote", "p", Reason.OFFLOAD_REMOTE)] * 2  # nothing known before this layer
+    assert c.hot_experts(0) == {5} and c.hot_experts(1) == frozenset()
+    eff = ready(c, 0.0, rw(0, 4, "p"), rw(4, 8, "p"), step=2)
+    assert placements(eff) == [("remote", "p", Reason.OFFLOAD_REMOTE), ("local", None, Reason.HOT_EXPERT)]
+    # not held: a hot expert cannot run here
+    eff = ready(c, 0.0, rw(4, 8, "p", held=False), step=3)
+    assert placements(eff) == [("remote", "p", Reason.OFFLOAD_REMOTE)]
+
+
+@pytest.mark.parametrize(
+    ("k", "rounds", "hot"),
+    [
+        (0, [(5, 1, 0, 0)], set()),
+        (1, [(5, 1, 0, 0)], {0}),
+        (2, [(5, 1, 0, 0)], {0, 1}),
+        (3, [(5, 1, 0, 0)], {0, 1}),  # never-routed experts are not hot
+        (1, [(1, 1, 0, 0)], {0}),  # ties: the lower index
+        (1, [(10, 0, 0, 0)] + [(0, 1, 0, 0)] * 40, {1}),  # counts decay: the recent routing wins
+    ],
+)
+def test_hot_expert_ranking(k: int, rounds: list[tuple[int, ...]], hot: set[int]) -> None:
+    c = DispatchCore(DispatchConfig(hot_experts=k, hot_decay=0.9), n_layer=1, n_expert=4)
+    for i, counts in enumerate(rounds):
+        c.handle(LayerReady(StepId(i + 1), 0, (), counts), 0.0)
+    assert c.hot_experts(0) == hot
+
+
+@pytest.mark.parametrize(
+    ("samples", "expect"),
+    [([], None), ([0.01], 0.02), ([0.01, 0.03], 0.06), ([float(i) for i in range(1, 21)], 19.0),
+     ([float(i) for i in range(1, 101)], 95.0), ([1.0] * 7 + [9.0], 9.0)],
+)
+def test_p95(samples: list[float], expect: float | None) -> None:
+    assert p95(samples) == expect
+
+
+def test_remote_call_timers_and_combine() -> None:
+    c = core("p", hedge_floor_s=0.05, timeout_s=3.0)
+    eff = ready(c, 10.0, rw(0, 4, "p", held=False))
+    cid = call_of(eff)
+    [send] = only(eff, SendRemote)
+    assert (send.request_id, send.attempt, send.lo, send.hi) == (1, 0, 0, 4)
+    # the deadline at the timeout; the hedge at half of it with no latency history
+    assert set(only(eff, StartTimer)) == {StartTimer(Timer(TimerKind.DEADLINE, cid), 13.0),
+                                          StartTimer(Timer(TimerKind.HEDGE, cid), 11.5)}
+    eff = c.handle(RemoteDone(cid, wall_ms=777), 10.004)
+    assert Combine(StepId(1), 0, (cid,)) in eff and MarkProven("p") in eff
+    assert {CancelTimer(Timer(TimerKind.DEADLINE, cid)), CancelTimer(Timer(TimerKind.HEDGE, cid))} <= set(eff)
+    v = c.table.views(11.0)[0]
+    assert (v.calls, v.last_serve_ms, v.proven, v.latency_ewma_ms) == (1, 777, True, pytest.approx(4.0))
+    assert (c.rows[0].remote_rows, c.rows[0].local_rows, c.in_flight(), c.active_steps()) == (8, 0, 0, 0)
+    # a stale timer of the finished call does nothing
+    assert c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 11.5) == []
+    assert c.handle(TimerFired(Timer(TimerKind.DEADLINE, cid)), 13.0) == []
+
+
+@pytest.mark.parametrize(("latencies_ms", "hedge_at_ms"), [([2.0], 50.0), ([40.0], 80.0), ([10.0] * 20, 50.0),
+                                                           ([60.0] * 20, 60.0)])
+def test_hedge_timer_is_the_p95_with_a_floor(latencies_ms: list[float], hedge_at_ms: float) -> None:
+    c = core("p", hedge_floor_s=0.05)
+    for ms in latencies_ms:
+        prove(c, "p", ms * MS)
+    eff = ready(c, 0.0, rw(0, 4, "p", held=False))
+    [hedge] = [t for t in only(eff, StartTimer) if t.timer.kind is TimerKind.HEDGE]  # type: ignore[attr-defined]
+    assert hedge.at == pytest.approx(hedge_at_ms * MS)  # type: ignore[attr-defined]
+
+
+def test_hedge_against_local_first_result_wins_and_the_loser_is_cancelled() -> None:
+    c = core("p", max_hedge_losses=2)
+    prove(c, "p", 2 * MS)
+    loaded(c)
+    cid = call_of(ready(c, 0.0, rw(0, 4, "p")))
+    eff = c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 0.05)
+    [h] = only(eff, Hedge)
+    assert (h.peer, h.reason, h.slow_call) == (None, Reason.HEDGE_SLOW, cid)  # type: ignore[attr-defined]
+    # the local copy answers first: it is the range's result, the remote call is cancelled
+    eff = c.handle(LocalDone(h.call, 0.008), 0.058)  # type: ignore[attr-defined]
+    assert Combine(StepId(1), 0, (h.call,)) in eff  # type: ignore[attr-defined]
+    assert Cancel(cid, Reason.LOST_RACE) in eff
+    assert c.table.workers["p"].hedge_losses == 1 and c.table.workers["p"].state.value == "up"
+    assert c.rows[0].fallback_rows == 8
+    # its late answer (if the shell still sees one) changes nothing
+    assert c.handle(RemoteDone(cid, 1), 2.0) == [] and c.stale_answers == 1
+    # a second lost hedge in a row: marked down as slow, and reported
+    cid = call_of(ready(c, 3.0, rw(0, 4, "p", held=False), step=2))
+    eff = c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 3.1)
+    assert only(eff, Hedge) == []  # not held and no other replica: nothing to race with
+    c.handle(WorkersListed(frozenset({"p", "q"})), 3.1)
+    cid = call_of(ready(c, 4.0, rw(0, 4, "p", "q", held=False), step=3))
+    [h] = only(c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 4.2), Hedge)
+    assert (h.peer, h.attempt, h.request_id) == ("q", 1, 3)  # type: ignore[attr-defined]
+    eff = c.handle(RemoteDone(h.call, 1), 4.21)  # type: ignore[attr-defined]
+    [down] = only(eff, MarkDown)
+    assert (down.peer, down.kind) == ("p", FailureKind.SLOW)  # type: ignore[attr-defined]
+    assert [(e.peer, e.kind) for e in c.errors] == [("p", FailureKind.SLOW)]
+
+
+def test_failure_retries_the_next_replica_then_falls_back_locally() -> None:
+    c = core("a", "b", mode=DispatchMode.OFFLOAD)
+    cid = call_of(ready(c, 0.0, rw(0, 4, "a", "b")))
+    eff = c.handle(RemoteFailed(cid, FailureKind.BROKEN, "stream died", wall_ms=5), 0.01)
+    assert placements(eff) == [("remote", "b", Reason.RETRY_NEXT)]
+    [down] = only(eff, MarkDown)
+    assert (down.peer, down.kind, down.retry_at) == ("a", FailureKind.BROKEN, pytest.approx(0.51))  # type: ignore[attr-defined]
+    [send] = only(eff, SendRemote)
+    assert send.attempt == 1 and send.request_id == 1  # type: ignore[attr-defined]
+    eff = c.handle(RemoteFailed(send.call, FailureKind.PROTOCOL, "NaN", wall_ms=6), 0.02)  # type: ignore[attr-defined]
+    assert placements(eff) == [("local", None, Reason.FALLBACK_LOCAL)]
+    eff = c.handle(LocalDone(call_of(eff, RunLocal), 0.008), 0.03)
+    assert only(eff, Combine) and c.rows[0].fallback_rows == 8 and c.rows[0].remote_rows == 0
+    assert [(e.peer, e.layer, e.lo, e.hi, e.attempt, e.kind, e.wall_ms) for e in c.errors] == [
+        ("a", 0, 0, 4, 0, FailureKind.BROKEN, 5), ("b", 0, 0, 4, 1, FailureKind.PROTOCOL, 6)]
+    assert c.errors_total == 2 and c.errors_by_kind[FailureKind.BROKEN] == 1
+
+
+def test_adaptive_retry_of_a_held_range_uses_only_proven_replicas() -> None:
+    c = core("a", "b")
+    prove(c, "a", 1 * MS)
+    loaded(c)
+    c.table.workers["b"].trial_due = False
+    cid = call_of(ready(c, 0.0, rw(0, 4, "a", "b")))
+    eff = c.handle(RemoteFailed(cid, FailureKind.REFUSED, "draining"), 0.01)
+    assert placements(eff) == [("local", None, Reason.FALLBACK_LOCAL)]  # b is unproven
+
+
+def test_not_held_and_every_replica_failed_fails_the_layer() -> None:
+    c = core("a")
+    cid = call_of(ready(c, 0.0, rw(0, 4, "a", held=False), rw(4, 8)))
+    eff = c.handle(RemoteFailed(cid, FailureKind.DIAL, "unreachable"), 0.01)
+    [fail] = only(eff, Fail)
+    assert fail.reason is Reason.ALL_FAILED and "layer 0 experts 0-4" in fail.message  # type: ignore[attr-defined]
+    assert only(eff, Cancel)  # the local range of the failed layer is cancelled
+    assert c.active_steps() == 0
+
+
+def test_deadline_marks_down_and_recovers() -> None:
+    c = core("a", "b", mode=DispatchMode.OFFLOAD, timeout_s=1.0, hedge=False)
+    eff = ready(c, 0.0, rw(0, 4, "a", "b"))
+    cid = call_of(eff)
+    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]  # type: ignore[attr-defined]
+    eff = c.handle(TimerFired(Timer(TimerKind.DEADLINE, cid)), 1.0)
+    assert Cancel(cid, Reason.DEADLINE) in eff
+    assert [(d.peer, d.kind) for d in only(eff, MarkDown)] == [("a", FailureKind.TIMEOUT)]  # type: ignore[attr-defined]
+    assert placements(eff) == [("remote", "b", Reason.RETRY_NEXT)]
+    # the timed-out call's answer, should it come: stale
+    assert c.handle(RemoteDone(cid, 1), 1.5) == [] and c.stale_answers == 1
+
+
+def test_trial_local_wins_the_step_and_the_remote_call_still_proves_the_worker() -> None:
+    c = core("p")
+    loaded(c)
+    eff = ready(c, 0.0, rw(0, 4, "p"))
+    remote, local = call_of(eff, SendRemote), call_of(eff, RunLocal)
+    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]  # type: ignore[attr-defined]
+    eff = c.handle(LocalDone(local, 0.008), 0.008)
+    assert Combine(StepId(1), 0, (local,)) in eff and only(eff, Cancel) == []  # the trial goes on
+    assert c.rows[0].local_rows == 8
+    eff = c.handle(RemoteDone(remote, 1), 0.02)
+    assert MarkProven("p") in eff and only(eff, Combine) == []
+    assert c.table.is_proven("p") and c.stale_answers == 0
+    # one trial per attach: after a detach and re-attach it is unproven and due again
+    c.handle(WorkersListed(frozenset()), 1.0)
+    c.handle(WorkersListed(frozenset({"p"})), 1.0)
+    assert not c.table.is_proven("p") and c.table.workers["p"].trial_due
+
+
+def test_trial_remote_wins_and_the_local_copy_is_cancelled() -> None:
+    c = core("p")
+    loaded(c)
+    eff = ready(c, 0.0, rw(0, 4, "p"), rw(4, 8, "p"))
+    # one trial per worker: the second range is local by earliest finish (p is not proven yet)
+    assert placements(eff) == [("remote", "p", Reason.TRIAL_HEDGE), ("local", None, Reason.TRIAL_HEDGE),
+                               ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]
+    remote = call_of(eff, SendRemote)
+    local_a, local_b = (e.call for e in only(eff, RunLocal))  # type: ignore[attr-defined]
+    eff = c.handle(RemoteDone(remote, 1), 0.003)
+    assert Cancel(local_a, Reason.LOST_RACE) in eff and only(eff, Combine) == []
+    assert c.local_backlog_pairs == 8  # the cancelled copy left the backlog
+    eff = c.handle(LocalDone(local_b, 0.004), 0.008)
+    assert Combine(StepId(1), 0, (remote, local_b)) in eff
+    assert (c.rows[0].remote_rows, c.rows[0].local_rows) == (8, 8)
+    assert c.local_cost_s == pytest.approx(0.8 * MS + 0.2 * 0.5 * MS)  # 4 ms for 8 pairs, into the EWMA
+
+
+def test_a_failed_worker_loses_proven_and_gets_a_new_trial() -> None:
+    c = core("p")
+    prove(c, "p", 1 * MS)
+    c.table.failed("p", "boom", 0.0)
+    w = c.table.workers["p"]
+    assert (w.proven, w.trial_due, c.table.is_live("p", 0.6)) == (False, True, True)
+
+
+def test_local_failure_fails_the_layer_and_is_reported() -> None:
+    c = core()
+    cid = call_of(ready(c, 0.0, rw(0, 4)), RunLocal)
+    eff = c.handle(LocalFailed(cid, "RuntimeError: boom"), 0.01)
+    [fail] = only(eff, Fail)
+    assert "boom" in fail.message  # type: ignore[attr-defined]
+    assert [(e.peer, e.kind) for e in c.errors] == [("local", FailureKind.LOCAL)]
+
+
+def test_a_layer_without_pairs_combines_at_once() -> None:
+    assert ready(core(), 0.0) == [Combine(StepId(1), 0, ())]
+
+
+def test_unknown_answers_are_stale() -> None:
+    c = core()
+    assert c.handle(RemoteDone(CallId(99), 1), 0.0) == []
+    assert c.handle(RemoteFailed(CallId(98), FailureKind.BROKEN, "x"), 0.0) == []
+    assert c.handle(LocalDone(CallId(97), 0.1), 0.0) == []
+    assert c.stale_answers == 2
