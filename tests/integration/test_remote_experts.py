@@ -292,3 +292,35 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
     assert typed.workers[0].path == "direct" and health.peer_id and health.market is None
     # the volunteer's Hello announced its kernel: the same as the coordinator's, so results are bit-identical
     assert typed.kernel_id == kernel_id() and typed.workers[0].kernel_id == typed.kernel_id
+    assert typed.mode == "offload" and typed.decisions.get("offload_remote", 0) > 0 and typed.errors == []
+
+
+async def test_coordinator_adaptive_by_default_stays_local_when_idle(
+    nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], tmp_path: Path
+) -> None:
+    """Through the real coordinator service with its default dispatch: one session is below the
+    saturation threshold (its load probe samples the runtime's busy slots), so the experts run here;
+    /dispatch and /metrics say why."""
+    from coordinator.server import CoordinatorConfig, serve_coordinator
+
+    a = await start_volunteer(nursery, golden_model, HALVES)
+    path = tmp_path / "map.json"
+    path.write_bytes(msgspec.json.encode(dmap(golden_model, 1, {k: [a] for k in HALVES})))
+    url = await nursery.start(serve_coordinator, CoordinatorConfig(model=str(golden_model.path), port=0,
+                                                                  data_dir=str(tmp_path / "c"), dispatch_map=str(path)))
+    g = golden["greedy"][0]
+    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        r = await h.post("/v1/completions", json={"model": golden_model.model_id, "prompt": g["prompt_ids"],
+                                                  "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == g["greedy_ids"][:8]
+        rep = dispatch_decoder.decode((await h.get("/dispatch")).content)
+        metrics = (await h.get("/metrics")).text
+    assert rep.mode == "adaptive" and rep.load_state == "idle" and rep.n_slots == 4 and rep.busy is not None
+    assert rep.saturation_threshold == 2 and rep.serve_ttl_s == 20.0 and rep.hedge_floor_ms == 50.0
+    assert set(rep.decisions) == {"idle_local"} and rep.decisions["idle_local"] > 0
+    assert all(L.remote_rows == 0 and L.local_rows > 0 for L in rep.layers)
+    [w] = rep.workers
+    assert w.calls == 0 and not w.proven and a.server.stats.calls == 0
+    line = f'moe_swarm_dispatch_decisions_total{{model="{golden_model.model_id}",reason="idle_local"}}'
+    assert line in metrics
+    assert f'moe_swarm_dispatch_loaded{{model="{golden_model.model_id}",state="idle"}} 1.0' in metrics
