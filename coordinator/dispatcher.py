@@ -11,6 +11,9 @@ Rules:
   ``ExpertBackend``: it runs in the engine thread and calls ``dispatch_layer`` through
   ``trio.from_thread.run`` (DESIGN §5). Without a running loop (``serve`` not started) ``moe``
   computes every range locally, in the same partition.
+- Fast path: while the core says every held range would run here (``all_local_when_idle``), the
+  engine thread computes a layer whose ranges are all held itself, with no trip to the trio thread,
+  and reports it afterwards (``LayerRanLocally``); the bits are those of the same partition.
 - The local share computes while the remote calls are in flight: in production the local kernel
   runs on one worker thread (``trio.to_thread.run_sync`` under a ``CapacityLimiter(1)``: the local
   ranges queue, which is what the core's backlog estimate models); tests plug in an async runner.
@@ -63,6 +66,7 @@ from coordinator.core.dispatch import (
     Fail,
     FailureKind,
     Hedge,
+    LayerRanLocally,
     LayerReady,
     LoadSample,
     LoadSampleTimeout,
@@ -177,8 +181,12 @@ class _Job:
             n = int(self.local.x.shape[0])
             experts: list[list[int]] = [[] for _ in range(n)]
             weights: list[list[float]] = [[] for _ in range(n)]
-            for r, e, w in zip(self.local.pair_rows.tolist(), self.local.pair_experts.tolist(),
-                               self.local.pair_weights.tolist(), strict=True):
+            for r, e, w in zip(
+                self.local.pair_rows.tolist(),
+                self.local.pair_experts.tolist(),
+                self.local.pair_weights.tolist(),
+                strict=True,
+            ):
                 experts[r].append(e)
                 weights[r].append(w)
             self.request = (experts, weights)
@@ -272,6 +280,7 @@ class Dispatcher:
         self._events: deque[Event] = deque()
         self._handling = False
         self._last_now = 0.0
+        self._engine_local = self.core.all_local_when_idle()  # read by the engine thread (a bool: atomic)
         self._clients: dict[str, ExpertClient] = {}
         self._addrs: dict[str, list[str]] = {}
         self._session_opened: dict[str, float] = {}  # peer -> start of the call that opened its stream
@@ -327,8 +336,10 @@ class Dispatcher:
     def set_map(self, m: DispatchMap, *, force: bool = False) -> bool:
         """Adopt ``m`` (trio side). Returns False if it is older than the current map (unless ``force``)."""
         if m.model_id != self.model.model_id:
-            raise ConfigError(f"dispatch map is for {m.model_id!r}, this coordinator hosts {self.model.model_id!r}",
-                              code="bad_dispatch_map")
+            raise ConfigError(
+                f"dispatch map is for {m.model_id!r}, this coordinator hosts {self.model.model_id!r}",
+                code="bad_dispatch_map",
+            )
         m.validate(n_layer=self.cfg.n_layer, n_expert=self.cfg.n_expert)
         if self.map is not None and m.version < self.map.version and not force:
             return False
@@ -366,6 +377,7 @@ class Dispatcher:
                     self._execute(eff)
         finally:
             self._handling = False
+            self._engine_local = self.core.all_local_when_idle()
 
     def _now(self) -> float:
         """The trio clock (the core's only clock); outside a trio run (a map set before serving) the
@@ -382,7 +394,9 @@ class Dispatcher:
                 self._start_remote(call, step, index, peer, rid, attempt)
             case Hedge(call=call, step=step, index=index, peer=None):
                 self._start_local(call, step, index)
-            case Hedge(call=call, step=step, index=index, peer=str() as peer, request_id=rid, attempt=attempt):
+            case Hedge(
+                call=call, step=step, index=index, peer=str() as peer, request_id=rid, attempt=attempt
+            ):
                 self._start_remote(call, step, index, peer, rid, attempt)
             case RunLocal(call=call, step=step, index=index):
                 self._start_local(call, step, index)
@@ -397,8 +411,13 @@ class Dispatcher:
                 if scope is not None:
                     scope.cancel()
             case MarkDown(peer=peer, kind=kind, message=message, retry_at=retry_at):
-                log.warning("worker %s marked down (%s: %s), retry in %.1fs", peer, kind.value, message,
-                            max(0.0, retry_at - trio.current_time()))
+                log.warning(
+                    "worker %s marked down (%s: %s), retry in %.1fs",
+                    peer,
+                    kind.value,
+                    message,
+                    max(0.0, retry_at - trio.current_time()),
+                )
             case MarkProven(peer=peer):
                 log.info("worker %s proven", peer)
             case Combine(step=step) | Fail(step=step):
@@ -411,7 +430,9 @@ class Dispatcher:
                     run.done.set()
             case ModeChanged(state=state, reason=reason):
                 log.info("dispatch: %s (%s)", state.value, reason.value)
-                self._mode_changes.append(ModeChange(at_ms=_wall_ms(), state=state.value, reason=reason.value))
+                self._mode_changes.append(
+                    ModeChange(at_ms=_wall_ms(), state=state.value, reason=reason.value)
+                )
 
     def _spawn(self, fn: Callable[[trio.CancelScope], Awaitable[None]], scope: trio.CancelScope) -> bool:
         if self._nursery is None:
@@ -433,7 +454,9 @@ class Dispatcher:
         if not self._spawn(fire, scope):
             self._timers.pop(timer, None)
 
-    def _start_remote(self, call: CallId, step: StepId, index: int, peer: str, rid: int, attempt: int) -> None:
+    def _start_remote(
+        self, call: CallId, step: StepId, index: int, peer: str, rid: int, attempt: int
+    ) -> None:
         run = self._steps.get(step)
         if run is None or self.transport is None or self._nursery is None:
             self._events.append(RemoteFailed(call, FailureKind.CLOSED, "the dispatcher is not serving"))
@@ -441,9 +464,17 @@ class Dispatcher:
         job = run.jobs[index]
         experts, weights = job.lists()
         req = ExpertRequest(
-            request_id=RequestId(rid), attempt=attempt, model_id=self.model.model_id, layer=run.layer, lo=job.lo,
-            hi=job.hi, n_rows=int(job.local.x.shape[0]), dtype=self.wire_dtype, d_model=self.cfg.d_model,
-            experts=experts, weights=weights,
+            request_id=RequestId(rid),
+            attempt=attempt,
+            model_id=self.model.model_id,
+            layer=run.layer,
+            lo=job.lo,
+            hi=job.hi,
+            n_rows=int(job.local.x.shape[0]),
+            dtype=self.wire_dtype,
+            d_model=self.cfg.d_model,
+            experts=experts,
+            weights=weights,
         )
         scope = trio.CancelScope()
         self._calls[call] = scope
@@ -456,7 +487,9 @@ class Dispatcher:
                     out = await self._client(peer).call(req, job.local.x, timeout=self.timeout_s)
                 except SwarmError as exc:
                     msg = f"{type(exc).__name__}[{exc.code}]: {exc.message}"
-                    log.info("expert call to %s failed (layer %d %d-%d): %s", peer, run.layer, job.lo, job.hi, msg)
+                    log.info(
+                        "expert call to %s failed (layer %d %d-%d): %s", peer, run.layer, job.lo, job.hi, msg
+                    )
                     ev = RemoteFailed(call, _failure_kind(exc), msg, _wall_ms())
                 else:
                     run.results[call] = out
@@ -541,8 +574,15 @@ class Dispatcher:
                 continue
             pr = all_rows[sel]
             rows = torch.unique(pr)
-            local = LocalJob(layer, r.lo, r.hi, x.index_select(0, rows), torch.searchsorted(rows, pr),
-                             all_e[sel] - r.lo, all_w[sel])
+            local = LocalJob(
+                layer,
+                r.lo,
+                r.hi,
+                x.index_select(0, rows),
+                torch.searchsorted(rows, pr),
+                all_e[sel] - r.lo,
+                all_w[sel],
+            )
             replicas = tuple(rep.peer_id for rep in r.replicas) if self.transport is not None else ()
             jobs.append(_Job(r.lo, r.hi, replicas, rows, local))
         return jobs
@@ -553,15 +593,27 @@ class Dispatcher:
             out.index_add_(0, j.rows, res)
         return out
 
-    async def dispatch_layer(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                             topk_w: torch.Tensor) -> torch.Tensor:
+    async def dispatch_layer(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
+    ) -> torch.Tensor:
         """The routed-expert output ``[T, d_model]`` of one MoE layer (trio side)."""
         jobs = self._jobs(layer, x, topk_ids, topk_w)
-        works = tuple(RangeWork(j.lo, j.hi, int(j.local.x.shape[0]), int(j.local.pair_rows.shape[0]), j.replicas,
-                                self.held(layer, j.lo, j.hi)) for j in jobs)
+        works = tuple(
+            RangeWork(
+                j.lo,
+                j.hi,
+                int(j.local.x.shape[0]),
+                int(j.local.pair_rows.shape[0]),
+                j.replicas,
+                self.held(layer, j.lo, j.hi),
+            )
+            for j in jobs
+        )
         expert_pairs: tuple[int, ...] = ()
         if self.config.hot_experts > 0:
-            expert_pairs = tuple(int(n) for n in torch.bincount(topk_ids.reshape(-1), minlength=self.cfg.n_expert))
+            expert_pairs = tuple(
+                int(n) for n in torch.bincount(topk_ids.reshape(-1), minlength=self.cfg.n_expert)
+            )
         step = StepId(next(self._step_ids))
         run = _StepRun(layer, jobs)
         self._steps[step] = run
@@ -582,6 +634,23 @@ class Dispatcher:
         if token is None:  # not serving: every range here, in the same partition (same bits)
             jobs = self._jobs(layer, x, topk_ids, topk_w)
             return self._combine(int(topk_ids.shape[0]), jobs, (self.local_kernel(j.local) for j in jobs))
+        if self._engine_local:
+            # Fast path: idle, so the core would place every held range here. Computing them on this
+            # thread spares two thread hops per range (~0.1 ms each: a whole idle token on a small
+            # model); the core is told afterwards, without waiting. A load onset reaches this thread
+            # one layer late at most.
+            jobs = self._jobs(layer, x, topk_ids, topk_w)
+            if all(self.held(layer, j.lo, j.hi) for j in jobs):
+                out = self._combine(int(topk_ids.shape[0]), jobs, (self.local_kernel(j.local) for j in jobs))
+                works = tuple(
+                    RangeWork(
+                        j.lo, j.hi, int(j.local.x.shape[0]), int(j.local.pair_rows.shape[0]), j.replicas, True
+                    )
+                    for j in jobs
+                )
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(self._post, LayerRanLocally(layer, works))
+                return out
         return trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token)
 
     # -- NAT path migration ---------------------------------------------------------------------------
@@ -624,8 +693,11 @@ class Dispatcher:
                     old = self._clients.pop(peer, None)
                     self._sessions_seen.pop(peer, None)
                     del self._session_opened[peer]
-                    log.info("worker %s: moving its expert stream from the relay to the %s connection", peer,
-                             self.transport.path_to(peer))
+                    log.info(
+                        "worker %s: moving its expert stream from the relay to the %s connection",
+                        peer,
+                        self.transport.path_to(peer),
+                    )
                     if old is not None and self._nursery is not None:
                         self._nursery.start_soon(self._close_later, old)
 
@@ -644,8 +716,11 @@ class Dispatcher:
         if self.transport is None:
             return None
         best = self.transport.path_to(peer)
-        return session_path(ConnPath(best) if best else None, opened_at=self._session_opened.get(peer),
-                            upgraded_at=self._upgraded_at(peer))
+        return session_path(
+            ConnPath(best) if best else None,
+            opened_at=self._session_opened.get(peer),
+            upgraded_at=self._upgraded_at(peer),
+        )
 
     def report(self) -> DispatchReport:
         """``/dispatch``: the map followed, every worker's health and path, rows per layer, the load
@@ -664,13 +739,24 @@ class Dispatcher:
             timeout_s=self.timeout_s,
             wire_dtype=str(self.wire_dtype),
             kernel_id=kernel_id(self.kernel) if self.kernel is not None else "",
-            workers=[WorkerReport(**v.__dict__, addrs=self._addrs.get(v.peer_id, []), path=self._path(v.peer_id),
-                                  relayed_bytes=self.transport.relayed_bytes(v.peer_id, PROTOCOL_ID)
-                                  if self.transport is not None else 0,
-                                  kernel_id=self._peer_kernel_id(v.peer_id))
-                     for v in core.table.views(now)],
-            layers=[LayerRows(layer=i, local_rows=r.local_rows, remote_rows=r.remote_rows, fallback_rows=r.fallback_rows)
-                    for i, r in enumerate(core.rows)],
+            workers=[
+                WorkerReport(
+                    **v.__dict__,
+                    addrs=self._addrs.get(v.peer_id, []),
+                    path=self._path(v.peer_id),
+                    relayed_bytes=self.transport.relayed_bytes(v.peer_id, PROTOCOL_ID)
+                    if self.transport is not None
+                    else 0,
+                    kernel_id=self._peer_kernel_id(v.peer_id),
+                )
+                for v in core.table.views(now)
+            ],
+            layers=[
+                LayerRows(
+                    layer=i, local_rows=r.local_rows, remote_rows=r.remote_rows, fallback_rows=r.fallback_rows
+                )
+                for i, r in enumerate(core.rows)
+            ],
             mode=c.mode.value,
             load_state=core.load_state(now).value,
             busy=s.busy if s is not None else None,
@@ -683,9 +769,19 @@ class Dispatcher:
             hot_experts=c.hot_experts,
             decisions={r.value: n for r, n in sorted(core.decisions.items())},
             errors_total=core.errors_total,
-            errors=[DispatchErrorReport(at_ms=e.wall_ms, peer=e.peer, layer=e.layer, lo=e.lo, hi=e.hi,
-                                        attempt=e.attempt, reason=e.kind.value, message=e.message)
-                    for e in core.errors],
+            errors=[
+                DispatchErrorReport(
+                    at_ms=e.wall_ms,
+                    peer=e.peer,
+                    layer=e.layer,
+                    lo=e.lo,
+                    hi=e.hi,
+                    attempt=e.attempt,
+                    reason=e.kind.value,
+                    message=e.message,
+                )
+                for e in core.errors
+            ],
             stale_answers=core.stale_answers,
             mode_changes=list(self._mode_changes),
         )
@@ -703,30 +799,39 @@ class DispatchCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         core = self.d.core
         model = self.d.model.model_id
-        dec = CounterMetricFamily("moe_swarm_dispatch_decisions", "Dispatch decisions by reason",
-                                  labels=["model", "reason"])
+        dec = CounterMetricFamily(
+            "moe_swarm_dispatch_decisions", "Dispatch decisions by reason", labels=["model", "reason"]
+        )
         for r, n in sorted(core.decisions.items()):
             dec.add_metric([model, r.value], n)
         yield dec
-        err = CounterMetricFamily("moe_swarm_dispatch_errors", "Failed expert calls by reason",
-                                  labels=["model", "reason"])
+        err = CounterMetricFamily(
+            "moe_swarm_dispatch_errors", "Failed expert calls by reason", labels=["model", "reason"]
+        )
         for k, n in sorted(core.errors_by_kind.items()):
             err.add_metric([model, k.value], n)
         yield err
-        rows = CounterMetricFamily("moe_swarm_dispatch_rows", "Expert rows by where they were computed",
-                                   labels=["model", "where"])
+        rows = CounterMetricFamily(
+            "moe_swarm_dispatch_rows", "Expert rows by where they were computed", labels=["model", "where"]
+        )
         rows.add_metric([model, "local"], sum(r.local_rows for r in core.rows))
         rows.add_metric([model, "remote"], sum(r.remote_rows for r in core.rows))
         rows.add_metric([model, "fallback"], sum(r.fallback_rows for r in core.rows))
         yield rows
-        state = GaugeMetricFamily("moe_swarm_dispatch_loaded", "1 while dispatch treats the coordinator as loaded",
-                                  labels=["model", "state"])
+        state = GaugeMetricFamily(
+            "moe_swarm_dispatch_loaded",
+            "1 while dispatch treats the coordinator as loaded",
+            labels=["model", "state"],
+        )
         state.add_metric([model, core.load_state(self.d._now()).value], 1.0)
         yield state
 
 
 async def watch_dispatch_map_file(
-    path: Path, dispatcher: Dispatcher, *, interval_s: float = 0.25,
+    path: Path,
+    dispatcher: Dispatcher,
+    *,
+    interval_s: float = 0.25,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Follow ``--dispatch-map FILE``: re-read and adopt it whenever its contents change."""

@@ -46,6 +46,8 @@ Rules:
 - Attempt numbers count a range's remote calls (0, 1, ...); the request id is the range's. An
   answer for a call that is no longer pending (cancelled, timed out, unknown) changes nothing
   (``stale_answers``).
+- A layer the shell computed here on its own while ``all_local_when_idle()`` (``LayerRanLocally``)
+  counts as the IDLE_LOCAL placements it would have been.
 - ``Combine(step, calls)`` once every range of the layer has a result: the winning call of each
   range, in ascending ``lo`` (DESIGN §3: the same kernel on the same rows wherever it ran, summed
   in the same order, whoever won).
@@ -77,6 +79,7 @@ __all__ = [
     "Fail",
     "FailureKind",
     "Hedge",
+    "LayerRanLocally",
     "LayerReady",
     "LayerRowCounts",
     "LoadSample",
@@ -183,7 +186,9 @@ def p95(samples: deque[float] | list[float]) -> float | None:
 
 
 class WorkerTable:
-    def __init__(self, *, backoff_base_s: float = 0.5, backoff_max_s: float = 30.0, ewma_alpha: float = 0.2) -> None:
+    def __init__(
+        self, *, backoff_base_s: float = 0.5, backoff_max_s: float = 30.0, ewma_alpha: float = 0.2
+    ) -> None:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.ewma_alpha = ewma_alpha
@@ -233,7 +238,11 @@ class WorkerTable:
 
     def _sample(self, w: WorkerHealth, latency_s: float) -> None:
         ms = latency_s * 1000.0
-        w.latency_ewma_ms = ms if w.latency_ewma_ms == 0.0 else (1 - self.ewma_alpha) * w.latency_ewma_ms + self.ewma_alpha * ms
+        w.latency_ewma_ms = (
+            ms
+            if w.latency_ewma_ms == 0.0
+            else (1 - self.ewma_alpha) * w.latency_ewma_ms + self.ewma_alpha * ms
+        )
         w.latencies_s.append(latency_s)
 
     def lost_hedge(self, peer_id: str, elapsed_s: float) -> int:
@@ -265,20 +274,22 @@ class WorkerTable:
         out = []
         for w in sorted(self.workers.values(), key=lambda w: w.peer_id):
             q = p95(w.latencies_s)
-            out.append(WorkerView(
-                peer_id=w.peer_id,
-                state=w.state.value,
-                calls=w.calls,
-                rows=w.rows,
-                failures=w.failures,
-                latency_ewma_ms=round(w.latency_ewma_ms, 3),
-                last_serve_ms=w.last_serve_ms,
-                last_error=w.last_error,
-                retry_in_s=round(max(0.0, w.down_until - now), 3) if w.state is WorkerState.DOWN else 0.0,
-                proven=w.proven,
-                p95_ms=round(q * 1000.0, 3) if q is not None else 0.0,
-                in_flight=w.in_flight,
-            ))
+            out.append(
+                WorkerView(
+                    peer_id=w.peer_id,
+                    state=w.state.value,
+                    calls=w.calls,
+                    rows=w.rows,
+                    failures=w.failures,
+                    latency_ewma_ms=round(w.latency_ewma_ms, 3),
+                    last_serve_ms=w.last_serve_ms,
+                    last_error=w.last_error,
+                    retry_in_s=round(max(0.0, w.down_until - now), 3) if w.state is WorkerState.DOWN else 0.0,
+                    proven=w.proven,
+                    p95_ms=round(q * 1000.0, 3) if q is not None else 0.0,
+                    in_flight=w.in_flight,
+                )
+            )
         return out
 
 
@@ -425,6 +436,15 @@ class LayerReady:
 
 
 @dataclass(frozen=True)
+class LayerRanLocally:
+    """The shell computed a whole layer here without asking (its fast path while the last decision
+    state was idle, every range held, no hot experts): counted as IDLE_LOCAL placements."""
+
+    layer: int
+    ranges: tuple[RangeWork, ...]
+
+
+@dataclass(frozen=True)
 class RemoteDone:
     call: CallId
     wall_ms: int  # Unix ms (for last_serve_ms only)
@@ -478,7 +498,15 @@ class LoadSampleTimeout:
 
 
 Event = (
-    WorkersListed | LayerReady | RemoteDone | RemoteFailed | LocalDone | LocalFailed | TimerFired | LoadSample
+    WorkersListed
+    | LayerReady
+    | LayerRanLocally
+    | RemoteDone
+    | RemoteFailed
+    | LocalDone
+    | LocalFailed
+    | TimerFired
+    | LoadSample
     | LoadSampleTimeout
 )
 
@@ -582,7 +610,16 @@ class ModeChanged:
 
 
 Effect = (
-    SendRemote | RunLocal | Hedge | Cancel | StartTimer | CancelTimer | MarkDown | MarkProven | Combine | Fail
+    SendRemote
+    | RunLocal
+    | Hedge
+    | Cancel
+    | StartTimer
+    | CancelTimer
+    | MarkDown
+    | MarkProven
+    | Combine
+    | Fail
     | ModeChanged
 )
 
@@ -653,10 +690,15 @@ class _Sample:
 class DispatchCore:
     """The dispatch state machine; ``handle`` is the only way in (queries are read-only)."""
 
-    def __init__(self, config: DispatchConfig = DispatchConfig(), *, n_layer: int = 0, n_expert: int = 0) -> None:
+    def __init__(
+        self, config: DispatchConfig = DispatchConfig(), *, n_layer: int = 0, n_expert: int = 0
+    ) -> None:
         self.config = config
-        self.table = WorkerTable(backoff_base_s=config.backoff_base_s, backoff_max_s=config.backoff_max_s,
-                                 ewma_alpha=config.ewma_alpha)
+        self.table = WorkerTable(
+            backoff_base_s=config.backoff_base_s,
+            backoff_max_s=config.backoff_max_s,
+            ewma_alpha=config.ewma_alpha,
+        )
         self.balanced = BalancedPolicy()
         self.n_expert = n_expert
         self.decisions: Counter[Reason] = Counter()
@@ -704,6 +746,16 @@ class DispatchCore:
         order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
         return frozenset(e for e in order[:k] if counts[e] > 0)
 
+    def all_local_when_idle(self) -> bool:
+        """True while every held range of a layer would be placed IDLE_LOCAL without looking at it
+        (adaptive mode, idle at the last event, no hot experts): the shell's fast path may then
+        compute a layer whose ranges are all held itself and report ``LayerRanLocally``."""
+        return (
+            self.config.mode is DispatchMode.ADAPTIVE
+            and self.state is LoadState.IDLE
+            and self.config.hot_experts <= 0
+        )
+
     def in_flight(self) -> int:
         return sum(1 for c in self._calls.values() if not c.done)
 
@@ -719,6 +771,11 @@ class DispatchCore:
             case LayerReady():
                 self._mode(now, out)
                 self._layer_ready(event, now, out)
+            case LayerRanLocally(layer=layer, ranges=ranges):
+                self.decisions[Reason.IDLE_LOCAL] += len(ranges)
+                if layer < len(self.rows):
+                    self.rows[layer].local_rows += sum(r.rows for r in ranges)
+                self._mode(now, out)
             case RemoteDone(call=cid, wall_ms=wall_ms):
                 self._remote_done(cid, wall_ms, now, out)
             case RemoteFailed(call=cid, kind=kind, message=message, wall_ms=wall_ms):
@@ -748,15 +805,29 @@ class DispatchCore:
         new = self.load_state(now)
         if new is self.state:
             return
-        reason = {LoadState.LOADED: Reason.LOAD_ONSET, LoadState.SERVE_TTL: Reason.LOAD_ENDED,
-                  LoadState.IDLE: Reason.TTL_EXPIRED if self.state is LoadState.SERVE_TTL else Reason.LOAD_ENDED}[new]
+        reason = {
+            LoadState.LOADED: Reason.LOAD_ONSET,
+            LoadState.SERVE_TTL: Reason.LOAD_ENDED,
+            LoadState.IDLE: Reason.TTL_EXPIRED if self.state is LoadState.SERVE_TTL else Reason.LOAD_ENDED,
+        }[new]
         self.state = new
         out.append(ModeChanged(new, reason))
 
-    def _new_call(self, st: _Step, index: int, peer: str | None, attempt: int, now: float, *,
-                  trial: bool = False) -> _Call:
+    def _new_call(
+        self, st: _Step, index: int, peer: str | None, attempt: int, now: float, *, trial: bool = False
+    ) -> _Call:
         self._ids += 1
-        c = _Call(CallId(self._ids), st.step, st.layer, index, st.ranges[index].work, peer, attempt, now, trial=trial)
+        c = _Call(
+            CallId(self._ids),
+            st.step,
+            st.layer,
+            index,
+            st.ranges[index].work,
+            peer,
+            attempt,
+            now,
+            trial=trial,
+        )
         self._calls[c.call] = c
         return c
 
@@ -790,7 +861,9 @@ class DispatchCore:
             elif state is LoadState.IDLE:
                 self._local(st, i, Reason.IDLE_LOCAL, now, out)
             else:
-                trial = next((p for p in live if not self.table.is_proven(p) and self.table.workers[p].trial_due), None)
+                trial = next(
+                    (p for p in live if not self.table.is_proven(p) and self.table.workers[p].trial_due), None
+                )
                 if state is LoadState.LOADED and trial is not None:
                     self.table.workers[trial].trial_due = False
                     self._send(st, i, trial, Reason.TRIAL_HEDGE, now, out, trial=True)
@@ -800,11 +873,24 @@ class DispatchCore:
                 if proven:
                     peer, remote_finish = self._best_remote(proven, now)
                     if remote_finish < local_finish:
-                        self._send(st, i, peer, Reason.SERVE_TTL if state is LoadState.SERVE_TTL
-                                   else Reason.LOAD_EARLIEST_FINISH_REMOTE, now, out)
+                        self._send(
+                            st,
+                            i,
+                            peer,
+                            Reason.SERVE_TTL
+                            if state is LoadState.SERVE_TTL
+                            else Reason.LOAD_EARLIEST_FINISH_REMOTE,
+                            now,
+                            out,
+                        )
                         continue
-                self._local(st, i, Reason.SERVE_TTL if state is LoadState.SERVE_TTL
-                            else Reason.LOAD_EARLIEST_FINISH_LOCAL, now, out)
+                self._local(
+                    st,
+                    i,
+                    Reason.SERVE_TTL if state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL,
+                    now,
+                    out,
+                )
         if ev.expert_pairs and c.hot_experts > 0:
             counts = self._hot.setdefault(ev.layer, [0.0] * len(ev.expert_pairs))
             for e, n in enumerate(ev.expert_pairs):
@@ -826,20 +912,40 @@ class DispatchCore:
         q = p95(w.latencies_s) if w is not None else None
         return max(self.config.hedge_floor_s, q if q is not None else self.config.timeout_s / 2)
 
-    def _local(self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], *,
-               hedge_of: CallId | None = None) -> None:
+    def _local(
+        self,
+        st: _Step,
+        i: int,
+        reason: Reason,
+        now: float,
+        out: list[Effect],
+        *,
+        hedge_of: CallId | None = None,
+    ) -> None:
         r = st.ranges[i]
         call = self._new_call(st, i, None, -1, now)
         r.pending.add(call.call)
         self.local_backlog_pairs += r.work.pairs
         w = r.work
         if hedge_of is not None:
-            out.append(Hedge(call.call, st.step, st.layer, i, w.lo, w.hi, None, r.request_id, -1, reason, hedge_of))
+            out.append(
+                Hedge(call.call, st.step, st.layer, i, w.lo, w.hi, None, r.request_id, -1, reason, hedge_of)
+            )
         else:
             out.append(RunLocal(call.call, st.step, st.layer, i, w.lo, w.hi, reason))
 
-    def _send(self, st: _Step, i: int, peer: str, reason: Reason, now: float, out: list[Effect], *,
-              trial: bool = False, hedge_of: CallId | None = None) -> None:
+    def _send(
+        self,
+        st: _Step,
+        i: int,
+        peer: str,
+        reason: Reason,
+        now: float,
+        out: list[Effect],
+        *,
+        trial: bool = False,
+        hedge_of: CallId | None = None,
+    ) -> None:
         r = st.ranges[i]
         r.planned_local = r.planned_local and reason is Reason.TRIAL_HEDGE
         call = self._new_call(st, i, peer, r.attempts, now, trial=trial)
@@ -849,16 +955,34 @@ class DispatchCore:
         self.table.started(peer)
         w = r.work
         if hedge_of is not None:
-            out.append(Hedge(call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt, reason,
-                             hedge_of))
+            out.append(
+                Hedge(
+                    call.call,
+                    st.step,
+                    st.layer,
+                    i,
+                    w.lo,
+                    w.hi,
+                    peer,
+                    r.request_id,
+                    call.attempt,
+                    reason,
+                    hedge_of,
+                )
+            )
         else:
-            out.append(SendRemote(call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt,
-                                  reason))
+            out.append(
+                SendRemote(
+                    call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt, reason
+                )
+            )
         out.append(StartTimer(Timer(TimerKind.DEADLINE, call.call), now + self.config.timeout_s))
         if self.config.hedge and not trial:
             out.append(StartTimer(Timer(TimerKind.HEDGE, call.call), now + self._hedge_after(peer)))
 
-    def _fail(self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], message: str = "") -> None:
+    def _fail(
+        self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], message: str = ""
+    ) -> None:
         r = st.ranges[i]
         r.failed = True
         w = r.work
@@ -866,7 +990,9 @@ class DispatchCore:
             Reason.NO_REPLICA: "no replica listed and the coordinator does not hold these experts",
             Reason.ALL_DOWN: "every listed replica is down and the coordinator does not hold these experts",
         }.get(reason, "every replica failed and the coordinator does not hold these experts")
-        out.append(Fail(st.step, st.layer, w.lo, w.hi, reason, f"layer {st.layer} experts {w.lo}-{w.hi}: {text}"))
+        out.append(
+            Fail(st.step, st.layer, w.lo, w.hi, reason, f"layer {st.layer} experts {w.lo}-{w.hi}: {text}")
+        )
         self._end_step(st, out, cancel_reason=Reason.ALL_FAILED)
 
     def _end_step(self, st: _Step, out: list[Effect], *, cancel_reason: Reason) -> None:
@@ -929,7 +1055,9 @@ class DispatchCore:
                 losses = self.table.lost_hedge(o.peer, now - o.started)
                 self._cancel(o, Reason.LOST_RACE, out)
                 if losses >= self.config.max_hedge_losses:
-                    self._mark_down(o, FailureKind.SLOW, f"lost {losses} hedges in a row", 0, now, out, record=True)
+                    self._mark_down(
+                        o, FailureKind.SLOW, f"lost {losses} hedges in a row", 0, now, out, record=True
+                    )
             else:
                 self._cancel(o, Reason.LOST_RACE, out)
         r.pending = {p for p in r.pending if p in self._calls and self._calls[p].trial}
@@ -951,8 +1079,17 @@ class DispatchCore:
             out.append(MarkProven(c.peer))
         self._win(c, now, out)
 
-    def _mark_down(self, c: _Call, kind: FailureKind, message: str, wall_ms: int, now: float, out: list[Effect], *,
-                   record: bool) -> None:
+    def _mark_down(
+        self,
+        c: _Call,
+        kind: FailureKind,
+        message: str,
+        wall_ms: int,
+        now: float,
+        out: list[Effect],
+        *,
+        record: bool,
+    ) -> None:
         assert c.peer is not None
         retry_at = self.table.failed(c.peer, f"{kind.value}: {message}", now)
         out.append(MarkDown(c.peer, kind, message, retry_at))
@@ -960,13 +1097,17 @@ class DispatchCore:
             self._record(c, kind, message, wall_ms, now)
 
     def _record(self, c: _Call, kind: FailureKind, message: str, wall_ms: int, now: float) -> None:
-        self.errors.append(ErrorRecord(now, wall_ms, c.peer or "local", c.layer, c.work.lo, c.work.hi, c.attempt, kind,
-                                       message))
+        self.errors.append(
+            ErrorRecord(
+                now, wall_ms, c.peer or "local", c.layer, c.work.lo, c.work.hi, c.attempt, kind, message
+            )
+        )
         self.errors_total += 1
         self.errors_by_kind[kind] += 1
 
-    def _remote_failed(self, cid: CallId, kind: FailureKind, message: str, wall_ms: int, now: float,
-                       out: list[Effect]) -> None:
+    def _remote_failed(
+        self, cid: CallId, kind: FailureKind, message: str, wall_ms: int, now: float, out: list[Effect]
+    ) -> None:
         c = self._calls.get(cid)
         if c is None or c.done or c.peer is None:
             self.stale_answers += 1
@@ -995,8 +1136,11 @@ class DispatchCore:
         if self.config.mode is DispatchMode.ADAPTIVE and w.held:
             untried = [p for p in untried if self.table.is_proven(p)]
         if untried:
-            peer = (self.balanced.choose(untried, self.table, now).candidates[0]
-                    if self.config.mode is DispatchMode.OFFLOAD else self._best_remote(untried, now)[0])
+            peer = (
+                self.balanced.choose(untried, self.table, now).candidates[0]
+                if self.config.mode is DispatchMode.OFFLOAD
+                else self._best_remote(untried, now)[0]
+            )
             self._send(st, i, peer, Reason.RETRY_NEXT, now, out)
         elif w.held:
             r.planned_local = False
@@ -1040,8 +1184,15 @@ class DispatchCore:
         if timer.kind is TimerKind.DEADLINE:
             self._cancel(c, Reason.DEADLINE, out)
             self._record(c, FailureKind.TIMEOUT, f"no answer within {self.config.timeout_s:g}s", 0, now)
-            self._mark_down(c, FailureKind.TIMEOUT, f"no answer within {self.config.timeout_s:g}s", 0, now, out,
-                            record=False)
+            self._mark_down(
+                c,
+                FailureKind.TIMEOUT,
+                f"no answer within {self.config.timeout_s:g}s",
+                0,
+                now,
+                out,
+                record=False,
+            )
             st = self._steps.get(c.step)
             if st is None:
                 return
@@ -1064,5 +1215,12 @@ class DispatchCore:
         others = [p for p in w.replicas if p not in r.tried and self.table.is_live(p, now)]
         if others:
             proven = [p for p in others if self.table.is_proven(p)]
-            self._send(st, c.index, self._best_remote(proven or others, now)[0], Reason.HEDGE_SLOW, now, out,
-                       hedge_of=c.call)
+            self._send(
+                st,
+                c.index,
+                self._best_remote(proven or others, now)[0],
+                Reason.HEDGE_SLOW,
+                now,
+                out,
+                hedge_of=c.call,
+            )

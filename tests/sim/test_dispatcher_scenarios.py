@@ -50,7 +50,9 @@ class FakeModel:
     config: Dims = Dims()
 
 
-def partial_sum(layer: int, lo: int, x: torch.Tensor, pr: torch.Tensor, pe: torch.Tensor, pw: torch.Tensor) -> torch.Tensor:
+def partial_sum(
+    layer: int, lo: int, x: torch.Tensor, pr: torch.Tensor, pe: torch.Tensor, pw: torch.Tensor
+) -> torch.Tensor:
     """The fake expert kernel: per row, contributions in pair order starting from zero."""
     out = torch.zeros_like(x)
     for r, e, w in zip(pr.tolist(), pe.tolist(), pw.tolist(), strict=True):
@@ -142,9 +144,11 @@ def dmap(spec: dict[tuple[int, int, int], list[str]], version: int = 1) -> Dispa
 HALVES = [(L, lo, hi) for L in (0, 1) for lo, hi in ((0, 4), (4, 8))]
 
 
-def reference(m: DispatchMap, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def reference(
+    m: DispatchMap, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
     """Every range computed here (a dispatcher that is not serving), in the same partition."""
-    d = Dispatcher(FakeModel(), None, local_kernel=fake_kernel)  # type: ignore[arg-type]
+    d = Dispatcher(FakeModel(), None, local_kernel=fake_kernel)
     d.set_map(m)
     return d.moe(layer, x, ids, w)
 
@@ -178,8 +182,14 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 def worker(d: Dispatcher, peer: str) -> dict[str, object]:
     [w] = [w for w in d.report().workers if w.peer_id == peer]
-    return {"state": w.state, "calls": w.calls, "proven": w.proven, "failures": w.failures,
-            "last_serve_ms": w.last_serve_ms, "last_error": w.last_error}
+    return {
+        "state": w.state,
+        "calls": w.calls,
+        "proven": w.proven,
+        "failures": w.failures,
+        "last_serve_ms": w.last_serve_ms,
+        "last_error": w.last_error,
+    }
 
 
 async def wait_sample(d: Dispatcher) -> None:
@@ -220,7 +230,10 @@ async def test_idle_then_load_then_idle(clock: trio.testing.MockClock, nursery: 
         got = delta(decisions(d), before)
         assert got.get(Reason.LOAD_EARLIEST_FINISH_REMOTE.value, 0) == 6
         assert got.get(Reason.LOAD_EARLIEST_FINISH_LOCAL.value, 0) == 6
-        rows = [(L.local_rows - a, L.remote_rows - b) for L, (a, b) in zip(d.report().layers, rows_before, strict=True)]
+        rows = [
+            (L.local_rows - a, L.remote_rows - b)
+            for L, (a, b) in zip(d.report().layers, rows_before, strict=True)
+        ]
         assert all(local == remote == 3 * 8 for local, remote in rows)
         # both shares ran at once: a step lasts the local half's 8 ms, not local + remote
         local_ms = 8 * LOCAL_S_PER_PAIR
@@ -267,8 +280,14 @@ async def test_worker_that_never_serves(clock: trio.testing.MockClock, nursery: 
             assert await step(d, m, seed=i + 1) < 0.05
         assert delta(decisions(d), before) == {Reason.LOAD_EARLIEST_FINISH_LOCAL.value: 6}
         await trio.sleep(3.0)
-        assert worker(d, "mute") == {"state": "down", "calls": 0, "proven": False, "failures": 1,
-                                     "last_serve_ms": 0, "last_error": worker(d, "mute")["last_error"]}
+        assert worker(d, "mute") == {
+            "state": "down",
+            "calls": 0,
+            "proven": False,
+            "failures": 1,
+            "last_serve_ms": 0,
+            "last_error": worker(d, "mute")["last_error"],
+        }
         [err] = d.report().errors
         assert (err.peer, err.layer, err.lo, err.reason) == ("mute", 0, 0, "timeout")
         assert len(vol.calls) == 1  # it never got another call
@@ -329,7 +348,9 @@ async def test_worker_failing_mid_step(clock: trio.testing.MockClock, nursery: t
             net.partition("coordinator", "w1")  # its connection dies
         got = delta(decisions(d), before)
         assert got[Reason.NOT_HELD.value] == 1 and got[Reason.RETRY_NEXT.value] == 1  # 0-3: on to w2
-        assert got.get(Reason.FALLBACK_LOCAL.value, 0) + got.get(Reason.LOAD_EARLIEST_FINISH_LOCAL.value, 0) == 1
+        assert (
+            got.get(Reason.FALLBACK_LOCAL.value, 0) + got.get(Reason.LOAD_EARLIEST_FINISH_LOCAL.value, 0) == 1
+        )
         assert len(w2.calls) == 1 and w2.calls[0].attempt == 1  # the range's second attempt
         w = worker(d, "w1")
         assert w["state"] == "down" and w["failures"] == 1 and w["proven"] is False
@@ -342,7 +363,9 @@ async def test_worker_failing_mid_step(clock: trio.testing.MockClock, nursery: t
         assert len(w2.calls) == 2
 
 
-async def test_stale_answer_of_an_old_attempt_is_ignored(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+async def test_stale_answer_of_an_old_attempt_is_ignored(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
     first = [True]
 
     async def slow_garbage_once(req: ExpertRequest) -> float | None:
@@ -384,7 +407,9 @@ async def test_not_held_without_replica_fails(clock: trio.testing.MockClock, nur
         assert decisions(d)[Reason.NO_REPLICA.value] == 1
 
 
-async def test_hung_load_probe_never_blocks_dispatch(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+async def test_hung_load_probe_never_blocks_dispatch(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
     release = threading.Event()
     calls = [0]
 
@@ -398,9 +423,13 @@ async def test_hung_load_probe_never_blocks_dispatch(clock: trio.testing.MockClo
     await sw.volunteer("w1")
     m = dmap({k: ["w1"] for k in HALVES})
     try:
-        async with sw.coordinator(load_probe=probe, probe_in_thread=True, config=DispatchConfig(serve_ttl_s=5.0)) as d:
+        async with sw.coordinator(
+            load_probe=probe, probe_in_thread=True, config=DispatchConfig(serve_ttl_s=5.0)
+        ) as d:
             d.set_map(m)
-            with trio.fail_after(1):  # the first sample comes from a real thread: step virtual time until it is in
+            with trio.fail_after(
+                1
+            ):  # the first sample comes from a real thread: step virtual time until it is in
                 while d.report().busy is None:  # noqa: ASYNC110
                     await trio.sleep(0.01)
             assert d.report().load_state == "loaded"

@@ -4,6 +4,8 @@ fallbacks, hot experts, stale answers, row counts)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import pytest
 
 from coordinator.core.dispatch import (
@@ -20,6 +22,7 @@ from coordinator.core.dispatch import (
     Fail,
     FailureKind,
     Hedge,
+    LayerRanLocally,
     LayerReady,
     LoadSample,
     LoadSampleTimeout,
@@ -93,7 +96,9 @@ def test_success_resets_backoff_and_records_stats() -> None:
         (["a", "b"], ["a", "b"], (), ChoiceReason.ALL_DOWN),
     ],
 )
-def test_static_policy(replicas: list[str], down: list[str], expect: tuple[str, ...], reason: ChoiceReason) -> None:
+def test_static_policy(
+    replicas: list[str], down: list[str], expect: tuple[str, ...], reason: ChoiceReason
+) -> None:
     t = table("a", "b")
     for p in down:
         t.failed(p, "x", 0.0)
@@ -130,6 +135,7 @@ def test_balanced_policy_trials_new_then_spreads() -> None:
 
 
 MS = 1e-3
+E = TypeVar("E")
 
 
 def core(*peers: str, **kw: object) -> DispatchCore:
@@ -143,8 +149,14 @@ def rw(lo: int, hi: int, *replicas: str, held: bool = True, pairs: int = 8, rows
     return RangeWork(lo, hi, rows, pairs, tuple(replicas), held)
 
 
-def ready(c: DispatchCore, now: float, *ranges: RangeWork, step: int = 1, layer: int = 0,
-          expert_pairs: tuple[int, ...] = ()) -> list[Effect]:
+def ready(
+    c: DispatchCore,
+    now: float,
+    *ranges: RangeWork,
+    step: int = 1,
+    layer: int = 0,
+    expert_pairs: tuple[int, ...] = (),
+) -> list[Effect]:
     return c.handle(LayerReady(StepId(step), layer, tuple(ranges), expert_pairs), now)
 
 
@@ -174,13 +186,13 @@ def placements(effects: list[Effect]) -> list[tuple[str, str | None, Reason]]:
     return out
 
 
-def only(effects: list[Effect], kind: type) -> list[Effect]:
+def only(effects: list[Effect], kind: type[E]) -> list[E]:
     return [e for e in effects if isinstance(e, kind)]
 
 
-def call_of(effects: list[Effect], kind: type = SendRemote) -> CallId:
+def call_of(effects: list[Effect], kind: type[SendRemote | RunLocal] = SendRemote) -> CallId:
     [e] = only(effects, kind)
-    return e.call  # type: ignore[attr-defined, no-any-return]
+    return e.call
 
 
 @pytest.mark.parametrize(
@@ -198,14 +210,20 @@ def call_of(effects: list[Effect], kind: type = SendRemote) -> CallId:
         ([(0.0, LoadSample(4, 4)), (2.0, LoadSample(0, 4))], 21.9, LoadState.SERVE_TTL),
         ([(0.0, LoadSample(4, 4)), (2.0, LoadSample(0, 4))], 22.0, LoadState.IDLE),
         # a timed-out sample changes nothing: the last one holds until it ages out
-        ([(0.0, LoadSample(4, 4)), (2.0, LoadSampleTimeout()), (4.0, LoadSampleTimeout())], 5.0, LoadState.LOADED),
+        (
+            [(0.0, LoadSample(4, 4)), (2.0, LoadSampleTimeout()), (4.0, LoadSampleTimeout())],
+            5.0,
+            LoadState.LOADED,
+        ),
         ([(0.0, LoadSample(0, 4)), (2.0, LoadSampleTimeout())], 3.0, LoadState.IDLE),
         # an idle sample after the loaded one aged out: the TTL counts from the age-out
         ([(0.0, LoadSample(4, 4)), (10.0, LoadSample(0, 4))], 25.9, LoadState.SERVE_TTL),
         ([(0.0, LoadSample(4, 4)), (10.0, LoadSample(0, 4))], 26.0, LoadState.IDLE),
     ],
 )
-def test_load_state(events: list[tuple[float, LoadSample | LoadSampleTimeout]], at: float, state: LoadState) -> None:
+def test_load_state(
+    events: list[tuple[float, LoadSample | LoadSampleTimeout]], at: float, state: LoadState
+) -> None:
     c = core()
     for now, ev in events:
         c.handle(ev, now)
@@ -248,7 +266,11 @@ def test_mode_changes_are_effects_with_reasons() -> None:
         # loaded, proven: earliest estimated finish (8 pairs at 1 ms here vs the replica's EWMA)
         ("loaded proven 5ms", rw(0, 4, "p"), [("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)]),
         ("loaded proven 9ms", rw(0, 4, "p"), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
-        ("loaded proven 8ms", rw(0, 4, "p"), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),  # ties: local
+        (
+            "loaded proven 8ms",
+            rw(0, 4, "p"),
+            [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)],
+        ),  # ties: local
         ("loaded proven 5ms", rw(0, 4, "p", pairs=4), [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
         # serve TTL: the same choice, no trials
         ("ttl proven 5ms", rw(0, 4, "p"), [("remote", "p", Reason.SERVE_TTL)]),
@@ -287,9 +309,11 @@ def test_earliest_finish_counts_the_local_backlog_and_the_replica_queue() -> Non
     loaded(c)
     # a: remote 5 ms < local 8; b: remote 10 (one call queued) > local 8; c: local 16 > remote 10
     eff = ready(c, 0.0, rw(0, 2, "p"), rw(2, 4, "p"), rw(4, 6, "p"))
-    assert placements(eff) == [("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE),
-                               ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL),
-                               ("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)]
+    assert placements(eff) == [
+        ("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE),
+        ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL),
+        ("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE),
+    ]
 
 
 def test_hot_experts_run_locally_and_keep_the_partition() -> None:
@@ -325,8 +349,14 @@ def test_hot_expert_ranking(k: int, rounds: list[tuple[int, ...]], hot: set[int]
 
 @pytest.mark.parametrize(
     ("samples", "expect"),
-    [([], None), ([0.01], 0.02), ([0.01, 0.03], 0.06), ([float(i) for i in range(1, 21)], 19.0),
-     ([float(i) for i in range(1, 101)], 95.0), ([1.0] * 7 + [9.0], 9.0)],
+    [
+        ([], None),
+        ([0.01], 0.02),
+        ([0.01, 0.03], 0.06),
+        ([float(i) for i in range(1, 21)], 19.0),
+        ([float(i) for i in range(1, 101)], 95.0),
+        ([1.0] * 7 + [9.0], 9.0),
+    ],
 )
 def test_p95(samples: list[float], expect: float | None) -> None:
     assert p95(samples) == expect
@@ -339,28 +369,31 @@ def test_remote_call_timers_and_combine() -> None:
     [send] = only(eff, SendRemote)
     assert (send.request_id, send.attempt, send.lo, send.hi) == (1, 0, 0, 4)
     # the deadline at the timeout; the hedge at half of it with no latency history
-    assert set(only(eff, StartTimer)) == {StartTimer(Timer(TimerKind.DEADLINE, cid), 13.0),
-                                          StartTimer(Timer(TimerKind.HEDGE, cid), 11.5)}
+    assert set(only(eff, StartTimer)) == {
+        StartTimer(Timer(TimerKind.DEADLINE, cid), 13.0),
+        StartTimer(Timer(TimerKind.HEDGE, cid), 11.5),
+    }
     eff = c.handle(RemoteDone(cid, wall_ms=777), 10.004)
     assert Combine(StepId(1), 0, (cid,)) in eff and MarkProven("p") in eff
     assert {CancelTimer(Timer(TimerKind.DEADLINE, cid)), CancelTimer(Timer(TimerKind.HEDGE, cid))} <= set(eff)
     v = c.table.views(11.0)[0]
-    assert (v.calls, v.last_serve_ms, v.proven, v.latency_ewma_ms) == (1, 777, True, pytest.approx(4.0))
+    assert (v.calls, v.last_serve_ms, v.proven) == (1, 777, True) and v.latency_ewma_ms == pytest.approx(4.0)
     assert (c.rows[0].remote_rows, c.rows[0].local_rows, c.in_flight(), c.active_steps()) == (8, 0, 0, 0)
     # a stale timer of the finished call does nothing
     assert c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 11.5) == []
     assert c.handle(TimerFired(Timer(TimerKind.DEADLINE, cid)), 13.0) == []
 
 
-@pytest.mark.parametrize(("latencies_ms", "hedge_at_ms"), [([2.0], 50.0), ([40.0], 80.0), ([10.0] * 20, 50.0),
-                                                           ([60.0] * 20, 60.0)])
+@pytest.mark.parametrize(
+    ("latencies_ms", "hedge_at_ms"), [([2.0], 50.0), ([40.0], 80.0), ([10.0] * 20, 50.0), ([60.0] * 20, 60.0)]
+)
 def test_hedge_timer_is_the_p95_with_a_floor(latencies_ms: list[float], hedge_at_ms: float) -> None:
     c = core("p", hedge_floor_s=0.05)
     for ms in latencies_ms:
         prove(c, "p", ms * MS)
     eff = ready(c, 0.0, rw(0, 4, "p", held=False))
-    [hedge] = [t for t in only(eff, StartTimer) if t.timer.kind is TimerKind.HEDGE]  # type: ignore[attr-defined]
-    assert hedge.at == pytest.approx(hedge_at_ms * MS)  # type: ignore[attr-defined]
+    [hedge] = [t for t in only(eff, StartTimer) if t.timer.kind is TimerKind.HEDGE]
+    assert hedge.at == pytest.approx(hedge_at_ms * MS)
 
 
 def test_hedge_against_local_first_result_wins_and_the_loser_is_cancelled() -> None:
@@ -370,10 +403,10 @@ def test_hedge_against_local_first_result_wins_and_the_loser_is_cancelled() -> N
     cid = call_of(ready(c, 0.0, rw(0, 4, "p")))
     eff = c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 0.05)
     [h] = only(eff, Hedge)
-    assert (h.peer, h.reason, h.slow_call) == (None, Reason.HEDGE_SLOW, cid)  # type: ignore[attr-defined]
+    assert (h.peer, h.reason, h.slow_call) == (None, Reason.HEDGE_SLOW, cid)
     # the local copy answers first: it is the range's result, the remote call is cancelled
-    eff = c.handle(LocalDone(h.call, 0.008), 0.058)  # type: ignore[attr-defined]
-    assert Combine(StepId(1), 0, (h.call,)) in eff  # type: ignore[attr-defined]
+    eff = c.handle(LocalDone(h.call, 0.008), 0.058)
+    assert Combine(StepId(1), 0, (h.call,)) in eff
     assert Cancel(cid, Reason.LOST_RACE) in eff
     assert c.table.workers["p"].hedge_losses == 1 and c.table.workers["p"].state.value == "up"
     assert c.rows[0].fallback_rows == 8
@@ -386,10 +419,10 @@ def test_hedge_against_local_first_result_wins_and_the_loser_is_cancelled() -> N
     c.handle(WorkersListed(frozenset({"p", "q"})), 3.1)
     cid = call_of(ready(c, 4.0, rw(0, 4, "p", "q", held=False), step=3))
     [h] = only(c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 4.2), Hedge)
-    assert (h.peer, h.attempt, h.request_id) == ("q", 1, 3)  # type: ignore[attr-defined]
-    eff = c.handle(RemoteDone(h.call, 1), 4.21)  # type: ignore[attr-defined]
+    assert (h.peer, h.attempt, h.request_id) == ("q", 1, 3)
+    eff = c.handle(RemoteDone(h.call, 1), 4.21)
     [down] = only(eff, MarkDown)
-    assert (down.peer, down.kind) == ("p", FailureKind.SLOW)  # type: ignore[attr-defined]
+    assert (down.peer, down.kind) == ("p", FailureKind.SLOW)
     assert [(e.peer, e.kind) for e in c.errors] == [("p", FailureKind.SLOW)]
 
 
@@ -399,15 +432,17 @@ def test_failure_retries_the_next_replica_then_falls_back_locally() -> None:
     eff = c.handle(RemoteFailed(cid, FailureKind.BROKEN, "stream died", wall_ms=5), 0.01)
     assert placements(eff) == [("remote", "b", Reason.RETRY_NEXT)]
     [down] = only(eff, MarkDown)
-    assert (down.peer, down.kind, down.retry_at) == ("a", FailureKind.BROKEN, pytest.approx(0.51))  # type: ignore[attr-defined]
+    assert (down.peer, down.kind) == ("a", FailureKind.BROKEN) and down.retry_at == pytest.approx(0.51)
     [send] = only(eff, SendRemote)
-    assert send.attempt == 1 and send.request_id == 1  # type: ignore[attr-defined]
-    eff = c.handle(RemoteFailed(send.call, FailureKind.PROTOCOL, "NaN", wall_ms=6), 0.02)  # type: ignore[attr-defined]
+    assert send.attempt == 1 and send.request_id == 1
+    eff = c.handle(RemoteFailed(send.call, FailureKind.PROTOCOL, "NaN", wall_ms=6), 0.02)
     assert placements(eff) == [("local", None, Reason.FALLBACK_LOCAL)]
     eff = c.handle(LocalDone(call_of(eff, RunLocal), 0.008), 0.03)
     assert only(eff, Combine) and c.rows[0].fallback_rows == 8 and c.rows[0].remote_rows == 0
     assert [(e.peer, e.layer, e.lo, e.hi, e.attempt, e.kind, e.wall_ms) for e in c.errors] == [
-        ("a", 0, 0, 4, 0, FailureKind.BROKEN, 5), ("b", 0, 0, 4, 1, FailureKind.PROTOCOL, 6)]
+        ("a", 0, 0, 4, 0, FailureKind.BROKEN, 5),
+        ("b", 0, 0, 4, 1, FailureKind.PROTOCOL, 6),
+    ]
     assert c.errors_total == 2 and c.errors_by_kind[FailureKind.BROKEN] == 1
 
 
@@ -426,7 +461,7 @@ def test_not_held_and_every_replica_failed_fails_the_layer() -> None:
     cid = call_of(ready(c, 0.0, rw(0, 4, "a", held=False), rw(4, 8)))
     eff = c.handle(RemoteFailed(cid, FailureKind.DIAL, "unreachable"), 0.01)
     [fail] = only(eff, Fail)
-    assert fail.reason is Reason.ALL_FAILED and "layer 0 experts 0-4" in fail.message  # type: ignore[attr-defined]
+    assert fail.reason is Reason.ALL_FAILED and "layer 0 experts 0-4" in fail.message
     assert only(eff, Cancel)  # the local range of the failed layer is cancelled
     assert c.active_steps() == 0
 
@@ -435,10 +470,10 @@ def test_deadline_marks_down_and_recovers() -> None:
     c = core("a", "b", mode=DispatchMode.OFFLOAD, timeout_s=1.0, hedge=False)
     eff = ready(c, 0.0, rw(0, 4, "a", "b"))
     cid = call_of(eff)
-    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]  # type: ignore[attr-defined]
+    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]
     eff = c.handle(TimerFired(Timer(TimerKind.DEADLINE, cid)), 1.0)
     assert Cancel(cid, Reason.DEADLINE) in eff
-    assert [(d.peer, d.kind) for d in only(eff, MarkDown)] == [("a", FailureKind.TIMEOUT)]  # type: ignore[attr-defined]
+    assert [(d.peer, d.kind) for d in only(eff, MarkDown)] == [("a", FailureKind.TIMEOUT)]
     assert placements(eff) == [("remote", "b", Reason.RETRY_NEXT)]
     # the timed-out call's answer, should it come: stale
     assert c.handle(RemoteDone(cid, 1), 1.5) == [] and c.stale_answers == 1
@@ -449,7 +484,7 @@ def test_trial_local_wins_the_step_and_the_remote_call_still_proves_the_worker()
     loaded(c)
     eff = ready(c, 0.0, rw(0, 4, "p"))
     remote, local = call_of(eff, SendRemote), call_of(eff, RunLocal)
-    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]  # type: ignore[attr-defined]
+    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]
     eff = c.handle(LocalDone(local, 0.008), 0.008)
     assert Combine(StepId(1), 0, (local,)) in eff and only(eff, Cancel) == []  # the trial goes on
     assert c.rows[0].local_rows == 8
@@ -467,10 +502,13 @@ def test_trial_remote_wins_and_the_local_copy_is_cancelled() -> None:
     loaded(c)
     eff = ready(c, 0.0, rw(0, 4, "p"), rw(4, 8, "p"))
     # one trial per worker: the second range is local by earliest finish (p is not proven yet)
-    assert placements(eff) == [("remote", "p", Reason.TRIAL_HEDGE), ("local", None, Reason.TRIAL_HEDGE),
-                               ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]
+    assert placements(eff) == [
+        ("remote", "p", Reason.TRIAL_HEDGE),
+        ("local", None, Reason.TRIAL_HEDGE),
+        ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL),
+    ]
     remote = call_of(eff, SendRemote)
-    local_a, local_b = (e.call for e in only(eff, RunLocal))  # type: ignore[attr-defined]
+    local_a, local_b = (e.call for e in only(eff, RunLocal))
     eff = c.handle(RemoteDone(remote, 1), 0.003)
     assert Cancel(local_a, Reason.LOST_RACE) in eff and only(eff, Combine) == []
     assert c.local_backlog_pairs == 8  # the cancelled copy left the backlog
@@ -493,7 +531,7 @@ def test_local_failure_fails_the_layer_and_is_reported() -> None:
     cid = call_of(ready(c, 0.0, rw(0, 4)), RunLocal)
     eff = c.handle(LocalFailed(cid, "RuntimeError: boom"), 0.01)
     [fail] = only(eff, Fail)
-    assert "boom" in fail.message  # type: ignore[attr-defined]
+    assert "boom" in fail.message
     assert [(e.peer, e.kind) for e in c.errors] == [("local", FailureKind.LOCAL)]
 
 
@@ -507,3 +545,16 @@ def test_unknown_answers_are_stale() -> None:
     assert c.handle(RemoteFailed(CallId(98), FailureKind.BROKEN, "x"), 0.0) == []
     assert c.handle(LocalDone(CallId(97), 0.1), 0.0) == []
     assert c.stale_answers == 2
+
+
+def test_a_layer_the_shell_ran_locally_counts_as_idle_placements() -> None:
+    c = core("p")
+    assert c.all_local_when_idle()
+    c.handle(LayerRanLocally(1, (rw(0, 4, "p", rows=3), rw(4, 8, rows=5))), 0.0)
+    assert c.decisions == {Reason.IDLE_LOCAL: 2} and c.rows[1].local_rows == 8
+    loaded(c, 1.0)
+    assert not c.all_local_when_idle()  # the shell must ask again
+    assert (
+        not core(hot_experts=1).all_local_when_idle()
+        and not core(mode=DispatchMode.OFFLOAD).all_local_when_idle()
+    )
