@@ -69,6 +69,16 @@ class KVCache:
         self.n_ctx = n_ctx
         self.k = torch.zeros(cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_k, dtype=dtype)
         self.v = torch.zeros(cfg.n_layer, cfg.n_head_kv, cfg.head_dim_v, n_ctx, dtype=dtype)
+        self.k_np, self.v_np = self.k.numpy(), self.v.numpy()  # the same memory
+        self.hi = 0  # rows hi.. are zero in every layer (the ggml attention reads a padded view)
+
+    def begin(self, used: int) -> None:
+        """A step will leave this sequence at ``used`` positions: rows a previous, longer sequence
+        left behind are zeroed (so a padded attention view never reads its numbers)."""
+        if self.hi > used:
+            self.k[:, used : self.hi] = 0
+            self.v[:, :, :, used : self.hi] = 0
+        self.hi = used
 
     @property
     def nbytes(self) -> int:
@@ -162,10 +172,6 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         """Run one step over all chunks; returns per chunk logits ``[n_tokens or 1, n_vocab]``."""
-        cfg = self.cfg
-        m = self.model
-        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        pos = torch.cat([torch.arange(c.pos, c.pos + len(c.tokens)) for c in chunks])
         bounds: list[tuple[int, int]] = []
         start = 0
         for c in chunks:
@@ -173,40 +179,72 @@ class Transformer:
                 raise ValueError(f"sequence exceeds the context ({c.pos + len(c.tokens)} > {c.cache.n_ctx})")
             bounds.append((start, start + len(c.tokens)))
             start += len(c.tokens)
-        n_tok = tokens.shape[0]
-        x = m.token_embd(tokens)
+        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
+        pos = torch.cat([torch.arange(c.pos, c.pos + len(c.tokens)) for c in chunks])
+        x = self.model.token_embd(tokens)
+        if self._ggml is not None:
+            return self._forward_ggml(self._ggml, chunks, bounds, x, pos)
+        return self._forward_torch(chunks, bounds, x, pos)
+
+    def _forward_ggml(self, gd: _GgmlDense, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
+                      pos: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer: one graph to q/k/v, the new rows into the caches, one attention graph for every
+        sequence, one graph to the router; the experts through ``self.experts``. numpy in between."""
+        cfg = self.cfg
+        n_tok = x.shape[0]
+        Hkv, hdk, hdv = cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
+        pos_np = pos.to(torch.int32).numpy()
+        xn = x.numpy()
+        for c in chunks:
+            c.cache.begin(c.pos + len(c.tokens))
+        att_threads = compute_threads(sum(gd.attn.macs(len(c.tokens), gd.attn.n_kv(c.pos + len(c.tokens), c.cache.n_ctx))
+                                          for c in chunks))
+        for li in range(cfg.n_layer):
+            blk = gd.attn_in[li]
+            qn, kn, vn = blk(xn, pos_np, compute_threads(n_tok * blk.macs))
+            items = []
+            for c, (s, e) in zip(chunks, bounds, strict=True):
+                n = e - s
+                kc, vc = c.cache.k_np[li], c.cache.v_np[li]
+                kc[c.pos : c.pos + n] = kn[s:e].reshape(n, Hkv, hdk)
+                vc[:, :, c.pos : c.pos + n] = vn[s:e].reshape(n, Hkv, hdv).transpose(1, 2, 0)
+                items.append((qn[s:e], kc, vc, c.pos))
+            att = gd.attn.many(items, att_threads, zero_tail=False)
+            attn = att[0] if len(att) == 1 else np.concatenate(att)
+            blk_o = gd.attn_out[li]
+            xn, hn, probs = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
+            ids, w = self.select(torch.from_numpy(probs))
+            moe = self.experts.moe(li, torch.from_numpy(hn), ids, w)
+            xn = xn + moe.numpy()  # float32, as llama.cpp's add
+        out: list[torch.Tensor] = []
+        for c, (s, e) in zip(chunks, bounds, strict=True):
+            xs = xn[s:e] if c.all_logits else xn[e - 1 : e]
+            out.append(torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs))))
+        return out
+
+    def _forward_torch(self, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
+                       pos: torch.Tensor) -> list[torch.Tensor]:
+        cfg = self.cfg
+        m = self.model
+        n_tok = x.shape[0]
         H, Hkv, hdk, hdv = cfg.n_head, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
         group = H // Hkv
         scale = 1.0 / (hdk**0.5)
-        gd = self._ggml
-        pos_np = pos.to(torch.int32).numpy()
         for li, L in enumerate(m.layers):
-            if gd is not None:
-                blk = gd.attn_in[li]
-                qn, kn, vn = blk(x.numpy(), pos_np, compute_threads(n_tok * blk.macs))
-                q = torch.from_numpy(qn).view(n_tok, H, hdk)
-                k = torch.from_numpy(kn).view(n_tok, Hkv, hdk)
-                v = torch.from_numpy(vn).view(n_tok, Hkv, hdv)
-            else:
-                h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-                q = L.wq(h).view(n_tok, H, hdk)
-                k = L.wk(h).view(n_tok, Hkv, hdk)
-                v = L.wv(h).view(n_tok, Hkv, hdv)
-                if L.q_norm is not None and L.k_norm is not None:
-                    q = rms_norm(q, L.q_norm, cfg.rms_eps)
-                    k = rms_norm(k, L.k_norm, cfg.rms_eps)
-                q = self._rope(q, pos)
-                k = self._rope(k, pos)
+            h = rms_norm(x, L.attn_norm, cfg.rms_eps)
+            q = L.wq(h).view(n_tok, H, hdk)
+            k = L.wk(h).view(n_tok, Hkv, hdk)
+            v = L.wv(h).view(n_tok, Hkv, hdv)
+            if L.q_norm is not None and L.k_norm is not None:
+                q = rms_norm(q, L.q_norm, cfg.rms_eps)
+                k = rms_norm(k, L.k_norm, cfg.rms_eps)
+            q = self._rope(q, pos)
+            k = self._rope(k, pos)
             attn = torch.empty(n_tok, H, hdv)
             for c, (s, e) in zip(chunks, bounds, strict=True):
                 n = e - s
                 c.cache.k[li, c.pos : c.pos + n] = k[s:e]
                 c.cache.v[li, :, :, c.pos : c.pos + n] = v[s:e].permute(1, 2, 0)
-                if gd is not None:
-                    nt = compute_threads(gd.attn.macs(n, gd.attn.n_kv(c.pos + n, c.cache.n_ctx)))
-                    attn[s:e] = torch.from_numpy(gd.attn(q[s:e].reshape(n, H * hdk).numpy(), c.cache.k[li].numpy(),
-                                                         c.cache.v[li].numpy(), c.pos, nt)).view(n, H, hdv)
-                    continue
                 # grouped-query attention on [Hkv, L, hd] views of the cache: query head h reads kv head
                 # h // group, as llama.cpp maps them; no per-head copy of the prefix (an f16 cache is
                 # read as f32, one copy of the kv heads)
@@ -223,22 +261,12 @@ class Transformer:
                 o = torch.bmm(torch.softmax(scores, dim=-1), vv)  # [Hkv, group * n, hdv]
                 o = o.view(Hkv, group, n, hdv).permute(2, 0, 1, 3).reshape(n, H, hdv)
                 attn[s:e] = o
-            if gd is not None:
-                blk_o = gd.attn_out[li]
-                x2n, hn, probs = blk_o(attn.reshape(n_tok, H * hdv).numpy(), x.numpy(),
-                                       compute_threads(n_tok * blk_o.macs))
-                x, h = torch.from_numpy(x2n), torch.from_numpy(hn)
-                ids, w = self.select(torch.from_numpy(probs))
-            else:
-                x = x + L.wo(attn.reshape(n_tok, H * hdv))
-                h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
-                ids, w = self.route(li, h)
+            x = x + L.wo(attn.reshape(n_tok, H * hdv))
+            h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
+            ids, w = self.route(li, h)
             x = x + self.experts.moe(li, h, ids, w)
         out: list[torch.Tensor] = []
         for c, (s, e) in zip(chunks, bounds, strict=True):
             xs = x[s:e] if c.all_logits else x[e - 1 : e]
-            if gd is not None:
-                out.append(torch.from_numpy(gd.head(xs.contiguous().numpy(), compute_threads(len(xs) * gd.head.macs))))
-            else:
-                out.append(m.output(rms_norm(xs, m.output_norm, cfg.rms_eps)))
+            out.append(m.output(rms_norm(xs, m.output_norm, cfg.rms_eps)))
         return out

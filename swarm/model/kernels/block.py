@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,36 +306,23 @@ class Attention:
         self.H, self.Hkv, self.hdk, self.hdv = n_head, n_head_kv, head_dim_k, head_dim_v
         self.kv_pad, self.max_rows, self.max_graphs = int(kv_pad), int(max_rows), int(max_graphs)
         self.scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim_k)))
-        self._plans: dict[tuple[int, int, int, int], tuple[_Plan, tuple[Any, Any, int], dict[str, np.ndarray], _Ctx]] = {}
+        self._plans: dict[tuple[tuple[tuple[int, int], ...], int, int], tuple[_Plan, list[dict[str, Any]], _Ctx]] = {}
         self._lock = threading.Lock()
 
     def n_kv(self, used: int, n_ctx: int) -> int:
         return min(n_ctx, -(-used // self.kv_pad) * self.kv_pad)
 
-    def _plan(self, b: int, n_kv: int, tid: int, n_threads: int
-              ) -> tuple[_Plan, tuple[Any, Any, int], dict[str, np.ndarray], _Ctx]:
-        key = (b, n_kv, tid, n_threads)
-        p = self._plans.get(key)
-        if p is not None:
-            return p
-        if len(self._plans) >= self.max_graphs:  # drop the oldest (dicts keep insertion order)
-            old = self._plans.pop(next(iter(self._plans)))
-            old[0].ctx.free()
-            old[3].free()
+    def _sub(self, c: Any, lctx: Any, b: int, n_kv: int, tid: int) -> tuple[dict[str, Any], Any]:
+        """One sequence's attention inside a graph: its inputs and its output ``[hdv, H, b]``."""
         H, Hkv, hdk, hdv = self.H, self.Hkv, self.hdk, self.hdv
         es = 2 if tid == g.GGML_TYPE_F16 else 4
-        mem = 4 * b * (H * hdk + 3 * H * n_kv + 2 * H * hdv) + 4 * n_kv * b
-        ctx = _Ctx(mem + 32 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_NODES, False) + 32 * 64,
-                   no_alloc=False)
-        lctx = _Ctx(4 * g.ggml_tensor_overhead() + 256, no_alloc=True)
-        c = ctx.ctx
         q = g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, hdk, H, b)
         mask = g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, n_kv, b)
-        k = g.ggml_new_tensor_3d(lctx.ctx, tid, hdk, n_kv, Hkv)  # strided views of the caches, as llama.cpp's
+        k = g.ggml_new_tensor_3d(lctx, tid, hdk, n_kv, Hkv)  # strided views of the caches, as llama.cpp's
         k.contents.nb[1] = Hkv * hdk * es
         k.contents.nb[2] = hdk * es
         k.contents.nb[3] = Hkv * hdk * es * n_kv
-        vt = g.ggml_new_tensor_3d(lctx.ctx, tid, n_kv, hdv, Hkv)  # nb[1], nb[2] depend on n_ctx: set per call
+        vt = g.ggml_new_tensor_3d(lctx, tid, n_kv, hdv, Hkv)  # nb[1], nb[2] depend on n_ctx: set per call
         for t in (q, vt, mask, k):
             g.ggml_set_input(t)
         kq = g.ggml_mul_mat(c, k, g.ggml_permute(c, q, 0, 2, 1, 3))  # [n_kv, b, H]
@@ -343,24 +330,42 @@ class Attention:
         kqv = g.ggml_mul_mat(c, vt, kq)  # [hdv, b, H]
         out = g.ggml_cont(c, g.ggml_permute(c, kqv, 0, 2, 1, 3))  # [hdv, H, b]
         g.ggml_set_output(out)
-        graph = g.ggml_new_graph_custom(c, _NODES, False)
-        g.ggml_build_forward_expand(graph, out)
-        plan = _Plan(ctx, graph, n_threads, 0)
-        views = {"q": _f32_view(q, (b, H * hdk)), "mask": _f32_view(mask, (b, n_kv)), "out": _f32_view(out, (b, H * hdv))}
-        views["q"][:] = 0
-        views["mask"][:] = 0
-        p = (plan, (k, vt, es), views, lctx)
+        views = {"q": _f32_view(q, (b, H * hdk)), "mask": _f32_view(mask, (b, n_kv)), "out": _f32_view(out, (b, H * hdv)),
+                 "k": k, "vt": vt, "es": es}
+        return views, out
+
+    def _plan(self, shape: tuple[tuple[int, int], ...], tid: int, n_threads: int
+              ) -> tuple[_Plan, list[dict[str, Any]], _Ctx]:
+        key = (shape, tid, n_threads)
+        p = self._plans.get(key)
+        if p is not None:
+            return p
+        if len(self._plans) >= self.max_graphs:  # drop the oldest (dicts keep insertion order)
+            old = self._plans.pop(next(iter(self._plans)))
+            old[0].ctx.free()
+            old[2].free()
+        H, hdk, hdv = self.H, self.hdk, self.hdv
+        mem = sum(4 * b * (H * hdk + 3 * H * n_kv + 2 * H * hdv) + 4 * n_kv * b for b, n_kv in shape)
+        nodes = _NODES * len(shape)
+        ctx = _Ctx(mem + 32 * len(shape) * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(nodes, False)
+                   + 32 * 64 * len(shape), no_alloc=False)
+        lctx = _Ctx(4 * len(shape) * g.ggml_tensor_overhead() + 256, no_alloc=True)
+        graph = g.ggml_new_graph_custom(ctx.ctx, nodes, False)
+        subs = []
+        for b, n_kv in shape:
+            views, out = self._sub(ctx.ctx, lctx.ctx, b, n_kv, tid)
+            views["q"][:] = 0
+            views["mask"][:] = 0
+            g.ggml_build_forward_expand(graph, out)
+            subs.append(views)
+        p = (_Plan(ctx, graph, n_threads, 0), subs, lctx)
         self._plans[key] = p
         return p
 
     def macs(self, n: int, n_kv: int) -> int:
         return n * n_kv * self.H * (self.hdk + self.hdv)
 
-    def __call__(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int,
-                 n_threads: int = 1) -> np.ndarray:
-        """``q[n, H*hdk]`` (roped) of rows at positions ``pos .. pos+n-1``; ``k_cache`` ``[n_ctx, Hkv,
-        hdk]`` and ``v_cache`` ``[Hkv, hdv, n_ctx]``, float32 or float16, already holding this step's
-        rows. Returns ``[n, H*hdv]``."""
+    def _check(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int) -> int:
         n = q.shape[0]
         n_ctx = k_cache.shape[0]
         if q.shape != (n, self.H * self.hdk) or k_cache.shape[1:] != (self.Hkv, self.hdk) \
@@ -374,36 +379,64 @@ class Attention:
             tid = g.GGML_TYPE_F32
         else:
             raise KernelError(f"KV cache type {k_cache.dtype} is not supported")
-        used = pos + n
-        if used > n_ctx:
+        if pos < 0 or pos + n > n_ctx:
             raise KernelError("rows beyond the cache")
-        n_kv = self.n_kv(used, n_ctx)
-        out = np.empty((n, self.H * self.hdv), dtype=np.float32)
-        kpos = np.arange(n_kv)
+        return int(tid)
+
+    def many(self, items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int]], n_threads: int = 1, *,
+             zero_tail: bool = True) -> list[np.ndarray]:
+        """Several sequences' attention in one graph: ``items`` = ``(q, k_cache, v_cache, pos)`` as in
+        ``__call__`` (all caches of one type). ``zero_tail=False``: the caller guarantees that cache
+        rows past each sequence's end are zero (``coordinator.model.KVCache`` does)."""
+        tids = {self._check(q, kc, vc, pos) for q, kc, vc, pos in items}
+        if len(tids) != 1:
+            raise KernelError("the KV caches of one call must share a type")
+        tid = tids.pop()
+        if any(q.shape[0] > self.max_rows for q, *_ in items):  # long prefill chunks: one at a time
+            return [self(q, kc, vc, pos, n_threads, zero_tail=zero_tail) for q, kc, vc, pos in items]
+        shape = tuple((_bucket(q.shape[0], self.max_rows), self.n_kv(pos + q.shape[0], kc.shape[0]))
+                      for q, kc, _, pos in items)
+        outs = []
         with self._lock:
-            for s in range(0, n, self.max_rows):
-                e = min(n, s + self.max_rows)
-                m = e - s
-                b = _bucket(m, self.max_rows)
-                plan, (kt, vt, es), v, _ = self._plan(b, n_kv, tid, n_threads)
-                if n_kv > used:
-                    k_cache[used:n_kv] = 0
-                    v_cache[:, :, used:n_kv] = 0
-                kt.contents.data = k_cache.ctypes.data
-                vt.contents.data = v_cache.ctypes.data
-                vt.contents.nb[1] = n_ctx * es
-                vt.contents.nb[2] = self.hdv * n_ctx * es
-                vt.contents.nb[3] = self.Hkv * self.hdv * n_ctx * es
-                v["q"][:m] = q[s:e]
-                qpos = pos + s + np.arange(b)
-                v["mask"][:] = np.where(kpos[None, :] > np.minimum(qpos, used - 1)[:, None], -np.inf, 0.0)
-                plan.compute(n_threads, 0)
-                out[s:e] = v["out"][:m]
+            plan, subs, _ = self._plan(shape, tid, n_threads)
+            for (q, kc, vc, pos), (b, n_kv), v in zip(items, shape, subs, strict=True):
+                n, n_ctx, es = q.shape[0], kc.shape[0], v["es"]
+                used = pos + n
+                if zero_tail and n_kv > used:
+                    kc[used:n_kv] = 0
+                    vc[:, :, used:n_kv] = 0
+                v["k"].contents.data = kc.ctypes.data
+                vt = v["vt"].contents
+                vt.data = vc.ctypes.data
+                vt.nb[1] = n_ctx * es
+                vt.nb[2] = self.hdv * n_ctx * es
+                vt.nb[3] = self.Hkv * self.hdv * n_ctx * es
+                v["q"][:n] = q
+                qpos = np.minimum(pos + np.arange(b), used - 1)  # padding rows repeat the last one
+                v["mask"][:] = np.where(np.arange(n_kv)[None, :] > qpos[:, None], -np.inf, 0.0)
+            plan.compute(n_threads, 0)
+            for (q, *_), v in zip(items, subs, strict=True):
+                outs.append(v["out"][: q.shape[0]].copy())
+        return outs
+
+    def __call__(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int,
+                 n_threads: int = 1, *, zero_tail: bool = True) -> np.ndarray:
+        """``q[n, H*hdk]`` (roped) of rows at positions ``pos .. pos+n-1``; ``k_cache`` ``[n_ctx, Hkv,
+        hdk]`` and ``v_cache`` ``[Hkv, hdv, n_ctx]``, float32 or float16, already holding this step's
+        rows. Returns ``[n, H*hdv]``."""
+        self._check(q, k_cache, v_cache, pos)
+        n = q.shape[0]
+        if n <= self.max_rows:
+            return self.many([(q, k_cache, v_cache, pos)], n_threads, zero_tail=zero_tail)[0]
+        out = np.empty((n, self.H * self.hdv), dtype=np.float32)
+        for s in range(0, n, self.max_rows):  # row blocks; each sees the cache up to its own last row
+            e = min(n, s + self.max_rows)
+            out[s:e] = self.many([(q[s:e], k_cache, v_cache, pos + s)], n_threads, zero_tail=zero_tail)[0]
         return out
 
     def close(self) -> None:
         with self._lock:
-            for plan, _, _, lctx in self._plans.values():
+            for plan, _, lctx in self._plans.values():
                 plan.ctx.free()
                 lctx.free()
             self._plans.clear()
