@@ -27,6 +27,10 @@ def config(*argv: str) -> object:
         (["coordinator", "--model", "m.gguf", "--market", "market:8090"], "--market"),
         (["coordinator", "--model", "m.gguf", "--p2p-listen", "127.0.0.1:4001"], "--p2p-listen"),
         (["coordinator", "--model", "m.gguf", "--threads", "0"], "--threads"),
+        (["coordinator", "--model", "m.gguf", "--saturation-threshold", "0"], "--saturation-threshold"),
+        (["coordinator", "--model", "m.gguf", "--serve-ttl", "-1"], "--serve-ttl"),
+        (["coordinator", "--model", "m.gguf", "--hedge-floor-ms", "-5"], "--hedge-floor-ms"),
+        (["coordinator", "--model", "m.gguf", "--hot-experts", "-1"], "--hot-experts"),
         (["volunteer", "--market", "http://m:8090", "--threads", "0"], "--threads"),
         (["volunteer", "--market", "http://m:8090", "--poll-interval", "-1"], "--poll-interval"),
         (["volunteer", "--market", "ftp://m"], "--market"),
@@ -83,3 +87,16 @@ def test_threads_default_to_the_physical_cores(tmp_path: Path) -> None:
     assert physical_cores(str(tmp_path / "missing")) >= 1
     assert config("coordinator", "--model", "m.gguf").threads is None  # type: ignore[attr-defined]
     assert config("coordinator", "--model", "m.gguf", "--threads", "2").threads == 2  # type: ignore[attr-defined]
+
+
+def test_coordinator_dispatch_flags_reach_the_dispatch_core() -> None:
+    from coordinator.core.dispatch import DispatchConfig, DispatchMode
+    from coordinator.server import dispatch_config
+
+    cfg = config("coordinator", "--model", "m.gguf", "--dispatch", "offload", "--saturation-threshold", "3",
+                 "--serve-ttl", "5", "--hedge-floor-ms", "20", "--hot-experts", "2", "--expert-timeout", "1.5")
+    d = dispatch_config(cfg)  # type: ignore[arg-type]
+    assert (d.mode, d.saturation_threshold, d.serve_ttl_s, d.hedge_floor_s, d.hot_experts, d.timeout_s) == (
+        DispatchMode.OFFLOAD, 3, 5.0, 0.02, 2, 1.5)
+    default = dispatch_config(config("coordinator", "--model", "m.gguf"))  # type: ignore[arg-type]
+    assert default == DispatchConfig(timeout_s=3.0)  # adaptive, 2 busy slots, 20 s, 50 ms, no hot experts
