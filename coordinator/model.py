@@ -28,7 +28,7 @@ import torch
 
 from swarm.model.gguf import GGUFModel, ModelConfig
 from swarm.model.kernels import KernelBackend, compute_threads, expert_kernel
-from swarm.model.kernels.block import Attention, AttnIn, AttnOut, DenseWeight, Head
+from swarm.model.kernels.block import Attention, AttnIn, AttnOut, DenseWeight, Family, Head
 from swarm.model.kernels.dense import Linear
 
 __all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
@@ -111,15 +111,16 @@ class _GgmlDense:
         cfg = model.config
         self.attn_in: list[AttnIn] = []
         self.attn_out: list[AttnOut] = []
+        fam: Family = {}  # layers of equal shapes and types share their graphs (and graph buffers)
         for L in model.layers:
             self.attn_in.append(AttnIn(
                 attn_norm=L.attn_norm.numpy(), wq=_dw(L.wq), wk=_dw(L.wk), wv=_dw(L.wv),
                 q_norm=None if L.q_norm is None else L.q_norm.numpy(),
                 k_norm=None if L.k_norm is None else L.k_norm.numpy(),
                 n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v,
-                n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps))
+                n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, family=fam))
             self.attn_out.append(AttnOut(wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dw(L.router),
-                                         eps=cfg.rms_eps))
+                                         eps=cfg.rms_eps, family=fam))
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=256)

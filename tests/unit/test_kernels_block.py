@@ -172,3 +172,23 @@ def test_shape_errors_raise(rng: np.random.Generator) -> None:
         att(np.zeros((2, H * HD), np.float32), k, np.zeros((HKV, HD, 16), np.float32), 15)  # past the cache
     with pytest.raises(KernelError):
         Attention(n_head=6, n_head_kv=4, head_dim_k=HD, head_dim_v=HD)
+
+
+def test_layers_sharing_graphs_keep_their_own_weights(rng: np.random.Generator) -> None:
+    """A family shares graph buffers between equal-shaped layers; each computes with its own weights."""
+    fam: dict = {}
+    solo, shared = [], []
+    for _ in range(3):
+        (wo, _), (wr, _) = dw(rng, D, H * HD, "Q8_0"), dw(rng, NE, D, "F32")
+        fn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        solo.append(AttnOut(wo=wo, ffn_norm=fn, router=wr, eps=1e-6))
+        shared.append(AttnOut(wo=wo, ffn_norm=fn, router=wr, eps=1e-6, family=fam))
+    assert len(fam) == 1 and all(s._plans is shared[0]._plans for s in shared)
+    a, x = rng.standard_normal((3, H * HD)).astype(np.float32), rng.standard_normal((3, D)).astype(np.float32)
+    for order in ([0, 1, 2], [2, 0, 1, 1, 0]):  # interleaved: the leaves are re-pointed per call
+        for i in order:
+            for got, want in zip(shared[i](a, x), solo[i](a, x), strict=True):
+                assert np.array_equal(got, want)
+    (wo5, _), (wr5, _) = dw(rng, D, H * HD, "Q4_0"), dw(rng, NE, D, "F32")  # another type: its own graphs
+    other = AttnOut(wo=wo5, ffn_norm=np.ones(D, np.float32), router=wr5, eps=1e-6, family=fam)
+    assert len(fam) == 2 and other._plans is not shared[0]._plans

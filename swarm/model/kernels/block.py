@@ -66,21 +66,44 @@ def _f32(a: np.ndarray, n: int, what: str) -> np.ndarray:
     return a
 
 
+Family = dict[tuple[Any, ...], "_Graphs"]
+
+
 class _Graphs:
-    """Bucketed graphs over a set of weight tensors; subclasses define ``_build``."""
+    """Bucketed graphs over a set of weight tensors; subclasses define ``_build``.
+
+    Objects built with the same ``family`` dict and an equal signature (class, weight types and
+    shapes, op parameters) share one set of graphs (the first such object builds them): e.g. every
+    layer of a model, whose graph buffers would otherwise be held once per layer. Before computing,
+    an object points the shared graphs' weight leaves at its own arrays (leaves, not views: ggml
+    reads ``tensor->data`` at compute time), under the shared lock.
+    """
 
     def __init__(self, max_rows: int = 256) -> None:
         self.max_rows = int(max_rows)
         self._keep: list[np.ndarray] = []  # arrays the weight tensors point into
+        self._leaves: list[Any] = []  # the weight tensors, in creation order
         self._wctx = _Ctx(16 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
         self._plans: dict[tuple[int, int], tuple[_Plan, dict[str, np.ndarray]]] = {}
         self._lock = threading.Lock()
+        self._builder: _Graphs = self
+
+    def _share(self, family: Family | None, params: tuple[Any, ...]) -> None:
+        """Join ``family`` (call at the end of a subclass's ``__init__``)."""
+        if family is None:
+            return
+        sig = (type(self).__name__, params,
+               tuple((int(t.contents.type), tuple(int(t.contents.ne[i]) for i in range(4))) for t in self._leaves))
+        b = family.setdefault(sig, self)
+        self._builder, self._plans, self._lock = b, b._plans, b._lock
 
     def _dense(self, w: DenseWeight, name: str) -> Any:
         tid = _type_id(w.qtype)
         raw = _as_raw(w.raw, row_nbytes(tid, w.in_features) * w.out_features, name)
         self._keep.append(raw)
-        return _weight_tensor(self._wctx, tid, (w.in_features, w.out_features), raw, name)
+        t = _weight_tensor(self._wctx, tid, (w.in_features, w.out_features), raw, name)
+        self._leaves.append(t)
+        return t
 
     def _vec(self, a: np.ndarray, n: int, name: str) -> Any:
         arr = _f32(a, n, name)
@@ -88,6 +111,7 @@ class _Graphs:
         t = g.ggml_new_tensor_1d(self._wctx.ctx, g.GGML_TYPE_F32, n)
         t.contents.data = arr.ctypes.data
         g.ggml_set_name(t, name.encode())
+        self._leaves.append(t)
         return t
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
@@ -104,7 +128,7 @@ class _Graphs:
             return p
         ctx = _Ctx(self._mem(b) + 64 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_NODES, False) + 64 * 64,
                    no_alloc=False)
-        inputs, outputs = self._build(ctx.ctx, b)
+        inputs, outputs = self._builder._build(ctx.ctx, b)
         graph = g.ggml_new_graph_custom(ctx.ctx, _NODES, False)
         for t in outputs:
             g.ggml_set_output(t)
@@ -125,6 +149,12 @@ class _Graphs:
              n_out: int) -> list[np.ndarray]:
         outs: list[np.ndarray] | None = None
         with self._lock:
+            if self._builder is not self:
+                for leaf, arr in zip(self._builder._leaves, self._keep, strict=True):
+                    leaf.contents.data = arr.ctypes.data
+            elif self._keep:  # the builder's own weights (another member may have computed last)
+                for leaf, arr in zip(self._leaves, self._keep, strict=True):
+                    leaf.contents.data = arr.ctypes.data
             for s in range(0, n, self.max_rows):
                 e = min(n, s + self.max_rows)
                 m = e - s
@@ -140,9 +170,10 @@ class _Graphs:
 
     def close(self) -> None:
         with self._lock:
-            for plan, _ in self._plans.values():
-                plan.ctx.free()
-            self._plans.clear()
+            if self._builder is self:
+                for plan, _ in self._plans.values():
+                    plan.ctx.free()
+                self._plans.clear()
             self._wctx.free()
 
 
@@ -156,7 +187,7 @@ class AttnIn(_Graphs):
     def __init__(self, *, attn_norm: np.ndarray, wq: DenseWeight, wk: DenseWeight, wv: DenseWeight,
                  q_norm: np.ndarray | None, k_norm: np.ndarray | None, n_head: int, n_head_kv: int,
                  head_dim_k: int, head_dim_v: int, n_rot: int, rope_neox: bool, rope_base: float, eps: float,
-                 max_rows: int = 256) -> None:
+                 max_rows: int = 256, family: Family | None = None) -> None:
         super().__init__(max_rows)
         d = wq.in_features
         if (wq.out_features, wk.out_features, wv.out_features) != (n_head * head_dim_k, n_head_kv * head_dim_k,
@@ -176,6 +207,8 @@ class AttnIn(_Graphs):
         self._qn = self._vec(q_norm, head_dim_k, "q_norm") if q_norm is not None else None
         self._kn = self._vec(k_norm, head_dim_k, "k_norm") if k_norm is not None else None
         self.macs = d * (wq.out_features + wk.out_features + wv.out_features)
+        self._share(family, (n_head, n_head_kv, head_dim_k, head_dim_v, n_rot, self.mode, self.rope_base, self.eps,
+                             q_norm is not None))
 
     def _mem(self, b: int) -> int:
         q, kv = self.H * self.hdk, self.Hkv * max(self.hdk, self.hdv)
@@ -221,7 +254,7 @@ class AttnOut(_Graphs):
     * ffn_norm``, router probabilities ``softmax(W_r h)`` ``[n, n_expert]``."""
 
     def __init__(self, *, wo: DenseWeight, ffn_norm: np.ndarray, router: DenseWeight, eps: float,
-                 max_rows: int = 256) -> None:
+                 max_rows: int = 256, family: Family | None = None) -> None:
         super().__init__(max_rows)
         if router.in_features != wo.out_features:
             raise KernelError("router input width differs from the output projection's")
@@ -229,6 +262,7 @@ class AttnOut(_Graphs):
         self._wo, self._wr = self._dense(wo, "wo"), self._dense(router, "router")
         self._norm = self._vec(ffn_norm, self.d, "ffn_norm")
         self.macs = self.d * (self.a + self.n_expert)
+        self._share(family, (self.eps,))
 
     def _mem(self, b: int) -> int:
         return 4 * b * (self.a + 6 * self.d + 3 * self.n_expert)
