@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,31 +64,55 @@ async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tu
     return t_first - t0, t_end - t_first
 
 
-async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int) -> list[dict[str, Any]]:
-    cases: list[dict[str, Any]] = []
+async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_decode: int) -> tuple[float, float]:
+    """Prefill and aggregate decode tokens/s of ``conc`` concurrent requests (prompts differ per rep)."""
     vocab = rt.model.config.n_vocab
+    prompts = [[(7 * i + 13 * j + rep) % (vocab - 3) for j in range(prompt_len)] for i in range(conc)]
+    results: list[tuple[float, float]] = [(0.0, 0.0)] * conc
+    t0 = time.perf_counter()
+
+    async def go(i: int) -> None:
+        results[i] = await one_request(rt, prompts[i], n_decode)
+
+    async with trio.open_nursery() as n:
+        for i in range(conc):
+            n.start_soon(go, i)
+    wall = time.perf_counter() - t0
+    prefill_wall = max(r[0] for r in results)
+    return conc * prompt_len / prefill_wall, conc * (n_decode - 1) / (wall - prefill_wall)
+
+
+async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int,
+                    llamacpp: Callable[[int], dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Medians over ``reps`` rounds; at 1 request each round runs llama.cpp right after ours (the
+    machine's memory bandwidth drifts by 20-30 % over minutes: interleaving keeps the ratio fair)."""
+    cases: list[dict[str, Any]] = []
     for conc in (1, 4):
-        prefill_tps: list[float] = []
-        decode_tps: list[float] = []
+        pre: list[float] = []
+        dec: list[float] = []
+        ref_pre: list[float] = []
+        ref_dec: list[float] = []
+        version = ""
         for rep in range(reps):
-            prompts = [[(7 * i + 13 * j + rep) % (vocab - 3) for j in range(prompt_len)] for i in range(conc)]
-            results: list[tuple[float, float]] = [(0.0, 0.0)] * conc
-            t0 = time.perf_counter()
-
-            async def go(i: int, prompts: list[list[int]] = prompts, results: list[tuple[float, float]] = results) -> None:
-                results[i] = await one_request(rt, prompts[i], n_decode)
-
-            async with trio.open_nursery() as n:
-                for i in range(conc):
-                    n.start_soon(go, i)
-            wall = time.perf_counter() - t0
-            prefill_wall = max(r[0] for r in results)
-            prefill_tps.append(conc * prompt_len / prefill_wall)
-            decode_tps.append(conc * (n_decode - 1) / (wall - prefill_wall))
-        cases.append({"case": f"prefill_c{conc}", "concurrency": conc, "prompt_tokens": prompt_len,
-                      "tokens_per_s": round(statistics.median(prefill_tps), 2)})
-        cases.append({"case": f"decode_c{conc}", "concurrency": conc, "decode_tokens": n_decode,
-                      "tokens_per_s": round(statistics.median(decode_tps), 2)})
+            p, d = await one_case(rt, conc, rep, prompt_len, n_decode)
+            pre.append(p)
+            dec.append(d)
+            if conc == 1 and llamacpp is not None:
+                ref = await trio.to_thread.run_sync(llamacpp, rep)
+                ref_pre.append(ref["prefill"])
+                ref_dec.append(ref["decode"])
+                version = ref["version"]
+        for name, ours, theirs in (("prefill", pre, ref_pre), ("decode", dec, ref_dec)):
+            c: dict[str, Any] = {"case": f"{name}_c{conc}", "concurrency": conc,
+                                 "prompt_tokens" if name == "prefill" else "decode_tokens":
+                                     prompt_len if name == "prefill" else n_decode,
+                                 "tokens_per_s": round(statistics.median(ours), 2)}
+            if theirs:
+                c["llamacpp_tokens_per_s"] = round(statistics.median(theirs), 2)
+                c["llamacpp_version"] = version
+                c["rounds"] = [{"tokens_per_s": round(a, 2), "llamacpp_tokens_per_s": round(b, 2)}
+                               for a, b in zip(ours, theirs, strict=True)]
+            cases.append(c)
     return cases
 
 
@@ -95,12 +120,12 @@ LLAMACPP_SCRIPT = r"""
 import json, sys, time
 import numpy as np
 import llama_cpp
-path, prompt_len, n_decode, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path, prompt_len, n_decode, reps, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2,
                       type_k=llama_cpp.GGML_TYPE_F16, type_v=llama_cpp.GGML_TYPE_F16, verbose=False)
 vocab = llm.n_vocab()
 pre, dec = [], []
-for rep in range(reps):
+for rep in range(first, first + reps):
     prompt = [(13 * j + rep) % (vocab - 3) for j in range(prompt_len)]
     llm.reset()
     t0 = time.perf_counter()
@@ -118,8 +143,9 @@ print(json.dumps({"prefill": sorted(pre)[len(pre) // 2], "decode": sorted(dec)[l
 """
 
 
-def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, reps: int) -> dict[str, Any]:
-    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(prompt_len), str(n_decode), str(reps)],
+def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, reps: int, first: int = 0) -> dict[str, Any]:
+    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(prompt_len), str(n_decode), str(reps),
+                          str(first)],
                          capture_output=True, text=True, check=True, timeout=1800)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -138,21 +164,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     file_mb = path.stat().st_size / 2**20
     async with trio.open_nursery() as n:
         await n.start(rt.serve)
-        prompt_len, n_decode, reps = (32, 8, 1) if args.quick else (128, 32, 3)
+        prompt_len, n_decode, reps = (32, 8, 1) if args.quick else (128, 32, args.rounds)
         # warm-up at full size: every expert's pages of the memory-mapped file are read once, and the
         # kernels' graphs for these sizes are built, before anything is timed
         await one_request(rt, [(5 * j + 1) % (model.config.n_vocab - 3) for j in range(prompt_len)], n_decode)
-        cases = await run_cases(rt, prompt_len, n_decode, reps)
+        llamacpp = None
+        if args.llamacpp_python:
+            def llamacpp(rep: int) -> dict[str, Any]:
+                return run_llamacpp(args.llamacpp_python, path, prompt_len, n_decode, 1, rep)
+        cases = await run_cases(rt, prompt_len, n_decode, reps, llamacpp)
         n.cancel_scope.cancel()
     for c in cases:
         c["model"] = path.name
         c["kernel"] = args.kernel
-    if args.llamacpp_python:
-        ref = run_llamacpp(args.llamacpp_python, path, prompt_len, n_decode, reps)
-        for c in cases:
-            if c["case"] in ("prefill_c1", "decode_c1"):
-                c["llamacpp_tokens_per_s"] = round(ref["prefill" if c["case"] == "prefill_c1" else "decode"], 2)
-                c["llamacpp_version"] = ref["version"]
     cases.append({"case": "rss", "model": path.name, "rss_mb": round(rss_mb(), 1), "rss_before_load_mb": round(rss0, 1),
                   "file_mb": round(file_mb, 1)})
     cfg = model.config
@@ -169,6 +193,7 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["ggml", "torch"], default="ggml", help="expert and dense kernels")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")
     ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python: run llama.cpp too")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds per case (medians; llama.cpp interleaved)")
     args = ap.parse_args()
     result = trio.run(main_async, args)
     print(f"\nengine benchmark: {result['model']} ({result['model_shape']})")

@@ -64,11 +64,16 @@ def configure_threads(threads: int, backend: KernelBackend) -> None:
     """The engine's thread budget (``--threads``): with ggml, the ggml kernels get every thread for
     big calls and torch (attention, norms, RoPE: small ops) one intra-op thread -- a second OpenMP
     thread costs a futex wake per op and gains nothing on these sizes (measured on the bench model,
-    2 cores: decode 18.7 -> 16.0 ms per step, prefill 177 -> 214 tokens/s). With the torch
-    reference, torch gets them all."""
+    2 cores: decode 18.7 -> 16.0 ms per step, prefill 177 -> 214 tokens/s), and the ggml workers
+    spin briefly between graphs (``set_poll(1)``: decode ~15.5-16.8 -> 12.7-15.4 ms per step). With the
+    torch reference, torch gets them all."""
     n = max(1, int(threads))
     torch.set_num_threads(n if backend is KernelBackend.TORCH else 1)
     set_compute_threads(n)
+    if backend is KernelBackend.GGML and n > 1:
+        from swarm.model.kernels.ggml import set_poll
+
+        set_poll(1)  # many small graphs in a row: a short spin instead of a wake-up per graph
 
 
 def compute_threads(work: int) -> int:

@@ -160,7 +160,7 @@ class _Graphs:
                 m = e - s
                 plan, views = self._plan(_bucket(m, self.max_rows), n_threads)
                 fill(views, s, e)
-                plan.compute(n_threads, 0)
+                plan.compute(n_threads)
                 if outs is None:
                     outs = [np.empty((n, views[f"out{i}"].shape[1]), dtype=np.float32) for i in range(n_out)]
                 for i in range(n_out):
@@ -448,7 +448,7 @@ class Attention:
                 v["q"][:n] = q
                 qpos = np.minimum(pos + np.arange(b), used - 1)  # padding rows repeat the last one
                 v["mask"][:] = np.where(np.arange(n_kv)[None, :] > qpos[:, None], -np.inf, 0.0)
-            plan.compute(n_threads, 0)
+            plan.compute(n_threads)
             for (q, *_), v in zip(items, subs, strict=True):
                 outs.append(v["out"][: q.shape[0]].copy())
         return outs
