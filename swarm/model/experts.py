@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExpertWeights", "combine_partials", "pairs_from_lists", "slice_partial_sum"]
+__all__ = ["ExpertWeights", "combine_partials", "pairs_from_lists", "slice_pair_outputs", "slice_partial_sum"]
 
 
 class ExpertWeights(Protocol):
@@ -56,6 +56,28 @@ def slice_partial_sum(
         u = xe @ weights.up(e).T
         h = (F.silu(g) * u) @ weights.down(e).T
         out.index_add_(0, rows, h * pair_weights[sel].unsqueeze(1))
+    return out
+
+
+def slice_pair_outputs(
+    x: torch.Tensor,
+    pair_rows: torch.Tensor,
+    pair_experts: torch.Tensor,
+    pair_weights: torch.Tensor,
+    weights: ExpertWeights,
+) -> torch.Tensor:
+    """Each pair's weighted expert output ``[P, d_model]``, in the pairs' order (the same products as
+    ``slice_partial_sum`` adds)."""
+    out = torch.empty(pair_rows.shape[0], x.shape[1], dtype=torch.float32)
+    if pair_rows.numel() == 0:
+        return out
+    for e in torch.unique(pair_experts).tolist():
+        sel = pair_experts == e
+        xe = x.index_select(0, pair_rows[sel])
+        g = xe @ weights.gate(e).T
+        u = xe @ weights.up(e).T
+        h = (F.silu(g) * u) @ weights.down(e).T
+        out[sel] = h * pair_weights[sel].unsqueeze(1)
     return out
 
 

@@ -30,18 +30,19 @@ import enum
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from swarm.model.experts import slice_partial_sum
+from swarm.model.experts import slice_pair_outputs, slice_partial_sum
 
 if TYPE_CHECKING:
     from swarm.model.gguf import ExpertStack
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
-__all__ = ["BIG_WORK", "DEFAULT_BACKEND", "ExpertKernel", "KernelBackend", "compute_threads", "configure_threads",
+__all__ = ["BIG_WORK", "DEFAULT_BACKEND", "ExpertKernel", "KernelBackend", "combine_pairs", "compute_threads",
+           "configure_threads",
            "expert_kernel", "kernel_id", "set_compute_threads"]
 
 # ggml threads for big calls: the engine thread alternates torch and ggml, so the ggml kernels may
@@ -96,6 +97,51 @@ class ExpertKernel(Protocol):
         self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
     ) -> torch.Tensor: ...
 
+    def pair_outputs(
+        self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each pair's weighted expert output ``y_e(x[r]) * w`` ``[P, d_model]`` float32, in the pairs'
+        order; its bits depend only on that pair (batch invariance) and the kernel id."""
+        ...
+
+
+def combine_pairs(n_rows: int, pair_rows: Any, pair_experts: Any, y: Any) -> torch.Tensor:
+    """The MoE sum of a layer from its pairs' weighted outputs: per row, ``acc = 0`` then ``acc += y_p``
+    for the row's pairs in ascending expert index (DESIGN §3), float32, one rounding per add.
+
+    Whoever computed each pair (this machine, any volunteer, under any partition into ranges) the
+    result has the same bits, as long as every pair's ``y`` has them (equal kernel ids): the
+    order of the adds is fixed by the experts alone. ``pair_experts`` must be comparable across the
+    pairs given (global indices when they come from several ranges). Rows without pairs are 0.
+    """
+    rows = np.asarray(pair_rows, dtype=np.int64).reshape(-1)
+    exps = np.asarray(pair_experts, dtype=np.int64).reshape(-1)
+    yv = y.numpy() if isinstance(y, torch.Tensor) else np.asarray(y, dtype=np.float32)
+    if yv.ndim != 2 or yv.shape[0] != rows.size or exps.size != rows.size:
+        raise ValueError("combine_pairs: one output row per pair")
+    acc = np.zeros((n_rows, yv.shape[1]), dtype=np.float32)
+    if rows.size == 0:
+        return torch.from_numpy(acc)
+    order = np.lexsort((exps, rows))  # by row, then ascending expert
+    rs, es = rows[order], exps[order]
+    if ((rs[1:] == rs[:-1]) & (es[1:] == es[:-1])).any():
+        raise ValueError("combine_pairs: a row appears more than once for the same expert")
+    idx = np.arange(rs.size)
+    start = np.empty(rs.size, dtype=bool)
+    start[0] = True
+    np.not_equal(rs[1:], rs[:-1], out=start[1:])
+    rank = idx - np.maximum.accumulate(np.where(start, idx, 0))  # position within the row
+    g_order = np.argsort(rank, kind="stable")
+    bounds = np.cumsum(np.bincount(rank))
+    po = order[g_order]
+    rg = rows[po]
+    ys = yv[po]
+    s = 0
+    for e in bounds.tolist():  # the rows are unique within one rank: one float32 add per element
+        acc[rg[s:e]] += ys[s:e]
+        s = e
+    return torch.from_numpy(acc)
+
 
 def kernel_id(backend: KernelBackend = DEFAULT_BACKEND) -> str:
     """The id of ``backend`` as built and loaded in this process."""
@@ -117,6 +163,11 @@ class TorchExpertKernel:
         self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
     ) -> torch.Tensor:
         return slice_partial_sum(x, pair_rows, pair_experts, pair_weights, self.stack)
+
+    def pair_outputs(
+        self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return slice_pair_outputs(x, pair_rows, pair_experts, pair_weights, self.stack)
 
 
 _PoolKey = tuple[tuple[int, int, int], int, int, int, int]
@@ -162,6 +213,19 @@ class GgmlKernel:
         with _pooled(self.stack, compute_threads(work)) as k:
             out = k.compute(xs, pair_rows.numpy(), pair_experts.numpy(), pair_weights.detach().to(torch.float32).numpy())
         return torch.from_numpy(out)
+
+    def pair_outputs(
+        self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
+    ) -> torch.Tensor:
+        xs = x.detach().to(torch.float32).contiguous().numpy()
+        w = pair_weights.detach().to(torch.float32).numpy().reshape(-1)
+        work = int(pair_rows.numel()) * 3 * self.stack.d_model * self.stack.d_expert
+        with _pooled(self.stack, compute_threads(work)) as k:
+            y = k.expert_outputs(xs, pair_rows.numpy(), pair_experts.numpy())
+        if w.shape[0] != y.shape[0]:
+            raise ValueError("pair_weights differs in length from pair_rows")
+        y *= w[:, None]  # float32 product, rounded (no FMA), as in GgmlExpertKernel.compute
+        return torch.from_numpy(y)
 
 
 def expert_kernel(stack: ExpertStack, backend: KernelBackend = DEFAULT_BACKEND) -> ExpertKernel:
