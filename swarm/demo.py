@@ -8,11 +8,15 @@ What it does, in order, printing as it goes:
    requests computed all-local: the reference tokens;
 4. starts three pull-mode volunteers (one of them listens nowhere and is reachable only through
    the relay): two take the slices the base target needs, one stays idle;
-5. ramps the load (1 then 3 concurrent streams): the coordinator saturates, the market boosts
-   the target, the idle volunteer is recruited and serves; the reference requests repeated under
-   load give identical tokens;
-6. the load stops: the boost ends, the extra volunteer is undispatched and released (age-out);
-7. prints ``/api/moe/recruitment`` and stops every process it started, cleanly.
+5. one request at a time (the coordinator idle): its experts run locally -- the fastest path per
+   token -- although volunteers hold them (load-adaptive dispatch, DESIGN §5);
+6. ramps the load (1 then 3 concurrent streams): the coordinator saturates, its dispatcher splits
+   each layer between itself and the proven volunteers (a new one gets a hedged trial first), the
+   market boosts the target, the idle volunteer is recruited and serves; the reference requests
+   repeated under load give identical tokens; every switch of the dispatcher prints with its reason;
+7. the load stops: after the serve TTL the dispatcher is local again, the boost ends, the extra
+   volunteer is undispatched and released (age-out);
+8. prints ``/api/moe/recruitment`` and stops every process it started, cleanly.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def recruitment(market: str) -> dict[str, Any]:
 
 def timeline_line(t0: float, market: str, coord: str, names: dict[str, str]) -> str:
     m = recruitment(market)
-    served = {w["peer_id"]: w for w in httpx.get(f"{coord}/dispatch", timeout=5).json()["workers"]}
+    rep = httpx.get(f"{coord}/dispatch", timeout=5).json()
+    served = {w["peer_id"]: w for w in rep["workers"]}
     parts = []
     for w in m["workers"]:
         name = names.get(w["peer_id"], w["peer_id"][-6:])
@@ -124,7 +129,42 @@ def timeline_line(t0: float, market: str, coord: str, names: dict[str, str]) -> 
         path = f"/{d['path']}" if d is not None and d.get("path") else ""
         parts.append(f"{name}:{state}{path}")
     return (f"    t={time.monotonic() - t0:5.1f}s busy={m['busy']}/{m['slots']} saturated={str(m['saturated']):5} "
-            f"recruiting={str(m['recruiting']):5} target={m['effective_target']} workers=[{', '.join(parts)}]")
+            f"recruiting={str(m['recruiting']):5} target={m['effective_target']} dispatch={rep.get('load_state', '?'):9} "
+            f"workers=[{', '.join(parts)}]")
+
+
+def dispatch_report(coord: str) -> dict[str, Any]:
+    rep: dict[str, Any] = httpx.get(f"{coord}/dispatch", timeout=5).json()
+    return rep
+
+
+def rows_since(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int, int]:
+    """Rows computed (local, remote, fallback) between two ``/dispatch`` reports, over all layers."""
+    def tot(rep: dict[str, Any], key: str) -> int:
+        return sum(int(L[key]) for L in rep["layers"])
+
+    return tuple(tot(after, k) - tot(before, k) for k in ("local_rows", "remote_rows", "fallback_rows"))  # type: ignore[return-value]
+
+
+def decisions_since(before: dict[str, Any], after: dict[str, Any]) -> str:
+    d0, d1 = before.get("decisions", {}), after.get("decisions", {})
+    diff = {k: v - d0.get(k, 0) for k, v in d1.items() if v - d0.get(k, 0)}
+    return ", ".join(f"{k} {v}" for k, v in sorted(diff.items(), key=lambda kv: -kv[1])) or "none"
+
+
+class ModeLog:
+    """Prints the dispatcher's load-state switches (``/dispatch`` ``mode_changes``) once each."""
+
+    def __init__(self, t0_ms: int) -> None:
+        self.t0_ms = t0_ms
+        self.seen: set[tuple[int, str, str]] = set()
+
+    def show(self, rep: dict[str, Any]) -> None:
+        for c in rep.get("mode_changes", []):
+            key = (int(c["at_ms"]), c["state"], c["reason"])
+            if key not in self.seen:
+                self.seen.add(key)
+                print(f"    dispatcher -> {c['state']} ({c['reason']}) at t={(key[0] - self.t0_ms) / 1000:5.1f}s", flush=True)
 
 
 def main() -> None:
@@ -150,9 +190,10 @@ def main() -> None:
                                        "--poll-interval", "0.5", "--hold-s", "3", "--cooldown-s", "3",
                                        "--relay", relay_addr))
         wait_healthy(market, mp, "market")
-        say(f"starting the coordinator on {coord} (4 slots; saturated at 2 busy)")
+        say(f"starting the coordinator on {coord} (4 slots; saturated at 2 busy; serve TTL 5 s)")
         cp = procs.start("coordinator", cli("coordinator", "--model", str(model_path), "--port", str(cport), "--slots", "4",
-                                            "--data-dir", str(DATA / "coordinator"), "--market", market, "--token", "demo"))
+                                            "--data-dir", str(DATA / "coordinator"), "--market", market, "--token", "demo",
+                                            "--saturation-threshold", "2", "--serve-ttl", "5"))
         wait_healthy(coord, cp, "coordinator")
         client = openai.OpenAI(base_url=coord + "/v1", api_key="demo", max_retries=0)
         print(f"    model id: {model_id}")
@@ -211,6 +252,17 @@ def main() -> None:
         print(timeline_line(t0, market, coord, names))
         print("    base target covered: two volunteers hold one layer each; the third has nothing to do yet")
 
+        say("idle: one request at a time -- the coordinator computes the experts it holds itself")
+        modes = ModeLog(int(time.time() * 1000))
+        before = dispatch_report(coord)
+        for p in prompts[:2]:
+            ask(p)
+        after = dispatch_report(coord)
+        loc, rem, fb = rows_since(before, after)
+        print(f"    2 requests: rows local {loc}, remote {rem}, fallback {fb}; decisions: {decisions_since(before, after)}")
+        print("    (a round trip per layer would only slow each token; volunteers pay off when the coordinator is busy)")
+        modes.show(after)
+
         say("load ramp through the OpenAI API: 1 stream, then 3 streams (saturation)")
         stop_at = [time.monotonic() + 3.0, time.monotonic() + 16.0]
 
@@ -223,6 +275,7 @@ def main() -> None:
             return n
 
         t0 = time.monotonic()
+        before = dispatch_report(coord)
         pool = ThreadPoolExecutor(4)
         futs = [pool.submit(stream_worker, stop_at[0])]
         time.sleep(1.5)
@@ -230,11 +283,15 @@ def main() -> None:
         under_load: list[list[int]] | None = None
         while any(not f.done() for f in futs):
             print(timeline_line(t0, market, coord, names), flush=True)
+            modes.show(dispatch_report(coord))
             if under_load is None and time.monotonic() - t0 > 9:
                 print("    ... repeating the four reference requests while saturated:")
                 under_load = run_batch("under load, volunteers serving")
             time.sleep(1.0)
         pool.shutdown()
+        after = dispatch_report(coord)
+        loc, rem, fb = rows_since(before, after)
+        print(f"    under load: rows local {loc}, remote {rem}, fallback {fb}; decisions: {decisions_since(before, after)}")
         assert under_load is not None
         same = under_load == local
         print(f"    tokens identical to the all-local run: {'YES' if same else 'NO'}")
@@ -246,11 +303,13 @@ def main() -> None:
         while time.monotonic() - t1 < 30:
             line = timeline_line(t0, market, coord, names)
             print(line, flush=True)
+            modes.show(dispatch_report(coord))
             m = recruitment(market)
             if not m["recruiting"] and len(m["workers"]) == 2 and time.monotonic() - t1 > 2:
                 break
             time.sleep(1.0)
-        rep = httpx.get(coord + "/dispatch").json()
+        rep = dispatch_report(coord)
+        print(f"    dispatcher state: {rep.get('load_state')}")
         for L in rep["layers"]:
             print(f"    layer {L['layer']}: rows local {L['local_rows']}, remote {L['remote_rows']}, fallback {L['fallback_rows']}")
 
