@@ -46,11 +46,13 @@ __all__ = ["BIG_WORK", "DEFAULT_BACKEND", "ExpertKernel", "KernelBackend", "comb
            "expert_kernel", "kernel_id", "set_compute_threads"]
 
 # ggml threads for big calls: the engine thread alternates torch and ggml, so the ggml kernels may
-# use the same thread budget as torch. A call's size is its multiply-accumulates; below BIG_WORK a
-# second thread costs more than it gives (measured on the bench model: a 1024x1024 projection of one
-# row is slower on 2 threads, the output head of one row or 4 routed experts of one token faster).
+# use the same thread budget as torch. A call's size is its multiply-accumulates. Decode is
+# memory-bound and one core streams only ~11.5 GB/s here against ~20 GB/s for two (the routed experts
+# of one bench-model token: 12.8 vs 7.4 ms), while a 2-thread graph costs ~7-11 us more to start (with
+# the workers' short spin, set_poll(1)): from ~256K multiply-accumulates (~0.25-0.5 MB of weights) the
+# second thread pays. Bench model decode, engine benchmark: 0.65x -> 0.71x llama.cpp's rate.
 # Results do not depend on the thread count (tested).
-BIG_WORK = 4_000_000  # multiply-accumulates from which a call uses every compute thread
+BIG_WORK = 256_000  # multiply-accumulates from which a call uses every compute thread
 _THREADS = 1
 
 
