@@ -104,6 +104,10 @@ def _dw(lin: Linear) -> DenseWeight:
     return DenseWeight(np.ascontiguousarray(t.raw).reshape(-1), int(t.qtype), lin.out_features, lin.in_features)
 
 
+ATTN_BIG_WORK = 16_000_000  # attention multiply-accumulates from which it uses every thread (prefill)
+KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama.cpp pads its view too)
+
+
 class _GgmlDense:
     """The ggml graphs of every layer's dense halves and the head (``swarm.model.kernels.block``)."""
 
@@ -123,7 +127,7 @@ class _GgmlDense:
                                          eps=cfg.rms_eps, family=fam))
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
-                              head_dim_v=cfg.head_dim_v, kv_pad=256)
+                              head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD)
 
 
 class Transformer:
@@ -198,8 +202,11 @@ class Transformer:
         xn = x.numpy()
         for c in chunks:
             c.cache.begin(c.pos + len(c.tokens))
+        # attention reads little (a decode row: ~0.1 MB of f16 cache per layer) through many small ops,
+        # each a barrier for the threads: on 2 threads it measured 1-30x slower than on one (vCPU
+        # steal makes the barriers erratic), so only prefill-sized work gets every thread
         att_threads = compute_threads(sum(gd.attn.macs(len(c.tokens), gd.attn.n_kv(c.pos + len(c.tokens), c.cache.n_ctx))
-                                          for c in chunks))
+                                          for c in chunks), big=ATTN_BIG_WORK)
         for li in range(cfg.n_layer):
             blk = gd.attn_in[li]
             qn, kn, vn = blk(xn, pos_np, compute_threads(n_tok * blk.macs))
