@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import trio
 
@@ -31,14 +32,18 @@ from swarm.errors import (
 )
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.p2p.transport import Stream, StreamHandler, Transport
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId  # noqa: E402
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, Pairs, RequestId, make_hello, make_pairs  # noqa: E402
 from swarm.rpc.client import open_expert_client
 from swarm.rpc.server import expert_stream_handler
 
 D_MODEL = 1024
 
 
-async def echo_rows(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+KERNEL_ID = "echo"  # the echo handler computes nothing
+HELLO = make_hello(kernel_id=KERNEL_ID)
+
+
+async def echo_rows(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
     return rows
 
 
@@ -114,11 +119,15 @@ def request(rid: int, batch: int) -> ExpertRequest:
         lo=0,
         hi=8,
         n_rows=batch,
-        dtype="float32",
         d_model=D_MODEL,
-        experts=[[0, 1]] * batch,
-        weights=[[0.5, 0.5]] * batch,
+        n_pairs=2 * batch,
+        dtype="float32",
     )
+
+
+def pairs_of(batch: int) -> Pairs:
+    """Two experts per row (0 and 1), weight 0.5 each."""
+    return make_pairs(np.repeat(np.arange(batch), 2), np.tile([0, 1], batch), np.full(2 * batch, 0.5))
 
 
 async def time_calls(client_call: Callable[[int], Awaitable[None]], calls: int) -> list[float]:
@@ -134,10 +143,11 @@ async def time_calls(client_call: Callable[[int], Awaitable[None]], calls: int) 
 
 async def expert_rtts(server: Transport, me: Transport, batch: int, calls: int) -> list[float]:
     rows = torch.randn(batch, D_MODEL)
-    async with open_expert_client(me, server.peer_id, server.listen_addrs) as client:
+    pairs = pairs_of(batch)
+    async with open_expert_client(me, server.peer_id, server.listen_addrs, kernel_id=KERNEL_ID) as client:
 
         async def one(rid: int) -> None:
-            out = await client.call(request(rid, batch), rows, timeout=10)
+            out = await client.call(request(rid, batch), rows, pairs, timeout=10)
             assert out.shape == rows.shape
 
         return await time_calls(one, calls)
@@ -195,10 +205,10 @@ def summary(name: str, ms: list[float]) -> str:
 async def main(calls: int, profile: bool) -> None:
     print(f"expert echo call, rows [batch, {D_MODEL}] float32, {calls} sequential calls, loopback\n")
     async with open_libp2p_transport(key_path=None) as server, open_libp2p_transport(key_path=None) as me:
-        server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(echo_rows))
+        server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(echo_rows, hello=HELLO))
         async with trio.open_nursery() as nursery:
             tcp_server, tcp_client = _TcpTransport(nursery), _TcpTransport(nursery)
-            tcp_server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(echo_rows))
+            tcp_server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(echo_rows, hello=HELLO))
             await tcp_server.start()
             results = {}
             for batch in (1, 8):

@@ -3,8 +3,8 @@
     python benchmarks/expert_rtt.py [--quick] [--json OUT] [--calls N] [--via-relay]
 
 One SwiGLU expert, d_model 1024, width 2816, float32 (the size of the public hivemind comparison).
-A server process hosts it on ``/moe-swarm/expert/1`` (the volunteer's ``ExpertServer``) and runs a
-raw TCP echo server. The client process measures, at batch 1, 8 and 64 tokens:
+A server process hosts it on ``/moe-swarm/expert/2`` (the expert stream server of ``swarm.rpc``, the
+one the volunteer's ``ExpertServer`` plugs into) and runs a raw TCP echo server. The client process measures, at batch 1, 8 and 64 tokens:
 
 - ``local``: ``slice_partial_sum`` in this process (the coordinator's local path);
 - ``remote``: an ``ExpertClient`` call (request + rows out, partial sums back, compute included);
@@ -16,7 +16,8 @@ it, and the same remote cases run again through the circuit (client -> relay -> 
 Yamux end to end inside the relay's Yamux streams), named ``remote_relayed`` and
 ``remote_relayed_concurrent8``; the table then gives the relayed/direct ratio per case.
 
-Overhead = remote − local (medians). Target on loopback: <= 2 ms at batch 1 and 8.
+Overhead = remote − local (medians). Target on loopback (issue 10, expert stream v2): <= 1.2 ms at
+batch 1 and <= 1.6 ms at batch 8.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import trio
 
@@ -42,12 +44,13 @@ sys.path.insert(0, str(ROOT))
 from swarm.model.experts import slice_partial_sum  # noqa: E402
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import NatConfig, open_listener_host, open_nat  # noqa: E402
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, make_hello  # noqa: E402
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, Pairs, RequestId, make_hello, make_pairs  # noqa: E402
 from swarm.rpc.client import open_expert_client
 from swarm.rpc.server import expert_stream_handler
 
 D_MODEL, WIDTH = 1024, 2816
 MODEL_ID = "bench-expert"
+KERNEL_ID = f"torch-{torch.__version__.split('+')[0]}-dequant-f32-v1"  # slice_partial_sum: the torch reference
 
 
 class OneExpert:
@@ -82,7 +85,7 @@ async def serve(threads: int, relay: str | None) -> None:
     w = OneExpert()
     limiter = trio.CapacityLimiter(threads)
 
-    async def handler(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def handler(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         return await trio.to_thread.run_sync(compute, w, rows, limiter=limiter)
 
     async def echo(stream: trio.SocketStream) -> None:
@@ -109,7 +112,7 @@ async def serve(threads: int, relay: str | None) -> None:
     nat = NatConfig(relays=(relay,) if relay else (), hole_punch=False, check_reachability=False)
     async with open_listener_host(key_path=None, listen_addrs=["/ip4/127.0.0.1/tcp/0"], cfg=nat) as (t, n_), \
             trio.open_nursery() as n:
-        t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello()))
+        t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello(kernel_id=KERNEL_ID)))
         listeners = await n.start(functools.partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
         port = listeners[0].socket.getsockname()[1]
         circuit = [a for a in n_.advertised if "/p2p-circuit" in a]
@@ -124,15 +127,15 @@ async def remote_cases(
 ) -> list[dict[str, Any]]:
     """``name`` at each batch, then ``name_concurrent8``: 8 callers at batch 8 over one stream."""
     cases: list[dict[str, Any]] = []
-    async with open_expert_client(t, peer_id, addrs) as client:
+    async with open_expert_client(t, peer_id, addrs, kernel_id=KERNEL_ID) as client:
         for batch in batches:
             x = torch.randn(batch, D_MODEL)
             for _ in range(5):
-                await client.call(request(batch), x, timeout=30)
+                await client.call(*call(request(batch), x), timeout=30)
             samples = []
             for _ in range(calls):
                 t0 = time.perf_counter()
-                out = await client.call(request(batch), x, timeout=30)
+                out = await client.call(*call(request(batch), x), timeout=30)
                 samples.append(time.perf_counter() - t0)
             assert torch.equal(out, compute(w, x)), "remote result differs from local"
             cases.append({"case": name, "batch": batch, **stats(samples, batch)})
@@ -144,7 +147,7 @@ async def remote_cases(
         async def caller() -> None:
             for _ in range(per_caller):
                 t0 = time.perf_counter()
-                await client.call(request(8), x8, timeout=30)
+                await client.call(*call(request(8), x8), timeout=30)
                 lat.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
@@ -159,6 +162,11 @@ async def remote_cases(
 
 
 
+def call(rp: tuple[ExpertRequest, Pairs], x: torch.Tensor) -> tuple[ExpertRequest, torch.Tensor, Pairs]:
+    """The positional arguments of ``ExpertClient.call``."""
+    return rp[0], x, rp[1]
+
+
 def stats(samples: list[float], batch: int) -> dict[str, float]:
     s = sorted(samples)
     med = statistics.median(s)
@@ -171,9 +179,11 @@ async def measure(info: dict[str, Any], calls: int, batches: list[int]) -> list[
     cases: list[dict[str, Any]] = []
     ids = iter(range(1, 10**9))
 
-    def request(batch: int) -> ExpertRequest:
+    pairs = {b: make_pairs(np.arange(b), np.zeros(b), np.ones(b)) for b in batches}  # built once, as the dispatcher does
+
+    def request(batch: int) -> tuple[ExpertRequest, Pairs]:
         return ExpertRequest(request_id=RequestId(next(ids)), attempt=0, model_id=MODEL_ID, layer=0, lo=0, hi=1,
-                             n_rows=batch, dtype="float32", d_model=D_MODEL, experts=[[0]] * batch, weights=[[1.0]] * batch)
+                             n_rows=batch, d_model=D_MODEL, n_pairs=batch, dtype="float32"), pairs[batch]
 
     for batch in batches:
         x = torch.randn(batch, D_MODEL)

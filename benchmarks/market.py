@@ -233,7 +233,8 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
                 def signed(i: int, seq: int) -> bytes:
                     g = got[i]
                     held = [HeldSlice(MID, g["layer"], g["lo"], g["hi"], HeldState.SERVING)] if "layer" in g else []
-                    hb = CoverageHeartbeat(peers[i], 1, seq, [f"/ip4/127.0.0.1/tcp/{4000 + i}/p2p/{peers[i]}"], held)
+                    hb = CoverageHeartbeat(peers[i], 1, seq, [f"/ip4/127.0.0.1/tcp/{4000 + i}/p2p/{peers[i]}"], held,
+                                           protocols=[2])
                     return msgspec.json.encode(msgspec.structs.replace(hb, signature=sign_body(keys[i], hb)))
 
                 steady_wall, steady_lat = 0.0, []

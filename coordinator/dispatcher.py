@@ -19,8 +19,12 @@ Rules:
   ranges queue, which is what the core's backlog estimate models); tests plug in an async runner.
 - A range's partial sum is computed by the same ``ExpertKernel`` on exactly the rows that have pairs
   in it, locally or on a volunteer; partial sums are added in ascending ``lo`` (DESIGN §3): the
-  output does not depend on who won a hedge. A cancelled call's answer is discarded (the v1 stream
-  has no Cancel frame; the client drops answers nobody waits for).
+  output does not depend on who won a hedge. The core's ``Cancel`` of a remote call (a hedge's
+  loser) cancels its task; the expert client then sends the v2 ``Cancel`` frame, so the volunteer
+  drops the request if it has not computed it yet, and its ``cancelled`` answer is dropped here.
+- Requests carry the range's pairs as flat arrays in wire order (``Pairs``: sorted by (row,
+  expert), built once per range with numpy), never as per-row lists; our Hello announces the
+  kernel id the local path computes with.
 - Load: every ``sample_interval_s`` the ``load_probe`` (busy slots, slots) runs on a worker thread
   under ``sample_timeout_s``; a hung or failed probe is abandoned and reported
   (``LoadSampleTimeout``), it never blocks dispatch.
@@ -113,8 +117,9 @@ from swarm.protocol.coordinator import (
     ModeChange,
     WorkerReport,
 )
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, Pairs, RequestId
 from swarm.rpc.client import ExpertClient
+from swarm.rpc.tensors import pairs_from_tensors
 
 __all__ = [
     "DispatchCollector",
@@ -174,23 +179,12 @@ class _Job:
     replicas: tuple[str, ...]
     rows: torch.Tensor  # indices into the layer's rows, ascending
     local: LocalJob
-    request: tuple[list[list[int]], list[list[float]]] | None = None  # per-row (experts, weights), built once
+    wire: Pairs | None = None  # the pairs in wire order, built once (retries and hedges reuse them)
 
-    def lists(self) -> tuple[list[list[int]], list[list[float]]]:
-        if self.request is None:
-            n = int(self.local.x.shape[0])
-            experts: list[list[int]] = [[] for _ in range(n)]
-            weights: list[list[float]] = [[] for _ in range(n)]
-            for r, e, w in zip(
-                self.local.pair_rows.tolist(),
-                self.local.pair_experts.tolist(),
-                self.local.pair_weights.tolist(),
-                strict=True,
-            ):
-                experts[r].append(e)
-                weights[r].append(w)
-            self.request = (experts, weights)
-        return self.request
+    def pairs(self) -> Pairs:
+        if self.wire is None:
+            self.wire = pairs_from_tensors(self.local.pair_rows, self.local.pair_experts, self.local.pair_weights)
+        return self.wire
 
 
 @dataclass(eq=False)
@@ -462,7 +456,7 @@ class Dispatcher:
             self._events.append(RemoteFailed(call, FailureKind.CLOSED, "the dispatcher is not serving"))
             return
         job = run.jobs[index]
-        experts, weights = job.lists()
+        pairs = job.pairs()
         req = ExpertRequest(
             request_id=RequestId(rid),
             attempt=attempt,
@@ -471,10 +465,9 @@ class Dispatcher:
             lo=job.lo,
             hi=job.hi,
             n_rows=int(job.local.x.shape[0]),
-            dtype=self.wire_dtype,
             d_model=self.cfg.d_model,
-            experts=experts,
-            weights=weights,
+            n_pairs=len(pairs),
+            dtype=self.wire_dtype,
         )
         scope = trio.CancelScope()
         self._calls[call] = scope
@@ -484,7 +477,7 @@ class Dispatcher:
             ev: Event | None = None
             with scope:
                 try:
-                    out = await self._client(peer).call(req, job.local.x, timeout=self.timeout_s)
+                    out = await self._client(peer).call(req, job.local.x, pairs, timeout=self.timeout_s)
                 except SwarmError as exc:
                     msg = f"{type(exc).__name__}[{exc.code}]: {exc.message}"
                     log.info(
@@ -658,7 +651,13 @@ class Dispatcher:
         c = self._clients.get(peer)
         if c is None:
             assert self._nursery is not None and self.transport is not None
-            c = ExpertClient(self.transport, peer, self._addrs.get(peer, []), self._nursery)
+            c = ExpertClient(
+                self.transport,
+                peer,
+                self._addrs.get(peer, []),
+                self._nursery,
+                kernel_id=kernel_id(self.kernel) if self.kernel is not None else kernel_id(),
+            )
             self._clients[peer] = c
         return c
 

@@ -64,6 +64,7 @@ from market.views import demand_view, dispatch_map, map_version, recruitment_vie
 from swarm.core.rng import Rng
 from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError
+from swarm.protocol.expert import PROTOCOL_VERSION as EXPERT_PROTOCOL_VERSION
 from swarm.protocol.market import (
     CoverageAck,
     CoverageHeartbeat,
@@ -296,8 +297,10 @@ class Market:
             reported[s] = h.state
             serves[s] = h.last_serve_ms
         changes: list[Change] = []
-        row = VolunteerRow(hb.peer_id, hb.epoch, hb.sequence, v.row.first_seen if v else now, list(hb.addrs), hb.max_bytes)
-        addrs_changed = v is None or v.row.addrs != row.addrs
+        row = VolunteerRow(hb.peer_id, hb.epoch, hb.sequence, v.row.first_seen if v else now, list(hb.addrs), hb.max_bytes,
+                           sorted(set(hb.protocols)))
+        # a changed address or protocol list changes the map (wiring leaves out who cannot serve)
+        addrs_changed = v is None or v.row.addrs != row.addrs or v.row.protocols != row.protocols
         if v is None or v.row.epoch != hb.epoch or addrs_changed or v.row.max_bytes != hb.max_bytes:
             changes.append(Put(row))
             dirty = False
@@ -439,8 +442,11 @@ class Market:
                 v = self.ix.volunteers.get(peer)
                 addrs = tuple(v.row.addrs) if v else ()
                 load = v.load if v else 0.0
-                serving.append(ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.proven, load, r.since, peer)))
-        layers = build_layers(serving)
+                protocols = tuple(v.row.protocols) if v else ()
+                serving.append(
+                    ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.proven, load, r.since, peer), protocols)
+                )
+        layers = build_layers(serving, protocol=EXPERT_PROTOCOL_VERSION)
         cur = self.ix.maps.get(model_id, MapRow(model_id, 0, []))
         if layers == cur.layers:
             return False

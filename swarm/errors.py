@@ -32,7 +32,8 @@ Hierarchy::
     │           └── NonFinite, TooManyRows, UnsupportedDtype, VersionMismatch
     ├── Refused                     a well-formed request declined on purpose (not a breach)
     │   ├── Draining                the volunteer is shutting down
-    │   └── SliceNotHeld            the volunteer does not serve that slice
+    │   ├── SliceNotHeld            the volunteer does not serve that slice
+    │   └── NotAuthorized           the volunteer does not serve this caller (not a coordinator it knows)
     ├── TransportError
     │   ├── ClosedError
     │   ├── BrokenError
@@ -62,6 +63,7 @@ __all__ = [
     "MalformedHeader",
     "ModelError",
     "NonFinite",
+    "NotAuthorized",
     "ProtocolError",
     "Refused",
     "RemoteProtocolError",
@@ -225,7 +227,15 @@ class SliceNotHeld(Refused):
     code = "slice_not_held"
 
 
-_REFUSALS: Final[dict[str, type[Refused]]] = {"draining": Draining, "slice_not_held": SliceNotHeld}
+class NotAuthorized(Refused):
+    """The volunteer answers expert calls only from coordinators it knows (DESIGN §12)."""
+
+    code = "not_authorized"
+
+
+_REFUSALS: Final[dict[str, type[Refused]]] = {
+    cls.code: cls for cls in (Draining, SliceNotHeld, NotAuthorized)
+}
 
 
 def remote_error(code: str, message: str) -> Refused | RemoteProtocolError:

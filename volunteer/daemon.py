@@ -36,7 +36,7 @@ from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import load_slice
 from swarm.p2p.identity import load_or_create_identity, sign_body
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
-from swarm.protocol.expert import PROTOCOL_ID, make_hello
+from swarm.protocol.expert import SUPPORTED_VERSIONS, make_hello
 from swarm.protocol.market import (
     Assignment,
     CoverageAck,
@@ -46,7 +46,7 @@ from swarm.protocol.market import (
     VolunteerRequest,
 )
 from swarm.protocol.status import VolunteerInfo, encode_info
-from swarm.rpc.server import expert_stream_handler
+from swarm.rpc.server import set_expert_handlers
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
@@ -213,7 +213,8 @@ class PullVolunteer:
             slices.append(HeldSlice(model_id=o.model_id, layer=o.layer, lo=o.lo, hi=o.hi, state=state,  # type: ignore[arg-type]
                                     last_serve_ms=self.server.last_serve_ms_of(o.model_id, o.layer, o.lo, o.hi)))
         body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=seq, addrs=self.addrs, slices=slices,
-                                 load=float(self.server.stats.in_flight), max_bytes=self.cfg.max_bytes)
+                                 load=float(self.server.stats.in_flight), max_bytes=self.cfg.max_bytes,
+                                 protocols=list(SUPPORTED_VERSIONS))
         return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
 
     async def _post_heartbeat(self, body: CoverageHeartbeat) -> CoverageAck | None:
@@ -256,7 +257,8 @@ class PullVolunteer:
     async def _deregister(self, seq: int) -> None:
         async with self._hb_lock:
             body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=max(seq, self.core.sequence),
-                                     addrs=self.addrs, slices=[], load=0.0, max_bytes=self.cfg.max_bytes)
+                                     addrs=self.addrs, slices=[], load=0.0, max_bytes=self.cfg.max_bytes,
+                                     protocols=list(SUPPORTED_VERSIONS))
             body = msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
             with trio.move_on_after(3):
                 await self._post_heartbeat(body)
@@ -316,7 +318,7 @@ async def serve_pull_volunteer(
         async with shielded_until_cancelled() as stop, \
                 open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
                 trio.open_nursery() as nursery:
-            transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer", kernel_id=server.kernel_id)))
+            set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id))
             await nursery.start(server.serve)
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
                                 server=server, client=client, nursery=nursery)

@@ -1,4 +1,4 @@
-"""The volunteer's expert server (shell): loaded slices served on ``/moe-swarm/expert/1``.
+"""The volunteer's expert server (shell): loaded slices served on ``/moe-swarm/expert/2``.
 
 Rules:
 - A request is served by the held slice that contains its ``[lo, hi)`` (local indices shift by
@@ -7,6 +7,10 @@ Rules:
   event loop. Requests for the same slice that queue up while a computation runs are merged into
   one batch (rows concatenated), so concurrent callers share the expert weights' dequantisation;
   a request that finds the slice idle runs alone, exactly as the coordinator would compute it.
+- The kernel computes straight from the request's pair arrays (``Pairs``): a batch concatenates
+  them with numpy, shifting rows and experts; nothing per row is built in Python.
+- A request whose caller cancelled it (``Cancel``, or the stream died) while it was queued is
+  skipped when its batch is formed; one already computing finishes and its result is dropped.
 - Draining (Ctrl-C): new requests are refused with ``draining`` (the coordinator falls back),
   requests already accepted finish and are answered.
 """
@@ -19,14 +23,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import trio
 
 from swarm.errors import Draining, RemoteProtocolError, SliceNotHeld
-from swarm.model.experts import pairs_from_lists
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
 from swarm.model.slices import LoadedSlice
-from swarm.protocol.expert import ExpertRequest
+from swarm.protocol.expert import ExpertRequest, Pairs
+from swarm.rpc.tensors import pairs_to_tensors
 
 __all__ = ["ExpertServer", "ServeStats", "shielded_until_cancelled"]
 
@@ -74,10 +79,12 @@ class ServeStats:
 class _Pending:
     req: ExpertRequest
     rows: torch.Tensor
+    pairs: Pairs
     offset: int  # slice-local index of the request's lo
     done: trio.Event = field(default_factory=trio.Event)
     result: torch.Tensor | None = None
     error: BaseException | None = None
+    abandoned: bool = False  # the caller stopped waiting: skip it if it is still queued
 
 
 class _SliceWorker:
@@ -91,14 +98,19 @@ class _SliceWorker:
         self.max_batch_rows = max_batch_rows
         self.send, self.recv = trio.open_memory_channel[_Pending](1024)
         self.batches = 0
+        self.skipped = 0  # cancelled requests never computed
         self.last_serve_ms = 0
 
     async def submit(self, p: _Pending) -> torch.Tensor:
         try:
-            self.send.send_nowait(p)  # the queue has room: no scheduler trip before waiting
-        except trio.WouldBlock:
-            await self.send.send(p)
-        await p.done.wait()
+            try:
+                self.send.send_nowait(p)  # the queue has room: no scheduler trip before waiting
+            except trio.WouldBlock:
+                await self.send.send(p)
+            await p.done.wait()
+        finally:
+            if not p.done.is_set():
+                p.abandoned = True
         if p.error is not None:
             raise p.error
         assert p.result is not None
@@ -116,12 +128,20 @@ class _SliceWorker:
                 except trio.EndOfChannel:
                     return
             carry = None
+            if first.abandoned:
+                self.skipped += 1
+                first.done.set()
+                continue
             batch, n = [first], int(first.rows.shape[0])
             while True:
                 try:
                     q = self.recv.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+                if q.abandoned:
+                    self.skipped += 1
+                    q.done.set()
+                    continue
                 if n + int(q.rows.shape[0]) > self.max_batch_rows:
                     carry = q
                     break
@@ -145,18 +165,18 @@ class _SliceWorker:
 
     def _compute(self, batch: list[_Pending]) -> list[torch.Tensor]:
         torch.set_grad_enabled(False)
-        xs, prs, pes, pws = [], [], [], []
-        base = 0
-        for p in batch:
-            pr, pe, pw = pairs_from_lists(p.req.experts, p.req.weights)
-            xs.append(p.rows)
-            prs.append(pr + base)
-            pes.append(pe + p.offset)
-            pws.append(pw)
-            base += int(p.rows.shape[0])
-        x = xs[0] if len(xs) == 1 else torch.cat(xs)
-        out = self.kernel.partial_sum(x, torch.cat(prs), torch.cat(pes), torch.cat(pws))
-        return list(torch.split(out, [int(p.rows.shape[0]) for p in batch]))
+        if len(batch) == 1:
+            p = batch[0]
+            pr, pe, pw = pairs_to_tensors(p.pairs, expert_offset=p.offset)
+            return [self.kernel.partial_sum(p.rows, pr, pe, pw)]
+        sizes = [int(p.rows.shape[0]) for p in batch]
+        bases = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+        prs = np.concatenate([p.pairs.rows.astype(np.int64) + b for p, b in zip(batch, bases, strict=True)])
+        pes = np.concatenate([p.pairs.experts.astype(np.int64) + p.offset for p in batch])
+        pws = np.concatenate([p.pairs.weights for p in batch]).astype(np.float32, copy=False)
+        x = torch.cat([p.rows for p in batch])
+        out = self.kernel.partial_sum(x, torch.from_numpy(prs), torch.from_numpy(pes), torch.from_numpy(pws))
+        return list(torch.split(out, sizes))
 
 
 class ExpertServer:
@@ -223,8 +243,8 @@ class ExpertServer:
             f"slice {req.layer}:{req.lo}-{req.hi} of {req.model_id} is not held here (held: {held})"
         )
 
-    async def handle(self, req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
-        """The ``ExpertHandler`` plugged into ``expert_stream_handler``."""
+    async def handle(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        """The ``ExpertHandler`` plugged into ``set_expert_handlers``."""
         if self.draining:
             raise Draining("volunteer is shutting down")
         worker, offset = self._find(req)
@@ -234,7 +254,7 @@ class ExpertServer:
         s.in_flight += 1
         self._idle = trio.Event() if s.in_flight == 1 else self._idle
         try:
-            out = await worker.submit(_Pending(req, rows, offset))
+            out = await worker.submit(_Pending(req, rows, pairs, offset))
         except RemoteProtocolError:
             s.errors += 1
             raise

@@ -35,9 +35,9 @@ from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
-from swarm.protocol.expert import PROTOCOL_ID, make_hello
+from swarm.protocol.expert import make_hello
 from swarm.protocol.status import VolunteerInfo, encode_info
-from swarm.rpc.server import expert_stream_handler
+from swarm.rpc.server import set_expert_handlers
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
 __all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]
@@ -106,7 +106,7 @@ async def serve_static_volunteer(
     nat_cfg = NatConfig(relays=cfg.relays, hole_punch=cfg.hole_punch)
     async with shielded_until_cancelled() as stop, \
             open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
-        transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello(agent="moe-swarm/0.1 volunteer", kernel_id=server.kernel_id)))
+        set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id))
         info = VolunteerInfo(peer_id=transport.peer_id, addrs=list(nat.advertised), reachability=nat.reachability.value,
                              model_id=model_id, slices=[str(s.key) for s in slices])
         await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))

@@ -91,6 +91,7 @@ class VolunteerRow(msgspec.Struct, frozen=True, tag=True):
     first_seen: float
     addrs: list[str] = []
     max_bytes: int | None = None
+    protocols: list[int] = msgspec.field(default_factory=lambda: [1])  # expert-stream versions it speaks
 
 
 class CoverageRow(msgspec.Struct, frozen=True, tag=True):

@@ -1,7 +1,9 @@
 """The dispatch map's layers from what volunteers serve (pure: no I/O, no clock).
 
 Rules (DESIGN §11 dispatch map):
-- Only dispatched holdings are listed: reported serving, not retired, volunteer alive.
+- Only dispatched holdings are listed: reported serving, not retired, volunteer alive, and the
+  volunteer speaks the coordinators' expert-stream version (``protocol``; its heartbeat lists the
+  versions it speaks): a volunteer is never mapped to a coordinator it cannot serve.
 - Ranges never overlap. Where volunteers hold overlapping slices, the layer is cut at every
   slice boundary (the finest common ranges), so each listed range lies inside one held slice of
   every replica listed for it: a volunteer serves a request only from a slice containing it.
@@ -45,12 +47,14 @@ class ServingSlice:
     hi: int
     addrs: tuple[str, ...]
     rank: tuple[bool, int, float, str]
+    protocols: tuple[int, ...]  # expert-stream versions the volunteer speaks (its heartbeat's list)
 
 
-def build_layers(slices: Iterable[ServingSlice]) -> list[LayerRanges]:
+def build_layers(slices: Iterable[ServingSlice], *, protocol: int) -> list[LayerRanges]:
+    """The map's layers for coordinators speaking expert-stream version ``protocol``."""
     by_layer: dict[int, list[ServingSlice]] = {}
     for s in slices:
-        if s.lo < s.hi:
+        if s.lo < s.hi and protocol in s.protocols:
             by_layer.setdefault(s.layer, []).append(s)
     out: list[LayerRanges] = []
     for layer in sorted(by_layer):

@@ -11,7 +11,10 @@ module, but another implementation must produce the same bytes:
 1. Take the msgspec Struct's fields in declaration order (``msgspec.structs.fields``), leaving
    out the field named ``signature`` (wherever it is declared).
 2. Build a map ``{encode_name: value}`` in that order. Every field is included, also when it
-   equals its default, whatever the Struct's ``omit_defaults`` says.
+   equals its default, whatever the Struct's ``omit_defaults`` says -- except the fields the
+   Struct names in its class variable ``signed_when_set`` (fields added after the body shipped):
+   those are included only when they differ from their default, so the body of a sender that
+   predates them (which the receiver decodes with that default) still verifies.
 3. Encode that map with ``msgspec.msgpack.encode`` (default settings). Nested values follow
    msgspec's default msgpack rules: a nested Struct is a map of its fields in declaration order
    (so nested Structs must not use ``omit_defaults`` or ``array_like``), lists are arrays,
@@ -35,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,13 +106,39 @@ def signing_bytes(body: msgspec.Struct) -> bytes:
     """The canonical bytes a signature covers (see the module docstring)."""
     if not isinstance(body, msgspec.Struct):
         raise TypeError(f"can only sign msgspec Structs, not {type(body).__name__}")
-    return msgspec.msgpack.encode({enc: getattr(body, name) for name, enc in _signed_fields(type(body))})
+    out: dict[str, object] = {}
+    for name, enc, later, default in _signed_fields(type(body)):  # later: in ``signed_when_set``
+        value = getattr(body, name)
+        if later and value == default():
+            continue
+        out[enc] = value
+    return msgspec.msgpack.encode(out)
+
+
+def _no_default() -> object:
+    return _NO_DEFAULT
+
+
+_NO_DEFAULT = object()
 
 
 @functools.lru_cache(maxsize=256)
-def _signed_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:
+def _signed_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str, bool, Callable[[], object]], ...]:
     # msgspec.structs.fields evaluates the annotations on every call (about a millisecond)
-    return tuple((f.name, f.encode_name) for f in msgspec.structs.fields(cls) if f.name != SIGNATURE_FIELD)
+    out: list[tuple[str, str, bool, Callable[[], object]]] = []
+    added_later = frozenset(getattr(cls, "signed_when_set", ()))
+    for f in msgspec.structs.fields(cls):
+        if f.name == SIGNATURE_FIELD:
+            continue
+        later = f.name in added_later
+        if f.default is not msgspec.NODEFAULT:
+            default: Callable[[], object] = functools.partial(lambda v: v, f.default)
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory
+        else:
+            default = _no_default
+        out.append((f.name, f.encode_name, later, default))
+    return tuple(out)
 
 
 def sign_body(key_pair: KeyPair, body: msgspec.Struct) -> bytes:

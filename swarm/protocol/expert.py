@@ -1,43 +1,64 @@
-"""The typed wire of the expert stream ``/moe-swarm/expert/1`` (pure: no sockets, no clock).
+"""The typed wire of the expert stream ``/moe-swarm/expert/2`` (pure: no sockets, no clock).
 
 Frame (DESIGN §11)::
 
     u32 header_len | u32 payload_len | header | payload        (little-endian lengths)
 
 ``header`` is the msgpack encoding of one ``Message`` (a tagged union, tag field ``"type"``);
-``payload`` is raw tensor bytes, row-major, little-endian, in the dtype the header names.
+``payload`` is raw bytes, little-endian.
+
+Request payload (v2), exactly ``request_payload_len(req)`` bytes::
+
+    rows         [n_rows, d_model] in ``dtype``, row-major, zero-padded to a multiple of 8 bytes
+    pair_row     u32[n_pairs]      row index into ``rows``
+    pair_expert  u32[n_pairs]      expert index relative to ``lo``: in [0, hi - lo)
+    pair_weight  f32[n_pairs]      router weight (always float32, whatever ``dtype``)
+
+Pairs are sorted by (row, expert), unique, and every row has at least one pair (so
+``n_rows <= n_pairs <= n_rows * (hi - lo)``). Response payload on ``ok``: the partial sums
+``[n_rows, d_model]`` in ``dtype``.
 
 Rules:
-- Each side's first frame is a ``Hello``. The caller then sends ``ExpertRequest`` frames and the
-  server answers each with an ``ExpertResponse`` (status ``"ok"`` or an error code), tagged with
-  the request's ``(request_id, attempt)``; answers may arrive in any order. ``ErrorReply`` answers
-  a frame that could not be decoded or is not allowed at that point; ``fatal=True`` means the
-  sender closes the stream after it.
+- Each side's first frame is a ``Hello`` (``kernel_id`` required). The caller then sends
+  ``ExpertRequest`` and ``Cancel`` frames; the server answers every request it accepted with
+  exactly one ``ExpertResponse`` (status ``"ok"`` or an error code), tagged with the request's
+  ``(request_id, attempt)``; answers may arrive in any order. ``Cancel`` of a request still
+  queued or computing makes its one answer ``cancelled`` (no payload); a ``Cancel`` of a request
+  already answered or never seen is ignored (the race is normal). ``ErrorReply`` answers a frame
+  that could not be decoded or is not allowed at that point; ``fatal=True`` means the sender
+  closes the stream after it.
+- Versions: a ``Hello`` of another ``protocol_version`` (even one that lacks fields this version
+  requires) is refused with a fatal ``version_mismatch``; a v2 server answers a stream opened on
+  ``V1_PROTOCOL_ID`` with one fatal ``version_mismatch`` ``ErrorReply`` and closes it.
 - Peer input never trips an ``assert``. Every defect is a ``WireError`` (a ``RemoteProtocolError``)
-  with a stable ``code``; ``fatal`` on the error says the framing is lost and the stream must be
-  closed, otherwise the next frame can still be read.
+  with a stable ``code``: ``bad_shape`` (lengths and counts), ``bad_index`` (a pair's row or
+  expert out of range, pairs unsorted or repeated, a row without a pair), ``non_finite`` (a
+  weight), ``unsupported_dtype``, ``too_many_rows``, ``frame_too_large``, ``malformed_header``,
+  ``unexpected_message``, ``version_mismatch``; ``fatal`` on the error says the framing is lost
+  and the stream must be closed, otherwise the next frame can still be read.
 - Hard limits (``WireLimits``) are checked before memory is committed: a header length beyond
   ``max_header_bytes`` is fatal (nothing of it is read); a frame beyond ``max_frame_bytes`` has
-  its payload read and discarded in bounded chunks, so the stream stays usable.
-- Schema evolution: new fields get defaults. ``Hello`` and the answers tolerate unknown fields (a
-  newer peer's Hello must still decode so that versions can be compared; extra facts in an answer
-  are safe to ignore). ``ExpertRequest`` forbids them: a field we do not know could change what
-  the peer expects us to compute, so it is refused rather than silently ignored.
-- Tensors: float32 and bfloat16 (bfloat16 travels as its raw 16-bit pattern). Encoding and
-  decoding share memory with the tensor or receive buffer wherever the dtype allows.
+  its payload read and discarded in bounded chunks, so the stream stays usable. A payload buffer
+  grows with the bytes received, never by the declared length.
+- Schema evolution: new fields get defaults. ``Hello``, ``Cancel`` and the answers tolerate
+  unknown fields (a newer peer's Hello must still decode so that versions can be compared; extra
+  facts in an answer are safe to ignore). ``ExpertRequest`` forbids them: a field we do not know
+  could change what the peer expects us to compute, so it is refused rather than silently ignored.
+- Tensors: float32 and bfloat16 (bfloat16 travels as its raw 16-bit pattern). Decoding shares
+  memory with the receive buffer wherever the dtype allows (``swarm.rpc.tensors``).
 """
 
 from __future__ import annotations
 
 import enum
-import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Annotated, Final, NewType, Protocol
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from swarm.errors import (
     BadIndex,
@@ -49,21 +70,21 @@ from swarm.errors import (
     NonFinite,
     TooManyRows,
     UnsupportedDtype,
+    VersionMismatch,
     WireError,
 )
 
 __all__ = [
     "DEFAULT_AGENT",
-    "RequestKey",
-    "make_hello",
-    "version_mismatch_message",
     "DEFAULT_LIMITS",
     "PREFIX_BYTES",
     "PROTOCOL_ID",
     "PROTOCOL_VERSION",
     "SUPPORTED_DTYPES",
+    "SUPPORTED_VERSIONS",
+    "V1_PROTOCOL_ID",
+    "Cancel",
     "Dtype",
-    "Status",
     "ErrorReply",
     "ExpertRequest",
     "ExpertResponse",
@@ -72,19 +93,32 @@ __all__ = [
     "FrameReader",
     "Hello",
     "Message",
+    "Pairs",
     "RequestId",
+    "RequestKey",
+    "Status",
     "WireLimits",
+    "check_pairs",
     "choose_dtype",
     "decode_message",
+    "decode_pairs",
     "encode_frame",
     "encode_message",
+    "encode_request_payload",
     "itemsize",
+    "make_hello",
+    "make_pairs",
+    "request_payload_len",
+    "rows_nbytes",
+    "rows_region",
     "validate_request",
+    "version_mismatch_message",
 ]
 
-PROTOCOL_ID: Final = "/moe-swarm/expert/1"
-PROTOCOL_VERSION: Final = 1
-
+PROTOCOL_ID: Final = "/moe-swarm/expert/2"
+PROTOCOL_VERSION: Final = 2
+V1_PROTOCOL_ID: Final = "/moe-swarm/expert/1"  # refused: one fatal ``version_mismatch``
+SUPPORTED_VERSIONS: Final[tuple[int, ...]] = (PROTOCOL_VERSION,)  # what a volunteer's heartbeat lists
 
 
 class Dtype(enum.StrEnum):
@@ -99,16 +133,19 @@ _ITEMSIZE: Final[dict[str, int]] = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2}
 
 
 class Status(enum.StrEnum):
-    """``ExpertResponse.status``: ``ok`` or the stable code of what went wrong (``swarm.errors``).
+    """``ExpertResponse.status``: ``ok``, ``cancelled`` or the stable code of what went wrong.
 
-    The codes this version emits and acts on. Refusals (``draining``, ``slice_not_held``) are
-    distinct from breaches and failures (``swarm.errors.remote_error``). The wire field stays an open
-    string: a handler's ``SwarmError`` keeps its own code, and a newer peer's code is still reported.
+    The codes this version emits and acts on. Refusals (``draining``, ``slice_not_held``,
+    ``not_authorized``) are distinct from breaches and failures (``swarm.errors.remote_error``).
+    The wire field stays an open string: a handler's ``SwarmError`` keeps its own code, and a
+    newer peer's code is still reported.
     """
 
     OK = "ok"
+    CANCELLED = "cancelled"
     DRAINING = "draining"
     SLICE_NOT_HELD = "slice_not_held"
+    NOT_AUTHORIZED = "not_authorized"
     INTERNAL_ERROR = "internal_error"
     REMOTE_PROTOCOL_ERROR = "remote_protocol_error"
     FRAME_TOO_LARGE = "frame_too_large"
@@ -120,15 +157,20 @@ class Status(enum.StrEnum):
     TOO_MANY_ROWS = "too_many_rows"
     UNSUPPORTED_DTYPE = "unsupported_dtype"
     VERSION_MISMATCH = "version_mismatch"
+    DUPLICATE_REQUEST = "duplicate_request"
+
 
 _PREFIX = struct.Struct("<II")
 PREFIX_BYTES: Final = _PREFIX.size
 _U32_MAX: Final = 2**32 - 1
+_PAIR_BYTES: Final = 12  # u32 row + u32 expert + f32 weight
 
 RequestId = NewType("RequestId", int)
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
+PosU32 = Annotated[int, msgspec.Meta(ge=1, le=_U32_MAX)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,15 +190,25 @@ DEFAULT_LIMITS: Final = WireLimits()
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="type"):
-    """First frame from each side: what this peer speaks and accepts."""
+    """First frame from each side: what this peer speaks and accepts.
+
+    ``kernel_id`` (required from v2 on): the peer's expert kernel (``swarm.model.kernels``): name,
+    version and every build flag that changes numerics. Equal ids give equal bits (DESIGN §3).
+    """
 
     protocol_version: int
+    kernel_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
     dtypes: list[str]
     max_frame_bytes: PosInt
     max_rows: PosInt
     max_in_flight: PosInt = 16
-    agent: str = ""  # role and software, e.g. "moe-swarm/0.1 volunteer"; for logs only
-    kernel_id: str = ""  # the expert kernel's id (swarm.model.kernels); "" from peers before it existed
+    agent: str = ""  # role and software, e.g. "moe-swarm/0.2 volunteer"; for logs only
+
+
+class _HelloVersion(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
+    """Just the version of a Hello that does not decode as ours (another version's shape)."""
+
+    protocol_version: int
 
 
 class ExpertRequest(
@@ -167,29 +219,34 @@ class ExpertRequest(
     tag_field="type",
     forbid_unknown_fields=True,
 ):
-    """Compute, per row, the weighted sum of the listed experts of slice ``(model_id, layer, lo, hi)``.
+    """Compute, per row, the weighted sum of its paired experts of slice ``(model_id, layer, lo, hi)``.
 
-    ``experts[i]`` are row i's expert indices relative to ``lo`` (so in ``[0, hi - lo)``) and
-    ``weights[i]`` their router weights. Payload: rows ``[n_rows, d_model]`` in ``dtype``.
+    The payload (module docstring) carries the rows and ``n_pairs`` (row, expert, weight) pairs.
     """
 
     request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
     attempt: NonNegInt
-    model_id: str
-    layer: NonNegInt
-    lo: NonNegInt
-    hi: NonNegInt
-    n_rows: PosInt
+    model_id: Annotated[str, msgspec.Meta(max_length=256)]
+    layer: U32
+    lo: U32
+    hi: U32
+    n_rows: PosU32
+    d_model: PosU32
+    n_pairs: PosU32
     dtype: str
-    d_model: PosInt
-    experts: list[list[int]]
-    weights: list[list[float]]
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field="type"):
+    """The caller no longer wants the answer to ``(request_id, attempt)`` (a hedge's loser)."""
+
+    request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
+    attempt: NonNegInt
 
 
 class ExpertResponse(msgspec.Struct, frozen=True, kw_only=True, tag="expert_response", tag_field="type"):
-    """The answer to one request. ``status`` is ``"ok"`` or an error code (then no payload).
+    """The one answer to a request. ``status`` is ``"ok"``, ``"cancelled"`` or an error code.
 
-    Payload on ``"ok"``: partial sums ``[n_rows, d_model]`` in ``dtype``.
+    Payload on ``"ok"``: partial sums ``[n_rows, d_model]`` in ``dtype``; otherwise none.
     """
 
     request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
@@ -205,7 +262,8 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_fie
     """An answer to a frame that could not be decoded or was not allowed.
 
     ``request_id``/``attempt`` are set when the frame could be attributed to a request.
-    ``fatal``: the sender closes the stream after this frame.
+    ``fatal``: the sender closes the stream after this frame. (The same shape as in v1, so a v1
+    peer can read the ``version_mismatch`` it gets.)
     """
 
     code: str
@@ -215,10 +273,11 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_fie
     fatal: bool = False
 
 
-Message = Hello | ExpertRequest | ExpertResponse | ErrorReply
+Message = Hello | ExpertRequest | Cancel | ExpertResponse | ErrorReply
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(Message)
+_VERSION_DECODER: Final = msgspec.msgpack.Decoder(_HelloVersion)
 
 
 def encode_message(msg: Message) -> bytes:
@@ -226,21 +285,38 @@ def encode_message(msg: Message) -> bytes:
 
 
 def decode_message(header: bytes | bytearray | memoryview) -> Message:
-    """Decode one header; a defect raises ``MalformedHeader`` (not fatal: the framing is intact)."""
+    """Decode one header; a defect raises ``MalformedHeader`` (not fatal: the framing is intact).
+
+    A Hello of another protocol version that does not decode as ours (v1 had no ``kernel_id``)
+    raises ``VersionMismatch`` (fatal), so the peer learns why, not just that it was malformed.
+    """
     try:
         return _DECODER.decode(header)
     except msgspec.ValidationError as exc:
+        try:
+            theirs = _VERSION_DECODER.decode(header).protocol_version
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            theirs = PROTOCOL_VERSION
+        if theirs != PROTOCOL_VERSION:
+            raise VersionMismatch(version_mismatch_message(theirs), fatal=True) from exc
         raise MalformedHeader(f"invalid header: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise MalformedHeader(f"undecodable header: {exc}") from exc
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 def encode_frame(
-    msg: Message, payload: bytes | bytearray | memoryview = b"", *, max_frame_bytes: int | None = None
+    msg: Message, payload: Buffer | Sequence[Buffer] = b"", *, max_frame_bytes: int | None = None
 ) -> bytes:
-    """One frame as a single buffer. Raises ``LocalProtocolError`` if it exceeds a limit."""
+    """One frame as a single buffer; ``payload`` may be given in parts (joined, copied once).
+
+    Raises ``LocalProtocolError`` if it exceeds a limit.
+    """
     header = _ENCODER.encode(msg)
-    n_payload = memoryview(payload).nbytes
+    parts: Sequence[Buffer] = (payload,) if isinstance(payload, bytes | bytearray | memoryview) else payload
+    n_payload = sum(memoryview(p).nbytes for p in parts)
     if n_payload > _U32_MAX or len(header) > _U32_MAX:
         raise LocalProtocolError(
             f"frame part beyond 4 GiB ({n_payload} payload bytes)", code="frame_too_large"
@@ -250,7 +326,7 @@ def encode_frame(
             f"frame of {len(header) + n_payload} bytes exceeds the peer's limit of {max_frame_bytes}",
             code="frame_too_large",
         )
-    return b"".join((_PREFIX.pack(len(header), n_payload), header, payload))
+    return b"".join((_PREFIX.pack(len(header), n_payload), header, *parts))
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,7 +377,7 @@ class FrameDecoder:
             # the common case for large payloads: copy straight into the payload buffer
             view = memoryview(data).cast("B")
             take = min(len(view), self._payload_len - self._filled)
-            self._payload[self._filled : self._filled + take] = view[:take]
+            self._payload += view[:take]
             self._filled += take
             data = view[take:]
         self._buf += data
@@ -337,12 +413,12 @@ class FrameDecoder:
                     self._filled = 0
                 else:
                     self._state = self._PAYLOAD_STATE
-                    self._payload = bytearray(self._payload_len)
+                    self._payload = bytearray()  # grows with the bytes received, never by the declared length
                     self._filled = 0
             elif self._state == self._PAYLOAD_STATE:
                 take = min(len(self._buf), self._payload_len - self._filled)
                 if take:
-                    self._payload[self._filled : self._filled + take] = memoryview(self._buf)[:take]
+                    self._payload += memoryview(self._buf)[:take]
                     del self._buf[:take]
                     self._filled += take
                 if self._filled < self._payload_len:
@@ -431,7 +507,7 @@ class FrameReader:
 
 
 # --------------------------------------------------------------------------------------------
-# Validation and dtype negotiation
+# Payload layout and validation
 
 
 def itemsize(dtype: str) -> int:
@@ -439,6 +515,25 @@ def itemsize(dtype: str) -> int:
         return _ITEMSIZE[dtype]
     except KeyError:
         raise UnsupportedDtype(f"unsupported dtype {dtype!r}; supported: {list(SUPPORTED_DTYPES)}") from None
+
+
+def rows_nbytes(n_rows: int, d_model: int, dtype: str) -> int:
+    """Bytes of the rows ``[n_rows, d_model]`` in ``dtype`` (without the padding)."""
+    return n_rows * d_model * itemsize(dtype)
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def request_payload_len(req: ExpertRequest) -> int:
+    """The exact payload length of ``req``: padded rows, then 12 bytes per pair."""
+    return _pad8(rows_nbytes(req.n_rows, req.d_model, req.dtype)) + _PAIR_BYTES * req.n_pairs
+
+
+def rows_region(req: ExpertRequest, payload: Buffer) -> memoryview:
+    """The rows' bytes of a request payload (a view, no copy)."""
+    return memoryview(payload)[: rows_nbytes(req.n_rows, req.d_model, req.dtype)]
 
 
 def choose_dtype(preferred: str, ours: list[str] | tuple[str, ...], theirs: list[str]) -> Dtype:
@@ -464,7 +559,8 @@ def validate_request(
     limits: WireLimits = DEFAULT_LIMITS,
     dtypes: list[str] | tuple[str, ...] = SUPPORTED_DTYPES,
 ) -> None:
-    """Check a request against its payload and the limits; raise a ``WireError`` naming the defect."""
+    """Check a request's header against its payload length and the limits (``WireError`` naming
+    the defect). The pair arrays themselves are checked by ``decode_pairs`` / ``check_pairs``."""
     if req.dtype not in dtypes or req.dtype not in _ITEMSIZE:
         raise _attributed(
             UnsupportedDtype, f"unsupported dtype {req.dtype!r}; supported: {list(dtypes)}", req
@@ -473,71 +569,159 @@ def validate_request(
         raise _attributed(BadShape, f"empty slice: lo={req.lo} hi={req.hi}", req)
     if req.n_rows > limits.max_rows:
         raise _attributed(TooManyRows, f"{req.n_rows} rows exceed the limit of {limits.max_rows}", req)
-    if len(req.experts) != req.n_rows or len(req.weights) != req.n_rows:
+    n_local = req.hi - req.lo
+    if not req.n_rows <= req.n_pairs <= req.n_rows * n_local:
         raise _attributed(
             BadShape,
-            f"n_rows={req.n_rows} but {len(req.experts)} expert lists and {len(req.weights)} weight lists",
+            f"n_pairs={req.n_pairs} outside [{req.n_rows}, {req.n_rows * n_local}] for {req.n_rows} rows "
+            f"of slice {req.lo}-{req.hi} (every row has a pair, no pair twice)",
             req,
         )
-    expected = req.n_rows * req.d_model * _ITEMSIZE[req.dtype]
+    expected = request_payload_len(req)
     if payload_len != expected:
         raise _attributed(
             BadShape,
-            f"payload of {payload_len} bytes, expected {expected} for [{req.n_rows}, {req.d_model}] {req.dtype}",
+            f"payload of {payload_len} bytes, expected {expected} for [{req.n_rows}, {req.d_model}] "
+            f"{req.dtype} (padded to 8) + {req.n_pairs} pairs of 12 bytes",
             req,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Pairs:
+    """A request's (row, expert, weight) pairs as flat arrays: ``rows`` and ``experts`` (relative
+    to ``lo``) uint32, ``weights`` float32, sorted by (row, expert). Received pairs are views of
+    the receive buffer."""
+
+    rows: npt.NDArray[np.uint32]
+    experts: npt.NDArray[np.uint32]
+    weights: npt.NDArray[np.float32]
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def parts(self) -> tuple[memoryview, memoryview, memoryview]:
+        """The three arrays' bytes, in payload order (little-endian)."""
+        return (self.rows.data.cast("B"), self.experts.data.cast("B"), self.weights.data.cast("B"))
+
+
+def make_pairs(rows: npt.ArrayLike, experts: npt.ArrayLike, weights: npt.ArrayLike) -> Pairs:
+    """Pairs in wire order from arrays in any order (e.g. the router's); raises ``BadShape`` if the
+    lengths differ and ``BadIndex`` for a negative index. Duplicates are kept (``check_pairs`` refuses them)."""
+    r = np.asarray(rows).reshape(-1)
+    e = np.asarray(experts).reshape(-1)
+    w = np.asarray(weights, dtype=np.float32).reshape(-1)
+    if not r.shape == e.shape == w.shape:
+        raise BadShape(f"pair arrays of lengths {r.shape[0]}, {e.shape[0]}, {w.shape[0]}")
+    if r.size and (int(r.min()) < 0 or int(e.min()) < 0):
+        raise BadIndex("negative pair index")
+    if r.size > 1:
+        key = r.astype(np.int64) * (int(e.max()) + 1) + e.astype(np.int64)
+        if not bool((key[1:] > key[:-1]).all()):  # already sorted (the common case): no copy
+            order = np.argsort(key, kind="stable")
+            r, e, w = r[order], e[order], w[order]
+    return Pairs(
+        np.ascontiguousarray(r, dtype="<u4"),
+        np.ascontiguousarray(e, dtype="<u4"),
+        np.ascontiguousarray(w, dtype="<f4"),
+    )
+
+
+def check_pairs(req: ExpertRequest, pairs: Pairs) -> None:
+    """Raise the ``WireError`` naming the first defect of ``pairs`` for ``req`` (module rules)."""
+    n = len(pairs)
+    if n != req.n_pairs or pairs.experts.shape[0] != n or pairs.weights.shape[0] != n:
+        raise _attributed(
+            BadShape,
+            f"n_pairs={req.n_pairs} but {n} rows, {pairs.experts.shape[0]} experts and "
+            f"{pairs.weights.shape[0]} weights",
+            req,
+        )
+    rows, exps = pairs.rows, pairs.experts
     n_local = req.hi - req.lo
-    if list(map(len, req.experts)) == list(map(len, req.weights)):
-        # fast path over the flattened lists (C loops); the per-row loop below names the defect
-        flat_experts = list(chain.from_iterable(req.experts))
-        if (not flat_experts or (min(flat_experts) >= 0 and max(flat_experts) < n_local)) and all(
-            map(math.isfinite, chain.from_iterable(req.weights))
-        ):
-            return
-    for i, (experts, weights) in enumerate(zip(req.experts, req.weights, strict=True)):
-        if len(experts) != len(weights):
-            raise _attributed(BadShape, f"row {i}: {len(experts)} experts but {len(weights)} weights", req)
-        for e in experts:
-            if not 0 <= e < n_local:
-                raise _attributed(
-                    BadIndex,
-                    f"row {i}: expert index {e} outside [0, {n_local}) of slice {req.lo}-{req.hi}",
-                    req,
-                )
-        for w in weights:
-            if not math.isfinite(w):
-                raise _attributed(NonFinite, f"row {i}: non-finite router weight {w}", req)
+    if n == 0:
+        raise _attributed(BadIndex, "no pairs: every row needs at least one", req)
+    if int(exps.max()) >= n_local:
+        i = int(np.argmax(exps >= n_local))
+        raise _attributed(
+            BadIndex, f"pair {i}: expert index {int(exps[i])} outside [0, {n_local}) of slice {req.lo}-{req.hi}", req
+        )
+    if int(rows.max()) >= req.n_rows:
+        i = int(np.argmax(rows >= req.n_rows))
+        raise _attributed(BadIndex, f"pair {i}: row {int(rows[i])} outside [0, {req.n_rows})", req)
+    # sorted by (row, expert) and unique <=> the combined key strictly increases
+    key = rows.astype(np.int64) * n_local + exps
+    if n > 1 and not bool((key[1:] > key[:-1]).all()):
+        i = 1 + int(np.argmax(key[1:] <= key[:-1]))
+        what = "repeats" if key[i] == key[i - 1] else "is out of (row, expert) order after"
+        raise _attributed(
+            BadIndex,
+            f"pair {i} (row {int(rows[i])}, expert {int(exps[i])}) {what} pair {i - 1} "
+            f"(row {int(rows[i - 1])}, expert {int(exps[i - 1])})",
+            req,
+        )
+    # sorted: every row has a pair <=> rows start at 0 and step by at most 1
+    if int(rows[0]) != 0 or int(rows[-1]) != req.n_rows - 1 or (n > 1 and int((rows[1:] - rows[:-1]).max()) > 1):
+        present = np.zeros(req.n_rows, dtype=bool)
+        present[rows] = True
+        raise _attributed(BadIndex, f"row {int(np.argmin(present))} has no pair", req)
+    if not bool(np.isfinite(pairs.weights).all()):
+        i = int(np.argmin(np.isfinite(pairs.weights)))
+        raise _attributed(NonFinite, f"pair {i}: non-finite router weight {float(pairs.weights[i])}", req)
+
+
+def decode_pairs(req: ExpertRequest, payload: Buffer) -> Pairs:
+    """The pairs of a request whose header passed ``validate_request`` (views of ``payload``),
+    checked by ``check_pairs``."""
+    off = _pad8(rows_nbytes(req.n_rows, req.d_model, req.dtype))
+    n = req.n_pairs
+    view = memoryview(payload)
+    if view.nbytes != off + _PAIR_BYTES * n:
+        raise _attributed(BadShape, f"payload of {view.nbytes} bytes, expected {off + _PAIR_BYTES * n}", req)
+    pairs = Pairs(
+        np.frombuffer(view, dtype="<u4", count=n, offset=off),
+        np.frombuffer(view, dtype="<u4", count=n, offset=off + 4 * n),
+        np.frombuffer(view, dtype="<f4", count=n, offset=off + 8 * n),
+    )
+    check_pairs(req, pairs)
+    return pairs
+
+
+def encode_request_payload(req: ExpertRequest, rows: Buffer, pairs: Pairs) -> tuple[Buffer, ...]:
+    """The payload parts of ``req``: rows, zero padding to 8 bytes, the three pair arrays."""
+    pad = _pad8(memoryview(rows).nbytes) - memoryview(rows).nbytes
+    return (rows, bytes(pad), *pairs.parts()) if pad else (rows, *pairs.parts())
 
 
 # --------------------------------------------------------------------------------------------
 # Hello
 
 
-DEFAULT_AGENT: Final = "moe-swarm/0.1"
+DEFAULT_AGENT: Final = "moe-swarm/0.2"
 RequestKey = tuple[int, int]  # (request_id, attempt): what answers are routed by
 
 
 def make_hello(
     limits: WireLimits = DEFAULT_LIMITS,
     *,
+    kernel_id: str,
     agent: str = DEFAULT_AGENT,
     dtypes: Sequence[str] = SUPPORTED_DTYPES,
-    kernel_id: str = "",
 ) -> Hello:
-    """The Hello advertising ``limits`` and ``dtypes``."""
+    """The Hello advertising ``limits``, ``dtypes`` and the expert kernel ``kernel_id``."""
     return Hello(
         protocol_version=PROTOCOL_VERSION,
+        kernel_id=kernel_id,
         dtypes=list(dtypes),
         max_frame_bytes=limits.max_frame_bytes,
         max_rows=limits.max_rows,
         max_in_flight=limits.max_in_flight,
         agent=agent,
-        kernel_id=kernel_id,
     )
 
 
-def version_mismatch_message(theirs: int) -> str:
+def version_mismatch_message(theirs: int | str) -> str:
     return (
-        f"protocol {PROTOCOL_ID} version mismatch: this peer speaks version {PROTOCOL_VERSION}, "
+        f"expert protocol version mismatch: this peer speaks {PROTOCOL_ID} (version {PROTOCOL_VERSION}), "
         f"the other side sent version {theirs}"
     )

@@ -13,7 +13,7 @@ Rules:
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -112,8 +112,12 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
 
     ``addrs`` are multiaddrs the coordinator can dial, best first: direct ones, or relayed
     ``.../p2p-circuit/p2p/<peer_id>`` ones. ``load`` = calls in flight. ``signature`` is
-    ``swarm.p2p.identity.sign_body`` of this body (field order matters; see there).
+    ``swarm.p2p.identity.sign_body`` of this body (field order matters; see there). ``protocols``:
+    the expert-stream versions the volunteer speaks; the market dispatches it only to coordinators
+    that speak one of them (all coordinators speak 2 now).
     """
+
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols"})
 
     peer_id: PeerId
     epoch: Epoch
@@ -123,6 +127,10 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     load: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
     max_bytes: Annotated[int, msgspec.Meta(gt=0)] | None = None
     signature: bytes = b""
+    # added later: signed only when not its default (``signed_when_set``, swarm.p2p.identity)
+    protocols: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]], msgspec.Meta(max_length=16)] = (
+        msgspec.field(default_factory=lambda: [1])
+    )  # expert-stream versions spoken (swarm.protocol.expert); a body without it is from a v1 volunteer
 
 
 

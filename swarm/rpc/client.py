@@ -1,18 +1,22 @@
-"""The client side of the expert stream ``/moe-swarm/expert/1`` (shell: trio tasks, no policy).
+"""The client side of the expert stream ``/moe-swarm/expert/2`` (shell: trio tasks, no policy).
 
 ``open_expert_client`` keeps one long-lived stream per peer and pipelines calls over it (a stream
 per call would cost a multistream negotiation each: py-libp2p fact (c)). The server side is
-``swarm.rpc.server``; the two share only the ``Hello`` (``swarm.protocol.expert``).
+``swarm.rpc.server``; the two share only the wire (``swarm.protocol.expert``).
 
 Rules:
 - One stream per peer, opened lazily under the first caller's deadline and re-opened by the next
   call after it breaks. A reader task routes answers to waiting callers by
   ``(request_id, attempt)``; an answer nobody waits for (late, expired, duplicate) is dropped.
   A writer task sends frames whole, so a caller's cancellation never cuts a frame in half; a
-  frame whose caller gave up before it was sent is not sent at all.
+  frame whose caller gave up before it was sent is not sent at all; a call abandoned after its
+  frame left (the caller's cancel scope -- a hedge's loser -- or its timeout) sends a ``Cancel``
+  for it, best effort (dropped if the send queue is full), and the ``cancelled`` answer is dropped.
+- A call is a header, the rows and the pairs as flat arrays (``Pairs``, from
+  ``swarm.rpc.tensors.pairs_from_tensors``): validated here exactly as the server validates them.
 - Errors: ``TransportTimeout`` (deadline), ``BrokenError`` (the stream died under the call),
   ``ClosedError`` (client closed), ``DialError`` (could not open), ``Refused`` (the peer declined
-  on purpose: ``draining``, ``slice_not_held``), ``RemoteProtocolError`` (error answer, wrong
+  on purpose: ``draining``, ``slice_not_held``, ``not_authorized``), ``RemoteProtocolError`` (error answer, wrong
   shape, NaN/inf, bad frame), ``LocalProtocolError`` (the request itself is invalid or beyond the
   peer's limits). Retry and hedging policy belongs to the caller.
 """
@@ -50,17 +54,23 @@ from swarm.protocol.expert import (
     PROTOCOL_ID,
     PROTOCOL_VERSION,
     SUPPORTED_DTYPES,
+    Cancel,
     ErrorReply,
     ExpertRequest,
     ExpertResponse,
     FrameReader,
     Hello,
+    Pairs,
+    RequestId,
     RequestKey,
     Status,
     WireLimits,
+    check_pairs,
     choose_dtype,
     encode_frame,
+    encode_request_payload,
     make_hello,
+    request_payload_len,
     validate_request,
     version_mismatch_message,
 )
@@ -78,12 +88,13 @@ class _Waiter:
     response: ExpertResponse | ErrorReply | None = None
     payload: bytearray | None = None
     error: SwarmError | None = None
+    sent: bool = False  # the request frame went (or is going) out: abandoning it sends a Cancel
 
 
 @dataclass(eq=False)
 class _Outgoing:
     key: RequestKey
-    waiter: _Waiter
+    waiter: _Waiter | None  # None: a Cancel frame, always sent
     frame: bytes
 
 
@@ -139,9 +150,22 @@ class _Session:
 
     async def _write_loop(self) -> None:
         async for item in self.receive_channel:
-            if self.pending.get(item.key) is not item.waiter:
-                continue  # the caller gave up before the frame left: do not send it
+            if item.waiter is not None:
+                if self.pending.get(item.key) is not item.waiter:
+                    continue  # the caller gave up before the frame left: do not send it
+                item.waiter.sent = True
             await self.stream.write(item.frame)
+
+    def cancel_nowait(self, key: RequestKey) -> bool:
+        """Queue a ``Cancel`` for ``key`` (best effort: False if the stream is dead or the queue full)."""
+        if self.dead is not None:
+            return False
+        frame = encode_frame(Cancel(request_id=RequestId(key[0]), attempt=key[1]))
+        try:
+            self.send_channel.send_nowait(_Outgoing(key, None, frame))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            return False
+        return True
 
     async def _read_loop(self, peer: str) -> None:
         while True:
@@ -164,7 +188,7 @@ class _Session:
                     log.warning("%s sent an error: %s (%s)", peer, msg.message, msg.code)
                     if msg.fatal:
                         raise RemoteProtocolError(f"{peer}: {msg.message}", code=msg.code)
-                case Hello() | ExpertRequest():
+                case Hello() | ExpertRequest() | Cancel():
                     raise UnexpectedMessage(f"{peer} sent a {type(msg).__name__} on an open expert stream")
 
     def _resolve(
@@ -196,13 +220,20 @@ class ExpertClient:
         limits: WireLimits = DEFAULT_LIMITS,
         agent: str = DEFAULT_AGENT,
         dtypes: Sequence[str] = SUPPORTED_DTYPES,
+        kernel_id: str | None = None,
     ) -> None:
+        """``kernel_id``: what our Hello announces (default: this process's default kernel)."""
         self.peer_id = peer_id
         self.addrs = list(addrs)
         self._transport = transport
         self._nursery = nursery
         self._limits = limits
-        self._hello = make_hello(limits, agent=agent, dtypes=dtypes)
+        if kernel_id is None:
+            from swarm.model.kernels import kernel_id as default_kernel_id
+
+            kernel_id = default_kernel_id()
+        self._hello = make_hello(limits, kernel_id=kernel_id, agent=agent, dtypes=dtypes)
+        self.cancels_sent = 0
         self._session: _Session | None = None
         self._session_lock = trio.Lock()
         self._closed = False
@@ -215,11 +246,15 @@ class ExpertClient:
 
     # The deadline is part of the call's contract (expiry raises TransportTimeout, a TransportError the
     # dispatcher handles like any other failure), hence a parameter rather than the caller's cancel scope.
-    async def call(self, req: ExpertRequest, rows: torch.Tensor, *, timeout: float) -> torch.Tensor:  # noqa: ASYNC109
-        """The per-row partial sums ``[n_rows, d_model]`` (float32) for ``req`` over ``rows``.
+    async def call(
+        self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, *, timeout: float  # noqa: ASYNC109
+    ) -> torch.Tensor:
+        """The per-row partial sums ``[n_rows, d_model]`` (float32) for ``req`` over ``rows`` and
+        ``pairs`` (``req.n_pairs`` of them, in wire order: ``make_pairs`` sorts).
 
         ``req.dtype`` is the preferred wire dtype (e.g. float32 for exactness, bfloat16 for
-        bandwidth); the one actually used is the best both peers support.
+        bandwidth); the one actually used is the best both peers support. Abandoning the call
+        (cancellation, timeout) after its frame left sends a ``Cancel``.
         """
         if rows.dim() != 2 or tuple(rows.shape) != (req.n_rows, req.d_model):
             raise LocalProtocolError(
@@ -228,12 +263,12 @@ class ExpertClient:
         if not math.isfinite(timeout) or timeout <= 0:
             raise LocalProtocolError(f"bad timeout {timeout}")
         with trio.move_on_after(timeout):
-            return await self._call(req, rows)
+            return await self._call(req, rows, pairs)
         raise TransportTimeout(
             f"no answer from {self.peer_id} to request {req.request_id}/{req.attempt} within {timeout}s"
         )
 
-    async def _call(self, req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def _call(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         session = self._session
         if session is None or session.dead is not None or self._closed:
             session = await self._get_session()
@@ -242,8 +277,9 @@ class ExpertClient:
             dtype = choose_dtype(req.dtype, self._hello.dtypes, session.hello.dtypes)
             if dtype != req.dtype:
                 req = msgspec.structs.replace(req, dtype=dtype)
-            payload = tensor_to_payload(rows, dtype)
-            validate_request(req, payload.nbytes, limits=peer_limits, dtypes=session.hello.dtypes)
+            validate_request(req, request_payload_len(req), limits=peer_limits, dtypes=session.hello.dtypes)
+            check_pairs(req, pairs)
+            payload = encode_request_payload(req, tensor_to_payload(rows, dtype), pairs)
         except WireError as exc:
             raise LocalProtocolError(exc.message, code=exc.code) from exc
         frame = encode_frame(req, payload, max_frame_bytes=session.hello.max_frame_bytes)
@@ -270,6 +306,8 @@ class ExpertClient:
         finally:
             if session.pending.get(key) is waiter:
                 del session.pending[key]
+                if waiter.sent and not waiter.event.is_set() and session.cancel_nowait(key):
+                    self.cancels_sent += 1  # abandoned after it left: the server may drop it
         return self._result(req, waiter)
 
     def _result(self, req: ExpertRequest, waiter: _Waiter) -> torch.Tensor:
@@ -359,10 +397,13 @@ async def open_expert_client(
     limits: WireLimits = DEFAULT_LIMITS,
     agent: str = DEFAULT_AGENT,
     dtypes: Sequence[str] = SUPPORTED_DTYPES,
+    kernel_id: str | None = None,
 ) -> AsyncIterator[ExpertClient]:
     """An ``ExpertClient`` for ``peer_id`` whose tasks live in this context; closed on exit."""
     async with trio.open_nursery() as nursery:
-        client = ExpertClient(transport, peer_id, addrs, nursery, limits=limits, agent=agent, dtypes=dtypes)
+        client = ExpertClient(
+            transport, peer_id, addrs, nursery, limits=limits, agent=agent, dtypes=dtypes, kernel_id=kernel_id
+        )
         try:
             yield client
         finally:

@@ -1,21 +1,31 @@
-"""The server side of the expert stream ``/moe-swarm/expert/1`` (shell: trio tasks, no policy).
+"""The server side of the expert stream ``/moe-swarm/expert/2`` (shell: trio tasks, no policy).
 
-``serve_expert_stream`` answers the requests of one ``Stream``; plug it into a transport with
-``transport.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=..., limits=...))``.
-The client side is ``swarm.rpc.client``; the two share only the ``Hello`` (``swarm.protocol.expert``).
+``serve_expert_stream`` answers the requests of one ``Stream``; ``set_expert_handlers`` plugs it
+into a transport (``PROTOCOL_ID``, plus a refusal on the v1 protocol id). The client side is
+``swarm.rpc.client``; the two share only the wire (``swarm.protocol.expert``).
 
 Rules:
 - Each side's first frame is its ``Hello``; a version mismatch is answered with a fatal
-  ``ErrorReply`` naming both versions, then the stream is closed.
+  ``ErrorReply`` naming both versions, then the stream is closed. A stream opened on
+  ``V1_PROTOCOL_ID`` gets exactly one fatal ``version_mismatch`` ``ErrorReply`` and is closed
+  (``refuse_v1_stream``), so a v1 coordinator learns why instead of timing out.
 - The server reads a request only while fewer than ``limits.max_in_flight`` are being computed
   (back-pressure through the stream), runs each in its own task and answers as each finishes,
-  tagged ``(request_id, attempt)``; answers may overtake each other.
-- Bad input never takes the server down: a request that fails validation, an undecodable header
-  or an oversized frame is answered with an error and the next frame is served; only lost framing
-  (a header length beyond the limit) ends the stream, after a fatal ``ErrorReply``. A handler's
-  exception becomes an error response (a ``SwarmError`` keeps its code -- a refusal such as
-  ``draining`` or ``slice_not_held`` included -- anything else is ``internal_error``); a handler's
-  result of the wrong shape or with NaN/inf is never sent.
+  tagged ``(request_id, attempt)``; answers may overtake each other. Every accepted request gets
+  exactly one answer: a ``Cancel`` for a request in flight cancels its task (the handler stops
+  waiting; a computation already running in a thread finishes and is dropped) and the answer is
+  ``cancelled``; a ``Cancel`` for anything else is ignored.
+- ``authorize(peer_id)``, if given, is asked per request: ``False`` answers ``not_authorized``
+  (the trust issue's "only registered coordinators use volunteers"; the stream stays open, so a
+  coordinator that registers later is served without reconnecting).
+- Bad input never takes the server down: a request that fails validation (header or pair
+  arrays), an undecodable header or an oversized frame is answered with an error and the next
+  frame is served; only lost framing (a header length beyond the limit) ends the stream, after a
+  fatal ``ErrorReply``. A handler's exception becomes an error response (a ``SwarmError`` keeps
+  its code -- a refusal such as ``draining`` or ``slice_not_held`` included -- anything else is
+  ``internal_error``); a handler's result of the wrong shape or with NaN/inf is never sent.
+- The handler gets the header, the rows as a float32 tensor and the pairs as flat arrays
+  (``Pairs``, views of the receive buffer): nothing per row is built in Python.
 """
 
 from __future__ import annotations
@@ -34,10 +44,13 @@ from swarm.errors import (
     VersionMismatch,
     WireError,
 )
-from swarm.p2p.transport import Stream, StreamHandler, acquire
+from swarm.p2p.transport import Stream, StreamHandler, Transport, acquire
 from swarm.protocol.expert import (
     DEFAULT_LIMITS,
+    PROTOCOL_ID,
     PROTOCOL_VERSION,
+    V1_PROTOCOL_ID,
+    Cancel,
     Dtype,
     ErrorReply,
     ExpertRequest,
@@ -45,12 +58,15 @@ from swarm.protocol.expert import (
     FrameReader,
     Hello,
     Message,
+    Pairs,
     RequestId,
     RequestKey,
     Status,
     WireLimits,
+    decode_pairs,
     encode_frame,
     make_hello,
+    rows_region,
     validate_request,
     version_mismatch_message,
 )
@@ -58,10 +74,23 @@ from swarm.rpc.tensors import all_finite, payload_to_tensor, tensor_to_payload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExpertHandler", "expert_stream_handler", "serve_expert_stream"]
+__all__ = [
+    "Authorize",
+    "ExpertHandler",
+    "expert_stream_handler",
+    "refuse_v1_stream",
+    "serve_expert_stream",
+    "set_expert_handlers",
+]
 
-ExpertHandler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]
+ExpertHandler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable[torch.Tensor]]
+Authorize = Callable[[str], bool]  # peer id -> may it use our experts
 
+
+def _default_hello(limits: WireLimits) -> Hello:
+    from swarm.model.kernels import kernel_id  # loads the kernel library: only when nobody said
+
+    return make_hello(limits, kernel_id=kernel_id())
 
 
 async def serve_expert_stream(
@@ -70,6 +99,7 @@ async def serve_expert_stream(
     *,
     hello: Hello,
     limits: WireLimits = DEFAULT_LIMITS,
+    authorize: Authorize | None = None,
     hello_timeout_s: float = 10.0,
     drain_timeout_s: float = 10.0,
 ) -> None:
@@ -106,9 +136,16 @@ async def serve_expert_stream(
                 )
             )
             return
-        log.debug("expert stream from %s (%s) open", peer, first.agent)
+        log.debug("expert stream from %s (%s, kernel %s) open", peer, first.agent, first.kernel_id)
         await _serve_requests(
-            stream, reader, handler, send, hello=hello, limits=limits, drain_timeout_s=drain_timeout_s
+            stream,
+            reader,
+            handler,
+            send,
+            hello=hello,
+            limits=limits,
+            authorize=authorize,
+            drain_timeout_s=drain_timeout_s,
         )
     except TransportError as exc:
         log.debug("expert stream from %s ended: %r", peer, exc)
@@ -127,19 +164,23 @@ async def _receive_hello(reader: FrameReader) -> Hello | WireError | None:
     return msg
 
 
+Send = Callable[[Message, bytes | bytearray | memoryview], Awaitable[None]]
+
+
 async def _serve_requests(
     stream: Stream,
     reader: FrameReader,
     handler: ExpertHandler,
-    send: Callable[[Message, bytes | bytearray | memoryview], Awaitable[None]],
+    send: Send,
     *,
     hello: Hello,
     limits: WireLimits,
+    authorize: Authorize | None,
     drain_timeout_s: float,
 ) -> None:
     peer = stream.remote_peer_id
     slots = trio.Semaphore(limits.max_in_flight)
-    in_flight: set[RequestKey] = set()
+    in_flight: dict[RequestKey, trio.CancelScope] = {}
 
     async def answer_error(exc: WireError) -> None:
         if exc.request_id is not None and exc.attempt is not None:
@@ -157,21 +198,33 @@ async def _serve_requests(
 
     async with trio.open_nursery() as nursery:
 
-        async def run_one(req: ExpertRequest, rows: torch.Tensor) -> None:
+        async def run_one(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, scope: trio.CancelScope) -> None:
             key = (req.request_id, req.attempt)
             try:
-                response, payload = await _compute(handler, req, rows, peer)
+                response: ExpertResponse | None = None
+                payload: bytes | bytearray | memoryview = b""
+                with scope:
+                    response, payload = await _compute(handler, req, rows, pairs, peer)
+                if response is None or scope.cancelled_caught:
+                    response = ExpertResponse(
+                        request_id=req.request_id,
+                        attempt=req.attempt,
+                        status=Status.CANCELLED,
+                        message="cancelled by the caller",
+                    )
+                    payload = b""
                 await send(response, payload)
             except TransportError as exc:  # the stream is gone: nobody left to answer
                 log.debug("expert stream from %s broke while answering: %r", peer, exc)
                 nursery.cancel_scope.cancel()
             finally:
-                in_flight.discard(key)
+                if in_flight.get(key) is scope:
+                    del in_flight[key]
                 slots.release()
 
         try:
             await _read_requests(
-                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, peer
+                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, authorize, peer
             )
         except TransportError as exc:
             log.debug("expert stream from %s ended: %r", peer, exc)
@@ -183,12 +236,13 @@ async def _serve_requests(
 async def _read_requests(
     reader: FrameReader,
     slots: trio.Semaphore,
-    in_flight: set[RequestKey],
+    in_flight: dict[RequestKey, trio.CancelScope],
     answer_error: Callable[[WireError], Awaitable[None]],
-    run_one: Callable[[ExpertRequest, torch.Tensor], Awaitable[None]],
+    run_one: Callable[[ExpertRequest, torch.Tensor, Pairs, trio.CancelScope], Awaitable[None]],
     nursery: trio.Nursery,
     hello: Hello,
     limits: WireLimits,
+    authorize: Authorize | None,
     peer: str,
 ) -> None:
     """Read and dispatch requests until the peer closes its side (returns) or framing is lost."""
@@ -211,31 +265,46 @@ async def _read_requests(
             slots.release()
             return
         msg, payload = got
+        if isinstance(msg, Cancel):
+            slots.release()
+            scope = in_flight.get((msg.request_id, msg.attempt))
+            if scope is not None:
+                scope.cancel()
+            continue
         if not isinstance(msg, ExpertRequest):
             slots.release()
             await answer_error(UnexpectedMessage(f"unexpected {type(msg).__name__} after the Hello"))
             continue
         key = (msg.request_id, msg.attempt)
         try:
+            if authorize is not None and not authorize(peer):
+                raise WireError(
+                    f"peer {peer} is not a coordinator this volunteer serves",
+                    code=Status.NOT_AUTHORIZED,
+                    request_id=msg.request_id,
+                    attempt=msg.attempt,
+                )
             validate_request(msg, len(payload), limits=limits, dtypes=hello.dtypes)
             if key in in_flight:
                 raise WireError(
                     f"request {key} is already in flight on this stream",
-                    code="duplicate_request",
+                    code=Status.DUPLICATE_REQUEST,
                     request_id=msg.request_id,
                     attempt=msg.attempt,
                 )
-            rows = payload_to_tensor(payload, msg.dtype, msg.n_rows, msg.d_model)
+            pairs = decode_pairs(msg, payload)
+            rows = payload_to_tensor(rows_region(msg, payload), msg.dtype, msg.n_rows, msg.d_model)
         except WireError as exc:
             slots.release()
             await answer_error(exc)
             continue
-        in_flight.add(key)
-        nursery.start_soon(run_one, msg, rows)
+        scope = trio.CancelScope()
+        in_flight[key] = scope
+        nursery.start_soon(run_one, msg, rows, pairs, scope)
 
 
 async def _compute(
-    handler: ExpertHandler, req: ExpertRequest, rows: torch.Tensor, peer: str
+    handler: ExpertHandler, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, peer: str
 ) -> tuple[ExpertResponse, bytes | bytearray | memoryview]:
     """Run the handler; an error response for any failure, never a bad tensor."""
 
@@ -245,7 +314,7 @@ async def _compute(
         ), b""
 
     try:
-        out = await handler(req, rows)
+        out = await handler(req, rows, pairs)
     except SwarmError as exc:
         return failure(exc.code, exc.message)
     except Exception as exc:
@@ -272,14 +341,51 @@ async def _compute(
 
 
 def expert_stream_handler(
-    handler: ExpertHandler, *, hello: Hello | None = None, limits: WireLimits = DEFAULT_LIMITS
+    handler: ExpertHandler,
+    *,
+    hello: Hello | None = None,
+    limits: WireLimits = DEFAULT_LIMITS,
+    authorize: Authorize | None = None,
 ) -> StreamHandler:
-    """A transport stream handler serving ``handler`` on each inbound expert stream."""
-    our_hello = hello if hello is not None else make_hello(limits)
+    """A transport stream handler serving ``handler`` on each inbound expert stream (``hello``
+    defaults to this process's kernel id and ``limits``)."""
+    our_hello = hello if hello is not None else _default_hello(limits)
 
     async def on_stream(stream: Stream) -> None:
-        await serve_expert_stream(stream, handler, hello=our_hello, limits=limits)
+        await serve_expert_stream(stream, handler, hello=our_hello, limits=limits, authorize=authorize)
 
     return on_stream
 
 
+async def refuse_v1_stream(stream: Stream) -> None:
+    """Answer a stream opened on ``V1_PROTOCOL_ID``: one fatal ``version_mismatch``, then close."""
+    try:
+        await stream.write(
+            encode_frame(
+                ErrorReply(code=VersionMismatch.code, message=version_mismatch_message(1), fatal=True)
+            )
+        )
+    except TransportError as exc:
+        log.debug("v1 expert stream from %s ended before its refusal: %r", stream.remote_peer_id, exc)
+    finally:
+        with trio.move_on_after(1) as scope:
+            scope.shield = True
+            try:
+                await stream.aclose()
+            except TransportError:
+                pass
+
+
+def set_expert_handlers(
+    transport: Transport,
+    handler: ExpertHandler,
+    *,
+    hello: Hello | None = None,
+    limits: WireLimits = DEFAULT_LIMITS,
+    authorize: Authorize | None = None,
+) -> None:
+    """Serve ``handler`` on ``PROTOCOL_ID`` and refuse v1 streams (what every volunteer does)."""
+    transport.set_stream_handler(
+        PROTOCOL_ID, expert_stream_handler(handler, hello=hello, limits=limits, authorize=authorize)
+    )
+    transport.set_stream_handler(V1_PROTOCOL_ID, refuse_v1_stream)

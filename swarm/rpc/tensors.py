@@ -1,8 +1,9 @@
-"""Expert rows as tensors <-> the wire's raw bytes (torch lives here, with the RPC users, not in
-``swarm.protocol``).
+"""Expert rows and pairs as tensors <-> the wire's raw bytes (torch lives here, with the RPC users,
+not in ``swarm.protocol``).
 
 Rules:
-- Payloads are row-major little-endian float32 or bfloat16 (its raw 16-bit pattern).
+- Rows are row-major little-endian float32 or bfloat16 (its raw 16-bit pattern); pairs are the
+  v2 request's flat arrays (``swarm.protocol.expert.Pairs``): no per-row Python lists anywhere.
 - Encoding and decoding share memory with the tensor or receive buffer wherever the dtype allows.
 """
 
@@ -14,9 +15,9 @@ import numpy as np
 import torch
 
 from swarm.errors import BadShape
-from swarm.protocol.expert import itemsize
+from swarm.protocol.expert import Pairs, itemsize, make_pairs
 
-__all__ = ["all_finite", "payload_to_tensor", "tensor_to_payload"]
+__all__ = ["all_finite", "pairs_from_tensors", "pairs_to_tensors", "payload_to_tensor", "tensor_to_payload"]
 
 _NUMPY_FLOATS: Final = (torch.float32, torch.float64, torch.float16)
 
@@ -66,3 +67,23 @@ def payload_to_tensor(buf: bytearray | memoryview, dtype: str, n_rows: int, d_mo
         return torch.from_numpy(arr).view(n_rows, d_model)
     bits = np.frombuffer(view, dtype="<i2").astype(np.int16, copy=False)
     return torch.from_numpy(bits).view(torch.bfloat16).view(n_rows, d_model).to(torch.float32)
+
+
+def pairs_from_tensors(pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor) -> Pairs:
+    """The wire ``Pairs`` (sorted by (row, expert)) of pair tensors in any order."""
+    return make_pairs(
+        pair_rows.detach().cpu().numpy(),
+        pair_experts.detach().cpu().numpy(),
+        pair_weights.detach().to(torch.float32).cpu().numpy(),
+    )
+
+
+def pairs_to_tensors(pairs: Pairs, *, expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows int64, experts int64 shifted by ``expert_offset``, weights float32): what
+    ``ExpertKernel.partial_sum`` takes."""
+    rows = torch.from_numpy(pairs.rows.astype(np.int64))
+    exps = pairs.experts.astype(np.int64)
+    if expert_offset:
+        exps += expert_offset
+    w = np.array(pairs.weights, dtype=np.float32)  # a writable copy: torch warns on read-only views
+    return rows, torch.from_numpy(exps), torch.from_numpy(w)

@@ -270,7 +270,7 @@ def test_nobody_can_dial_the_volunteer_directly(swarm: Swarm) -> None:
         f"    async with open_libp2p_transport(key_path=None, listen_addrs=['/ip4/{PUB}/tcp/0'], dial_timeout_s=3) as t:\n"
         f"        for a in ('/ip4/{HOME1}/tcp/{VOL_PORT}', '/ip4/{NAT1_WAN}/tcp/{VOL_PORT}'):\n"
         "            try:\n"
-        f"                await t.open_stream('{swarm.volunteer['peer_id']}', [a], '/moe-swarm/expert/1')\n"
+        f"                await t.open_stream('{swarm.volunteer['peer_id']}', [a], '/moe-swarm/expert/2')\n"
         "                print('CONNECTED', a)\n"
         "            except Exception as exc:\n"
         "                print('FAILED', a, type(exc).__name__)\n"

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import multiaddr
+import numpy as np
 import pytest
 import torch
 import trio
@@ -30,7 +31,7 @@ from swarm.p2p.identity import load_or_create_identity
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.patches import PINNED_LIBP2P, check_libp2p_version, installed_libp2p_version
 from swarm.p2p.transport import Stream
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, make_hello, make_pairs
 from swarm.rpc.client import open_expert_client
 from swarm.rpc.server import expert_stream_handler
 
@@ -112,7 +113,7 @@ async def test_b_canary_the_unconfigured_library_still_waits_out_the_delay(monke
 
 async def test_c_expert_calls_share_one_stream() -> None:
     streams = 0
-    serve = expert_stream_handler(lambda req, rows: _double(rows))
+    serve = expert_stream_handler(lambda req, rows, pairs: _double(rows), hello=make_hello(kernel_id="k"))
 
     async def counting(stream: Stream) -> None:
         nonlocal streams
@@ -132,12 +133,12 @@ async def test_c_expert_calls_share_one_stream() -> None:
                     lo=0,
                     hi=2,
                     n_rows=8,
-                    dtype="float32",
                     d_model=4,
-                    experts=[[0]] * 8,
-                    weights=[[1.0]] * 8,
+                    n_pairs=8,
+                    dtype="float32",
                 )
-                assert torch.equal(await client.call(req, rows, timeout=5), rows * 2)
+                pairs = make_pairs(np.arange(8), np.zeros(8), np.ones(8))
+                assert torch.equal(await client.call(req, rows, pairs, timeout=5), rows * 2)
             assert client.sessions_opened == 1
     assert streams == 1
 

@@ -101,7 +101,7 @@ async def running_market(cfg: MarketConfig) -> AsyncIterator[httpx.AsyncClient]:
 def heartbeat(kp: KeyPair, epoch: int, seq: int, slices: list[HeldSlice], *, peer_id: str | None = None,
               addrs: list[str] | None = None) -> bytes:
     pid = peer_id or peer_id_of(kp)
-    body = CoverageHeartbeat(pid, epoch, seq, addrs or [f"/ip4/127.0.0.1/tcp/5000/p2p/{pid}"], slices)
+    body = CoverageHeartbeat(pid, epoch, seq, addrs or [f"/ip4/127.0.0.1/tcp/5000/p2p/{pid}"], slices, protocols=[2])
     return msgspec.json.encode(msgspec.structs.replace(body, signature=sign_body(kp, body)))
 
 

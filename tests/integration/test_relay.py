@@ -28,8 +28,8 @@ from swarm.model.slices import cut_slice, load_slice
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, open_nat
 from swarm.p2p.transport import Stream
-from swarm.protocol.expert import PROTOCOL_ID, make_hello
-from swarm.rpc.server import expert_stream_handler
+from swarm.protocol.expert import make_hello
+from swarm.rpc.server import set_expert_handlers
 from tests.integration.test_remote_experts import HALVES, greedy
 from volunteer.server import ExpertServer
 
@@ -95,7 +95,7 @@ async def start_volunteer(
                 t.set_stream_handler(ECHO, echo)
                 if server is not None:
                     await n.start(server.serve)
-                    t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(server.handle, hello=make_hello()))
+                    set_expert_handlers(t, server.handle, hello=make_hello(kernel_id=server.kernel_id))
                 task_status.started(Vol(t.peer_id, list(nat.advertised), t, nat, server, cs))
                 await trio.sleep_forever()
 

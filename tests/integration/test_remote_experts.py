@@ -26,8 +26,8 @@ from swarm.model.slices import cut_slice, load_slice
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.p2p.transport import Transport
 from swarm.protocol.coordinator import dispatch_decoder, health_decoder
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, make_hello
-from swarm.rpc.server import expert_stream_handler
+from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
+from swarm.rpc.server import set_expert_handlers
 from tests.conftest import eventually
 from volunteer.server import ExpertServer
 
@@ -38,7 +38,7 @@ def report(d: Dispatcher) -> dict[str, Any]:
     return out
 
 
-Handler = Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]]
+Handler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable[torch.Tensor]]
 
 
 @dataclass
@@ -61,7 +61,7 @@ async def start_volunteer(
             async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
                 await n.start(server.serve)
                 handler = wrap(server.handle) if wrap is not None else server.handle
-                t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello(kernel_id=server.kernel_id)))
+                set_expert_handlers(t, handler, hello=make_hello(kernel_id=server.kernel_id))
                 task_status.started(Vol(t.peer_id, t.listen_addrs, server, t, cs))
                 await trio.sleep_forever()
 
@@ -159,20 +159,20 @@ async def test_local_remote_mix(nursery: trio.Nursery, golden_model: GGUFModel, 
 
 
 def nan_wrap(h: Handler) -> Handler:
-    async def bad(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
-        out = await h(req, rows)
+    async def bad(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        out = await h(req, rows, pairs)
         return torch.full_like(out, float("nan"))
     return bad
 
 
 def raise_wrap(h: Handler) -> Handler:
-    async def bad(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def bad(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         raise RuntimeError("disk on fire")
     return bad
 
 
 def hang_wrap(h: Handler) -> Handler:
-    async def bad(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def bad(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         await trio.sleep_forever()
         raise AssertionError
     return bad

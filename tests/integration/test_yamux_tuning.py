@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import trio
@@ -24,7 +25,16 @@ import swarm.p2p.patches.yamux
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.patches.yamux import TunedYamux, YamuxTuning
 from swarm.p2p.transport import Stream
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, ExpertResponse, RequestId, encode_frame
+from swarm.protocol.expert import (
+    PROTOCOL_ID,
+    ExpertRequest,
+    ExpertResponse,
+    Pairs,
+    RequestId,
+    encode_frame,
+    encode_request_payload,
+    make_pairs,
+)
 from swarm.rpc.client import open_expert_client
 from swarm.rpc.server import expert_stream_handler
 from swarm.rpc.tensors import tensor_to_payload
@@ -87,15 +97,19 @@ class FrameLog:
         return counts
 
 
-async def echo_rows(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+async def echo_rows(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
     return rows
 
 
 def request(rid: int, n_rows: int) -> ExpertRequest:
     return ExpertRequest(
         request_id=RequestId(rid), attempt=0, model_id="m", layer=0, lo=0, hi=1, n_rows=n_rows,
-        dtype="float32", d_model=D_MODEL, experts=[[0]] * n_rows, weights=[[1.0]] * n_rows,
+        d_model=D_MODEL, n_pairs=n_rows, dtype="float32",
     )
+
+
+def one_pair_per_row(n_rows: int) -> Pairs:
+    return make_pairs(np.arange(n_rows), np.zeros(n_rows), np.ones(n_rows))
 
 
 async def echo_stream(stream: Stream) -> None:
@@ -130,18 +144,19 @@ async def test_a_call_is_one_data_frame_each_way_and_no_window_update(
         server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(echo_rows))
         async with open_expert_client(me, server.peer_id, server.listen_addrs) as client:
             rows = torch.randn(n_rows, D_MODEL)
-            await client.call(request(0, n_rows), rows, timeout=10)  # opens the connection and stream
+            await client.call(request(0, n_rows), rows, one_pair_per_row(n_rows), timeout=10)  # opens the connection and stream
             ours, theirs = muxer(me, server.peer_id), muxer(server, me.peer_id)
             assert isinstance(ours, TunedYamux) and isinstance(theirs, TunedYamux)
             assert ours.noise_tuned and theirs.noise_tuned
             sent, answered = FrameLog(monkeypatch, ours), FrameLog(monkeypatch, theirs)
             for rid in range(1, calls + 1):
-                assert torch.equal(await client.call(request(rid, n_rows), rows, timeout=10), rows)
+                assert torch.equal(await client.call(request(rid, n_rows), rows, one_pair_per_row(n_rows), timeout=10), rows)
             sent_counts, answered_counts = sent.take(), answered.take()
     # each message is cut into DATA frames of one Noise message each (65507 bytes of body at most)
     payload = tensor_to_payload(rows, "float32")
     answer = ExpertResponse(request_id=RequestId(1), attempt=0, status="ok", n_rows=n_rows, d_model=D_MODEL)
-    request_frames = -(-len(encode_frame(request(1, n_rows), payload)) // 65507)
+    req = request(1, n_rows)
+    request_frames = -(-len(encode_frame(req, encode_request_payload(req, payload, one_pair_per_row(n_rows)))) // 65507)
     answer_frames = -(-len(encode_frame(answer, payload)) // 65507)
     assert request_frames == answer_frames == (5 if n_rows == 64 else 1)
     assert dict(sent_counts) == {TYPE_DATA: calls * request_frames}
@@ -155,12 +170,12 @@ async def test_canary_the_stock_muxer_sends_a_window_update_per_read(monkeypatch
         server.set_stream_handler(PROTOCOL_ID, expert_stream_handler(echo_rows))
         async with open_expert_client(me, server.peer_id, server.listen_addrs) as client:
             rows = torch.randn(1, D_MODEL)
-            await client.call(request(0, 1), rows, timeout=10)
+            await client.call(request(0, 1), rows, one_pair_per_row(1), timeout=10)
             ours = muxer(me, server.peer_id)
             assert type(ours) is Yamux
             log = FrameLog(monkeypatch, ours)
             for rid in range(1, calls + 1):
-                await client.call(request(rid, 1), rows, timeout=10)
+                await client.call(request(rid, 1), rows, one_pair_per_row(1), timeout=10)
             counts = log.take()
     assert counts[TYPE_DATA] == calls
     assert counts[TYPE_WINDOW_UPDATE] >= calls
@@ -180,7 +195,7 @@ async def test_expert_calls_between_tuned_and_stock_peers(
             with trio.fail_after(60):
                 for rid, n_rows in enumerate([1, 8, 64, 2200, 1, 64]):  # 2200 rows: 8.6 MiB each way
                     rows = torch.randn(n_rows, D_MODEL)
-                    assert torch.equal(await client.call(request(rid, n_rows), rows, timeout=30), rows)
+                    assert torch.equal(await client.call(request(rid, n_rows), rows, one_pair_per_row(n_rows), timeout=30), rows)
                 assert client.sessions_opened == 1
             assert isinstance(muxer(me, server.peer_id), TunedYamux) == client_tuned
             assert isinstance(muxer(server, me.peer_id), TunedYamux) == server_tuned

@@ -19,10 +19,11 @@ import trio.testing
 from coordinator.core.dispatch import DispatchConfig, Reason
 from coordinator.dispatcher import Dispatcher, LocalJob
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
-from swarm.model.experts import pairs_from_lists
 from swarm.p2p.memory import FakeNetwork, open_fake_transport
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest
-from swarm.rpc.server import expert_stream_handler
+from swarm.p2p.transport import Stream
+from swarm.protocol.expert import V1_PROTOCOL_ID, ExpertRequest, Pairs, make_hello
+from swarm.rpc.server import set_expert_handlers
+from swarm.rpc.tensors import pairs_to_tensors
 
 D = 16
 N_EXPERT = 8
@@ -86,18 +87,25 @@ class Volunteer:
     peer_id: str
     calls: list[ExpertRequest] = field(default_factory=list)
     answered: int = 0
+    cancelled: int = 0  # calls whose computation stopped on the coordinator's Cancel
     behaviour: Behaviour | None = None
+    uninterruptible: bool = False  # a kernel that cannot stop once started: a Cancel comes too late
 
-    async def handle(self, req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def handle(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         self.calls.append(req)
-        pr, pe, pw = pairs_from_lists(req.experts, req.weights)
+        pr, pe, pw = pairs_to_tensors(pairs)
         garbage = False
-        if self.behaviour is not None:
-            extra = await self.behaviour(req)
-            garbage = extra is None
-            if extra:
-                await trio.sleep(extra)
-        await trio.sleep(REMOTE_S_PER_PAIR * int(pr.shape[0]))
+        try:
+            with trio.CancelScope(shield=self.uninterruptible):
+                if self.behaviour is not None:
+                    extra = await self.behaviour(req)
+                    garbage = extra is None
+                    if extra:
+                        await trio.sleep(extra)
+                await trio.sleep(REMOTE_S_PER_PAIR * int(pr.shape[0]))
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
         self.answered += 1
         out = partial_sum(req.layer, req.lo, rows, pr, pe, pw)
         return out * 3.0 + 1.0 if garbage else out
@@ -116,7 +124,7 @@ class Swarm:
             with trio.CancelScope() as cs:
                 self.scopes[name] = cs
                 async with open_fake_transport(self.net, peer_id=name) as t:
-                    t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(vol.handle))
+                    set_expert_handlers(t, vol.handle, hello=make_hello(kernel_id="fake-kernel"))
                     task_status.started()
                     await trio.sleep_forever()
 
@@ -377,6 +385,7 @@ async def test_stale_answer_of_an_old_attempt_is_ignored(
 
     sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
     a = await sw.volunteer("a", slow_garbage_once)
+    a.uninterruptible = True  # so the coordinator's Cancel does not stop it: its answer does come
     b = await sw.volunteer("b")
     m = dmap({(0, 0, 4): ["a", "b"], (0, 4, 8): ["a", "b"]})
     cfg = DispatchConfig(timeout_s=0.2, hedge_floor_s=0.05)
@@ -393,6 +402,71 @@ async def test_stale_answer_of_an_old_attempt_is_ignored(
         assert a.answered == len(a.calls) == 1
         await step(d, m, seed=2)  # and the next step's bits are right too
         assert d.report().errors == [] and worker(d, "a")["failures"] == 0
+
+
+async def test_a_hedges_loser_is_cancelled_on_the_volunteer(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The core's Cancel reaches the volunteer as a v2 Cancel frame: its computation stops."""
+
+    async def slow(req: ExpertRequest) -> float | None:
+        return 0.5 if req.lo == 0 else 0.0
+
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    a = await sw.volunteer("a", slow)
+    b = await sw.volunteer("b")
+    m = dmap({(0, 0, 4): ["a", "b"], (0, 4, 8): ["b"]})
+    cfg = DispatchConfig(timeout_s=0.2, hedge_floor_s=0.05)
+    async with sw.coordinator(config=cfg, held=lambda layer, lo, hi: False) as d:
+        d.set_map(m)
+        t = await step(d, m, seed=1)  # 0-3: a is slow, its hedge on b wins after 0.1 s
+        assert 0.1 <= t < 0.11, t
+        assert decisions(d)[Reason.HEDGE_SLOW.value] == 1
+        await trio.sleep(0.01)  # the Cancel frame crosses the link
+        assert (a.cancelled, a.answered) == (1, 0)  # dropped on the volunteer, never computed out
+        await trio.sleep(1.0)
+        assert a.answered == 0
+        assert d.report().errors == [] and worker(d, "a")["failures"] == 0
+        assert d._clients["a"].cancels_sent == 1
+        assert [(r.lo, r.attempt) for r in b.calls] == [(4, 0), (0, 1)]  # 4-7, then the hedge of 0-3
+
+
+async def test_a_v1_peer_is_refused_and_the_layer_runs_elsewhere(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A volunteer that only speaks ``/moe-swarm/expert/1`` (an old version, listed by a stale or
+    static map) cannot be dialled on v2: the call fails as a dial error, the worker is marked down,
+    and the layer is computed by the next replica and the coordinator, bits unchanged."""
+    net = FakeNetwork(latency_s=LATENCY_S)
+    sw = Swarm(nursery, net)
+    spoken: list[str] = []
+
+    async def old(task_status: trio.TaskStatus[None]) -> None:
+        async with open_fake_transport(net, peer_id="old") as t:
+
+            async def v1_only(stream: Stream) -> None:
+                spoken.append("v1")
+                await stream.aclose()
+
+            t.set_stream_handler(V1_PROTOCOL_ID, v1_only)
+            task_status.started()
+            await trio.sleep_forever()
+
+    await nursery.start(old)
+    new = await sw.volunteer("new")
+    m = dmap({(0, 0, 4): ["old", "new"], (0, 4, 8): ["old"]})
+    cfg = DispatchConfig(timeout_s=3.0)
+    async with sw.coordinator(load_probe=Load(busy=4), config=cfg, held=lambda layer, lo, hi: lo != 0) as d:
+        d.set_map(m)
+        await trio.sleep(0.01)
+        assert await step(d, m, seed=1) < 0.05  # 0-3 on "new" after "old" failed; 4-7 here
+        w = worker(d, "old")
+        assert w["state"] == "down" and w["calls"] == 0 and w["failures"] >= 1
+        assert "does not speak /moe-swarm/expert/2" in str(w["last_error"])
+        assert {e.reason for e in d.report().errors if e.peer == "old"} == {"dial_failed"}
+        assert len(new.calls) == 1 and spoken == []  # the v2 dial never reached the v1 handler
+        await step(d, m, seed=2)  # while it is down, nothing is sent to it
+        assert worker(d, "old")["failures"] == w["failures"]
 
 
 async def test_not_held_without_replica_fails(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:

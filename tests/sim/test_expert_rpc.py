@@ -6,9 +6,11 @@ import math
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import trio
@@ -18,6 +20,8 @@ from swarm.errors import (
     BrokenError,
     ClosedError,
     LocalProtocolError,
+    NotAuthorized,
+    Refused,
     RemoteProtocolError,
     SliceError,
     TransportError,
@@ -29,22 +33,27 @@ from swarm.p2p.transport import Stream, Transport
 from swarm.protocol.expert import (
     DEFAULT_LIMITS,
     PROTOCOL_ID,
+    V1_PROTOCOL_ID,
+    Cancel,
     ErrorReply,
     ExpertRequest,
     ExpertResponse,
     FrameReader,
     Hello,
     Message,
+    Pairs,
     RequestId,
     WireLimits,
     encode_frame,
+    encode_request_payload,
     make_hello,
 )
 from swarm.rpc.client import ExpertClient, open_expert_client
-from swarm.rpc.server import expert_stream_handler
+from swarm.rpc.server import expert_stream_handler, set_expert_handlers
 from swarm.rpc.tensors import tensor_to_payload
 
 D = 16
+KERNEL = "test-kernel-v1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,6 +91,22 @@ def net(kind: str) -> Net:
     return Net(kind)
 
 
+@dataclass(frozen=True)
+class Req:
+    """A request header and its pairs (what a call sends besides the rows)."""
+
+    req: ExpertRequest
+    pairs: Pairs
+
+    @property
+    def request_id(self) -> int:
+        return self.req.request_id
+
+    @property
+    def attempt(self) -> int:
+        return self.req.attempt
+
+
 def make_request(
     rid: int,
     n_rows: int = 3,
@@ -92,8 +117,19 @@ def make_request(
     hi: int = 8,
     experts: list[list[int]] | None = None,
     weights: list[list[float]] | None = None,
-) -> ExpertRequest:
-    return ExpertRequest(
+    n_pairs: int | None = None,
+    d_model: int = D,
+) -> Req:
+    """Rows' (expert, weight) lists as a v2 header + pairs (in the order given: the defaults are
+    sorted by (row, expert), as the wire wants)."""
+    n_local = max(1, hi - lo)
+    es = experts if experts is not None else [sorted({i % n_local, (i + 1) % n_local}) for i in range(n_rows)]
+    ws = weights if weights is not None else [[0.75, 0.25 + i][: len(e)] for i, e in enumerate(es)]
+    pr = [r for r, e in enumerate(es) for _ in e]
+    pe = [x for e in es for x in e]
+    pw = [float(x) for w in ws for x in w]
+    pairs = Pairs(np.array(pr, dtype="<u4"), np.array(pe, dtype="<u4"), np.array(pw, dtype="<f4"))
+    req = ExpertRequest(
         request_id=RequestId(rid),
         attempt=attempt,
         model_id="tiny-0123456789ab",
@@ -101,28 +137,34 @@ def make_request(
         lo=lo,
         hi=hi,
         n_rows=n_rows,
+        d_model=d_model,
+        n_pairs=len(pr) if n_pairs is None else n_pairs,
         dtype=dtype,
-        d_model=D,
-        experts=experts
-        if experts is not None
-        else [[i % (hi - lo), (i + 1) % (hi - lo)] for i in range(n_rows)],
-        weights=weights if weights is not None else [[0.75, 0.25 + i] for i in range(n_rows)],
     )
+    return Req(req, pairs)
 
 
-def expected(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
-    """What ``weighted`` computes: row i times sum_j w_ij * (expert_ij + 1)."""
-    scale = torch.tensor(
-        [
-            sum(w * (e + 1) for e, w in zip(es, ws, strict=True))
-            for es, ws in zip(req.experts, req.weights, strict=True)
-        ]
-    )
-    return rows * scale[:, None]
+def wire(r: Req, rows: torch.Tensor) -> tuple[ExpertRequest, torch.Tensor, Pairs]:
+    """The positional arguments of ``ExpertClient.call``."""
+    return r.req, rows, r.pairs
 
 
-async def weighted(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
-    return expected(req, rows)
+def payload_of(r: Req, rows: torch.Tensor, dtype: str = "float32") -> bytes:
+    """The whole request payload (rows, padding, pairs), for hand-driven streams."""
+    return b"".join(bytes(p) for p in encode_request_payload(r.req, tensor_to_payload(rows, dtype), r.pairs))
+
+
+def expected(r: Req | ExpertRequest, rows: torch.Tensor, pairs: Pairs | None = None) -> torch.Tensor:
+    """What ``weighted`` computes: row i times sum over its pairs of w * (expert + 1)."""
+    p = r.pairs if isinstance(r, Req) else pairs
+    assert p is not None
+    scale = np.zeros(rows.shape[0], dtype=np.float64)
+    np.add.at(scale, p.rows.astype(np.int64), p.weights.astype(np.float64) * (p.experts.astype(np.float64) + 1))
+    return rows * torch.from_numpy(scale).to(torch.float32)[:, None]
+
+
+async def weighted(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+    return expected(req, rows, pairs)
 
 
 def rows_for(rid: int, n_rows: int = 3) -> torch.Tensor:
@@ -133,7 +175,7 @@ def rows_for(rid: int, n_rows: int = 3) -> torch.Tensor:
 @asynccontextmanager
 async def serving(
     net: Net,
-    handler: Callable[[ExpertRequest, torch.Tensor], Awaitable[torch.Tensor]] = weighted,
+    handler: Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable[torch.Tensor]] = weighted,
     *,
     limits: WireLimits = DEFAULT_LIMITS,
     hello: Hello | None = None,
@@ -148,7 +190,7 @@ async def serving(
 
 @asynccontextmanager
 async def client_of(transport: Transport, server: Transport) -> AsyncIterator[ExpertClient]:
-    async with open_expert_client(transport, server.peer_id, server.listen_addrs) as client:
+    async with open_expert_client(transport, server.peer_id, server.listen_addrs, kernel_id=KERNEL) as client:
         yield client
 
 
@@ -166,7 +208,7 @@ class Raw:
         their = await raw.receive()
         assert isinstance(their, Hello)
         if hello is True:
-            hello = make_hello()
+            hello = make_hello(kernel_id=KERNEL)
         if isinstance(hello, Hello):
             await raw.stream.write(encode_frame(hello))
         return raw
@@ -200,13 +242,13 @@ async def test_pipelined_concurrent_calls_return_their_own_rows(
     in_flight = max_in_flight = 0
     streams_seen = 0
 
-    async def slow_in_reverse(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def slow_in_reverse(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         nonlocal in_flight, max_in_flight
         in_flight += 1
         max_in_flight = max(max_in_flight, in_flight)
         await trio.sleep(0.002 * (20 - req.request_id))  # later requests finish first
         in_flight -= 1
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     serve = expert_stream_handler(slow_in_reverse)
 
@@ -222,7 +264,7 @@ async def test_pipelined_concurrent_calls_return_their_own_rows(
 
             async def one(rid: int) -> None:
                 n = 1 + rid % 4
-                results[rid] = await client.call(make_request(rid, n), rows_for(rid, n), timeout=10)
+                results[rid] = await client.call(*wire(make_request(rid, n), rows_for(rid, n)), timeout=10)
 
             async with trio.open_nursery() as nursery:
                 for rid in range(20):
@@ -240,14 +282,14 @@ async def test_pipelined_concurrent_calls_return_their_own_rows(
 async def test_bfloat16_path_and_dtype_negotiation(net: Net, clock: trio.testing.MockClock | None) -> None:
     seen: list[tuple[str, torch.Tensor]] = []
 
-    async def recording(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def recording(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         seen.append((req.dtype, rows.clone()))
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     rows = rows_for(1)
     req = make_request(1, dtype="bfloat16")
     async with serving(net, recording) as server, net.open() as me, client_of(me, server) as client:
-        out = await client.call(req, rows, timeout=10)
+        out = await client.call(*wire(req, rows), timeout=10)
     assert seen[0][0] == "bfloat16"
     assert torch.equal(seen[0][1], rows.to(torch.bfloat16).float())  # the server got bf16-rounded rows
     assert out.dtype == torch.float32
@@ -257,13 +299,13 @@ async def test_bfloat16_path_and_dtype_negotiation(net: Net, clock: trio.testing
 
     # a server that only speaks float32: the bfloat16 preference falls back to float32
     seen.clear()
-    f32_only = make_hello(dtypes=["float32"])
+    f32_only = make_hello(kernel_id=KERNEL, dtypes=["float32"])
     async with (
         serving(net, recording, hello=f32_only) as server,
         net.open() as me,
         client_of(me, server) as client,
     ):
-        out = await client.call(req, rows, timeout=10)
+        out = await client.call(*wire(req, rows), timeout=10)
     assert seen[0][0] == "float32"
     assert torch.equal(out, expected(req, rows))
 
@@ -273,20 +315,20 @@ async def test_the_server_bounds_requests_in_flight_per_stream(
 ) -> None:
     running = peak = 0
 
-    async def slow(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def slow(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         nonlocal running, peak
         running += 1
         peak = max(peak, running)
         await trio.sleep(0.02)
         running -= 1
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     results: dict[int, torch.Tensor] = {}
     async with serving(net, slow, limits=WireLimits(max_in_flight=2)) as server, net.open() as me:
         async with client_of(me, server) as client:
 
             async def one(rid: int) -> None:
-                results[rid] = await client.call(make_request(rid), rows_for(rid), timeout=10)
+                results[rid] = await client.call(*wire(make_request(rid), rows_for(rid)), timeout=10)
 
             async with trio.open_nursery() as nursery:
                 for rid in range(8):
@@ -306,63 +348,64 @@ async def test_bad_requests_get_error_answers_and_the_stream_survives(
     limits = WireLimits(max_frame_bytes=64 * 1024, max_rows=8)
     release = trio.Event()
 
-    async def handler(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def handler(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         if req.request_id == 99:
             await release.wait()
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     good = make_request(1)
-    good_payload = tensor_to_payload(rows_for(1), "float32")
+    rows = rows_for(1)
     async with serving(net, handler, limits=limits) as server, net.open() as me:
         raw = await Raw.open(me, server)
 
-        async def status_of(req: ExpertRequest, payload: bytes | memoryview) -> str:
-            answer = await raw.call(req, payload)
+        async def status_of(r: Req, payload: bytes | memoryview | None = None) -> str:
+            answer = await raw.call(r.req, payload_of(r, rows) if payload is None else payload)
             assert isinstance(answer, ExpertResponse), answer
-            assert (answer.request_id, answer.attempt) == (req.request_id, req.attempt)
+            assert (answer.request_id, answer.attempt) == (r.request_id, r.attempt)
             if answer.status != "ok":
                 assert answer.message  # every error says what is wrong
             return answer.status
 
-        assert await status_of(good, good_payload) == "ok"
-        assert (
-            await status_of(
-                make_request(2, experts=[[0, 4], [1], [2]], weights=[[1, 1], [1], [1]]), good_payload
-            )
-            == "bad_index"
-        )
-        assert (
-            await status_of(make_request(3, weights=[[1, math.nan], [1, 1], [1, 1]]), good_payload)
-            == "non_finite"
-        )
-        assert await status_of(make_request(4), bytes(good_payload)[:-4]) == "bad_shape"
-        assert await status_of(make_request(5, n_rows=2), good_payload) == "bad_shape"  # 3 rows of bytes
-        assert await status_of(make_request(6, dtype="float16"), good_payload) == "unsupported_dtype"
-        many = make_request(7, n_rows=9)
-        assert await status_of(many, tensor_to_payload(rows_for(7, 9), "float32")) == "too_many_rows"
-        big = msgspec.structs.replace(make_request(8, n_rows=8), d_model=4096)
-        assert await status_of(big, bytes(8 * 4096 * 4)) == "frame_too_large"  # read, discarded, answered
-        empty_slice = make_request(9, lo=4, hi=4, experts=[[0]] * 3, weights=[[1.0]] * 3)
-        assert await status_of(empty_slice, good_payload) == "bad_shape"
+        assert await status_of(good) == "ok"
+        # the pair arrays: index ranges, order, uniqueness, coverage, weights
+        assert await status_of(make_request(2, experts=[[0, 4], [1], [2]], weights=[[1, 1], [1], [1]])) == "bad_index"
+        assert await status_of(make_request(3, experts=[[1, 0], [1], [2]], weights=[[1, 1], [1], [1]])) == "bad_index"
+        assert await status_of(make_request(4, experts=[[1, 1], [1], [2]], weights=[[1, 1], [1], [1]])) == "bad_index"
+        assert await status_of(make_request(5, experts=[[0, 1], [], [2, 3]], weights=[[1, 1], [], [1, 1]])) == "bad_index"
+        assert await status_of(make_request(6, weights=[[1, math.nan], [1, 1], [1, 1]])) == "non_finite"
+        # the header against the payload and the limits
+        assert await status_of(good, payload_of(good, rows)[:-4]) == "bad_shape"
+        assert await status_of(good, payload_of(good, rows) + bytes(4)) == "bad_shape"
+        assert await status_of(make_request(7, n_pairs=7), payload_of(make_request(7), rows)) == "bad_shape"
+        assert await status_of(make_request(8, n_pairs=2)) == "bad_shape"  # fewer pairs than rows
+        three = make_request(9)
+        assert await status_of(make_request(9, n_rows=2, experts=[[0, 1], [1, 2]]), payload_of(three, rows)) == "bad_shape"
+        assert await status_of(make_request(10, dtype="float16")) == "unsupported_dtype"
+        many = make_request(11, n_rows=9)
+        assert await status_of(many, payload_of(many, rows_for(11, 9))) == "too_many_rows"
+        big = make_request(12, n_rows=8, d_model=4096)
+        assert await status_of(big, bytes(8 * 4096 * 4 + 16 * 12)) == "frame_too_large"  # read, discarded, answered
+        empty_slice = make_request(13, lo=4, hi=4, experts=[[0]] * 3, weights=[[1.0]] * 3)
+        assert await status_of(empty_slice) == "bad_shape"
 
         # an undecodable header with intact framing: an ErrorReply, then business as usual
         await raw.stream.write(struct.pack("<II", 5, 0) + b"\xc1\xc1\xc1\xc1\xc1")
         answer = await raw.receive()
         assert isinstance(answer, ErrorReply) and answer.code == "malformed_header" and not answer.fatal
         # a header that decodes but is not a request
-        await raw.send(make_hello())
+        await raw.send(make_hello(kernel_id=KERNEL))
         answer = await raw.receive()
         assert isinstance(answer, ErrorReply) and answer.code == "unexpected_message"
         # the same (request_id, attempt) twice while the first is still computing
         slow = make_request(99)
-        await raw.send(slow, good_payload)
-        dup = await raw.call(slow, good_payload)
+        await raw.send(slow.req, payload_of(slow, rows))
+        dup = await raw.call(slow.req, payload_of(slow, rows))
         assert isinstance(dup, ExpertResponse) and dup.status == "duplicate_request"
         release.set()
         first = await raw.receive()
         assert isinstance(first, ExpertResponse) and first.status == "ok" and first.request_id == 99
 
-        assert await status_of(good, good_payload) == "ok"
+        assert await status_of(good) == "ok"
 
         # lost framing: a header length beyond the limit -> fatal ErrorReply, then this stream closes
         await raw.stream.write(struct.pack("<II", 2**31, 0))
@@ -372,7 +415,10 @@ async def test_bad_requests_get_error_answers_and_the_stream_survives(
 
         # ... and the listener still serves a well-behaved client
         async with client_of(me, server) as client:
-            assert torch.equal(await client.call(good, rows_for(1), timeout=10), expected(good, rows_for(1)))
+            assert torch.equal(await client.call(*wire(good, rows), timeout=10), expected(good, rows))
+
+
+V1_HELLO = {"type": "hello", "protocol_version": 1, "dtypes": ["float32"], "max_frame_bytes": 1 << 20, "max_rows": 8}
 
 
 async def test_garbage_and_wrong_version_are_refused_with_a_reason(
@@ -388,22 +434,66 @@ async def test_garbage_and_wrong_version_are_refused_with_a_reason(
         assert await raw.ends()
 
         # a Hello of a future version
-        future = Hello(protocol_version=2, dtypes=["float32"], max_frame_bytes=1 << 20, max_rows=8)
+        future = Hello(protocol_version=3, kernel_id=KERNEL, dtypes=["float32"], max_frame_bytes=1 << 20, max_rows=8)
         raw = await Raw.open(me, server, hello=future)
         answer = await raw.receive()
         assert isinstance(answer, ErrorReply) and answer.code == "version_mismatch" and answer.fatal
-        assert "version 1" in answer.message and "version 2" in answer.message
+        assert "version 2" in answer.message and "version 3" in answer.message
+        assert await raw.ends()
+
+        # a v1 Hello on the v2 stream (no kernel_id: it does not even decode as a v2 Hello)
+        raw = await Raw.open(me, server, hello=None)
+        header = msgspec.msgpack.encode(V1_HELLO)
+        await raw.stream.write(struct.pack("<II", len(header), 0) + header)
+        answer = await raw.receive()
+        assert isinstance(answer, ErrorReply) and answer.code == "version_mismatch" and answer.fatal
+        assert "version 1" in answer.message
+        assert await raw.ends()
+
+        # a v2 Hello without the required kernel_id
+        raw = await Raw.open(me, server, hello=None)
+        header = msgspec.msgpack.encode({**V1_HELLO, "protocol_version": 2})
+        await raw.stream.write(struct.pack("<II", len(header), 0) + header)
+        answer = await raw.receive()
+        assert isinstance(answer, ErrorReply) and answer.code == "malformed_header" and answer.fatal
+        assert "kernel_id" in answer.message
         assert await raw.ends()
 
         # a request before any Hello
         raw = await Raw.open(me, server, hello=None)
-        answer = await raw.call(make_request(1), tensor_to_payload(rows_for(1), "float32"))
+        r = make_request(1)
+        answer = await raw.call(r.req, payload_of(r, rows_for(1)))
         assert isinstance(answer, ErrorReply) and answer.code == "unexpected_message" and answer.fatal
         assert await raw.ends()
 
         async with client_of(me, server) as client:
             req = make_request(1)
-            assert torch.equal(await client.call(req, rows_for(1), timeout=10), expected(req, rows_for(1)))
+            assert torch.equal(await client.call(*wire(req, rows_for(1)), timeout=10), expected(req, rows_for(1)))
+
+
+async def test_a_v1_stream_gets_exactly_one_fatal_version_mismatch(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    """A v1 coordinator dialling a v2 volunteer learns why, in one frame, and the stream closes."""
+    async with net.open() as server, net.open() as me:
+        set_expert_handlers(server, weighted, hello=make_hello(kernel_id=KERNEL))
+        stream = await me.open_stream(server.peer_id, server.listen_addrs, V1_PROTOCOL_ID)
+        header = msgspec.msgpack.encode(V1_HELLO)
+        await stream.write(struct.pack("<II", len(header), 0) + header)  # what a v1 client sends first
+        reader = FrameReader(stream)
+        frame = await reader.receive_frame()
+        assert frame is not None and frame.payload == b""
+        reply = msgspec.msgpack.decode(frame.header)  # decoded as a v1 peer would: a plain map
+        assert reply["type"] == "error" and reply["code"] == "version_mismatch" and reply["fatal"] is True
+        assert "/moe-swarm/expert/2" in reply["message"]
+        try:
+            assert await reader.receive_frame() is None  # ... and nothing else: closed
+        except TransportError:
+            pass
+        # the v2 protocol on the same peer serves
+        async with client_of(me, server) as client:
+            r = make_request(2)
+            assert torch.equal(await client.call(*wire(r, rows_for(2)), timeout=10), expected(r, rows_for(2)))
 
 
 async def test_client_refuses_a_server_of_another_version(
@@ -411,48 +501,157 @@ async def test_client_refuses_a_server_of_another_version(
 ) -> None:
     async def future_server(stream: Stream) -> None:
         await stream.write(
-            encode_frame(Hello(protocol_version=2, dtypes=["float32"], max_frame_bytes=1 << 20, max_rows=8))
+            encode_frame(Hello(protocol_version=3, kernel_id="k", dtypes=["float32"], max_frame_bytes=1 << 20, max_rows=8))
         )
         while await stream.read(1 << 16):
             pass
 
+    async def v1_server(stream: Stream) -> None:
+        header = msgspec.msgpack.encode(V1_HELLO)
+        await stream.write(struct.pack("<II", len(header), 0) + header)
+        while await stream.read(1 << 16):
+            pass
+
+    for fake in (future_server, v1_server):
+        async with net.open() as server, net.open() as me:
+            server.set_stream_handler(PROTOCOL_ID, fake)
+            async with client_of(me, server) as client:
+                with pytest.raises(RemoteProtocolError) as info:
+                    await client.call(*wire(make_request(1), rows_for(1)), timeout=10)
+        assert info.value.code == "version_mismatch"
+
+
+# --------------------------------------------------------------------------------------------
+# Cancel and authorization
+
+
+async def test_cancel_drops_a_queued_request_and_its_one_answer_is_cancelled(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    started: list[int] = []
+    finished: list[int] = []
+    gate = trio.Event()
+
+    async def gated(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        started.append(req.request_id)
+        await gate.wait()
+        finished.append(req.request_id)
+        return expected(req, rows, pairs)
+
+    async with serving(net, gated) as server, net.open() as me:
+        raw = await Raw.open(me, server)
+        a, b = make_request(1), make_request(2)
+        await raw.send(a.req, payload_of(a, rows_for(1)))
+        await raw.send(b.req, payload_of(b, rows_for(2)))
+        await raw.send(Cancel(request_id=RequestId(1), attempt=0))
+        await raw.send(Cancel(request_id=RequestId(77), attempt=0))  # never seen: ignored
+        answer = await raw.receive()
+        assert isinstance(answer, ExpertResponse)
+        assert (answer.request_id, answer.status) == (1, "cancelled")
+        gate.set()
+        answer = await raw.receive()
+        assert isinstance(answer, ExpertResponse) and (answer.request_id, answer.status) == (2, "ok")
+        await raw.send(Cancel(request_id=RequestId(2), attempt=0))  # already answered: ignored
+        c = make_request(3)
+        answer = await raw.call(c.req, payload_of(c, rows_for(3)))  # the next answer is request 3's
+        assert isinstance(answer, ExpertResponse) and (answer.request_id, answer.status) == (3, "ok")
+    assert 1 not in finished and finished == [2, 3]
+
+
+async def test_an_abandoned_call_sends_cancel_and_the_server_stops_waiting(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    """A hedge's loser: the caller's scope is cancelled after the frame left -> Cancel on the wire."""
+    cancelled = trio.Event()
+    entered = trio.Event()
+
+    async def hangs(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        if req.request_id == 1:
+            entered.set()
+            try:
+                await trio.sleep_forever()
+            finally:
+                cancelled.set()
+        return expected(req, rows, pairs)
+
+    async with serving(net, hangs) as server, net.open() as me, client_of(me, server) as client:
+        with trio.move_on_after(5) as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def loser() -> None:
+                    await client.call(*wire(make_request(1), rows_for(1)), timeout=30)
+
+                nursery.start_soon(loser)
+                await entered.wait()
+                nursery.cancel_scope.cancel()  # the hedge was won elsewhere
+            await cancelled.wait()  # the server's handler was cancelled by the Cancel frame
+        assert not scope.cancelled_caught
+        assert client.cancels_sent == 1
+        # a timeout abandons the call too
+        entered = trio.Event()
+        cancelled = trio.Event()
+        with pytest.raises(TransportTimeout):
+            await client.call(*wire(make_request(1, attempt=1), rows_for(1)), timeout=0.5)
+        with trio.fail_after(5):
+            await cancelled.wait()
+        assert client.cancels_sent == 2
+        r = make_request(2)  # the stream is fine; the dropped "cancelled" answers did not confuse it
+        assert torch.equal(await client.call(*wire(r, rows_for(2)), timeout=10), expected(r, rows_for(2)))
+        assert client.sessions_opened == 1
+
+
+async def test_unauthorized_peers_are_refused_per_request(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    allowed: set[str] = set()
     async with net.open() as server, net.open() as me:
-        server.set_stream_handler(PROTOCOL_ID, future_server)
+        server.set_stream_handler(
+            PROTOCOL_ID, expert_stream_handler(weighted, hello=make_hello(kernel_id=KERNEL), authorize=allowed.__contains__)
+        )
         async with client_of(me, server) as client:
-            with pytest.raises(RemoteProtocolError) as info:
-                await client.call(make_request(1), rows_for(1), timeout=10)
-    assert info.value.code == "version_mismatch"
+            with pytest.raises(Refused) as info:
+                await client.call(*wire(make_request(1), rows_for(1)), timeout=10)
+            assert isinstance(info.value, NotAuthorized) and info.value.code == "not_authorized"
+            allowed.add(me.peer_id)  # e.g. the market now lists it as a coordinator
+            r = make_request(2)
+            assert torch.equal(await client.call(*wire(r, rows_for(2)), timeout=10), expected(r, rows_for(2)))
+            assert client.sessions_opened == 1
 
 
 async def test_client_validates_before_sending(net: Net, clock: trio.testing.MockClock | None) -> None:
     calls = 0
 
-    async def counting(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def counting(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     async with serving(net, counting, limits=WireLimits(max_rows=4)) as server, net.open() as me:
         async with client_of(me, server) as client:
             with pytest.raises(LocalProtocolError) as info:
                 await client.call(
-                    make_request(1, experts=[[0, 9], [0], [0]], weights=[[1, 1], [1], [1]]),
-                    rows_for(1),
+                    *wire(make_request(1, experts=[[0, 9], [0], [0]], weights=[[1, 1], [1], [1]]), rows_for(1)),
+                    timeout=10,
+                )
+            assert info.value.code == "bad_index"
+            with pytest.raises(LocalProtocolError) as info:  # unsorted pairs are refused, not reordered
+                await client.call(
+                    *wire(make_request(5, experts=[[1, 0], [0], [0]], weights=[[1, 1], [1], [1]]), rows_for(1)),
                     timeout=10,
                 )
             assert info.value.code == "bad_index"
             with pytest.raises(LocalProtocolError) as info:
-                await client.call(make_request(2, n_rows=5), rows_for(2, 5), timeout=10)
+                await client.call(*wire(make_request(2, n_rows=5), rows_for(2, 5)), timeout=10)
             assert info.value.code == "too_many_rows"  # the server's limit, learnt from its Hello
             with pytest.raises(LocalProtocolError):
-                await client.call(make_request(3), rows_for(3, 2), timeout=10)  # rows do not match n_rows
+                await client.call(*wire(make_request(3), rows_for(3, 2)), timeout=10)  # rows do not match n_rows
             assert calls == 0
-            await client.call(make_request(4), rows_for(4), timeout=10)
+            await client.call(*wire(make_request(4), rows_for(4)), timeout=10)
             assert calls == 1
 
 
 async def test_handler_failures_become_error_answers(net: Net, clock: trio.testing.MockClock | None) -> None:
-    async def flaky(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def flaky(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         match req.request_id:
             case 1:
                 raise ValueError("secret internals")
@@ -462,7 +661,7 @@ async def test_handler_failures_become_error_answers(net: Net, clock: trio.testi
                 return torch.zeros(req.n_rows + 1, req.d_model)
             case 4:
                 return torch.full((req.n_rows, req.d_model), math.inf)
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     async with serving(net, flaky) as server, net.open() as me, client_of(me, server) as client:
         for rid, code in [
@@ -472,11 +671,11 @@ async def test_handler_failures_become_error_answers(net: Net, clock: trio.testi
             (4, "non_finite"),
         ]:
             with pytest.raises(RemoteProtocolError) as info:
-                await client.call(make_request(rid), rows_for(rid), timeout=10)
+                await client.call(*wire(make_request(rid), rows_for(rid)), timeout=10)
             assert info.value.code == code
             assert "secret" not in info.value.message
         req = make_request(5)
-        assert torch.equal(await client.call(req, rows_for(5), timeout=10), expected(req, rows_for(5)))
+        assert torch.equal(await client.call(*wire(req, rows_for(5)), timeout=10), expected(req, rows_for(5)))
         assert client.sessions_opened == 1
 
 
@@ -485,7 +684,7 @@ async def test_client_rejects_wrong_shapes_and_nan_from_the_server(
 ) -> None:
     async def lying_server(stream: Stream) -> None:
         reader = FrameReader(stream)
-        await stream.write(encode_frame(make_hello()))
+        await stream.write(encode_frame(make_hello(kernel_id=KERNEL)))
         while got := await reader.receive_message():
             msg, _ = got
             if not isinstance(msg, ExpertRequest):
@@ -510,9 +709,9 @@ async def test_client_rejects_wrong_shapes_and_nan_from_the_server(
         async with client_of(me, server) as client:
             for rid, code in [(1, "bad_shape"), (2, "bad_shape"), (3, "non_finite")]:
                 with pytest.raises(RemoteProtocolError) as info:
-                    await client.call(make_request(rid), rows_for(rid), timeout=10)
+                    await client.call(*wire(make_request(rid), rows_for(rid)), timeout=10)
                 assert info.value.code == code
-            out = await client.call(make_request(4), rows_for(4), timeout=10)
+            out = await client.call(*wire(make_request(4), rows_for(4)), timeout=10)
             assert torch.equal(out, torch.zeros(3, D))
 
 
@@ -521,22 +720,22 @@ async def test_client_rejects_wrong_shapes_and_nan_from_the_server(
 
 
 async def test_hanging_handler_gives_a_client_timeout(net: Net, clock: trio.testing.MockClock | None) -> None:
-    async def hangs_on_7(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def hangs_on_7(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         if req.request_id == 7:
             await trio.sleep_forever()
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     async with serving(net, hangs_on_7) as server, net.open() as me, client_of(me, server) as client:
         t0 = trio.current_time()
         with pytest.raises(TransportTimeout):
-            await client.call(make_request(7), rows_for(7), timeout=0.3)
+            await client.call(*wire(make_request(7), rows_for(7)), timeout=0.3)
         elapsed = trio.current_time() - t0
         if clock is not None:
             assert elapsed == pytest.approx(0.3)
         else:
             assert 0.3 <= elapsed < 1.0
         req = make_request(8)
-        assert torch.equal(await client.call(req, rows_for(8), timeout=10), expected(req, rows_for(8)))
+        assert torch.equal(await client.call(*wire(req, rows_for(8)), timeout=10), expected(req, rows_for(8)))
         assert client.sessions_opened == 1  # a timeout is not a broken stream
 
 
@@ -545,24 +744,27 @@ async def test_late_answer_from_an_old_attempt_is_ignored(
 ) -> None:
     late_answer_sent = trio.Event()
 
-    async def slow_first_attempt(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def slow_first_attempt(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         if (req.request_id, req.attempt) == (5, 0):
-            await trio.sleep(0.5)
+            # a computation that cannot be interrupted (a kernel in a thread): the client's Cancel
+            # arrives too late, and the stale answer still comes back
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.5)
             late_answer_sent.set()
-            return -expected(req, rows)  # distinguishable from the real answer
-        return expected(req, rows)
+            return -expected(req, rows, pairs)  # distinguishable from the real answer
+        return expected(req, rows, pairs)
 
     req0 = make_request(5, attempt=0)
     req1 = make_request(5, attempt=1)
     rows = rows_for(5)
     async with serving(net, slow_first_attempt) as server, net.open() as me, client_of(me, server) as client:
         with pytest.raises(TransportTimeout):
-            await client.call(req0, rows, timeout=0.2)
-        assert torch.equal(await client.call(req1, rows, timeout=10), expected(req1, rows))
+            await client.call(*wire(req0, rows), timeout=0.2)
+        assert torch.equal(await client.call(*wire(req1, rows), timeout=10), expected(req1, rows))
         await late_answer_sent.wait()
         await trio.sleep(0.05)  # let the late answer reach the client and be dropped
         req2 = make_request(6)
-        assert torch.equal(await client.call(req2, rows_for(6), timeout=10), expected(req2, rows_for(6)))
+        assert torch.equal(await client.call(*wire(req2, rows_for(6)), timeout=10), expected(req2, rows_for(6)))
         assert client.sessions_opened == 1
 
 
@@ -571,11 +773,11 @@ async def test_server_killed_mid_call_then_reconnect_after_restart(
 ) -> None:
     entered = trio.Event()
 
-    async def hangs_on_1(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def hangs_on_1(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         if req.request_id == 1:
             entered.set()
             await trio.sleep_forever()
-        return expected(req, rows)
+        return expected(req, rows, pairs)
 
     key = tmp_path / "worker.key"  # libp2p: the restarted worker keeps its identity ...
     where: list[tuple[str, list[str]]] = []
@@ -600,7 +802,7 @@ async def test_server_killed_mid_call_then_reconnect_after_restart(
 
             async def doomed() -> None:
                 try:
-                    await client.call(make_request(1), rows_for(1), timeout=30)
+                    await client.call(*wire(make_request(1), rows_for(1)), timeout=30)
                 except TransportError as exc:
                     outcome.append(exc)
 
@@ -611,19 +813,19 @@ async def test_server_killed_mid_call_then_reconnect_after_restart(
             assert len(outcome) == 1 and isinstance(outcome[0], BrokenError), outcome
 
             with pytest.raises(TransportError):  # while it is down
-                await client.call(make_request(2), rows_for(2), timeout=5)
+                await client.call(*wire(make_request(2), rows_for(2)), timeout=5)
 
             port = int(addrs[0].split("/tcp/")[1].split("/")[0]) if net.kind == "libp2p" else 0
             await nursery.start(run_worker, port)  # ... and its address
             assert where[1][0] == peer_id
             req = make_request(3)
-            assert torch.equal(await client.call(req, rows_for(3), timeout=10), expected(req, rows_for(3)))
+            assert torch.equal(await client.call(*wire(req, rows_for(3)), timeout=10), expected(req, rows_for(3)))
             assert client.sessions_opened == 2
         nursery.cancel_scope.cancel()
 
 
 async def test_client_aclose_fails_waiting_calls(net: Net, clock: trio.testing.MockClock | None) -> None:
-    async def hangs(req: ExpertRequest, rows: torch.Tensor) -> torch.Tensor:
+    async def hangs(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         await trio.sleep_forever()
         raise AssertionError
 
@@ -632,7 +834,7 @@ async def test_client_aclose_fails_waiting_calls(net: Net, clock: trio.testing.M
 
         async def waiting(rid: int) -> None:
             try:
-                await client.call(make_request(rid), rows_for(rid), timeout=30)
+                await client.call(*wire(make_request(rid), rows_for(rid)), timeout=30)
             except ClosedError as exc:
                 errors.append(exc)
 
@@ -643,7 +845,7 @@ async def test_client_aclose_fails_waiting_calls(net: Net, clock: trio.testing.M
             await client.aclose()
         assert len(errors) == 3
         with pytest.raises(ClosedError):
-            await client.call(make_request(9), rows_for(9), timeout=1)
+            await client.call(*wire(make_request(9), rows_for(9)), timeout=1)
 
 
 async def test_unreachable_peer_is_a_transport_error(net: Net, clock: trio.testing.MockClock | None) -> None:
@@ -651,4 +853,4 @@ async def test_unreachable_peer_is_a_transport_error(net: Net, clock: trio.testi
         peer_id, addrs = server.peer_id, server.listen_addrs
     async with open_expert_client(me, peer_id, addrs) as client:
         with pytest.raises(TransportError):
-            await client.call(make_request(1), rows_for(1), timeout=5)
+            await client.call(*wire(make_request(1), rows_for(1)), timeout=5)

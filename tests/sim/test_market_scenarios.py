@@ -128,6 +128,7 @@ async def fake_volunteer(world: World, peer: str, max_experts: int, *, download_
             [HeldSlice(s.model_id, s.layer, s.lo, s.hi, st, serve if st is HeldState.SERVING else 0)
              for s, st in held.items()],
             load=float(world.in_flight[peer]),
+            protocols=[2],
         )
         ack = world.m().heartbeat(hb, trio.current_time())
         actions = []
@@ -315,7 +316,7 @@ async def test_stale_and_replayed_heartbeats_are_rejected(autojump_clock: trio.t
         s = HeldSlice(MID, 0, 0, 4)
 
         def hb(epoch: int, seq: int, slices: list[HeldSlice]) -> CoverageHeartbeat:
-            return CoverageHeartbeat("vol-x", epoch, seq, ["/ip4/10.0.0.9/tcp/1"], slices)
+            return CoverageHeartbeat("vol-x", epoch, seq, ["/ip4/10.0.0.9/tcp/1"], slices, protocols=[2])
 
         world.m().heartbeat(hb(2, 5, [s]), trio.current_time())
         for bad, code in [(hb(2, 5, []), "replayed_sequence"), (hb(2, 4, []), "replayed_sequence"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import base58
 import msgspec
@@ -34,6 +35,25 @@ class Body(msgspec.Struct, forbid_unknown_fields=True):
     items: list[Inner] = []
     load: float = 0.0
     signature: bytes = b""
+
+
+class LaterBody(msgspec.Struct):
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"versions"})
+    peer_id: str
+    versions: list[int] = msgspec.field(default_factory=lambda: [1])
+    signature: bytes = b""
+
+
+class CoverageLikeBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``Body`` with a field added after it shipped (like ``CoverageHeartbeat.protocols``)."""
+
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"versions"})
+    peer_id: str
+    sequence: int
+    items: list[Inner] = []
+    load: float = 0.0
+    signature: bytes = b""
+    versions: list[int] = msgspec.field(default_factory=lambda: [1])
 
 
 class OmittingBody(msgspec.Struct, omit_defaults=True):
@@ -84,6 +104,22 @@ def test_signing_bytes_are_the_documented_canonical_form() -> None:
     assert signing_bytes(body) == expected
     # defaults are included even when the Struct omits them on the wire
     assert signing_bytes(OmittingBody()) == msgspec.msgpack.encode({"peer_id": "", "n": 0})
+    # ... except fields added later (``signed_when_set``): signed only when not their default, so a
+    # body from a sender that predates them, decoded with the default, still verifies
+    assert signing_bytes(LaterBody("p")) == msgspec.msgpack.encode({"peer_id": "p"})
+    assert signing_bytes(LaterBody("p", versions=[2])) == msgspec.msgpack.encode({"peer_id": "p", "versions": [2]})
+
+
+def test_a_body_from_before_a_field_was_added_still_verifies(key_a: KeyPair) -> None:
+    pid = peer_id_of(key_a)
+    old = Body(pid, 7, [Inner(1)], 0.5)
+    sig = sign_body(key_a, old)
+    raw = msgspec.json.encode(msgspec.structs.replace(old, signature=sig))
+    newer = msgspec.json.decode(raw, type=CoverageLikeBody)  # the receiver knows one field more
+    assert newer.versions == [1]
+    verify_body(pid, newer, newer.signature)
+    with pytest.raises(IdentityError):  # but a changed value of the new field is signed
+        verify_body(pid, msgspec.structs.replace(newer, versions=[2]), newer.signature)
 
 
 @pytest.mark.parametrize(

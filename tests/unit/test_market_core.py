@@ -421,9 +421,10 @@ def test_load_bucket(load: float, want: int) -> None:
     assert load_bucket(load) == want
 
 
-def SS(peer: str, layer: int, lo: int, hi: int, *, proven: bool = False, load: float = 0.0, since: float = 0.0
-       ) -> ServingSlice:
-    return ServingSlice(peer, layer, lo, hi, (f"/ip4/127.0.0.1/tcp/1/p2p/{peer}",), preference(proven, load, since, peer))
+def SS(peer: str, layer: int, lo: int, hi: int, *, proven: bool = False, load: float = 0.0, since: float = 0.0,
+       protocols: tuple[int, ...] = (2,)) -> ServingSlice:
+    return ServingSlice(peer, layer, lo, hi, (f"/ip4/127.0.0.1/tcp/1/p2p/{peer}",), preference(proven, load, since, peer),
+                        protocols)
 
 
 def R(*peers: str) -> list[Replica]:
@@ -460,10 +461,34 @@ def R(*peers: str) -> list[Replica]:
     ids=["empty", "one", "overlap", "gap", "no-merge", "proven-first", "load", "age-then-id", "dup-peer", "layers"],
 )
 def test_build_layers(slices: list[ServingSlice], want: list[LayerRanges]) -> None:
-    got = build_layers(slices)
+    got = build_layers(slices, protocol=2)
     assert got == want
     DispatchMap(M, 1, got).validate(n_layer=4, n_expert=16)
-    assert build_layers(list(reversed(slices))) == want  # canonical: input order does not matter
+    assert build_layers(list(reversed(slices)), protocol=2) == want  # canonical: input order does not matter
+
+
+@pytest.mark.parametrize(
+    ("slices", "protocol", "want"),
+    [
+        # a v1-only volunteer (an old heartbeat: no protocol list) cannot serve a v2 coordinator
+        ([SS("old", 0, 0, 4, protocols=(1,))], 2, []),
+        ([SS("old", 0, 0, 4, protocols=())], 2, []),
+        ([SS("old", 0, 0, 4, protocols=(1,)), SS("new", 0, 0, 4)], 2, [LayerRanges(0, [RangeReplicas(0, 4, R("new"))])]),
+        # ... even when it would be preferred (proven) and its slice boundaries would cut the layer
+        ([SS("old", 0, 0, 8, proven=True, protocols=(1,)), SS("new", 0, 4, 8)], 2,
+         [LayerRanges(0, [RangeReplicas(4, 8, R("new"))])]),
+        # a volunteer speaking several versions serves the coordinators of any of them
+        ([SS("both", 0, 0, 4, protocols=(1, 2)), SS("v3", 0, 0, 4, protocols=(3,))], 2,
+         [LayerRanges(0, [RangeReplicas(0, 4, R("both"))])]),
+        ([SS("both", 0, 0, 4, protocols=(1, 2)), SS("v3", 0, 0, 4, protocols=(3,))], 3,
+         [LayerRanges(0, [RangeReplicas(0, 4, R("v3"))])]),
+    ],
+    ids=["v1-only", "none", "v1-beside-v2", "v1-proven", "multi-v2", "multi-v3"],
+)
+def test_build_layers_never_maps_a_volunteer_to_a_coordinator_it_cannot_serve(
+    slices: list[ServingSlice], protocol: int, want: list[LayerRanges]
+) -> None:
+    assert build_layers(slices, protocol=protocol) == want
 
 
 @pytest.mark.parametrize("seed", range(5))

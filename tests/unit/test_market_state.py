@@ -39,9 +39,10 @@ def registered(backing: MemoryBacking | None = None) -> Market:
 
 
 def hb(peer: str, seq: int, *slices: tuple[int, int, int, HeldState], epoch: int = 1, serve_ms: int = 0,
-       addrs: list[str] | None = None, load: float = 0.0) -> CoverageHeartbeat:
+       addrs: list[str] | None = None, load: float = 0.0, protocols: list[int] | None = None) -> CoverageHeartbeat:
     return CoverageHeartbeat(peer, epoch, seq, addrs if addrs is not None else [f"/ip4/10.0.0.1/tcp/1/p2p/{peer}"],
-                             [HeldSlice(MID, la, lo, hi, st, serve_ms) for la, lo, hi, st in slices], load)
+                             [HeldSlice(MID, la, lo, hi, st, serve_ms) for la, lo, hi, st in slices], load,
+                             protocols=[2] if protocols is None else protocols)
 
 
 SERVING = HeldState.SERVING
@@ -150,6 +151,31 @@ def test_map_version_grows_only_on_change_and_survives_restart() -> None:
     m2.tick(6.25)
     assert m2.dispatch_map(MID).version == 3 and m2.dispatch_map(MID).layers == []
     assert codes(lambda: m2.dispatch_map("nope")) == "404 unknown_model"
+
+
+def test_a_volunteer_that_cannot_speak_the_coordinators_protocol_is_never_mapped() -> None:
+    """Heartbeats list the expert-stream versions a volunteer speaks; coordinators speak v2, so a
+    v1-only volunteer (an old body without the list decodes as ``[1]``) is stored but not mapped,
+    until it heartbeats again speaking v2; the list survives a market restart."""
+    backing = MemoryBacking()
+    m = registered(backing)
+    old = CoverageHeartbeat("old", 1, 1, ["/ip4/10.0.0.1/tcp/1/p2p/old"], [HeldSlice(MID, 0, 0, 4, SERVING)])
+    assert old.protocols == [1]
+    m.heartbeat(old, 1.0)
+    m.heartbeat(hb("new", 1, (0, 4, 8, SERVING)), 1.0)
+    m.tick(1.25)
+    assert m.dispatch_map(MID).peers().keys() == {"new"}
+    assert m.ix.volunteers["old"].row.protocols == [1]
+    m.heartbeat(hb("old", 2, (0, 0, 4, SERVING), protocols=[2, 1]), 2.0)  # upgraded
+    m.tick(2.25)
+    assert m.dispatch_map(MID).peers().keys() == {"old", "new"}
+    assert m.ix.volunteers["old"].row.protocols == [1, 2]
+    m2 = new_market(backing, now=3.0)
+    m2.tick(3.25)
+    assert m2.dispatch_map(MID).peers().keys() == {"old", "new"}
+    m2.heartbeat(hb("old", 3, (0, 0, 4, SERVING), protocols=[1]), 4.0)  # downgraded: out again
+    m2.tick(4.25)
+    assert m2.dispatch_map(MID).peers().keys() == {"new"}
 
 
 def test_draining_volunteer_leaves_the_map_and_retiring_one_comes_back_on_deficit() -> None:
