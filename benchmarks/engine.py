@@ -6,7 +6,8 @@ requests, plus resident memory (DESIGN §11 benchmark format).
 
 ``--llamacpp-python`` names a Python that has llama-cpp-python (a scratch venv, not a project
 dependency): llama.cpp then runs on the same file in a subprocess in the same run -- 2 threads, the
-same prompt tokens, an F16 KV cache -- and its tokens/s stand beside ours. Threads (``--threads``,
+same prompt tokens, an F16 KV cache, at 1 and at 4 sequences decoded together (one batch per step, as
+a server with parallel slots) -- and its tokens/s stand beside ours, round by round. Threads (``--threads``,
 default the physical cores, as the coordinator: ``swarm.model.kernels.configure_threads``): the ggml
 kernels use that many for big calls and one for small ones; torch (attention, norms) one intra-op
 thread on the engine thread (all of them with ``--kernel torch``).
@@ -83,8 +84,8 @@ async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_de
 
 
 async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int,
-                    llamacpp: Callable[[int], dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Medians over ``reps`` rounds; at 1 request each round runs llama.cpp right after ours (the
+                    llamacpp: Callable[[int, int], dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Medians over ``reps`` rounds; each round runs llama.cpp (same concurrency) right after ours (the
     machine's memory bandwidth drifts by 20-30 % over minutes: interleaving keeps the ratio fair)."""
     cases: list[dict[str, Any]] = []
     for conc in (1, 4):
@@ -97,8 +98,8 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
             p, d = await one_case(rt, conc, rep, prompt_len, n_decode)
             pre.append(p)
             dec.append(d)
-            if conc == 1 and llamacpp is not None:
-                ref = await trio.to_thread.run_sync(llamacpp, rep)
+            if llamacpp is not None:
+                ref = await trio.to_thread.run_sync(llamacpp, conc, rep)
                 ref_pre.append(ref["prefill"])
                 ref_dec.append(ref["decode"])
                 version = ref["version"]
@@ -120,32 +121,48 @@ LLAMACPP_SCRIPT = r"""
 import json, sys, time
 import numpy as np
 import llama_cpp
-path, prompt_len, n_decode, reps, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2,
-                      type_k=llama_cpp.GGML_TYPE_F16, type_v=llama_cpp.GGML_TYPE_F16, verbose=False)
-vocab = llm.n_vocab()
-pre, dec = [], []
-for rep in range(first, first + reps):
-    prompt = [(13 * j + rep) % (vocab - 3) for j in range(prompt_len)]
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    for _ in range(n_decode - 1):
-        llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t2 = time.perf_counter()
-    pre.append(prompt_len / (t1 - t0))
-    dec.append((n_decode - 1) / (t2 - t1))
-print(json.dumps({"prefill": sorted(pre)[len(pre) // 2], "decode": sorted(dec)[len(dec) // 2],
+import llama_cpp as L
+path, prompt_len, n_decode, n_par, rep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+_CB = L.llama_log_callback(lambda *a: None)
+L.llama_log_set(_CB, None)
+mp = L.llama_model_default_params(); mp.n_gpu_layers = 0
+model = L.llama_model_load_from_file(path.encode(), mp)
+vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+cp = L.llama_context_default_params()
+cp.n_ctx = 1024 * n_par; cp.n_batch = 512; cp.n_ubatch = 512; cp.n_seq_max = n_par
+cp.n_threads = 2; cp.n_threads_batch = 2; cp.type_k = 1; cp.type_v = 1  # F16 KV
+cp.flash_attn_type = 0  # disabled, as the 1-session script (Llama(flash_attn=False) default)
+ctx = L.llama_init_from_model(model, cp)
+batch = L.llama_batch_init(512, 0, n_par)
+def run(items):  # items: (token, pos, seq, want_logits)
+    batch.n_tokens = len(items)
+    for i, (t, p, s, lg) in enumerate(items):
+        batch.token[i] = t; batch.pos[i] = p; batch.n_seq_id[i] = 1; batch.seq_id[i][0] = s; batch.logits[i] = int(lg)
+    assert L.llama_decode(ctx, batch) == 0
+def logits(i):
+    return np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(vocab,))
+prompts = [[(7 * s + 13 * j + rep) % (vocab - 3) for j in range(prompt_len)] for s in range(n_par)]
+t0 = time.perf_counter()
+for s in range(n_par):  # prefill: one sequence per batch, as the server does with a big batch per request
+    run([(t, j, s, j == prompt_len - 1) for j, t in enumerate(prompts[s])])
+t1 = time.perf_counter()
+toks = [int(prompts[s][-1]) for s in range(n_par)]  # any first token: the timing is what counts
+pos = prompt_len
+for _ in range(n_decode - 1):
+    run([(toks[s], pos, s, True) for s in range(n_par)])
+    toks = [int(np.argmax(logits(i))) for i in range(n_par)]
+    pos += 1
+t2 = time.perf_counter()
+print(json.dumps({"prefill": n_par * prompt_len / (t1 - t0), "decode": n_par * (n_decode - 1) / (t2 - t1),
                   "version": llama_cpp.__version__}))
 """
 
 
-def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, reps: int, first: int = 0) -> dict[str, Any]:
-    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(prompt_len), str(n_decode), str(reps),
-                          str(first)],
+def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, n_par: int, rep: int = 0) -> dict[str, Any]:
+    """llama.cpp (low-level API: one context, ``n_par`` sequences decoded in one batch per step, as a
+    server with parallel slots; each prompt prefilled in its own batch; F16 KV, 2 threads, no flash
+    attention) on ``path``, in a subprocess. The prompts are ours (same token ids)."""
+    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(prompt_len), str(n_decode), str(n_par), str(rep)],
                          capture_output=True, text=True, check=True, timeout=1800)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -170,8 +187,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await one_request(rt, [(5 * j + 1) % (model.config.n_vocab - 3) for j in range(prompt_len)], n_decode)
         llamacpp = None
         if args.llamacpp_python:
-            def llamacpp(rep: int) -> dict[str, Any]:
-                return run_llamacpp(args.llamacpp_python, path, prompt_len, n_decode, 1, rep)
+            def llamacpp(conc: int, rep: int) -> dict[str, Any]:
+                return run_llamacpp(args.llamacpp_python, path, prompt_len, n_decode, conc, rep)
         cases = await run_cases(rt, prompt_len, n_decode, reps, llamacpp)
         n.cancel_scope.cancel()
     for c in cases:
@@ -197,7 +214,7 @@ def main() -> None:
     args = ap.parse_args()
     result = trio.run(main_async, args)
     print(f"\nengine benchmark: {result['model']} ({result['model_shape']})")
-    print(f"{'case':<12} {'tokens/s':>10} {'llama.cpp':>10} {'ratio':>7}   (kernel {args.kernel})")
+    print(f"{'case':<12} {'tokens/s':>10} {'llama.cpp':>10} {'ratio':>7}   (kernel {args.kernel}; medians)")
     for c in result["cases"]:
         if "tokens_per_s" in c:
             ref = c.get("llamacpp_tokens_per_s")
