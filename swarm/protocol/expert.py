@@ -51,6 +51,7 @@ Rules:
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -605,6 +606,9 @@ class Pairs:
         return (self.rows.data.cast("B"), self.experts.data.cast("B"), self.weights.data.cast("B"))
 
 
+_SMALL: Final = 64  # up to this many pairs a Python loop beats numpy's per-call overhead (~1 us a call)
+
+
 def make_pairs(rows: npt.ArrayLike, experts: npt.ArrayLike, weights: npt.ArrayLike) -> Pairs:
     """Pairs in wire order from arrays in any order (e.g. the router's); raises ``BadShape`` if the
     lengths differ and ``BadIndex`` for a negative index. Duplicates are kept (``check_pairs`` refuses them)."""
@@ -613,13 +617,22 @@ def make_pairs(rows: npt.ArrayLike, experts: npt.ArrayLike, weights: npt.ArrayLi
     w = np.asarray(weights, dtype=np.float32).reshape(-1)
     if not r.shape == e.shape == w.shape:
         raise BadShape(f"pair arrays of lengths {r.shape[0]}, {e.shape[0]}, {w.shape[0]}")
-    if r.size and (int(r.min()) < 0 or int(e.min()) < 0):
-        raise BadIndex("negative pair index")
-    if r.size > 1:
+    n = r.shape[0]
+    if 0 < n <= _SMALL:  # lists: no numpy call per check (about a microsecond each)
+        rl, el = r.tolist(), e.tolist()
+        if min(rl) < 0 or min(el) < 0:
+            raise BadIndex("negative pair index")
+        keys = list(zip(rl, el, strict=True))
+        if any(a >= b for a, b in zip(keys, keys[1:], strict=False)):
+            order = sorted(range(n), key=keys.__getitem__)
+            r, e, w = r[order], e[order], w[order]
+    elif n:
+        if int(r.min()) < 0 or int(e.min()) < 0:
+            raise BadIndex("negative pair index")
         key = r.astype(np.int64) * (int(e.max()) + 1) + e.astype(np.int64)
         if not bool((key[1:] > key[:-1]).all()):  # already sorted (the common case): no copy
-            order = np.argsort(key, kind="stable")
-            r, e, w = r[order], e[order], w[order]
+            order_a = np.argsort(key, kind="stable")
+            r, e, w = r[order_a], e[order_a], w[order_a]
     return Pairs(
         np.ascontiguousarray(r, dtype="<u4"),
         np.ascontiguousarray(e, dtype="<u4"),
@@ -637,10 +650,50 @@ def check_pairs(req: ExpertRequest, pairs: Pairs) -> None:
             f"{pairs.weights.shape[0]} weights",
             req,
         )
-    rows, exps = pairs.rows, pairs.experts
-    n_local = req.hi - req.lo
     if n == 0:
         raise _attributed(BadIndex, "no pairs: every row needs at least one", req)
+    if n <= _SMALL:
+        _check_small(req, pairs.rows.tolist(), pairs.experts.tolist(), pairs.weights.tolist())
+    else:
+        _check_large(req, pairs)
+
+
+def _check_small(req: ExpertRequest, rows: list[int], exps: list[int], weights: list[float]) -> None:
+    n_local = req.hi - req.lo
+    prev_r, prev_e = 0, -1
+    for i, (r, e) in enumerate(zip(rows, exps, strict=True)):
+        if e >= n_local:
+            raise _attributed(
+                BadIndex, f"pair {i}: expert index {e} outside [0, {n_local}) of slice {req.lo}-{req.hi}", req
+            )
+        if r >= req.n_rows:
+            raise _attributed(BadIndex, f"pair {i}: row {r} outside [0, {req.n_rows})", req)
+        if r == prev_r and e > prev_e:
+            prev_e = e
+            continue
+        if r == prev_r + 1 and i > 0:
+            prev_r, prev_e = r, e
+            continue
+        if (r, e) == (prev_r, prev_e):
+            raise _attributed(BadIndex, f"pair {i} (row {r}, expert {e}) repeats pair {i - 1}", req)
+        if (r, e) < (prev_r, prev_e):
+            raise _attributed(
+                BadIndex,
+                f"pair {i} (row {r}, expert {e}) is out of (row, expert) order after pair {i - 1} "
+                f"(row {prev_r}, expert {prev_e})",
+                req,
+            )
+        raise _attributed(BadIndex, f"row {prev_r + 1 if i else 0} has no pair", req)
+    if prev_r != req.n_rows - 1:
+        raise _attributed(BadIndex, f"row {prev_r + 1} has no pair", req)
+    if not all(map(math.isfinite, weights)):
+        i = next(j for j, w in enumerate(weights) if not math.isfinite(w))
+        raise _attributed(NonFinite, f"pair {i}: non-finite router weight {weights[i]}", req)
+
+
+def _check_large(req: ExpertRequest, pairs: Pairs) -> None:
+    rows, exps = pairs.rows, pairs.experts
+    n_local = req.hi - req.lo
     if int(exps.max()) >= n_local:
         i = int(np.argmax(exps >= n_local))
         raise _attributed(
@@ -651,7 +704,7 @@ def check_pairs(req: ExpertRequest, pairs: Pairs) -> None:
         raise _attributed(BadIndex, f"pair {i}: row {int(rows[i])} outside [0, {req.n_rows})", req)
     # sorted by (row, expert) and unique <=> the combined key strictly increases
     key = rows.astype(np.int64) * n_local + exps
-    if n > 1 and not bool((key[1:] > key[:-1]).all()):
+    if not bool((key[1:] > key[:-1]).all()):
         i = 1 + int(np.argmax(key[1:] <= key[:-1]))
         what = "repeats" if key[i] == key[i - 1] else "is out of (row, expert) order after"
         raise _attributed(
@@ -661,7 +714,7 @@ def check_pairs(req: ExpertRequest, pairs: Pairs) -> None:
             req,
         )
     # sorted: every row has a pair <=> rows start at 0 and step by at most 1
-    if int(rows[0]) != 0 or int(rows[-1]) != req.n_rows - 1 or (n > 1 and int((rows[1:] - rows[:-1]).max()) > 1):
+    if int(rows[0]) != 0 or int(rows[-1]) != req.n_rows - 1 or int((rows[1:] - rows[:-1]).max(initial=0)) > 1:
         present = np.zeros(req.n_rows, dtype=bool)
         present[rows] = True
         raise _attributed(BadIndex, f"row {int(np.argmin(present))} has no pair", req)

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import swarm.protocol.expert as expert_wire
 from swarm.errors import (
     BrokenError,
     FrameTooLarge,
@@ -403,6 +404,19 @@ def test_any_corruption_of_the_pair_arrays_is_a_clear_attributed_error_or_still_
     for _ in range(data.draw(st.integers(1, 3))):
         i = data.draw(st.integers(off, len(buf) - 1))
         buf[i] = data.draw(st.integers(0, 255))
+    p = Pairs(*(np.frombuffer(buf, dtype=t, count=req.n_pairs, offset=off + 4 * k * req.n_pairs)
+                for k, t in enumerate(("<u4", "<u4", "<f4"))))
+    verdicts = []
+    for check in (expert_wire._check_small, expert_wire._check_large):  # the two paths agree
+        try:
+            if check is expert_wire._check_small:
+                check(req, p.rows.tolist(), p.experts.tolist(), p.weights.tolist())
+            else:
+                check(req, p)
+            verdicts.append(None)
+        except WireError as exc:
+            verdicts.append(exc.code)
+    assert verdicts[0] == verdicts[1], verdicts
     try:
         got = decode_pairs(req, buf)
     except WireError as exc:
