@@ -79,9 +79,10 @@ def configure_threads(threads: int, backend: KernelBackend) -> None:
         set_poll(1)  # many small graphs in a row: a short spin instead of a wake-up per graph
 
 
-def compute_threads(work: int, big: int = BIG_WORK) -> int:
-    """Threads for a call of ``work`` multiply-accumulates (every thread from ``big`` on)."""
-    return _THREADS if work >= big else 1
+def compute_threads(work: int, big: int | None = None) -> int:
+    """Threads for a call of ``work`` multiply-accumulates (every thread from ``big`` on, default
+    ``BIG_WORK``)."""
+    return _THREADS if work >= (BIG_WORK if big is None else big) else 1
 
 
 class KernelBackend(enum.StrEnum):
