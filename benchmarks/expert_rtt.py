@@ -7,7 +7,7 @@ A server process hosts it on ``/moe-swarm/expert/2`` (the expert stream server o
 one the volunteer's ``ExpertServer`` plugs into) and runs a raw TCP echo server. The client process measures, at batch 1, 8 and 64 tokens:
 
 - ``local``: ``slice_partial_sum`` in this process (the coordinator's local path);
-- ``remote``: an ``ExpertClient`` call (request + rows out, partial sums back, compute included);
+- ``remote``: an ``ExpertClient`` call (request + rows out, per-pair outputs back, compute included);
 - ``tcp_floor``: echo of the same request/response byte counts over a plain TCP socket;
 - ``remote_concurrent8``: 8 concurrent callers at batch 8 over one pipelined stream (tokens/s).
 

@@ -106,7 +106,7 @@ from swarm.errors import (
     TransportTimeout,
 )
 from swarm.model.gguf import GGUFModel
-from swarm.model.kernels import KernelBackend, expert_kernel, kernel_id
+from swarm.model.kernels import KernelBackend, combine_pairs, expert_kernel, kernel_id
 from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
@@ -119,7 +119,7 @@ from swarm.protocol.coordinator import (
 )
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, Pairs, RequestId
 from swarm.rpc.client import ExpertClient
-from swarm.rpc.tensors import pairs_from_tensors
+from swarm.rpc.tensors import pairs_from_tensors, pairs_to_tensors
 
 __all__ = [
     "DispatchCollector",
@@ -138,7 +138,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LocalJob:
     """One range's share of a layer: ``x`` = the rows with pairs in ``[lo, hi)``, the pairs (row into
-    ``x``, expert relative to ``lo``, weight) in the router's order."""
+    ``x``, expert relative to ``lo``, weight) in wire order (sorted by (row, expert)). Its result is
+    each pair's weighted expert output ``[n_pairs, d_model]`` in that order (``pair_outputs``)."""
 
     layer: int
     lo: int
@@ -149,7 +150,7 @@ class LocalJob:
     pair_weights: torch.Tensor
 
 
-LocalKernel = Callable[[LocalJob], torch.Tensor]  # synchronous: the partial sums [rows, d_model]
+LocalKernel = Callable[[LocalJob], torch.Tensor]  # synchronous: the weighted per-pair outputs [pairs, d_model]
 LocalRunner = Callable[[LocalJob], Awaitable[torch.Tensor]]  # runs a LocalJob from the trio thread
 LoadProbe = Callable[[], tuple[int, int]]  # (busy slots, slots)
 
@@ -528,7 +529,7 @@ class Dispatcher:
         assert isinstance(self.model, GGUFModel)
         sub = self.model.expert_stack(job.layer, job.lo, job.hi)
         k = expert_kernel(sub, self.kernel) if self.kernel is not None else expert_kernel(sub)
-        return k.partial_sum(job.x, job.pair_rows, job.pair_experts, job.pair_weights)
+        return k.pair_outputs(job.x, job.pair_rows, job.pair_experts, job.pair_weights)
 
     def _compute_in_thread(self, job: LocalJob) -> torch.Tensor:
         with torch.no_grad():
@@ -567,24 +568,34 @@ class Dispatcher:
                 continue
             pr = all_rows[sel]
             rows = torch.unique(pr)
-            local = LocalJob(
-                layer,
-                r.lo,
-                r.hi,
-                x.index_select(0, rows),
-                torch.searchsorted(rows, pr),
-                all_e[sel] - r.lo,
-                all_w[sel],
-            )
+            wire = pairs_from_tensors(torch.searchsorted(rows, pr), all_e[sel] - r.lo, all_w[sel])
+            prs, pes, pws = pairs_to_tensors(wire)
+            local = LocalJob(layer, r.lo, r.hi, x.index_select(0, rows), prs, pes, pws)
             replicas = tuple(rep.peer_id for rep in r.replicas) if self.transport is not None else ()
-            jobs.append(_Job(r.lo, r.hi, replicas, rows, local))
+            jobs.append(_Job(r.lo, r.hi, replicas, rows, local, wire))
         return jobs
 
     def _combine(self, n_tok: int, jobs: list[_Job], results: Iterable[torch.Tensor]) -> torch.Tensor:
-        out = torch.zeros(n_tok, self.cfg.d_model, dtype=torch.float32)
-        for j, res in zip(jobs, results, strict=True):  # jobs are in ascending lo
-            out.index_add_(0, j.rows, res)
-        return out
+        """The layer's MoE output from every range's per-pair outputs: per token, the pairs added in
+        ascending expert order (``combine_pairs``), whoever computed them and however the layer was cut."""
+        ys = list(results)
+        if not jobs:
+            return torch.zeros(n_tok, self.cfg.d_model, dtype=torch.float32)
+        for j, y in zip(jobs, ys, strict=True):
+            if tuple(y.shape) != (int(j.local.pair_rows.shape[0]), self.cfg.d_model):
+                raise DispatchFailed(f"range {j.lo}-{j.hi}: {tuple(y.shape)} outputs for {j.local.pair_rows.shape[0]} pairs")
+        rows = torch.cat([j.rows[j.local.pair_rows] for j in jobs])
+        exps = torch.cat([j.local.pair_experts + j.lo for j in jobs])
+        return combine_pairs(n_tok, rows.numpy(), exps.numpy(), torch.cat(ys) if len(ys) > 1 else ys[0])
+
+    def _all_here(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Every expert of the layer computed here in one kernel call: the bits of any partition
+        (per-pair outputs are batch-invariant; the combine order is fixed by the experts)."""
+        n_tok, k = topk_ids.shape
+        job = LocalJob(layer, 0, self.cfg.n_expert, x, torch.arange(n_tok).repeat_interleave(k), topk_ids.reshape(-1),
+                       topk_w.reshape(-1))
+        y = self.local_kernel(job)
+        return combine_pairs(n_tok, job.pair_rows.numpy(), job.pair_experts.numpy(), y)
 
     async def dispatch_layer(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
@@ -624,9 +635,8 @@ class Dispatcher:
     # -- engine thread ------------------------------------------------------------------------------
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         token = self._token
-        if token is None:  # not serving: every range here, in the same partition (same bits)
-            jobs = self._jobs(layer, x, topk_ids, topk_w)
-            return self._combine(int(topk_ids.shape[0]), jobs, (self.local_kernel(j.local) for j in jobs))
+        if token is None:  # not serving: every expert here (the bits of any partition)
+            return self._all_here(layer, x, topk_ids, topk_w)
         if self._engine_local:
             # Fast path: idle, so the core would place every held range here. Computing them on this
             # thread spares two thread hops per range (~0.1 ms each: a whole idle token on a small
@@ -634,7 +644,7 @@ class Dispatcher:
             # one layer late at most.
             jobs = self._jobs(layer, x, topk_ids, topk_w)
             if all(self.held(layer, j.lo, j.hi) for j in jobs):
-                out = self._combine(int(topk_ids.shape[0]), jobs, (self.local_kernel(j.local) for j in jobs))
+                out = self._all_here(layer, x, topk_ids, topk_w)  # one kernel call, not one per range
                 works = tuple(
                     RangeWork(
                         j.lo, j.hi, int(j.local.x.shape[0]), int(j.local.pair_rows.shape[0]), j.replicas, True

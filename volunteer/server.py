@@ -168,15 +168,16 @@ class _SliceWorker:
         if len(batch) == 1:
             p = batch[0]
             pr, pe, pw = pairs_to_tensors(p.pairs, expert_offset=p.offset)
-            return [self.kernel.partial_sum(p.rows, pr, pe, pw)]
+            return [self.kernel.pair_outputs(p.rows, pr, pe, pw)]
         sizes = [int(p.rows.shape[0]) for p in batch]
+        n_pairs = [len(p.pairs) for p in batch]
         bases = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
         prs = np.concatenate([p.pairs.rows.astype(np.int64) + b for p, b in zip(batch, bases, strict=True)])
         pes = np.concatenate([p.pairs.experts.astype(np.int64) + p.offset for p in batch])
         pws = np.concatenate([p.pairs.weights for p in batch]).astype(np.float32, copy=False)
         x = torch.cat([p.rows for p in batch])
-        out = self.kernel.partial_sum(x, torch.from_numpy(prs), torch.from_numpy(pes), torch.from_numpy(pws))
-        return list(torch.split(out, sizes))
+        out = self.kernel.pair_outputs(x, torch.from_numpy(prs), torch.from_numpy(pes), torch.from_numpy(pws))
+        return list(torch.split(out, n_pairs))  # per pair: batch-invariant, so the bits of a lone call
 
 
 class ExpertServer:

@@ -15,8 +15,13 @@ Request payload (v2), exactly ``request_payload_len(req)`` bytes::
     pair_weight  f32[n_pairs]      router weight (always float32, whatever ``dtype``)
 
 Pairs are sorted by (row, expert), unique, and every row has at least one pair (so
-``n_rows <= n_pairs <= n_rows * (hi - lo)``). Response payload on ``ok``: the partial sums
-``[n_rows, d_model]`` in ``dtype``.
+``n_rows <= n_pairs <= n_rows * (hi - lo)``). Response payload on ``ok``: each pair's weighted
+expert output ``w * y_e(rows[r])`` ``[n_pairs, d_model]`` in ``dtype``, in the request's pair
+order. Per pair, not per row: the coordinator adds all of a layer's pairs in ascending expert order
+itself (``swarm.model.kernels.combine_pairs``), so the layer's result has the same bits however the
+experts are split into ranges and whoever computed them (zero-started per-row sums of a range would
+round differently under another partition). It costs ``n_pairs / n_rows`` times the bytes of
+per-row sums (about 1-1.5 for top-k routing over a few ranges).
 
 Rules:
 - Each side's first frame is a ``Hello`` (``kernel_id`` required). The caller then sends
@@ -247,7 +252,8 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field=
 class ExpertResponse(msgspec.Struct, frozen=True, kw_only=True, tag="expert_response", tag_field="type"):
     """The one answer to a request. ``status`` is ``"ok"``, ``"cancelled"`` or an error code.
 
-    Payload on ``"ok"``: partial sums ``[n_rows, d_model]`` in ``dtype``; otherwise none.
+    Payload on ``"ok"``: the weighted per-pair outputs ``[n_pairs, d_model]`` in ``dtype``, in the
+    request's pair order; otherwise none. ``n_rows``/``n_pairs``/``d_model`` echo the request's.
     """
 
     request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
@@ -256,6 +262,7 @@ class ExpertResponse(msgspec.Struct, frozen=True, kw_only=True, tag="expert_resp
     message: str = ""
     dtype: str = Dtype.FLOAT32  # open like ``status``: an unknown dtype is an UnsupportedDtype error, not an undecodable frame
     n_rows: NonNegInt = 0
+    n_pairs: NonNegInt = 0
     d_model: NonNegInt = 0
 
 

@@ -249,8 +249,9 @@ class ExpertClient:
     async def call(
         self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, *, timeout: float  # noqa: ASYNC109
     ) -> torch.Tensor:
-        """The per-row partial sums ``[n_rows, d_model]`` (float32) for ``req`` over ``rows`` and
-        ``pairs`` (``req.n_pairs`` of them, in wire order: ``make_pairs`` sorts).
+        """The weighted per-pair outputs ``[n_pairs, d_model]`` (float32, in ``pairs``' order) for
+        ``req`` over ``rows`` and ``pairs`` (``req.n_pairs`` of them, in wire order: ``make_pairs``
+        sorts); ``swarm.model.kernels.combine_pairs`` adds them into a layer's result.
 
         ``req.dtype`` is the preferred wire dtype (e.g. float32 for exactness, bfloat16 for
         bandwidth); the one actually used is the best both peers support. Abandoning the call
@@ -320,13 +321,14 @@ class ExpertClient:
             raise RemoteProtocolError(f"{self.peer_id}: {resp.message}", code=resp.code)
         if resp.status != Status.OK:
             raise remote_error(resp.status, f"{self.peer_id} answered {resp.status}: {resp.message}")
-        if (resp.n_rows, resp.d_model) != (req.n_rows, req.d_model):
+        if (resp.n_rows, resp.n_pairs, resp.d_model) != (req.n_rows, req.n_pairs, req.d_model):
             raise RemoteProtocolError(
-                f"{self.peer_id} answered [{resp.n_rows}, {resp.d_model}] to a [{req.n_rows}, {req.d_model}] request",
+                f"{self.peer_id} answered {resp.n_pairs} pairs of [{resp.n_rows}, {resp.d_model}] to a request of "
+                f"{req.n_pairs} pairs of [{req.n_rows}, {req.d_model}]",
                 code="bad_shape",
             )
         payload = waiter.payload if waiter.payload is not None else bytearray()
-        out = payload_to_tensor(payload, resp.dtype, resp.n_rows, resp.d_model)
+        out = payload_to_tensor(payload, resp.dtype, resp.n_pairs, resp.d_model)
         if not all_finite(out):
             raise NonFinite(f"{self.peer_id} answered request {req.request_id}/{req.attempt} with NaN/inf")
         return out

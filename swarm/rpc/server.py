@@ -320,11 +320,11 @@ async def _compute(
     except Exception as exc:
         log.exception("expert handler failed on request %s/%s from %s", req.request_id, req.attempt, peer)
         return failure(Status.INTERNAL_ERROR, f"expert computation failed: {type(exc).__name__}")
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (req.n_rows, req.d_model):
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (req.n_pairs, req.d_model):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        log.error("expert handler returned %s for request of shape %s", got, (req.n_rows, req.d_model))
+        log.error("expert handler returned %s for request of shape %s", got, (req.n_pairs, req.d_model))
         return failure(
-            Status.INTERNAL_ERROR, f"expert computation returned {got}, expected {(req.n_rows, req.d_model)}"
+            Status.INTERNAL_ERROR, f"expert computation returned {got}, expected {(req.n_pairs, req.d_model)}"
         )
     if not out.is_floating_point() or not all_finite(out):
         return failure(NonFinite.code, "expert computation produced non-finite values")
@@ -335,6 +335,7 @@ async def _compute(
         status=Status.OK,
         dtype=Dtype(req.dtype),
         n_rows=req.n_rows,
+        n_pairs=req.n_pairs,
         d_model=req.d_model,
     )
     return response, payload

@@ -54,10 +54,10 @@ class FakeModel:
 def partial_sum(
     layer: int, lo: int, x: torch.Tensor, pr: torch.Tensor, pe: torch.Tensor, pw: torch.Tensor
 ) -> torch.Tensor:
-    """The fake expert kernel: per row, contributions in pair order starting from zero."""
-    out = torch.zeros_like(x)
-    for r, e, w in zip(pr.tolist(), pe.tolist(), pw.tolist(), strict=True):
-        out[r] += w * torch.tanh(x[r] * (lo + e + 1) * 0.1 + layer)
+    """The fake expert kernel: each pair's weighted output, in pair order (what v2 answers)."""
+    out = torch.empty(int(pr.shape[0]), x.shape[1])
+    for i, (r, e, w) in enumerate(zip(pr.tolist(), pe.tolist(), pw.tolist(), strict=True)):
+        out[i] = w * torch.tanh(x[r] * (lo + e + 1) * 0.1 + layer)
     return out
 
 

@@ -155,12 +155,11 @@ def payload_of(r: Req, rows: torch.Tensor, dtype: str = "float32") -> bytes:
 
 
 def expected(r: Req | ExpertRequest, rows: torch.Tensor, pairs: Pairs | None = None) -> torch.Tensor:
-    """What ``weighted`` computes: row i times sum over its pairs of w * (expert + 1)."""
+    """What ``weighted`` computes, per pair (the v2 answer): its row times w * (expert + 1)."""
     p = r.pairs if isinstance(r, Req) else pairs
     assert p is not None
-    scale = np.zeros(rows.shape[0], dtype=np.float64)
-    np.add.at(scale, p.rows.astype(np.int64), p.weights.astype(np.float64) * (p.experts.astype(np.float64) + 1))
-    return rows * torch.from_numpy(scale).to(torch.float32)[:, None]
+    scale = p.weights.astype(np.float64) * (p.experts.astype(np.float64) + 1)
+    return rows[torch.from_numpy(p.rows.astype(np.int64))] * torch.from_numpy(scale).to(torch.float32)[:, None]
 
 
 async def weighted(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
@@ -658,9 +657,9 @@ async def test_handler_failures_become_error_answers(net: Net, clock: trio.testi
             case 2:
                 raise SliceError("slice 4-8 of layer 1 is not loaded", code="slice_not_loaded")
             case 3:
-                return torch.zeros(req.n_rows + 1, req.d_model)
+                return torch.zeros(req.n_pairs + 1, req.d_model)
             case 4:
-                return torch.full((req.n_rows, req.d_model), math.inf)
+                return torch.full((req.n_pairs, req.d_model), math.inf)
         return expected(req, rows, pairs)
 
     async with serving(net, flaky) as server, net.open() as me, client_of(me, server) as client:
@@ -690,19 +689,20 @@ async def test_client_rejects_wrong_shapes_and_nan_from_the_server(
             if not isinstance(msg, ExpertRequest):
                 continue
             ids = {"request_id": msg.request_id, "attempt": msg.attempt, "status": "ok", "dtype": "float32"}
+            shape = {"n_rows": msg.n_rows, "n_pairs": msg.n_pairs, "d_model": msg.d_model}
             if msg.request_id == 1:  # the header promises the right shape, the payload is short
-                answer = ExpertResponse(**ids, n_rows=msg.n_rows, d_model=msg.d_model)
+                answer = ExpertResponse(**ids, **shape)
                 await stream.write(encode_frame(answer, bytes(4)))
             elif msg.request_id == 2:  # a different shape
-                answer = ExpertResponse(**ids, n_rows=msg.n_rows + 1, d_model=msg.d_model)
-                await stream.write(encode_frame(answer, bytes(4 * (msg.n_rows + 1) * msg.d_model)))
+                answer = ExpertResponse(**ids, **{**shape, "n_pairs": msg.n_pairs + 1})
+                await stream.write(encode_frame(answer, bytes(4 * (msg.n_pairs + 1) * msg.d_model)))
             elif msg.request_id == 3:  # NaN
-                bad = torch.full((msg.n_rows, msg.d_model), math.nan)
-                answer = ExpertResponse(**ids, n_rows=msg.n_rows, d_model=msg.d_model)
+                bad = torch.full((msg.n_pairs, msg.d_model), math.nan)
+                answer = ExpertResponse(**ids, **shape)
                 await stream.write(encode_frame(answer, tensor_to_payload(bad, "float32")))
             else:
-                answer = ExpertResponse(**ids, n_rows=msg.n_rows, d_model=msg.d_model)
-                await stream.write(encode_frame(answer, bytes(4 * msg.n_rows * msg.d_model)))
+                answer = ExpertResponse(**ids, **shape)
+                await stream.write(encode_frame(answer, bytes(4 * msg.n_pairs * msg.d_model)))
 
     async with net.open() as server, net.open() as me:
         server.set_stream_handler(PROTOCOL_ID, lying_server)
@@ -711,8 +711,9 @@ async def test_client_rejects_wrong_shapes_and_nan_from_the_server(
                 with pytest.raises(RemoteProtocolError) as info:
                     await client.call(*wire(make_request(rid), rows_for(rid)), timeout=10)
                 assert info.value.code == code
-            out = await client.call(*wire(make_request(4), rows_for(4)), timeout=10)
-            assert torch.equal(out, torch.zeros(3, D))
+            req4 = make_request(4)
+            out = await client.call(*wire(req4, rows_for(4)), timeout=10)
+            assert torch.equal(out, torch.zeros(req4.req.n_pairs, D))
 
 
 # --------------------------------------------------------------------------------------------

@@ -295,6 +295,8 @@ def _as_raw(a: Any, nbytes: int, what: str) -> np.ndarray:
 class _Ctx:
     """A ggml context; freed with the owner."""
 
+    _ggml_free = staticmethod(g.ggml_free)  # kept: at interpreter exit the module's globals are gone first
+
     def __init__(self, mem_size: int, no_alloc: bool) -> None:
         params = g.ggml_init_params(mem_size=mem_size, mem_buffer=None, no_alloc=no_alloc)
         self.ctx = g.ggml_init(params)
@@ -303,7 +305,7 @@ class _Ctx:
 
     def free(self) -> None:
         if self.ctx:
-            g.ggml_free(self.ctx)
+            self._ggml_free(self.ctx)
             self.ctx = None
 
     def __del__(self) -> None:
