@@ -368,8 +368,14 @@ class Dispatcher:
         try:
             while self._events:
                 e = self._events.popleft()
+                local: dict[StepId, list[tuple[CallId, int]]] = {}
                 for eff in self.core.handle(e, self._now()):
-                    self._execute(eff)
+                    if isinstance(eff, RunLocal):  # one kernel call for all of a step's local ranges
+                        local.setdefault(eff.step, []).append((eff.call, eff.index))
+                    else:
+                        self._execute(eff)
+                for step, calls in local.items():
+                    self._start_local_group(step, calls)
         finally:
             self._handling = False
             self._engine_local = self.core.all_local_when_idle()
@@ -524,6 +530,56 @@ class Dispatcher:
                 self._post(ev)
 
         self._spawn(local, scope)
+
+    def _start_local_group(self, step: StepId, calls: list[tuple[CallId, int]]) -> None:
+        """The ranges the core placed here in one decision, computed by one kernel call over the
+        layer (per-pair outputs are batch-invariant: the bits of one call per range) and reported one
+        by one, each with its share of the time. A ``Cancel`` of one of them drops only its answer."""
+        if len(calls) == 1:
+            self._start_local(calls[0][0], step, calls[0][1])
+            return
+        run = self._steps.get(step)
+        if run is None or self._nursery is None:
+            for call, _ in calls:
+                self._events.append(LocalFailed(call, "the dispatcher is not serving"))
+            return
+        jobs = [run.jobs[i].local for _, i in calls]
+        sizes = [int(j.x.shape[0]) for j in jobs]
+        n_pairs = [int(j.pair_rows.shape[0]) for j in jobs]
+        bases = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+        merged = LocalJob(
+            jobs[0].layer, 0, self.cfg.n_expert, torch.cat([j.x for j in jobs]),
+            torch.cat([j.pair_rows + b for j, b in zip(jobs, bases.tolist(), strict=True)]),
+            torch.cat([j.pair_experts + j.lo for j in jobs]), torch.cat([j.pair_weights for j in jobs]),
+        )
+        scopes = {call: trio.CancelScope() for call, _ in calls}
+        self._calls.update(scopes)
+        group = trio.CancelScope()
+
+        async def local(group: trio.CancelScope) -> None:
+            evs: list[Event] = []
+            with group:
+                async with self._local_limiter:  # one local computation at a time: the core's backlog model
+                    t0 = trio.current_time()
+                    try:
+                        out = await self._local_runner(merged)
+                    except Exception as exc:  # a bug or a kernel error: reported, the layer fails
+                        log.exception("local experts failed (layer %d)", merged.layer)
+                        evs = [LocalFailed(call, f"{type(exc).__name__}: {exc}") for call, _ in calls]
+                    else:
+                        dt = trio.current_time() - t0
+                        total = max(1, sum(n_pairs))
+                        for (call, _), y, n in zip(calls, torch.split(out, n_pairs), n_pairs, strict=True):
+                            run.results[call] = y
+                            evs.append(LocalDone(call, dt * n / total))
+            for (call, _), ev in zip(calls, evs, strict=False):
+                sc = scopes[call]
+                if self._calls.get(call) is sc:
+                    del self._calls[call]
+                if not sc.cancel_called and not group.cancelled_caught:
+                    self._post(ev)
+
+        self._spawn(local, group)
 
     def _model_kernel(self, job: LocalJob) -> torch.Tensor:
         assert isinstance(self.model, GGUFModel)
