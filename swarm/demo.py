@@ -292,6 +292,10 @@ def main() -> None:
         after = dispatch_report(coord)
         loc, rem, fb = rows_since(before, after)
         print(f"    under load: rows local {loc}, remote {rem}, fallback {fb}; decisions: {decisions_since(before, after)}")
+        if rem < loc // 10:
+            print("    (each volunteer answered its hedged trial and is proven; but a range of this tiny model computes here in")
+            print("    microseconds against a ~1-2 ms round trip, so earliest-finish keeps nearly all of it local -- on the bench")
+            print("    model the split is measured by benchmarks/offload.py)")
         assert under_load is not None
         same = under_load == local
         print(f"    tokens identical to the all-local run: {'YES' if same else 'NO'}")
