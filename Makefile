@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --json benchmarks/results/engine.json
 	$(BIN)/python benchmarks/expert_rtt.py --json benchmarks/results/expert_rtt.json
 	$(BIN)/python benchmarks/market.py --json benchmarks/results/market.json
+	$(BIN)/python benchmarks/offload.py --json benchmarks/results/offload.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check swarm coordinator volunteer relay market tests benchmarks
