@@ -6,7 +6,9 @@ time are exact: a real kernel on a worker thread under a jumping clock would tim
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -485,28 +487,35 @@ async def test_hung_load_probe_never_blocks_dispatch(
     clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     release = threading.Event()
+    first_done = threading.Event()
     calls = [0]
 
     def probe() -> tuple[int, int]:
         calls[0] += 1
         if calls[0] > 1:
             release.wait(30)  # hangs (a thread the sampler abandons after its bound)
+        else:
+            first_done.set()
         return 4, 4
 
     sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
     await sw.volunteer("w1")
     m = dmap({k: ["w1"] for k in HALVES})
     try:
+        # the first sample comes from a real thread: virtual time stands still until it is in (a jumping
+        # clock would time the sample out before a busy machine has even run the thread)
+        clock.autojump_threshold = math.inf
         async with sw.coordinator(
             load_probe=probe, probe_in_thread=True, config=DispatchConfig(serve_ttl_s=5.0)
         ) as d:
             d.set_map(m)
-            with trio.fail_after(
-                1
-            ):  # the first sample comes from a real thread: step virtual time until it is in
-                while d.report().busy is None:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
+            assert await trio.to_thread.run_sync(first_done.wait, 30)
+            for _ in range(10_000):  # the thread's result reaches the loop through its wake-up: real-time waits
+                if d.report().busy is not None:
+                    break
+                await trio.to_thread.run_sync(time.sleep, 0.001)
             assert d.report().load_state == "loaded"
+            clock.autojump_threshold = 0
             await trio.sleep(2.5)  # the second sample hangs: the last one holds until it ages out
             assert d.report().load_state == "loaded"
             assert await step(d, m) < 0.05
