@@ -249,17 +249,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n in args.sessions:
                 before = dispatch(url)
                 tps, ms, ids = sessions(url, model_id, n, args.decode)
+                after = dispatch(url)
                 loc, rem = rows(before)
-                loc2, rem2 = rows(dispatch(url))
+                loc2, rem2 = rows(after)
                 case = {"case": mode, "sessions": n, "rtt_ms": 0, "tokens_per_s": round(tps, 2),
                         "ms_per_token": round(ms, 2), "rows_local": loc2 - loc, "rows_remote": rem2 - rem}
                 if mode == "local":
                     ref[n] = ids
                 else:
                     case["tokens_equal_local"] = ids == ref[n]
+                    d0, d1 = before.get("decisions", {}), after.get("decisions", {})
+                    case["decisions"] = {k: v - d0.get(k, 0) for k, v in d1.items() if v - d0.get(k, 0)}
+                    w = after["workers"][0]
+                    case["worker_latency_ewma_ms"], case["worker_p95_ms"] = w["latency_ewma_ms"], w.get("p95_ms")
                 cases.append(case)
                 print(f"    {mode:8} sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
                       f"rows local {loc2 - loc} remote {rem2 - rem}", flush=True)
+                if mode == "adaptive":
+                    print(f"             decisions {case['decisions']}; worker latency EWMA "
+                          f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}", flush=True)
     finally:
         for p in reversed(procs):
             p.stop()
