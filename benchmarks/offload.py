@@ -10,7 +10,7 @@ coordinator once and cached in ``benchmarks/.cache/offload-volunteer``). One coo
 every case; its ``--dispatch-map`` file is rewritten between them: no replicas (``local``: every
 expert on the coordinator) or the volunteer for every range (``adaptive``: local while idle, split
 by earliest finish under load). Before the adaptive cases a load burst gives the volunteer its
-hedged trial, so it is proven. Requests go through the HTTP API (``/v1/completions``, streamed, the
+hedged trial, so it is proven; every case starts from an idle dispatcher (after the serve TTL). Requests go through the HTTP API (``/v1/completions``, streamed, the
 same token-id prompt per session index, ``ignore_eos``); the tokens of every adaptive case are
 checked against the local case's.
 
@@ -247,6 +247,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 w = dispatch(url)["workers"][0]
                 print(f"    volunteer after the warm-up: proven={w.get('proven')} calls={w.get('calls')}", flush=True)
             for n in args.sessions:
+                # each case from the steady state: after a burst the dispatcher keeps its proven workers
+                # for the serve TTL (20 s); a lone session is measured once it is idle again
+                wait_until("an idle dispatcher", lambda: dispatch(url)["load_state"] in ("idle", ""), procs, timeout=120)
                 before = dispatch(url)
                 tps, ms, ids = sessions(url, model_id, n, args.decode)
                 after = dispatch(url)

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -276,6 +277,7 @@ class Dispatcher:
         self._handling = False
         self._last_now = 0.0
         self._engine_local = self.core.all_local_when_idle()  # read by the engine thread (a bool: atomic)
+        self._ran_here: list[Event] = []  # engine thread only: fast-path layers not yet reported
         self._clients: dict[str, ExpertClient] = {}
         self._addrs: dict[str, list[str]] = {}
         self._session_opened: dict[str, float] = {}  # peer -> start of the call that opened its stream
@@ -644,6 +646,28 @@ class Dispatcher:
         exps = torch.cat([j.local.pair_experts + j.lo for j in jobs])
         return combine_pairs(n_tok, rows.numpy(), exps.numpy(), torch.cat(ys) if len(ys) > 1 else ys[0])
 
+    def _works(self, layer: int, topk_ids: torch.Tensor) -> tuple[RangeWork, ...]:
+        """The ranges' row and pair counts of a layer (what ``LayerReady`` carries), cheaply: numpy on
+        the routed ids, no per-range tensors (the engine thread's idle fast path)."""
+        ids = topk_ids.numpy()
+        e = ids.reshape(-1)
+        rows = np.repeat(np.arange(ids.shape[0]), ids.shape[1])
+        m = self.map
+        out = []
+        for r in partition_layer(m.ranges_of(layer) if m is not None else [], self.cfg.n_expert):
+            sel = (e >= r.lo) & (e < r.hi)
+            n_pairs = int(sel.sum())
+            if not n_pairs:
+                continue
+            replicas = tuple(rep.peer_id for rep in r.replicas) if self.transport is not None else ()
+            out.append(RangeWork(r.lo, r.hi, int(np.unique(rows[sel]).size), n_pairs, replicas,
+                                 self.held(layer, r.lo, r.hi)))
+        return tuple(out)
+
+    def _post_all(self, evs: list[Event]) -> None:
+        for ev in evs:
+            self._post(ev)
+
     def _all_here(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Every expert of the layer computed here in one kernel call: the bits of any partition
         (per-pair outputs are batch-invariant; the combine order is fixed by the experts)."""
@@ -698,18 +722,20 @@ class Dispatcher:
             # thread spares two thread hops per range (~0.1 ms each: a whole idle token on a small
             # model); the core is told afterwards, without waiting. A load onset reaches this thread
             # one layer late at most.
-            jobs = self._jobs(layer, x, topk_ids, topk_w)
-            if all(self.held(layer, j.lo, j.hi) for j in jobs):
+            works = self._works(layer, topk_ids)
+            if all(w.held for w in works):
                 out = self._all_here(layer, x, topk_ids, topk_w)  # one kernel call, not one per range
-                works = tuple(
-                    RangeWork(
-                        j.lo, j.hi, int(j.local.x.shape[0]), int(j.local.pair_rows.shape[0]), j.replicas, True
-                    )
-                    for j in jobs
-                )
-                with contextlib.suppress(trio.RunFinishedError):
-                    token.run_sync_soon(self._post, LayerRanLocally(layer, works))
+                # the core hears of the step's layers in one hand-off (each one wakes the trio thread)
+                self._ran_here.append(LayerRanLocally(layer, works))
+                if layer == self.cfg.n_layer - 1 or len(self._ran_here) >= self.cfg.n_layer:
+                    evs, self._ran_here = self._ran_here, []
+                    with contextlib.suppress(trio.RunFinishedError):
+                        token.run_sync_soon(self._post_all, evs)
                 return out
+        if self._ran_here:  # the fast-path layers before this one first, in order
+            evs, self._ran_here = self._ran_here, []
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._post_all, evs)
         return trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token)
 
     # -- NAT path migration ---------------------------------------------------------------------------
