@@ -16,8 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from swarm.model.combine import add_in_expert_order
 
 __all__ = ["ExpertWeights", "combine_partials", "pairs_from_lists", "slice_pair_outputs", "slice_partial_sum"]
 
@@ -44,19 +47,11 @@ def slice_partial_sum(
     that falls in this slice: row index into ``x``, local expert index, router weight. A row appears
     at most once per expert. Rows with no pair get zeros.
     """
-    out = torch.zeros_like(x)
+    acc = np.zeros((x.shape[0], x.shape[1]), dtype=np.float32)
     if pair_rows.numel() == 0:
-        return out
-    experts = torch.unique(pair_experts)  # sorted ascending: the fixed summation order
-    for e in experts.tolist():
-        sel = pair_experts == e
-        rows = pair_rows[sel]
-        xe = x.index_select(0, rows)
-        g = xe @ weights.gate(e).T
-        u = xe @ weights.up(e).T
-        h = (F.silu(g) * u) @ weights.down(e).T
-        out.index_add_(0, rows, h * pair_weights[sel].unsqueeze(1))
-    return out
+        return torch.from_numpy(acc)
+    y = slice_pair_outputs(x, pair_rows, pair_experts, pair_weights, weights).numpy()
+    return torch.from_numpy(add_in_expert_order(acc, pair_rows.numpy(), pair_experts.numpy(), y, error=ValueError))
 
 
 def slice_pair_outputs(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from swarm.model.combine import add_in_expert_order
 from swarm.model.experts import slice_pair_outputs, slice_partial_sum
 
 if TYPE_CHECKING:
@@ -117,33 +118,11 @@ def combine_pairs(n_rows: int, pair_rows: Any, pair_experts: Any, y: Any) -> tor
     order of the adds is fixed by the experts alone. ``pair_experts`` must be comparable across the
     pairs given (global indices when they come from several ranges). Rows without pairs are 0.
     """
-    rows = np.asarray(pair_rows, dtype=np.int64).reshape(-1)
-    exps = np.asarray(pair_experts, dtype=np.int64).reshape(-1)
     yv = y.numpy() if isinstance(y, torch.Tensor) else np.asarray(y, dtype=np.float32)
-    if yv.ndim != 2 or yv.shape[0] != rows.size or exps.size != rows.size:
+    if yv.ndim != 2:
         raise ValueError("combine_pairs: one output row per pair")
     acc = np.zeros((n_rows, yv.shape[1]), dtype=np.float32)
-    if rows.size == 0:
-        return torch.from_numpy(acc)
-    order = np.lexsort((exps, rows))  # by row, then ascending expert
-    rs, es = rows[order], exps[order]
-    if ((rs[1:] == rs[:-1]) & (es[1:] == es[:-1])).any():
-        raise ValueError("combine_pairs: a row appears more than once for the same expert")
-    idx = np.arange(rs.size)
-    start = np.empty(rs.size, dtype=bool)
-    start[0] = True
-    np.not_equal(rs[1:], rs[:-1], out=start[1:])
-    rank = idx - np.maximum.accumulate(np.where(start, idx, 0))  # position within the row
-    g_order = np.argsort(rank, kind="stable")
-    bounds = np.cumsum(np.bincount(rank))
-    po = order[g_order]
-    rg = rows[po]
-    ys = yv[po]
-    s = 0
-    for e in bounds.tolist():  # the rows are unique within one rank: one float32 add per element
-        acc[rg[s:e]] += ys[s:e]
-        s = e
-    return torch.from_numpy(acc)
+    return torch.from_numpy(add_in_expert_order(acc, pair_rows, pair_experts, yv, error=ValueError))
 
 
 def kernel_id(backend: KernelBackend = DEFAULT_BACKEND) -> str:

@@ -40,6 +40,7 @@ import ggml.ggml as g
 import numpy as np
 
 from swarm.errors import KernelError
+from swarm.model.combine import add_in_expert_order
 
 __all__ = [
     "GGML_PYTHON_VERSION",
@@ -530,39 +531,9 @@ class GgmlExpertKernel:
             raise KernelError(f"acc must be [{n}, {self.d_model}] float32")
         if rows.size == 0:
             return acc
-        if rows.size == 1 or (rows == rows[0]).all():  # one row (decode): ascending expert = sort
-            order = np.argsort(exps, kind="stable")
-            es = exps[order]
-            if es.size > 1 and (es[1:] == es[:-1]).any():
-                raise KernelError("a row appears more than once for the same expert")
-            y = self._run(x, rows[order], es)
-            y *= w[order][:, None]  # float32 product, rounded (no FMA), as torch's h * w
-            a = acc[rows[0]]
-            for j in range(es.size):
-                a += y[j]  # one float32 add per element, ascending expert
-            return acc
-        order = np.lexsort((exps, rows))  # by row, then ascending expert
-        rs, es = rows[order], exps[order]
-        if ((rs[1:] == rs[:-1]) & (es[1:] == es[:-1])).any():
-            raise KernelError("a row appears more than once for the same expert")
-        # rank of each pair within its row = position in ascending-expert order
-        idx = np.arange(rs.size)
-        start = np.empty(rs.size, dtype=bool)
-        start[0] = True
-        np.not_equal(rs[1:], rs[:-1], out=start[1:])
-        rank = idx - np.maximum.accumulate(np.where(start, idx, 0))
-        # group by rank (stable: rows stay ascending inside a group); one slice per rank
-        g_order = np.argsort(rank, kind="stable")
-        bounds = np.cumsum(np.bincount(rank))
-        po = order[g_order]
-        y = self._run(x, rows[po], exps[po])
-        y *= w[po][:, None]  # float32 product, rounded (no FMA), as torch's h * w
-        rg = rows[po]
-        s = 0
-        for e in bounds.tolist():
-            acc[rg[s:e]] += y[s:e]  # rows are unique within one rank: one float32 add per element
-            s = e
-        return acc
+        y = self._run(x, rows, exps)  # per pair, batch-invariant: the order of the pairs does not matter
+        y *= w[:, None]  # float32 product, rounded (no FMA), as torch's h * w
+        return add_in_expert_order(acc, rows, exps, y)
 
     def close(self) -> None:
         with self._lock:
