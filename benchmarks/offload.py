@@ -109,7 +109,6 @@ async def one_session(h: httpx.AsyncClient, model_id: str, i: int, n_decode: int
     prompt = [(11 * i + 7 * j + 3) % 8000 for j in range(16)]
     body = {"model": model_id, "prompt": prompt, "max_tokens": n_decode, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
-    t0 = time.perf_counter()
     t_first: float | None = None
     ids: list[int] = []
     async with h.stream("POST", "/v1/completions", json=body) as r:
@@ -123,14 +122,13 @@ async def one_session(h: httpx.AsyncClient, model_id: str, i: int, n_decode: int
             ids.extend(got)
     t_end = time.perf_counter()
     assert t_first is not None and len(ids) == n_decode, (len(ids), n_decode)
-    return {"t0": t0, "t_first": t_first, "t_end": t_end, "ids": ids}
+    return {"t_first": t_first, "t_end": t_end, "ids": ids}
 
 
 async def run_sessions(url: str, model_id: str, n: int, n_decode: int) -> tuple[float, float, list[list[int]]]:
     """(aggregate decode tokens/s, median per-session ms/token, token ids per session)."""
     out: list[dict[str, Any]] = [{}] * n
     async with httpx.AsyncClient(base_url=url, timeout=600) as h:
-        t0 = time.perf_counter()
 
         async def go(i: int) -> None:
             out[i] = await one_session(h, model_id, i, n_decode)
@@ -140,7 +138,6 @@ async def run_sessions(url: str, model_id: str, n: int, n_decode: int) -> tuple[
                 nursery.start_soon(go, i)
     first = max(r["t_first"] for r in out)
     end = max(r["t_end"] for r in out)
-    del t0
     tps = n * (n_decode - 1) / (end - first)
     ms = statistics.median((r["t_end"] - r["t_first"]) / (n_decode - 1) * 1000 for r in out)
     return tps, ms, [r["ids"] for r in out]

@@ -181,12 +181,7 @@ class _Job:
     replicas: tuple[str, ...]
     rows: torch.Tensor  # indices into the layer's rows, ascending
     local: LocalJob
-    wire: Pairs | None = None  # the pairs in wire order, built once (retries and hedges reuse them)
-
-    def pairs(self) -> Pairs:
-        if self.wire is None:
-            self.wire = pairs_from_tensors(self.local.pair_rows, self.local.pair_experts, self.local.pair_weights)
-        return self.wire
+    wire: Pairs  # ``local``'s pairs as sent (built once: retries and hedges reuse them)
 
 
 @dataclass(eq=False)
@@ -465,7 +460,7 @@ class Dispatcher:
             self._events.append(RemoteFailed(call, FailureKind.CLOSED, "the dispatcher is not serving"))
             return
         job = run.jobs[index]
-        pairs = job.pairs()
+        pairs = job.wire
         req = ExpertRequest(
             request_id=RequestId(rid),
             attempt=attempt,
