@@ -9,7 +9,7 @@ Rules:
 - With the ggml kernels (the default) each layer's dense halves are one ggml graph each
   (``swarm.model.kernels.block``: norm, q/k/v, q/k norms and RoPE; output projection, residual, norm,
   router softmax), attention is ggml's on in-place views of the KV cache (V kept transposed, the view
-  padded to 256 rows as llama.cpp pads it) and the head is one graph: llama.cpp's own ops, so its
+  padded to ``KV_PAD`` rows as llama.cpp pads its own) and the head is one graph: llama.cpp's own ops, so its
   numbers (tests: within 1.6e-6 of llama.cpp on Q8_0, Q4_0 and Q4_K_M files). The torch path (the
   reference backend) computes the same math with torch ops.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
