@@ -11,6 +11,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    # a crash in native code (ggml, the tokenizer) prints every thread's Python stack to stderr: the log
+    # then says where the process died instead of only that its sockets closed
+    faulthandler.enable()
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:
         # per-request and connection chatter: visible with --log-level DEBUG

@@ -7,7 +7,6 @@ volunteer's map partitions each layer into two ranges and the all-local run had 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +16,9 @@ import trio
 
 from swarm.model.gguf import model_id_for
 from tests.conftest import FIXTURES, eventually
-from tests.e2e.test_process_e2e import Proc, cli, wait_for_line
+from tests.e2e.test_process_e2e import Proc, cli, procs, wait_for_line  # noqa: F401 - procs is a fixture
 
 pytestmark = pytest.mark.slow
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
-
 
 # llama.cpp's Q4_K_M of a 4-layer, 16-expert top-4 model: with top-4 a row's pairs spread over both
 # ranges of a layer, where zero-started per-range sums would round differently from one range

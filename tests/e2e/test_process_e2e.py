@@ -49,10 +49,15 @@ class Proc:
 
 @pytest.fixture
 def procs() -> Iterator[list[Proc]]:
+    """The test's processes, stopped at its end; their logs' tails go to the captured output, which
+    pytest shows when the test fails (a process that died on its own says so first)."""
     started: list[Proc] = []
     yield started
     for p in reversed(started):
+        died = p.p.poll()
         p.stop()
+        tail = "\n".join(p.text().splitlines()[-60:])
+        print(f"--- {p.log.name} ({'exited ' + str(died) + ' before the end' if died is not None else 'stopped'}):\n{tail}")
 
 
 async def wait_for_line(proc: Proc, prefix: str, within: float = 60) -> str:
