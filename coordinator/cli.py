@@ -48,6 +48,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a slow remote call is raced against another copy after max(this, its p95)")
     c.add_argument("--hot-experts", type=int, default=0,
                    help="the K most-routed experts of each layer always run locally")
+    c.add_argument("--verify-rate", type=float, default=0.05,
+                   help="share of volunteers' answers recomputed here and compared, after their probation")
+    c.add_argument("--verify-probation", type=int, default=50,
+                   help="a volunteer's first N answers (and N after any failure) are all verified")
     c.set_defaults(func=run)
     return c
 
@@ -78,8 +82,11 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "serve_ttl_s": ns.serve_ttl,
         "hedge_floor_ms": ns.hedge_floor_ms,
         "hot_experts": ns.hot_experts,
+        "verify_rate": ns.verify_rate,
+        "verify_probation_calls": ns.verify_probation,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
-              "serve_ttl_s": "--serve-ttl"})
+              "serve_ttl_s": "--serve-ttl",
+              "verify_probation_calls": "--verify-probation"})
 
 
 def run(ns: argparse.Namespace) -> int:

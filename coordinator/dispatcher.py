@@ -28,6 +28,12 @@ Rules:
 - Load: every ``sample_interval_s`` the ``load_probe`` (busy slots, slots) runs on a worker thread
   under ``sample_timeout_s``; a hung or failed probe is abandoned and reported
   (``LoadSampleTimeout``), it never blocks dispatch.
+- Verification (the core samples; DESIGN §12): the answers of calls the core marks ``keep`` are held
+  until its ``Compare`` (then compared and dropped) or ``Forget`` (dropped). The request of a sampled
+  call is the request of any other. Equal means bit-equal when the worker's Hello announces our
+  kernel id and the wire is float32; otherwise every pair's output is within ``VERIFY_RTOL`` of ours
+  (relative L2 error; measured across kernels and wire dtypes in ``verify_outputs``). A quarantine is
+  logged, listed in the report with its evidence, and handed to ``on_quarantine`` (the market link).
 - Clocks: the trio clock for every decision and measurement; the wall clock only for the Unix-ms
   stamps of the report (``last_serve_ms``, error and mode-change times).
 - Volunteers behind NATs are reached through ``/p2p-circuit`` addresses and upgraded to direct
@@ -46,6 +52,8 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import random
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -64,12 +72,15 @@ from coordinator.core.dispatch import (
     Cancel,
     CancelTimer,
     Combine,
+    Compare,
+    Compared,
     DispatchConfig,
     DispatchCore,
     Effect,
     Event,
     Fail,
     FailureKind,
+    Forget,
     Hedge,
     LayerRanLocally,
     LayerReady,
@@ -80,6 +91,7 @@ from coordinator.core.dispatch import (
     MarkDown,
     MarkProven,
     ModeChanged,
+    Quarantine,
     RangeWork,
     RemoteDone,
     RemoteFailed,
@@ -134,6 +146,40 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Tolerance of a comparison that cannot be bit-exact (another kernel id, a 16-bit wire): the largest
+# relative L2 error of one pair's output. Measured on the golden fixtures (Q4_K_M, Q8_0, F32; 64 rows
+# x 2 pairs per layer): ggml vs torch kernels <= 2.5e-2 (ggml rounds activations to q8 for quantised
+# weights, torch does not); the same ggml kernel on a float16 / bfloat16 wire <= 1.5e-2 / 2.1e-2.
+# Twice the worst case: a liar can hide changes below this only from workers we cannot compare exactly.
+VERIFY_RTOL = 0.05
+
+
+def verify_outputs(remote: torch.Tensor, local: torch.Tensor, *, exact: bool) -> tuple[bool, str]:
+    """Are a worker's per-pair outputs ours? ``(equal, detail)``: bit-equal when ``exact``, else each
+    pair within ``VERIFY_RTOL`` (relative L2); ``detail`` is the evidence."""
+    if tuple(remote.shape) != tuple(local.shape):
+        return False, f"shape {tuple(remote.shape)} for {tuple(local.shape)}"
+    a, b = remote.to(torch.float32), local.to(torch.float32)
+    if not bool(torch.isfinite(a).all()):
+        return False, "non-finite outputs"
+    if exact:
+        if torch.equal(a, b):
+            return True, "bit-equal"
+        diff = (a != b).any(dim=1)
+        first = int(diff.nonzero()[0, 0])
+        return False, (
+            f"{int(diff.sum())} of {a.shape[0]} pair outputs differ (bit-exact comparison); first at pair "
+            f"{first}: max |diff| {float((a[first] - b[first]).abs().max()):.3g}"
+        )
+    norms = b.norm(dim=1)
+    floor = max(float(norms.median()) * 1e-3, 1e-30) if norms.numel() else 1e-30
+    rel = (a - b).norm(dim=1) / norms.clamp_min(floor)
+    worst = int(rel.argmax()) if rel.numel() else 0
+    err = float(rel[worst]) if rel.numel() else 0.0
+    if err <= VERIFY_RTOL:
+        return True, f"within tolerance (max relative error {err:.3g})"
+    return False, f"pair {worst}: relative error {err:.3g} > {VERIFY_RTOL:g} (tolerance comparison)"
 
 
 @dataclass(frozen=True)
@@ -235,6 +281,7 @@ class Dispatcher:
         held: Callable[[int, int, int], bool] = _always_held,
         local_kernel: LocalKernel | None = None,
         local_runner: LocalRunner | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         """``config`` holds the policy (``timeout_s``, if given, overrides its deadline); ``held(layer,
         lo, hi)`` tells the ranges the coordinator holds; ``local_kernel`` computes a range here
@@ -262,7 +309,9 @@ class Dispatcher:
         self.local_kernel: LocalKernel = local_kernel
         self._local_runner: LocalRunner = local_runner if local_runner is not None else self._thread_runner
         self._local_limiter = trio.CapacityLimiter(1)
-        self.core = DispatchCore(cfg, n_layer=self.cfg.n_layer, n_expert=self.cfg.n_expert)
+        # the verification samples: seeded from the OS unless a test hands in its own generator
+        self.core = DispatchCore(cfg, n_layer=self.cfg.n_layer, n_expert=self.cfg.n_expert,
+                                 rng=rng if rng is not None else random.Random(secrets.randbits(64)))
         self.map: DispatchMap | None = None
         self._step_ids = itertools.count(1)
         self._steps: dict[StepId, _StepRun] = {}
@@ -280,6 +329,10 @@ class Dispatcher:
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._mode_changes: deque[ModeChange] = deque(maxlen=16)
+        self._keep: set[CallId] = set()  # calls whose answers the core will compare
+        self._kept: dict[CallId, torch.Tensor] = {}
+        self.quarantined: deque[Quarantine] = deque(maxlen=64)
+        self.on_quarantine: list[Callable[[Quarantine], None]] = []  # e.g. the market link's report
         self.maps_rejected = 0  # map files or market maps that could not be adopted
         self.map_error = ""  # why the last one was not
 
@@ -368,6 +421,8 @@ class Dispatcher:
                 local: dict[StepId, list[tuple[CallId, int]]] = {}
                 for eff in self.core.handle(e, self._now()):
                     if isinstance(eff, RunLocal):  # one kernel call for all of a step's local ranges
+                        if eff.keep:
+                            self._keep.add(eff.call)
                         local.setdefault(eff.step, []).append((eff.call, eff.index))
                     else:
                         self._execute(eff)
@@ -388,8 +443,35 @@ class Dispatcher:
 
     def _execute(self, eff: Effect) -> None:
         match eff:
-            case SendRemote(call=call, step=step, index=index, peer=peer, request_id=rid, attempt=attempt):
+            case SendRemote(
+                call=call, step=step, index=index, peer=peer, request_id=rid, attempt=attempt, keep=keep
+            ):
+                if keep:
+                    self._keep.add(call)
                 self._start_remote(call, step, index, peer, rid, attempt)
+            case Compare(remote=remote, local=local, peer=peer):
+                self._keep.discard(remote)
+                self._keep.discard(local)
+                a, b = self._kept.pop(remote, None), self._kept.pop(local, None)
+                if a is None or b is None:  # cannot happen: the core asks only once both answered
+                    equal, detail = False, "an answer to compare is missing"
+                    log.error("verification of %s: %s", peer, detail)
+                else:
+                    exact = self.wire_dtype == "float32" and self._peer_kernel_id(peer) == self._kernel_id()
+                    equal, detail = verify_outputs(a, b, exact=exact)
+                self._events.append(Compared(remote, equal, detail))
+            case Forget(calls=calls):
+                for c in calls:
+                    self._keep.discard(c)
+                    self._kept.pop(c, None)
+            case Quarantine(peer=peer, evidence=evidence):
+                log.error("worker %s quarantined: %s", peer, evidence)
+                self.quarantined.append(eff)
+                for hook in self.on_quarantine:
+                    try:
+                        hook(eff)
+                    except Exception:  # a reporting hook must not stop dispatch
+                        log.exception("quarantine hook failed")
             case Hedge(call=call, step=step, index=index, peer=None):
                 self._start_local(call, step, index)
             case Hedge(
@@ -490,6 +572,8 @@ class Dispatcher:
                     ev = RemoteFailed(call, _failure_kind(exc), msg, _wall_ms())
                 else:
                     run.results[call] = out
+                    if call in self._keep:
+                        self._kept[call] = out
                     self._note_session(peer, started)
                     ev = RemoteDone(call, _wall_ms())
             if self._calls.get(call) is scope:
@@ -520,6 +604,8 @@ class Dispatcher:
                         ev = LocalFailed(call, f"{type(exc).__name__}: {exc}")
                     else:
                         run.results[call] = out
+                        if call in self._keep:
+                            self._kept[call] = out
                         ev = LocalDone(call, trio.current_time() - t0)
             if self._calls.get(call) is scope:
                 del self._calls[call]
@@ -568,6 +654,8 @@ class Dispatcher:
                         total = max(1, sum(n_pairs))
                         for (call, _), y, n in zip(calls, torch.split(out, n_pairs), n_pairs, strict=True):
                             run.results[call] = y
+                            if call in self._keep:
+                                self._kept[call] = y
                             evs.append(LocalDone(call, dt * n / total))
             for (call, _), ev in zip(calls, evs, strict=False):
                 sc = scopes[call]
@@ -734,6 +822,9 @@ class Dispatcher:
         return trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token)
 
     # -- NAT path migration ---------------------------------------------------------------------------
+    def _kernel_id(self) -> str:
+        return kernel_id(self.kernel) if self.kernel is not None else kernel_id()
+
     def _client(self, peer: str) -> ExpertClient:
         c = self._clients.get(peer)
         if c is None:
@@ -743,7 +834,7 @@ class Dispatcher:
                 peer,
                 self._addrs.get(peer, []),
                 self._nursery,
-                kernel_id=kernel_id(self.kernel) if self.kernel is not None else kernel_id(),
+                kernel_id=self._kernel_id(),
             )
             self._clients[peer] = c
         return c
@@ -839,7 +930,11 @@ class Dispatcher:
             ],
             layers=[
                 LayerRows(
-                    layer=i, local_rows=r.local_rows, remote_rows=r.remote_rows, fallback_rows=r.fallback_rows
+                    layer=i,
+                    local_rows=r.local_rows,
+                    remote_rows=r.remote_rows,
+                    fallback_rows=r.fallback_rows,
+                    verified_rows=r.verified_rows,
                 )
                 for i, r in enumerate(core.rows)
             ],
@@ -870,6 +965,11 @@ class Dispatcher:
             ],
             stale_answers=core.stale_answers,
             mode_changes=list(self._mode_changes),
+            verify_rate=c.verify_rate,
+            verify_probation_calls=c.verify_probation_calls,
+            verifications=core.verifications,
+            verified_equal=core.verified_equal,
+            quarantines=core.quarantines,
         )
 
     def collector(self) -> DispatchCollector:
@@ -903,7 +1003,14 @@ class DispatchCollector(Collector):
         rows.add_metric([model, "local"], sum(r.local_rows for r in core.rows))
         rows.add_metric([model, "remote"], sum(r.remote_rows for r in core.rows))
         rows.add_metric([model, "fallback"], sum(r.fallback_rows for r in core.rows))
+        rows.add_metric([model, "verified"], sum(r.verified_rows for r in core.rows))
         yield rows
+        ver = CounterMetricFamily(
+            "moe_swarm_dispatch_verifications", "Remote answers compared with the coordinator's", labels=["model", "outcome"]
+        )
+        ver.add_metric([model, "equal"], core.verified_equal)
+        ver.add_metric([model, "quarantined"], core.quarantines)
+        yield ver
         state = GaugeMetricFamily(
             "moe_swarm_dispatch_loaded",
             "1 while dispatch treats the coordinator as loaded",

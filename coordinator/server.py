@@ -74,6 +74,10 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     serve_ttl_s: NonNegFloat = 20.0  # proven workers keep their share this long after the load ends
     hedge_floor_ms: NonNegFloat = 50.0  # a remote call is raced no earlier than this (else its p95)
     hot_experts: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0  # the K most-routed experts of a layer stay local
+    # verification (DESIGN §12): a volunteer's first answers, and as many after any failure, are all recomputed
+    # here and compared; then this share of them
+    verify_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+    verify_probation_calls: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 50
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -89,7 +93,8 @@ def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:
     """The dispatch core's policy from the coordinator's settings."""
     return DispatchConfig(mode=DispatchMode(cfg.dispatch), saturation_threshold=cfg.saturation_threshold,
                           serve_ttl_s=cfg.serve_ttl_s, hedge_floor_s=cfg.hedge_floor_ms / 1000.0,
-                          hot_experts=cfg.hot_experts, timeout_s=cfg.expert_timeout_s)
+                          hot_experts=cfg.hot_experts, timeout_s=cfg.expert_timeout_s,
+                          verify_rate=cfg.verify_rate, verify_probation_calls=cfg.verify_probation_calls)
 
 
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:

@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     # a crash in native code (ggml, the tokenizer) prints every thread's Python stack to stderr: the log
     # then says where the process died instead of only that its sockets closed
-    faulthandler.enable()
+    try:
+        faulthandler.enable()
+    except (ValueError, OSError):  # stderr without a file descriptor (captured in tests): nothing to write to
+        pass
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:
         # per-request and connection chatter: visible with --log-level DEBUG

@@ -138,12 +138,13 @@ def dispatch_report(coord: str) -> dict[str, Any]:
     return rep
 
 
-def rows_since(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int, int]:
-    """Rows computed (local, remote, fallback) between two ``/dispatch`` reports, over all layers."""
+def rows_since(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int, int, int]:
+    """Rows computed (local, remote, fallback, verified) between two ``/dispatch`` reports, over all layers."""
     def tot(rep: dict[str, Any], key: str) -> int:
-        return sum(int(L[key]) for L in rep["layers"])
+        return sum(int(L.get(key, 0)) for L in rep["layers"])
 
-    return tuple(tot(after, k) - tot(before, k) for k in ("local_rows", "remote_rows", "fallback_rows"))  # type: ignore[return-value]
+    return tuple(tot(after, k) - tot(before, k)  # type: ignore[return-value]
+                 for k in ("local_rows", "remote_rows", "fallback_rows", "verified_rows"))
 
 
 def decisions_since(before: dict[str, Any], after: dict[str, Any]) -> str:
@@ -258,7 +259,7 @@ def main() -> None:
         for p in prompts[:2]:
             ask(p)
         after = dispatch_report(coord)
-        loc, rem, fb = rows_since(before, after)
+        loc, rem, fb, _ = rows_since(before, after)
         print(f"    2 requests: rows local {loc}, remote {rem}, fallback {fb}; decisions: {decisions_since(before, after)}")
         print("    (a round trip per layer would only slow each token; volunteers pay off when the coordinator is busy)")
         modes.show(after)
@@ -290,8 +291,13 @@ def main() -> None:
             time.sleep(1.0)
         pool.shutdown()
         after = dispatch_report(coord)
-        loc, rem, fb = rows_since(before, after)
-        print(f"    under load: rows local {loc}, remote {rem}, fallback {fb}; decisions: {decisions_since(before, after)}")
+        loc, rem, fb, ver = rows_since(before, after)
+        print(f"    under load: rows local {loc}, remote {rem}, verified {ver}, fallback {fb}; "
+              f"decisions: {decisions_since(before, after)}")
+        print(f"    verification: {after.get('verifications', 0)} volunteer answers recomputed here and compared, "
+              f"{after.get('verified_equal', 0)} equal, {after.get('quarantines', 0)} volunteers quarantined")
+        print("    (a volunteer's hedged trial and its first 50 answers are all verified: the coordinator computes them too and")
+        print("    uses its own result; then 5% of its answers, drawn at random)")
         if rem < loc // 10:
             print("    (each volunteer answered its hedged trial and is proven; but a range of this tiny model computes here in")
             print("    microseconds against a ~1-2 ms round trip, so earliest-finish keeps nearly all of it local -- on the bench")
@@ -315,7 +321,8 @@ def main() -> None:
         rep = dispatch_report(coord)
         print(f"    dispatcher state: {rep.get('load_state')}")
         for L in rep["layers"]:
-            print(f"    layer {L['layer']}: rows local {L['local_rows']}, remote {L['remote_rows']}, fallback {L['fallback_rows']}")
+            print(f"    layer {L['layer']}: rows local {L['local_rows']}, remote {L['remote_rows']}, "
+                  f"verified {L.get('verified_rows', 0)}, fallback {L['fallback_rows']}")
 
         say(f"GET {market}/api/moe/recruitment")
         print(json.dumps(recruitment(market), indent=2))

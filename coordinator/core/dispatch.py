@@ -11,9 +11,21 @@ Rules:
 - Workers (``WorkerTable``): a worker is ``up`` until a call to it fails (error, timeout, wrong
   shape, NaN, or ``max_hedge_losses`` hedges lost in a row); then it is ``down`` with exponential
   backoff (``backoff_base_s * 2**(k-1)``, capped) and gets no work until the backoff passes.
-  A worker is **proven** once it has answered a call correctly since it attached; that is sticky
-  until it detaches or fails (the trust issue adds quarantine). Each attach makes it due for one
-  **trial**.
+  A worker is **proven** once one of its answers passed verification since it attached; that is
+  sticky until it detaches or fails. Each attach makes it due for one **trial**.
+- Verification (DESIGN §12): a remote call of a held range is *sampled* -- rate 1.0 while the worker
+  is in probation (its first ``verify_probation_calls`` verified answers after it attached, and as
+  many again after any failure), else ``verify_rate``, drawn from the ``rng`` the shell hands in
+  (seeded at random), so a worker cannot tell sampled calls from others. A sampled call (and every trial) is *kept*
+  (``SendRemote.keep``) and the range is computed here too (``RunLocal(keep=True)``, reason VERIFY
+  beside a placement, TRIAL_HEDGE for a trial): the range's result is always the local one, the
+  remote call runs to its end and is never cancelled as a loser, so the step does not wait for it.
+  Once both sides ended the core asks the shell to ``Compare`` them (both answered) or to ``Forget``
+  them (one failed or was cancelled): a kept result is held exactly until then. The shell answers
+  ``Compared(equal)``: equal counts a verified call (the trial's proves the worker, ``MarkProven``);
+  unequal **quarantines** the worker at once (``Quarantine`` with the evidence): never live again in
+  this process, not even after a re-listing; its calls in flight are abandoned and their ranges
+  recovered (next proven replica, else local). Not-held ranges are not verified here (no local copy).
 - Load: ``LoadSample(busy, n_slots)`` every ``sample_interval_s`` (the shell bounds the sample in
   time; a sample that hangs or fails is ``LoadSampleTimeout`` and changes nothing). ``busy >=
   saturation_threshold`` is *loaded*. A sample older than ``sample_max_age_s`` has aged out and
@@ -61,6 +73,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NewType, Protocol
 
+from swarm.core.rng import Rng
+
 __all__ = [
     "BalancedPolicy",
     "CallId",
@@ -69,6 +83,8 @@ __all__ = [
     "Choice",
     "ChoiceReason",
     "Combine",
+    "Compare",
+    "Compared",
     "DispatchConfig",
     "DispatchCore",
     "DispatchMode",
@@ -77,6 +93,7 @@ __all__ = [
     "ErrorRecord",
     "Event",
     "Fail",
+    "Forget",
     "FailureKind",
     "Hedge",
     "LayerRanLocally",
@@ -90,6 +107,7 @@ __all__ = [
     "MarkDown",
     "MarkProven",
     "ModeChanged",
+    "Quarantine",
     "RangeWork",
     "Reason",
     "RemoteDone",
@@ -120,6 +138,7 @@ StepId = NewType("StepId", int)
 class WorkerState(StrEnum):
     UP = "up"
     DOWN = "down"
+    QUARANTINED = "quarantined"  # an answer failed verification: no more work, in this process
 
 
 class ChoiceReason(StrEnum):
@@ -152,8 +171,10 @@ class WorkerHealth:
     last_error: str = ""
     in_flight: int = 0
     picks: int = 0  # times chosen first (round-robin tie-break)
-    proven: bool = False  # answered correctly since it attached (sticky until detached or failed)
+    proven: bool = False  # an answer passed verification since it attached (sticky until detached or failed)
     trial_due: bool = True  # one hedged trial at the first loaded dispatch after it attached
+    verified: int = 0  # answers that passed verification
+    probation_left: int = 0  # verified answers still due at rate 1.0
     hedge_losses: int = 0  # hedges lost in a row
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
@@ -172,6 +193,9 @@ class WorkerView:
     proven: bool = False
     p95_ms: float = 0.0
     in_flight: int = 0
+    verified: int = 0
+    probation_left: int = 0
+    quarantine: str = ""  # the evidence, when quarantined
 
 
 def p95(samples: deque[float] | list[float]) -> float | None:
@@ -187,26 +211,54 @@ def p95(samples: deque[float] | list[float]) -> float | None:
 
 class WorkerTable:
     def __init__(
-        self, *, backoff_base_s: float = 0.5, backoff_max_s: float = 30.0, ewma_alpha: float = 0.2
+        self,
+        *,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        ewma_alpha: float = 0.2,
+        probation_calls: int = 0,
     ) -> None:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.ewma_alpha = ewma_alpha
+        self.probation_calls = probation_calls
         self.workers: dict[str, WorkerHealth] = {}
+        self.quarantined: dict[str, str] = {}  # peer -> evidence; outlives detaching
 
     def sync(self, peer_ids: set[str], now: float) -> tuple[set[str], set[str]]:
         """Attach workers newly listed, detach those no longer listed; returns (added, removed)."""
         added = peer_ids - self.workers.keys()
         removed = self.workers.keys() - peer_ids
         for p in added:
-            self.workers[p] = WorkerHealth(p, attached_at=now)
+            w = WorkerHealth(p, attached_at=now, probation_left=self.probation_calls)
+            if p in self.quarantined:
+                w.state, w.trial_due, w.last_error = WorkerState.QUARANTINED, False, self.quarantined[p]
+            self.workers[p] = w
         for p in removed:
             del self.workers[p]
         return added, removed
 
     def is_live(self, peer_id: str, now: float) -> bool:
         w = self.workers.get(peer_id)
-        return w is not None and (w.state is WorkerState.UP or now >= w.down_until)
+        return w is not None and (
+            w.state is WorkerState.UP or (w.state is WorkerState.DOWN and now >= w.down_until)
+        )
+
+    def verified(self, peer_id: str, equal: bool, evidence: str = "") -> None:
+        """One of the worker's answers was compared with the coordinator's: equal counts (and proves
+        it); unequal quarantines it for good."""
+        w = self.workers.get(peer_id)
+        if not equal:
+            self.quarantined[peer_id] = evidence
+            if w is not None:
+                w.state, w.proven, w.trial_due, w.last_error = WorkerState.QUARANTINED, False, False, evidence
+            return
+        if w is None or w.state is WorkerState.QUARANTINED:
+            return
+        w.verified += 1
+        w.probation_left = max(0, w.probation_left - 1)
+        w.proven = True
+        w.trial_due = False
 
     def is_proven(self, peer_id: str) -> bool:
         w = self.workers.get(peer_id)
@@ -226,13 +278,12 @@ class WorkerTable:
         w = self.workers.get(peer_id)
         if w is None:
             return
-        w.state = WorkerState.UP
+        if w.state is not WorkerState.QUARANTINED:
+            w.state = WorkerState.UP
         w.consecutive_failures = 0
         w.hedge_losses = 0
         w.calls += 1
         w.rows += rows
-        w.proven = True
-        w.trial_due = False
         self._sample(w, latency_s)
         w.last_serve_ms = wall_ms
 
@@ -263,6 +314,9 @@ class WorkerTable:
         w.failures += 1
         w.consecutive_failures += 1
         w.hedge_losses = 0
+        w.probation_left = self.probation_calls  # verified at rate 1.0 again
+        if w.state is WorkerState.QUARANTINED:
+            return now
         w.state = WorkerState.DOWN
         w.proven = False
         w.trial_due = True  # it proves itself again with a trial, once its backoff passes
@@ -288,6 +342,9 @@ class WorkerTable:
                     proven=w.proven,
                     p95_ms=round(q * 1000.0, 3) if q is not None else 0.0,
                     in_flight=w.in_flight,
+                    verified=w.verified,
+                    probation_left=w.probation_left,
+                    quarantine=self.quarantined.get(w.peer_id, ""),
                 )
             )
         return out
@@ -365,6 +422,8 @@ class Reason(StrEnum):
     RETRY_NEXT = "retry_next"
     FALLBACK_LOCAL = "fallback_local"
     ALL_FAILED = "all_failed"
+    VERIFY = "verify"  # RunLocal: the coordinator's copy of a sampled remote call (its result is used)
+    QUARANTINED = "quarantined"  # Cancel: the worker failed verification
     LOST_RACE = "lost_race"  # Cancel: another call of the range answered first
     DEADLINE = "deadline"  # Cancel: no answer within the timeout
     LOAD_ONSET = "load_onset"  # ModeChanged
@@ -381,6 +440,7 @@ class FailureKind(StrEnum):
     PROTOCOL = "protocol"  # error answer, wrong shape, NaN, bad frame
     SLOW = "slow"  # lost ``max_hedge_losses`` hedges in a row
     LOCAL = "local"  # the coordinator's own kernel failed
+    WRONG_ANSWER = "wrong_answer"  # failed verification: quarantined
     OTHER = "other"
 
 
@@ -403,6 +463,8 @@ class DispatchConfig:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     max_errors: int = 32  # failures kept for /dispatch
+    verify_rate: float = 0.05  # sampled share of a held range's remote calls after probation
+    verify_probation_calls: int = 50  # verified answers at rate 1.0 after an attach and after any failure
 
 
 # -- events ----------------------------------------------------------------------------------------
@@ -470,6 +532,15 @@ class LocalFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class Compared:
+    """The shell's answer to ``Compare``: were the remote call's outputs the coordinator's?"""
+
+    remote: CallId
+    equal: bool
+    detail: str = ""  # what differed (the evidence), or how close it was
+
+
 class TimerKind(StrEnum):
     HEDGE = "hedge"
     DEADLINE = "deadline"
@@ -505,6 +576,7 @@ Event = (
     | RemoteFailed
     | LocalDone
     | LocalFailed
+    | Compared
     | TimerFired
     | LoadSample
     | LoadSampleTimeout
@@ -526,6 +598,7 @@ class SendRemote:
     request_id: int
     attempt: int
     reason: Reason
+    keep: bool = False  # keep the answer until a Compare or Forget names this call
 
 
 @dataclass(frozen=True)
@@ -537,6 +610,7 @@ class RunLocal:
     lo: int
     hi: int
     reason: Reason
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -587,6 +661,35 @@ class MarkProven:
 
 
 @dataclass(frozen=True)
+class Compare:
+    """Compare the kept answers of ``remote`` (on ``peer``) and ``local``, then drop both; answer
+    with ``Compared``."""
+
+    remote: CallId
+    local: CallId
+    peer: str
+    layer: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Drop the kept answers of these calls (one side of a verification did not answer)."""
+
+    calls: tuple[CallId, ...]
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    peer: str
+    layer: int
+    lo: int
+    hi: int
+    evidence: str
+
+
+@dataclass(frozen=True)
 class Combine:
     step: StepId
     layer: int
@@ -618,6 +721,9 @@ Effect = (
     | CancelTimer
     | MarkDown
     | MarkProven
+    | Compare
+    | Forget
+    | Quarantine
     | Combine
     | Fail
     | ModeChanged
@@ -645,6 +751,7 @@ class LayerRowCounts:
     local_rows: int = 0  # placed local and computed there
     remote_rows: int = 0  # answered by a worker
     fallback_rows: int = 0  # placed remote, computed locally (failure, hedge or trial won locally)
+    verified_rows: int = 0  # placed remote and sampled: computed here too, the coordinator's result used
 
 
 @dataclass
@@ -658,6 +765,7 @@ class _Call:
     attempt: int
     started: float
     trial: bool = False
+    verify: bool = False  # kept for a comparison: runs to its end, never wins (remote) / must win (local)
     done: bool = False
 
 
@@ -671,6 +779,23 @@ class _Range:
     attempts: int = 0
     winner: CallId | None = None
     failed: bool = False
+    trusted_only: bool = False  # verified: only a local call's result may be the range's
+    verified: bool = False  # placed remote, sampled (row counts)
+
+
+@dataclass
+class _Pair:
+    """A verification: the remote call and the local copy; each side pending, done or gone."""
+
+    remote: CallId
+    local: CallId
+    peer: str
+    layer: int
+    lo: int
+    hi: int
+    trial: bool
+    remote_side: str = "pending"
+    local_side: str = "pending"
 
 
 @dataclass
@@ -691,14 +816,30 @@ class DispatchCore:
     """The dispatch state machine; ``handle`` is the only way in (queries are read-only)."""
 
     def __init__(
-        self, config: DispatchConfig = DispatchConfig(), *, n_layer: int = 0, n_expert: int = 0
+        self,
+        config: DispatchConfig = DispatchConfig(),
+        *,
+        n_layer: int = 0,
+        n_expert: int = 0,
+        rng: Rng | None = None,
     ) -> None:
+        """``rng`` draws the verification samples (a seeded ``random.Random``; the shell seeds it at
+        random); it may be omitted only when the rate is 0 or 1."""
+        if rng is None and 0.0 < config.verify_rate < 1.0:
+            raise ValueError("a verify rate strictly between 0 and 1 needs an rng")
         self.config = config
         self.table = WorkerTable(
             backoff_base_s=config.backoff_base_s,
             backoff_max_s=config.backoff_max_s,
             ewma_alpha=config.ewma_alpha,
+            probation_calls=config.verify_probation_calls,
         )
+        self.rng = rng
+        self._pairs: dict[CallId, _Pair] = {}  # by remote call and by local call
+        self._comparing: dict[CallId, _Pair] = {}  # Compare sent, Compared not yet in (by remote call)
+        self.verifications = 0  # comparisons asked for
+        self.verified_equal = 0
+        self.quarantines = 0
         self.balanced = BalancedPolicy()
         self.n_expert = n_expert
         self.decisions: Counter[Reason] = Counter()
@@ -784,6 +925,8 @@ class DispatchCore:
                 self._local_done(cid, compute_s, now, out)
             case LocalFailed(call=cid, message=message):
                 self._local_failed(cid, message, now, out)
+            case Compared(remote=cid, equal=equal, detail=detail):
+                self._compared(cid, equal, detail, now, out)
             case TimerFired(timer=timer):
                 self._timer(timer, now, out)
             case LoadSample(busy=busy, n_slots=n_slots):
@@ -866,8 +1009,7 @@ class DispatchCore:
                 )
                 if state is LoadState.LOADED and trial is not None:
                     self.table.workers[trial].trial_due = False
-                    self._send(st, i, trial, Reason.TRIAL_HEDGE, now, out, trial=True)
-                    self._local(st, i, Reason.TRIAL_HEDGE, now, out)
+                    self._send(st, i, trial, Reason.TRIAL_HEDGE, now, out, trial=True)  # + the local copy
                     continue
                 local_finish = (self.local_backlog_pairs + w.pairs) * self.local_cost_s
                 if proven:
@@ -921,9 +1063,11 @@ class DispatchCore:
         out: list[Effect],
         *,
         hedge_of: CallId | None = None,
-    ) -> None:
+        keep: bool = False,
+    ) -> _Call:
         r = st.ranges[i]
         call = self._new_call(st, i, None, -1, now)
+        call.verify = keep
         r.pending.add(call.call)
         self.local_backlog_pairs += r.work.pairs
         w = r.work
@@ -932,7 +1076,20 @@ class DispatchCore:
                 Hedge(call.call, st.step, st.layer, i, w.lo, w.hi, None, r.request_id, -1, reason, hedge_of)
             )
         else:
-            out.append(RunLocal(call.call, st.step, st.layer, i, w.lo, w.hi, reason))
+            out.append(RunLocal(call.call, st.step, st.layer, i, w.lo, w.hi, reason, keep))
+        return call
+
+    def _sampled(self, peer: str) -> bool:
+        """Is this remote call verified? Always in probation, else at ``verify_rate``."""
+        w = self.table.workers.get(peer)
+        if w is None:
+            return False
+        if w.probation_left > 0:
+            return True
+        rate = self.config.verify_rate
+        if rate >= 1.0:
+            return True
+        return rate > 0 and self.rng is not None and self.rng.uniform(0.0, 1.0) < rate
 
     def _send(
         self,
@@ -948,7 +1105,9 @@ class DispatchCore:
     ) -> None:
         r = st.ranges[i]
         r.planned_local = r.planned_local and reason is Reason.TRIAL_HEDGE
+        verify = trial or (r.work.held and hedge_of is None and self._sampled(peer))
         call = self._new_call(st, i, peer, r.attempts, now, trial=trial)
+        call.verify = verify
         r.attempts += 1
         r.tried.add(peer)
         r.pending.add(call.call)
@@ -973,12 +1132,30 @@ class DispatchCore:
         else:
             out.append(
                 SendRemote(
-                    call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt, reason
+                    call.call,
+                    st.step,
+                    st.layer,
+                    i,
+                    w.lo,
+                    w.hi,
+                    peer,
+                    r.request_id,
+                    call.attempt,
+                    reason,
+                    verify,
                 )
             )
         out.append(StartTimer(Timer(TimerKind.DEADLINE, call.call), now + self.config.timeout_s))
-        if self.config.hedge and not trial:
+        if self.config.hedge and not verify:
             out.append(StartTimer(Timer(TimerKind.HEDGE, call.call), now + self._hedge_after(peer)))
+        if verify:  # the range's result will be the coordinator's own copy
+            r.trusted_only = True
+            r.verified = r.verified or not trial
+            local = self._local(
+                st, i, Reason.TRIAL_HEDGE if trial else Reason.VERIFY, now, out, keep=True
+            )
+            pair = _Pair(call.call, local.call, peer, st.layer, w.lo, w.hi, trial)
+            self._pairs[call.call] = self._pairs[local.call] = pair
 
     def _fail(
         self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], message: str = ""
@@ -1000,8 +1177,8 @@ class DispatchCore:
         for r in st.ranges:
             for cid in sorted(r.pending):
                 c = self._calls[cid]
-                if c.trial:
-                    continue
+                if c.verify and c.peer is not None and not r.failed:
+                    continue  # a kept remote call runs to its end: it is compared
                 self._cancel(c, cancel_reason, out)
             r.pending.clear()
         self._steps.pop(st.step, None)
@@ -1012,6 +1189,7 @@ class DispatchCore:
         c.done = True
         self._calls.pop(c.call, None)
         out.append(Cancel(c.call, reason))
+        self._side(c.call, "gone", out)
         if c.peer is None:
             self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
         else:
@@ -1027,6 +1205,8 @@ class DispatchCore:
             assert r.winner is not None
             if self._winners.pop(r.winner):
                 counts.remote_rows += r.work.rows
+            elif r.verified:
+                counts.verified_rows += r.work.rows
             elif r.planned_local:
                 counts.local_rows += r.work.rows
             else:
@@ -1041,15 +1221,15 @@ class DispatchCore:
             return
         r = st.ranges[c.index]
         r.pending.discard(c.call)
-        if r.winner is not None:
-            return
+        if r.winner is not None or (c.peer is not None and r.trusted_only):
+            return  # a kept remote answer is compared, never the range's result
         r.winner = c.call
         self._winners[c.call] = c.peer is not None
         for other in sorted(r.pending):
             o = self._calls.get(other)
             if o is None:
                 continue
-            if o.trial:  # a trial runs to its end: its answer proves the worker
+            if o.verify:  # a kept call runs to its end: its answer is compared
                 continue
             if o.peer is not None:
                 losses = self.table.lost_hedge(o.peer, now - o.started)
@@ -1060,8 +1240,68 @@ class DispatchCore:
                     )
             else:
                 self._cancel(o, Reason.LOST_RACE, out)
-        r.pending = {p for p in r.pending if p in self._calls and self._calls[p].trial}
+        r.pending = {p for p in r.pending if p in self._calls and self._calls[p].verify}
         self._maybe_combine(st, out)
+
+    def _can_win(self, r: _Range, cid: CallId) -> bool:
+        """May this pending call still give the range its result?"""
+        c = self._calls.get(cid)
+        return c is not None and not c.done and (c.peer is None or not r.trusted_only)
+
+    def _side(self, cid: CallId, outcome: str, out: list[Effect]) -> None:
+        """One side of a verification ended (``done``: answered, ``gone``: failed or cancelled); once
+        both have: ``Compare`` or ``Forget``."""
+        pair = self._pairs.get(cid)
+        if pair is None:
+            return
+        if cid == pair.remote:
+            pair.remote_side = outcome
+        else:
+            pair.local_side = outcome
+        if "pending" in (pair.remote_side, pair.local_side):
+            return
+        self._pairs.pop(pair.remote, None)
+        self._pairs.pop(pair.local, None)
+        if pair.remote_side == pair.local_side == "done":
+            self._comparing[pair.remote] = pair
+            self.verifications += 1
+            out.append(Compare(pair.remote, pair.local, pair.peer, pair.layer, pair.lo, pair.hi))
+        else:
+            out.append(Forget((pair.remote, pair.local)))
+
+    def _compared(self, cid: CallId, equal: bool, detail: str, now: float, out: list[Effect]) -> None:
+        pair = self._comparing.pop(cid, None)
+        if pair is None:
+            self.stale_answers += 1
+            return
+        peer = pair.peer
+        if equal:
+            self.verified_equal += 1
+            was = self.table.is_proven(peer)
+            self.table.verified(peer, True)
+            if not was and self.table.is_proven(peer):
+                out.append(MarkProven(peer))
+            return
+        if peer in self.table.quarantined:
+            return
+        evidence = f"layer {pair.layer} experts {pair.lo}-{pair.hi}: {detail or 'outputs differ'}"
+        self.quarantines += 1
+        self.table.verified(peer, False, evidence)
+        self.errors.append(
+            ErrorRecord(now, 0, peer, pair.layer, pair.lo, pair.hi, -1, FailureKind.WRONG_ANSWER, evidence)
+        )
+        self.errors_total += 1
+        self.errors_by_kind[FailureKind.WRONG_ANSWER] += 1
+        out.append(Quarantine(peer, pair.layer, pair.lo, pair.hi, evidence))
+        for c in sorted((c for c in self._calls.values() if c.peer == peer and not c.done), key=lambda c: c.call):
+            self._cancel(c, Reason.QUARANTINED, out)
+            st = self._steps.get(c.step)
+            if st is None:
+                continue
+            r = st.ranges[c.index]
+            r.pending.discard(c.call)
+            if r.winner is None and not r.failed and not any(self._can_win(r, p) for p in r.pending):
+                self._recover(st, c.index, now, out)
 
     def _remote_done(self, cid: CallId, wall_ms: int, now: float, out: list[Effect]) -> None:
         c = self._calls.get(cid)
@@ -1071,13 +1311,12 @@ class DispatchCore:
         c.done = True
         del self._calls[cid]
         self.table.finished(c.peer)
-        was_proven = self.table.is_proven(c.peer)
         self.table.succeeded(c.peer, rows=c.work.rows, latency_s=now - c.started, wall_ms=wall_ms)
         out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
-        out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
-        if not was_proven:
-            out.append(MarkProven(c.peer))
+        if not c.verify:
+            out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
         self._win(c, now, out)
+        self._side(cid, "done", out)
 
     def _mark_down(
         self,
@@ -1116,16 +1355,18 @@ class DispatchCore:
         del self._calls[cid]
         self.table.finished(c.peer)
         out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
-        out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
+        if not c.verify:
+            out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
         self._record(c, kind, message, wall_ms, now)
         self._mark_down(c, kind, message, wall_ms, now, out, record=False)
+        self._side(cid, "gone", out)
         st = self._steps.get(c.step)
         if st is None:
             return
         r = st.ranges[c.index]
         r.pending.discard(cid)
-        if r.winner is not None or r.pending:
-            return  # another call (a hedge, the trial's local copy) still runs for it
+        if r.winner is not None or any(self._can_win(r, p) for p in r.pending):
+            return  # another call (a hedge, the verified range's local copy) still runs for it
         self._recover(st, c.index, now, out)
 
     def _recover(self, st: _Step, i: int, now: float, out: list[Effect]) -> None:
@@ -1160,6 +1401,7 @@ class DispatchCore:
             a = self.config.ewma_alpha
             self.local_cost_s = (1 - a) * self.local_cost_s + a * compute_s / w.pairs
         self._win(c, now, out)
+        self._side(cid, "done", out)
 
     def _local_failed(self, cid: CallId, message: str, now: float, out: list[Effect]) -> None:
         c = self._calls.get(cid)
@@ -1169,12 +1411,13 @@ class DispatchCore:
         del self._calls[cid]
         self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
         self._record(c, FailureKind.LOCAL, message, 0, now)
+        self._side(cid, "gone", out)
         st = self._steps.get(c.step)
         if st is None:
             return
         r = st.ranges[c.index]
         r.pending.discard(cid)
-        if r.winner is None and not r.pending:
+        if r.winner is None and not any(self._can_win(r, p) for p in r.pending):
             self._fail(st, c.index, Reason.ALL_FAILED, now, out, message=f"local experts failed: {message}")
 
     def _timer(self, timer: Timer, now: float, out: list[Effect]) -> None:
@@ -1198,7 +1441,7 @@ class DispatchCore:
                 return
             r = st.ranges[c.index]
             r.pending.discard(c.call)
-            if r.winner is None and not r.pending:
+            if r.winner is None and not any(self._can_win(r, p) for p in r.pending):
                 self._recover(st, c.index, now, out)
             return
         st = self._steps.get(c.step)

@@ -62,7 +62,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     """One worker of ``/dispatch``: its health as the dispatcher sees it and how it is reached."""
 
     peer_id: str
-    state: str  # up | down | untried (coordinator.core.dispatch)
+    state: str  # up | down | quarantined (coordinator.core.dispatch)
     calls: int
     rows: int
     failures: int
@@ -74,9 +74,12 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     path: Path | None = None  # direct | relayed | hole-punched; None when not connected
     relayed_bytes: int = 0  # expert-stream payload bytes that crossed a relay (stops growing once moved)
     kernel_id: str = ""  # the expert kernel its Hello announced ("" before the first stream or from old peers)
-    proven: bool = False  # answered a call correctly since it attached (adaptive dispatch uses only these)
+    proven: bool = False  # an answer passed verification since it attached (adaptive dispatch uses only these)
     p95_ms: float = 0.0  # p95 of its recent call latencies (its hedge threshold, with the floor)
     in_flight: int = 0
+    verified: int = 0  # answers that passed verification
+    probation_left: int = 0  # verified answers still due before sampling drops to the verify rate
+    quarantine: str = ""  # the evidence when it failed verification ("" otherwise)
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,6 +89,7 @@ class LayerRows(msgspec.Struct, frozen=True, kw_only=True):
     local_rows: int
     remote_rows: int
     fallback_rows: int
+    verified_rows: int = 0  # placed remote and sampled: computed here too, this result used
 
 
 class DispatchErrorReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,6 +142,11 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     errors: list[DispatchErrorReport] = []  # the last failures, oldest first
     stale_answers: int = 0  # answers of calls no longer waited for (ignored)
     mode_changes: list[ModeChange] = []  # the last load-state switches, oldest first
+    verify_rate: float = 0.0  # the sampled share of remote calls after probation
+    verify_probation_calls: int = 0
+    verifications: int = 0  # comparisons made
+    verified_equal: int = 0
+    quarantines: int = 0
 
 
 slots_decoder = msgspec.json.Decoder(list[SlotInfo])

@@ -53,7 +53,7 @@ def totals(rep: dict[str, Any]) -> tuple[int, int]:
     return (sum(L["local_rows"] for L in rep["layers"]), sum(L["remote_rows"] for L in rep["layers"]))
 
 
-async def test_idle_stays_local_load_proves_the_volunteer_tokens_unchanged(procs: list[Proc], tmp_path: Path) -> None:
+async def test_idle_stays_local_load_proves_the_volunteer_tokens_unchanged(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
     map_path = tmp_path / "map.json"
     model_id = model_id_for(MODEL)
     map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from tests.conftest import GOLDEN_GGUF, eventually
-from tests.e2e.test_process_e2e import Proc, cli, procs, wait_for_line, wait_for_text  # noqa: F401 - fixture
+from tests.e2e.test_process_e2e import UNVERIFIED, Proc, cli, procs, wait_for_line, wait_for_text  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ async def test_saturation_recruits_then_ages_out(procs: list[Proc], tmp_path: Pa
                       "--poll-interval", "0.5", "--hold-s", "2", "--cooldown-s", "2"), tmp_path / "market.log")
     procs.append(market)
     murl = (await wait_for_line(market, "market ready at ")).split()[3]
-    coord = Proc(cli("coordinator", "--dispatch", "offload", "--model", str(GOLDEN_GGUF), "--port", str(cport), "--market", murl, "--token", "t0k",
+    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", str(cport), "--market", murl, "--token", "t0k",
                      "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
     procs.append(coord)
     curl = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
@@ -141,7 +141,7 @@ async def test_market_outage_changes_nothing(procs: list[Proc], tmp_path: Path) 
     market = Proc(margs, tmp_path / "market.log")
     procs.append(market)
     await wait_for_line(market, "market ready at ")
-    coord = Proc(cli("coordinator", "--dispatch", "offload", "--model", str(GOLDEN_GGUF), "--port", "0", "--market", murl, "--token", "t0k",
+    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0", "--market", murl, "--token", "t0k",
                      "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
     procs.append(coord)
     curl = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]

@@ -35,6 +35,7 @@ import pytest
 
 from swarm.model.gguf import model_id_for
 from tests.conftest import GOLDEN_GGUF
+from tests.e2e.test_process_e2e import UNVERIFIED
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +223,7 @@ def start_swarm(w: World) -> Swarm:
         path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
     w.start("relay", "pub", "relay", "--listen", f"/ip4/{PUB}/tcp/4001", "--host", PUB, "--port", "9090",
             "--data-dir", str(w.tmp / "relay"))
-    common = ["--model", str(GOLDEN_GGUF), "--expert-timeout", "2.0", "--dispatch", "offload"]
+    common = ["--model", str(GOLDEN_GGUF), "--expert-timeout", "2.0", "--dispatch", "offload", *UNVERIFIED]
     w.start("A", "pub", "coordinator", *common, "--host", PUB, "--port", "8080", "--p2p-listen", f"/ip4/{PUB}/tcp/4002",
             "--data-dir", str(w.tmp / "A"), "--dispatch-map", str(maps["A"]), "--no-hole-punch")
     w.start("B", "pub", "coordinator", *common, "--host", PUB, "--port", "8081", "--p2p-listen", f"/ip4/{PUB}/tcp/4003",

@@ -27,6 +27,11 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarm.cli", "--log-level", "WARNING", *args]
 
 
+# offload tests check the remote path itself, every answer used: verification (which computes sampled
+# ranges here too and uses the coordinator's result) has its own tests
+UNVERIFIED = ["--verify-rate", "0", "--verify-probation", "0"]
+
+
 class Proc:
     def __init__(self, args: list[str], log: Path) -> None:
         self.log = log
@@ -118,7 +123,7 @@ async def stream_with_fault(
 async def test_kill_9_volunteer_mid_generation(procs: list[Proc], tmp_path: Path) -> None:
     map_path = tmp_path / "map.json"
     map_path.write_text(json.dumps({"model_id": model_id_for(GOLDEN_GGUF), "version": 0, "layers": []}))
-    coord = Proc(cli("coordinator", "--dispatch", "offload", "--model", str(GOLDEN_GGUF), "--port", "0", "--data-dir", str(tmp_path / "c"),
+    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0", "--data-dir", str(tmp_path / "c"),
                      "--expert-timeout", "1.0", "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
     procs.append(coord)
     url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]

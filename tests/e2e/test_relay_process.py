@@ -18,6 +18,7 @@ import trio
 from swarm.model.gguf import model_id_for
 from tests.conftest import GOLDEN_GGUF, eventually
 from tests.e2e.test_process_e2e import (
+    UNVERIFIED,
     Proc,
     attach_single_worker,
     cli,
@@ -49,7 +50,7 @@ async def test_relay_restart_mid_generation(procs: list[Proc], tmp_path: Path) -
     map_path = tmp_path / "map.json"
     map_path.write_text(json.dumps({"model_id": model_id_for(GOLDEN_GGUF), "version": 0, "layers": []}))
     # --no-hole-punch: the traffic stays on the relay, so restarting the relay matters
-    coord = Proc(cli("coordinator", "--dispatch", "offload", "--model", str(GOLDEN_GGUF), "--port", "0", "--data-dir", str(tmp_path / "c"),
+    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0", "--data-dir", str(tmp_path / "c"),
                      "--expert-timeout", "1.0", "--dispatch-map", str(map_path), "--no-hole-punch"), tmp_path / "coordinator.log")
     procs.append(coord)
     url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]

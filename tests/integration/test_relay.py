@@ -34,7 +34,8 @@ from tests.integration.test_remote_experts import HALVES, greedy
 from volunteer.server import ExpertServer
 
 # the remote path whatever the load (the relay carries every call), no hedging
-OFFLOAD = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False)
+# the remote path itself, every answer used (verification, which would compute every range here too, has its own tests)
+OFFLOAD = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=0.0, verify_probation_calls=0)
 
 
 def report(d: Dispatcher) -> dict[str, Any]:

@@ -51,10 +51,11 @@ class Vol:
 
 
 async def start_volunteer(
-    nursery: trio.Nursery, model: GGUFModel, slices: list[tuple[int, int, int]], *, wrap: Callable[[Handler], Handler] | None = None
+    nursery: trio.Nursery, model: GGUFModel, slices: list[tuple[int, int, int]], *, wrap: Callable[[Handler], Handler] | None = None,
+    server_factory: Callable[[list[Any]], ExpertServer] | None = None,
 ) -> Vol:
     loaded = [load_slice(cut_slice(model, L, lo, hi)) for L, lo, hi in slices]
-    server = ExpertServer(loaded, threads=1)
+    server = server_factory(loaded) if server_factory is not None else ExpertServer(loaded, threads=1)
 
     async def run(task_status: trio.TaskStatus[Vol]) -> None:
         with trio.CancelScope() as cs:
@@ -102,7 +103,8 @@ HALVES = [(L, lo, hi) for L in (0, 1) for lo, hi in ((0, 4), (4, 8))]
 
 # These tests exercise the remote path: every range with a live replica goes remote whatever the load,
 # and a slow call waits for its deadline (the adaptive policy and hedging: tests/sim/test_dispatcher_scenarios.py)
-OFFLOAD = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False)
+# the remote path itself, every answer used (verification, which would compute every range here too, has its own tests)
+OFFLOAD = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=0.0, verify_probation_calls=0)
 
 
 async def make_dispatcher(nursery: trio.Nursery, model: GGUFModel, transport: Transport | None, **kw: Any) -> Dispatcher:

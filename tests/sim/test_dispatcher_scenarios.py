@@ -26,6 +26,7 @@ from swarm.p2p.transport import Stream
 from swarm.protocol.expert import V1_PROTOCOL_ID, ExpertRequest, Pairs, make_hello
 from swarm.rpc.server import set_expert_handlers
 from swarm.rpc.tensors import pairs_to_tensors
+from tests.conftest import eventually
 
 D = 16
 N_EXPERT = 8
@@ -202,6 +203,18 @@ def worker(d: Dispatcher, peer: str) -> dict[str, object]:
     }
 
 
+# placement scenarios with every answer used after the trial (verification has its scenarios below)
+NO_SAMPLING = {"verify_rate": 0.0, "verify_probation_calls": 0}
+
+
+async def settled(d: Dispatcher, within: float = 5.0) -> None:
+    """Wait (virtual time) until every remote call has ended and its comparison, if any, is in."""
+    async def idle() -> bool:
+        return not (d.core.in_flight() or d.core._comparing or d._kept)
+
+    await eventually(idle, within=within, interval=0.001)
+
+
 async def wait_sample(d: Dispatcher) -> None:
     """Let the 2-second load sampler take its next sample."""
     await trio.sleep(d.config.sample_interval_s + 0.01)
@@ -215,7 +228,7 @@ async def test_idle_then_load_then_idle(clock: trio.testing.MockClock, nursery: 
     vol = await sw.volunteer("w1")
     m = dmap({k: ["w1"] for k in HALVES})
     load = Load(busy=1)
-    async with sw.coordinator(load_probe=load, config=DispatchConfig(serve_ttl_s=20.0)) as d:
+    async with sw.coordinator(load_probe=load, config=DispatchConfig(serve_ttl_s=20.0, **NO_SAMPLING)) as d:
         d.set_map(m)
         # idle (1 busy slot < threshold 2): the experts the coordinator holds run here
         for i in range(4):
@@ -224,7 +237,8 @@ async def test_idle_then_load_then_idle(clock: trio.testing.MockClock, nursery: 
         assert vol.calls == [] and d.report().load_state == "idle"
         assert worker(d, "w1")["proven"] is False
 
-        # load: the unproven worker gets one hedged trial (remote and local at once; it wins)
+        # load: the unproven worker gets one hedged trial (remote and local at once; the local result is
+        # used, the remote one compared when it comes)
         load.busy = 3
         await wait_sample(d)
         assert d.report().load_state == "loaded"
@@ -232,7 +246,8 @@ async def test_idle_then_load_then_idle(clock: trio.testing.MockClock, nursery: 
         await step(d, m, seed=10)
         got = delta(decisions(d), before)
         assert got[Reason.TRIAL_HEDGE.value] == 2  # its SendRemote and its RunLocal
-        assert worker(d, "w1")["proven"] is True and len(vol.calls) == 1
+        await settled(d)
+        assert worker(d, "w1")["proven"] is True and len(vol.calls) == 1 and d.core.verified_equal == 1
         # then the two halves split between the worker and the coordinator by earliest finish
         before = decisions(d)
         rows_before = [(L.local_rows, L.remote_rows) for L in d.report().layers]
@@ -312,7 +327,7 @@ async def test_slow_worker_is_hedged(clock: trio.testing.MockClock, nursery: tri
     sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
     await sw.volunteer("w1", maybe_slow)
     m = dmap({k: ["w1"] for k in HALVES})
-    cfg = DispatchConfig(hedge_floor_s=0.05, timeout_s=3.0, max_hedge_losses=3)
+    cfg = DispatchConfig(hedge_floor_s=0.05, timeout_s=3.0, max_hedge_losses=3, **NO_SAMPLING)
     async with sw.coordinator(load_probe=Load(busy=4), config=cfg) as d:
         d.set_map(m)
         await trio.sleep(0.01)

@@ -99,4 +99,7 @@ def test_coordinator_dispatch_flags_reach_the_dispatch_core() -> None:
     assert (d.mode, d.saturation_threshold, d.serve_ttl_s, d.hedge_floor_s, d.hot_experts, d.timeout_s) == (
         DispatchMode.OFFLOAD, 3, 5.0, 0.02, 2, 1.5)
     default = dispatch_config(config("coordinator", "--model", "m.gguf"))  # type: ignore[arg-type]
-    assert default == DispatchConfig(timeout_s=3.0)  # adaptive, 2 busy slots, 20 s, 50 ms, no hot experts
+    # adaptive, 2 busy slots, 20 s, 50 ms, no hot experts, verification 0.05 after 50
+    assert default == DispatchConfig(timeout_s=3.0) and (default.verify_rate, default.verify_probation_calls) == (0.05, 50)
+    v = dispatch_config(config("coordinator", "--model", "m.gguf", "--verify-rate", "1", "--verify-probation", "7"))  # type: ignore[arg-type]
+    assert (v.verify_rate, v.verify_probation_calls) == (1.0, 7)

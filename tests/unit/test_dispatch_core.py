@@ -4,6 +4,7 @@ fallbacks, hot experts, stale answers, row counts)."""
 
 from __future__ import annotations
 
+import random
 from typing import TypeVar
 
 import pytest
@@ -15,6 +16,8 @@ from coordinator.core.dispatch import (
     CancelTimer,
     ChoiceReason,
     Combine,
+    Compare,
+    Compared,
     DispatchConfig,
     DispatchCore,
     DispatchMode,
@@ -138,9 +141,11 @@ MS = 1e-3
 E = TypeVar("E")
 
 
-def core(*peers: str, **kw: object) -> DispatchCore:
+def core(*peers: str, rng: random.Random | None = None, **kw: object) -> DispatchCore:
     kw.setdefault("local_cost_prior_s", 1 * MS)  # 1 ms per pair: a range of 8 pairs = 8 ms here
-    c = DispatchCore(DispatchConfig(**kw), n_layer=2, n_expert=8)  # type: ignore[arg-type]
+    kw.setdefault("verify_rate", 0.0)  # placement tables: no sampling (verification has its own tests)
+    kw.setdefault("verify_probation_calls", 0)
+    c = DispatchCore(DispatchConfig(**kw), n_layer=2, n_expert=8, rng=rng)  # type: ignore[arg-type]
     c.handle(WorkersListed(frozenset(peers)), 0.0)
     return c
 
@@ -161,8 +166,9 @@ def ready(
 
 
 def prove(c: DispatchCore, peer: str, latency_s: float) -> None:
-    """``peer`` has answered a call correctly (the worker table's record of it)."""
+    """``peer`` has answered a call that passed verification (the worker table's record of it)."""
     c.table.succeeded(peer, rows=8, latency_s=latency_s, wall_ms=1)
+    c.table.verified(peer, True)
 
 
 def loaded(c: DispatchCore, now: float = 0.0, busy: int = 4) -> None:
@@ -341,7 +347,7 @@ def test_hot_experts_run_locally_and_keep_the_partition() -> None:
     ],
 )
 def test_hot_expert_ranking(k: int, rounds: list[tuple[int, ...]], hot: set[int]) -> None:
-    c = DispatchCore(DispatchConfig(hot_experts=k, hot_decay=0.9), n_layer=1, n_expert=4)
+    c = DispatchCore(DispatchConfig(hot_experts=k, hot_decay=0.9), n_layer=1, n_expert=4, rng=random.Random(0))
     for i, counts in enumerate(rounds):
         c.handle(LayerReady(StepId(i + 1), 0, (), counts), 0.0)
     assert c.hot_experts(0) == hot
@@ -374,10 +380,11 @@ def test_remote_call_timers_and_combine() -> None:
         StartTimer(Timer(TimerKind.HEDGE, cid), 11.5),
     }
     eff = c.handle(RemoteDone(cid, wall_ms=777), 10.004)
-    assert Combine(StepId(1), 0, (cid,)) in eff and MarkProven("p") in eff
+    # a not-held range has no local copy to verify against: the answer is used, it proves nothing
+    assert Combine(StepId(1), 0, (cid,)) in eff and MarkProven("p") not in eff
     assert {CancelTimer(Timer(TimerKind.DEADLINE, cid)), CancelTimer(Timer(TimerKind.HEDGE, cid))} <= set(eff)
     v = c.table.views(11.0)[0]
-    assert (v.calls, v.last_serve_ms, v.proven) == (1, 777, True) and v.latency_ewma_ms == pytest.approx(4.0)
+    assert (v.calls, v.last_serve_ms, v.proven) == (1, 777, False) and v.latency_ewma_ms == pytest.approx(4.0)
     assert (c.rows[0].remote_rows, c.rows[0].local_rows, c.in_flight(), c.active_steps()) == (8, 0, 0, 0)
     # a stale timer of the finished call does nothing
     assert c.handle(TimerFired(Timer(TimerKind.HEDGE, cid)), 11.5) == []
@@ -479,25 +486,29 @@ def test_deadline_marks_down_and_recovers() -> None:
     assert c.handle(RemoteDone(cid, 1), 1.5) == [] and c.stale_answers == 1
 
 
-def test_trial_local_wins_the_step_and_the_remote_call_still_proves_the_worker() -> None:
+def test_trial_local_wins_the_step_and_the_remote_answer_is_compared_then_proves() -> None:
     c = core("p")
     loaded(c)
     eff = ready(c, 0.0, rw(0, 4, "p"))
-    remote, local = call_of(eff, SendRemote), call_of(eff, RunLocal)
-    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]
+    [send], [run] = only(eff, SendRemote), only(eff, RunLocal)
+    remote, local = send.call, run.call
+    assert send.keep and run.keep  # both answers kept for the comparison
+    assert [t.timer.kind for t in only(eff, StartTimer)] == [TimerKind.DEADLINE]  # no hedge timer
     eff = c.handle(LocalDone(local, 0.008), 0.008)
     assert Combine(StepId(1), 0, (local,)) in eff and only(eff, Cancel) == []  # the trial goes on
     assert c.rows[0].local_rows == 8
     eff = c.handle(RemoteDone(remote, 1), 0.02)
-    assert MarkProven("p") in eff and only(eff, Combine) == []
-    assert c.table.is_proven("p") and c.stale_answers == 0
+    assert only(eff, Compare) == [Compare(remote, local, "p", 0, 0, 4)] and only(eff, Combine) == []
+    assert not c.table.is_proven("p")  # answered, not yet compared
+    assert c.handle(Compared(remote, True), 0.021) == [MarkProven("p")]
+    assert c.table.is_proven("p") and c.stale_answers == 0 and c.table.workers["p"].verified == 1
     # one trial per attach: after a detach and re-attach it is unproven and due again
     c.handle(WorkersListed(frozenset()), 1.0)
     c.handle(WorkersListed(frozenset({"p"})), 1.0)
     assert not c.table.is_proven("p") and c.table.workers["p"].trial_due
 
 
-def test_trial_remote_wins_and_the_local_copy_is_cancelled() -> None:
+def test_trial_remote_first_never_wins_the_range() -> None:
     c = core("p")
     loaded(c)
     eff = ready(c, 0.0, rw(0, 4, "p"), rw(4, 8, "p"))
@@ -509,13 +520,14 @@ def test_trial_remote_wins_and_the_local_copy_is_cancelled() -> None:
     ]
     remote = call_of(eff, SendRemote)
     local_a, local_b = (e.call for e in only(eff, RunLocal))
-    eff = c.handle(RemoteDone(remote, 1), 0.003)
-    assert Cancel(local_a, Reason.LOST_RACE) in eff and only(eff, Combine) == []
-    assert c.local_backlog_pairs == 8  # the cancelled copy left the backlog
+    eff = c.handle(RemoteDone(remote, 1), 0.003)  # the remote answer first: kept, not the result
+    assert only(eff, Cancel) == [] and only(eff, Combine) == [] and only(eff, Compare) == []
     eff = c.handle(LocalDone(local_b, 0.004), 0.008)
-    assert Combine(StepId(1), 0, (remote, local_b)) in eff
-    assert (c.rows[0].remote_rows, c.rows[0].local_rows) == (8, 8)
-    assert c.local_cost_s == pytest.approx(0.8 * MS + 0.2 * 0.5 * MS)  # 4 ms for 8 pairs, into the EWMA
+    assert only(eff, Combine) == []
+    eff = c.handle(LocalDone(local_a, 0.004), 0.009)
+    assert Combine(StepId(1), 0, (local_a, local_b)) in eff and Compare(remote, local_a, "p", 0, 0, 4) in eff
+    assert (c.rows[0].remote_rows, c.rows[0].local_rows) == (0, 16)
+    assert c.local_backlog_pairs == 0
 
 
 def test_a_failed_worker_loses_proven_and_gets_a_new_trial() -> None:

@@ -1,0 +1,182 @@
+"""Verification end to end under virtual time (the real dispatcher shell and core, the real expert
+stream on the fake network): liars of every kind are quarantined at their first lie and no layer's
+output differs from the all-local one; honest workers are never quarantined; a sleeper is caught at
+its first lie at ``verify_rate`` 1."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from coordinator.core.dispatch import DispatchConfig, Reason
+from coordinator.dispatcher import Dispatcher
+from swarm.model.kernels import KernelBackend, kernel_id
+from swarm.p2p.memory import FakeNetwork, open_fake_transport
+from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
+from swarm.rpc.server import set_expert_handlers
+from swarm.rpc.tensors import pairs_to_tensors
+from tests.sim.test_dispatcher_scenarios import (
+    HALVES,
+    LATENCY_S,
+    REMOTE_S_PER_PAIR,
+    Load,
+    Swarm,
+    dmap,
+    partial_sum,
+    settled,
+    step,
+)
+
+OURS = kernel_id(KernelBackend.TORCH)  # the coordinator's kernel id here: comparisons are bit-exact
+
+Lie = Callable[[int, torch.Tensor], torch.Tensor | None]  # (call number from 0, honest answer) -> lie or None
+
+
+def ulp(out: torch.Tensor) -> torch.Tensor:
+    y = out.clone()
+    y.view(-1)[0] = torch.nextafter(y.view(-1)[0], torch.tensor(float("inf")))
+    return y
+
+
+def noise(out: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return out + 0.1 * out.abs().mean() * torch.randn(out.shape, generator=g)  # ~10 % relative: above 5 %
+
+
+LIARS: dict[str, tuple[Lie, str]] = {
+    "zeros": (lambda n, out: torch.zeros_like(out), OURS),
+    "scaled": (lambda n, out: out * 1.5, OURS),
+    "ulp": (lambda n, out: ulp(out), OURS),  # 1-ulp noise: caught only because kernel ids are equal
+    "noise": (lambda n, out: noise(out), "another-kernel"),  # above tolerance, different kernel ids
+    "intermittent": (lambda n, out: out * 1.5 if n % 20 == 19 else None, OURS),  # every 20th call
+}
+
+
+@dataclass
+class Liar:
+    lie: Lie
+    calls: int = 0
+    lies: list[int] = field(default_factory=list)
+
+    async def handle(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        n = self.calls
+        self.calls += 1
+        pr, pe, pw = pairs_to_tensors(pairs)
+        await trio.sleep(REMOTE_S_PER_PAIR * int(pr.shape[0]))
+        out = partial_sum(req.layer, req.lo, rows, pr, pe, pw)
+        bad = self.lie(n, out)
+        if bad is None:
+            return out
+        self.lies.append(n)
+        return bad
+
+
+async def start_worker(sw: Swarm, name: str, handler: Liar, kid: str) -> None:
+    async def run(task_status: trio.TaskStatus[None]) -> None:
+        async with open_fake_transport(sw.net, peer_id=name) as t:
+            set_expert_handlers(t, handler.handle, hello=make_hello(kernel_id=kid))
+            task_status.started()
+            await trio.sleep_forever()
+
+    await sw.nursery.start(run)
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def run_steps(d: Dispatcher, n: int, seed0: int = 0) -> None:
+    m = d.map
+    assert m is not None
+    for i in range(n):
+        await step(d, m, layer=i % 2, seed=seed0 + i)  # asserts the all-local bits, every step
+
+
+@pytest.mark.parametrize("kind", sorted(LIARS))
+async def test_a_liar_is_quarantined_at_its_first_lie_and_no_output_differs(
+    kind: str, clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    lie, kid = LIARS[kind]
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    liar = Liar(lie)
+    await start_worker(sw, "liar", liar, kid)
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH) as d:  # default: 0.05 after 50
+        d.set_map(dmap({k: ["liar"] for k in HALVES}))
+        await trio.sleep(0.01)  # the first load sample: loaded
+        await run_steps(d, 80)
+        await settled(d)
+        rep = d.report()
+        [w] = rep.workers
+        assert liar.lies, "the liar never lied"
+        assert w.state == "quarantined" and not w.proven and rep.quarantines == 1
+        # quarantined at its first lie: it never got to tell a second one; every other answer compared equal
+        assert len(liar.lies) == 1 and rep.verifications == rep.verified_equal + 1
+        assert rep.verified_equal >= liar.lies[0]  # the honest answers before it (one more may overlap it)
+        assert w.quarantine and "experts" in w.quarantine
+        assert [e.reason for e in rep.errors] == ["wrong_answer"]
+        calls_at_quarantine = liar.calls
+        await run_steps(d, 10, seed0=100)
+        assert liar.calls == calls_at_quarantine  # no more work
+        assert rep.layers[0].remote_rows + rep.layers[1].remote_rows == 0  # no liar answer was ever used
+
+
+async def test_honest_workers_are_never_quarantined(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    """10^3 honest answers, every one compared (rate 1), bit-exact and by tolerance: 0 quarantines."""
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    exact, tol = Liar(lambda n, out: None), Liar(lambda n, out: None)
+    await start_worker(sw, "exact", exact, OURS)
+    await start_worker(sw, "tol", tol, "another-kernel")
+    cfg = DispatchConfig(verify_rate=1.0)
+    spec = {k: (["exact"] if k[1] == 0 else ["tol"]) for k in HALVES}
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg) as d:
+        d.set_map(dmap(spec))
+        await trio.sleep(0.01)
+        await run_steps(d, 520)
+        await settled(d)
+        rep = d.report()
+        assert exact.calls + tol.calls >= 1000 and rep.verifications == exact.calls + tol.calls
+        assert rep.quarantines == 0 and rep.verified_equal == rep.verifications
+        assert all(w.state == "up" and w.proven for w in rep.workers)
+
+
+@pytest.mark.parametrize(("rate", "caught_at_first"), [(1.0, True), (0.05, False)])
+async def test_a_sleeper_is_caught_at_its_first_lie_at_rate_1(
+    rate: float, caught_at_first: bool, clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Honest for its first 120 calls, then scaled answers. At rate 1 the first lie quarantines it and no
+    output differs; at the default rate its lies go unseen until a sample hits one -- the layer outputs
+    of this test then differ from all-local, which is what sampling cannot catch (measured in
+    benchmarks/verification.py)."""
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    sleeper = Liar(lambda n, out: out * 1.5 if n >= 120 else None)
+    await start_worker(sw, "sleeper", sleeper, OURS)
+    cfg = DispatchConfig(verify_rate=rate, verify_probation_calls=50)
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg,
+                              rng=random.Random(3)) as d:
+        d.set_map(dmap({k: ["sleeper"] for k in HALVES}))
+        await trio.sleep(0.01)
+        m = d.map
+        assert m is not None
+        differing = 0
+        for i in range(400):
+            try:
+                await step(d, m, layer=i % 2, seed=i)
+            except AssertionError:
+                differing += 1
+            if d.report().quarantines:
+                break
+        await settled(d)
+        rep = d.report()
+        assert rep.quarantines == 1  # caught, at the latest by a sample
+        if caught_at_first:
+            assert differing == 0 and sleeper.lies == [120]
+        else:  # the lies before the sampled one went into the outputs
+            assert 1 <= differing <= len(sleeper.lies) - 1
+        assert rep.decisions.get(Reason.VERIFY.value, 0) >= 50
