@@ -2,7 +2,7 @@
 one compute thread (the two cores), on the ``bench`` model: aggregate decode tokens/s and per-session
 ms/token at 1, 4 and 8 concurrent sessions, local-only vs load-adaptive dispatch (DESIGN §11 format).
 
-    python benchmarks/offload.py [--quick] [--json OUT] [--sessions 1 4 8] [--decode 32]
+    python benchmarks/offload.py [--quick] [--json OUT] [--sessions 1 4 8] [--decode 32] [--verify-cases]
 
 Real processes on loopback: ``moe-swarm coordinator --threads 1`` and ``moe-swarm volunteer --threads 1``
 in static mode, serving every layer of the model in four ranges (its slices are downloaded from the
@@ -13,6 +13,11 @@ by earliest finish under load). Before the adaptive cases a load burst gives the
 hedged trial, so it is proven; every case starts from an idle dispatcher (after the serve TTL). Requests go through the HTTP API (``/v1/completions``, streamed, the
 same token-id prompt per session index, ``ignore_eos``); the tokens of every adaptive case are
 checked against the local case's.
+
+Verification is at the coordinator's defaults (a volunteer's first 50 answers and then 5 % are
+recomputed here: ``rows_verified``). ``--verify-cases`` adds ``adaptive_unverified``: the same
+adaptive cases on a second coordinator process started with ``--verify-rate 0 --verify-probation 0``
+(idle during the other cases), whose ratio to ``adaptive`` is verification's throughput cost.
 
 The ``bound`` case measures one decode step in this process (8 sessions, one thread): its dense
 time D (attention, norms, router, head) and expert time E, and prints the gain two equal workers
@@ -152,6 +157,10 @@ def rows(rep: dict[str, Any]) -> tuple[int, int]:
     return (sum(L["local_rows"] for L in rep["layers"]), sum(L["remote_rows"] + L["fallback_rows"] for L in rep["layers"]))
 
 
+def verified_rows(rep: dict[str, Any]) -> int:
+    return sum(int(L.get("verified_rows", 0)) for L in rep["layers"])
+
+
 def bound(path: Path, sessions: int) -> dict[str, Any]:
     """Dense and expert time of one decode step at ``sessions`` sequences, one thread, in process."""
     import torch
@@ -210,12 +219,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[Proc] = []
     cases: list[dict[str, Any]] = []
     try:
-        coord = Proc("coordinator", cli("coordinator", "--model", str(path), "--port", str(port), "--threads", "1",
-                                        "--slots", str(max(args.sessions)), "--ctx-size", "256",
+        common = ["--model", str(path), "--threads", "1", "--slots", str(max(args.sessions)), "--ctx-size", "256"]
+        coord = Proc("coordinator", cli("coordinator", *common, "--port", str(port),
                                         "--data-dir", str(work / "coordinator"), "--dispatch-map", str(map_path)),
                      work / "coordinator.log")
         procs.append(coord)
         wait_until("the coordinator", lambda: httpx.get(url + "/health", timeout=2).status_code == 200, procs)
+        modes = ["local", "adaptive"]
+        urls = {"local": url, "adaptive": url}
+        maps = {"local": map_path, "adaptive": map_path}
+        if getattr(args, "verify_cases", False):
+            # the same adaptive dispatch without verification: a second coordinator (verification is a
+            # start-time setting), idle except in its own case
+            port2 = free_port()
+            url2 = f"http://127.0.0.1:{port2}"
+            map2 = work / "dispatch-map-unverified.json"
+            write_map(map2, model_id, 0, 0, 1, None)
+            procs.append(Proc("coordinator-unverified", cli("coordinator", *common, "--port", str(port2), "--verify-rate", "0",
+                                                            "--verify-probation", "0", "--data-dir", str(work / "coordinator2"),
+                                                            "--dispatch-map", str(map2)), work / "coordinator-unverified.log"))
+            wait_until("the second coordinator", lambda: httpx.get(url2 + "/health", timeout=2).status_code == 200, procs)
+            modes.append("adaptive_unverified")
+            urls["adaptive_unverified"], maps["adaptive_unverified"] = url2, map2
         cfg = dispatch(url)
         n_layer = len(cfg["layers"])
         manifest = httpx.get(f"{url}/v1/models/{model_id}/manifest", timeout=10).json()
@@ -232,28 +257,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ref: dict[int, list[list[int]]] = {}
         version = 1
-        for mode in ("local", "adaptive"):
+        for mode in modes:
             version += 1
-            write_map(map_path, model_id, n_layer, n_expert, version, info if mode == "adaptive" else None)
-            want = 1 if mode == "adaptive" else 0
-            wait_until(f"the {mode} map", lambda v=version, w=want: dispatch(url)["map_version"] == v
-                       and len(dispatch(url)["workers"]) == w, procs)
+            url = urls[mode]
+            write_map(maps[mode], model_id, n_layer, n_expert, version, info if mode != "local" else None)
+            want = 0 if mode == "local" else 1
+            wait_until(f"the {mode} map", lambda v=version, w=want, u=url: dispatch(u)["map_version"] == v
+                       and len(dispatch(u)["workers"]) == w, procs)
             # warm-up: graphs for these sizes; in adaptive mode the load onset gives the volunteer its trial
             sessions(url, model_id, max(args.sessions), 8)
-            if mode == "adaptive":
+            if mode != "local":
                 w = dispatch(url)["workers"][0]
                 print(f"    volunteer after the warm-up: proven={w.get('proven')} calls={w.get('calls')}", flush=True)
             for n in args.sessions:
                 # each case from the steady state: after a burst the dispatcher keeps its proven workers
                 # for the serve TTL (20 s); a lone session is measured once it is idle again
-                wait_until("an idle dispatcher", lambda: dispatch(url)["load_state"] in ("idle", ""), procs, timeout=120)
+                wait_until("an idle dispatcher", lambda u=url: dispatch(u)["load_state"] in ("idle", ""), procs, timeout=120)
                 before = dispatch(url)
                 tps, ms, ids = sessions(url, model_id, n, args.decode)
                 after = dispatch(url)
                 loc, rem = rows(before)
                 loc2, rem2 = rows(after)
                 case = {"case": mode, "sessions": n, "rtt_ms": 0, "tokens_per_s": round(tps, 2),
-                        "ms_per_token": round(ms, 2), "rows_local": loc2 - loc, "rows_remote": rem2 - rem}
+                        "ms_per_token": round(ms, 2), "rows_local": loc2 - loc, "rows_remote": rem2 - rem,
+                        "rows_verified": verified_rows(after) - verified_rows(before)}
                 if mode == "local":
                     ref[n] = ids
                 else:
@@ -264,8 +291,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     case["worker_latency_ewma_ms"], case["worker_p95_ms"] = w["latency_ewma_ms"], w.get("p95_ms")
                 cases.append(case)
                 print(f"    {mode:8} sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
-                      f"rows local {loc2 - loc} remote {rem2 - rem}", flush=True)
-                if mode == "adaptive":
+                      f"rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)
+                if mode != "local":
                     print(f"             decisions {case['decisions']}; worker latency EWMA "
                           f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}", flush=True)
     finally:
@@ -281,6 +308,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--decode", type=int, default=32, help="tokens per session")
+    ap.add_argument("--verify-cases", action="store_true",
+                    help="also adaptive dispatch without verification (a second coordinator): its throughput cost")
     args = ap.parse_args()
     if args.quick:
         args.sessions, args.decode = [1, 4], 12
@@ -289,11 +318,11 @@ def main() -> None:
     print(f"{'case':<9} {'sessions':>8} {'tokens/s':>9} {'ms/token':>9} {'local rows':>11} {'remote rows':>12}")
     by = {(c["case"], c.get("sessions")): c for c in result["cases"]}
     for c in result["cases"]:
-        if c["case"] in ("local", "adaptive"):
+        if c["case"] in ("local", "adaptive", "adaptive_unverified"):
             print(f"{c['case']:<9} {c['sessions']:>8} {c['tokens_per_s']:>9.2f} {c['ms_per_token']:>9.2f} "
                   f"{c['rows_local']:>11} {c['rows_remote']:>12}" + (
                       f"   x{c['tokens_per_s'] / by[('local', c['sessions'])]['tokens_per_s']:.2f}, tokens "
-                      f"{'equal' if c['tokens_equal_local'] else 'DIFFERENT'}" if c["case"] == "adaptive" else ""))
+                      f"{'equal' if c['tokens_equal_local'] else 'DIFFERENT'}" if c["case"] != "local" else ""))
     b = by[("bound", max(args.sessions))]
     print(f"one decode step at {b['sessions']} sessions (1 thread): dense {b['dense_ms']} ms, experts {b['experts_ms']} ms "
           f"-> two equal workers at best x{b['ideal_gain']}")

@@ -12,6 +12,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -52,6 +53,7 @@ from coordinator.schemas import (
     gen_params,
 )
 from swarm.errors import RequestError, SwarmError
+from swarm.http_io import close_if_unread, read_body
 from swarm.protocol.coordinator import Health, MarketLinkStatus, SlotInfo
 from swarm.protocol.http import encode_error
 from swarm.text.chat import render_chat
@@ -98,6 +100,7 @@ class _EngineCollector(Collector):
 
 
 _encoder = msgspec.json.Encoder()
+DEFAULT_MAX_BODY = 8 << 20  # bytes of one API request body (--max-body)
 
 
 def _json(body: msgspec.Struct | list[SlotInfo] | dict[str, Any]) -> Response:
@@ -116,6 +119,7 @@ def build_app(
     extra_routes: Iterable[BaseRoute] = (),
     extra_collectors: Iterable[Collector] = (),
     extra_health: Callable[[], tuple[str, MarketLinkStatus | None]] | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
 ) -> Starlette:
     names = {model_id, *aliases}
     created = int(time.time())
@@ -125,6 +129,20 @@ def build_app(
         registry.register(c)
     tok = rt.tokenizer
     template = rt.model.fields.get("tokenizer.chat_template")
+    # a text longer than this has more tokens than the context holds: refused before tokenising
+    max_chars = rt.n_ctx * tok.max_token_bytes
+    tokenizing = trio.CapacityLimiter(2)  # off the event loop, at most two at a time
+
+    async def encode(text: str, param: str) -> list[int]:
+        if len(text) > max_chars:
+            raise RequestError(
+                f"the prompt has {len(text)} characters: more than the {rt.n_ctx} tokens of the context can hold",
+                code="context_length_exceeded", param=param,
+            )
+        ids: list[int] = await trio.to_thread.run_sync(
+            functools.partial(tok.encode, text, parse_special=True), limiter=tokenizing
+        )
+        return ids
 
     def check_model(name: str) -> None:
         if name not in names:
@@ -161,7 +179,7 @@ def build_app(
 
     async def chat(request: Request) -> Response:
         try:
-            req = decode_chat(await request.body())
+            req = decode_chat(await read_body(request, max_body))
             check_model(req.model)
             params = gen_params(req, default_max_tokens=rt.n_ctx, max_tokens_override=req.max_completion_tokens)
             msgs = [msgspec_to_dict(m) for m in req.messages]
@@ -172,25 +190,25 @@ def build_app(
                 bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                 eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
             )
-            ids = tok.encode(text, parse_special=True)
-            handle = rt.submit(ids, params)
+            ids = await encode(text, "messages")
+            handle = rt.submit(ids, params, prompt_param="messages")
         except SwarmError as exc:
             return _err(exc)
         return await _respond(request, req, handle, chat=True)
 
     async def completions(request: Request) -> Response:
         try:
-            req = decode_completion(await request.body())
+            req = decode_completion(await read_body(request, max_body))
             check_model(req.model)
             params = gen_params(req, default_max_tokens=16)
             p = req.prompt
             if isinstance(p, str):
-                ids = tok.encode(p, parse_special=True)
+                ids = await encode(p, "prompt")
             elif p and isinstance(p[0], str):
-                ids = tok.encode(str(p[0]), parse_special=True)
+                ids = await encode(str(p[0]), "prompt")
             else:
                 ids = [int(x) for x in p]
-            handle = rt.submit(ids, params)
+            handle = rt.submit(ids, params, prompt_param="prompt")
         except SwarmError as exc:
             return _err(exc)
         return await _respond(request, req, handle, chat=False)
@@ -198,7 +216,7 @@ def build_app(
     def _err(exc: SwarmError) -> Response:
         if isinstance(exc, RequestError) and exc.status == 503:
             return error_response(exc, headers={"Retry-After": "1"})
-        return error_response(exc)
+        return error_response(exc, headers=close_if_unread(exc))
 
     async def _respond(request: Request, req: ChatRequest | CompletionRequest, handle: RequestHandle, *, chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)

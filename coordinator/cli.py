@@ -7,7 +7,7 @@ from typing import Any
 
 from coordinator.server import CoordinatorConfig, serve_coordinator
 from swarm.config import build_config, data_dir_for, env_token
-from swarm.service import run_announced
+from swarm.service import run_announced, size_flag
 
 __all__ = ["add_parser", "config_from_args"]
 
@@ -48,6 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a slow remote call is raced against another copy after max(this, its p95)")
     c.add_argument("--hot-experts", type=int, default=0,
                    help="the K most-routed experts of each layer always run locally")
+    c.add_argument("--max-body", type=size_flag, default=8 << 20,
+                   help="largest API request body, e.g. 8M (larger: 413 body_too_large)")
     c.add_argument("--verify-rate", type=float, default=0.05,
                    help="share of volunteers' answers recomputed here and compared, after their probation")
     c.add_argument("--verify-probation", type=int, default=50,
@@ -83,6 +85,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "hedge_floor_ms": ns.hedge_floor_ms,
         "hot_experts": ns.hot_experts,
         "verify_rate": ns.verify_rate,
+        "max_body": ns.max_body,
         "verify_probation_calls": ns.verify_probation,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
               "serve_ttl_s": "--serve-ttl",

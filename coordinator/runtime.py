@@ -137,8 +137,9 @@ class EngineRuntime:
                 await trio.to_thread.run_sync(thread.join)
 
     # -- trio side ---------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: GenParams) -> RequestHandle:
-        """Queue a request; raises ``RequestError`` (status 503 when the queue is full)."""
+    def submit(self, prompt: list[int], params: GenParams, *, prompt_param: str = "prompt") -> RequestHandle:
+        """Queue a request; raises ``RequestError`` (status 503 when the queue is full); ``prompt_param``
+        is the body field errors about the prompt name (``messages`` for chat)."""
         if self._token is None:
             raise RuntimeError("engine is not running")
         for t in prompt:
@@ -163,9 +164,9 @@ class EngineRuntime:
                     raise RequestError(
                         f"prompt has {len(prompt)} tokens; the context is {self.n_ctx} tokens",
                         code="context_length_exceeded",
-                        param="messages",
+                        param=prompt_param,
                     )
-                raise RequestError("the prompt is empty", code="empty_prompt", param="prompt")
+                raise RequestError("the prompt is empty", code="empty_prompt", param=prompt_param)
         self.stats.requests_total += 1
         self._wake.set()
         return RequestHandle(req_id, len(prompt), recv)

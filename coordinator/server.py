@@ -77,6 +77,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # verification (DESIGN §12): a volunteer's first answers, and as many after any failure, are all recomputed
     # here and compared; then this share of them
     verify_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+    max_body: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20  # bytes of one API request body (413 above)
     verify_probation_calls: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 50
 
 
@@ -125,6 +126,7 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                 rt,
                 model_id=model.model_id,
                 aliases=[model.path.stem],
+                max_body=cfg.max_body,
                 extra_routes=[*slice_routes({model.model_id: model}, caches), Route("/dispatch", dispatch_report, methods=["GET"])],
                 extra_collectors=[dispatcher.collector()],
                 extra_health=health_extra,

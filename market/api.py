@@ -57,7 +57,6 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -77,6 +76,7 @@ from market.core.assign import NoOfferReason
 from market.loops import Clock, MapWatch
 from market.state import Market, NoOffer, Offer
 from swarm.errors import RequestError, SwarmError
+from swarm.http_io import close_if_unread, read_body
 from swarm.p2p.identity import check_peer_id, verify_body
 from swarm.protocol.http import encode_error
 from swarm.protocol.market import (
@@ -120,22 +120,11 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 def error_response(exc: SwarmError, status: int | None = None, headers: dict[str, str] | None = None) -> Response:
     st = status if status is not None else getattr(exc, "status", 400)
     body = encode_error(st, exc.code, exc.message, getattr(exc, "param", None))
-    return Response(body, status_code=st, headers=headers, media_type="application/json")
+    return Response(body, status_code=st, headers=close_if_unread(exc, headers), media_type="application/json")
 
 
 async def _read_body(request: Request, limit: int = _MAX_BODY) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"body larger than {limit} bytes", code="body_too_large", status=413)
-    chunks: list[bytes] = []
-    size = 0
-    async with aclosing(request.stream()) as stream:  # close the generator when we stop early
-        async for chunk in stream:
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(f"body larger than {limit} bytes", code="body_too_large", status=413)
-            chunks.append(chunk)
-    return b"".join(chunks)
+    return await read_body(request, limit)
 
 
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:

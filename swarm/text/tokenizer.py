@@ -33,6 +33,7 @@ Rules:
 from __future__ import annotations
 
 import codecs
+import functools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -402,6 +403,12 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (control tokens as their text)."""
         return self._bytes[self._check_id(token_id)]
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token covers (control tokens by their text): a text of ``n`` UTF-8 bytes
+        has at least ``ceil(n / max_token_bytes)`` tokens -- a bound checked before tokenising."""
+        return max(1, max((len(b) for b in self._bytes), default=1))
 
     # -- encode / decode -----------------------------------------------------------------------
 

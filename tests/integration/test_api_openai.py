@@ -233,3 +233,50 @@ async def test_health_slots_metrics(coordinator_url: str) -> None:
         assert "moe_swarm_generated_tokens_total" in m and "moe_swarm_busy_slots" in m
         gen = [ln for ln in m.splitlines() if ln.startswith("moe_swarm_generated_tokens_total")]
         assert float(gen[0].split()[-1]) >= 3
+
+
+async def test_bodies_are_bounded_and_huge_prompts_refused_before_tokenising(coordinator_url: str) -> None:
+    """A body past --max-body (8 MiB default) is 413 whether declared or streamed; a prompt longer than
+    the context can hold is refused from its length, without tokenising it (a 6 MB prompt answers at
+    at once); the error names the field of each endpoint."""
+    mid = await model_id(coordinator_url)
+    async with httpx.AsyncClient(base_url=coordinator_url, timeout=30) as h:
+        big = b'{"model": "' + mid.encode() + b'", "prompt": "' + b"x" * (9 << 20) + b'"}'
+        r = await h.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        async def chunks() -> Any:
+            for _ in range(10):
+                yield b"x" * (1 << 20)
+
+        r = await h.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        huge = "word " * 1_200_000  # 6 MB: under the body limit, far beyond a 256-token context
+        for path, body, param in (
+            ("/v1/completions", {"model": mid, "prompt": huge}, "prompt"),
+            ("/v1/chat/completions", {"model": mid, "messages": [{"role": "user", "content": huge}]}, "messages"),
+        ):
+            r = await h.post(path, json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["code"], err["param"]) == ("context_length_exceeded", param)
+        # a prompt short enough to be tokenised but still too long: the engine's check names the same fields
+        r = await h.post("/v1/completions", json={"model": mid, "prompt": "word " * 400})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        ok = await h.post("/v1/completions", json={"model": mid, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+async def test_a_client_leaving_mid_body_is_not_a_server_error(coordinator_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    mid = await model_id(coordinator_url)
+    host, port = coordinator_url.removeprefix("http://").rstrip("/").split(":")
+    for _ in range(3):
+        s = await trio.open_tcp_stream(host, int(port))
+        await s.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"model\": \"" + mid.encode())
+        await s.aclose()
+    async with httpx.AsyncClient(base_url=coordinator_url) as h:
+        ok = await h.post("/v1/completions", json={"model": mid, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], [r.getMessage() for r in caplog.records]

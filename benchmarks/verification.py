@@ -1,0 +1,264 @@
+"""Can a lying volunteer change the output? Verification against liars and honest workers (DESIGN §12;
+DESIGN §11 JSON).
+
+    python benchmarks/verification.py [--quick] [--json OUT] [--honest-calls N] [--no-throughput]
+
+In one process, on real py-libp2p hosts on loopback: a coordinator's dispatcher with the engine
+(``Transformer``) on the Q8_0 golden model (``tests/fixtures/golden/qwen3moe-tiny-q8_0.gguf``: 2 layers,
+8 experts top-2) and volunteers with the real ``ExpertServer`` (ggml kernel, one thread each), every
+range going remote (``--dispatch offload``: the most exposure; the sampling rules are those of adaptive
+dispatch) and verification at its defaults (probation 50, then ``--verify-rate`` 0.05) unless a case
+says otherwise. A completion is 16 greedy tokens from one of three prompts; it *differs* when its tokens
+differ from the all-local run's. Cases:
+
+- liars beside an honest replica, lying from their first call: ``zeros``, ``scaled`` (x1.5), ``noise``
+  (10 % relative Gaussian noise; the liar announces another kernel id, so the comparison is the
+  tolerance one), ``intermittent`` (x1.5 on every 20th call); ``ulp`` (1 ulp on one element, equal
+  kernel ids). Each reports ``calls_to_quarantine`` (its calls up to and including the one that
+  quarantined it), ``completions_differing`` and ``false_quarantines`` (the honest replica);
+- ``sleeper``: honest for its first 1,000 calls, then x1.5, at the default rate and at rate 1:
+  ``calls_to_quarantine`` counts from its first lie;
+- ``honest``: two honest volunteers (one with our kernel id: bit-exact comparisons; one with the torch
+  reference kernel: tolerance comparisons), every answer compared (rate 1), ``--honest-calls`` calls
+  (10^4; 10^3 with ``--quick``): ``false_quarantines``; and ``throughput_cost_pct``, the cost of the
+  default rate in ``benchmarks/offload.py``'s setup (the bench model, coordinator and volunteer as
+  processes, adaptive dispatch at 4 sessions, default verification vs none), unless ``--no-throughput``.
+
+Threads: the coordinator's kernels and each volunteer's one thread share the machine's two cores (one
+process; the volunteers' compute runs on worker threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from coordinator.core.dispatch import DispatchConfig, DispatchMode  # noqa: E402
+from coordinator.dispatcher import Dispatcher  # noqa: E402
+from coordinator.model import KVCache, SeqChunk, Transformer  # noqa: E402
+from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica  # noqa: E402
+from swarm.model.gguf import GGUFModel  # noqa: E402
+from swarm.model.kernels import KernelBackend, configure_threads  # noqa: E402
+from swarm.model.slices import cut_slice, load_slice  # noqa: E402
+from swarm.p2p.libp2p import open_libp2p_transport  # noqa: E402
+from swarm.protocol.expert import ExpertRequest, Pairs, make_hello  # noqa: E402
+from swarm.rpc.server import set_expert_handlers  # noqa: E402
+from volunteer.server import ExpertServer  # noqa: E402
+
+MODEL = ROOT / "tests" / "fixtures" / "golden" / "qwen3moe-tiny-q8_0.gguf"
+GOLDEN = ROOT / "tests" / "fixtures" / "golden" / "qwen3moe-tiny-q8_0.llamacpp.json"
+N_TOKENS = 16
+RANGES = [(L, lo, hi) for L in (0, 1) for lo, hi in ((0, 4), (4, 8))]
+Handler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable[torch.Tensor]]
+Lie = Callable[[int, torch.Tensor], torch.Tensor | None]  # (call number from 0, honest answer) -> lie, or None
+
+
+def one_ulp(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y.view(-1)[0] = torch.nextafter(y.view(-1)[0], torch.tensor(float("inf")))
+    return y
+
+
+def noise(y: torch.Tensor) -> torch.Tensor:
+    scale: torch.Tensor = 0.1 * y.norm(dim=1, keepdim=True) / y.shape[1] ** 0.5
+    return y + scale * torch.randn(y.shape)
+
+
+class Worker:
+    """A volunteer's expert server on its own libp2p host, optionally lying."""
+
+    def __init__(self, model: GGUFModel, *, lie: Lie | None = None, kernel: KernelBackend = KernelBackend.GGML,
+                 announce: str | None = None) -> None:
+        self.server = ExpertServer([load_slice(cut_slice(model, L, lo, hi)) for L, lo, hi in RANGES], threads=1, kernel=kernel)
+        self.lie = lie
+        self.announce = announce or self.server.kernel_id
+        self.calls = 0
+        self.first_lie: int | None = None
+        self.peer_id = ""
+        self.addrs: list[str] = []
+
+    async def handle(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        n = self.calls
+        self.calls += 1
+        out = await self.server.handle(req, rows, pairs)
+        bad = self.lie(n, out) if self.lie is not None else None
+        if bad is None:
+            return out
+        if self.first_lie is None:
+            self.first_lie = n
+        return bad
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
+            await n.start(self.server.serve)
+            set_expert_handlers(t, self.handle, hello=make_hello(kernel_id=self.announce))
+            self.peer_id, self.addrs = t.peer_id, t.listen_addrs
+            task_status.started()
+            await trio.sleep_forever()
+
+
+def dmap(model: GGUFModel, workers: list[Worker]) -> DispatchMap:
+    layers: dict[int, list[RangeReplicas]] = {}
+    for L, lo, hi in RANGES:
+        layers.setdefault(L, []).append(RangeReplicas(lo, hi, [Replica(w.peer_id, w.addrs) for w in workers]))
+    return DispatchMap(model.model_id, 1, [LayerRanges(L, r) for L, r in sorted(layers.items())])
+
+
+async def complete(tr: Transformer, prompt: list[int]) -> list[int]:
+    def run() -> list[int]:
+        cache = KVCache(tr.cfg, 128)
+        lg = tr.forward([SeqChunk(cache, list(prompt), 0)])[0]
+        out, pos = [], len(prompt)
+        for _ in range(N_TOKENS):
+            t = int(lg[-1].argmax())
+            out.append(t)
+            lg = tr.forward([SeqChunk(cache, [t], pos)])[0]
+            pos += 1
+        return out
+
+    return await trio.to_thread.run_sync(run)
+
+
+async def liar_case(model: GGUFModel, prompts: list[list[int]], ref: list[list[int]], name: str, workers: list[Worker],
+                    liar: Worker, cfg: DispatchConfig, max_completions: int, *, from_first_lie: bool = False) -> dict[str, Any]:
+    async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
+        for w in workers:
+            await n.start(w.run)
+        d = Dispatcher(model, t, config=cfg)
+        await n.start(d.serve)
+        d.set_map(dmap(model, workers))
+        tr = Transformer(model, d)
+        differing = done = 0
+        t0 = time.perf_counter()
+        while done < max_completions and not d.core.quarantines:
+            i = done % len(prompts)
+            differing += (await complete(tr, prompts[i])) != ref[i]
+            done += 1
+        await trio.sleep(0.2)  # comparisons still in flight
+        rep = d.report()
+        q = {w.peer_id for w in rep.workers if w.state == "quarantined"}
+        calls = liar.calls
+        if from_first_lie and liar.first_lie is not None:
+            calls -= liar.first_lie
+        n.cancel_scope.cancel()
+    case = {"case": name, "verify_rate": cfg.verify_rate, "completions": done,
+            "calls_to_quarantine": calls if liar.peer_id in q else None, "completions_differing": differing,
+            "false_quarantines": len(q - {liar.peer_id}), "liar_calls": liar.calls, "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"  {name:<13} rate {cfg.verify_rate:<5} calls to quarantine {case['calls_to_quarantine']}, completions "
+          f"differing {differing}/{done}, false quarantines {case['false_quarantines']}", flush=True)
+    return case
+
+
+async def honest_case(model: GGUFModel, prompts: list[list[int]], ref: list[list[int]], n_calls: int) -> dict[str, Any]:
+    same, other = Worker(model), Worker(model, kernel=KernelBackend.TORCH)
+    cfg = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=1.0)
+    async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
+        for w in (same, other):
+            await n.start(w.run)
+        d = Dispatcher(model, t, config=cfg)
+        await n.start(d.serve)
+        d.set_map(dmap(model, [same, other]))
+        tr = Transformer(model, d)
+        differing = done = 0
+        t0 = time.perf_counter()
+        while same.calls + other.calls < n_calls:
+            i = done % len(prompts)
+            differing += (await complete(tr, prompts[i])) != ref[i]
+            done += 1
+        await trio.sleep(0.2)
+        rep = d.report()
+        n.cancel_scope.cancel()
+    case = {"case": "honest", "calls": same.calls + other.calls, "calls_same_kernel": same.calls,
+            "calls_torch_kernel": other.calls, "verifications": rep.verifications,
+            "false_quarantines": rep.quarantines, "completions": done, "completions_differing": differing,
+            "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"  honest        {case['calls']} calls ({same.calls} bit-exact, {other.calls} by tolerance), "
+          f"{rep.verifications} compared, false quarantines {rep.quarantines}", flush=True)
+    return case
+
+
+def throughput_cost(quick: bool) -> dict[str, Any]:
+    """offload.py's setup at 4 sessions: adaptive with default verification vs verification off."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import offload
+
+    ns = argparse.Namespace(sessions=[4], decode=12 if quick else 32, verify_cases=True, skip_local=True)
+    res = offload.run(ns)
+    by = {c["case"]: c for c in res["cases"] if c.get("sessions") == 4}
+    v, u = by["adaptive"], by["adaptive_unverified"]
+    return {"tokens_per_s_verified": v["tokens_per_s"], "tokens_per_s_unverified": u["tokens_per_s"],
+            "throughput_cost_pct": round(100.0 * (1 - v["tokens_per_s"] / u["tokens_per_s"]), 1),
+            "verified_rows": v.get("rows_verified"), "tokens_equal": v.get("tokens_equal_local")}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    configure_threads(1, KernelBackend.GGML)
+    model = GGUFModel(MODEL)
+    prompts = [g["prompt_ids"] for g in json.loads(GOLDEN.read_text())["greedy"]]
+    local = Dispatcher(model, None)
+    ref = [await complete(Transformer(model, local), p) for p in prompts]
+    default = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False)
+    cases: list[dict[str, Any]] = []
+    liars: dict[str, tuple[Lie, str | None]] = {
+        "zeros": (lambda n, y: torch.zeros_like(y), None),
+        "scaled": (lambda n, y: y * 1.5, None),
+        "ulp": (lambda n, y: one_ulp(y), None),
+        "noise": (lambda n, y: noise(y), "another-kernel"),
+        "intermittent": (lambda n, y: y * 1.5 if n % 20 == 19 else None, None),
+    }
+    for name, (lie, announce) in liars.items():
+        liar = Worker(model, lie=lie, announce=announce)
+        cases.append(await liar_case(model, prompts, ref, name, [liar, Worker(model)], liar, default, 60))
+    for rate in (default.verify_rate, 1.0):
+        sleeper = Worker(model, lie=lambda n, y: y * 1.5 if n >= 1000 else None)
+        cfg = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=rate)
+        cases.append(await liar_case(model, prompts, ref, "sleeper", [sleeper], sleeper, cfg, 600, from_first_lie=True))
+    honest = await honest_case(model, prompts, ref, args.honest_calls)
+    cases.append(honest)
+    return {"benchmark": "verification", "model": model.model_id, "threads": "coordinator 1 (ggml), volunteers 1 each",
+            "cases": cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="10^3 honest calls, 12-token throughput sessions")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--honest-calls", type=int, default=None)
+    ap.add_argument("--no-throughput", action="store_true", help="skip the offload.py throughput cost")
+    args = ap.parse_args()
+    if args.honest_calls is None:
+        args.honest_calls = 1000 if args.quick else 10_000
+    result = trio.run(run, args)
+    honest = next(c for c in result["cases"] if c["case"] == "honest")
+    if not args.no_throughput:
+        honest.update(throughput_cost(args.quick))
+    print(f"\nverification benchmark: {result['model']} ({result['threads']})")
+    print(f"{'case':<13} {'rate':>5} {'calls to quarantine':>20} {'completions differing':>22} {'false quarantines':>18}")
+    for c in result["cases"]:
+        if c["case"] == "honest":
+            continue
+        print(f"{c['case']:<13} {c['verify_rate']:>5} {c['calls_to_quarantine']!s:>20} "
+              f"{c['completions_differing']:>14}/{c['completions']:<7} {c['false_quarantines']:>18}")
+    print(f"honest: {honest['calls']} calls, {honest['verifications']} compared, {honest['false_quarantines']} false quarantines")
+    if "throughput_cost_pct" in honest:
+        print(f"throughput cost of the default rate (offload.py setup, 4 sessions): {honest['throughput_cost_pct']} % "
+              f"({honest['tokens_per_s_verified']} vs {honest['tokens_per_s_unverified']} tokens/s)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
