@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 _CUT_THREADS = 2
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)", re.IGNORECASE)
-_NUMBER = re.compile(r"[0-9]+")
-_SPAN = re.compile(r"([0-9]+)-([0-9]+)")
+_NUMBER = re.compile(r"[0-9]{1,9}")  # bounded: Python refuses to convert 4,300+ digits
+_SPAN = re.compile(r"([0-9]{1,9})-([0-9]{1,9})")
 
 
 class ByteRange(NamedTuple):
@@ -182,6 +182,8 @@ class _SliceEndpoints:
             return _error(400, "bad_slice_range", exc.message)
         try:
             sf: SliceFile = await trio.to_thread.run_sync(cache.get, layer, lo, hi, limiter=self.limiter)
+        except SliceError as exc:  # e.g. larger than the whole cache
+            return _error(400, "bad_slice_range", exc.message)
         except (SwarmError, OSError) as exc:
             log.exception("cannot cut slice %s %d:%d-%d", model_id, layer, lo, hi)
             return _error(500, "slice_unavailable", f"cannot produce slice {layer}:{lo}-{hi}: {exc}")

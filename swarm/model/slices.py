@@ -198,14 +198,49 @@ class SliceCache:
     ``get`` blocks (it reads the model and writes files): call it from a worker thread. It is
     thread-safe; concurrent calls for one slice cut it once. A file found on disk from an earlier
     run is checked against the model once per process and rewritten when it differs.
+
+    Bounded: the files this cache knows of take at most ``max_bytes`` on disk (default: twice the
+    model's expert bytes, two whole partitions); a new slice evicts the least recently asked-for
+    ones (a download already open keeps reading its unlinked file). Any ``(layer, lo, hi)`` may be
+    asked for -- about n_expert^2 / 2 per layer -- so without the bound a stranger's requests would
+    fill the disk.
     """
 
-    def __init__(self, model: GGUFModel, cache_dir: str | Path) -> None:
+    def __init__(self, model: GGUFModel, cache_dir: str | Path, *, max_bytes: int | None = None) -> None:
         self.model = model
         self.dir = Path(cache_dir) / model.model_id
         self._lock = threading.Lock()
         self._key_locks: dict[tuple[int, int, int], threading.Lock] = {}
-        self._files: dict[tuple[int, int, int], SliceFile] = {}
+        self._files: dict[tuple[int, int, int], SliceFile] = {}  # insertion order = recency (LRU first)
+        if max_bytes is None:
+            cfg = model.config
+            max_bytes = 2 * sum(model.expert_stack(L).nbytes for L in range(cfg.n_layer))
+        self.max_bytes = max_bytes
+        self.evicted = 0
+        # files left by an earlier run: counted against the budget (oldest evicted first) until asked for
+        self._untracked: dict[tuple[int, int, int], Path] = {}
+        found = []
+        for f in self.dir.glob("*.safetensors") if self.dir.is_dir() else ():
+            parts = f.stem.split("-")
+            if len(parts) == 3 and all(x.isdigit() and len(x) < 10 for x in parts):
+                found.append((f.stat().st_mtime, (int(parts[0]), int(parts[1]), int(parts[2])), f))
+        for _, key, f in sorted(found):
+            self._untracked[key] = f
+
+    def _untracked_bytes(self) -> int:
+        total = 0
+        for f in self._untracked.values():
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache's files on disk."""
+        with self._lock:
+            return sum(f.size for f in self._files.values()) + self._untracked_bytes()
 
     def key(self, layer: int, lo: int, hi: int) -> SliceKey:
         return SliceKey(self.model.model_id, layer, lo, hi)
@@ -219,12 +254,38 @@ class SliceCache:
         with self._lock:
             key_lock = self._key_locks.setdefault(k, threading.Lock())
         with key_lock:
-            known = self._files.get(k)
+            with self._lock:
+                self._untracked.pop(k, None)  # checked against the model below, then tracked
+                known = self._files.pop(k, None)
+                if known is not None:
+                    self._files[k] = known  # most recently used
             if known is not None and _has_size(known.path, known.size):
                 return known
+            size = _layout(self.model, layer, lo, hi).size
+            if size > self.max_bytes:
+                raise SliceError(f"slice {layer}:{lo}-{hi} ({size} bytes) exceeds the slice cache's {self.max_bytes} bytes")
+            self._evict_for(size, keep=k)
             sf = self._materialise(layer, lo, hi)
-            self._files[k] = sf
+            with self._lock:
+                self._files[k] = sf
             return sf
+
+    def _evict_for(self, size: int, *, keep: tuple[int, int, int]) -> None:
+        """Remove least recently used files until ``size`` more bytes fit in the budget."""
+        while True:
+            with self._lock:
+                used = sum(f.size for kk, f in self._files.items() if kk != keep) + self._untracked_bytes()
+                if used + size <= self.max_bytes:
+                    return
+                if self._untracked:
+                    path = self._untracked.pop(next(iter(self._untracked)))
+                else:
+                    path = self._files.pop(next(kk for kk in self._files if kk != keep)).path
+                self.evicted += 1
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
     def _materialise(self, layer: int, lo: int, hi: int) -> SliceFile:
         layout = _layout(self.model, layer, lo, hi)

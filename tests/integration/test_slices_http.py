@@ -250,6 +250,8 @@ async def test_ranges_and_conditionals(server: Server, client: httpx.AsyncClient
         ("/v1/slices/{id}/2/0-1", 400, "bad_slice_range"),
         ("/v1/slices/{id}/x/0-1", 400, "bad_slice_range"),
         ("/v1/slices/{id}/0/0_1", 400, "bad_slice_range"),
+        ("/v1/slices/{id}/0/" + "9" * 5000 + "-1", 400, "bad_slice_range"),  # no int() of 5,000 digits
+        ("/v1/slices/{id}/" + "1" * 5000 + "/0-1", 400, "bad_slice_range"),
     ],
 )
 async def test_slice_errors(server: Server, client: httpx.AsyncClient, path: str, status: int, code: str) -> None:

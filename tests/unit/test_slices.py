@@ -376,3 +376,28 @@ def test_manifest(golden_model: GGUFModel, quant_model: GGUFModel, quant_path: P
     assert len(data) == 8 + n + 4 * q.bytes_per_expert[0]
 
     assert msgspec.json.decode(msgspec.json.encode(q), type=ModelManifest) == q
+
+
+def test_cache_is_bounded_least_recently_used_first(golden_model: GGUFModel, tmp_path: Path) -> None:
+    one = len(cut_slice(golden_model, 0, 0, 2))  # every 2-expert slice of this model has this size
+    cache = SliceCache(golden_model, tmp_path, max_bytes=3 * one)
+    keys = [(0, 0, 2), (0, 2, 4), (1, 0, 2), (1, 2, 4), (0, 4, 6)]
+    first = [cache.get(*keys[0]), cache.get(*keys[1]), cache.get(*keys[2])]
+    cache.get(*keys[0])  # used again: the most recent
+    cache.get(*keys[3])  # over budget: evicts the least recently used, keys[1]
+    assert not first[1].path.exists() and first[0].path.exists() and first[2].path.exists()
+    assert cache.nbytes <= cache.max_bytes and cache.evicted == 1
+    on_disk = sum(p.stat().st_size for p in first[0].path.parent.iterdir())
+    assert on_disk == cache.nbytes == 3 * one
+    assert cache.get(*keys[1]) == first[1] and first[1].path.read_bytes() == cut_slice(golden_model, 0, 2, 4)  # cut again
+    # a new process counts the files an earlier one left, and evicts the oldest of them first
+    again = SliceCache(golden_model, tmp_path, max_bytes=3 * one)
+    assert again.nbytes == 3 * one
+    again.get(*keys[4])
+    assert sum(p.stat().st_size for p in first[0].path.parent.iterdir()) <= 3 * one
+    # a slice larger than the whole budget is refused, not cut
+    with pytest.raises(SliceError):
+        SliceCache(golden_model, tmp_path / "small", max_bytes=one - 1).get(0, 0, 2)
+    # the default budget: two whole partitions of the model's experts
+    default = SliceCache(golden_model, tmp_path / "d")
+    assert default.max_bytes == 2 * sum(golden_model.expert_stack(L).nbytes for L in range(golden_model.config.n_layer))
