@@ -335,7 +335,9 @@ def build_market_app(api: MarketApi) -> Starlette:
 
     async def health(_: Request) -> Response:
         return _json({"status": "ok", "models": len(m.ix.models), "volunteers": m.ix.live_volunteers(),
-                      "relays": list(api.relays)})
+                      "relays": list(api.relays),
+                      # without a token anyone may register models and coordinators (--insecure-no-token)
+                      "auth": "token" if api.token is not None else "none (insecure: anyone may register)"})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500

@@ -1,6 +1,6 @@
 """``moe-swarm market`` (shell: flags -> ``MarketConfig`` -> ``serve_market``).
 
-``moe-swarm market --db PATH [--host H] [--port P] [--token T] [--relay MULTIADDR ...]
+``moe-swarm market --db PATH [--host H] [--port P] --token T | --insecure-no-token [--relay MULTIADDR ...]
 [--poll-interval S] [--saturation-threshold N] [--base-target N] [--boost N] [--lease-s S]
 [--heartbeat-ttl-s S] [--cooldown-s S] [--hold-s S] ...``
 
@@ -33,7 +33,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where the default database lives (default ~/.local/share/moe-swarm/market)")
     p.add_argument("--host", default=c.host)
     p.add_argument("--port", type=int, default=c.port)
-    p.add_argument("--token", default=None, help="operator token for POST /api/models (or MOE_SWARM_TOKEN)")
+    p.add_argument("--token", default=None, help="operator token for POST /api/models (or MOE_SWARM_TOKEN); required")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="run without an operator token: anyone may register models and coordinators")
     p.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
                    help="relay offered to volunteers that cannot be dialled (repeatable)")
     p.add_argument("--poll-interval", type=float, default=c.poll_interval_s, help="seconds between /slots polls")
@@ -65,6 +67,7 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
         "host": ns.host,
         "port": ns.port,
         "token": env_token(ns.token),
+        "insecure_no_token": ns.insecure_no_token,
         "relays": list(ns.relay),
         "poll_interval_s": ns.poll_interval,
         "poll_timeout_s": ns.poll_timeout,

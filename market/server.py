@@ -33,7 +33,7 @@ from market.policy import MarketPolicy
 from market.state import Market
 from market.store import InMemoryStore, Store, open_sqlite_store
 from swarm.config import Multiaddr, Port, PosFloat
-from swarm.errors import RemoteProtocolError, SliceError, SwarmError, TransportError
+from swarm.errors import ConfigError, RemoteProtocolError, SliceError, SwarmError, TransportError
 from swarm.protocol.coordinator import slots_decoder
 
 __all__ = ["MEMORY_DB", "MarketConfig", "make_slice_describer", "make_slots_poller", "open_store", "serve_market"]
@@ -48,7 +48,8 @@ class MarketConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     db: str  # SQLite file, or ":memory:" for a volatile in-process store
     host: str = "127.0.0.1"
     port: Port = 8090
-    token: str | None = None  # required on POST /api/models when set
+    token: str | None = None  # operator token (POST /api/models); required unless insecure_no_token
+    insecure_no_token: bool = False  # run without a token: anyone may register (said in the log and /health)
     relays: tuple[Multiaddr, ...] = ()  # relay multiaddrs offered to volunteers that cannot be dialled
     poll_interval_s: PosFloat = 2.0
     poll_timeout_s: PosFloat = 1.0
@@ -113,6 +114,15 @@ def make_slice_describer(client: httpx.AsyncClient, cache_size: int = 4096) -> S
 
 
 async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    if cfg.token is None and not cfg.insecure_no_token:
+        raise ConfigError(
+            "the market needs an operator token (--token or MOE_SWARM_TOKEN): without one anyone may register "
+            "models and coordinators; --insecure-no-token runs it open anyway",
+            code="token_required",
+        )
+    if cfg.token is None:
+        log.warning("market running WITHOUT an operator token (--insecure-no-token): anyone may register models "
+                    "and coordinators")
     clock = time.time
     # a poll must stay fresh until the next one has had its chance, whatever the interval
     policy = msgspec.structs.replace(

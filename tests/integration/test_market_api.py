@@ -221,7 +221,7 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
             assert status == 413 and msgspec.json.decode(body)["error"]["code"] == "body_too_large"
         # still serving, and none of it registered anything
         assert (await c.get("/health")).json() == {"status": "ok", "models": 1, "volunteers": 0,
-                                                  "relays": ["/ip4/127.0.0.1/tcp/4001/p2p/R"]}
+                                                  "relays": ["/ip4/127.0.0.1/tcp/4001/p2p/R"], "auth": "token"}
         assert (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()["version"] == 0
 
 
@@ -406,3 +406,24 @@ def test_cli_flags_make_the_config() -> None:
         config_from_args(p.parse_args(["market", "--db", ":memory:", "--poll-interval", "0"]))
     default = config_from_args(p.parse_args(["market", "--data-dir", "/tmp/mkt"]))
     assert default.db == "/tmp/mkt/market.db" and default.policy == MarketPolicy()
+
+
+async def test_the_market_refuses_to_start_without_a_token_unless_told(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ConfigError) as exc:
+        await serve_market(MarketConfig(db=":memory:", port=0))
+    assert exc.value.code == "token_required" and "--insecure-no-token" in exc.value.message
+    # told: it starts, says so in its log and on /health
+    async with trio.open_nursery() as n:
+        url = await n.start(serve_market, MarketConfig(db=":memory:", port=0, insecure_no_token=True))
+        async with httpx.AsyncClient(base_url=url) as h:
+            assert "insecure" in (await h.get("/health")).json()["auth"]
+        n.cancel_scope.cancel()
+    assert any("WITHOUT an operator token" in r.getMessage() for r in caplog.records)
+    async with trio.open_nursery() as n:
+        url = await n.start(serve_market, MarketConfig(db=":memory:", port=0, token="t"))
+        async with httpx.AsyncClient(base_url=url) as h:
+            assert (await h.get("/health")).json()["auth"] == "token"
+        n.cancel_scope.cancel()
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="command"))
+    assert config_from_args(p.parse_args(["market", "--db", ":memory:", "--insecure-no-token"])).insecure_no_token
