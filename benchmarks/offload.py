@@ -249,8 +249,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         slices = [a for L in range(n_layer) for lo in range(0, n_expert, step) for a in ("--slice", f"{L}:{lo}-{lo + step}")]
         vdir = CACHE / "offload-volunteer"
         print(f"starting the volunteer ({n_layer} layers x {N_RANGES} ranges; slices cached in {vdir})", flush=True)
+        # the volunteer answers its --coordinator; the second coordinator, if any, by --allow-peer
+        allow = [a for u in urls.values() if u != url for a in ("--allow-peer", httpx.get(u + "/health", timeout=5).json()["peer_id"])]
         vol = Proc("volunteer", cli("volunteer", "--coordinator", url, *slices, "--threads", "1", "--data-dir", str(vdir),
-                                    "--no-progress", "--listen", "/ip4/127.0.0.1/tcp/0"), work / "volunteer.log")
+                                    "--no-progress", "--listen", "/ip4/127.0.0.1/tcp/0", *sorted(set(allow))), work / "volunteer.log")
         procs.append(vol)
         info = wait_until("the volunteer", lambda: json.loads((vdir / "volunteer.json").read_text())
                           if "volunteer ready" in vol.log.read_text(errors="replace") else None, procs, timeout=1800)

@@ -20,9 +20,11 @@ differ from the all-local run's. Cases:
   ``calls_to_quarantine`` counts from its first lie;
 - ``honest``: two honest volunteers (one with our kernel id: bit-exact comparisons; one with the torch
   reference kernel: tolerance comparisons), every answer compared (rate 1), ``--honest-calls`` calls
-  (10^4; 10^3 with ``--quick``): ``false_quarantines``; and ``throughput_cost_pct``, the cost of the
-  default rate in ``benchmarks/offload.py``'s setup (the bench model, coordinator and volunteer as
-  processes, adaptive dispatch at 4 sessions, default verification vs none), unless ``--no-throughput``.
+  (10^4; 10^3 with ``--quick``): ``false_quarantines``; ``offload_throughput_cost_pct``, the cost of
+  the default rate here with every range remote (one honest volunteer, verification at its defaults vs
+  off, interleaved rounds, medians); and ``throughput_cost_pct``, the cost in ``benchmarks/offload.py``'s
+  setup (the bench model, coordinator and volunteer as processes, adaptive dispatch at 4 sessions,
+  default verification vs none on a second coordinator), unless ``--no-throughput``.
 
 Threads: the coordinator's kernels and each volunteer's one thread share the machine's two cores (one
 process; the volunteers' compute runs on worker threads).
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -188,6 +191,46 @@ async def honest_case(model: GGUFModel, prompts: list[list[int]], ref: list[list
     return case
 
 
+async def offload_throughput(model: GGUFModel, prompts: list[list[int]], rounds: int) -> dict[str, Any]:
+    """Every range remote (offload mode), one honest volunteer: completions/s with verification at its
+    defaults vs off, interleaved round by round (medians), after a warm-up that also spends the
+    verified dispatcher's probation."""
+    vol = Worker(model)
+    cfgs = {"verified": DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False),
+            "unverified": DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=0.0, verify_probation_calls=0)}
+    rates: dict[str, list[float]] = {k: [] for k in cfgs}
+    async with trio.open_nursery() as n:
+        await n.start(vol.run)
+        trs: dict[str, Transformer] = {}
+        ds: dict[str, Dispatcher] = {}
+        for name, cfg in cfgs.items():
+            t = await n.start(_transport)
+            d = Dispatcher(model, t, config=cfg)
+            await n.start(d.serve)
+            d.set_map(dmap(model, [vol]))
+            trs[name], ds[name] = Transformer(model, d), d
+            for p in prompts * 2:  # warm-up; 96 tokens: the probation's 50 verified calls are spent
+                await complete(trs[name], p)
+        for _ in range(rounds):
+            for name, tr in trs.items():
+                t0 = time.perf_counter()
+                for p in prompts * 2:
+                    await complete(tr, p)
+                rates[name].append(len(prompts) * 2 * N_TOKENS / (time.perf_counter() - t0))
+        verified = sum(r.verified_rows for r in ds["verified"].core.rows)
+        n.cancel_scope.cancel()
+    v, u = statistics.median(rates["verified"]), statistics.median(rates["unverified"])
+    return {"offload_tokens_per_s_verified": round(v, 1), "offload_tokens_per_s_unverified": round(u, 1),
+            "offload_throughput_cost_pct": round(100.0 * (1 - v / u), 1), "offload_verified_rows": verified,
+            "offload_rounds": rounds}
+
+
+async def _transport(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+    async with open_libp2p_transport(key_path=None) as t:
+        task_status.started(t)
+        await trio.sleep_forever()
+
+
 def throughput_cost(quick: bool) -> dict[str, Any]:
     """offload.py's setup at 4 sessions: adaptive with default verification vs verification off."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -199,7 +242,8 @@ def throughput_cost(quick: bool) -> dict[str, Any]:
     v, u = by["adaptive"], by["adaptive_unverified"]
     return {"tokens_per_s_verified": v["tokens_per_s"], "tokens_per_s_unverified": u["tokens_per_s"],
             "throughput_cost_pct": round(100.0 * (1 - v["tokens_per_s"] / u["tokens_per_s"]), 1),
-            "verified_rows": v.get("rows_verified"), "tokens_equal": v.get("tokens_equal_local")}
+            "adaptive_rows_remote": v.get("rows_remote"), "adaptive_rows_verified": v.get("rows_verified"),
+            "tokens_equal": v.get("tokens_equal_local")}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,6 +269,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=rate)
         cases.append(await liar_case(model, prompts, ref, "sleeper", [sleeper], sleeper, cfg, 600, from_first_lie=True))
     honest = await honest_case(model, prompts, ref, args.honest_calls)
+    honest.update(await offload_throughput(model, prompts, 3 if args.quick else 7))
+    print(f"  offload mode, every range remote: {honest['offload_tokens_per_s_verified']} tokens/s verified vs "
+          f"{honest['offload_tokens_per_s_unverified']} unverified ({honest['offload_throughput_cost_pct']} %)", flush=True)
     cases.append(honest)
     return {"benchmark": "verification", "model": model.model_id, "threads": "coordinator 1 (ggml), volunteers 1 each",
             "cases": cases}

@@ -73,9 +73,12 @@ class MarketLink:
             task_status.started()
 
     async def _register_loop(self, client: httpx.AsyncClient) -> None:
-        body = msgspec.json.encode(
-            {"url": self.advertise_url, "models": [msgspec.to_builtins(self.manifest)], "epoch": self.epoch}
-        )
+        reg: dict[str, object] = {"url": self.advertise_url, "models": [msgspec.to_builtins(self.manifest)],
+                                  "epoch": self.epoch}
+        peer_id = getattr(self.dispatcher.transport, "peer_id", None)
+        if isinstance(peer_id, str):
+            reg["peer_id"] = peer_id  # volunteers of our model answer expert calls from this id only
+        body = msgspec.json.encode(reg)
         backoff = 0.5
         while True:
             try:

@@ -191,7 +191,7 @@ class Market:
                 self.ix.add_model(row)
                 changes.append(Put(row))
         ids = [m.model_id for m in req.models]
-        crow = CoordinatorRow(req.url, ids, req.epoch, now)
+        crow = CoordinatorRow(req.url, ids, req.epoch, now, req.peer_id)
         self.ix.coordinators[req.url] = crow
         self.ix.polls.setdefault(req.url, PollRecord())
         changes.append(Put(crow))
@@ -336,7 +336,13 @@ class Market:
             [*(self._directive(self.ix.coverage[hb.peer_id][s], now) for s in reported), *refused],
             heartbeat_s=self.policy.heartbeat_s,
             ttl_s=self.policy.heartbeat_ttl_s,
+            coordinators=self.coordinator_peers({s.model_id for s in reported}),
         )
+
+    def coordinator_peers(self, model_ids: set[str]) -> list[str]:
+        """The libp2p ids of the registered coordinators hosting any of ``model_ids``."""
+        return sorted({c.peer_id for c in self.ix.coordinators.values()
+                       if c.peer_id is not None and model_ids.intersection(c.model_ids)})
 
     def _directive(self, row: CoverageRow, now: float) -> SliceDirective:
         d = directive(row.retiring_since, now, self.policy.cooldown_s)

@@ -46,6 +46,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="do not listen; reachable only through relays")
     v.add_argument("--no-hole-punch", action="store_true",
                    help="do not answer DCUtR: coordinators keep reaching this volunteer through the relay")
+    v.add_argument("--allow-peer", action="append", dest="allow_peers", default=None, metavar="PEER_ID",
+                   help="static mode: also answer expert calls from this libp2p peer (repeatable; the "
+                        "--coordinator's own id, from its /health, is always allowed)")
     v.set_defaults(func=run)
     return v
 
@@ -61,6 +64,8 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
 
     if ns.slices or ns.coordinator:
         raise ConfigError("--market (pull mode) and --coordinator/--slice (static mode) exclude each other")
+    if ns.allow_peers:
+        raise ConfigError("--allow-peer is for static mode: in pull mode the market names the coordinators")
     max_bytes = ns.max_memory
     if max_bytes is None and ns.max_experts is None:
         max_bytes = 1 << 30
@@ -81,7 +86,7 @@ def static_config_from_args(ns: argparse.Namespace) -> Any:
         "coordinator": ns.coordinator, "slices": tuple(ns.slices), "listen": _listen(ns),
         "data_dir": data_dir_for("volunteer", ns.data_dir), "model_id": ns.model_id, "threads": ns.threads,
         "progress": not ns.no_progress, "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch,
-        "kernel": ns.kernel,
+        "kernel": ns.kernel, "allow_peers": tuple(ns.allow_peers or ()),
     }, flags=_FLAGS)
     check_config(cfg)
     return cfg

@@ -102,6 +102,10 @@ def _next_epoch(path: Path) -> int:
 
 
 class PullVolunteer:
+    def authorize(self, peer_id: str) -> bool:
+        """May ``peer_id`` use our experts? Only a coordinator the market lists for what we hold."""
+        return self.allowed is None or peer_id in self.allowed
+
     def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, nat: Nat,
                  server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
         self.cfg = cfg
@@ -116,6 +120,9 @@ class PullVolunteer:
         self.core = Lifecycle(rng=random.Random(), poll_interval_s=cfg.poll_interval_s)
         self.data_dir = Path(cfg.data_dir)
         self.status = "starting"
+        # the peers whose expert calls we answer: the coordinators the market names (DESIGN §12); None
+        # only behind a market that predates the rule (then anyone, as before)
+        self.allowed: frozenset[str] | None = frozenset()
         self.market_ok = True
         self.heartbeat_failures = 0  # in a row; the first of an outage is logged
         self._hb_lock = trio.Lock()
@@ -247,6 +254,13 @@ class PullVolunteer:
             return
         directives = [(d.model_id, d.layer, d.lo, d.hi, d.action, d.dispatched, d.release_in_s) for d in ack.slices]
         self.apply(self.core.heartbeat_acked(directives, ack.heartbeat_s, ack.sequence, now))
+        allowed = frozenset(ack.coordinators) if ack.coordinators is not None else None
+        if allowed != self.allowed:
+            if allowed is None:
+                log.warning("the market names no coordinators (an older market): answering every caller")
+            else:
+                log.info("answering expert calls from %d coordinator(s): %s", len(allowed), ", ".join(sorted(allowed)))
+            self.allowed = allowed
         h = self.core.held
         if h is not None and h.state == "draining" and h.release_in_s is not None:
             self.status = f"draining {h.offer.layer}:{h.offer.lo}-{h.offer.hi}: surplus, release in {h.release_in_s:.0f}s"
@@ -318,10 +332,12 @@ async def serve_pull_volunteer(
         async with shielded_until_cancelled() as stop, \
                 open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
                 trio.open_nursery() as nursery:
-            set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id))
-            await nursery.start(server.serve)
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
                                 server=server, client=client, nursery=nursery)
+            # only the coordinators the market names for what we hold may use our experts
+            set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
+                                authorize=vol.authorize)
+            await nursery.start(server.serve)
             info = VolunteerInfo(peer_id=transport.peer_id, addrs=vol.addrs, epoch=epoch,
                                  reachability=nat.reachability.value, relays=list(relays), **probe)
             await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))

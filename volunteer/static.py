@@ -59,6 +59,8 @@ class StaticVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     relays: tuple[Multiaddr, ...] = ()  # reserve on these when not reachable directly
     hole_punch: bool = True
     kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml or the torch reference
+    # libp2p peers whose expert calls are answered besides the coordinator's own (from its /health)
+    allow_peers: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=128)], ...] = ()
 
 
 async def _model_id(client: httpx.AsyncClient, base: str, wanted: str | None) -> str:
@@ -75,6 +77,21 @@ async def _model_id(client: httpx.AsyncClient, base: str, wanted: str | None) ->
     if len(ids) != 1:
         raise ConfigError(f"the coordinator hosts {len(ids)} models; choose one with --model-id ({ids})")
     return str(ids[0])
+
+
+async def _coordinator_peer(client: httpx.AsyncClient, base: str, allow: tuple[str, ...]) -> list[str]:
+    """The coordinator's libp2p peer id from its ``/health`` (none if it names none and ``allow`` is given)."""
+    try:
+        r = await client.get(f"{base}/health")
+        r.raise_for_status()
+        peer = r.json().get("peer_id")
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"cannot read the coordinator's /health at {base}: {exc}") from exc
+    if isinstance(peer, str) and peer:
+        return [peer]
+    if allow:
+        return []
+    raise ConfigError(f"the coordinator at {base} names no peer id on /health: give the ids allowed to call with --allow-peer")
 
 
 async def fetch_and_load(
@@ -101,12 +118,16 @@ async def serve_static_volunteer(
     base = cfg.coordinator.rstrip("/")
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
         model_id = await _model_id(client, base, cfg.model_id)
+        allowed = frozenset({*cfg.allow_peers, *await _coordinator_peer(client, base, cfg.allow_peers)})
         slices = await fetch_and_load(client, base, model_id, cfg.slices, data_dir, progress=cfg.progress)
     server = ExpertServer(slices, threads=cfg.threads, kernel=cfg.kernel)
     nat_cfg = NatConfig(relays=cfg.relays, hole_punch=cfg.hole_punch)
     async with shielded_until_cancelled() as stop, \
             open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
-        set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id))
+        # only the coordinator (and --allow-peer ids) may use our experts: anyone else gets not_authorized
+        set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
+                            authorize=allowed.__contains__)
+        log.info("answering expert calls from %s", ", ".join(sorted(allowed)))
         info = VolunteerInfo(peer_id=transport.peer_id, addrs=list(nat.advertised), reachability=nat.reachability.value,
                              model_id=model_id, slices=[str(s.key) for s in slices])
         await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))

@@ -77,6 +77,7 @@ class CoordinatorRow(msgspec.Struct, frozen=True, tag=True):
     model_ids: list[str]
     epoch: NonNeg
     registered_at: float
+    peer_id: str | None = None  # its libp2p id (volunteers of its models answer it only)
 
 
 class VolunteerRow(msgspec.Struct, frozen=True, tag=True):

@@ -85,6 +85,8 @@ class RegisterModels(msgspec.Struct, forbid_unknown_fields=True):
     url: Url
     models: Annotated[list[ModelManifest], msgspec.Meta(max_length=64)]
     epoch: Epoch = 0
+    # the coordinator's libp2p peer id: volunteers holding its models answer expert calls from it only
+    peer_id: PeerId | None = None
 
 
 class VolunteerRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -201,6 +203,9 @@ class CoverageAck(msgspec.Struct):
     heartbeat_s: float
     ttl_s: float
     relays: list[str] = []
+    # peer ids of the registered coordinators of the models in the heartbeat: the only callers the
+    # volunteer answers (DESIGN §12); None from a market that predates the rule
+    coordinators: list[str] | None = None
 
 
 class ModelDemand(msgspec.Struct):

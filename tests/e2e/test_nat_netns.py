@@ -238,8 +238,10 @@ def start_swarm(w: World) -> Swarm:
             "ignore_eos": True, "return_token_ids": True}
     local = w.http("pub", f"{A}/v1/completions", body)["choices"][0]["token_ids"]
     assert len(local) == 48
-    # the volunteer listens on its private address: a home machine behind nat1
-    w.start("volunteer", "home1", "volunteer", "--coordinator", A, "--slice", "0:0-8", "--slice", "1:0-8",
+    # the volunteer listens on its private address: a home machine behind nat1; it answers A (its
+    # --coordinator) and, told so, B and C
+    allow = [a for ns, url in (("pub", B), ("home2", C)) for a in ("--allow-peer", w.http(ns, f"{url}/health")["peer_id"])]
+    w.start("volunteer", "home1", "volunteer", "--coordinator", A, "--slice", "0:0-8", "--slice", "1:0-8", *allow,
             "--listen", f"/ip4/{HOME1}/tcp/{VOL_PORT}", "--relay", relay_addr, "--data-dir", str(w.tmp / "v"), "--no-progress")
     w.wait_line("volunteer", "volunteer ready ")
     info = json.loads((w.tmp / "v" / "volunteer.json").read_text())

@@ -271,3 +271,21 @@ def test_incremental_counts_match_a_recount_after_random_traffic(seed: int) -> N
     m.flush(now)
     m2 = new_market(backing, now=now)
     assert m2.ix.counts == m.ix.counts
+
+
+def test_heartbeat_acks_name_the_coordinators_a_volunteer_may_answer() -> None:
+    """DESIGN §12: a volunteer answers only the registered coordinators of the models it holds; the
+    market names their peer ids in every heartbeat ack (and keeps them across a restart)."""
+    backing = MemoryBacking()
+    m = new_market(backing)
+    m.register(RegisterModels(URL, [manifest()], epoch=10, peer_id="12D3KooWcoordA"), 0.0)
+    m.register(RegisterModels("http://c2.test", [manifest("other-0123456789ab")], epoch=1, peer_id="12D3KooWcoordB"), 0.0)
+    m.register(RegisterModels("http://c3.test", [manifest()], epoch=1), 0.0)  # an older coordinator: no peer id
+    ack = m.heartbeat(hb("p", 1, (0, 0, 4, SERVING)), 1.0)
+    assert ack.coordinators == ["12D3KooWcoordA"]  # not B: it hosts another model
+    assert m.heartbeat(hb("q", 1), 1.0).coordinators == []  # holding nothing: nobody to answer
+    again = new_market(backing, now=2.0)
+    assert again.heartbeat(hb("p", 2, (0, 0, 4, SERVING)), 2.0).coordinators == ["12D3KooWcoordA"]
+    # a coordinator that moves (new epoch, new identity) replaces its old id
+    again.register(RegisterModels(URL, [manifest()], epoch=11, peer_id="12D3KooWcoordA2"), 3.0)
+    assert again.heartbeat(hb("p", 3, (0, 0, 4, SERVING)), 3.0).coordinators == ["12D3KooWcoordA2"]

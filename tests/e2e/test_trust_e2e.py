@@ -1,0 +1,69 @@
+"""Only coordinators may use volunteers (DESIGN §12), with real processes: a static volunteer answers
+its coordinator (tokens identical to all-local) and refuses a stranger who speaks the protocol
+correctly with ``not_authorized``, for good, while it keeps serving its coordinator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import trio
+
+from swarm.errors import NotAuthorized
+from swarm.model.gguf import model_id_for
+from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.protocol.expert import ExpertRequest, RequestId, make_pairs
+from swarm.rpc.client import open_expert_client
+from tests.conftest import GOLDEN_GGUF
+from tests.e2e.test_process_e2e import UNVERIFIED, Proc, attach_single_worker, cli, procs, wait_for_line  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+async def stranger_call(info: dict[str, Any], model_id: str) -> Exception | None:
+    """One well-formed expert call from a fresh libp2p identity; the error it got, or None."""
+    async with open_libp2p_transport(key_path=None) as t, open_expert_client(t, info["peer_id"], info["addrs"]) as client:
+        rows = torch.randn(2, 128)  # the golden model's d_model: a well-formed call
+        pairs = make_pairs([0, 1], [0, 1], [0.5, 0.5])
+        req = ExpertRequest(request_id=RequestId(1), attempt=0, model_id=model_id, layer=0, lo=0, hi=8, n_rows=2,
+                            d_model=128, n_pairs=len(pairs), dtype="float32")
+        try:
+            await client.call(req, rows, pairs, timeout=10)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return exc
+    return None
+
+
+async def test_a_static_volunteer_answers_its_coordinator_only(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+    map_path = tmp_path / "map.json"
+    model_id = model_id_for(GOLDEN_GGUF)
+    map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
+    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0",
+                     "--data-dir", str(tmp_path / "c"), "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
+    procs.append(coord)
+    url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    body = {"model": model_id, "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as h:
+        local = (await h.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+        vol = Proc(cli("--log-level", "INFO", "volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
+                       "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
+        procs.append(vol)
+        await wait_for_line(vol, "volunteer ready ")
+        info = json.loads((tmp_path / "v" / "volunteer.json").read_text())
+        peer = (await h.get("/health")).json()["peer_id"]
+        assert f"answering expert calls from {peer}" in vol.text()
+
+        exc = await stranger_call(info, model_id)
+        assert isinstance(exc, NotAuthorized), exc
+        await attach_single_worker(h, map_path, model_id, info)
+        remote = (await h.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+        assert remote == local
+        [w] = (await h.get("/dispatch")).json()["workers"]
+        assert w["calls"] > 0 and w["failures"] == 0
+        assert isinstance(await stranger_call(info, model_id), NotAuthorized)  # still refused, still serving
+        assert (await h.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"] == local
