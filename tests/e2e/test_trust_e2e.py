@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import trio
 
 from swarm.errors import NotAuthorized
 from swarm.model.gguf import model_id_for
