@@ -8,6 +8,10 @@ Rules:
   whose version differs from the current one is adopted, so workers attach or detach within about
   ``poll_s`` of a change. While the market is unreachable the last map stays in force: volunteers
   keep serving and nothing needs a restart when the market returns.
+- Report: ``POST /api/coordinator-report`` every ``report_s`` with each worker's answered calls,
+  rows and verified answers since the last report, and at once when the dispatcher quarantines a
+  worker (with the evidence), so the market stops counting and assigning it. A report that fails
+  is retried with the next one (its counts are added to it; quarantines are kept until sent).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import httpx
 import msgspec
 import trio
 
+from coordinator.core.dispatch import Quarantine
 from coordinator.dispatcher import Dispatcher
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
 from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.manifest import ModelManifest
+from swarm.protocol.market import CoordinatorReport, ReportedWorker
 
 __all__ = ["MarketLink"]
 
@@ -42,6 +48,7 @@ class MarketLink:
         poll_s: float = 0.5,
         reregister_s: float = 30.0,
         timeout_s: float = 2.0,
+        report_s: float = 5.0,
     ) -> None:
         self.base = market_url.rstrip("/")
         self.dispatcher = dispatcher
@@ -56,6 +63,30 @@ class MarketLink:
         self.last_ok: float | None = None
         self.last_error = ""
         self._reregister = trio.Event()
+        self.report_s = report_s
+        self._reported: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) already sent
+        self._quarantines: dict[str, str] = {}  # peer -> evidence, not yet accepted by the market
+        self._report_now = trio.Event()
+        self.reports_sent = 0
+        dispatcher.on_quarantine.append(self._quarantined)
+
+    def _quarantined(self, q: Quarantine) -> None:
+        self._quarantines[q.peer] = q.evidence
+        self._report_now.set()
+
+    def report_body(self) -> CoordinatorReport:
+        """What the next report says: deltas since the last accepted one, pending quarantines."""
+        rep = self.dispatcher.report()
+        workers = []
+        seen: set[str] = set()
+        for w in rep.workers:
+            seen.add(w.peer_id)
+            c0, r0, v0 = self._reported.get(w.peer_id, (0, 0, 0))
+            workers.append(ReportedWorker(peer_id=w.peer_id, calls=max(0, w.calls - c0), rows=max(0, w.rows - r0),
+                                          verified=max(0, w.verified - v0), path=w.path,
+                                          quarantine=self._quarantines.get(w.peer_id)))
+        workers += [ReportedWorker(peer_id=p, quarantine=e) for p, e in self._quarantines.items() if p not in seen]
+        return CoordinatorReport(url=self.advertise_url, model_id=self.manifest.model_id, workers=workers)
 
     def status(self) -> MarketLinkStatus:
         return MarketLinkStatus(
@@ -70,6 +101,7 @@ class MarketLink:
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client, trio.open_nursery() as n:
             n.start_soon(self._register_loop, client)
             n.start_soon(self._map_loop, client)
+            n.start_soon(self._report_loop, client)
             task_status.started()
 
     async def _register_loop(self, client: httpx.AsyncClient) -> None:
@@ -100,6 +132,34 @@ class MarketLink:
             self.registered = False
             await trio.sleep(backoff)
             backoff = min(10.0, backoff * 2)
+
+    async def _report_loop(self, client: httpx.AsyncClient) -> None:
+        while True:
+            with trio.move_on_after(self.report_s):
+                await self._report_now.wait()
+            self._report_now = trio.Event()
+            if not self.registered:
+                continue
+            body = self.report_body()
+            try:
+                r = await client.post(f"{self.base}/api/coordinator-report", content=msgspec.json.encode(body),
+                                      headers={"content-type": "application/json"})
+            except httpx.HTTPError as exc:
+                self.last_error = f"report: {type(exc).__name__}: {exc}"
+                continue
+            if r.status_code // 100 != 2:
+                self.last_error = f"report: HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            self.reports_sent += 1
+            now = {w.peer_id: (w.calls, w.rows, w.verified) for w in self.dispatcher.report().workers}
+            for w in body.workers:  # the deltas sent are accounted for
+                c0, r0, v0 = self._reported.get(w.peer_id, (0, 0, 0))
+                self._reported[w.peer_id] = (c0 + w.calls, r0 + w.rows, v0 + w.verified)
+                if w.quarantine is not None:
+                    self._quarantines.pop(w.peer_id, None)
+            for p in list(self._reported):
+                if p not in now:
+                    del self._reported[p]
 
     async def _map_loop(self, client: httpx.AsyncClient) -> None:
         url = f"{self.base}/api/expert-dispatch-map"

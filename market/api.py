@@ -5,6 +5,10 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
 - ``POST /api/models`` (operator token: ``Authorization: Bearer TOKEN``) ``RegisterModels``
   ``{url, models: [manifest...], epoch}`` -> ``RegisterAck``. Several coordinators may host one
   model; a coordinator's list replaces its previous one; an older ``epoch`` is refused (409).
+- ``POST /api/coordinator-report`` (operator token) ``CoordinatorReport {url, model_id, workers:
+  [{peer_id, calls, rows, verified, path, quarantine}], ranges}`` -> ``ReportAck``: a worker with
+  ``quarantine`` evidence loses its coverage and lease and is refused (pull: ``nothing_needed``
+  ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``.
 - ``POST /api/expert-volunteer`` ``VolunteerRequest {peer_id, max_bytes | max_experts, models?}``
   -> ``{"kind": "assignment", model_id, layer, lo, hi, slice, url, size, sha256, lease_id,
   lease_expires_in_s, scarcity, relays, heartbeat_s, coordinator}`` or ``{"kind":
@@ -84,6 +88,7 @@ from swarm.protocol.market import (
     NothingNeeded,
     coverage_decoder,
     register_decoder,
+    report_decoder,
     volunteer_decoder,
 )
 
@@ -265,6 +270,15 @@ def build_market_app(api: MarketApi) -> Starlette:
         return _json(body, headers={"retry-after": str(max(1, round(retry_after_s)))})
 
     @_guarded
+    async def coordinator_report(request: Request) -> Response:
+        check_token(request)
+        rep = _decode(report_decoder, await _read_body(request))
+        ack = m.report(rep, api.clock())
+        for peer in ack.quarantined:
+            log.warning("volunteer %s quarantined on the report of %s", peer, rep.url)
+        return _json(ack)
+
+    @_guarded
     async def volunteer(request: Request) -> Response:
         req = _decode(volunteer_decoder, await _read_body(request))
         check_peer_id(req.peer_id)
@@ -349,6 +363,7 @@ def build_market_app(api: MarketApi) -> Starlette:
     return Starlette(
         routes=[
             Route("/api/models", register, methods=["POST"]),
+            Route("/api/coordinator-report", coordinator_report, methods=["POST"]),
             Route("/api/expert-volunteer", volunteer, methods=["POST"]),
             Route("/api/expert-coverage", coverage, methods=["POST"]),
             Route("/api/expert-demand", demand, methods=["GET"]),

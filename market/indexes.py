@@ -33,6 +33,7 @@ from market.core.records import (
     LeaseRow,
     MapRow,
     ModelRow,
+    QuarantineRow,
     SliceRef,
     Snapshot,
     Table,
@@ -85,6 +86,8 @@ class Indexes:
         self.maps: dict[str, MapRow] = {}
         self.dirty_maps: set[str] = set()
         self.dirty_ageout: set[str] = set()
+        self.quarantined: dict[str, QuarantineRow] = {}  # peer -> why and until when it is refused
+        self.served: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) reported by coordinators
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -101,6 +104,8 @@ class Indexes:
             self.polls[c.url] = PollRecord()
         for v in snap.volunteers:
             self.volunteers[v.peer_id] = LiveVolunteer(v, last_seen=now)
+        for q in snap.quarantine:
+            self.quarantined[q.peer_id] = q
         for r in snap.recruitment:
             if r.model_id in self.models and r.recruiting:
                 self.recruit[r.model_id] = RecruitState(True, r.changed_at, last_saturated_at=now)

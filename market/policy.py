@@ -34,6 +34,7 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     flush_s: PosFloat = 5.0
     header_allowance: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024  # slice header + slack, in bytes
     volunteer_gc_s: PosFloat = 7 * 24 * 3600.0  # forget silent volunteers without coverage after this
+    quarantine_s: PosFloat = 7 * 24 * 3600.0  # a volunteer caught answering wrongly is refused this long
 
     @property
     def heartbeat_s(self) -> float:

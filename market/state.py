@@ -48,6 +48,7 @@ from market.core.records import (
     MapRow,
     ModelManifest,
     ModelRow,
+    QuarantineRow,
     RecruitRow,
     SliceRef,
     Table,
@@ -66,6 +67,7 @@ from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError
 from swarm.protocol.expert import PROTOCOL_VERSION as EXPERT_PROTOCOL_VERSION
 from swarm.protocol.market import (
+    CoordinatorReport,
     CoverageAck,
     CoverageHeartbeat,
     DemandView,
@@ -73,6 +75,7 @@ from swarm.protocol.market import (
     RecruitmentView,
     RegisterAck,
     RegisterModels,
+    ReportAck,
     SliceDirective,
     VolunteerRequest,
 )
@@ -220,6 +223,10 @@ class Market:
         """``POST /api/expert-volunteer``: the scarcest slice that fits, as a fresh lease."""
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
+        q = self.quarantine_of(req.peer_id, now)
+        if q is not None:
+            self.counters["no_offer_quarantined"] += 1
+            return NoOffer(NoOfferReason.QUARANTINED, max(1.0, q.until - now))
         changes: list[Change] = []
         lease_id = self.ix.lease_of.get(req.peer_id)
         if lease_id is not None:
@@ -269,6 +276,11 @@ class Market:
 
         Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400).
         """
+        q = self.quarantine_of(hb.peer_id, now)
+        if q is not None:
+            self.counters["heartbeats_quarantined"] += 1
+            raise _http_error(f"this volunteer is refused for {q.until - now:.0f} s more: {q.evidence[:300]}",
+                              "quarantined", status=403)
         v = self.ix.volunteers.get(hb.peer_id)
         verdict = check_heartbeat((v.row.epoch, v.row.sequence) if v else None, hb.epoch, hb.sequence)
         if verdict not in ACCEPTED:
@@ -338,6 +350,40 @@ class Market:
             ttl_s=self.policy.heartbeat_ttl_s,
             coordinators=self.coordinator_peers({s.model_id for s in reported}),
         )
+
+    def quarantine_of(self, peer_id: str, now: float) -> QuarantineRow | None:
+        q = self.ix.quarantined.get(peer_id)
+        return q if q is not None and q.until > now else None
+
+    def report(self, rep: CoordinatorReport, now: float) -> ReportAck:
+        """``POST /api/coordinator-report`` (operator token checked by the shell): served and verified
+        counts per volunteer; a quarantine drops the volunteer's coverage and lease and refuses it for
+        ``quarantine_s`` (persisted). Errors: ``unknown_coordinator`` (404)."""
+        url = rep.url.rstrip("/")
+        if url not in self.ix.coordinators:
+            raise _http_error(f"coordinator {url[:200]!r} is not registered", "unknown_coordinator", status=404, param="url")
+        changes: list[Change] = []
+        newly: list[str] = []
+        for w in rep.workers:
+            c, r, v = self.ix.served.get(w.peer_id, (0, 0, 0))
+            self.ix.served[w.peer_id] = (c + w.calls, r + w.rows, v + w.verified)
+            if w.quarantine is None or self.quarantine_of(w.peer_id, now) is not None:
+                continue
+            row = QuarantineRow(w.peer_id, now + self.policy.quarantine_s, w.quarantine, url, now)
+            self.ix.quarantined[w.peer_id] = row
+            changes.append(Put(row))
+            for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
+                self.ix.del_cov(cov, changes)
+                self.ix.dirty_maps.add(cov.slice.model_id)
+                self.ix.dirty_ageout.add(cov.slice.model_id)
+            lease_id = self.ix.lease_of.get(w.peer_id)
+            if lease_id is not None:
+                self.ix.del_lease(self.ix.leases[lease_id], changes)
+            newly.append(w.peer_id)
+            self.counters["quarantines"] += 1
+        self._commit(changes)
+        self.counters["reports"] += 1
+        return ReportAck(len(rep.workers), newly)
 
     def coordinator_peers(self, model_ids: set[str]) -> list[str]:
         """The libp2p ids of the registered coordinators hosting any of ``model_ids``."""

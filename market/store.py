@@ -34,6 +34,7 @@ from market.core.records import (
     LeaseRow,
     MapRow,
     ModelRow,
+    QuarantineRow,
     RecruitRow,
     Row,
     Snapshot,
@@ -55,7 +56,7 @@ __all__ = [
     "open_sqlite_store",
 ]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2  # 2 added the quarantine table; a version-1 database moves forward on open (its tables are created)
 
 
 class Put(msgspec.Struct, frozen=True, tag=True):
@@ -86,6 +87,7 @@ _ROW_TYPES: Final[dict[Table, type[Any]]] = {
     Table.LEASES: LeaseRow,
     Table.MAPS: MapRow,
     Table.RECRUITMENT: RecruitRow,
+    Table.QUARANTINE: QuarantineRow,
 }
 _encoder = msgspec.json.Encoder()
 _decoders: Final = {t: msgspec.json.Decoder(cls) for t, cls in _ROW_TYPES.items()}
@@ -120,6 +122,7 @@ def _snapshot(rows: dict[Table, list[Any]]) -> Snapshot:
         leases=rows[Table.LEASES],
         maps=rows[Table.MAPS],
         recruitment=rows[Table.RECRUITMENT],
+        quarantine=rows[Table.QUARANTINE],
     )
 
 

@@ -49,6 +49,7 @@ class NoOfferReason(enum.StrEnum):
     NOTHING_SCARCE = "nothing_scarce"  # every expert has its replicas (or they are on their way)
     BUDGET_TOO_SMALL = "budget_too_small"  # experts are needed but not even one fits the budget
     COORDINATOR_UNREACHABLE = "coordinator_unreachable"  # set by the shell: no coordinator could describe the file
+    QUARANTINED = "quarantined"  # a coordinator caught this volunteer answering wrongly: refused for a while
 
 
 class Budget(msgspec.Struct, frozen=True):

@@ -33,6 +33,7 @@ __all__ = [
     "MapRow",
     "ModelManifest",
     "ModelRow",
+    "QuarantineRow",
     "RecruitRow",
     "Row",
     "SliceRef",
@@ -56,6 +57,7 @@ class Table(enum.StrEnum):
     LEASES = "leases"
     MAPS = "maps"
     RECRUITMENT = "recruitment"
+    QUARANTINE = "quarantine"
 
 
 SliceRef = SliceKey  # the slice identity of DESIGN §11, shared with the coordinator and volunteers
@@ -145,7 +147,18 @@ class RecruitRow(msgspec.Struct, frozen=True, tag=True):
     changed_at: float
 
 
-Row = ModelRow | CoordinatorRow | VolunteerRow | CoverageRow | LeaseRow | MapRow | RecruitRow
+class QuarantineRow(msgspec.Struct, frozen=True, tag=True):
+    """A volunteer a coordinator caught answering wrongly (verification, DESIGN §12): its coverage is
+    dropped and it is refused until ``until``."""
+
+    peer_id: str
+    until: float
+    evidence: str
+    reported_by: str  # the coordinator's URL
+    at: float
+
+
+Row = ModelRow | CoordinatorRow | VolunteerRow | CoverageRow | LeaseRow | MapRow | RecruitRow | QuarantineRow
 
 _TABLE_OF: Final[dict[type, Table]] = {
     ModelRow: Table.MODELS,
@@ -155,6 +168,7 @@ _TABLE_OF: Final[dict[type, Table]] = {
     LeaseRow: Table.LEASES,
     MapRow: Table.MAPS,
     RecruitRow: Table.RECRUITMENT,
+    QuarantineRow: Table.QUARANTINE,
 }
 
 
@@ -173,7 +187,7 @@ def row_key(row: Row) -> str:
             return row.manifest.model_id
         case CoordinatorRow():
             return row.url
-        case VolunteerRow():
+        case VolunteerRow() | QuarantineRow():
             return row.peer_id
         case CoverageRow():
             return coverage_key(row.peer_id, row.slice)
@@ -194,3 +208,4 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     leases: list[LeaseRow] = []
     maps: list[MapRow] = []
     recruitment: list[RecruitRow] = []
+    quarantine: list[QuarantineRow] = []

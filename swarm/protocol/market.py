@@ -21,6 +21,7 @@ from swarm.protocol.manifest import MODEL_ID_PATTERN, ModelManifest
 
 __all__ = [
     "Assignment",
+    "CoordinatorReport",
     "CoordinatorView",
     "CoverageAck",
     "CoverageHeartbeat",
@@ -32,6 +33,9 @@ __all__ = [
     "RecruitmentView",
     "RegisterAck",
     "RegisterModels",
+    "ReportAck",
+    "ReportedWorker",
+    "RoutedRange",
     "SliceDirective",
     "VolunteerAnswer",
     "VolunteerRequest",
@@ -39,6 +43,7 @@ __all__ = [
     "WorkerView",
     "coverage_decoder",
     "register_decoder",
+    "report_decoder",
     "volunteer_decoder",
 ]
 
@@ -135,6 +140,39 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     )  # expert-stream versions spoken (swarm.protocol.expert); a body without it is from a v1 volunteer
 
 
+
+
+class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
+    """One volunteer as a coordinator saw it since its last report."""
+
+    peer_id: PeerId
+    calls: NonNeg = 0  # answered calls since the last report
+    rows: NonNeg = 0
+    verified: NonNeg = 0  # answers that passed verification since the last report
+    path: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # direct | relayed | hole-punched
+    quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # the evidence, when it failed verification
+
+
+class RoutedRange(msgspec.Struct, forbid_unknown_fields=True):
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    rows: NonNeg  # rows routed to the range since the last report
+
+
+class CoordinatorReport(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /api/coordinator-report`` (operator token; DESIGN §11): what a coordinator saw of its
+    volunteers and its routing since its last report. One channel for trust, capacity and the dashboard."""
+
+    url: Url  # the coordinator, as registered
+    model_id: ModelId
+    workers: Annotated[list[ReportedWorker], msgspec.Meta(max_length=4096)] = []
+    ranges: Annotated[list[RoutedRange], msgspec.Meta(max_length=65536)] = []
+
+
+class ReportAck(msgspec.Struct):
+    workers: int
+    quarantined: list[str]  # peer ids newly refused by this report
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -277,3 +315,4 @@ class RecruitmentView(msgspec.Struct):
 register_decoder = msgspec.json.Decoder(RegisterModels)
 volunteer_decoder = msgspec.json.Decoder(VolunteerRequest)
 coverage_decoder = msgspec.json.Decoder(CoverageHeartbeat)
+report_decoder = msgspec.json.Decoder(CoordinatorReport)

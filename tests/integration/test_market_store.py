@@ -148,7 +148,7 @@ def test_sqlite_uses_wal_and_a_schema_version(tmp_path: Path) -> None:
     open_sqlite_store(path).close()
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert tables == {t.value for t in Table}
     conn.execute("PRAGMA user_version = 99")
@@ -198,3 +198,30 @@ def test_sqlite_commit_survives_a_killed_process(tmp_path: Path) -> None:
     s = open_sqlite_store(path)
     assert s.load().volunteers == [VolunteerRow("12D3KooWkilled", 9, 99, 1.0)]
     s.close()
+
+
+def test_a_version_1_database_moves_forward_with_its_rows(tmp_path: Path) -> None:
+    """Schema 1 (as the market before quarantines wrote it: no quarantine table, coordinator rows
+    without a peer id) opens as schema 2: the table is added, every row still loads."""
+    path = tmp_path / "v1.db"
+    conn = sqlite3.connect(path)
+    for t in ("models", "coordinators", "volunteers", "coverage", "leases", "maps", "recruitment"):
+        conn.execute(f"CREATE TABLE {t} (key TEXT PRIMARY KEY, body BLOB NOT NULL) WITHOUT ROWID")
+    conn.execute("INSERT INTO coordinators VALUES ('http://c.test', ?)",
+                 (b'{"type":"CoordinatorRow","url":"http://c.test","model_ids":["m-0123456789ab"],"epoch":7,'
+                  b'"registered_at":1.5}',))
+    conn.execute("INSERT INTO volunteers VALUES ('p', ?)",
+                 (b'{"type":"VolunteerRow","peer_id":"p","epoch":1,"sequence":4,"first_seen":2.0}',))
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    s = open_sqlite_store(path)
+    snap = s.load()
+    assert [(c.url, c.epoch, c.peer_id) for c in snap.coordinators] == [("http://c.test", 7, None)]
+    assert [(v.peer_id, v.sequence, v.protocols) for v in snap.volunteers] == [("p", 4, [1])]
+    assert snap.quarantine == []
+    s.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert "quarantine" in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    conn.close()

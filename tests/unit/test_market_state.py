@@ -9,13 +9,21 @@ import random
 import msgspec
 import pytest
 
+from market.core.assign import NoOfferReason
 from market.core.records import CoverageRow, HeldState, ModelManifest, SliceRef
 from market.policy import MarketPolicy
 from market.state import Market, NoOffer, Offer
 from market.store import InMemoryStore, MemoryBacking
 from market.views import state_name
 from swarm.errors import RequestError
-from swarm.protocol.market import CoverageHeartbeat, HeldSlice, RegisterModels, VolunteerRequest
+from swarm.protocol.market import (
+    CoordinatorReport,
+    CoverageHeartbeat,
+    HeldSlice,
+    RegisterModels,
+    ReportedWorker,
+    VolunteerRequest,
+)
 
 MID = "state-0123456789ab"
 URL = "http://c1.test"
@@ -289,3 +297,32 @@ def test_heartbeat_acks_name_the_coordinators_a_volunteer_may_answer() -> None:
     # a coordinator that moves (new epoch, new identity) replaces its old id
     again.register(RegisterModels(URL, [manifest()], epoch=11, peer_id="12D3KooWcoordA2"), 3.0)
     assert again.heartbeat(hb("p", 3, (0, 0, 4, SERVING)), 3.0).coordinators == ["12D3KooWcoordA2"]
+
+
+def test_a_reported_quarantine_drops_coverage_and_refuses_the_volunteer_for_a_while() -> None:
+    backing = MemoryBacking()
+    m = new_market(backing)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    m.heartbeat(hb("liar", 1, (0, 0, 4, SERVING)), 1.0)
+    m.heartbeat(hb("honest", 1, (0, 4, 8, SERVING)), 1.0)
+    m.tick(1.5)
+    assert {s.peer_id for s in m.ix.by_model[MID].values()} == {"liar", "honest"}
+    assert codes(lambda: m.report(CoordinatorReport(url="http://nobody.test", model_id=MID), 2.0)) == "404 unknown_coordinator"
+    ack = m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
+        ReportedWorker(peer_id="liar", calls=3, rows=9, verified=0, quarantine="layer 0 experts 0-4: 8 of 8 differ"),
+        ReportedWorker(peer_id="honest", calls=5, rows=20, verified=5)]), 2.0)
+    assert ack.quarantined == ["liar"] and m.ix.served["honest"] == (5, 20, 5)
+    assert "liar" not in m.ix.coverage and {s.peer_id for s in m.ix.by_model[MID].values()} == {"honest"}
+    m.tick(2.5)
+    assert all(r.replicas == [] or all(p.peer_id != "liar" for p in r.replicas)
+               for L in m.dispatch_map(MID).layers for r in L.ranges)
+    # refused: no lease, no coverage from its heartbeats -- also after a restart
+    assert m.volunteer(VolunteerRequest("liar", max_experts=4), 3.0).reason is NoOfferReason.QUARANTINED  # type: ignore[union-attr]
+    assert codes(lambda: m.heartbeat(hb("liar", 2, (0, 0, 4, SERVING)), 3.0)) == "403 quarantined"
+    again = new_market(backing, now=4.0)
+    assert codes(lambda: again.heartbeat(hb("liar", 3, (0, 0, 4, SERVING)), 4.0)) == "403 quarantined"
+    assert again.report(CoordinatorReport(url=URL, model_id=MID, workers=[
+        ReportedWorker(peer_id="liar", quarantine="again")]), 5.0).quarantined == []  # already refused
+    # ... for quarantine_s; then it may come back (and is verified from scratch by the coordinators)
+    later = 2.0 + POLICY.quarantine_s + 1
+    assert again.heartbeat(hb("liar", 4, (0, 0, 4, SERVING)), later).slices[0].action == "keep"
