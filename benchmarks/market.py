@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 from market.core.records import HeldState, ModelManifest  # noqa: E402
-from swarm.p2p.identity import peer_id_of, sign_body  # noqa: E402
+from swarm.p2p.identity import peer_id_of, sign_body, sign_request  # noqa: E402
 from swarm.protocol.market import CoverageHeartbeat, HeldSlice  # noqa: E402
 
 N_LAYER, N_EXPERT, SLICE = 64, 64, 4
@@ -78,7 +78,7 @@ def start_market(db: str) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-c", RUNNER, "market", "--db", db, "--port", "0", "--token", "bench", "--seed", "1",
-         "--heartbeat-ttl-s", "600", "--lease-s", "600"],
+         "--heartbeat-ttl-s", "600", "--lease-s", "600", "--max-leases-per-address", "100000"],  # all on loopback
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )
     assert proc.stdout is not None
@@ -97,8 +97,8 @@ class RawConn:
         self.stream = stream
         self.buf = bytearray()
 
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        head = (f"{method} {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+    async def request(self, method: str, path: str, body: bytes = b"", extra: str = "") -> tuple[int, bytes]:
+        head = (f"{method} {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n{extra}"
                 f"content-length: {len(body)}\r\n\r\n").encode()
         await self.stream.send_all(head + body)
         while (end := self.buf.find(b"\r\n\r\n")) < 0:
@@ -132,15 +132,15 @@ class Pool:
     async def open(self, n: int) -> None:
         self.free = [RawConn(await trio.open_tcp_stream(self.host, self.port)) for _ in range(n)]
 
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+    async def request(self, method: str, path: str, body: bytes = b"", extra: str = "") -> tuple[int, bytes]:
         conn = self.free.pop()
         try:
-            return await conn.request(method, path, body)
+            return await conn.request(method, path, body, extra)
         except (ConnectionError, trio.BrokenResourceError):
             await conn.stream.aclose()
             self.reconnects += 1
             conn = RawConn(await trio.open_tcp_stream(self.host, self.port))
-            return await conn.request(method, path, body)
+            return await conn.request(method, path, body, extra)
         finally:
             self.free.append(conn)
 
@@ -192,8 +192,8 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
             pool = Pool(host, int(port))
             await pool.open(concurrency)
 
-            async def post(path: str, body: bytes) -> bytes:
-                status, resp = await pool.request("POST", path, body)
+            async def post(path: str, body: bytes, signature: str = "") -> bytes:
+                status, resp = await pool.request("POST", path, body, f"x-moe-signature: {signature}\r\n" if signature else "")
                 if status != 200:
                     raise SystemExit(f"{path}: HTTP {status}: {resp[:300]!r}")
                 return resp
@@ -204,7 +204,14 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
                 r = await c.post("/api/models", headers={"authorization": "Bearer bench"},
                                  content=msgspec.json.encode({"url": coord_url, "models": [manifest], "epoch": 1}))
                 r.raise_for_status()
-                bodies = [msgspec.json.encode({"peer_id": p, "max_experts": SLICE}) for p in peers]
+                # signed polls (DESIGN §11): (epoch 0, sequence 1) for the pull, 2 for the re-poll; heartbeats use epoch 1
+                def poll_body(i: int, seq: int) -> tuple[bytes, str]:
+                    raw = msgspec.json.encode({"peer_id": peers[i], "max_experts": SLICE, "epoch": 0, "sequence": seq,
+                                               "sent_at_ms": int(time.time() * 1000)})
+                    return raw, sign_request(keys[i], "POST", "/api/expert-volunteer", raw)
+
+                bodies = [poll_body(i, 1) for i in range(n)]
+                rebodies = [poll_body(i, 2) for i in range(n)]
                 got: list[dict[str, Any]] = [{}] * n
 
                 async def health(i: int) -> None:
@@ -216,14 +223,14 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
                 out.append(case("health-baseline", store, wall, lat))
 
                 async def pull(i: int) -> None:
-                    got[i] = json.loads(await post("/api/expert-volunteer", bodies[i]))
+                    got[i] = json.loads(await post("/api/expert-volunteer", *bodies[i]))
 
                 wall, lat = await timed(n, concurrency, pull)
                 assigned = sum(1 for g in got if g.get("kind") == "assignment")
                 out.append(case("expert-volunteer", store, wall, lat, volunteers=n, assigned=assigned))
 
                 async def repoll(i: int) -> None:
-                    again = json.loads(await post("/api/expert-volunteer", bodies[i]))
+                    again = json.loads(await post("/api/expert-volunteer", *rebodies[i]))
                     if again.get("lease_id") != got[i].get("lease_id"):
                         raise SystemExit(f"volunteer {i} got a different lease on a re-poll")
 

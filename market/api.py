@@ -81,7 +81,7 @@ from market.loops import Clock, MapWatch
 from market.state import Market, NoOffer, Offer
 from swarm.errors import RequestError, SwarmError
 from swarm.http_io import close_if_unread, read_body
-from swarm.p2p.identity import check_peer_id, verify_body
+from swarm.p2p.identity import SIGNATURE_HEADER, check_peer_id, verify_body, verify_request
 from swarm.protocol.http import encode_error
 from swarm.protocol.market import (
     Assignment,
@@ -99,6 +99,7 @@ log = logging.getLogger(__name__)
 _MAX_BODY: Final = 4 << 20
 _MAX_WAIT_S: Final = 30.0
 _UNREACHABLE_RETRY_S: Final = 2.0
+_MAX_SKEW_S: Final = 120.0  # a signed request's sent_at_ms may be this far from our clock
 _encoder = msgspec.json.Encoder()
 
 # url -> (sha256 hex, size); raises SwarmError when the coordinator cannot describe the file
@@ -278,11 +279,32 @@ def build_market_app(api: MarketApi) -> Starlette:
             log.warning("volunteer %s quarantined on the report of %s", peer, rep.url)
         return _json(ack)
 
+    def check_signed(request: Request, raw: bytes, peer_id: str, sent_at_ms: int | None) -> bool:
+        """The request scheme (DESIGN §11): True if ``X-Moe-Signature`` verifies and ``sent_at_ms`` is
+        within ``_MAX_SKEW_S`` of our clock; False without the header (the caller decides); else 401."""
+        header = request.headers.get(SIGNATURE_HEADER)
+        if header is None:
+            return False
+        verify_request(peer_id, request.method, request.url.path, raw, header)
+        if sent_at_ms is None:
+            raise RequestError("a signed request needs sent_at_ms", code="bad_signature", status=401, param="sent_at_ms")
+        skew = abs(api.clock() - sent_at_ms / 1000.0)
+        if skew > _MAX_SKEW_S:
+            raise RequestError(f"sent_at_ms is {skew:.0f} s from the market's clock (at most {_MAX_SKEW_S:.0f})",
+                               code="stale_request", status=401, param="sent_at_ms")
+        return True
+
     @_guarded
     async def volunteer(request: Request) -> Response:
-        req = _decode(volunteer_decoder, await _read_body(request))
+        raw = await _read_body(request)
+        req = _decode(volunteer_decoder, raw)
         check_peer_id(req.peer_id)
-        res = m.volunteer(req, api.clock())
+        if not check_signed(request, raw, req.peer_id, req.sent_at_ms):
+            raise RequestError("polls must be signed (X-Moe-Signature; DESIGN §11)", code="signature_required", status=401)
+        if req.epoch is None or req.sequence is None:
+            raise RequestError("a poll carries the volunteer's (epoch, sequence)", code="invalid_body", param="sequence")
+        host = request.client.host if request.client is not None else ""
+        res = m.volunteer(req, api.clock(), address=host)
         if isinstance(res, NoOffer):
             return nothing(res.reason.value, res.retry_after_s)
         found = await describe(res)
@@ -316,8 +338,11 @@ def build_market_app(api: MarketApi) -> Starlette:
 
     @_guarded
     async def coverage(request: Request) -> Response:
-        hb = _decode(coverage_decoder, await _read_body(request))
-        verify_body(hb.peer_id, hb, hb.signature)
+        raw = await _read_body(request)
+        hb = _decode(coverage_decoder, raw)
+        if not check_signed(request, raw, hb.peer_id, hb.sent_at_ms):
+            verify_body(hb.peer_id, hb, hb.signature)  # the body-signature scheme, accepted for one release
+            m.counters["heartbeats_legacy_signature"] += 1
         ack = m.heartbeat(hb, api.clock())
         return _json(msgspec.structs.replace(ack, relays=list(api.relays)))
 

@@ -53,6 +53,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a surplus volunteer is undispatched this long before it is told to release")
     p.add_argument("--retry-after-s", type=float, default=d.retry_after_s,
                    help="when idle volunteers should ask again if nothing is needed")
+    p.add_argument("--max-leases-per-address", type=int, default=d.max_leases_per_address,
+                   help="open leases one IP address may hold (volunteers behind one address share it)")
+    p.add_argument("--quarantine-s", type=float, default=d.quarantine_s,
+                   help="how long a volunteer a coordinator caught answering wrongly is refused")
     p.add_argument("--seed", type=int, default=None, help="RNG seed (reproducible tie-breaks and lease ids)")
     p.set_defaults(func=run)
     return p
@@ -81,6 +85,8 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "heartbeat_ttl_s": ns.heartbeat_ttl_s,
             "cooldown_s": ns.cooldown_s,
             "retry_after_s": ns.retry_after_s,
+            "max_leases_per_address": ns.max_leases_per_address,
+            "quarantine_s": ns.quarantine_s,
         },
     }
     return build_config(MarketConfig, raw, flags={"relays": "--relay", "poll_interval_s": "--poll-interval",

@@ -35,6 +35,7 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     header_allowance: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024  # slice header + slack, in bytes
     volunteer_gc_s: PosFloat = 7 * 24 * 3600.0  # forget silent volunteers without coverage after this
     quarantine_s: PosFloat = 7 * 24 * 3600.0  # a volunteer caught answering wrongly is refused this long
+    max_leases_per_address: Annotated[int, msgspec.Meta(ge=1)] = 16  # open leases one IP address may hold
 
     @property
     def heartbeat_s(self) -> float:

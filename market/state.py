@@ -145,6 +145,8 @@ class Market:
         self.ix = Indexes(policy)
         self._last_flush = now
         self.counters: Counter[str] = Counter()
+        self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
+        self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
         dropped = self.ix.load(store.load(), now)
         if dropped:
             store.apply(dropped)
@@ -219,10 +221,15 @@ class Market:
 
     # -- volunteers: pull -----------------------------------------------------------------------
 
-    def volunteer(self, req: VolunteerRequest, now: float) -> Offer | NoOffer:
-        """``POST /api/expert-volunteer``: the scarcest slice that fits, as a fresh lease."""
+    def volunteer(self, req: VolunteerRequest, now: float, *, address: str = "") -> Offer | NoOffer:
+        """``POST /api/expert-volunteer``: the scarcest slice that fits, as a fresh lease. ``(epoch,
+        sequence)``, when given, must be newer than the volunteer's last poll or heartbeat (409
+        ``replayed_sequence`` / ``stale_epoch``); ``address`` (the client's IP) holds at most
+        ``max_leases_per_address`` open leases."""
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
+        if req.epoch is not None and req.sequence is not None:
+            self._accept_counter(req.peer_id, req.epoch, req.sequence)
         q = self.quarantine_of(req.peer_id, now)
         if q is not None:
             self.counters["no_offer_quarantined"] += 1
@@ -253,7 +260,16 @@ class Market:
             self._commit(changes)
             self.counters[f"no_offer_{res.value}"] += 1
             return NoOffer(res, jittered(self.rng, self.policy.retry_after_s))
+        if address:
+            open_here = sum(1 for lid, a in self._lease_address.items() if a == address and lid in self.ix.leases)
+            if open_here >= self.policy.max_leases_per_address:
+                self._commit(changes)
+                self.counters["no_offer_address_cap"] += 1
+                return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
+        if address:
+            self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}
+            self._lease_address[lease.lease_id] = address
         self.ix.index_lease(lease)
         self.ix.dirty_ageout.add(res.slice.model_id)
         changes.append(Put(lease))
@@ -282,7 +298,7 @@ class Market:
             raise _http_error(f"this volunteer is refused for {q.until - now:.0f} s more: {q.evidence[:300]}",
                               "quarantined", status=403)
         v = self.ix.volunteers.get(hb.peer_id)
-        verdict = check_heartbeat((v.row.epoch, v.row.sequence) if v else None, hb.epoch, hb.sequence)
+        verdict = check_heartbeat(self._known_counter(hb.peer_id), hb.epoch, hb.sequence)
         if verdict not in ACCEPTED:
             self.counters[f"heartbeats_{verdict.value}"] += 1
             known = f"{v.row.epoch}/{v.row.sequence}" if v else "none"
@@ -350,6 +366,23 @@ class Market:
             ttl_s=self.policy.heartbeat_ttl_s,
             coordinators=self.coordinator_peers({s.model_id for s in reported}),
         )
+
+    def _known_counter(self, peer_id: str) -> tuple[int, int] | None:
+        """The newest ``(epoch, sequence)`` accepted from this volunteer, by poll or heartbeat."""
+        v = self.ix.volunteers.get(peer_id)
+        seen = [c for c in ((v.row.epoch, v.row.sequence) if v else None, self._polled.get(peer_id)) if c is not None]
+        return max(seen) if seen else None
+
+    def _accept_counter(self, peer_id: str, epoch: int, sequence: int) -> None:
+        verdict = check_heartbeat(self._known_counter(peer_id), epoch, sequence)
+        if verdict not in ACCEPTED:
+            self.counters[f"polls_{verdict.value}"] += 1
+            raise _http_error(f"poll epoch/sequence {epoch}/{sequence} is not newer than the last accepted",
+                              verdict.value, status=409)
+        self._polled[peer_id] = (epoch, sequence)
+        if len(self._polled) > 100_000:  # bounded: the oldest entries go (a heartbeat row keeps its own)
+            for k in list(self._polled)[:10_000]:
+                del self._polled[k]
 
     def quarantine_of(self, peer_id: str, now: float) -> QuarantineRow | None:
         q = self.ix.quarantined.get(peer_id)

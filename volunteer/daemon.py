@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -34,7 +35,7 @@ from swarm.errors import ConfigError, SwarmError
 from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import load_slice
-from swarm.p2p.identity import load_or_create_identity, sign_body
+from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_body, sign_request
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
 from swarm.protocol.expert import SUPPORTED_VERSIONS, make_hello
 from swarm.protocol.market import (
@@ -125,7 +126,8 @@ class PullVolunteer:
         self.allowed: frozenset[str] | None = frozenset()
         self.market_ok = True
         self.heartbeat_failures = 0  # in a row; the first of an outage is logged
-        self._hb_lock = trio.Lock()
+        self._hb_lock = trio.Lock()  # every signed request to the market, polls and heartbeats: sent in counter order
+        self._wire_seq = 0  # the one (epoch, sequence) counter polls and heartbeats share (DESIGN §11)
         self._fetch_scopes: dict[Offer, trio.CancelScope] = {}
         self.deregistered = trio.Event()
 
@@ -158,11 +160,12 @@ class PullVolunteer:
         await trio.sleep_until(at)
         if self.core.next_poll != at or self.core.phase is not Phase.IDLE:
             return  # superseded
-        body = VolunteerRequest(peer_id=self.peer_id, max_bytes=self.cfg.max_bytes, max_experts=self.cfg.max_experts,
-                                models=list(self.cfg.models) or None)
         try:
-            r = await self.client.post(f"{self.base}/api/expert-volunteer", content=msgspec.json.encode(body),
-                                       headers={"content-type": "application/json"})
+            async with self._hb_lock:
+                body = VolunteerRequest(peer_id=self.peer_id, max_bytes=self.cfg.max_bytes, max_experts=self.cfg.max_experts,
+                                        models=list(self.cfg.models) or None, epoch=self.epoch, sequence=self._next_seq(),
+                                        sent_at_ms=int(time.time() * 1000))
+                r = await self._signed_post("/api/expert-volunteer", msgspec.json.encode(body))
             r.raise_for_status()
             ans = _answer_decoder.decode(r.content)
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -211,6 +214,17 @@ class PullVolunteer:
             self.status = f"serving {offer.layer}:{offer.lo}-{offer.hi} of {offer.model_id}"
             self.apply(effects)
 
+    def _next_seq(self) -> int:
+        self._wire_seq += 1
+        return self._wire_seq
+
+    async def _signed_post(self, path: str, raw: bytes) -> httpx.Response:
+        """POST ``raw`` to the market with the request signature (``X-Moe-Signature``)."""
+        return await self.client.post(f"{self.base}{path}", content=raw, headers={
+            "content-type": "application/json",
+            SIGNATURE_HEADER: sign_request(self.key_pair, "POST", urlsplit(self.base).path.rstrip("/") + path, raw),
+        })
+
     def _body(self, seq: int) -> CoverageHeartbeat:
         held = self.core.held
         slices = []
@@ -219,15 +233,16 @@ class PullVolunteer:
             o = held.offer
             slices.append(HeldSlice(model_id=o.model_id, layer=o.layer, lo=o.lo, hi=o.hi, state=state,  # type: ignore[arg-type]
                                     last_serve_ms=self.server.last_serve_ms_of(o.model_id, o.layer, o.lo, o.hi)))
-        body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=seq, addrs=self.addrs, slices=slices,
-                                 load=float(self.server.stats.in_flight), max_bytes=self.cfg.max_bytes,
-                                 protocols=list(SUPPORTED_VERSIONS))
+        # ``seq`` is the lifecycle's heartbeat number; the wire carries the shared request counter
+        body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=self._next_seq(), addrs=self.addrs,
+                                 slices=slices, load=float(self.server.stats.in_flight), max_bytes=self.cfg.max_bytes,
+                                 protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000))
+        # the body signature too, for a market of the previous release (it ignores the header)
         return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
 
     async def _post_heartbeat(self, body: CoverageHeartbeat) -> CoverageAck | None:
         try:
-            r = await self.client.post(f"{self.base}/api/expert-coverage", content=msgspec.json.encode(body),
-                                       headers={"content-type": "application/json"})
+            r = await self._signed_post("/api/expert-coverage", msgspec.json.encode(body))
             if r.status_code != 200:
                 log.warning("coverage heartbeat refused: HTTP %d %s", r.status_code, r.text[:300])
                 return None
@@ -253,7 +268,8 @@ class PullVolunteer:
             self.apply(self.core.heartbeat_failed(now))
             return
         directives = [(d.model_id, d.layer, d.lo, d.hi, d.action, d.dispatched, d.release_in_s) for d in ack.slices]
-        self.apply(self.core.heartbeat_acked(directives, ack.heartbeat_s, ack.sequence, now))
+        # the lifecycle matches acks by its own heartbeat number (the wire carries the shared counter)
+        self.apply(self.core.heartbeat_acked(directives, ack.heartbeat_s, seq, now))
         allowed = frozenset(ack.coordinators) if ack.coordinators is not None else None
         if allowed != self.allowed:
             if allowed is None:
@@ -270,9 +286,9 @@ class PullVolunteer:
 
     async def _deregister(self, seq: int) -> None:
         async with self._hb_lock:
-            body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=max(seq, self.core.sequence),
+            body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=self._next_seq(),
                                      addrs=self.addrs, slices=[], load=0.0, max_bytes=self.cfg.max_bytes,
-                                     protocols=list(SUPPORTED_VERSIONS))
+                                     protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000))
             body = msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
             with trio.move_on_after(3):
                 await self._post_heartbeat(body)

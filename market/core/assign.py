@@ -50,6 +50,7 @@ class NoOfferReason(enum.StrEnum):
     BUDGET_TOO_SMALL = "budget_too_small"  # experts are needed but not even one fits the budget
     COORDINATOR_UNREACHABLE = "coordinator_unreachable"  # set by the shell: no coordinator could describe the file
     QUARANTINED = "quarantined"  # a coordinator caught this volunteer answering wrongly: refused for a while
+    ADDRESS_CAP = "address_cap"  # this IP address holds max_leases_per_address open leases already
 
 
 class Budget(msgspec.Struct, frozen=True):

@@ -35,6 +35,7 @@ Rules:
 
 from __future__ import annotations
 
+import base64
 import functools
 import os
 import random
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
 __all__ = [
     "load_or_create_identity",
     "SIGNATURE_FIELD",
+    "SIGNATURE_HEADER",
+    "request_signing_bytes",
+    "sign_request",
+    "verify_request",
     "IdentityError",
     "check_peer_id",
     "peer_id_of",
@@ -165,6 +170,44 @@ def verify_body(peer_id: str, body: msgspec.Struct, signature: bytes) -> None:
         raise IdentityError("signature does not verify", code="bad_signature", status=401) from exc
     if not ok:
         raise IdentityError(f"signature does not verify for peer {peer_id}", code="bad_signature", status=401)
+
+
+# -- signed HTTP requests (DESIGN §11): one scheme for every volunteer request -------------------
+
+SIGNATURE_HEADER = "x-moe-signature"
+_REQUEST_SIG_PREFIX = b"moe-swarm-sig/1\n"
+
+
+def request_signing_bytes(method: str, path: str, body: bytes) -> bytes:
+    """``moe-swarm-sig/1\n`` + METHOD + `` `` + PATH + ``\n`` + the raw body: what a request signature covers."""
+    return _REQUEST_SIG_PREFIX + method.upper().encode() + b" " + path.encode() + b"\n" + body
+
+
+def sign_request(key_pair: KeyPair, method: str, path: str, body: bytes) -> str:
+    """The ``X-Moe-Signature`` header value (base64) for a request with this raw ``body``."""
+    from libp2p.crypto.keys import KeyType
+
+    if key_pair.private_key.get_type() != KeyType.Ed25519:
+        raise IdentityError("only Ed25519 identities can sign requests", code="bad_key_type")
+    return base64.b64encode(bytes(key_pair.private_key.sign(request_signing_bytes(method, path, body)))).decode()
+
+
+def verify_request(peer_id: str, method: str, path: str, body: bytes, header: str) -> None:
+    """Return if ``header`` is ``peer_id``'s signature of this request; ``IdentityError`` (401
+    ``bad_signature``) otherwise."""
+    key = public_key_from_peer_id(peer_id)
+    try:
+        sig = base64.b64decode(header.strip(), validate=True)
+    except (ValueError, TypeError) as exc:
+        raise IdentityError("X-Moe-Signature is not base64", code="bad_signature", status=401) from exc
+    if len(sig) != _ED25519_SIGNATURE_LEN:
+        raise IdentityError("X-Moe-Signature must hold 64 bytes (Ed25519)", code="bad_signature", status=401)
+    try:
+        ok = key.verify(request_signing_bytes(method, path, body), sig)
+    except Exception as exc:  # nacl may raise on malformed input rather than return False
+        raise IdentityError("request signature does not verify", code="bad_signature", status=401) from exc
+    if not ok:
+        raise IdentityError(f"request signature does not verify for peer {peer_id}", code="bad_signature", status=401)
 
 
 def load_or_create_identity(path: Path) -> KeyPair:

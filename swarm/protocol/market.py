@@ -95,9 +95,16 @@ class RegisterModels(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class VolunteerRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /api/expert-volunteer``: give me something to serve. At least one budget is required."""
+    """``POST /api/expert-volunteer``: give me something to serve. At least one budget is required.
+
+    Signed (DESIGN §11): header ``X-Moe-Signature`` over method, path and the raw body
+    (``swarm.p2p.identity.sign_request``); ``sent_at_ms`` within 120 s of the market's clock; ``(epoch,
+    sequence)`` is the one counter the volunteer's polls and heartbeats share (replays refused)."""
 
     peer_id: PeerId
+    epoch: Epoch | None = None
+    sequence: Epoch | None = None
+    sent_at_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
     max_bytes: Annotated[int, msgspec.Meta(gt=0)] | None = None
     max_experts: Annotated[int, msgspec.Meta(gt=0, le=1 << 20)] | None = None
     models: Annotated[list[ModelId], msgspec.Meta(max_length=64)] | None = None
@@ -124,7 +131,7 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     that speak one of them (all coordinators speak 2 now).
     """
 
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms"})
 
     peer_id: PeerId
     epoch: Epoch
@@ -138,6 +145,8 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     protocols: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]], msgspec.Meta(max_length=16)] = (
         msgspec.field(default_factory=lambda: [1])
     )  # expert-stream versions spoken (swarm.protocol.expert); a body without it is from a v1 volunteer
+    # the request scheme (X-Moe-Signature): the send time, within 120 s of the market's clock
+    sent_at_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 

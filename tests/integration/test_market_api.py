@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from market.core.records import HeldState, ModelManifest
 from market.policy import MarketPolicy
 from market.server import MarketConfig, serve_market
 from swarm.errors import ConfigError
-from swarm.p2p.identity import peer_id_of, sign_body
+from swarm.p2p.identity import SIGNATURE_HEADER, peer_id_of, sign_body, sign_request
 from swarm.protocol.market import CoverageHeartbeat, HeldSlice
 from tests.conftest import eventually
 
@@ -105,6 +106,25 @@ def heartbeat(kp: KeyPair, epoch: int, seq: int, slices: list[HeldSlice], *, pee
     return msgspec.json.encode(msgspec.structs.replace(body, signature=sign_body(kp, body)))
 
 
+_poll_seq = 0
+
+
+def signed_poll_body(kp: KeyPair, **fields: Any) -> tuple[bytes, dict[str, str]]:
+    """A poll as a volunteer sends it: (epoch, sequence) (epoch 0 here, below the heartbeats' 1, the
+    sequence growing per process), sent_at_ms, and the X-Moe-Signature header over the raw body."""
+    global _poll_seq
+    _poll_seq += 1
+    body = {"peer_id": peer_id_of(kp), "epoch": 0, "sequence": _poll_seq, "sent_at_ms": int(time.time() * 1000), **fields}
+    raw = msgspec.json.encode(body)
+    return raw, {"content-type": "application/json",
+                 SIGNATURE_HEADER: sign_request(kp, "POST", "/api/expert-volunteer", raw)}
+
+
+async def poll(client: httpx.AsyncClient, kp: KeyPair, **fields: Any) -> httpx.Response:
+    raw, headers = signed_poll_body(kp, **fields)
+    return await client.post("/api/expert-volunteer", content=raw, headers=headers)
+
+
 async def register(client: httpx.AsyncClient, coordinator_url: str, epoch: int = 1) -> httpx.Response:
     body = {"url": coordinator_url, "models": [msgspec.to_builtins(MANIFEST)], "epoch": epoch}
     return await client.post("/api/models", json=body, headers=AUTH)
@@ -124,7 +144,7 @@ async def test_register_pull_cover_and_dispatch(tmp_path: Path, coordinator: Fak
 
         kp = key(1)
         pid = peer_id_of(kp)
-        r = await c.post("/api/expert-volunteer", json={"peer_id": pid, "max_experts": 4})
+        r = await poll(c, kp, max_experts=4)
         a = r.json()
         assert a["kind"] == "assignment", a
         expected = slice_bytes(MID, str(a["layer"]), f"{a['lo']}-{a['hi']}")
@@ -185,7 +205,16 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
                                  "headers": AUTH}, (409, "manifest_conflict")),
         ("POST", "/api/models", {"json": {"url": coordinator.url, "models": [good_manifest], "epoch": 0},
                                  "headers": AUTH}, (409, "stale_registration")),
-        ("POST", "/api/expert-volunteer", {"json": {"peer_id": pid}}, (400, "missing_budget")),
+        ("POST", "/api/expert-volunteer", dict(zip(("content", "headers"), signed_poll_body(kp), strict=True)),
+         (400, "missing_budget")),
+        # polls are signed (X-Moe-Signature over method, path and the raw body), fresh and never replayed
+        ("POST", "/api/expert-volunteer", {"json": {"peer_id": pid, "max_experts": 2}}, (401, "signature_required")),
+        ("POST", "/api/expert-volunteer", {"content": signed_poll_body(kp, max_experts=2)[0],
+                                           "headers": signed_poll_body(other, peer_id=pid, max_experts=2)[1]},
+         (401, "bad_signature")),
+        ("POST", "/api/expert-volunteer", dict(zip(("content", "headers"), signed_poll_body(
+            kp, max_experts=2, sent_at_ms=int(time.time() * 1000) - 600_000), strict=True)), (401, "stale_request")),
+
         ("POST", "/api/expert-volunteer", {"json": {"peer_id": pid, "max_experts": 0}}, (400, "invalid_body")),
         ("POST", "/api/expert-volunteer", {"json": {"peer_id": pid, "max_experts": 2, "extra": 1}},
          (400, "invalid_body")),
@@ -215,6 +244,10 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
             r = await c.request(method, path, **kw)
             assert error_code(r) == want, (path, kw.keys(), r.text[:300])
             assert r.json()["error"]["message"]
+        # a poll's (epoch, sequence) is the counter its heartbeats share: a replayed one is refused
+        raw, headers = signed_poll_body(kp, max_experts=2)
+        assert (await c.post("/api/expert-volunteer", content=raw, headers=headers)).status_code == 200
+        assert error_code(await c.post("/api/expert-volunteer", content=raw, headers=headers)) == (409, "replayed_sequence")
         # oversized bodies, declared or streamed, are cut off with 413
         for chunked in (False, True):
             status, body = await raw_post(str(c.base_url), "/api/expert-coverage", 5 << 20, chunked=chunked)
@@ -288,12 +321,12 @@ async def test_kill_and_restart_keeps_registrations(tmp_path: Path, coordinator:
     cfg = market_cfg(tmp_path)
     async with running_market(cfg) as c:
         await register(c, coordinator.url, epoch=3)
-        a = (await c.post("/api/expert-volunteer", json={"peer_id": pid, "max_experts": 8})).json()
+        a = (await poll(c, kp, max_experts=8)).json()
         s = HeldSlice(MID, a["layer"], a["lo"], a["hi"])
         assert (await c.post("/api/expert-coverage", content=heartbeat(kp, 1, 1, [s]))).status_code == 200
         before = await eventually(lambda: _map_with_version(c, 1))
         # a second volunteer holds a lease (not yet reported)
-        b = (await c.post("/api/expert-volunteer", json={"peer_id": peer_id_of(key(7)), "max_experts": 8})).json()
+        b = (await poll(c, key(7), max_experts=8)).json()
         assert b["kind"] == "assignment"
         assert (await c.post("/api/expert-coverage", content=heartbeat(kp, 1, 2, [s]))).status_code == 200
 
@@ -305,7 +338,7 @@ async def test_kill_and_restart_keeps_registrations(tmp_path: Path, coordinator:
         assert [w["peer_id"] for w in rec[0]["workers"]] == [pid]
         after = (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()
         assert after == before
-        b2 = (await c.post("/api/expert-volunteer", json={"peer_id": peer_id_of(key(7)), "max_experts": 8})).json()
+        b2 = (await poll(c, key(7), max_experts=8)).json()
         assert b2["lease_id"] == b["lease_id"]
         # the stale registration is still refused, the replayed heartbeat too (flushed at close)
         assert error_code(await register(c, coordinator.url, epoch=2)) == (409, "stale_registration")
@@ -354,7 +387,7 @@ async def test_unreachable_coordinator_cancels_the_lease(tmp_path: Path) -> None
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     async with running_market(market_cfg(tmp_path)) as c:
         await register(c, dead)
-        r = await c.post("/api/expert-volunteer", json={"peer_id": peer_id_of(key(8)), "max_experts": 4})
+        r = await poll(c, key(8), max_experts=4)
         body = r.json()
         assert body["kind"] == "nothing_needed" and body["reason"] == "coordinator_unreachable"
         assert int(r.headers["retry-after"]) >= 1
@@ -374,13 +407,13 @@ async def test_concurrent_polls_over_http_get_different_slices(tmp_path: Path, c
     async with running_market(market_cfg(tmp_path)) as c:
         await register(c, coordinator.url)
 
-        async def poll(i: int) -> None:
-            r = await c.post("/api/expert-volunteer", json={"peer_id": peer_id_of(key(20 + i)), "max_experts": 4})
+        async def one(i: int) -> None:
+            r = await poll(c, key(20 + i), max_experts=4)
             got.append(r.json())
 
         async with trio.open_nursery() as n:
             for i in range(5):
-                n.start_soon(poll, i)
+                n.start_soon(one, i)
     assignments = [g for g in got if g["kind"] == "assignment"]
     assert len(assignments) == 4  # 2 layers x 8 experts / 4 per volunteer
     assert len({(g["layer"], g["lo"]) for g in assignments}) == 4

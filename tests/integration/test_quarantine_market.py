@@ -6,6 +6,7 @@ it; the market drops its coverage (the next map leaves it out) and refuses its h
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from market.policy import MarketPolicy
 from market.server import MarketConfig, serve_market
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import build_manifest, cut_slice, load_slice
-from swarm.p2p.identity import load_or_create_identity, peer_id_of, sign_body
+from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, peer_id_of, sign_body, sign_request
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
 from swarm.protocol.market import CoverageHeartbeat, HeldSlice, HeldState
@@ -100,8 +101,11 @@ async def test_a_liar_is_quarantined_reported_and_refused_by_the_market(
         return d.map is not None and peer_id_of(kp) not in d.map.peers()
 
     await eventually(unmapped)
+    raw = msgspec.json.encode({"peer_id": peer_id_of(kp), "max_experts": 8, "epoch": 1, "sequence": seq + 1,
+                               "sent_at_ms": int(time.time() * 1000)})
     async with httpx.AsyncClient(base_url=market_url) as h:
-        poll = await h.post("/api/expert-volunteer", json={"peer_id": peer_id_of(kp), "max_experts": 8})
+        poll = await h.post("/api/expert-volunteer", content=raw, headers={
+            "content-type": "application/json", SIGNATURE_HEADER: sign_request(kp, "POST", "/api/expert-volunteer", raw)})
     assert poll.json()["reason"] == "quarantined"
     assert [w.state for w in d.report().workers if w.peer_id == peer_id_of(kp)] in ([], ["quarantined"])
     assert link.reports_sent >= 1

@@ -326,3 +326,19 @@ def test_a_reported_quarantine_drops_coverage_and_refuses_the_volunteer_for_a_wh
     # ... for quarantine_s; then it may come back (and is verified from scratch by the coordinators)
     later = 2.0 + POLICY.quarantine_s + 1
     assert again.heartbeat(hb("liar", 4, (0, 0, 4, SERVING)), later).slices[0].action == "keep"
+
+
+def test_open_leases_are_capped_per_address_and_polls_share_the_heartbeat_counter() -> None:
+    m = Market(InMemoryStore(), msgspec.structs.replace(POLICY, max_leases_per_address=2), now=0.0, rng=random.Random(0))
+    m.register(RegisterModels(URL, [manifest(n_expert=16)], epoch=1), 0.0)
+    got = [m.volunteer(VolunteerRequest(f"v{i}", max_experts=2), 1.0, address="198.51.100.7") for i in range(3)]
+    assert [type(g).__name__ for g in got] == ["Offer", "Offer", "NoOffer"]
+    assert got[2].reason is NoOfferReason.ADDRESS_CAP  # type: ignore[union-attr]
+    assert isinstance(m.volunteer(VolunteerRequest("w", max_experts=2), 1.0, address="203.0.113.9"), Offer)
+    # (epoch, sequence): one counter for a volunteer's polls and heartbeats; a replay of either is refused
+    assert isinstance(m.volunteer(VolunteerRequest("p", max_experts=2, epoch=1, sequence=5), 2.0), Offer)
+    assert codes(lambda: m.volunteer(VolunteerRequest("p", max_experts=2, epoch=1, sequence=5), 2.0)) == "409 replayed_sequence"
+    assert codes(lambda: m.heartbeat(hb("p", 4, epoch=1), 2.0)) == "409 replayed_sequence"
+    m.heartbeat(hb("p", 6, epoch=1), 2.0)
+    assert codes(lambda: m.volunteer(VolunteerRequest("p", max_experts=2, epoch=1, sequence=6), 3.0)) == "409 replayed_sequence"
+    assert codes(lambda: m.volunteer(VolunteerRequest("p", max_experts=2, epoch=0, sequence=99), 3.0)) == "409 stale_epoch"
