@@ -245,9 +245,10 @@ def build_market_app(api: MarketApi) -> Starlette:
             parsed = httpx.URL(req.url)
         except (httpx.InvalidURL, ValueError) as exc:
             raise RequestError(f"url {req.url[:200]!r} is not a valid URL: {exc}", code="bad_url", param="url") from exc
-        if not parsed.host or parsed.query or parsed.fragment:
-            raise RequestError("url must be a plain http(s)://host[:port][/prefix] base URL", code="bad_url",
-                               param="url")
+        if not parsed.host or parsed.query or parsed.fragment or parsed.userinfo:
+            # no credentials either: the URL is shown on the public recruitment page
+            raise RequestError("url must be a plain http(s)://host[:port][/prefix] base URL (no credentials)",
+                               code="bad_url", param="url")
         ack = m.register(req, api.clock())
         log.info("coordinator %s registered %s", req.url, ", ".join(ack.model_ids) or "no models")
         return _json(ack)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from market.core.demand import CoverageCounts, contribution, effective_target
 from market.core.directive import Reason, slice_refusal
 from market.core.records import (
@@ -41,6 +43,7 @@ from market.core.records import (
     coverage_key,
 )
 from market.core.recruit import PollView, RecruitState, observe
+from market.core.registry import epoch_bound_ms
 from market.core.sources import Source
 from market.policy import MarketPolicy
 from market.store import Change, Delete, Put
@@ -100,6 +103,8 @@ class Indexes:
         for m in snap.models:
             self.add_model(m)
         for c in snap.coordinators:
+            if c.epoch > epoch_bound_ms(now):  # written before epochs were bounded: would lock the URL out
+                c = msgspec.structs.replace(c, epoch=int(now * 1000))
             self.coordinators[c.url] = c
             self.polls[c.url] = PollRecord()
         for v in snap.volunteers:

@@ -55,7 +55,14 @@ from market.core.records import (
     VolunteerRow,
 )
 from market.core.recruit import Holding, PollView, RecruitState, observe, plan_ageout, step
-from market.core.registry import ACCEPTED, check_heartbeat, diff_coverage, is_expired, registration_is_stale
+from market.core.registry import (
+    ACCEPTED,
+    check_heartbeat,
+    diff_coverage,
+    epoch_bound_ms,
+    is_expired,
+    registration_is_stale,
+)
 from market.core.sources import rank_sources
 from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
 from market.indexes import Indexes, LiveVolunteer, PollRecord
@@ -181,6 +188,9 @@ class Market:
                     "manifest_conflict",
                     status=409,
                 )
+        if req.epoch > epoch_bound_ms(now):
+            raise _http_error(f"registration epoch {req.epoch} lies in the future (a start time in ms is expected)",
+                              "bad_epoch", param="epoch")
         stored = self.ix.coordinators.get(req.url)
         if registration_is_stale(stored.epoch if stored else None, req.epoch):
             raise _http_error(

@@ -30,6 +30,7 @@ __all__ = [
     "diff_coverage",
     "is_expired",
     "registration_is_stale",
+    "epoch_bound_ms",
 ]
 
 
@@ -58,6 +59,12 @@ def check_heartbeat(known: tuple[int, int] | None, epoch: int, sequence: int) ->
 
 def is_expired(last_seen: float, now: float, ttl_s: float) -> bool:
     return now - last_seen > ttl_s
+
+
+def epoch_bound_ms(now: float) -> int:
+    """The largest registration epoch accepted at ``now`` (s): a start time in ms, a day of clock skew
+    allowed. A larger one (2^63 - 1, say) would lock the coordinator's URL out for good."""
+    return int((now + 86_400.0) * 1000)
 
 
 def registration_is_stale(stored_epoch: int | None, epoch: int) -> bool:

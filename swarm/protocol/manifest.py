@@ -30,6 +30,9 @@ _Positive = Annotated[int, msgspec.Meta(gt=0)]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 
+MAX_EXPERTS = 1 << 16  # layers x experts of one model (DeepSeek-V3: 58 x 256 = 14,848)
+
+
 class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     """What a volunteer or the market needs to know about a hosted model's experts (DESIGN §11)."""
 
@@ -52,4 +55,7 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
             out.append(f"bad model id {self.model_id!r}")
         if len(self.bytes_per_expert) != self.n_layer:
             out.append(f"bytes_per_expert has {len(self.bytes_per_expert)} entries for {self.n_layer} layers")
+        if self.n_layer * self.n_expert > MAX_EXPERTS:
+            # the market keeps per-expert state: a stranger's 1024 x 16384 "model" would cost it gigabytes
+            out.append(f"{self.n_layer} layers x {self.n_expert} experts exceed {MAX_EXPERTS} experts in all")
         return out

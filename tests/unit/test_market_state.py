@@ -13,7 +13,7 @@ from market.core.assign import NoOfferReason
 from market.core.records import CoverageRow, HeldState, ModelManifest, SliceRef
 from market.policy import MarketPolicy
 from market.state import Market, NoOffer, Offer
-from market.store import InMemoryStore, MemoryBacking
+from market.store import InMemoryStore, MemoryBacking, Put
 from market.views import state_name
 from swarm.errors import RequestError
 from swarm.protocol.market import (
@@ -342,3 +342,20 @@ def test_open_leases_are_capped_per_address_and_polls_share_the_heartbeat_counte
     m.heartbeat(hb("p", 6, epoch=1), 2.0)
     assert codes(lambda: m.volunteer(VolunteerRequest("p", max_experts=2, epoch=1, sequence=6), 3.0)) == "409 replayed_sequence"
     assert codes(lambda: m.volunteer(VolunteerRequest("p", max_experts=2, epoch=0, sequence=99), 3.0)) == "409 stale_epoch"
+
+
+def test_registration_epochs_are_bounded_by_the_clock_even_from_an_old_database() -> None:
+    """An epoch of 2^63 - 1 would lock the URL out for good: refused; one already stored is clamped."""
+    backing = MemoryBacking()
+    m = new_market(backing, now=1000.0)
+    assert codes(lambda: m.register(RegisterModels(URL, [manifest()], epoch=2**63 - 1), 1000.0)) == "400 bad_epoch"
+    m.register(RegisterModels(URL, [manifest()], epoch=999_000), 1000.0)
+    # as an older market (no bound) would have stored it
+    m.ix.coordinators[URL] = msgspec.structs.replace(m.ix.coordinators[URL], epoch=2**63 - 1)
+    m.store.apply([Put(m.ix.coordinators[URL])])
+    again = new_market(backing, now=2000.0)
+    assert again.ix.coordinators[URL].epoch == 2_000_000
+    again.register(RegisterModels(URL, [manifest()], epoch=2_000_001), 2000.0)  # the real coordinator gets back in
+    # a model too big for the market's per-expert state is no model
+    assert codes(lambda: again.register(RegisterModels("http://c9.test", [manifest("big-0123456789ab", n_layer=1024,
+                                                                                  n_expert=16384)]), 2000.0)) == "400 bad_manifest"
