@@ -360,11 +360,12 @@ async def test_worker_failing_mid_step(clock: trio.testing.MockClock, nursery: t
     w2 = await sw.volunteer("w2")
     # layer 0: the coordinator does not hold experts 0-3 (remote only: w1, then w2); 4-7 only w1
     m = dmap({(0, 0, 4): ["w1", "w2"], (0, 4, 8): ["w1"]})
-    cfg = DispatchConfig(timeout_s=3.0, hedge_floor_s=1.0)
+    cfg = DispatchConfig(timeout_s=3.0, hedge_floor_s=1.0, **NO_SAMPLING)
     async with sw.coordinator(load_probe=Load(busy=4), config=cfg, held=lambda layer, lo, hi: lo != 0) as d:
         d.set_map(m)
         await trio.sleep(0.01)
         await step(d, m, seed=1)  # w1 serves 0-3 (not held) and has its trial on 4-7
+        await settled(d)  # the trial's answer is compared after the step (the local copy was its result)
         assert worker(d, "w1")["proven"] is True and w2.calls == []
         before = decisions(d)
         async with trio.open_nursery() as n:
