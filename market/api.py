@@ -8,7 +8,12 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
 - ``POST /api/coordinator-report`` (operator token) ``CoordinatorReport {url, model_id, workers:
   [{peer_id, calls, rows, verified, path, quarantine}], ranges}`` -> ``ReportAck``: a worker with
   ``quarantine`` evidence loses its coverage and lease and is refused (pull: ``nothing_needed``
-  ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``.
+  ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``; one with ``verified``
+  answers is *served* (its coverage rows' ``proven``: preferred in maps and at age-out).
+- Volunteer requests (polls and heartbeats) are signed: ``X-Moe-Signature`` (``swarm.p2p.identity.
+  sign_request``), ``sent_at_ms`` within 120 s, one ``(epoch, sequence)`` counter; heartbeats with
+  only the older body signature are accepted for one release. A heartbeat's new slice counts only
+  with the volunteer's lease for it (``not_assigned`` otherwise).
 - ``POST /api/expert-volunteer`` ``VolunteerRequest {peer_id, max_bytes | max_experts, models?}``
   -> ``{"kind": "assignment", model_id, layer, lo, hi, slice, url, size, sha256, lease_id,
   lease_expires_in_s, scarcity, relays, heartbeat_s, coordinator}`` or ``{"kind":

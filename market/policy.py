@@ -36,6 +36,9 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     volunteer_gc_s: PosFloat = 7 * 24 * 3600.0  # forget silent volunteers without coverage after this
     quarantine_s: PosFloat = 7 * 24 * 3600.0  # a volunteer caught answering wrongly is refused this long
     max_leases_per_address: Annotated[int, msgspec.Meta(ge=1)] = 16  # open leases one IP address may hold
+    # coverage comes from assignment (DESIGN §12): a heartbeat's new slice counts only with this
+    # volunteer's open lease for it; False accepts any reported slice (the behaviour before leases ruled)
+    coverage_requires_lease: bool = True
 
     @property
     def heartbeat_s(self) -> float:

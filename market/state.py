@@ -152,6 +152,7 @@ class Market:
         self.ix = Indexes(policy)
         self._last_flush = now
         self.counters: Counter[str] = Counter()
+        self._served_peers: set[str] = set()  # volunteers a coordinator reported verified answers of (runtime)
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
         self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
         dropped = self.ix.load(store.load(), now)
@@ -320,17 +321,22 @@ class Market:
         reported: dict[SliceRef, HeldState] = {}
         serves: dict[SliceRef, int] = {}
         refused: list[SliceDirective] = []
+        listed: set[SliceRef] = set()
         for h in hb.slices:
             if h.lo >= h.hi:
                 # not a slice at all, so never a duplicate: refused before the duplicate check
                 refused.append(_slice_directive(h, directive(None, now, self.policy.cooldown_s, Reason.BAD_SLICE_RANGE)))
                 continue
             s = SliceRef(h.model_id, h.layer, h.lo, h.hi)
-            if s in reported:
+            if s in listed:
                 raise _http_error(f"slice {h.model_id} {s} listed twice", "duplicate_slice", param="slices")
+            listed.add(s)
             problem = self.ix.slice_problem(s)
+            if problem is None and self.policy.coverage_requires_lease and not self._assigned(hb.peer_id, s):
+                problem = Reason.NOT_ASSIGNED
             if problem is not None:
                 refused.append(_slice_directive(h, directive(None, now, self.policy.cooldown_s, problem)))
+                self.counters[f"slices_refused_{problem.value}"] += 1
                 continue
             reported[s] = h.state
             serves[s] = h.last_serve_ms
@@ -350,18 +356,15 @@ class Market:
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
         for s, state in diff.added:
-            self.ix.put_cov(CoverageRow(hb.peer_id, s, state, now, proven=serves[s] > 0), changes)
+            # proven (served) comes from coordinators' reports only, never from the volunteer's own word
+            self.ix.put_cov(CoverageRow(hb.peer_id, s, state, now, proven=hb.peer_id in self._served_peers), changes)
             if lease_id is not None and self.ix.leases[lease_id].slice == s:
                 self.ix.del_lease(self.ix.leases[lease_id], changes)
                 lease_id = None
         for old, state in diff.changed:
-            self.ix.put_cov(msgspec.structs.replace(old, state=state, proven=old.proven or serves[old.slice] > 0), changes)
+            self.ix.put_cov(msgspec.structs.replace(old, state=state), changes)
         for old in diff.removed:
             self.ix.del_cov(old, changes)
-        for s in reported:
-            cur = self.ix.coverage[hb.peer_id][s]
-            if serves[s] > 0 and not cur.proven:
-                self.ix.put_cov(msgspec.structs.replace(cur, proven=True), changes)
         if addrs_changed or load_bucket(hb.load) != old_bucket:
             for s in reported:
                 self.ix.dirty_maps.add(s.model_id)
@@ -376,6 +379,13 @@ class Market:
             ttl_s=self.policy.heartbeat_ttl_s,
             coordinators=self.coordinator_peers({s.model_id for s in reported}),
         )
+
+    def _assigned(self, peer_id: str, s: SliceRef) -> bool:
+        """Does this volunteer hold ``s`` by the market's word: a coverage row it has, or its open lease?"""
+        if s in self.ix.coverage.get(peer_id, {}):
+            return True
+        lease_id = self.ix.lease_of.get(peer_id)
+        return lease_id is not None and self.ix.leases[lease_id].slice == s
 
     def _known_counter(self, peer_id: str) -> tuple[int, int] | None:
         """The newest ``(epoch, sequence)`` accepted from this volunteer, by poll or heartbeat."""
@@ -410,6 +420,12 @@ class Market:
         for w in rep.workers:
             c, r, v = self.ix.served.get(w.peer_id, (0, 0, 0))
             self.ix.served[w.peer_id] = (c + w.calls, r + w.rows, v + w.verified)
+            if w.verified > 0 and w.quarantine is None:  # a coordinator checked its answers: served, proven
+                self._served_peers.add(w.peer_id)
+                for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
+                    if not cov.proven:
+                        self.ix.put_cov(msgspec.structs.replace(cov, proven=True), changes)
+                        self.ix.dirty_maps.add(cov.slice.model_id)
             if w.quarantine is None or self.quarantine_of(w.peer_id, now) is not None:
                 continue
             row = QuarantineRow(w.peer_id, now + self.policy.quarantine_s, w.quarantine, url, now)

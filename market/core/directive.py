@@ -36,6 +36,7 @@ class Reason(enum.StrEnum):
     SURPLUS = "surplus"  # retired by age-out: its experts keep their target without it
     UNKNOWN_MODEL = "unknown_model"  # no registered model has this id
     BAD_SLICE_RANGE = "bad_slice_range"  # empty range, or outside the model's layers / experts
+    NOT_ASSIGNED = "not_assigned"  # no lease of the market gave this volunteer the slice (DESIGN §12)
 
 
 @dataclass(frozen=True)

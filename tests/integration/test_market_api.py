@@ -264,9 +264,10 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
 async def test_forged_and_replayed_heartbeats_are_rejected(tmp_path: Path, coordinator: FakeCoordinator) -> None:
     victim, attacker = key(4), key(5)
     vid = peer_id_of(victim)
-    s = HeldSlice(MID, 1, 0, 8)
     async with running_market(market_cfg(tmp_path)) as c:
         await register(c, coordinator.url)
+        a = (await poll(c, victim, max_experts=8)).json()  # coverage comes from assignment: the victim's lease
+        s = HeldSlice(MID, a["layer"], a["lo"], a["hi"])
         # the attacker signs a heartbeat in the victim's name: refused, nothing registered
         r = await c.post("/api/expert-coverage", content=heartbeat(attacker, 1, 1, [s], peer_id=vid))
         assert error_code(r) == (401, "bad_signature")

@@ -1,6 +1,6 @@
 """From a wrong answer to the market's refusal, with real components: a real market (HTTP, SQLite),
 a coordinator's dispatcher with the engine on the golden model and its ``MarketLink``, and a lying
-volunteer on a real libp2p host whose signed heartbeat put it in the market's dispatch map. The
+volunteer on a real libp2p host that took a lease like any volunteer (signed poll) and reported it. The
 coordinator verifies the liar's first answer, quarantines it (the output stays all-local) and reports
 it; the market drops its coverage (the next map leaves it out) and refuses its heartbeats and polls."""
 
@@ -14,15 +14,21 @@ import httpx
 import msgspec
 import torch
 import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.dispatcher import Dispatcher
 from coordinator.market_link import MarketLink
 from coordinator.model import Transformer
+from coordinator.slices_http import slice_routes
 from market.policy import MarketPolicy
 from market.server import MarketConfig, serve_market
 from swarm.model.gguf import GGUFModel
-from swarm.model.slices import build_manifest, cut_slice, load_slice
+from swarm.model.slices import SliceCache, build_manifest, cut_slice, load_slice
 from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, peer_id_of, sign_body, sign_request
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
@@ -57,8 +63,14 @@ async def test_a_liar_is_quarantined_reported_and_refused_by_the_market(
     coord_t = await nursery.start(_host, None)
     d = Dispatcher(model, coord_t, config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False))
     await nursery.start(d.serve)
-    # the coordinator's advertised URL only needs to be registrable here (the market polls it and fails)
-    link = MarketLink(market_url, d, build_manifest(model), advertise_url="http://127.0.0.1:9", token=TOKEN,
+    # the coordinator's HTTP side as far as the market needs it: /slots and the slice files it describes
+    app = Starlette(routes=[*slice_routes({model.model_id: model}, {model.model_id: SliceCache(model, tmp_path / "sl")}),
+                            Route("/slots", lambda _: JSONResponse([]))])
+    hc = HyperConfig()
+    hc.bind = ["127.0.0.1:0"]
+    hc.accesslog = None
+    coord_url = (await nursery.start(hypercorn_serve, app, hc))[0]
+    link = MarketLink(market_url, d, build_manifest(model), advertise_url=coord_url, token=TOKEN,
                       poll_s=0.1, report_s=0.2)
     await nursery.start(link.serve)
 
@@ -68,11 +80,25 @@ async def test_a_liar_is_quarantined_reported_and_refused_by_the_market(
     await eventually(registered)
     seq = 0
 
+    async def poll() -> httpx.Response:
+        nonlocal seq
+        seq += 1
+        raw = msgspec.json.encode({"peer_id": peer_id_of(kp), "max_experts": 8, "epoch": 1, "sequence": seq,
+                                   "sent_at_ms": int(time.time() * 1000)})
+        async with httpx.AsyncClient(base_url=market_url) as h:
+            return await h.post("/api/expert-volunteer", content=raw, headers={
+                "content-type": "application/json", SIGNATURE_HEADER: sign_request(kp, "POST", "/api/expert-volunteer", raw)})
+
+    # coverage comes from assignment: the liar first takes a lease like any volunteer
+    a = (await poll()).json()
+    assert a["kind"] == "assignment", a
+    layer = a["layer"]
+
     async def beat() -> httpx.Response:
         nonlocal seq
         seq += 1
         body = CoverageHeartbeat(peer_id_of(kp), 1, seq, list(liar_t.listen_addrs),
-                                 [HeldSlice(model.model_id, L, 0, 8, HeldState.SERVING) for L in (0, 1)], protocols=[2])
+                                 [HeldSlice(model.model_id, layer, a["lo"], a["hi"], HeldState.SERVING)], protocols=[2])
         raw = msgspec.json.encode(msgspec.structs.replace(body, signature=sign_body(kp, body)))
         async with httpx.AsyncClient(base_url=market_url) as h:
             return await h.post("/api/expert-coverage", content=raw, headers={"content-type": "application/json"})
@@ -101,12 +127,7 @@ async def test_a_liar_is_quarantined_reported_and_refused_by_the_market(
         return d.map is not None and peer_id_of(kp) not in d.map.peers()
 
     await eventually(unmapped)
-    raw = msgspec.json.encode({"peer_id": peer_id_of(kp), "max_experts": 8, "epoch": 1, "sequence": seq + 1,
-                               "sent_at_ms": int(time.time() * 1000)})
-    async with httpx.AsyncClient(base_url=market_url) as h:
-        poll = await h.post("/api/expert-volunteer", content=raw, headers={
-            "content-type": "application/json", SIGNATURE_HEADER: sign_request(kp, "POST", "/api/expert-volunteer", raw)})
-    assert poll.json()["reason"] == "quarantined"
+    assert (await poll()).json()["reason"] == "quarantined"
     assert [w.state for w in d.report().workers if w.peer_id == peer_id_of(kp)] in ([], ["quarantined"])
     assert link.reports_sent >= 1
 

@@ -313,7 +313,10 @@ async def test_stale_and_replayed_heartbeats_are_rejected(autojump_clock: trio.t
         await nursery.start(market_task)
         m = world.m()
         m.register(RegisterModels(COORD, [manifest()], epoch=1), trio.current_time())
-        s = HeldSlice(MID, 0, 0, 4)
+        offer = m.volunteer(VolunteerRequest("vol-x", max_experts=4), trio.current_time())  # coverage comes from a lease
+        assert isinstance(offer, Offer)
+        ls = offer.lease.slice
+        s = HeldSlice(MID, ls.layer, ls.lo, ls.hi)
 
         def hb(epoch: int, seq: int, slices: list[HeldSlice]) -> CoverageHeartbeat:
             return CoverageHeartbeat("vol-x", epoch, seq, ["/ip4/10.0.0.9/tcp/1"], slices, protocols=[2])
@@ -325,7 +328,7 @@ async def test_stale_and_replayed_heartbeats_are_rejected(autojump_clock: trio.t
                 world.m().heartbeat(bad, trio.current_time())
             assert ei.value.code == code and ei.value.status == 409
         # the rejected (empty) heartbeats did not deregister anything
-        assert set(world.m().ix.coverage["vol-x"]) == {SliceRef(MID, 0, 0, 4)}
+        assert set(world.m().ix.coverage["vol-x"]) == {ls}
         world.m().heartbeat(hb(2, 6, [s]), trio.current_time())
         await trio.sleep(POLICY.flush_s + TICK_S)  # the sequence is flushed to the store
 
@@ -337,10 +340,11 @@ async def test_stale_and_replayed_heartbeats_are_rejected(autojump_clock: trio.t
         with pytest.raises(RequestError) as ei:
             world.m().heartbeat(hb(2, 6, [s]), trio.current_time())
         assert ei.value.code == "replayed_sequence"
-        # a restarted volunteer (new epoch) is accepted and its holding replaces the old one
-        ack = world.m().heartbeat(hb(3, 0, [HeldSlice(MID, 1, 0, 8)]), trio.current_time())
-        assert [d.action for d in ack.slices] == ["keep"]
-        assert set(world.m().ix.coverage["vol-x"]) == {SliceRef(MID, 1, 0, 8)}
+        # a restarted volunteer (new epoch) is accepted; a slice it was never assigned is refused, its own kept
+        other = next(x for x in (HeldSlice(MID, 1, 0, 8), HeldSlice(MID, 0, 0, 8)) if (x.layer, x.lo) != (ls.layer, ls.lo))
+        ack = world.m().heartbeat(hb(3, 0, [s, other]), trio.current_time())
+        assert [(d.action, d.reason) for d in ack.slices] == [("keep", ""), ("release", "not_assigned")]
+        assert set(world.m().ix.coverage["vol-x"]) == {ls}
 
         # a silent volunteer expires after the TTL and leaves the map
         await trio.sleep(1.0)

@@ -27,8 +27,10 @@ from swarm.protocol.market import (
 
 MID = "state-0123456789ab"
 URL = "http://c1.test"
+# these tables report coverage directly: the lease rule (coverage only from assignment) is off here and
+# has its own test below, and is on in the scenario, API and process tests (their volunteers poll first)
 POLICY = MarketPolicy(heartbeat_ttl_s=6.0, cooldown_s=5.0, lease_s=10.0, hold_s=10.0, poll_stale_s=5.0,
-                      header_allowance=0)
+                      header_allowance=0, coverage_requires_lease=False)
 
 
 def manifest(model_id: str = MID, n_layer: int = 2, n_expert: int = 8, bpe: int = 1000) -> ModelManifest:
@@ -189,7 +191,8 @@ def test_a_volunteer_that_cannot_speak_the_coordinators_protocol_is_never_mapped
 def test_draining_volunteer_leaves_the_map_and_retiring_one_comes_back_on_deficit() -> None:
     m = registered()
     m.heartbeat(hb("a", 1, (0, 0, 8, SERVING), serve_ms=1), 0.0)
-    m.heartbeat(hb("b", 1, (0, 0, 8, SERVING)), 0.1)
+    m.heartbeat(hb("b", 1, (0, 0, 8, SERVING), serve_ms=1), 0.1)  # its own word: proves nothing
+    m.report(CoordinatorReport(url=URL, model_id=MID, workers=[ReportedWorker(peer_id="a", calls=1, rows=1, verified=1)]), 0.1)
     m.tick(0.25)
     # base target 1: b (unproven, younger) is surplus -> retired at once, out of the map
     assert m.dispatch_map(MID).peers().keys() == {"a"}
