@@ -33,6 +33,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
+
+from _results import write_json  # noqa: E402
 
 from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
 from coordinator.runtime import EngineRuntime  # noqa: E402
@@ -223,10 +226,7 @@ def main() -> None:
     mem = result["cases"][-1]
     print(f"resident memory {mem['rss_mb']:.0f} MB (model file {mem['file_mb']:.0f} MB, "
           f"before load {mem['rss_before_load_mb']:.0f} MB)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
+
+from _results import write_json  # noqa: E402
 
 from swarm.model.experts import slice_partial_sum  # noqa: E402
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
@@ -274,10 +277,7 @@ def main() -> None:
     local = {c["batch"]: c["median_ms"] for c in cases if c["case"] == "local"}
     print("overhead (remote - local median):",
           ", ".join(f"batch {c['batch']}: {c['median_ms'] - local[c['batch']]:.3f} ms" for c in cases if c["case"] == "remote"))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

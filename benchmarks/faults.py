@@ -8,7 +8,6 @@ virtual time on the fake network). Every layer must complete once with the all-l
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -20,6 +19,9 @@ import trio.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
+
+from _results import write_json  # noqa: E402
 
 from coordinator.core.dispatch import DispatchMode  # noqa: E402
 from tests.sim.test_fault_injection import run_seed  # noqa: E402
@@ -54,10 +56,7 @@ def main() -> None:
               f"identical to all-local; kills {tot['kills']} (restarts {tot['restarts']}), freezes {tot['freezes']}, "
               f"partitions {tot['partitions']}; call failures {tot['errors']}; quarantines {tot['quarantines']}", flush=True)
     result = {"benchmark": "faults", "cases": cases}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ from starlette.routing import Route
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
 
+from _results import write_json  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 from market.core.records import HeldState, ModelManifest  # noqa: E402
@@ -312,10 +314,7 @@ def main() -> None:
         print(f"{'case':<32} {'rounds':>8} {'median ms':>10} {'max ms':>8}")
         for c in timings:
             print(f"{c['case']:<32} {c['rounds']:>8} {c['median_ms']:>10.1f} {c['max_ms']:>8.1f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
+
+from _results import write_json  # noqa: E402
 
 from swarm.model.gguf import model_id_for  # noqa: E402
 from swarm.tools.makemodel import make_model  # noqa: E402
@@ -328,10 +331,7 @@ def main() -> None:
     b = by[("bound", max(args.sessions))]
     print(f"one decode step at {b['sessions']} sessions (1 thread): dense {b['dense_ms']} ms, experts {b['experts_ms']} ms "
           f"-> two equal workers at best x{b['ideal_gain']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
+
+from _results import write_json  # noqa: E402
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode  # noqa: E402
 from coordinator.dispatcher import Dispatcher  # noqa: E402
@@ -233,7 +236,7 @@ async def _transport(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORE
 
 def throughput_cost(quick: bool) -> dict[str, Any]:
     """offload.py's setup at 4 sessions: adaptive with default verification vs verification off."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.append(str(ROOT / "benchmarks"))
     import offload
 
     ns = argparse.Namespace(sessions=[4], decode=12 if quick else 32, verify_cases=True, skip_local=True)
@@ -301,10 +304,7 @@ def main() -> None:
     if "throughput_cost_pct" in honest:
         print(f"throughput cost of the default rate (offload.py setup, 4 sessions): {honest['throughput_cost_pct']} % "
               f"({honest['tokens_per_s_verified']} vs {honest['tokens_per_s_unverified']} tokens/s)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

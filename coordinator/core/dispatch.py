@@ -1113,38 +1113,8 @@ class DispatchCore:
         r.pending.add(call.call)
         self.table.started(peer)
         w = r.work
-        if hedge_of is not None:
-            out.append(
-                Hedge(
-                    call.call,
-                    st.step,
-                    st.layer,
-                    i,
-                    w.lo,
-                    w.hi,
-                    peer,
-                    r.request_id,
-                    call.attempt,
-                    reason,
-                    hedge_of,
-                )
-            )
-        else:
-            out.append(
-                SendRemote(
-                    call.call,
-                    st.step,
-                    st.layer,
-                    i,
-                    w.lo,
-                    w.hi,
-                    peer,
-                    r.request_id,
-                    call.attempt,
-                    reason,
-                    verify,
-                )
-            )
+        head = (call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt, reason)
+        out.append(Hedge(*head, hedge_of) if hedge_of is not None else SendRemote(*head, verify))
         out.append(StartTimer(Timer(TimerKind.DEADLINE, call.call), now + self.config.timeout_s))
         if self.config.hedge and not verify:
             out.append(StartTimer(Timer(TimerKind.HEDGE, call.call), now + self._hedge_after(peer)))
