@@ -263,7 +263,8 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
                     out.append(case("expert-coverage-steady", store, steady_wall, steady_lat, volunteers=n,
                                     rounds=rounds - 1))
                 alive = (await c.get("/health")).json()
-                dm = (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()
+                dm = (await c.get("/api/expert-dispatch-map", params={"model": MID},
+                                  headers={"authorization": "Bearer bench"})).json()
                 first = next(c_ for c_ in out if c_["case"].startswith("expert-coverage-first"))
                 first["live_volunteers"] = alive["volunteers"]
                 first["map_ranges"] = sum(len(layer["ranges"]) for layer in dm["layers"])

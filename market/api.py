@@ -27,7 +27,7 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   ``signature`` (base64 in JSON) must be the peer's Ed25519 signature (``swarm.p2p.identity``).
 - ``GET /api/expert-demand[?model=ID]`` -> ``DemandView``: per model and segment the replicas,
   pending, target and scarcity, plus ``recruiting``.
-- ``GET /api/expert-dispatch-map?model=ID[&after=V&wait_s=S]`` -> the DESIGN §11 dispatch map.
+- (operator token) ``GET /api/expert-dispatch-map?model=ID[&after=V&wait_s=S]`` -> the DESIGN §11 dispatch map.
   With ``after``, waits up to ``wait_s`` (<= 30) for a version above ``V`` (long poll), then
   answers with the current map either way. ``ETag`` is the quoted version; ``If-None-Match``
   with it -> 304.
@@ -359,6 +359,7 @@ def build_market_app(api: MarketApi) -> Starlette:
 
     @_guarded
     async def dispatch_map(request: Request) -> Response:
+        check_token(request)  # volunteers' addresses: for the coordinators (operators) only (DESIGN §12)
         model = _required_param(request, "model")
         m.dispatch_map(model)  # 404 for an unknown model before any waiting
         after = _int_param(request, "after")

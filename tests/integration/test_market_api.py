@@ -139,7 +139,7 @@ async def test_register_pull_cover_and_dispatch(tmp_path: Path, coordinator: Fak
         r = await register(c, coordinator.url)
         assert r.status_code == 200, r.text
         assert r.json()["dispatch_map_paths"] == {MID: f"/api/expert-dispatch-map?model={MID}"}
-        m0 = (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()
+        m0 = (await c.get("/api/expert-dispatch-map", params={"model": MID}, headers=AUTH)).json()
         assert m0 == {"model_id": MID, "version": 0, "layers": []}
 
         kp = key(1)
@@ -162,7 +162,7 @@ async def test_register_pull_cover_and_dispatch(tmp_path: Path, coordinator: Fak
                                                 "reason": ""}
         # serving: the map follows within about a second (long poll wakes on the change)
         with trio.fail_after(2.0):
-            waiter = c.get("/api/expert-dispatch-map", params={"model": MID, "after": 0, "wait_s": 5})
+            waiter = c.get("/api/expert-dispatch-map", params={"model": MID, "after": 0, "wait_s": 5}, headers=AUTH)
             r = await c.post("/api/expert-coverage", content=heartbeat(
                 kp, 1, 2, [msgspec.structs.replace(held, state=HeldState.SERVING)]))
             assert r.json()["slices"][0]["dispatched"] is True
@@ -170,7 +170,7 @@ async def test_register_pull_cover_and_dispatch(tmp_path: Path, coordinator: Fak
         assert m1["version"] == 1
         assert m1["layers"] == [{"layer": a["layer"], "ranges": [{"lo": a["lo"], "hi": a["hi"], "replicas": [
             {"peer_id": pid, "addrs": [f"/ip4/127.0.0.1/tcp/5000/p2p/{pid}"]}]}]}]
-        r = await c.get("/api/expert-dispatch-map", params={"model": MID}, headers={"if-none-match": '"1"'})
+        r = await c.get("/api/expert-dispatch-map", params={"model": MID}, headers={"if-none-match": '"1"', **AUTH})
         assert r.status_code == 304
 
         d = (await c.get("/api/expert-demand")).json()
@@ -232,10 +232,13 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
         ("POST", "/api/expert-coverage", {"content": heartbeat(kp, 1, 1, [HeldSlice(MID, 0, 0, 4),
                                                                           HeldSlice(MID, 0, 0, 4)])},
          (400, "duplicate_slice")),
-        ("GET", "/api/expert-dispatch-map", {}, (400, "missing_parameter")),
-        ("GET", "/api/expert-dispatch-map", {"params": {"model": "nope"}}, (404, "unknown_model")),
-        ("GET", "/api/expert-dispatch-map", {"params": {"model": MID, "after": "-1"}}, (400, "bad_parameter")),
-        ("GET", "/api/expert-dispatch-map", {"params": {"model": MID, "after": "1", "wait_s": "99"}},
+        # the map names volunteers' addresses: coordinators (the operator token) only
+        ("GET", "/api/expert-dispatch-map", {"params": {"model": MID}}, (401, "unauthorized")),
+        ("GET", "/api/expert-dispatch-map", {"headers": AUTH}, (400, "missing_parameter")),
+        ("GET", "/api/expert-dispatch-map", {"params": {"model": "nope"}, "headers": AUTH}, (404, "unknown_model")),
+        ("GET", "/api/expert-dispatch-map", {"params": {"model": MID, "after": "-1"}, "headers": AUTH},
+         (400, "bad_parameter")),
+        ("GET", "/api/expert-dispatch-map", {"params": {"model": MID, "after": "1", "wait_s": "99"}, "headers": AUTH},
          (400, "bad_parameter")),
         ("GET", "/api/expert-demand", {"params": {"model": "nope"}}, (404, "unknown_model")),
         ("GET", "/api/nope", {}, (404, "not_found")),
@@ -258,7 +261,7 @@ async def test_bad_input_gets_stable_4xx_and_the_market_keeps_serving(tmp_path: 
         # still serving, and none of it registered anything
         assert (await c.get("/health")).json() == {"status": "ok", "models": 1, "volunteers": 0,
                                                   "relays": ["/ip4/127.0.0.1/tcp/4001/p2p/R"], "auth": "token"}
-        assert (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()["version"] == 0
+        assert (await c.get("/api/expert-dispatch-map", params={"model": MID}, headers=AUTH)).json()["version"] == 0
 
 
 async def test_forged_and_replayed_heartbeats_are_rejected(tmp_path: Path, coordinator: FakeCoordinator) -> None:
@@ -315,7 +318,7 @@ async def raw_post(base: str, path: str, size: int, *, chunked: bool) -> tuple[i
 
 
 async def _map_with_version(c: httpx.AsyncClient, version: int) -> dict[str, Any] | None:
-    m: dict[str, Any] = (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()
+    m: dict[str, Any] = (await c.get("/api/expert-dispatch-map", params={"model": MID}, headers=AUTH)).json()
     return m if m["version"] >= version else None
 
 
@@ -340,7 +343,7 @@ async def test_kill_and_restart_keeps_registrations(tmp_path: Path, coordinator:
         assert [m["model_id"] for m in rec] == [MID]
         assert rec[0]["coordinators"][0]["url"] == coordinator.url
         assert [w["peer_id"] for w in rec[0]["workers"]] == [pid]
-        after = (await c.get("/api/expert-dispatch-map", params={"model": MID})).json()
+        after = (await c.get("/api/expert-dispatch-map", params={"model": MID}, headers=AUTH)).json()
         assert after == before
         b2 = (await poll(c, key(7), max_experts=8)).json()
         assert b2["lease_id"] == b["lease_id"]
