@@ -5,17 +5,19 @@ correctly with ``not_authorized``, for good, while it keeps serving its coordina
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+import trio
 
 from swarm.errors import NotAuthorized
 from swarm.model.gguf import model_id_for
 from swarm.p2p.libp2p import open_libp2p_transport
-from swarm.protocol.expert import ExpertRequest, RequestId, make_pairs
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, encode_frame, make_hello, make_pairs
 from swarm.rpc.client import open_expert_client
 from tests.conftest import GOLDEN_GGUF
 from tests.e2e.test_process_e2e import UNVERIFIED, Proc, attach_single_worker, cli, procs, wait_for_line  # noqa: F401
@@ -66,3 +68,52 @@ async def test_a_static_volunteer_answers_its_coordinator_only(procs: list[Proc]
         assert w["calls"] > 0 and w["failures"] == 0
         assert isinstance(await stranger_call(info, model_id), NotAuthorized)  # still refused, still serving
         assert (await h.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"] == local
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def test_declared_sizes_cost_a_volunteer_no_memory(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+    """The issue's attack: frames that declare a 60 MiB payload and then send nothing, from 2
+    identities x 10 streams. The volunteer's memory does not grow by what was declared (its frame
+    buffers grow with bytes received), and it keeps serving its coordinator."""
+    map_path = tmp_path / "map.json"
+    model_id = model_id_for(GOLDEN_GGUF)
+    map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
+    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0",
+                     "--data-dir", str(tmp_path / "c"), "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
+    procs.append(coord)
+    url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    vol = Proc(cli("volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
+                   "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
+    procs.append(vol)
+    await wait_for_line(vol, "volunteer ready ")
+    info = json.loads((tmp_path / "v" / "volunteer.json").read_text())
+    before = rss_kb(vol.p.pid)
+    hello = encode_frame(make_hello(kernel_id="x"))
+    lie = encode_frame(ExpertRequest(request_id=RequestId(1), attempt=0, model_id=model_id, layer=0, lo=0, hi=8,
+                                     n_rows=1, d_model=128, n_pairs=1, dtype="float32"))
+    header_len = struct.unpack_from("<I", lie)[0]
+    declared = struct.pack("<II", header_len, 60 << 20) + lie[8:8 + header_len]  # 60 MiB declared, none sent
+    streams = []
+    async with open_libp2p_transport(key_path=None) as a, open_libp2p_transport(key_path=None) as b:
+        for t in (a, b):
+            for _ in range(10):
+                s = await t.open_stream(info["peer_id"], info["addrs"], PROTOCOL_ID)
+                await s.write(hello + declared)
+                streams.append(s)
+        await trio.sleep(1.0)
+        grown_mb = (rss_kb(vol.p.pid) - before) / 1024
+        assert grown_mb < 100, f"the volunteer grew {grown_mb:.0f} MB for 20 x 60 MiB declared"
+        async with httpx.AsyncClient(base_url=url, timeout=60) as h:
+            await attach_single_worker(h, map_path, model_id, info)
+            body = {"model": model_id, "prompt": "hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            assert (await h.post("/v1/completions", json=body)).status_code == 200
+            [w] = (await h.get("/dispatch")).json()["workers"]
+            assert w["calls"] > 0 and w["failures"] == 0
+        for s in streams:
+            await s.aclose()
