@@ -11,9 +11,11 @@ Rules:
   ``ExpertBackend``: it runs in the engine thread and calls ``dispatch_layer`` through
   ``trio.from_thread.run`` (DESIGN §5). Without a running loop (``serve`` not started) ``moe``
   computes every range locally, in the same partition.
-- Fast path: while the core says every held range would run here (``all_local_when_idle``), the
-  engine thread computes a layer whose ranges are all held itself, with no trip to the trio thread,
-  and reports it afterwards (``LayerRanLocally``); the bits are those of the same partition.
+- Fast path: while the core says every held range of a layer this size would run here
+  (``local_only_pairs``: idle, or under load when no worker could finish earlier and no trial is
+  due), the engine thread computes a layer whose ranges are all held itself, with no trip to the
+  trio thread, and reports it afterwards (``LayerRanLocally``, with its reason and kernel time); the
+  bits are those of the same partition.
 - The local share computes while the remote calls are in flight: in production the local kernel
   runs on one worker thread (``trio.to_thread.run_sync`` under a ``CapacityLimiter(1)``: the local
   ranges queue, which is what the core's backlog estimate models); tests plug in an async runner.
@@ -93,6 +95,7 @@ from coordinator.core.dispatch import (
     ModeChanged,
     Quarantine,
     RangeWork,
+    Reason,
     RemoteDone,
     RemoteFailed,
     RunLocal,
@@ -320,7 +323,8 @@ class Dispatcher:
         self._events: deque[Event] = deque()
         self._handling = False
         self._last_now = 0.0
-        self._engine_local = self.core.all_local_when_idle()  # read by the engine thread (a bool: atomic)
+        # read by the engine thread (one tuple, replaced whole: atomic)
+        self._engine_local: tuple[float, Reason] = self.core.local_only_pairs(0.0)
         self._ran_here: list[Event] = []  # engine thread only: fast-path layers not yet reported
         self._clients: dict[str, ExpertClient] = {}
         self._addrs: dict[str, list[str]] = {}
@@ -430,7 +434,7 @@ class Dispatcher:
                     self._start_local_group(step, calls)
         finally:
             self._handling = False
-            self._engine_local = self.core.all_local_when_idle()
+            self._engine_local = self.core.local_only_pairs(self._last_now)
 
     def _now(self) -> float:
         """The trio clock (the core's only clock); outside a trio run (a map set before serving) the
@@ -800,16 +804,19 @@ class Dispatcher:
         token = self._token
         if token is None:  # not serving: every expert here (the bits of any partition)
             return self._all_here(layer, x, topk_ids, topk_w)
-        if self._engine_local:
-            # Fast path: idle, so the core would place every held range here. Computing them on this
-            # thread spares two thread hops per range (~0.1 ms each: a whole idle token on a small
-            # model); the core is told afterwards, without waiting. A load onset reaches this thread
-            # one layer late at most.
+        max_pairs, reason = self._engine_local
+        if topk_ids.numel() <= max_pairs:
+            # Fast path: the core would place every held range of this layer here (idle, or no worker
+            # could finish earlier). Computing them on this thread spares the trip to the trio thread
+            # and two thread hops per range (~1.6 ms a layer under load); the core is told afterwards,
+            # without waiting. A change of state reaches this thread one layer late at most.
             works = self._works(layer, topk_ids)
             if all(w.held for w in works):
+                t0 = time.perf_counter()
                 out = self._all_here(layer, x, topk_ids, topk_w)  # one kernel call, not one per range
+                dt = time.perf_counter() - t0
                 # the core hears of the step's layers in one hand-off (each one wakes the trio thread)
-                self._ran_here.append(LayerRanLocally(layer, works))
+                self._ran_here.append(LayerRanLocally(layer, works, reason, dt))
                 if layer == self.cfg.n_layer - 1 or len(self._ran_here) >= self.cfg.n_layer:
                     evs, self._ran_here = self._ran_here, []
                     with contextlib.suppress(trio.RunFinishedError):

@@ -58,8 +58,13 @@ Rules:
 - Attempt numbers count a range's remote calls (0, 1, ...); the request id is the range's. An
   answer for a call that is no longer pending (cancelled, timed out, unknown) changes nothing
   (``stale_answers``).
-- A layer the shell computed here on its own while ``all_local_when_idle()`` (``LayerRanLocally``)
-  counts as the IDLE_LOCAL placements it would have been.
+- A layer the shell computed here on its own (``LayerRanLocally``) counts as the placements it
+  would have been (its ``reason``: IDLE_LOCAL, LOAD_EARLIEST_FINISH_LOCAL or SERVE_TTL), and its
+  compute time feeds the local cost estimate. The shell may do so for a layer of at most
+  ``local_only_pairs()`` routed pairs whose ranges are all held: below that size every range would
+  be placed here anyway -- idle (unbounded), or under load when no trial is due and even the
+  fastest live proven worker's estimate (latency EWMA x (1 + calls in flight)) is no earlier than
+  the local finish of the whole layer (``(backlog + pairs) x seconds per pair``; ties go local).
 - ``Combine(step, calls)`` once every range of the layer has a result: the winning call of each
   range, in ascending ``lo`` (DESIGN §3: the same kernel on the same rows wherever it ran, summed
   in the same order, whoever won).
@@ -499,11 +504,13 @@ class LayerReady:
 
 @dataclass(frozen=True)
 class LayerRanLocally:
-    """The shell computed a whole layer here without asking (its fast path while the last decision
-    state was idle, every range held, no hot experts): counted as IDLE_LOCAL placements."""
+    """The shell computed a whole layer here without asking (its fast path: every range held, at most
+    ``local_only_pairs()`` pairs): counted as ``reason`` placements; ``compute_s`` > 0 is the kernel time."""
 
     layer: int
     ranges: tuple[RangeWork, ...]
+    reason: Reason = Reason.IDLE_LOCAL
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -887,15 +894,27 @@ class DispatchCore:
         order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
         return frozenset(e for e in order[:k] if counts[e] > 0)
 
-    def all_local_when_idle(self) -> bool:
-        """True while every held range of a layer would be placed IDLE_LOCAL without looking at it
-        (adaptive mode, idle at the last event, no hot experts): the shell's fast path may then
-        compute a layer whose ranges are all held itself and report ``LayerRanLocally``."""
-        return (
-            self.config.mode is DispatchMode.ADAPTIVE
-            and self.state is LoadState.IDLE
-            and self.config.hot_experts <= 0
-        )
+    def local_only_pairs(self, now: float) -> tuple[float, Reason]:
+        """The largest layer (in routed pairs) whose held ranges would all be placed here now without
+        a decision, and the reason they would carry; 0 when the shell must ask (see the rules)."""
+        c = self.config
+        if c.mode is not DispatchMode.ADAPTIVE or c.hot_experts > 0:
+            return 0.0, Reason.IDLE_LOCAL
+        if self.state is LoadState.IDLE:
+            return math.inf, Reason.IDLE_LOCAL
+        reason = Reason.SERVE_TTL if self.state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL
+        best = math.inf
+        for p, w in self.table.workers.items():
+            if not self.table.is_live(p, now):
+                continue
+            if not w.proven:
+                if self.state is LoadState.LOADED and w.trial_due:
+                    return 0.0, reason  # its trial is due: the shell must ask
+                continue
+            best = min(best, self._remote_estimate(p, now))
+        if best == math.inf:
+            return math.inf, reason  # nobody to offload to
+        return max(0.0, best / max(self.local_cost_s, 1e-12) - self.local_backlog_pairs), reason
 
     def in_flight(self) -> int:
         return sum(1 for c in self._calls.values() if not c.done)
@@ -912,10 +931,14 @@ class DispatchCore:
             case LayerReady():
                 self._mode(now, out)
                 self._layer_ready(event, now, out)
-            case LayerRanLocally(layer=layer, ranges=ranges):
-                self.decisions[Reason.IDLE_LOCAL] += len(ranges)
+            case LayerRanLocally(layer=layer, ranges=ranges, reason=reason, compute_s=compute_s):
+                self.decisions[reason] += len(ranges)
                 if layer < len(self.rows):
                     self.rows[layer].local_rows += sum(r.rows for r in ranges)
+                pairs = sum(r.pairs for r in ranges)
+                if pairs > 0 and compute_s > 0:
+                    a = self.config.ewma_alpha
+                    self.local_cost_s = (1 - a) * self.local_cost_s + a * compute_s / pairs
                 self._mode(now, out)
             case RemoteDone(call=cid, wall_ms=wall_ms):
                 self._remote_done(cid, wall_ms, now, out)

@@ -4,10 +4,13 @@ fallbacks, hot experts, stale answers, row counts)."""
 
 from __future__ import annotations
 
+import math
 import random
 from typing import TypeVar
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.core.dispatch import (
     BalancedPolicy,
@@ -559,14 +562,73 @@ def test_unknown_answers_are_stale() -> None:
     assert c.stale_answers == 2
 
 
-def test_a_layer_the_shell_ran_locally_counts_as_idle_placements() -> None:
+def test_a_layer_the_shell_ran_locally_counts_as_its_placements() -> None:
     c = core("p")
-    assert c.all_local_when_idle()
+    assert c.local_only_pairs(0.0) == (math.inf, Reason.IDLE_LOCAL)
     c.handle(LayerRanLocally(1, (rw(0, 4, "p", rows=3), rw(4, 8, rows=5))), 0.0)
     assert c.decisions == {Reason.IDLE_LOCAL: 2} and c.rows[1].local_rows == 8
-    loaded(c, 1.0)
-    assert not c.all_local_when_idle()  # the shell must ask again
-    assert (
-        not core(hot_experts=1).all_local_when_idle()
-        and not core(mode=DispatchMode.OFFLOAD).all_local_when_idle()
-    )
+    c.handle(LayerRanLocally(1, (rw(0, 4, rows=3, pairs=4),), Reason.LOAD_EARLIEST_FINISH_LOCAL, compute_s=0.008), 0.0)
+    assert c.decisions[Reason.LOAD_EARLIEST_FINISH_LOCAL] == 1
+    assert c.local_cost_s == pytest.approx(0.8 * MS + 0.2 * 2 * MS)  # 8 ms for 4 pairs into the EWMA
+    assert core(hot_experts=1).local_only_pairs(0.0)[0] == 0 and core(mode=DispatchMode.OFFLOAD).local_only_pairs(0.0)[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("setup", "want"),
+    [
+        ("loaded", (math.inf, Reason.LOAD_EARLIEST_FINISH_LOCAL)),  # nobody to offload to
+        ("loaded p", (0.0, Reason.LOAD_EARLIEST_FINISH_LOCAL)),  # its trial is due: ask
+        ("loaded p spent", (math.inf, Reason.LOAD_EARLIEST_FINISH_LOCAL)),  # unproven, no trial: not a candidate
+        ("loaded p proven 5ms", (5.0, Reason.LOAD_EARLIEST_FINISH_LOCAL)),  # 5 ms / 1 ms a pair
+        ("loaded p proven 5ms down", (math.inf, Reason.LOAD_EARLIEST_FINISH_LOCAL)),
+        ("ttl p proven 5ms", (5.0, Reason.SERVE_TTL)),
+        ("ttl p", (math.inf, Reason.SERVE_TTL)),  # no trials in the serve TTL
+    ],
+)
+def test_local_only_pairs(setup: str, want: tuple[float, Reason]) -> None:
+    words = setup.split()
+    c = core(*(["p"] if "p" in words else []))
+    if "proven" in words:
+        prove(c, "p", 5 * MS)
+    if "spent" in words:
+        c.table.workers["p"].trial_due = False
+    if "down" in words:
+        c.table.failed("p", "x", 0.0)
+    loaded(c)
+    if "ttl" in words:
+        c.handle(LoadSample(0, 4), 1.0)
+    got = c.local_only_pairs(0.4 if "down" in words else 1.0)  # down until its 0.5 s backoff ends
+    assert got[1] is want[1] and got[0] == pytest.approx(want[0])
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans(), st.floats(0.1, 20.0), st.integers(0, 3)),
+             min_size=0, max_size=3),
+    st.integers(0, 20), st.sampled_from(["loaded", "ttl"]), st.lists(st.integers(1, 12), min_size=1, max_size=4),
+)
+def test_the_fast_path_size_never_changes_a_placement(
+    workers: list[tuple[bool, bool, bool, float, int]], backlog: int, state: str, pairs: list[int]
+) -> None:
+    """Whenever a layer is within ``local_only_pairs()``, placing it with the core gives only local
+    placements of the reported reason: the shell's shortcut decides what the core would."""
+    names = [f"w{i}" for i in range(len(workers))]
+    c = core(*names)
+    for n, (proven, due, down, ms, in_flight) in zip(names, workers, strict=True):
+        if proven:
+            prove(c, n, ms * MS)
+        c.table.workers[n].trial_due = due and not proven
+        c.table.workers[n].in_flight = in_flight
+        if down:
+            c.table.failed(n, "x", 0.0)
+    loaded(c)
+    if state == "ttl":
+        c.handle(LoadSample(0, 4), 0.5)
+    c.local_backlog_pairs = backlog
+    limit, reason = c.local_only_pairs(0.6)
+    if sum(pairs) > limit:
+        return
+    ranges = tuple(rw(4 * i, 4 * i + 4, *names, pairs=p) for i, p in enumerate(pairs))
+    got = placements(c.handle(LayerReady(StepId(1), 0, ranges), 0.6))
+    assert got == [("local", None, reason)] * len(pairs)
+
