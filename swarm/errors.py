@@ -64,6 +64,8 @@ __all__ = [
     "ModelError",
     "NonFinite",
     "NotAuthorized",
+    "ReceiverBusy",
+    "Busy",
     "ProtocolError",
     "Refused",
     "RemoteProtocolError",
@@ -181,6 +183,12 @@ class FrameTooLarge(WireError):
     code = "frame_too_large"
 
 
+class ReceiverBusy(WireError):
+    """A request whose bytes the receiver would not hold now (its byte budget): answered ``busy``."""
+
+    code = "busy"
+
+
 class MalformedHeader(WireError):
     code = "malformed_header"
 
@@ -233,8 +241,14 @@ class NotAuthorized(Refused):
     code = "not_authorized"
 
 
+class Busy(Refused):
+    """The volunteer holds as many request bytes as it accepts (per peer or in all): try later."""
+
+    code = "busy"
+
+
 _REFUSALS: Final[dict[str, type[Refused]]] = {
-    cls.code: cls for cls in (Draining, SliceNotHeld, NotAuthorized)
+    cls.code: cls for cls in (Draining, SliceNotHeld, NotAuthorized, Busy)
 }
 
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Final, NewType, Protocol
 
@@ -74,6 +74,7 @@ from swarm.errors import (
     LocalProtocolError,
     MalformedHeader,
     NonFinite,
+    ReceiverBusy,
     TooManyRows,
     UnsupportedDtype,
     VersionMismatch,
@@ -152,6 +153,7 @@ class Status(enum.StrEnum):
     DRAINING = "draining"
     SLICE_NOT_HELD = "slice_not_held"
     NOT_AUTHORIZED = "not_authorized"
+    BUSY = "busy"  # the receiver holds all the request bytes it accepts now
     INTERNAL_ERROR = "internal_error"
     REMOTE_PROTOCOL_ERROR = "remote_protocol_error"
     FRAME_TOO_LARGE = "frame_too_large"
@@ -343,11 +345,13 @@ def encode_frame(
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """One received frame. ``payload`` is ``None`` when it exceeded the limit and was discarded."""
+    """One received frame. ``payload`` is ``None`` when it exceeded the limit and was discarded, or
+    (``busy``) when the decoder's ``admit`` refused its bytes."""
 
     header: bytes
     payload: bytearray | None
     payload_len: int
+    busy: bool = False
 
 
 class FrameDecoder:
@@ -362,8 +366,12 @@ class FrameDecoder:
     _PAYLOAD_STATE = 2
     _SKIP_STATE = 3
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, *, admit: Callable[[int], bool] | None = None) -> None:
+        """``admit(payload_len)``, if given, is asked before a payload is buffered: False discards it
+        as it arrives (the frame comes out ``busy``); True means the caller now owes that many bytes back."""
         self._limits = limits
+        self._admit = admit
+        self._busy = False
         self._buf = bytearray()
         self._state = self._PREFIX_STATE
         self._header_len = 0
@@ -419,6 +427,10 @@ class FrameDecoder:
                 if self._header_len + self._payload_len > self._limits.max_frame_bytes:
                     self._state = self._SKIP_STATE
                     self._filled = 0
+                elif self._admit is not None and self._payload_len and not self._admit(self._payload_len):
+                    self._state = self._SKIP_STATE
+                    self._filled = 0
+                    self._busy = True
                 else:
                     self._state = self._PAYLOAD_STATE
                     self._payload = bytearray()  # grows with the bytes received, never by the declared length
@@ -440,7 +452,8 @@ class FrameDecoder:
                 self._filled += take
                 if self._filled < self._payload_len:
                     return self._need_more()
-                frame = Frame(self._header, None, self._payload_len)
+                frame = Frame(self._header, None, self._payload_len, busy=self._busy)
+                self._busy = False
                 self._reset_frame()
                 return frame
 
@@ -464,11 +477,18 @@ class FrameReader:
     """Reads frames and messages from a stream (anything with ``async read(max_bytes)``)."""
 
     def __init__(
-        self, stream: _Readable, limits: WireLimits = DEFAULT_LIMITS, *, read_size: int = 1 << 16
+        self,
+        stream: _Readable,
+        limits: WireLimits = DEFAULT_LIMITS,
+        *,
+        read_size: int = 1 << 16,
+        admit: Callable[[int], bool] | None = None,
     ) -> None:
         self._stream = stream
         self._limits = limits
-        self._decoder = FrameDecoder(limits)
+        self._decoder = FrameDecoder(limits, admit=admit)
+        self._admitting = admit is not None
+        self._admitted = 0  # bytes ``admit`` took for the last frame, not yet claimed by the caller
         self._read_size = read_size
         self._eof = False
 
@@ -487,6 +507,12 @@ class FrameReader:
                 self._eof = True
                 self._decoder.feed_eof()
 
+    def take_admitted(self) -> int:
+        """The payload bytes ``admit`` accepted for the last frame (returned or raised about), once:
+        the caller owes them back when it is done with the payload."""
+        n, self._admitted = self._admitted, 0
+        return n
+
     async def receive_message(self) -> tuple[Message, bytearray] | None:
         """The next message and its payload; None at a clean end of stream.
 
@@ -497,10 +523,19 @@ class FrameReader:
         frame = await self.receive_frame()
         if frame is None:
             return None
+        if self._admitting and frame.payload is not None and frame.payload_len:
+            self._admitted += frame.payload_len
         msg = decode_message(frame.header)
         if isinstance(msg, ExpertRequest | ExpertResponse) and msg.n_rows > self._limits.max_rows:
             raise _attributed(
                 TooManyRows, f"{msg.n_rows} rows exceed the limit of {self._limits.max_rows}", msg
+            )
+        if frame.payload is None and frame.busy:
+            request_id = getattr(msg, "request_id", None)
+            raise ReceiverBusy(
+                f"{frame.payload_len} payload bytes are more than this receiver accepts now; retry later",
+                request_id=request_id,
+                attempt=getattr(msg, "attempt", None),
             )
         if frame.payload is None:
             request_id = getattr(msg, "request_id", None)

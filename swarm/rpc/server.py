@@ -15,6 +15,9 @@ Rules:
   exactly one answer: a ``Cancel`` for a request in flight cancels its task (the handler stops
   waiting; a computation already running in a thread finishes and is dropped) and the answer is
   ``cancelled``; a ``Cancel`` for anything else is ignored.
+- Request bytes held at once are bounded per peer and in all (``ByteBudget``, shared by a server's
+  streams; default 256 MiB a peer, 1 GiB in all): a payload past either bound is discarded as it
+  arrives and answered ``busy`` (a refusal: the coordinator computes the range itself).
 - ``authorize(peer_id)``, if given, is asked per request: ``False`` answers ``not_authorized``
   (the trust issue's "only registered coordinators use volunteers"; the stream stays open, so a
   coordinator that registers later is served without reconnecting).
@@ -87,6 +90,39 @@ ExpertHandler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable[torch.T
 Authorize = Callable[[str], bool]  # peer id -> may it use our experts
 
 
+class ByteBudget:
+    """Request bytes a server holds at once (buffered or being computed), per peer and in all: a
+    payload that would pass either bound is discarded as it arrives and answered ``busy``, so peers
+    that really send bytes cannot take more memory than this (declared sizes cost nothing anyway:
+    frame buffers grow with the bytes received)."""
+
+    def __init__(self, *, per_peer: int = 256 << 20, total: int = 1 << 30) -> None:
+        self.per_peer = per_peer
+        self.total = total
+        self.held = 0
+        self.by_peer: dict[str, int] = {}
+        self.refused = 0
+
+    def take(self, peer: str, n: int) -> bool:
+        mine = self.by_peer.get(peer, 0)
+        if mine + n > self.per_peer or self.held + n > self.total:
+            self.refused += 1
+            return False
+        self.by_peer[peer] = mine + n
+        self.held += n
+        return True
+
+    def give(self, peer: str, n: int) -> None:
+        if n <= 0:
+            return
+        left = self.by_peer.get(peer, 0) - n
+        if left > 0:
+            self.by_peer[peer] = left
+        else:
+            self.by_peer.pop(peer, None)
+        self.held = max(0, self.held - n)
+
+
 def _default_hello(limits: WireLimits) -> Hello:
     from swarm.model.kernels import kernel_id  # loads the kernel library: only when nobody said
 
@@ -102,13 +138,16 @@ async def serve_expert_stream(
     authorize: Authorize | None = None,
     hello_timeout_s: float = 10.0,
     drain_timeout_s: float = 10.0,
+    budget: ByteBudget | None = None,
 ) -> None:
     """Serve one expert stream until the peer closes it or it breaks; never raises for peer faults.
 
     After the peer closes its side, answers still being computed get ``drain_timeout_s`` to finish.
+    ``budget`` (shared by the streams of one server) bounds the request bytes held at once.
     """
     peer = stream.remote_peer_id
-    reader = FrameReader(stream, limits)
+    budget = budget if budget is not None else ByteBudget()
+    reader = FrameReader(stream, limits, admit=lambda n: budget.take(peer, n))
     write_lock = trio.Lock()
 
     async def send(msg: Message, payload: bytes | bytearray | memoryview = b"") -> None:
@@ -146,6 +185,7 @@ async def serve_expert_stream(
             limits=limits,
             authorize=authorize,
             drain_timeout_s=drain_timeout_s,
+            budget=budget,
         )
     except TransportError as exc:
         log.debug("expert stream from %s ended: %r", peer, exc)
@@ -177,6 +217,7 @@ async def _serve_requests(
     limits: WireLimits,
     authorize: Authorize | None,
     drain_timeout_s: float,
+    budget: ByteBudget,
 ) -> None:
     peer = stream.remote_peer_id
     slots = trio.Semaphore(limits.max_in_flight)
@@ -224,7 +265,7 @@ async def _serve_requests(
 
         try:
             await _read_requests(
-                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, authorize, peer
+                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, authorize, peer, budget
             )
         except TransportError as exc:
             log.debug("expert stream from %s ended: %r", peer, exc)
@@ -244,13 +285,24 @@ async def _read_requests(
     limits: WireLimits,
     authorize: Authorize | None,
     peer: str,
+    budget: ByteBudget,
 ) -> None:
-    """Read and dispatch requests until the peer closes its side (returns) or framing is lost."""
+    """Read and dispatch requests until the peer closes its side (returns) or framing is lost. The
+    payload bytes the budget took for a frame go back when its request is answered or refused."""
+
+    async def run_then_give(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, scope: trio.CancelScope,
+                            n: int) -> None:
+        try:
+            await run_one(req, rows, pairs, scope)
+        finally:
+            budget.give(peer, n)
+
     while True:
         await acquire(slots)
         try:
             got = await reader.receive_message()
         except WireError as exc:
+            budget.give(peer, reader.take_admitted())
             slots.release()
             log.info("bad frame from %s: %s (%s)", peer, exc.message, exc.code)
             await answer_error(exc)
@@ -259,12 +311,16 @@ async def _read_requests(
                 return
             continue
         except BaseException:
+            budget.give(peer, reader.take_admitted())
             slots.release()
             raise
+        held = reader.take_admitted()
         if got is None:
             slots.release()
             return
         msg, payload = got
+        if not isinstance(msg, ExpertRequest):
+            budget.give(peer, held)
         if isinstance(msg, Cancel):
             slots.release()
             scope = in_flight.get((msg.request_id, msg.attempt))
@@ -295,12 +351,13 @@ async def _read_requests(
             pairs = decode_pairs(msg, payload)
             rows = payload_to_tensor(rows_region(msg, payload), msg.dtype, msg.n_rows, msg.d_model)
         except WireError as exc:
+            budget.give(peer, held)
             slots.release()
             await answer_error(exc)
             continue
         scope = trio.CancelScope()
         in_flight[key] = scope
-        nursery.start_soon(run_one, msg, rows, pairs, scope)
+        nursery.start_soon(run_then_give, msg, rows, pairs, scope, held)
 
 
 async def _compute(
@@ -347,13 +404,15 @@ def expert_stream_handler(
     hello: Hello | None = None,
     limits: WireLimits = DEFAULT_LIMITS,
     authorize: Authorize | None = None,
+    budget: ByteBudget | None = None,
 ) -> StreamHandler:
     """A transport stream handler serving ``handler`` on each inbound expert stream (``hello``
     defaults to this process's kernel id and ``limits``)."""
     our_hello = hello if hello is not None else _default_hello(limits)
+    shared = budget if budget is not None else ByteBudget()  # one budget for all of this server's streams
 
     async def on_stream(stream: Stream) -> None:
-        await serve_expert_stream(stream, handler, hello=our_hello, limits=limits, authorize=authorize)
+        await serve_expert_stream(stream, handler, hello=our_hello, limits=limits, authorize=authorize, budget=shared)
 
     return on_stream
 
@@ -384,9 +443,10 @@ def set_expert_handlers(
     hello: Hello | None = None,
     limits: WireLimits = DEFAULT_LIMITS,
     authorize: Authorize | None = None,
+    budget: ByteBudget | None = None,
 ) -> None:
     """Serve ``handler`` on ``PROTOCOL_ID`` and refuse v1 streams (what every volunteer does)."""
     transport.set_stream_handler(
-        PROTOCOL_ID, expert_stream_handler(handler, hello=hello, limits=limits, authorize=authorize)
+        PROTOCOL_ID, expert_stream_handler(handler, hello=hello, limits=limits, authorize=authorize, budget=budget)
     )
     transport.set_stream_handler(V1_PROTOCOL_ID, refuse_v1_stream)

@@ -18,6 +18,7 @@ import trio.testing
 
 from swarm.errors import (
     BrokenError,
+    Busy,
     ClosedError,
     LocalProtocolError,
     NotAuthorized,
@@ -49,7 +50,7 @@ from swarm.protocol.expert import (
     make_hello,
 )
 from swarm.rpc.client import ExpertClient, open_expert_client
-from swarm.rpc.server import expert_stream_handler, set_expert_handlers
+from swarm.rpc.server import ByteBudget, expert_stream_handler, set_expert_handlers
 from swarm.rpc.tensors import tensor_to_payload
 
 D = 16
@@ -615,6 +616,38 @@ async def test_unauthorized_peers_are_refused_per_request(
             r = make_request(2)
             assert torch.equal(await client.call(*wire(r, rows_for(2)), timeout=10), expected(r, rows_for(2)))
             assert client.sessions_opened == 1
+
+
+async def test_request_bytes_are_bounded_per_peer_and_given_back(
+    net: Net, clock: trio.testing.MockClock | None
+) -> None:
+    """A request whose payload would pass the server's byte budget is discarded as it arrives and
+    answered ``busy`` (a refusal); the budget is back at zero after every answer, failed ones too."""
+    budget = ByteBudget(per_peer=4096, total=1 << 20)
+    async with net.open() as server, net.open() as me:
+        server.set_stream_handler(
+            PROTOCOL_ID, expert_stream_handler(weighted, hello=make_hello(kernel_id=KERNEL), budget=budget)
+        )
+        async with client_of(me, server) as client:
+            small = make_request(1)
+            assert torch.equal(await client.call(*wire(small, rows_for(1)), timeout=10), expected(small, rows_for(1)))
+            assert budget.held == 0 and budget.by_peer == {}
+            big = make_request(2, n_rows=100)  # 100 rows x 16 floats + pairs: past 4 KiB
+            with pytest.raises(Busy):
+                await client.call(*wire(big, rows_for(2, 100)), timeout=10)
+            assert budget.refused == 1 and budget.held == 0
+            again = make_request(4)
+            assert torch.equal(await client.call(*wire(again, rows_for(4)), timeout=10), expected(again, rows_for(4)))
+            assert budget.held == 0 and client.sessions_opened == 1
+        # what a client never sends: invalid requests (bad index, short payload) are answered and give back
+        raw = await Raw.open(me, server)
+        bad = make_request(5, experts=[[0, 4], [1], [2]], weights=[[1, 1], [1], [1]])
+        answer = await raw.call(bad.req, payload_of(bad, rows_for(5)))
+        assert isinstance(answer, ExpertResponse) and answer.status == "bad_index"
+        short = make_request(6)
+        answer = await raw.call(short.req, payload_of(short, rows_for(6))[:-4])
+        assert isinstance(answer, ExpertResponse) and answer.status == "bad_shape"
+        assert budget.held == 0 and budget.by_peer == {}
 
 
 async def test_client_validates_before_sending(net: Net, clock: trio.testing.MockClock | None) -> None:
