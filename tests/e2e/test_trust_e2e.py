@@ -39,14 +39,19 @@ async def stranger_call(info: dict[str, Any], model_id: str) -> Exception | None
     return None
 
 
-async def test_a_static_volunteer_answers_its_coordinator_only(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+async def start_coordinator(started: list[Proc], tmp_path: Path) -> tuple[str, Path, str]:
+    """A coordinator process following a map file (empty for now); its URL, the file, the model id."""
     map_path = tmp_path / "map.json"
     model_id = model_id_for(GOLDEN_GGUF)
     map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
     coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0",
                      "--data-dir", str(tmp_path / "c"), "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
-    procs.append(coord)
-    url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    started.append(coord)
+    return (await wait_for_line(coord, "coordinator ready at ")).split()[-1], map_path, model_id
+
+
+async def test_a_static_volunteer_answers_its_coordinator_only(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+    url, map_path, model_id = await start_coordinator(procs, tmp_path)
     body = {"model": model_id, "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as h:
@@ -81,13 +86,7 @@ async def test_declared_sizes_cost_a_volunteer_no_memory(procs: list[Proc], tmp_
     """The issue's attack: frames that declare a 60 MiB payload and then send nothing, from 2
     identities x 10 streams. The volunteer's memory does not grow by what was declared (its frame
     buffers grow with bytes received), and it keeps serving its coordinator."""
-    map_path = tmp_path / "map.json"
-    model_id = model_id_for(GOLDEN_GGUF)
-    map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
-    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0",
-                     "--data-dir", str(tmp_path / "c"), "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
-    procs.append(coord)
-    url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    url, map_path, model_id = await start_coordinator(procs, tmp_path)
     vol = Proc(cli("volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
                    "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
     procs.append(vol)

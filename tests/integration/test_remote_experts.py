@@ -101,6 +101,21 @@ async def greedy(tr: Transformer, prompt: list[int], n: int) -> tuple[list[int],
 HALVES = [(L, lo, hi) for L in (0, 1) for lo, hi in ((0, 4), (4, 8))]
 
 
+async def assert_greedy_as_all_local(
+    nursery: trio.Nursery, model: GGUFModel, golden: dict[str, Any], d: Dispatcher, m: DispatchMap, n: int = 6
+) -> None:
+    """``d`` follows ``m``; 6 greedy tokens through it are llama.cpp's and every logit has the bits of
+    a dispatcher that computes the same partition here."""
+    d.set_map(m)
+    ref = await make_dispatcher(nursery, model, None)
+    ref.set_map(m)
+    g = golden["greedy"][2]
+    toks, lgs = await greedy(Transformer(model, d), g["prompt_ids"], n)
+    ref_toks, ref_lgs = await greedy(Transformer(model, ref), g["prompt_ids"], n)
+    assert toks == ref_toks == g["greedy_ids"][:n]
+    assert all(torch.equal(x, y) for x, y in zip(lgs, ref_lgs, strict=True))
+
+
 # These tests exercise the remote path: every range with a live replica goes remote whatever the load,
 # and a slow call waits for its deadline (the adaptive policy and hedging: tests/sim/test_dispatcher_scenarios.py)
 # the remote path itself, every answer used (verification, which would compute every range here too, has its own tests)
@@ -188,14 +203,7 @@ async def test_misbehaving_worker_falls_back(
     bad = await start_volunteer(nursery, golden_model, HALVES, wrap=wrap)
     m = dmap(golden_model, 1, {k: [bad] for k in HALVES})
     d = await make_dispatcher(nursery, golden_model, coord_transport, timeout_s=0.3)
-    d.set_map(m)
-    ref = await make_dispatcher(nursery, golden_model, None)
-    ref.set_map(m)
-    g = golden["greedy"][2]
-    toks, lgs = await greedy(Transformer(golden_model, d), g["prompt_ids"], 6)
-    ref_toks, ref_lgs = await greedy(Transformer(golden_model, ref), g["prompt_ids"], 6)
-    assert toks == ref_toks == g["greedy_ids"][:6]
-    assert all(torch.equal(x, y) for x, y in zip(lgs, ref_lgs, strict=True))
+    await assert_greedy_as_all_local(nursery, golden_model, golden, d, m)
     [w] = report(d)["workers"]
     assert w["state"] == "down" and w["failures"] >= 1 and w["last_error"]
     assert w["last_serve_ms"] == 0

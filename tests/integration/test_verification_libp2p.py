@@ -22,6 +22,7 @@ from tests.conftest import FIXTURES, eventually
 from tests.integration.test_remote_experts import (
     HALVES,
     Handler,
+    assert_greedy_as_all_local,
     coord_transport,
     dmap,
     greedy,
@@ -65,14 +66,7 @@ async def test_a_lying_volunteer_never_changes_the_output(
     liar = await start_volunteer(nursery, golden_model, HALVES, wrap=lying(lie))
     m = dmap(golden_model, 1, {k: [liar] for k in HALVES})
     d = await make_dispatcher(nursery, golden_model, coord_transport, config=VERIFIED_OFFLOAD)
-    d.set_map(m)
-    ref = await make_dispatcher(nursery, golden_model, None)
-    ref.set_map(m)
-    g = golden["greedy"][2]
-    toks, lgs = await greedy(Transformer(golden_model, d), g["prompt_ids"], 6)
-    ref_toks, ref_lgs = await greedy(Transformer(golden_model, ref), g["prompt_ids"], 6)
-    assert toks == ref_toks == g["greedy_ids"][:6]
-    assert all(torch.equal(x, y) for x, y in zip(lgs, ref_lgs, strict=True))
+    await assert_greedy_as_all_local(nursery, golden_model, golden, d, m)
     async def quarantined() -> bool:
         return bool(report(d)["quarantines"])
 
@@ -83,7 +77,7 @@ async def test_a_lying_volunteer_never_changes_the_output(
     assert rep["verified_equal"] == 0  # its very first compared answer was a lie
     assert sum(L["remote_rows"] for L in rep["layers"]) == 0  # none of its answers reached the output
     calls = w["calls"]
-    await greedy(Transformer(golden_model, d), g["prompt_ids"], 2)
+    await greedy(Transformer(golden_model, d), golden["greedy"][2]["prompt_ids"], 2)
     assert report(d)["workers"][0]["calls"] == calls  # no work after the quarantine
 
 
