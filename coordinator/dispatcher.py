@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -335,7 +336,6 @@ class Dispatcher:
         self._mode_changes: deque[ModeChange] = deque(maxlen=16)
         self._keep: set[CallId] = set()  # calls whose answers the core will compare
         self._kept: dict[CallId, torch.Tensor] = {}
-        self.quarantined: deque[Quarantine] = deque(maxlen=64)
         self.on_quarantine: list[Callable[[Quarantine], None]] = []  # e.g. the market link's report
         self.maps_rejected = 0  # map files or market maps that could not be adopted
         self.map_error = ""  # why the last one was not
@@ -461,7 +461,7 @@ class Dispatcher:
                     equal, detail = False, "an answer to compare is missing"
                     log.error("verification of %s: %s", peer, detail)
                 else:
-                    exact = self.wire_dtype == "float32" and self._peer_kernel_id(peer) == self._kernel_id()
+                    exact = self.wire_dtype == "float32" and self._peer_kernel_id(peer) == self._our_kernel_id
                     equal, detail = verify_outputs(a, b, exact=exact)
                 self._events.append(Compared(remote, equal, detail))
             case Forget(calls=calls):
@@ -470,7 +470,6 @@ class Dispatcher:
                     self._kept.pop(c, None)
             case Quarantine(peer=peer, evidence=evidence):
                 log.error("worker %s quarantined: %s", peer, evidence)
-                self.quarantined.append(eff)
                 for hook in self.on_quarantine:
                     try:
                         hook(eff)
@@ -829,7 +828,9 @@ class Dispatcher:
         return trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token)
 
     # -- NAT path migration ---------------------------------------------------------------------------
-    def _kernel_id(self) -> str:
+    @functools.cached_property
+    def _our_kernel_id(self) -> str:
+        """The kernel id our Hello announces and verification compares with (computed once)."""
         return kernel_id(self.kernel) if self.kernel is not None else kernel_id()
 
     def _client(self, peer: str) -> ExpertClient:
@@ -841,7 +842,7 @@ class Dispatcher:
                 peer,
                 self._addrs.get(peer, []),
                 self._nursery,
-                kernel_id=self._kernel_id(),
+                kernel_id=self._our_kernel_id,
             )
             self._clients[peer] = c
         return c

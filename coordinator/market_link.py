@@ -151,14 +151,14 @@ class MarketLink:
                 self.last_error = f"report: HTTP {r.status_code}: {r.text[:200]}"
                 continue
             self.reports_sent += 1
-            now = {w.peer_id: (w.calls, w.rows, w.verified) for w in self.dispatcher.report().workers}
+            listed = {w.peer_id for w in body.workers}
             for w in body.workers:  # the deltas sent are accounted for
                 c0, r0, v0 = self._reported.get(w.peer_id, (0, 0, 0))
                 self._reported[w.peer_id] = (c0 + w.calls, r0 + w.rows, v0 + w.verified)
                 if w.quarantine is not None:
                     self._quarantines.pop(w.peer_id, None)
             for p in list(self._reported):
-                if p not in now:
+                if p not in listed:  # detached: its counts start again from 0 if it comes back
                     del self._reported[p]
 
     async def _map_loop(self, client: httpx.AsyncClient) -> None:

@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import trio
 
-from swarm.errors import TransportError
-
 if TYPE_CHECKING:
     pass
 
@@ -153,12 +151,7 @@ async def run_inbound(
             await reset()
     finally:
         gate.leave(peer)
-        with trio.move_on_after(5) as scope:
-            scope.shield = True
-            try:
-                await stream.aclose()
-            except TransportError:
-                pass
+        await quietly(stream.aclose, f"closing an inbound stream of {peer}", timeout_s=5, shield=True)
 
 
 async def quietly(action: Callable[[], Awaitable[object]], what: str, *, timeout_s: float = 2.0,

@@ -216,7 +216,7 @@ class Assignment(msgspec.Struct, tag="assignment", tag_field="kind"):
 
 
 class NothingNeeded(msgspec.Struct, tag="nothing_needed", tag_field="kind"):
-    reason: str  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable
+    reason: str  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable | quarantined | address_cap
     retry_after_s: float
     message: str = ""
 

@@ -40,14 +40,13 @@ from swarm.errors import (
     NonFinite,
     RemoteProtocolError,
     SwarmError,
-    TransportError,
     TransportTimeout,
     UnexpectedMessage,
     VersionMismatch,
     WireError,
     remote_error,
 )
-from swarm.p2p.transport import Stream, Transport
+from swarm.p2p.transport import Stream, Transport, quietly
 from swarm.protocol.expert import (
     DEFAULT_AGENT,
     DEFAULT_LIMITS,
@@ -134,12 +133,7 @@ class _Session:
                     await self._guarded(self._read_loop(peer), peer)
             finally:
                 self.kill(BrokenError(f"stream to {peer} closed"))
-                with trio.move_on_after(1) as scope:
-                    scope.shield = True
-                    try:
-                        await self.stream.aclose()
-                    except TransportError:
-                        pass
+                await quietly(self.stream.aclose, f"closing the expert stream to {peer}", timeout_s=1, shield=True)
 
     async def _guarded(self, loop: Awaitable[None], peer: str) -> None:
         try:
@@ -373,12 +367,7 @@ class ExpertClient:
             queue_size = max(1, min(msg.max_in_flight, self._limits.max_in_flight))
             return _Session(stream, msg, reader, queue_size)
         except BaseException:
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                try:
-                    await stream.aclose()
-                except TransportError:
-                    pass
+            await quietly(stream.aclose, f"closing a failed expert stream to {self.peer_id}", timeout_s=1, shield=True)
             raise
 
     async def aclose(self) -> None:

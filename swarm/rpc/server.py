@@ -47,7 +47,7 @@ from swarm.errors import (
     VersionMismatch,
     WireError,
 )
-from swarm.p2p.transport import Stream, StreamHandler, Transport, acquire
+from swarm.p2p.transport import Stream, StreamHandler, Transport, acquire, quietly
 from swarm.protocol.expert import (
     DEFAULT_LIMITS,
     PROTOCOL_ID,
@@ -428,12 +428,7 @@ async def refuse_v1_stream(stream: Stream) -> None:
     except TransportError as exc:
         log.debug("v1 expert stream from %s ended before its refusal: %r", stream.remote_peer_id, exc)
     finally:
-        with trio.move_on_after(1) as scope:
-            scope.shield = True
-            try:
-                await stream.aclose()
-            except TransportError:
-                pass
+        await quietly(stream.aclose, "closing a refused v1 expert stream", timeout_s=1, shield=True)
 
 
 def set_expert_handlers(

@@ -642,11 +642,11 @@ async def test_request_bytes_are_bounded_per_peer_and_given_back(
         # what a client never sends: invalid requests (bad index, short payload) are answered and give back
         raw = await Raw.open(me, server)
         bad = make_request(5, experts=[[0, 4], [1], [2]], weights=[[1, 1], [1], [1]])
-        answer = await raw.call(bad.req, payload_of(bad, rows_for(5)))
-        assert isinstance(answer, ExpertResponse) and answer.status == "bad_index"
         short = make_request(6)
-        answer = await raw.call(short.req, payload_of(short, rows_for(6))[:-4])
-        assert isinstance(answer, ExpertResponse) and answer.status == "bad_shape"
+        for r, payload, status in ((bad, payload_of(bad, rows_for(5)), "bad_index"),
+                                   (short, payload_of(short, rows_for(6))[:-4], "bad_shape")):
+            answer = await raw.call(r.req, payload)
+            assert isinstance(answer, ExpertResponse) and answer.status == status
         assert budget.held == 0 and budget.by_peer == {}
 
 
