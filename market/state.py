@@ -272,14 +272,13 @@ class Market:
             self.counters[f"no_offer_{res.value}"] += 1
             return NoOffer(res, jittered(self.rng, self.policy.retry_after_s))
         if address:
-            open_here = sum(1 for lid, a in self._lease_address.items() if a == address and lid in self.ix.leases)
-            if open_here >= self.policy.max_leases_per_address:
+            self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}  # open ones
+            if sum(a == address for a in self._lease_address.values()) >= self.policy.max_leases_per_address:
                 self._commit(changes)
                 self.counters["no_offer_address_cap"] += 1
                 return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
         if address:
-            self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}
             self._lease_address[lease.lease_id] = address
         self.ix.index_lease(lease)
         self.ix.dirty_ageout.add(res.slice.model_id)
