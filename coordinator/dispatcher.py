@@ -85,6 +85,7 @@ from coordinator.core.dispatch import (
     FailureKind,
     Forget,
     Hedge,
+    HoldRefuted,
     LayerRanLocally,
     LayerReady,
     LoadSample,
@@ -108,9 +109,10 @@ from coordinator.core.dispatch import (
     WorkersListed,
     WorkerTable,
 )
+from coordinator.core.holdings import HoldBook, Holding
 from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate
-from swarm.dispatch_map import DispatchMap, decode_dispatch_map, partition_layer
+from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
 from swarm.errors import (
     BrokenError,
     ClosedError,
@@ -124,6 +126,7 @@ from swarm.errors import (
 )
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend, combine_pairs, expert_kernel, kernel_id
+from swarm.model.slices import hold_digest
 from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
@@ -134,7 +137,7 @@ from swarm.protocol.coordinator import (
     ModeChange,
     WorkerReport,
 )
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, Pairs, RequestId
+from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, HoldChallenge, Pairs, RequestId, Status
 from swarm.rpc.client import ExpertClient
 from swarm.rpc.tensors import pairs_from_tensors, pairs_to_tensors
 
@@ -157,6 +160,10 @@ log = logging.getLogger(__name__)
 # weights, torch does not); the same ggml kernel on a float16 / bfloat16 wire <= 1.5e-2 / 2.1e-2.
 # Twice the worst case: a liar can hide changes below this only from workers we cannot compare exactly.
 VERIFY_RTOL = 0.05
+# A hold challenge: this many random windows of this many bytes of the slice's tensor data. A worker
+# holding a share f of the file answers right with probability about f**4.
+HOLD_WINDOWS = 4
+HOLD_WINDOW_BYTES = 4096
 
 
 def verify_outputs(remote: torch.Tensor, local: torch.Tensor, *, exact: bool) -> tuple[bool, str]:
@@ -286,12 +293,15 @@ class Dispatcher:
         local_kernel: LocalKernel | None = None,
         local_runner: LocalRunner | None = None,
         rng: random.Random | None = None,
+        prove_holdings: bool = False,
     ) -> None:
         """``config`` holds the policy (``timeout_s``, if given, overrides its deadline); ``held(layer,
         lo, hi)`` tells the ranges the coordinator holds; ``local_kernel`` computes a range here
         (default: the model's experts with ``kernel``); ``local_runner`` runs it from the trio thread
         (default: ``local_kernel`` on a worker thread); ``load_probe`` gives (busy slots, slots), called on
-        a worker thread unless ``probe_in_thread`` is False (tests under a virtual clock)."""
+        a worker thread unless ``probe_in_thread`` is False (tests under a virtual clock). ``prove_holdings``:
+        a listed worker gets work for a slice only after it answered a hold challenge for it
+        (``coordinator.core.holdings``; needs the GGUF model to check against)."""
         cfg = config if config is not None else DispatchConfig()
         if timeout_s is not None:
             cfg = dataclasses.replace(cfg, timeout_s=timeout_s)
@@ -337,6 +347,12 @@ class Dispatcher:
         self._keep: set[CallId] = set()  # calls whose answers the core will compare
         self._kept: dict[CallId, torch.Tensor] = {}
         self.on_quarantine: list[Callable[[Quarantine], None]] = []  # e.g. the market link's report
+        self.on_hold_proven: list[Callable[[Holding], None]] = []
+        if prove_holdings and not isinstance(model, GGUFModel):
+            raise ConfigError("hold challenges are checked against a GGUF model")
+        self.holdings: HoldBook | None = HoldBook() if prove_holdings else None
+        self._prove_wake = trio.Event()
+        self._hold_ids = itertools.count(1 << 62)  # challenge ids: apart from the core's request ids
         self.maps_rejected = 0  # map files or market maps that could not be adopted
         self.map_error = ""  # why the last one was not
 
@@ -369,6 +385,8 @@ class Dispatcher:
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
             nursery.start_soon(self._watch_paths)
+            if self.holdings is not None:
+                nursery.start_soon(self._prove_loop)
             if self.load_probe is not None:
                 nursery.start_soon(self._sample_load, self.load_probe)
             task_status.started()
@@ -396,6 +414,10 @@ class Dispatcher:
         before = set(self.core.table.workers)
         self.map = m
         self._post(WorkersListed(frozenset(peers)))
+        if self.holdings is not None:
+            self.holdings.sync({Holding(rep.peer_id, lr.layer, r.lo, r.hi)
+                                for lr in m.layers for r in lr.ranges for rep in r.replicas}, self._now())
+            self._prove_wake.set()
         added, removed = peers.keys() - before, before - peers.keys()
         for p in removed:
             c = self._clients.pop(p, None)
@@ -715,7 +737,7 @@ class Dispatcher:
             wire = pairs_from_tensors(torch.searchsorted(rows, pr), all_e[sel] - r.lo, all_w[sel])
             prs, pes, pws = pairs_to_tensors(wire)
             local = LocalJob(layer, r.lo, r.hi, x.index_select(0, rows), prs, pes, pws)
-            replicas = tuple(rep.peer_id for rep in r.replicas) if self.transport is not None else ()
+            replicas = self._replicas(layer, r)
             jobs.append(_Job(r.lo, r.hi, replicas, rows, local, wire))
         return jobs
 
@@ -745,10 +767,87 @@ class Dispatcher:
             n_pairs = int(sel.sum())
             if not n_pairs:
                 continue
-            replicas = tuple(rep.peer_id for rep in r.replicas) if self.transport is not None else ()
+            replicas = self._replicas(layer, r)
             out.append(RangeWork(r.lo, r.hi, int(np.unique(rows[sel]).size), n_pairs, replicas,
                                  self.held(layer, r.lo, r.hi)))
         return tuple(out)
+
+    def _replicas(self, layer: int, r: RangeReplicas) -> tuple[str, ...]:
+        """A range's replicas that may get work: listed, and (``prove_holdings``) proved to hold it."""
+        if self.transport is None:
+            return ()
+        book = self.holdings
+        return tuple(rep.peer_id for rep in r.replicas if book is None or book.held(rep.peer_id, layer, r.lo, r.hi))
+
+    # -- hold challenges (DESIGN §12 "proved it holds it") -----------------------------------------
+    async def _prove_loop(self, *, max_in_flight: int = 4) -> None:
+        """Challenge listed holdings not proven yet, ``max_in_flight`` at a time, as the book says."""
+        book = self.holdings
+        assert book is not None
+        running = 0
+        done = trio.Event()
+
+        async def one(h: Holding) -> None:
+            nonlocal running, done
+            try:
+                await self._challenge(h)
+            finally:
+                running -= 1
+                done.set()
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                now = self._now()
+                for h in book.due(now, max_in_flight - running):
+                    if h.peer in self.core.table.quarantined:
+                        book.refuted(h, "quarantined")
+                        continue
+                    running += 1
+                    nursery.start_soon(one, h)
+                self._prove_wake = trio.Event()
+                done = trio.Event()
+                nxt = book.next_retry()
+                wait = 5.0 if nxt is None else max(0.01, min(5.0, nxt - self._now()))
+                with trio.move_on_after(wait):
+                    async with trio.open_nursery() as waiters:
+                        async def on(ev: trio.Event) -> None:
+                            await ev.wait()
+                            waiters.cancel_scope.cancel()
+                        waiters.start_soon(on, self._prove_wake)
+                        waiters.start_soon(on, done)
+
+    async def _challenge(self, h: Holding) -> None:
+        book = self.holdings
+        assert book is not None and isinstance(self.model, GGUFModel)
+        stack = self.model.expert_stack(h.layer, h.lo, h.hi)
+        size = stack.nbytes
+        n = min(HOLD_WINDOW_BYTES, size)
+        windows = [(secrets.randbelow(size - n + 1), n) for _ in range(HOLD_WINDOWS)]
+        nonce = secrets.token_bytes(16)
+        ch = HoldChallenge(request_id=RequestId(next(self._hold_ids)), attempt=0, model_id=self.model.model_id,
+                           layer=h.layer, lo=h.lo, hi=h.hi, nonce=nonce, windows=windows)
+        try:
+            expected = await trio.to_thread.run_sync(hold_digest, stack, nonce, windows)
+            proof = await self._client(h.peer).prove_hold(ch, timeout=self.timeout_s)
+        except SwarmError as exc:
+            book.failed(h, self._now(), f"{exc.code}: {exc.message}")
+            log.info("hold challenge to %s for %d:%d-%d failed: %s", h.peer, h.layer, h.lo, h.hi, exc.message)
+            return
+        if proof.status != Status.OK:
+            book.failed(h, self._now(), f"{proof.status}: {proof.message}")
+            log.info("hold challenge to %s for %d:%d-%d answered %s: %s", h.peer, h.layer, h.lo, h.hi,
+                     proof.status, proof.message)
+            return
+        if proof.digest != expected:
+            detail = f"hold digest {proof.digest.hex()[:16]} is not {expected.hex()[:16]} (nonce {nonce.hex()})"
+            book.refuted(h, detail)
+            log.warning("worker %s does not hold %d:%d-%d: %s", h.peer, h.layer, h.lo, h.hi, detail)
+            self._post(HoldRefuted(h.peer, h.layer, h.lo, h.hi, detail))
+            return
+        book.passed(h)
+        log.info("worker %s proved it holds %d:%d-%d", h.peer, h.layer, h.lo, h.hi)
+        for hook in self.on_hold_proven:
+            hook(h)
 
     def _post_all(self, evs: list[Event]) -> None:
         for ev in evs:
@@ -915,6 +1014,7 @@ class Dispatcher:
         c = self.config
         m = self.map
         s = core.sample
+        book = self.holdings
         return DispatchReport(
             model_id=self.model.model_id,
             map_version=m.version if m is not None else None,
@@ -933,6 +1033,8 @@ class Dispatcher:
                     if self.transport is not None
                     else 0,
                     kernel_id=self._peer_kernel_id(v.peer_id),
+                    holdings_proven=len(book.proven(v.peer_id)) if book is not None else None,
+                    holdings_pending=book.pending(v.peer_id) if book is not None else None,
                 )
                 for v in core.table.views(now)
             ],
@@ -978,6 +1080,10 @@ class Dispatcher:
             verifications=core.verifications,
             verified_equal=core.verified_equal,
             quarantines=core.quarantines,
+            hold_challenges=book.challenges if book is not None else 0,
+            hold_passes=book.passes if book is not None else 0,
+            hold_failures=book.failures if book is not None else 0,
+            hold_refutations=book.refutations if book is not None else 0,
         )
 
     def collector(self) -> DispatchCollector:

@@ -11,7 +11,10 @@ Rules:
 - Report: ``POST /api/coordinator-report`` every ``report_s`` with each worker's answered calls,
   rows and verified answers since the last report, and at once when the dispatcher quarantines a
   worker (with the evidence), so the market stops counting and assigning it. A report that fails
-  is retried with the next one (its counts are added to it; quarantines are kept until sent).
+  is retried with the next one (its counts are added to it; quarantines are kept until sent). It
+  also lists each worker's slices that passed our hold challenge (sent at once when one passes: the
+  market counts a slice as a replica only once proved) and the rows routed to each range since the
+  last report (load-weighted targets).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
 from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.manifest import ModelManifest
-from swarm.protocol.market import CoordinatorReport, ReportedWorker
+from swarm.protocol.market import CoordinatorReport, ProvenSlice, ReportedWorker, RoutedRange
 
 __all__ = ["MarketLink"]
 
@@ -66,9 +69,11 @@ class MarketLink:
         self.report_s = report_s
         self._reported: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) already sent
         self._quarantines: dict[str, str] = {}  # peer -> evidence, not yet accepted by the market
+        self._routed: dict[tuple[int, int, int], int] = {}  # (layer, lo, hi) -> routed rows already reported
         self._report_now = trio.Event()
         self.reports_sent = 0
         dispatcher.on_quarantine.append(self._quarantined)
+        dispatcher.on_hold_proven.append(lambda _: self._report_now.set())  # the market counts it once told
 
     def _quarantined(self, q: Quarantine) -> None:
         self._quarantines[q.peer] = q.evidence
@@ -77,16 +82,22 @@ class MarketLink:
     def report_body(self) -> CoordinatorReport:
         """What the next report says: deltas since the last accepted one, pending quarantines."""
         rep = self.dispatcher.report()
+        book = self.dispatcher.holdings
         workers = []
         seen: set[str] = set()
         for w in rep.workers:
             seen.add(w.peer_id)
             c0, r0, v0 = self._reported.get(w.peer_id, (0, 0, 0))
+            held = [ProvenSlice(h.layer, h.lo, h.hi) for h in book.proven(w.peer_id)] if book is not None else []
             workers.append(ReportedWorker(peer_id=w.peer_id, calls=max(0, w.calls - c0), rows=max(0, w.rows - r0),
                                           verified=max(0, w.verified - v0), path=w.path,
-                                          quarantine=self._quarantines.get(w.peer_id)))
+                                          quarantine=self._quarantines.get(w.peer_id), held=held))
         workers += [ReportedWorker(peer_id=p, quarantine=e) for p, e in self._quarantines.items() if p not in seen]
-        return CoordinatorReport(url=self.advertise_url, model_id=self.manifest.model_id, workers=workers)
+        routed = self.dispatcher.core.routed
+        ranges = [RoutedRange(layer=k[0], lo=k[1], hi=k[2], rows=n - self._routed.get(k, 0))
+                  for k, n in sorted(routed.items()) if n > self._routed.get(k, 0)]
+        return CoordinatorReport(url=self.advertise_url, model_id=self.manifest.model_id, workers=workers,
+                                 ranges=ranges[:65536])
 
     def status(self) -> MarketLinkStatus:
         return MarketLinkStatus(
@@ -157,6 +168,9 @@ class MarketLink:
                 self._reported[w.peer_id] = (c0 + w.calls, r0 + w.rows, v0 + w.verified)
                 if w.quarantine is not None:
                     self._quarantines.pop(w.peer_id, None)
+            for rr in body.ranges:
+                k = (rr.layer, rr.lo, rr.hi)
+                self._routed[k] = self._routed.get(k, 0) + rr.rows
             for p in list(self._reported):
                 if p not in listed:  # detached: its counts start again from 0 if it comes back
                     del self._reported[p]

@@ -79,6 +79,8 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     verify_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
     max_body: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20  # bytes of one API request body (413 above)
     verify_probation_calls: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 50
+    # a listed volunteer gets work for a slice only after answering a hold challenge for it (DESIGN §12)
+    hold_proof: bool = True
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -110,7 +112,7 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
         async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.p2p_listen) as transport:
             dispatcher = Dispatcher(model, transport, config=dispatch_config(cfg), wire_dtype=cfg.wire_dtype,
                                     kernel=cfg.kernel, hole_punch=cfg.hole_punch,
-                                    load_probe=lambda: (rt.busy(), rt.n_slots))
+                                    load_probe=lambda: (rt.busy(), rt.n_slots), prove_holdings=cfg.hold_proof)
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
 

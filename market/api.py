@@ -9,7 +9,8 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   [{peer_id, calls, rows, verified, path, quarantine}], ranges}`` -> ``ReportAck``: a worker with
   ``quarantine`` evidence loses its coverage and lease and is refused (pull: ``nothing_needed``
   ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``; one with ``verified``
-  answers is *served* (its coverage rows' ``proven``: preferred in maps and at age-out).
+  answers is *served* (its coverage rows' ``served``: preferred in maps and at age-out); the slices a worker
+  proved it holds (``held``: a hold challenge passed) are marked ``held``; per-range routed rows are kept.
 - Volunteer requests (polls and heartbeats) are signed: ``X-Moe-Signature`` (``swarm.p2p.identity.
   sign_request``), ``sent_at_ms`` within 120 s, one ``(epoch, sequence)`` counter; heartbeats with
   only the older body signature are accepted for one release. A heartbeat's new slice counts only

@@ -55,6 +55,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="when idle volunteers should ask again if nothing is needed")
     p.add_argument("--max-leases-per-address", type=int, default=d.max_leases_per_address,
                    help="open leases one IP address may hold (volunteers behind one address share it)")
+    p.add_argument("--proof-grace-s", type=float, default=d.proof_grace_s,
+                   help="a serving slice no coordinator saw proof of (hold challenge, verified answers) "
+                        "stops counting after this long; 0 = no proof needed")
     p.add_argument("--quarantine-s", type=float, default=d.quarantine_s,
                    help="how long a volunteer a coordinator caught answering wrongly is refused")
     p.add_argument("--seed", type=int, default=None, help="RNG seed (reproducible tie-breaks and lease ids)")
@@ -87,6 +90,7 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "retry_after_s": ns.retry_after_s,
             "max_leases_per_address": ns.max_leases_per_address,
             "quarantine_s": ns.quarantine_s,
+            "proof_grace_s": ns.proof_grace_s,
         },
     }
     return build_config(MarketConfig, raw, flags={"relays": "--relay", "poll_interval_s": "--poll-interval",

@@ -91,6 +91,7 @@ class Indexes:
         self.dirty_ageout: set[str] = set()
         self.quarantined: dict[str, QuarantineRow] = {}  # peer -> why and until when it is refused
         self.served: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) reported by coordinators
+        self.routed: dict[str, dict[tuple[int, int, int], int]] = {}  # model -> (layer, lo, hi) -> routed rows (runtime)
 
     # -- loading --------------------------------------------------------------------------------
 

@@ -39,6 +39,9 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # coverage comes from assignment (DESIGN §12): a heartbeat's new slice counts only with this
     # volunteer's open lease for it; False accepts any reported slice (the behaviour before leases ruled)
     coverage_requires_lease: bool = True
+    # ... and keeps counting only once a coordinator reports it proved (a hold challenge or verified
+    # answers) within this long of serving; 0 = no proof needed
+    proof_grace_s: NonNegFloat = 120.0
 
     @property
     def heartbeat_s(self) -> float:

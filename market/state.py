@@ -10,7 +10,7 @@ the facts they decide; the read views live in ``market.views``.
 Rules:
 - Decision-grade facts are written through to the store at the end of the call that made them
   (one atomic batch per call): models, coordinators, volunteers' identity/epoch/addresses,
-  coverage rows (with their retirement mark and proven flag), leases, published map versions,
+  coverage rows (with their retirement mark and served / held flags), leases, published map versions,
   recruitment flags. A volunteer's sequence number is flushed every ``flush_s`` (and at close):
   a market killed between flushes may accept one replay of a heartbeat from that window.
 - Runtime only: last heartbeat time, load, per-slice last serve, coordinator polls.
@@ -153,6 +153,10 @@ class Market:
         self._last_flush = now
         self.counters: Counter[str] = Counter()
         self._served_peers: set[str] = set()  # volunteers a coordinator reported verified answers of (runtime)
+        # (peer, slice) -> when a serving holding not yet proved loses its place (runtime: a restart
+        # gives every holding a fresh grace, so coverage from before proofs ruled is not a hole at once)
+        self._proof_due: dict[tuple[str, SliceRef], float] = {}
+        self._unproven: dict[tuple[str, SliceRef], float] = {}  # dropped for want of proof (the refusal's reason)
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
         self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
         dropped = self.ix.load(store.load(), now)
@@ -332,7 +336,7 @@ class Market:
             listed.add(s)
             problem = self.ix.slice_problem(s)
             if problem is None and self.policy.coverage_requires_lease and not self._assigned(hb.peer_id, s):
-                problem = Reason.NOT_ASSIGNED
+                problem = Reason.UNPROVEN if (hb.peer_id, s) in self._unproven else Reason.NOT_ASSIGNED
             if problem is not None:
                 refused.append(_slice_directive(h, directive(None, now, self.policy.cooldown_s, problem)))
                 self.counters[f"slices_refused_{problem.value}"] += 1
@@ -355,8 +359,8 @@ class Market:
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
         for s, state in diff.added:
-            # proven (served) comes from coordinators' reports only, never from the volunteer's own word
-            self.ix.put_cov(CoverageRow(hb.peer_id, s, state, now, proven=hb.peer_id in self._served_peers), changes)
+            # served comes from coordinators' reports only, never from the volunteer's own word
+            self.ix.put_cov(CoverageRow(hb.peer_id, s, state, now, served=hb.peer_id in self._served_peers), changes)
             if lease_id is not None and self.ix.leases[lease_id].slice == s:
                 self.ix.del_lease(self.ix.leases[lease_id], changes)
                 lease_id = None
@@ -414,17 +418,33 @@ class Market:
         url = rep.url.rstrip("/")
         if url not in self.ix.coordinators:
             raise _http_error(f"coordinator {url[:200]!r} is not registered", "unknown_coordinator", status=404, param="url")
+        if rep.model_id not in self.ix.coordinators[url].model_ids:
+            raise _http_error(f"coordinator {url[:200]!r} does not host {rep.model_id!r}", "unknown_model", status=404,
+                              param="model_id")
         changes: list[Change] = []
         newly: list[str] = []
         for w in rep.workers:
             c, r, v = self.ix.served.get(w.peer_id, (0, 0, 0))
             self.ix.served[w.peer_id] = (c + w.calls, r + w.rows, v + w.verified)
-            if w.verified > 0 and w.quarantine is None:  # a coordinator checked its answers: served, proven
+            if w.verified > 0 and w.quarantine is None:  # a coordinator checked its answers: served
                 self._served_peers.add(w.peer_id)
                 for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
-                    if not cov.proven:
-                        self.ix.put_cov(msgspec.structs.replace(cov, proven=True), changes)
+                    if not cov.served:
+                        self.ix.put_cov(msgspec.structs.replace(cov, served=True), changes)
                         self.ix.dirty_maps.add(cov.slice.model_id)
+            if w.quarantine is None:  # slices it proved it holds (the coordinator's hold challenge)
+                mine = self.ix.coverage.get(w.peer_id, {})
+                for h in w.held:
+                    got = mine.get(SliceRef(rep.model_id, h.layer, h.lo, h.hi))
+                    if got is not None and not got.held:
+                        self.ix.put_cov(msgspec.structs.replace(got, held=True), changes)
+                        self.ix.dirty_maps.add(rep.model_id)
+                        self.counters["holdings_proved"] += 1
+            for rr in rep.ranges:  # rows routed per range (load-weighted targets; the dashboard)
+                k = (rr.layer, rr.lo, rr.hi)
+                routed = self.ix.routed.setdefault(rep.model_id, {})
+                if k in routed or len(routed) < 65536:
+                    routed[k] = routed.get(k, 0) + rr.rows
             if w.quarantine is None or self.quarantine_of(w.peer_id, now) is not None:
                 continue
             row = QuarantineRow(w.peer_id, now + self.policy.quarantine_s, w.quarantine, url, now)
@@ -478,6 +498,7 @@ class Market:
                 self.ix.dirty_ageout.add(lease.slice.model_id)
                 rep.expired_leases += 1
                 self.counters["leases_expired"] += 1
+        self._drop_unproven(now, changes)
         for mid in self.ix.models:
             old = self.ix.recruit.get(mid, RecruitState())
             new = step(old, observe(self.ix.poll_views(mid), now, self.ix.recruit_policy), now, self.ix.recruit_policy)
@@ -512,6 +533,36 @@ class Market:
                 v.dirty = False
         self._last_flush = now
 
+    def _drop_unproven(self, now: float, changes: list[Change]) -> None:
+        """A serving holding that no coordinator reported proved (hold challenge or verified answers)
+        within ``proof_grace_s`` of starting to serve stops counting: its row goes (the volunteer's next
+        heartbeat is told ``release``, reason ``unproven``) and its experts are recruited again."""
+        grace = self.policy.proof_grace_s
+        if grace <= 0:
+            return
+        due = self._proof_due
+        live: set[tuple[str, SliceRef]] = set()
+        for peer, rows in list(self.ix.coverage.items()):
+            for s, row in list(rows.items()):
+                if row.state is not HeldState.SERVING or row.proved:
+                    continue
+                k = (peer, s)
+                live.add(k)
+                if now < due.setdefault(k, now + grace):
+                    continue
+                self.ix.del_cov(row, changes)
+                self.ix.dirty_maps.add(s.model_id)
+                self.ix.dirty_ageout.add(s.model_id)
+                self._unproven[k] = now
+                self.counters["coverage_unproven"] += 1
+                log.info("volunteer %s: %s not proved within %.0f s of serving; dropped", peer, s, grace)
+        for k in list(due):
+            if k not in live:
+                del due[k]
+        if len(self._unproven) > 100_000:  # bounded: the oldest go
+            for k in list(self._unproven)[:10_000]:
+                del self._unproven[k]
+
     def _age_out(self, model_id: str, now: float, changes: list[Change], rep: TickReport) -> None:
         m = self.ix.models[model_id].manifest
         rows = self.ix.by_model[model_id]
@@ -524,7 +575,7 @@ class Market:
                 hi=r.slice.hi,
                 since=r.since,
                 serving=r.state is HeldState.SERVING,
-                proven=r.proven,
+                served=r.served,
                 counted=contribution(r) is not None,
                 restorable=(
                     r.state is not HeldState.DRAINING and in_cooldown(r.retiring_since, now, self.policy.cooldown_s)
@@ -554,7 +605,7 @@ class Market:
                 load = v.load if v else 0.0
                 protocols = tuple(v.row.protocols) if v else ()
                 serving.append(
-                    ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.proven, load, r.since, peer), protocols)
+                    ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.served, load, r.since, peer, r.proved), protocols)
                 )
         layers = build_layers(serving, protocol=EXPERT_PROTOCOL_VERSION)
         cur = self.ix.maps.get(model_id, MapRow(model_id, 0, []))

@@ -134,6 +134,8 @@ def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
                     state_name(r, now, ix.policy.cooldown_s),
                     round(now - r.since, 3),
                     v.last_serve_ms.get(r.slice, 0) if v else 0,
+                    served=r.served,
+                    held=r.held,
                 )
             )
         out.append(

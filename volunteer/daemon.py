@@ -352,7 +352,7 @@ async def serve_pull_volunteer(
                                 server=server, client=client, nursery=nursery)
             # only the coordinators the market names for what we hold may use our experts
             set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
-                                authorize=vol.authorize)
+                                authorize=vol.authorize, prove=server.prove)
             await nursery.start(server.serve)
             info = VolunteerInfo(peer_id=transport.peer_id, addrs=vol.addrs, epoch=epoch,
                                  reachability=nat.reachability.value, relays=list(relays), **probe)

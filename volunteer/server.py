@@ -29,8 +29,8 @@ import trio
 
 from swarm.errors import Draining, RemoteProtocolError, SliceNotHeld
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
-from swarm.model.slices import LoadedSlice
-from swarm.protocol.expert import ExpertRequest, Pairs
+from swarm.model.slices import LoadedSlice, hold_digest
+from swarm.protocol.expert import ExpertRequest, HoldChallenge, Pairs
 from swarm.rpc.tensors import pairs_to_tensors
 
 __all__ = ["ExpertServer", "ServeStats", "shielded_until_cancelled"]
@@ -243,6 +243,16 @@ class ExpertServer:
         raise SliceNotHeld(
             f"slice {req.layer}:{req.lo}-{req.hi} of {req.model_id} is not held here (held: {held})"
         )
+
+    async def prove(self, ch: HoldChallenge) -> bytes:
+        """The ``Prove`` plugged into ``set_expert_handlers``: the hold digest of exactly the slice
+        asked for, from the slice file's mapped bytes (read in a thread: pages may come from disk)."""
+        for w in self.workers:
+            k = w.sl.key
+            if (k.model_id, k.layer, k.lo, k.hi) == (ch.model_id, ch.layer, ch.lo, ch.hi):
+                stack = w.sl.experts
+                return await trio.to_thread.run_sync(hold_digest, stack, ch.nonce, ch.windows, limiter=self.limiter)
+        raise SliceNotHeld(f"slice {ch.layer}:{ch.lo}-{ch.hi} of {ch.model_id} is not held here")
 
     async def handle(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         """The ``ExpertHandler`` plugged into ``set_expert_handlers``."""

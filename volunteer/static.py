@@ -126,7 +126,7 @@ async def serve_static_volunteer(
             open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
         # only the coordinator (and --allow-peer ids) may use our experts: anyone else gets not_authorized
         set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
-                            authorize=allowed.__contains__)
+                            authorize=allowed.__contains__, prove=server.prove)
         log.info("answering expert calls from %s", ", ".join(sorted(allowed)))
         info = VolunteerInfo(peer_id=transport.peer_id, addrs=list(nat.advertised), reachability=nat.reachability.value,
                              model_id=model_id, slices=[str(s.key) for s in slices])

@@ -101,6 +101,7 @@ __all__ = [
     "Forget",
     "FailureKind",
     "Hedge",
+    "HoldRefuted",
     "LayerRanLocally",
     "LayerReady",
     "LayerRowCounts",
@@ -548,6 +549,19 @@ class Compared:
     detail: str = ""  # what differed (the evidence), or how close it was
 
 
+@dataclass(frozen=True)
+class HoldRefuted:
+    """The shell's hold challenge (DESIGN §12 "proved it holds it") got a wrong digest from ``peer``
+    for slice ``layer:lo-hi``: the worker does not hold what it claims, so it is quarantined like a
+    wrong answer (a failed or unanswered challenge is not this: the shell just tries again later)."""
+
+    peer: str
+    layer: int
+    lo: int
+    hi: int
+    detail: str
+
+
 class TimerKind(StrEnum):
     HEDGE = "hedge"
     DEADLINE = "deadline"
@@ -584,6 +598,7 @@ Event = (
     | LocalDone
     | LocalFailed
     | Compared
+    | HoldRefuted
     | TimerFired
     | LoadSample
     | LoadSampleTimeout
@@ -856,6 +871,7 @@ class DispatchCore:
         self.stale_answers = 0
         self.samples_failed = 0
         self.rows = [LayerRowCounts() for _ in range(n_layer)]
+        self.routed: Counter[tuple[int, int, int]] = Counter()  # (layer, lo, hi) -> rows routed to it, wherever run
         self.local_cost_s = config.local_cost_prior_s  # per (row, expert) pair, EWMA
         self.local_backlog_pairs = 0
         self.sample: _Sample | None = None
@@ -928,10 +944,14 @@ class DispatchCore:
         match event:
             case WorkersListed(peers=peers):
                 self.table.sync(set(peers), now)
-            case LayerReady():
+            case LayerReady(layer=layer, ranges=ranges):
+                for rw in ranges:
+                    self.routed[(layer, rw.lo, rw.hi)] += rw.rows
                 self._mode(now, out)
                 self._layer_ready(event, now, out)
             case LayerRanLocally(layer=layer, ranges=ranges, reason=reason, compute_s=compute_s):
+                for rw in ranges:
+                    self.routed[(layer, rw.lo, rw.hi)] += rw.rows
                 self.decisions[reason] += len(ranges)
                 if layer < len(self.rows):
                     self.rows[layer].local_rows += sum(r.rows for r in ranges)
@@ -950,6 +970,8 @@ class DispatchCore:
                 self._local_failed(cid, message, now, out)
             case Compared(remote=cid, equal=equal, detail=detail):
                 self._compared(cid, equal, detail, now, out)
+            case HoldRefuted(peer=peer, layer=layer, lo=lo, hi=hi, detail=detail):
+                self._quarantine(peer, layer, lo, hi, f"layer {layer} experts {lo}-{hi}: {detail}", now, out)
             case TimerFired(timer=timer):
                 self._timer(timer, now, out)
             case LoadSample(busy=busy, n_slots=n_slots):
@@ -1275,17 +1297,21 @@ class DispatchCore:
             if not was and self.table.is_proven(peer):
                 out.append(MarkProven(peer))
             return
+        evidence = f"layer {pair.layer} experts {pair.lo}-{pair.hi}: {detail or 'outputs differ'}"
+        self._quarantine(peer, pair.layer, pair.lo, pair.hi, evidence, now, out)
+
+    def _quarantine(self, peer: str, layer: int, lo: int, hi: int, evidence: str, now: float,
+                    out: list[Effect]) -> None:
+        """Caught lying (a wrong answer or a wrong hold digest): no more work, ever, in this process;
+        its calls in flight are abandoned and their ranges recovered."""
         if peer in self.table.quarantined:
             return
-        evidence = f"layer {pair.layer} experts {pair.lo}-{pair.hi}: {detail or 'outputs differ'}"
         self.quarantines += 1
         self.table.verified(peer, False, evidence)
-        self.errors.append(
-            ErrorRecord(now, 0, peer, pair.layer, pair.lo, pair.hi, -1, FailureKind.WRONG_ANSWER, evidence)
-        )
+        self.errors.append(ErrorRecord(now, 0, peer, layer, lo, hi, -1, FailureKind.WRONG_ANSWER, evidence))
         self.errors_total += 1
         self.errors_by_kind[FailureKind.WRONG_ANSWER] += 1
-        out.append(Quarantine(peer, pair.layer, pair.lo, pair.hi, evidence))
+        out.append(Quarantine(peer, layer, lo, hi, evidence))
         for c in sorted((c for c in self._calls.values() if c.peer == peer and not c.done), key=lambda c: c.call):
             self._cancel(c, Reason.QUARANTINED, out)
             st = self._steps.get(c.step)

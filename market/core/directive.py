@@ -37,6 +37,7 @@ class Reason(enum.StrEnum):
     UNKNOWN_MODEL = "unknown_model"  # no registered model has this id
     BAD_SLICE_RANGE = "bad_slice_range"  # empty range, or outside the model's layers / experts
     NOT_ASSIGNED = "not_assigned"  # no lease of the market gave this volunteer the slice (DESIGN §12)
+    UNPROVEN = "unproven"  # served for a grace period without any coordinator seeing proof that it holds it
 
 
 @dataclass(frozen=True)

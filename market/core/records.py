@@ -101,8 +101,10 @@ class CoverageRow(msgspec.Struct, frozen=True, tag=True):
     """One volunteer holding one slice.
 
     ``retiring_since`` is the market's decision to stop dispatching it (surplus after the target
-    fell); ``cooldown`` seconds later the volunteer is told to release it. ``proven`` flips once,
-    when the volunteer first reports a served call for the slice.
+    fell); ``cooldown`` seconds later the volunteer is told to release it. ``served`` flips once,
+    when a coordinator reports verified answers of the volunteer (never from its own word; stored
+    under its old name ``proven``); ``held`` once a coordinator reports it answered a hold
+    challenge for the slice (DESIGN §12: only then, or served, does it count beyond its grace).
     """
 
     peer_id: str
@@ -110,7 +112,13 @@ class CoverageRow(msgspec.Struct, frozen=True, tag=True):
     state: HeldState
     since: float
     retiring_since: float | None = None
-    proven: bool = False
+    served: bool = msgspec.field(default=False, name="proven")
+    held: bool = False
+
+    @property
+    def proved(self) -> bool:
+        """It showed it holds the slice: a passed hold challenge or verified answers."""
+        return self.held or self.served
 
     @property
     def dispatched(self) -> bool:

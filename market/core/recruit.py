@@ -11,10 +11,10 @@ Rules:
   observation, so a load that flaps between polls keeps one steady boost instead of thrashing.
 - Age-out (``plan_ageout``), per model, given the effective target:
   * restore first: a retiring (not yet released) holding covering an expert below target is
-    dispatched again; proven, serving and older holdings are preferred (cheaper than recruiting);
+    dispatched again; served, serving and older holdings are preferred (cheaper than recruiting);
   * then retire surplus: a counted holding (dispatched or loading) is retired when every expert
     it covers keeps at least ``target`` counted holdings without it. Loading before serving,
-    never-served before proven, youngest first. Retired holdings leave the dispatch map at once
+    never-served before served, youngest first. Retired holdings leave the dispatch map at once
     and are told to release after the cooldown (the shell/state layer does the timing).
   * A holding restored in a round is never retired in the same round (it covers a deficit).
 """
@@ -127,7 +127,7 @@ class Holding(Generic[K]):
     hi: int
     since: float
     serving: bool  # reported serving (else loading)
-    proven: bool  # has served at least one call
+    served: bool  # a coordinator verified its answers
     counted: bool  # dispatched or loading, not retiring
     restorable: bool = False  # retiring, cooldown not over
 
@@ -149,7 +149,7 @@ def plan_ageout(n_layer: int, n_expert: int, target: int, holdings: Sequence[Hol
     out: AgeOut[K] = AgeOut()
     for h in sorted(
         (h for h in holdings if h.restorable and not h.counted),
-        key=lambda h: (not h.proven, not h.serving, h.since, h.peer_id),
+        key=lambda h: (not h.served, not h.serving, h.since, h.peer_id),
     ):
         row = counts[h.layer]
         if any(row[e] < target for e in range(h.lo, h.hi)):
@@ -158,7 +158,7 @@ def plan_ageout(n_layer: int, n_expert: int, target: int, holdings: Sequence[Hol
                 row[e] += 1
     for h in sorted(
         (h for h in holdings if h.counted),
-        key=lambda h: (h.serving, h.proven, -h.since, h.peer_id),
+        key=lambda h: (h.serving, h.served, -h.since, h.peer_id),
     ):
         row = counts[h.layer]
         if all(row[e] - 1 >= target for e in range(h.lo, h.hi)):

@@ -10,7 +10,8 @@ Rules (DESIGN §11 dispatch map):
   Adjacent ranges are never merged, even with the same replicas (a volunteer holding ``0-4``
   and ``4-8`` cannot answer a ``0-8`` request). Ranges without replicas are left out (the
   coordinator computes them locally).
-- Replicas are in preference order (``preference``): proven (has served) first, then lower
+- Replicas are in preference order (``preference``): served (verified answers) first, then
+  proved holders (hold challenge), then lower
   reported load (coarse buckets, so small load jitter does not reorder the map and bump its
   version), then older holdings, then peer id. A peer is listed at most once per range.
 - The output is canonical: sorted by layer and ``lo``; equal inputs give equal maps, so the
@@ -35,8 +36,8 @@ def load_bucket(load: float) -> int:
     return 1 + int(math.log2(min(load, 1e12)))
 
 
-def preference(proven: bool, load: float, since: float, peer_id: str) -> tuple[bool, int, float, str]:
-    return (not proven, load_bucket(load), since, peer_id)
+def preference(served: bool, load: float, since: float, peer_id: str, held: bool = True) -> tuple[bool, bool, int, float, str]:
+    return (not served, not held, load_bucket(load), since, peer_id)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ServingSlice:
     lo: int
     hi: int
     addrs: tuple[str, ...]
-    rank: tuple[bool, int, float, str]
+    rank: tuple[bool, bool, int, float, str]
     protocols: tuple[int, ...]  # expert-stream versions the volunteer speaks (its heartbeat's list)
 
 

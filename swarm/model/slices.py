@@ -58,6 +58,7 @@ __all__ = [
     "build_manifest",
     "check_slice_range",
     "cut_slice",
+    "hold_digest",
     "load_slice",
     "parse_slice_arg",
 ]
@@ -180,6 +181,30 @@ def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
 def cut_slice(model: GGUFModel, layer: int, lo: int, hi: int) -> bytes:
     """The slice file's bytes (byte-deterministic); ``SliceError`` for a slice the model lacks."""
     return b"".join(_layout(model, layer, lo, hi).chunks())
+
+
+# -- proof of holding -------------------------------------------------------------------------
+
+
+def hold_digest(stack: ExpertStack, nonce: bytes, windows: Iterable[tuple[int, int]]) -> bytes:
+    """``sha256(nonce || data[o:o+n] for each window)`` over a slice's tensor data (the slice file
+    after its header: gate, up, down raw bytes), as ``HoldChallenge`` asks. The same on the
+    coordinator (views of its GGUF) and on a volunteer (views of its slice file): no copy of the
+    whole slice is made. ``SliceError`` for a window outside the data."""
+    arrays = [np.ascontiguousarray(t.raw).reshape(-1) for t in (stack.gate_t, stack.up_t, stack.down_t)]
+    ends = np.cumsum([a.nbytes for a in arrays]).tolist()
+    total = int(ends[-1]) if ends else 0
+    h = hashlib.sha256(nonce)
+    for off, n in windows:
+        if off < 0 or n <= 0 or off + n > total:
+            raise SliceError(f"hold window {off}+{n} lies outside the slice's {total} data bytes", code="bad_shape")
+        start = 0
+        for a, end in zip(arrays, ends, strict=True):
+            lo, hi = max(off, start), min(off + n, end)
+            if lo < hi:
+                h.update(a.data[lo - start : hi - start])
+            start = end
+    return h.digest()
 
 
 # -- cache ------------------------------------------------------------------------------------

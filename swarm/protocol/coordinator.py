@@ -80,6 +80,9 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     verified: int = 0  # answers that passed verification
     probation_left: int = 0  # verified answers still due before sampling drops to the verify rate
     quarantine: str = ""  # the evidence when it failed verification ("" otherwise)
+    # hold challenges (DESIGN §12): its listed slices it proved it holds / not yet (None: not checked here)
+    holdings_proven: int | None = None
+    holdings_pending: int | None = None
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +150,11 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     verifications: int = 0  # comparisons made
     verified_equal: int = 0
     quarantines: int = 0
+    # hold challenges sent, passed, failed (error, timeout, refusal: retried) and refuted (wrong digest)
+    hold_challenges: int = 0
+    hold_passes: int = 0
+    hold_failures: int = 0
+    hold_refutations: int = 0
 
 
 slots_decoder = msgspec.json.Decoder(list[SlotInfo])

@@ -32,6 +32,9 @@ Rules:
   already answered or never seen is ignored (the race is normal). ``ErrorReply`` answers a frame
   that could not be decoded or is not allowed at that point; ``fatal=True`` means the sender
   closes the stream after it.
+- ``HoldChallenge`` (no payload) asks for a digest over random windows of a slice's tensor data;
+  it is answered with exactly one ``HoldProof``, tagged like an expert answer (the coordinator's
+  check that a volunteer really holds what its market lists, before it gets any work).
 - Versions: a ``Hello`` of another ``protocol_version`` (even one that lacks fields this version
   requires) is refused with a fatal ``version_mismatch``; a v2 server answers a stream opened on
   ``V1_PROTOCOL_ID`` with one fatal ``version_mismatch`` ``ErrorReply`` and closes it.
@@ -99,6 +102,10 @@ __all__ = [
     "FrameDecoder",
     "FrameReader",
     "Hello",
+    "HoldChallenge",
+    "HoldProof",
+    "MAX_HOLD_WINDOWS",
+    "MAX_HOLD_WINDOW_BYTES",
     "Message",
     "Pairs",
     "RequestId",
@@ -283,7 +290,47 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_fie
     fatal: bool = False
 
 
-Message = Hello | ExpertRequest | Cancel | ExpertResponse | ErrorReply
+MAX_HOLD_WINDOWS: Final = 16
+MAX_HOLD_WINDOW_BYTES: Final = 1 << 20
+
+
+class HoldChallenge(
+    msgspec.Struct, frozen=True, kw_only=True, tag="hold_challenge", tag_field="type", forbid_unknown_fields=True
+):
+    """Prove you hold slice ``(model_id, layer, lo, hi)`` (DESIGN §12 "proved it holds it").
+
+    The answer is a ``HoldProof`` whose ``digest`` is ``sha256(nonce || the slice's tensor data at
+    each window)``; the tensor data is the slice file after its safetensors header (gate, up, down
+    bytes in that order: ``swarm.model.slices.hold_digest``). The caller picks ``nonce`` and the
+    windows at random, so no answer can be precomputed or replayed, and checks them against its
+    own copy of the model. No payload.
+    """
+
+    request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
+    attempt: NonNegInt
+    model_id: Annotated[str, msgspec.Meta(max_length=256)]
+    layer: U32
+    lo: U32
+    hi: U32
+    nonce: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+    # (offset, length) into the tensor data; lengths 1 .. MAX_HOLD_WINDOW_BYTES
+    windows: Annotated[list[tuple[NonNegInt, PosInt]], msgspec.Meta(min_length=1, max_length=MAX_HOLD_WINDOWS)]
+
+
+class HoldProof(msgspec.Struct, frozen=True, kw_only=True, tag="hold_proof", tag_field="type"):
+    """The one answer to a ``HoldChallenge``: ``status`` ``ok`` with the digest and the size of the
+    slice's tensor data, or a refusal/error code (``slice_not_held``, ``bad_shape`` for a window
+    past the data, ...). No payload."""
+
+    request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
+    attempt: NonNegInt
+    status: str
+    message: str = ""
+    data_bytes: NonNegInt = 0
+    digest: bytes = b""
+
+
+Message = Hello | ExpertRequest | Cancel | ExpertResponse | ErrorReply | HoldChallenge | HoldProof
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(Message)

@@ -30,6 +30,7 @@ __all__ = [
     "ModelDemand",
     "ModelRecruitment",
     "NothingNeeded",
+    "ProvenSlice",
     "RecruitmentView",
     "RegisterAck",
     "RegisterModels",
@@ -151,6 +152,14 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
 
 
 
+class ProvenSlice(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """``[layer, lo, hi]``: one slice a volunteer proved it holds."""
+
+    layer: Layer
+    lo: Expert
+    hi: Expert
+
+
 class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
     """One volunteer as a coordinator saw it since its last report."""
 
@@ -160,6 +169,8 @@ class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
     verified: NonNeg = 0  # answers that passed verification since the last report
     path: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # direct | relayed | hole-punched
     quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # the evidence, when it failed verification
+    # slices it proved it holds (answered this coordinator's hold challenge: DESIGN §12)
+    held: Annotated[list[ProvenSlice], msgspec.Meta(max_length=65536)] = []
 
 
 class RoutedRange(msgspec.Struct, forbid_unknown_fields=True):
@@ -289,6 +300,8 @@ class WorkerSliceView(msgspec.Struct):
     state: str  # dispatched | loading | draining | retiring | released
     age_s: float
     last_serve_ms: int
+    served: bool = False  # a coordinator verified the volunteer's answers
+    held: bool = False  # it answered a coordinator's hold challenge for this slice
 
 
 class WorkerView(msgspec.Struct):

@@ -12,6 +12,10 @@ Rules:
   frame whose caller gave up before it was sent is not sent at all; a call abandoned after its
   frame left (the caller's cancel scope -- a hedge's loser -- or its timeout) sends a ``Cancel``
   for it, best effort (dropped if the send queue is full), and the ``cancelled`` answer is dropped.
+- Answer bytes are bounded by what we asked: the reader buffers an answer's payload only if it
+  is no larger than the largest answer a pending call expects (``n_pairs x d_model x itemsize``);
+  a larger one is discarded as it arrives and fails its call (``busy``).
+- ``prove_hold`` sends a ``HoldChallenge`` and returns its ``HoldProof``.
 - A call is a header, the rows and the pairs as flat arrays (``Pairs``, from
   ``swarm.rpc.tensors.pairs_from_tensors``): validated here exactly as the server validates them.
 - Errors: ``TransportTimeout`` (deadline), ``BrokenError`` (the stream died under the call),
@@ -34,10 +38,12 @@ import torch
 import trio
 
 from swarm.errors import (
+    BadShape,
     BrokenError,
     ClosedError,
     LocalProtocolError,
     NonFinite,
+    ReceiverBusy,
     RemoteProtocolError,
     SwarmError,
     TransportTimeout,
@@ -59,6 +65,8 @@ from swarm.protocol.expert import (
     ExpertResponse,
     FrameReader,
     Hello,
+    HoldChallenge,
+    HoldProof,
     Pairs,
     RequestId,
     RequestKey,
@@ -68,6 +76,7 @@ from swarm.protocol.expert import (
     choose_dtype,
     encode_frame,
     encode_request_payload,
+    itemsize,
     make_hello,
     request_payload_len,
     validate_request,
@@ -84,7 +93,7 @@ __all__ = ["ExpertClient", "open_expert_client"]
 @dataclass(eq=False)
 class _Waiter:
     event: trio.Event = field(default_factory=trio.Event)
-    response: ExpertResponse | ErrorReply | None = None
+    response: ExpertResponse | HoldProof | ErrorReply | None = None
     payload: bytearray | None = None
     error: SwarmError | None = None
     sent: bool = False  # the request frame went (or is going) out: abandoning it sends a Cancel
@@ -105,11 +114,13 @@ def _copy(error: SwarmError) -> SwarmError:
 class _Session:
     """One open stream: its peer's Hello, callers waiting for answers, and the tasks serving it."""
 
-    def __init__(self, stream: Stream, server_hello: Hello, reader: FrameReader, queue_size: int) -> None:
+    def __init__(self, stream: Stream, server_hello: Hello, reader: FrameReader, queue_size: int,
+                 expected: dict[RequestKey, int]) -> None:
         self.stream = stream
         self.hello = server_hello
         self.reader = reader
         self.pending: dict[RequestKey, _Waiter] = {}
+        self.expected = expected  # answer payload bytes of each pending call (what the reader admits)
         self.send_channel, self.receive_channel = trio.open_memory_channel[_Outgoing](queue_size)
         self.dead: SwarmError | None = None
         self.cancel_scope = trio.CancelScope()
@@ -165,6 +176,12 @@ class _Session:
         while True:
             try:
                 got = await self.reader.receive_message()
+            except ReceiverBusy as exc:  # an answer larger than any we wait for: discarded unread
+                self.reader.take_admitted()
+                if exc.request_id is not None and exc.attempt is not None:
+                    self._resolve((exc.request_id, exc.attempt), error=BadShape(
+                        f"{peer} sent an answer larger than asked for ({exc.message})", code="bad_shape"))
+                continue
             except WireError as exc:
                 if exc.request_id is not None and exc.attempt is not None and not exc.fatal:
                     self._resolve((exc.request_id, exc.attempt), error=exc)
@@ -172,28 +189,32 @@ class _Session:
                 raise
             if got is None:
                 raise BrokenError(f"{peer} closed the expert stream")
+            self.reader.take_admitted()
             msg, payload = got
             match msg:
                 case ExpertResponse():
                     self._resolve((msg.request_id, msg.attempt), response=msg, payload=payload)
+                case HoldProof():
+                    self._resolve((msg.request_id, msg.attempt), response=msg)
                 case ErrorReply(request_id=int() as rid, attempt=int() as attempt) if not msg.fatal:
                     self._resolve((rid, attempt), response=msg)
                 case ErrorReply():
                     log.warning("%s sent an error: %s (%s)", peer, msg.message, msg.code)
                     if msg.fatal:
                         raise RemoteProtocolError(f"{peer}: {msg.message}", code=msg.code)
-                case Hello() | ExpertRequest() | Cancel():
+                case Hello() | ExpertRequest() | Cancel() | HoldChallenge():
                     raise UnexpectedMessage(f"{peer} sent a {type(msg).__name__} on an open expert stream")
 
     def _resolve(
         self,
         key: RequestKey,
         *,
-        response: ExpertResponse | ErrorReply | None = None,
+        response: ExpertResponse | HoldProof | ErrorReply | None = None,
         payload: bytearray | None = None,
         error: SwarmError | None = None,
     ) -> None:
         waiter = self.pending.pop(key, None)
+        self.expected.pop(key, None)
         if waiter is None:
             log.debug("dropping an answer for %s that nobody waits for", key)
             return
@@ -287,6 +308,7 @@ class ExpertClient:
             raise _copy(session.dead)
         waiter = _Waiter()
         session.pending[key] = waiter
+        session.expected[key] = req.n_pairs * req.d_model * itemsize(dtype)
         try:
             try:
                 item = _Outgoing(key, waiter, frame)
@@ -301,9 +323,49 @@ class ExpertClient:
         finally:
             if session.pending.get(key) is waiter:
                 del session.pending[key]
+                session.expected.pop(key, None)
                 if waiter.sent and not waiter.event.is_set() and session.cancel_nowait(key):
                     self.cancels_sent += 1  # abandoned after it left: the server may drop it
         return self._result(req, waiter)
+
+    async def prove_hold(self, ch: HoldChallenge, *, timeout: float) -> HoldProof:  # noqa: ASYNC109
+        """Send a hold challenge and return its ``HoldProof`` (any status: judging it is the
+        caller's). Errors as for ``call``."""
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise LocalProtocolError(f"bad timeout {timeout}")
+        with trio.move_on_after(timeout):
+            session = self._session
+            if session is None or session.dead is not None or self._closed:
+                session = await self._get_session()
+            key = (ch.request_id, ch.attempt)
+            if key in session.pending:
+                raise LocalProtocolError(f"request {key} is already in flight to {self.peer_id}", code="duplicate_request")
+            waiter = _Waiter()
+            session.pending[key] = waiter
+            session.expected[key] = 0
+            try:
+                try:
+                    await session.send_channel.send(_Outgoing(key, waiter, encode_frame(ch)))
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    if not waiter.event.is_set():
+                        raise _copy(session.dead or BrokenError(f"stream to {self.peer_id} broke")) from None
+                await waiter.event.wait()
+            finally:
+                if session.pending.get(key) is waiter:
+                    del session.pending[key]
+                    session.expected.pop(key, None)
+            if waiter.error is not None:
+                raise waiter.error
+            resp = waiter.response
+            if isinstance(resp, ErrorReply):
+                raise RemoteProtocolError(f"{self.peer_id}: {resp.message}", code=resp.code)
+            if isinstance(resp, ExpertResponse) and resp.status != Status.OK:  # refused at the framing level
+                return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=resp.status, message=resp.message)
+            if not isinstance(resp, HoldProof):
+                raise RemoteProtocolError(f"{self.peer_id} answered a hold challenge with {type(resp).__name__}",
+                                          code="unexpected_message")
+            return resp
+        raise TransportTimeout(f"no answer from {self.peer_id} to hold challenge {ch.request_id} within {timeout}s")
 
     def _result(self, req: ExpertRequest, waiter: _Waiter) -> torch.Tensor:
         if waiter.error is not None:
@@ -313,6 +375,9 @@ class ExpertClient:
             raise BrokenError(f"stream to {self.peer_id} broke")
         if isinstance(resp, ErrorReply):
             raise RemoteProtocolError(f"{self.peer_id}: {resp.message}", code=resp.code)
+        if isinstance(resp, HoldProof):
+            raise RemoteProtocolError(f"{self.peer_id} answered an expert request with a hold proof",
+                                      code="unexpected_message")
         if resp.status != Status.OK:
             raise remote_error(resp.status, f"{self.peer_id} answered {resp.status}: {resp.message}")
         if (resp.n_rows, resp.n_pairs, resp.d_model) != (req.n_rows, req.n_pairs, req.d_model):
@@ -353,7 +418,11 @@ class ExpertClient:
         stream = await self._transport.open_stream(self.peer_id, self.addrs, PROTOCOL_ID)
         try:
             await stream.write(encode_frame(self._hello))
-            reader = FrameReader(stream, self._limits)
+            expected: dict[RequestKey, int] = {}
+            # an answer's payload is buffered only up to the largest answer we wait for: a peer
+            # cannot make us hold more than we asked for (bytes past it are discarded as they come)
+            reader = FrameReader(stream, self._limits,
+                                 admit=lambda n: n <= max(expected.values(), default=0))
             got = await reader.receive_message()
             if got is None:
                 raise BrokenError(f"{self.peer_id} closed the expert stream before its Hello")
@@ -365,7 +434,7 @@ class ExpertClient:
             if msg.protocol_version != PROTOCOL_VERSION:
                 raise VersionMismatch(version_mismatch_message(msg.protocol_version))
             queue_size = max(1, min(msg.max_in_flight, self._limits.max_in_flight))
-            return _Session(stream, msg, reader, queue_size)
+            return _Session(stream, msg, reader, queue_size, expected)
         except BaseException:
             await quietly(stream.aclose, f"closing a failed expert stream to {self.peer_id}", timeout_s=1, shield=True)
             raise

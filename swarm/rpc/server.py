@@ -27,6 +27,9 @@ Rules:
   fatal ``ErrorReply``. A handler's exception becomes an error response (a ``SwarmError`` keeps
   its code -- a refusal such as ``draining`` or ``slice_not_held`` included -- anything else is
   ``internal_error``); a handler's result of the wrong shape or with NaN/inf is never sent.
+- A ``HoldChallenge`` is answered with one ``HoldProof`` from ``prove`` (the digest; a
+  ``SwarmError`` it raises becomes the status), in a slot like a request; without ``prove`` the
+  answer is ``slice_not_held``.
 - The handler gets the header, the rows as a float32 tensor and the pairs as flat arrays
   (``Pairs``, views of the receive buffer): nothing per row is built in Python.
 """
@@ -40,6 +43,7 @@ import torch
 import trio
 
 from swarm.errors import (
+    BadShape,
     NonFinite,
     SwarmError,
     TransportError,
@@ -60,6 +64,8 @@ from swarm.protocol.expert import (
     ExpertResponse,
     FrameReader,
     Hello,
+    HoldChallenge,
+    HoldProof,
     Message,
     Pairs,
     RequestId,
@@ -80,6 +86,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Authorize",
     "ExpertHandler",
+    "Prove",
     "expert_stream_handler",
     "refuse_v1_stream",
     "serve_expert_stream",
@@ -88,6 +95,7 @@ __all__ = [
 
 ExpertHandler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable[torch.Tensor]]
 Authorize = Callable[[str], bool]  # peer id -> may it use our experts
+Prove = Callable[[HoldChallenge], Awaitable[bytes]]  # the digest (``swarm.model.slices.hold_digest``); SwarmError to refuse
 
 
 class ByteBudget:
@@ -139,6 +147,7 @@ async def serve_expert_stream(
     hello_timeout_s: float = 10.0,
     drain_timeout_s: float = 10.0,
     budget: ByteBudget | None = None,
+    prove: Prove | None = None,
 ) -> None:
     """Serve one expert stream until the peer closes it or it breaks; never raises for peer faults.
 
@@ -186,6 +195,7 @@ async def serve_expert_stream(
             authorize=authorize,
             drain_timeout_s=drain_timeout_s,
             budget=budget,
+            prove=prove,
         )
     except TransportError as exc:
         log.debug("expert stream from %s ended: %r", peer, exc)
@@ -218,6 +228,7 @@ async def _serve_requests(
     authorize: Authorize | None,
     drain_timeout_s: float,
     budget: ByteBudget,
+    prove: Prove | None,
 ) -> None:
     peer = stream.remote_peer_id
     slots = trio.Semaphore(limits.max_in_flight)
@@ -263,9 +274,19 @@ async def _serve_requests(
                     del in_flight[key]
                 slots.release()
 
+        async def prove_one(ch: HoldChallenge) -> None:
+            try:
+                await send(await _prove(prove, ch, peer), b"")
+            except TransportError as exc:
+                log.debug("expert stream from %s broke while answering a hold challenge: %r", peer, exc)
+                nursery.cancel_scope.cancel()
+            finally:
+                slots.release()
+
         try:
             await _read_requests(
-                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, authorize, peer, budget
+                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, authorize, peer, budget,
+                prove_one, lambda p: send(p, b""),
             )
         except TransportError as exc:
             log.debug("expert stream from %s ended: %r", peer, exc)
@@ -286,6 +307,8 @@ async def _read_requests(
     authorize: Authorize | None,
     peer: str,
     budget: ByteBudget,
+    prove_one: Callable[[HoldChallenge], Awaitable[None]],
+    send_proof: Callable[[HoldProof], Awaitable[None]],
 ) -> None:
     """Read and dispatch requests until the peer closes its side (returns) or framing is lost. The
     payload bytes the budget took for a frame go back when its request is answered or refused."""
@@ -327,6 +350,19 @@ async def _read_requests(
             if scope is not None:
                 scope.cancel()
             continue
+        if isinstance(msg, HoldChallenge):
+            refusal: tuple[str, str] | None = None
+            if authorize is not None and not authorize(peer):
+                refusal = (Status.NOT_AUTHORIZED, f"peer {peer} is not a coordinator this volunteer serves")
+            elif payload:
+                refusal = (BadShape.code, f"a hold challenge has no payload, got {len(payload)} bytes")
+            if refusal is not None:
+                slots.release()
+                await send_proof(HoldProof(request_id=msg.request_id, attempt=msg.attempt, status=refusal[0],
+                                           message=refusal[1]))
+            else:
+                nursery.start_soon(prove_one, msg)  # releases the slot
+            continue
         if not isinstance(msg, ExpertRequest):
             slots.release()
             await answer_error(UnexpectedMessage(f"unexpected {type(msg).__name__} after the Hello"))
@@ -358,6 +394,22 @@ async def _read_requests(
         scope = trio.CancelScope()
         in_flight[key] = scope
         nursery.start_soon(run_then_give, msg, rows, pairs, scope, held)
+
+
+async def _prove(prove: Prove | None, ch: HoldChallenge, peer: str) -> HoldProof:
+    """Answer a hold challenge; an error status for any failure."""
+    if prove is None:
+        return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=Status.SLICE_NOT_HELD,
+                         message="this server answers no hold challenges")
+    try:
+        digest = await prove(ch)
+    except SwarmError as exc:
+        return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=exc.code, message=exc.message)
+    except Exception as exc:
+        log.exception("hold proof for %s:%s-%s failed (challenge from %s)", ch.layer, ch.lo, ch.hi, peer)
+        return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=Status.INTERNAL_ERROR,
+                         message=f"hold proof failed: {type(exc).__name__}")
+    return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=Status.OK, digest=digest)
 
 
 async def _compute(
@@ -405,6 +457,7 @@ def expert_stream_handler(
     limits: WireLimits = DEFAULT_LIMITS,
     authorize: Authorize | None = None,
     budget: ByteBudget | None = None,
+    prove: Prove | None = None,
 ) -> StreamHandler:
     """A transport stream handler serving ``handler`` on each inbound expert stream (``hello``
     defaults to this process's kernel id and ``limits``)."""
@@ -412,7 +465,8 @@ def expert_stream_handler(
     shared = budget if budget is not None else ByteBudget()  # one budget for all of this server's streams
 
     async def on_stream(stream: Stream) -> None:
-        await serve_expert_stream(stream, handler, hello=our_hello, limits=limits, authorize=authorize, budget=shared)
+        await serve_expert_stream(stream, handler, hello=our_hello, limits=limits, authorize=authorize, budget=shared,
+                                  prove=prove)
 
     return on_stream
 
@@ -439,9 +493,11 @@ def set_expert_handlers(
     limits: WireLimits = DEFAULT_LIMITS,
     authorize: Authorize | None = None,
     budget: ByteBudget | None = None,
+    prove: Prove | None = None,
 ) -> None:
     """Serve ``handler`` on ``PROTOCOL_ID`` and refuse v1 streams (what every volunteer does)."""
     transport.set_stream_handler(
-        PROTOCOL_ID, expert_stream_handler(handler, hello=hello, limits=limits, authorize=authorize, budget=budget)
+        PROTOCOL_ID,
+        expert_stream_handler(handler, hello=hello, limits=limits, authorize=authorize, budget=budget, prove=prove),
     )
     transport.set_stream_handler(V1_PROTOCOL_ID, refuse_v1_stream)

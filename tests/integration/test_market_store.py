@@ -47,7 +47,7 @@ def sample_rows() -> list[Put]:
         Put(CoordinatorRow("http://127.0.0.1:8080", [MID], 7, 2.0)),
         Put(VolunteerRow("12D3KooWpeerA", 3, 41, 3.0, ["/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWpeerA"], 10**9)),
         Put(VolunteerRow("12D3KooWpeerB", 0, 0, 3.5)),
-        Put(CoverageRow("12D3KooWpeerA", S0, HeldState.SERVING, 4.0, proven=True)),
+        Put(CoverageRow("12D3KooWpeerA", S0, HeldState.SERVING, 4.0, served=True, held=True)),
         Put(CoverageRow("12D3KooWpeerA", S1, HeldState.LOADING, 4.5, retiring_since=9.25)),
         Put(LeaseRow("00000000000000ff", "12D3KooWpeerB", S1, 5.0, 35.0)),
         Put(MapRow(MID, 12, [LayerRanges(0, [RangeReplicas(0, 4, [Replica("12D3KooWpeerA", ["/ip4/1.2.3.4"])])])])),

@@ -96,7 +96,7 @@ async def start_volunteer(
                 t.set_stream_handler(ECHO, echo)
                 if server is not None:
                     await n.start(server.serve)
-                    set_expert_handlers(t, server.handle, hello=make_hello(kernel_id=server.kernel_id))
+                    set_expert_handlers(t, server.handle, hello=make_hello(kernel_id=server.kernel_id), prove=server.prove)
                 task_status.started(Vol(t.peer_id, list(nat.advertised), t, nat, server, cs))
                 await trio.sleep_forever()
 

@@ -62,7 +62,7 @@ async def start_volunteer(
             async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
                 await n.start(server.serve)
                 handler = wrap(server.handle) if wrap is not None else server.handle
-                set_expert_handlers(t, handler, hello=make_hello(kernel_id=server.kernel_id))
+                set_expert_handlers(t, handler, hello=make_hello(kernel_id=server.kernel_id), prove=server.prove)
                 task_status.started(Vol(t.peer_id, t.listen_addrs, server, t, cs))
                 await trio.sleep_forever()
 
@@ -287,6 +287,10 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
                                                                   dispatch="offload"))
     g = golden["greedy"][0]
     async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        async def proved() -> bool:  # the volunteer answers the hold challenge of each of its slices first
+            return bool((await h.get("/dispatch")).json()["hold_passes"] == len(HALVES))
+
+        await eventually(proved)
         r = await h.post("/v1/completions", json={"model": golden_model.model_id, "prompt": g["prompt_ids"],
                                                   "max_tokens": 24, "temperature": 0, "return_token_ids": True})
         assert r.json()["choices"][0]["token_ids"] == g["greedy_ids"]

@@ -20,6 +20,7 @@ from swarm.protocol.market import (
     CoordinatorReport,
     CoverageHeartbeat,
     HeldSlice,
+    ProvenSlice,
     RegisterModels,
     ReportedWorker,
     VolunteerRequest,
@@ -362,3 +363,48 @@ def test_registration_epochs_are_bounded_by_the_clock_even_from_an_old_database(
     # a model too big for the market's per-expert state is no model
     assert codes(lambda: again.register(RegisterModels("http://c9.test", [manifest("big-0123456789ab", n_layer=1024,
                                                                                   n_expert=16384)]), 2000.0)) == "400 bad_manifest"
+
+
+def test_coverage_counts_only_once_proved_and_gets_one_grace_after_a_restart() -> None:
+    """DESIGN §12: a leased slice reported serving keeps its place for ``proof_grace_s`` unless a
+    coordinator reports it held (a passed hold challenge) or served (verified answers); then it is
+    dropped (``release``, reason ``unproven``) and its experts are assigned again. After a restart every
+    unproved holding gets a fresh grace (coverage from before the rule is not a hole at once)."""
+    policy = msgspec.structs.replace(POLICY, coverage_requires_lease=True, proof_grace_s=3.0, lease_s=100.0)
+    backing = MemoryBacking()
+    m = Market(InMemoryStore(backing), policy, now=0.0, rng=random.Random(0))
+    m.register(RegisterModels(URL, [manifest(n_layer=1, n_expert=12)], epoch=1), 0.0)
+    offers = {p: m.volunteer(VolunteerRequest(p, max_experts=4, epoch=1, sequence=1), 0.0) for p in ("mute", "proved", "verified")}
+    sl = {p: (o.lease.slice.layer, o.lease.slice.lo, o.lease.slice.hi) for p, o in offers.items()}  # type: ignore[union-attr]
+    for p, (la, lo, hi) in sl.items():
+        assert m.heartbeat(hb(p, 2, (la, lo, hi, SERVING)), 1.0).slices[0].action == "keep"
+    m.tick(1.0)
+    assert codes(lambda: m.report(CoordinatorReport(url=URL, model_id="other-0123456789ab"), 1.5)) == "404 unknown_model"
+    m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
+        ReportedWorker(peer_id="proved", held=[ProvenSlice(*sl["proved"])]),
+        ReportedWorker(peer_id="verified", calls=2, rows=2, verified=2),
+        ReportedWorker(peer_id="mute", held=[ProvenSlice(0, 0, 1)])]), 2.0)  # a slice it does not hold: nothing
+    rows = {r.peer_id: r for r in m.ix.by_model[MID].values()}
+    assert (rows["proved"].held, rows["proved"].served) == (True, False)
+    assert (rows["verified"].held, rows["verified"].served) == (False, True) and not rows["mute"].proved
+    m.tick(3.9)
+    assert set(rows) == {r.peer_id for r in m.ix.by_model[MID].values()}  # 2.9 s of serving: still in grace
+    m.tick(4.0)
+    assert {r.peer_id for r in m.ix.by_model[MID].values()} == {"proved", "verified"} and m.counters["coverage_unproven"] == 1
+    [d] = m.heartbeat(hb("mute", 3, (*sl["mute"], SERVING)), 4.5).slices
+    assert (d.action, d.reason) == ("release", "unproven")
+    # its experts are a hole again: the next volunteer gets them
+    nxt = m.volunteer(VolunteerRequest("next", max_experts=4, epoch=1, sequence=1), 5.0)
+    assert (nxt.lease.slice.layer, nxt.lease.slice.lo) == sl["mute"][:2]  # type: ignore[union-attr]
+    # the proved holdings are preferred in the map (served, then held) and survive a restart; an
+    # unproved one loaded from the database gets its grace from the restart
+    m.heartbeat(hb("next", 2, (nxt.lease.slice.layer, nxt.lease.slice.lo, nxt.lease.slice.hi, SERVING)), 5.0)  # type: ignore[union-attr]
+    m.flush(5.0)
+    again = Market(InMemoryStore(backing), policy, now=100.0, rng=random.Random(0))
+    for p in ("proved", "verified", "next"):
+        again.heartbeat(hb(p, 9, (*sl.get(p, (nxt.lease.slice.layer, nxt.lease.slice.lo, nxt.lease.slice.hi)), SERVING)), 100.0)  # type: ignore[union-attr]
+    again.tick(100.0)
+    again.tick(102.9)
+    assert {r.peer_id for r in again.ix.by_model[MID].values()} == {"proved", "verified", "next"}
+    again.tick(103.1)
+    assert {r.peer_id for r in again.ix.by_model[MID].values()} == {"proved", "verified"}

@@ -22,6 +22,7 @@ from coordinator.core.dispatch import (
     Fail,
     FailureKind,
     Forget,
+    HoldRefuted,
     LayerReady,
     LocalDone,
     LocalFailed,
@@ -139,6 +140,21 @@ def test_quarantine_abandons_the_workers_calls_in_flight_and_recovers_their_rang
     eff = c.handle(LocalDone(fb.call, 0.008), 0.02)
     assert Combine(StepId(2), 0, (fb.call,)) in eff
     assert c.handle(RemoteDone(s2.call, 1), 0.03) == [] and c.stale_answers == 1  # its late answer: dropped
+
+
+def test_a_refuted_hold_quarantines_like_a_wrong_answer_and_recovers_calls_in_flight() -> None:
+    c = core("p", verify_probation_calls=0, verify_rate=0.0)
+    prove(c, "p", 1 * MS)
+    loaded(c)
+    [s] = only(remote_placement(c, 0.0, 1), SendRemote)
+    eff = c.handle(HoldRefuted("p", 1, 0, 4, "hold digest 00 is not ab"), 0.001)
+    [q] = only(eff, Quarantine)
+    assert (q.peer, q.layer, q.lo, q.hi) == ("p", 1, 0, 4) and "hold digest" in q.evidence
+    assert Cancel(s.call, Reason.QUARANTINED) in eff
+    assert ("local", None, Reason.FALLBACK_LOCAL) in placements(eff)
+    assert c.table.workers["p"].state is WorkerState.QUARANTINED and c.quarantines == 1
+    assert [e.kind for e in c.errors] == [FailureKind.WRONG_ANSWER]
+    assert only(c.handle(HoldRefuted("p", 1, 4, 8, "again"), 0.002), Quarantine) == [] and c.quarantines == 1
 
 
 def test_a_failed_kept_call_is_forgotten_not_compared_and_restarts_probation() -> None:
