@@ -828,7 +828,9 @@ class Dispatcher:
                            layer=h.layer, lo=h.lo, hi=h.hi, nonce=nonce, windows=windows)
         try:
             expected = await trio.to_thread.run_sync(hold_digest, stack, nonce, windows)
+            started = trio.current_time()
             proof = await self._client(h.peer).prove_hold(ch, timeout=self.timeout_s)
+            self._note_session(h.peer, started)  # the challenge may have opened the stream (path migration)
         except SwarmError as exc:
             book.failed(h, self._now(), f"{exc.code}: {exc.message}")
             log.info("hold challenge to %s for %d:%d-%d failed: %s", h.peer, h.layer, h.lo, h.hi, exc.message)
