@@ -102,6 +102,8 @@ from coordinator.core.dispatch import (
     RemoteFailed,
     RunLocal,
     SendRemote,
+    Settle,
+    Settled,
     StartTimer,
     StepId,
     Timer,
@@ -475,7 +477,7 @@ class Dispatcher:
                 if keep:
                     self._keep.add(call)
                 self._start_remote(call, step, index, peer, rid, attempt)
-            case Compare(remote=remote, local=local, peer=peer):
+            case Compare(remote=remote, local=local, peer=peer, peer_b=peer_b):
                 self._keep.discard(remote)
                 self._keep.discard(local)
                 a, b = self._kept.pop(remote, None), self._kept.pop(local, None)
@@ -483,9 +485,27 @@ class Dispatcher:
                     equal, detail = False, "an answer to compare is missing"
                     log.error("verification of %s: %s", peer, detail)
                 else:
-                    exact = self.wire_dtype == "float32" and self._peer_kernel_id(peer) == self._our_kernel_id
+                    theirs = self._peer_kernel_id(peer_b) if peer_b is not None else self._our_kernel_id
+                    exact = self.wire_dtype == "float32" and self._peer_kernel_id(peer) == theirs
                     equal, detail = verify_outputs(a, b, exact=exact)
+                    if peer_b is not None and not equal:  # two replicas disagree: kept until settled here
+                        self._kept[remote], self._kept[local] = a, b
+                        log.warning("replicas %s and %s disagree on layer %d experts %d-%d (%s): computing it here",
+                                    peer, peer_b, eff.layer, eff.lo, eff.hi, detail)
                 self._events.append(Compared(remote, equal, detail))
+            case Settle(a=ca, b=cb, local=cl, peer_a=pa, peer_b=pb):
+                ours = self._kept.pop(cl, None)
+                verdicts = []
+                for call, peer in ((ca, pa), (cb, pb)):
+                    theirs_t = self._kept.pop(call, None)
+                    if ours is None or theirs_t is None:
+                        verdicts.append((True, "an answer to settle with is missing"))  # no evidence: no quarantine
+                        continue
+                    exact = self.wire_dtype == "float32" and self._peer_kernel_id(peer) == self._our_kernel_id
+                    verdicts.append(verify_outputs(theirs_t, ours, exact=exact))
+                self._keep.difference_update((ca, cb, cl))
+                (ea, da), (eb, db) = verdicts
+                self._events.append(Settled(ca, ea, eb, da, db))
             case Forget(calls=calls):
                 for c in calls:
                     self._keep.discard(c)

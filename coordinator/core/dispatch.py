@@ -102,6 +102,8 @@ __all__ = [
     "FailureKind",
     "Hedge",
     "HoldRefuted",
+    "Settle",
+    "Settled",
     "LayerRanLocally",
     "LayerReady",
     "LayerRowCounts",
@@ -429,6 +431,8 @@ class Reason(StrEnum):
     FALLBACK_LOCAL = "fallback_local"
     ALL_FAILED = "all_failed"
     VERIFY = "verify"  # RunLocal: the coordinator's copy of a sampled remote call (its result is used)
+    VERIFY_SECOND = "verify_second"  # SendRemote: a second replica of a sampled call of a range not held here
+    DISPUTE = "dispute"  # RunLocal: two replicas disagreed; the coordinator computes it from its GGUF
     QUARANTINED = "quarantined"  # Cancel: the worker failed verification
     LOST_RACE = "lost_race"  # Cancel: another call of the range answered first
     DEADLINE = "deadline"  # Cancel: no answer within the timeout
@@ -550,6 +554,17 @@ class Compared:
 
 
 @dataclass(frozen=True)
+class Settled:
+    """The shell's answer to ``Settle``: did each replica's answer equal the coordinator's?"""
+
+    a: CallId
+    a_equal: bool
+    b_equal: bool
+    detail_a: str = ""
+    detail_b: str = ""
+
+
+@dataclass(frozen=True)
 class HoldRefuted:
     """The shell's hold challenge (DESIGN §12 "proved it holds it") got a wrong digest from ``peer``
     for slice ``layer:lo-hi``: the worker does not hold what it claims, so it is quarantined like a
@@ -598,6 +613,7 @@ Event = (
     | LocalDone
     | LocalFailed
     | Compared
+    | Settled
     | HoldRefuted
     | TimerFired
     | LoadSample
@@ -693,6 +709,22 @@ class Compare:
     layer: int
     lo: int
     hi: int
+    peer_b: str | None = None  # ``local`` is a second replica's call (a range not held here): keep both if unequal
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Two replicas disagreed on a range not held here: compare each kept answer with the coordinator's
+    own (``local``, computed from its GGUF), then drop all three; answer with ``Settled``."""
+
+    a: CallId
+    b: CallId
+    local: CallId
+    peer_a: str
+    peer_b: str
+    layer: int
+    lo: int
+    hi: int
 
 
 @dataclass(frozen=True)
@@ -744,6 +776,7 @@ Effect = (
     | MarkDown
     | MarkProven
     | Compare
+    | Settle
     | Forget
     | Quarantine
     | Combine
@@ -803,6 +836,21 @@ class _Range:
     failed: bool = False
     trusted_only: bool = False  # verified: only a local call's result may be the range's
     verified: bool = False  # placed remote, sampled (row counts)
+    cross: _Cross | None = None  # not held here and sampled: checked against a second replica
+
+
+@dataclass
+class _Cross:
+    """A sampled call of a range not held here and its copy on a second replica; each side pending,
+    done or gone. Neither answer is the range's until they agree (or one side is gone); a disagreement
+    is settled by the coordinator's own copy (``dispute``)."""
+
+    a: _Call
+    b: _Call
+    a_side: str = "pending"
+    b_side: str = "pending"
+    dispute: CallId | None = None  # the local call settling a disagreement
+    over: bool = False  # decided: agreed, one side won alone, or settled
 
 
 @dataclass
@@ -858,6 +906,10 @@ class DispatchCore:
         )
         self.rng = rng
         self._pairs: dict[CallId, _Pair] = {}  # by remote call and by local call
+        self._cross: dict[CallId, _Cross] = {}  # by either replica's call and by the dispute's local call
+        self.cross_checks = 0  # second-replica comparisons asked for
+        self.disputes = 0  # second-replica comparisons that disagreed (settled here)
+        self.unverifiable = 0  # sampled calls of ranges not held here with no second live replica
         self._comparing: dict[CallId, _Pair] = {}  # Compare sent, Compared not yet in (by remote call)
         self.verifications = 0  # comparisons asked for
         self.verified_equal = 0
@@ -883,6 +935,7 @@ class DispatchCore:
         self._request_ids = 0
         self._hot: dict[int, list[float]] = {}
         self._winners: dict[CallId, bool] = {}  # winning call -> answered remotely (until its layer combines)
+        self._last_now = 0.0  # the time of the event being handled (for cancels deep in a decision)
 
     # -- queries ---------------------------------------------------------------------------------
     def load_state(self, now: float) -> LoadState:
@@ -941,6 +994,7 @@ class DispatchCore:
     # -- the machine -------------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Effect]:
         out: list[Effect] = []
+        self._last_now = now
         match event:
             case WorkersListed(peers=peers):
                 self.table.sync(set(peers), now)
@@ -970,6 +1024,8 @@ class DispatchCore:
                 self._local_failed(cid, message, now, out)
             case Compared(remote=cid, equal=equal, detail=detail):
                 self._compared(cid, equal, detail, now, out)
+            case Settled(a=cid):
+                self._settled(cid, event, now, out)
             case HoldRefuted(peer=peer, layer=layer, lo=lo, hi=hi, detail=detail):
                 self._quarantine(peer, layer, lo, hi, f"layer {layer} experts {lo}-{hi}: {detail}", now, out)
             case TimerFired(timer=timer):
@@ -1026,6 +1082,8 @@ class DispatchCore:
         state = self.state
         c = self.config
         for i, w in enumerate(ev.ranges):
+            if st.step not in self._steps:
+                break  # an earlier range failed the step (not held, no replica): place nothing more
             self._request_ids += 1
             r = _Range(w, self._request_ids, planned_local=True)
             st.ranges.append(r)
@@ -1147,22 +1205,36 @@ class DispatchCore:
         *,
         trial: bool = False,
         hedge_of: CallId | None = None,
+        second_of: _Call | None = None,
     ) -> None:
         r = st.ranges[i]
         r.planned_local = r.planned_local and reason is Reason.TRIAL_HEDGE
         verify = trial or (r.work.held and hedge_of is None and self._sampled(peer))
+        second: str | None = None
+        if (second_of is None and hedge_of is None and not trial and not r.work.held and r.cross is None
+                and self._sampled(peer)):  # not held here: checked on a second replica instead
+            second = self._second_replica(r, peer, now)
+            if second is None:
+                self.unverifiable += 1
+        keep = verify or second is not None or second_of is not None
         call = self._new_call(st, i, peer, r.attempts, now, trial=trial)
-        call.verify = verify
+        call.verify = keep
         r.attempts += 1
         r.tried.add(peer)
         r.pending.add(call.call)
         self.table.started(peer)
         w = r.work
         head = (call.call, st.step, st.layer, i, w.lo, w.hi, peer, r.request_id, call.attempt, reason)
-        out.append(Hedge(*head, hedge_of) if hedge_of is not None else SendRemote(*head, verify))
+        out.append(Hedge(*head, hedge_of) if hedge_of is not None else SendRemote(*head, keep))
         out.append(StartTimer(Timer(TimerKind.DEADLINE, call.call), now + self.config.timeout_s))
-        if self.config.hedge and not verify:
+        if self.config.hedge and not keep:
             out.append(StartTimer(Timer(TimerKind.HEDGE, call.call), now + self._hedge_after(peer)))
+        if second_of is not None:
+            cross = _Cross(second_of, call)
+            r.cross = cross
+            self._cross[second_of.call] = self._cross[call.call] = cross
+        if second is not None:
+            self._send(st, i, second, Reason.VERIFY_SECOND, now, out, second_of=call)
         if verify:  # the range's result will be the coordinator's own copy
             r.trusted_only = True
             r.verified = r.verified or not trial
@@ -1171,6 +1243,95 @@ class DispatchCore:
             )
             pair = _Pair(call.call, local.call, peer, st.layer, w.lo, w.hi, trial)
             self._pairs[call.call] = self._pairs[local.call] = pair
+
+    def _second_replica(self, r: _Range, peer: str, now: float) -> str | None:
+        """Another live replica of the range for a cross-check (proven ones first, then the earliest
+        estimated finish), or None."""
+        others = [p for p in r.work.replicas if p != peer and p not in r.tried and self.table.is_live(p, now)]
+        if not others:
+            return None
+        proven = [p for p in others if self.table.is_proven(p)]
+        return self._best_remote(proven or others, now)[0]
+
+    def _cross_side(self, cross: _Cross, c: _Call, outcome: str, now: float, out: list[Effect]) -> None:
+        """One replica of a cross-check ended (``done`` or ``gone``). Both answered: ``Compare`` them.
+        One gone: the other's answer is the range's like any unchecked call (now, or when it comes)."""
+        if c is cross.a:
+            cross.a_side = outcome
+        else:
+            cross.b_side = outcome
+        st = self._steps.get(c.step)
+        if st is not None:
+            st.ranges[c.index].pending.discard(c.call)  # ended: no longer a call that may still answer
+        sides = (cross.a_side, cross.b_side)
+        if sides == ("done", "done"):
+            self.cross_checks += 1
+            w = c.work
+            out.append(Compare(cross.a.call, cross.b.call, cross.a.peer or "", c.layer, w.lo, w.hi,
+                               peer_b=cross.b.peer))
+            return
+        if "pending" in sides and outcome == "done":
+            return  # wait for the other replica: not the range's result yet
+        cross.over = True
+        self._drop_cross(cross)
+        out.append(Forget((cross.a.call, cross.b.call)))
+        if "done" in sides:
+            self._win(cross.a if cross.a_side == "done" else cross.b, now, out)
+
+    def _dispute_gone(self, cross: _Cross, out: list[Effect]) -> None:
+        """The local copy settling a dispute failed or was cancelled: nothing to settle with, drop the answers."""
+        cross.over = True
+        self._drop_cross(cross)
+        out.append(Forget((cross.a.call, cross.b.call, *((cross.dispute,) if cross.dispute is not None else ()))))
+
+    def _drop_cross(self, cross: _Cross) -> None:
+        for cid in (cross.a.call, cross.b.call, cross.dispute):
+            if cid is not None and self._cross.get(cid) is cross:
+                del self._cross[cid]
+
+    def _cross_compared(self, cross: _Cross, equal: bool, detail: str, now: float, out: list[Effect]) -> None:
+        a, b = cross.a, cross.b
+        assert a.peer is not None and b.peer is not None
+        if equal:
+            self.verified_equal += 1
+            for peer in (a.peer, b.peer):
+                was = self.table.is_proven(peer)
+                self.table.verified(peer, True)
+                if not was and self.table.is_proven(peer):
+                    out.append(MarkProven(peer))
+            cross.over = True
+            self._drop_cross(cross)
+            self._win(a, now, out)
+            return
+        self.disputes += 1
+        st = self._steps.get(a.step)
+        if st is None:  # the step ended meanwhile (another range failed): nothing to settle it for
+            cross.over = True
+            self._drop_cross(cross)
+            out.append(Forget((a.call, b.call)))
+            return
+        r = st.ranges[a.index]
+        r.trusted_only = True  # from now on only the coordinator's copy may be the range's result
+        local = self._local(st, a.index, Reason.DISPUTE, now, out, keep=True)
+        cross.dispute = local.call
+        self._cross[local.call] = cross
+
+    def _settled(self, cid: CallId, ev: Settled, now: float, out: list[Effect]) -> None:
+        cross = self._cross.get(cid)
+        if cross is None or cross.dispute is None:
+            self.stale_answers += 1
+            return
+        cross.over = True
+        self._drop_cross(cross)
+        w = cross.a.work
+        for call, equal, detail in ((cross.a, ev.a_equal, ev.detail_a), (cross.b, ev.b_equal, ev.detail_b)):
+            assert call.peer is not None
+            if equal:
+                self.table.verified(call.peer, True)
+            else:
+                evidence = (f"layer {call.layer} experts {w.lo}-{w.hi}: {detail or 'outputs differ'} "
+                            f"(a second replica disagreed; settled from the coordinator's copy)")
+                self._quarantine(call.peer, call.layer, w.lo, w.hi, evidence, now, out)
 
     def _fail(
         self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], message: str = ""
@@ -1205,6 +1366,12 @@ class DispatchCore:
         self._calls.pop(c.call, None)
         out.append(Cancel(c.call, reason))
         self._side(c.call, "gone", out)
+        cross = self._cross.get(c.call)
+        if cross is not None and not cross.over:
+            if c.peer is not None:
+                self._cross_side(cross, c, "gone", self._last_now, out)
+            elif cross.dispute == c.call:
+                self._dispute_gone(cross, out)
         if c.peer is None:
             self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
         else:
@@ -1285,6 +1452,10 @@ class DispatchCore:
             out.append(Forget((pair.remote, pair.local)))
 
     def _compared(self, cid: CallId, equal: bool, detail: str, now: float, out: list[Effect]) -> None:
+        cross = self._cross.get(cid)
+        if cross is not None and cid == cross.a.call and not cross.over and cross.dispute is None:
+            self._cross_compared(cross, equal, detail, now, out)
+            return
         pair = self._comparing.pop(cid, None)
         if pair is None:
             self.stale_answers += 1
@@ -1334,7 +1505,11 @@ class DispatchCore:
         out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
         if not c.verify:
             out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
-        self._win(c, now, out)
+        cross = self._cross.get(cid)
+        if cross is not None and not cross.over:
+            self._cross_side(cross, c, "done", now, out)
+        else:
+            self._win(c, now, out)
         self._side(cid, "done", out)
 
     def _mark_down(
@@ -1379,6 +1554,9 @@ class DispatchCore:
         self._record(c, kind, message, wall_ms, now)
         self._mark_down(c, kind, message, wall_ms, now, out, record=False)
         self._side(cid, "gone", out)
+        cross = self._cross.get(cid)
+        if cross is not None and not cross.over:
+            self._cross_side(cross, c, "gone", now, out)
         st = self._steps.get(c.step)
         if st is None:
             return
@@ -1421,6 +1599,10 @@ class DispatchCore:
             self.local_cost_s = (1 - a) * self.local_cost_s + a * compute_s / w.pairs
         self._win(c, now, out)
         self._side(cid, "done", out)
+        cross = self._cross.get(cid)
+        if cross is not None and cross.dispute == cid:
+            assert cross.a.peer is not None and cross.b.peer is not None
+            out.append(Settle(cross.a.call, cross.b.call, cid, cross.a.peer, cross.b.peer, c.layer, w.lo, w.hi))
 
     def _local_failed(self, cid: CallId, message: str, now: float, out: list[Effect]) -> None:
         c = self._calls.get(cid)
@@ -1431,6 +1613,9 @@ class DispatchCore:
         self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
         self._record(c, FailureKind.LOCAL, message, 0, now)
         self._side(cid, "gone", out)
+        cross = self._cross.get(cid)
+        if cross is not None and cross.dispute == cid:
+            self._dispute_gone(cross, out)
         st = self._steps.get(c.step)
         if st is None:
             return

@@ -406,7 +406,8 @@ async def test_stale_answer_of_an_old_attempt_is_ignored(
     a.uninterruptible = True  # so the coordinator's Cancel does not stop it: its answer does come
     b = await sw.volunteer("b")
     m = dmap({(0, 0, 4): ["a", "b"], (0, 4, 8): ["a", "b"]})
-    cfg = DispatchConfig(timeout_s=0.2, hedge_floor_s=0.05)
+    # hedging under test: no verification samples (they would add a second replica's check)
+    cfg = DispatchConfig(timeout_s=0.2, hedge_floor_s=0.05, **NO_SAMPLING)
     async with sw.coordinator(config=cfg, held=lambda layer, lo, hi: False) as d:
         d.set_map(m)
         # 0-3 goes to a (attempt 0); its hedge after half the timeout goes to b (attempt 1): b wins
@@ -434,7 +435,8 @@ async def test_a_hedges_loser_is_cancelled_on_the_volunteer(
     a = await sw.volunteer("a", slow)
     b = await sw.volunteer("b")
     m = dmap({(0, 0, 4): ["a", "b"], (0, 4, 8): ["b"]})
-    cfg = DispatchConfig(timeout_s=0.2, hedge_floor_s=0.05)
+    # hedging under test: no verification samples (they would add a second replica's check)
+    cfg = DispatchConfig(timeout_s=0.2, hedge_floor_s=0.05, **NO_SAMPLING)
     async with sw.coordinator(config=cfg, held=lambda layer, lo, hi: False) as d:
         d.set_map(m)
         t = await step(d, m, seed=1)  # 0-3: a is slow, its hedge on b wins after 0.1 s

@@ -875,7 +875,9 @@ async def test_client_aclose_fails_waiting_calls(net: Net, clock: trio.testing.M
         async with trio.open_nursery() as nursery:
             for rid in range(3):
                 nursery.start_soon(waiting, rid)
-            await trio.sleep(0.1)
+            with trio.fail_after(30):  # all three are waiting for their answers (not still dialling)
+                while client._session is None or len(client._session.pending) < 3:
+                    await trio.sleep(0.01)
             await client.aclose()
         assert len(errors) == 3
         with pytest.raises(ClosedError):

@@ -180,3 +180,57 @@ async def test_a_sleeper_is_caught_at_its_first_lie_at_rate_1(
         else:  # the lies before the sampled one went into the outputs
             assert 1 <= differing <= len(sleeper.lies) - 1
         assert rep.decisions.get(Reason.VERIFY.value, 0) >= 50
+
+
+NOT_HELD = {"held": lambda layer, lo, hi: False}  # the coordinator holds no expert (a backbone)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "scaled", "ulp", "intermittent"])
+async def test_experts_not_held_here_are_checked_on_a_second_replica_and_disputes_settled_here(
+    kind: str, clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """DESIGN §12 for ranges the coordinator does not hold: a sampled call also goes to a second
+    replica; the range's result waits until both agree; when they disagree the coordinator computes
+    the range from its own GGUF, uses that, and quarantines whoever differs from it. No output
+    differs from all-local; the honest replica is never quarantined."""
+    lie, kid = LIARS[kind]
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    liar, honest = Liar(lie), Liar(lambda n, out: None)
+    await start_worker(sw, "liar", liar, kid)
+    await start_worker(sw, "honest", honest, OURS)
+    cfg = DispatchConfig(verify_rate=1.0)  # every call of a range not held here is cross-checked
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg, **NOT_HELD) as d:
+        d.set_map(dmap({k: ["liar", "honest"] for k in HALVES}))
+        await trio.sleep(0.01)
+        await run_steps(d, 60)
+        await settled(d)
+        rep = d.report()
+        # caught at its first lie: no lie after the step it first lied in (both ranges of it may be in flight)
+        assert liar.lies and len(liar.lies) <= len(HALVES) // 2 and max(liar.lies) - min(liar.lies) <= 1
+        states = {w.peer_id: w.state for w in rep.workers}
+        assert states == {"liar": "quarantined", "honest": "up"} and rep.quarantines == 1
+        [err] = rep.errors  # (a second dispute of the same step finds it quarantined already)
+        assert err.peer == "liar" and err.reason == "wrong_answer" and "second replica" in err.message
+        n = len(liar.lies)  # each lie was one dispute, settled here
+        assert rep.decisions.get(Reason.VERIFY_SECOND.value, 0) >= 1 and rep.decisions[Reason.DISPUTE.value] == n
+        assert d.core.disputes == n and d.core.cross_checks >= n
+        calls = liar.calls
+        await run_steps(d, 10, seed0=100)
+        assert liar.calls == calls
+
+
+async def test_a_not_held_range_with_one_replica_is_served_unchecked_and_counted(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """With no second live replica a sampled call cannot be checked here: it is served as is and
+    counted (``unverifiable``), never held up."""
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    only_one = Liar(lambda n, out: None)
+    await start_worker(sw, "only", only_one, OURS)
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH,
+                              config=DispatchConfig(verify_rate=1.0), **NOT_HELD) as d:
+        d.set_map(dmap({k: ["only"] for k in HALVES}))
+        await trio.sleep(0.01)
+        await run_steps(d, 10)
+        assert d.core.unverifiable == only_one.calls == 20 and d.core.cross_checks == 0
+        assert d.report().quarantines == 0

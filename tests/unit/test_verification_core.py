@@ -34,6 +34,8 @@ from coordinator.core.dispatch import (
     RemoteFailed,
     RunLocal,
     SendRemote,
+    Settle,
+    Settled,
     StepId,
     Timer,
     TimerFired,
@@ -219,10 +221,11 @@ def test_a_stale_comparison_changes_nothing() -> None:
 def test_every_kept_pair_ends_in_exactly_one_compare_or_forget(
     seed: int, n_steps: int, mode: DispatchMode, rate: float
 ) -> None:
-    """Random layers over two workers, their calls answered, failed, timed out or compared (equal or
-    not) in random order: every step combines or fails exactly once, a range whose calls include a kept
-    one combines only a local call, every kept call is named by exactly one Compare or Forget, and at
-    the end nothing is pending."""
+    """Random layers over two workers, held here or not, their calls answered, failed, timed out,
+    compared (equal or not) and disputes settled in random order: every step combines or fails exactly
+    once, a held range whose calls include a kept one combines only a local call, a not-held range whose
+    replicas disagreed combines only the coordinator's copy, every kept call is named by exactly one
+    Compare (an agreed or a held one), Settle or Forget, and at the end nothing is pending."""
     rnd = random.Random(seed)
     c = core("p", "q", mode=mode, verify_probation_calls=rnd.choice([0, 2]), verify_rate=rate, timeout_s=1.0,
              rng=random.Random(seed))
@@ -234,13 +237,18 @@ def test_every_kept_pair_ends_in_exactly_one_compare_or_forget(
     kept: set[CallId] = set()
     local_calls: set[CallId] = set()
     trusted_steps: dict[StepId, set[int]] = {}
+    held_of: dict[tuple[StepId, int], bool] = {}
     named: list[CallId] = []
     ended: list[StepId] = []
     todo: list[Effect] = []
     for step in range(1, n_steps + 1):
-        ranges = [rw(0, 4, *rnd.sample(["p", "q"], rnd.randint(0, 2))), rw(4, 8, *rnd.sample(["p", "q"], rnd.randint(0, 2)))]
+        ranges = [rw(lo, hi, *rnd.sample(["p", "q"], rnd.randint(0, 2)), held=rnd.random() < 0.6)
+                  for lo, hi in ((0, 4), (4, 8))]
+        for i, r in enumerate(ranges):
+            held_of[(StepId(step), i)] = r.held
         todo += c.handle(LayerReady(StepId(step), 0, tuple(ranges)), now)
-    pending_compares: list[CallId] = []
+    pending_compares: list[tuple[CallId, CallId, bool]] = []  # (a, b, cross-check)
+    pending_settles: list[tuple[CallId, CallId, CallId]] = []
     live: dict[CallId, Effect] = {}
 
     def absorb(effs: list[Effect]) -> None:
@@ -250,14 +258,16 @@ def test_every_kept_pair_ends_in_exactly_one_compare_or_forget(
                     live[e.call] = e
                     if e.keep:
                         kept.add(e.call)
-                        trusted_steps.setdefault(e.step, set()).add(e.index)
+                        if held_of[(e.step, e.index)] or (isinstance(e, RunLocal) and e.reason is Reason.DISPUTE):
+                            trusted_steps.setdefault(e.step, set()).add(e.index)
                     if isinstance(e, RunLocal):
                         local_calls.add(e.call)
                 case Cancel(call=cid):
                     live.pop(cid, None)
-                case Compare(remote=r, local=loc):
-                    named.extend([r, loc])
-                    pending_compares.append(r)
+                case Compare(remote=r, local=loc, peer_b=pb):
+                    pending_compares.append((r, loc, pb is not None))
+                case Settle(a=a, b=b, local=loc):
+                    pending_settles.append((a, b, loc))
                 case Forget(calls=cs):
                     named.extend(cs)
                 case Combine(step=s, calls=calls):
@@ -272,12 +282,20 @@ def test_every_kept_pair_ends_in_exactly_one_compare_or_forget(
 
     absorb(todo)
     for _ in range(500):
-        if not live and not pending_compares:
+        if not live and not pending_compares and not pending_settles:
             break
         now += 0.01
+        if pending_settles and (not live or rnd.random() < 0.3):
+            a, b, loc = pending_settles.pop(rnd.randrange(len(pending_settles)))
+            named.extend([a, b, loc])
+            absorb(c.handle(Settled(a, rnd.random() < 0.5, rnd.random() < 0.5), now))
+            continue
         if pending_compares and (not live or rnd.random() < 0.3):
-            r = pending_compares.pop(rnd.randrange(len(pending_compares)))
-            absorb(c.handle(Compared(r, rnd.random() < 0.8, "d"), now))
+            r, loc, cross = pending_compares.pop(rnd.randrange(len(pending_compares)))
+            equal = rnd.random() < 0.8
+            if equal or not cross:  # a disagreement of two replicas is named again by its Settle
+                named.extend([r, loc])
+            absorb(c.handle(Compared(r, equal, "d"), now))
             continue
         cid = rnd.choice(sorted(live))
         e = live.pop(cid)
@@ -290,7 +308,7 @@ def test_every_kept_pair_ends_in_exactly_one_compare_or_forget(
             absorb(c.handle(RemoteFailed(cid, FailureKind.BROKEN, "x"), now))
         else:
             absorb(c.handle(TimerFired(Timer(TimerKind.DEADLINE, cid)), now))
-    assert not live and not pending_compares
+    assert not live and not pending_compares and not pending_settles
     assert sorted(ended) == list(range(1, n_steps + 1))  # each step once
     assert sorted(named) == sorted(kept)  # each kept call named exactly once
-    assert c.active_steps() == 0 and c.in_flight() == 0 and not c._pairs and not c._comparing
+    assert c.active_steps() == 0 and c.in_flight() == 0 and not c._pairs and not c._comparing and not c._cross
