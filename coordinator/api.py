@@ -259,7 +259,9 @@ def build_app(
                 nursery.cancel_scope.cancel()
         if failed is not None or finish is None:
             msg = failed.message if failed is not None else "request was cancelled"
-            return error_response(SwarmError(msg, code="engine_error" if failed else "cancelled"), status=500)
+            if failed is not None:
+                return error_response(SwarmError(msg, code=failed.code), status=failed.status)
+            return error_response(SwarmError(msg, code="cancelled"), status=500)
         if disconnected:
             return Response(status_code=499)
         content = "".join(text)
@@ -314,7 +316,7 @@ def build_app(
                     yield b"data: [DONE]\n\n"
                 else:
                     done = True
-                    yield b"data: " + encode_error(500, "engine_error", ev.message) + b"\n\n"
+                    yield b"data: " + encode_error(ev.status, ev.code, ev.message) + b"\n\n"
                     return
         finally:
             if not done:

@@ -54,6 +54,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="share of volunteers' answers recomputed here and compared, after their probation")
     c.add_argument("--verify-probation", type=int, default=50,
                    help="a volunteer's first N answers (and N after any failure) are all verified")
+    c.add_argument("--local-experts", default="all", metavar="SPEC",
+                   help="routed experts computed here: all (default), none, or LAYERS:EXPERTS items such as "
+                        "0-8:all,8-48:none (half-open); the others only on volunteers")
     c.add_argument("--no-hold-proof", action="store_true",
                    help="give listed volunteers work without first checking they hold their slices (hold challenge)")
     c.set_defaults(func=run)
@@ -90,6 +93,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "max_body": ns.max_body,
         "verify_probation_calls": ns.verify_probation,
         "hold_proof": not ns.no_hold_proof,
+        "local_experts": ns.local_experts,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
               "serve_ttl_s": "--serve-ttl",
               "verify_probation_calls": "--verify-probation", "hold_proof": "--no-hold-proof"})

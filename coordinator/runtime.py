@@ -37,7 +37,7 @@ from coordinator.core.scheduler import (
 )
 from coordinator.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
 from coordinator.sampling import make_generator, sample
-from swarm.errors import RequestError
+from swarm.errors import DispatchFailed, RequestError
 from swarm.model.gguf import GGUFModel
 from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
@@ -52,6 +52,8 @@ class EngineFailed:
 
     req_id: int
     message: str
+    code: str = "engine_error"
+    status: int = 500  # 503: experts nobody serves right now (DispatchFailed), worth a retry
 
 
 Event = Emit | Finish | EngineFailed
@@ -225,18 +227,21 @@ class EngineRuntime:
                 continue
             try:
                 self._step(plan)
+            except DispatchFailed as exc:  # experts no replica serves and the coordinator does not hold
+                log.warning("engine step failed: %s", exc.message)
+                self._fail(plan, f"experts unavailable: {exc.message}", code="experts_unavailable", status=503)
             except Exception as exc:  # noqa: BLE001 - the engine thread must outlive any one step
                 log.exception("engine step failed")
                 self._fail(plan, f"engine error: {exc}")
 
-    def _fail(self, plan: list[StepEntry], message: str) -> None:
+    def _fail(self, plan: list[StepEntry], message: str, *, code: str = "engine_error", status: int = 500) -> None:
         """End every request of a failed step that is still running, with ``message``."""
         failed: list[Event] = []
         with self._lock:
             for e in plan:
                 if self.sched.slot_of(e.req_id) is not None:
                     self.sched.cancel(e.req_id, time.monotonic())
-                    failed.append(EngineFailed(e.req_id, message))
+                    failed.append(EngineFailed(e.req_id, message, code, status))
         self._post(failed)
 
     def _step(self, plan: list[StepEntry]) -> None:

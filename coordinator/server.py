@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from coordinator.api import build_app
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
+from coordinator.core.local_experts import parse_local_experts
 from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
 from coordinator.market_link import MarketLink
 from coordinator.runtime import EngineRuntime
@@ -81,6 +82,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     verify_probation_calls: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 50
     # a listed volunteer gets work for a slice only after answering a hold challenge for it (DESIGN §12)
     hold_proof: bool = True
+    # the routed experts this coordinator computes itself (DESIGN §11 SPEC; coordinator.core.local_experts):
+    # others go to volunteers only (a backbone coordinator: none)
+    local_experts: Annotated[str, msgspec.Meta(min_length=1, max_length=65536)] = "all"
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -103,6 +107,10 @@ def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     rt = await trio.to_thread.run_sync(load_runtime, cfg)
     model = rt.model
+    local = parse_local_experts(cfg.local_experts, model.config.n_layer, model.config.n_expert)
+    if not local.all:
+        log.info("local experts %s: %d of %d held here, the rest only on volunteers", local.spec,
+                 local.held_experts(), model.config.n_layer * model.config.n_expert)
     with contextlib.ExitStack() as stack:
         if cfg.data_dir is not None:
             data_dir = Path(cfg.data_dir)  # expanded at the edge (CLI)
@@ -112,7 +120,8 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
         async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.p2p_listen) as transport:
             dispatcher = Dispatcher(model, transport, config=dispatch_config(cfg), wire_dtype=cfg.wire_dtype,
                                     kernel=cfg.kernel, hole_punch=cfg.hole_punch,
-                                    load_probe=lambda: (rt.busy(), rt.n_slots), prove_holdings=cfg.hold_proof)
+                                    load_probe=lambda: (rt.busy(), rt.n_slots), prove_holdings=cfg.hold_proof,
+                                    held=local.held)
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
 

@@ -19,7 +19,7 @@ from swarm.model.gguf import model_id_for
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, encode_frame, make_hello, make_pairs
 from swarm.rpc.client import open_expert_client
-from tests.conftest import GOLDEN_GGUF
+from tests.conftest import GOLDEN_GGUF, eventually
 from tests.e2e.test_process_e2e import UNVERIFIED, Proc, attach_single_worker, cli, procs, wait_for_line  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -116,3 +116,40 @@ async def test_declared_sizes_cost_a_volunteer_no_memory(procs: list[Proc], tmp_
             assert w["calls"] > 0 and w["failures"] == 0
         for s in streams:
             await s.aclose()
+
+
+async def test_a_backbone_coordinator_computes_no_expert_and_says_which_are_missing(
+    procs: list[Proc], tmp_path: Path, golden: dict[str, Any]  # noqa: F811
+) -> None:
+    """``--local-experts none`` with real processes: without a volunteer a completion fails with 503
+    ``experts_unavailable`` naming the experts; once a static volunteer passed its hold challenges,
+    every routed expert is computed by it (no local rows) and the tokens are llama.cpp's."""
+    map_path = tmp_path / "map.json"
+    model_id = model_id_for(GOLDEN_GGUF)
+    map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
+    coord = Proc(cli("coordinator", "--local-experts", "none", "--model", str(GOLDEN_GGUF), "--port", "0",
+                     "--data-dir", str(tmp_path / "c"), "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
+    procs.append(coord)
+    url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    g = golden["greedy"][0]
+    body = {"model": model_id, "prompt": g["prompt_ids"], "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as h:
+        r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "experts_unavailable", r.text
+        assert "experts 0-8" in r.json()["error"]["message"]
+        vol = Proc(cli("volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
+                       "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
+        procs.append(vol)
+        await wait_for_line(vol, "volunteer ready ")
+        info = json.loads((tmp_path / "v" / "volunteer.json").read_text())
+        await attach_single_worker(h, map_path, model_id, info)
+
+        async def proved() -> bool:
+            return bool((await h.get("/dispatch")).json()["hold_passes"] == 2)
+
+        await eventually(proved)
+        r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == g["greedy_ids"][:12]
+        rep = (await h.get("/dispatch")).json()
+        assert rep["workers"][0]["calls"] > 0 and rep["workers"][0]["holdings_proven"] == 2
+        assert all(L["local_rows"] == 0 and L["fallback_rows"] == 0 and L["remote_rows"] > 0 for L in rep["layers"])

@@ -128,3 +128,31 @@ def test_tolerance_comparison_catches_what_the_kernels_cannot_explain() -> None:
     bad[3, 5] = float("nan")
     assert verify_outputs(bad, y, exact=False) == (False, "non-finite outputs")
     assert not verify_outputs(y[:31], y, exact=False)[0]
+
+
+async def test_a_backbone_coordinator_settles_two_replicas_disagreeing_from_its_gguf(
+    nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport,
+) -> None:
+    """``--local-experts none`` (held: nothing): every call of the liar and the honest volunteer is
+    cross-checked on the other; the disagreement is settled here, the liar quarantined, the honest one
+    not, and the tokens and logits are the all-local ones."""
+    from coordinator.core.local_experts import parse_local_experts
+
+    cfg = golden_model.config
+    none = parse_local_experts("none", cfg.n_layer, cfg.n_expert)
+    liar = await start_volunteer(nursery, golden_model, HALVES, wrap=lying(lambda y: y * 1.5))
+    honest = await start_volunteer(nursery, golden_model, HALVES)
+    m = dmap(golden_model, 1, {k: [liar, honest] for k in HALVES})
+    d = await make_dispatcher(nursery, golden_model, coord_transport, held=none.held,
+                              config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=1.0))
+    await assert_greedy_as_all_local(nursery, golden_model, golden, d, m)
+
+    async def quarantined() -> bool:
+        return bool(report(d)["quarantines"])
+
+    await eventually(quarantined, within=10, interval=0.01)
+    rep = report(d)
+    states = {w["peer_id"]: w["state"] for w in rep["workers"]}
+    assert states == {liar.peer_id: "quarantined", honest.peer_id: "up"}
+    assert rep["decisions"].get("dispute", 0) >= 1 and d.core.disputes >= 1
+    assert any("second replica" in e["message"] for e in rep["errors"] if e["peer"] == liar.peer_id)

@@ -103,3 +103,12 @@ def test_coordinator_dispatch_flags_reach_the_dispatch_core() -> None:
     assert default == DispatchConfig(timeout_s=3.0) and (default.verify_rate, default.verify_probation_calls) == (0.05, 50)
     v = dispatch_config(config("coordinator", "--model", "m.gguf", "--verify-rate", "1", "--verify-probation", "7"))  # type: ignore[arg-type]
     assert (v.verify_rate, v.verify_probation_calls) == (1.0, 7)
+
+
+def test_trust_and_capacity_flags_reach_the_configs() -> None:
+    c = config("coordinator", "--model", "m.gguf", "--local-experts", "0-2:none", "--no-hold-proof")
+    assert c.local_experts == "0-2:none" and c.hold_proof is False  # type: ignore[attr-defined]
+    d = config("coordinator", "--model", "m.gguf")
+    assert d.local_experts == "all" and d.hold_proof is True  # type: ignore[attr-defined]
+    m = config("market", "--db", ":memory:", "--insecure-no-token", "--proof-grace-s", "30")
+    assert m.policy.proof_grace_s == 30.0  # type: ignore[attr-defined]
