@@ -52,6 +52,7 @@ from swarm.protocol.expert import (
 from swarm.rpc.client import ExpertClient, open_expert_client
 from swarm.rpc.server import ByteBudget, expert_stream_handler, set_expert_handlers
 from swarm.rpc.tensors import tensor_to_payload
+from tests.conftest import eventually
 
 D = 16
 KERNEL = "test-kernel-v1"
@@ -875,9 +876,10 @@ async def test_client_aclose_fails_waiting_calls(net: Net, clock: trio.testing.M
         async with trio.open_nursery() as nursery:
             for rid in range(3):
                 nursery.start_soon(waiting, rid)
-            with trio.fail_after(30):  # all three are waiting for their answers (not still dialling)
-                while client._session is None or len(client._session.pending) < 3:
-                    await trio.sleep(0.01)
+            async def all_pending() -> bool:  # all three are waiting for their answers (not still dialling)
+                return client._session is not None and len(client._session.pending) == 3
+
+            await eventually(all_pending, within=30)
             await client.aclose()
         assert len(errors) == 3
         with pytest.raises(ClosedError):
