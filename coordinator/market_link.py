@@ -52,7 +52,11 @@ class MarketLink:
         reregister_s: float = 30.0,
         timeout_s: float = 2.0,
         report_s: float = 5.0,
+        local_experts: list[tuple[int, int, int]] | None = None,
     ) -> None:
+        """``local_experts``: the (layer, lo, hi) this coordinator computes itself (None: all of them),
+        sent in the registration so the market gives the others more replicas."""
+        self.local_experts = local_experts
         self.base = market_url.rstrip("/")
         self.dispatcher = dispatcher
         self.manifest = manifest
@@ -121,6 +125,8 @@ class MarketLink:
         peer_id = getattr(self.dispatcher.transport, "peer_id", None)
         if isinstance(peer_id, str):
             reg["peer_id"] = peer_id  # volunteers of our model answer expert calls from this id only
+        if self.local_experts is not None:  # only when not all: an older market refuses the field
+            reg["local_experts"] = {self.manifest.model_id: [list(r) for r in self.local_experts]}
         body = msgspec.json.encode(reg)
         backoff = 0.5
         while True:

@@ -149,7 +149,8 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                 url = await nursery.start(_serve_http, rt, app, cfg)
                 if cfg.market is not None:
                     link = MarketLink(cfg.market, dispatcher, build_manifest(model),
-                                      advertise_url=cfg.advertise_url or url, token=cfg.token)
+                                      advertise_url=cfg.advertise_url or url, token=cfg.token,
+                                      local_experts=None if local.all else local.ranges())
                     links.append(link)
                     await nursery.start(link.serve)
                 task_status.started(url)

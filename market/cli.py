@@ -55,6 +55,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="when idle volunteers should ask again if nothing is needed")
     p.add_argument("--max-leases-per-address", type=int, default=d.max_leases_per_address,
                    help="open leases one IP address may hold (volunteers behind one address share it)")
+    p.add_argument("--remote-base-target", type=int, default=d.remote_base_target,
+                   help="replicas of each expert some hosting coordinator does not compute itself (--local-experts)")
     p.add_argument("--proof-grace-s", type=float, default=d.proof_grace_s,
                    help="a serving slice no coordinator saw proof of (hold challenge, verified answers) "
                         "stops counting after this long; 0 = no proof needed")
@@ -91,6 +93,7 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "max_leases_per_address": ns.max_leases_per_address,
             "quarantine_s": ns.quarantine_s,
             "proof_grace_s": ns.proof_grace_s,
+            "remote_base_target": ns.remote_base_target,
         },
     }
     return build_config(MarketConfig, raw, flags={"relays": "--relay", "poll_interval_s": "--poll-interval",

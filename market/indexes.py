@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from market.core.demand import CoverageCounts, contribution, effective_target
+from market.core.demand import CoverageCounts, Targets, contribution, effective_target, expert_targets
 from market.core.directive import Reason, slice_refusal
 from market.core.records import (
     CoordinatorRow,
@@ -92,6 +92,8 @@ class Indexes:
         self.quarantined: dict[str, QuarantineRow] = {}  # peer -> why and until when it is refused
         self.served: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) reported by coordinators
         self.routed: dict[str, dict[tuple[int, int, int], int]] = {}  # model -> (layer, lo, hi) -> routed rows (runtime)
+        self._coordinators_version = 0  # bumped on every registration change (the targets' memo key)
+        self._targets: dict[str, tuple[tuple[bool, int], Targets]] = {}
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -234,7 +236,46 @@ class Indexes:
         return st is not None and st.recruiting
 
     def target(self, model_id: str) -> int:
+        """The effective target of the experts every hosting coordinator computes itself (the base one)."""
         return effective_target(self.policy.base_target, self.policy.boost, self.recruiting(model_id))
+
+    def remote_target(self, model_id: str) -> int:
+        """The effective target of experts some hosting coordinator does not compute (``remote_base_target``)."""
+        return effective_target(self.policy.remote_base_target, self.policy.boost, self.recruiting(model_id))
+
+    def held_by_all(self, model_id: str) -> list[list[bool]] | None:
+        """Per layer, per expert: does every coordinator hosting the model compute it itself? None: all do."""
+        m = self.models.get(model_id)
+        if m is None:
+            return None
+        n_layer, n_expert = m.manifest.n_layer, m.manifest.n_expert
+        out: list[list[bool]] | None = None
+        for c in self.coordinators.values():
+            if model_id not in c.model_ids or model_id not in c.local_experts:
+                continue  # not hosting it, or computing all of it
+            mine = [[False] * n_expert for _ in range(n_layer)]
+            for layer, lo, hi in c.local_experts[model_id]:
+                if 0 <= layer < n_layer:
+                    for e in range(max(0, lo), min(hi, n_expert)):
+                        mine[layer][e] = True
+            out = mine if out is None else [[a and b for a, b in zip(x, y, strict=True)] for x, y in zip(out, mine, strict=True)]
+        return out
+
+    def targets(self, model_id: str) -> Targets:
+        """Per-expert effective targets (one number when uniform): ``market.core.demand.expert_targets``."""
+        m = self.models[model_id].manifest
+        p = self.policy
+        key = (self.recruiting(model_id), self._coordinators_version)
+        hit = self._targets.get(model_id)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        t = expert_targets(m.n_layer, m.n_expert, base=p.base_target, remote_base=p.remote_base_target, boost=p.boost,
+                           recruiting=key[0], held_by_all=self.held_by_all(model_id))
+        self._targets[model_id] = (key, t)
+        return t
+
+    def coordinators_changed(self) -> None:
+        self._coordinators_version += 1
 
     def live_volunteers(self) -> int:
         return len(self.coverage)

@@ -23,6 +23,9 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     base_target: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 1
     boost: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 1
+    # experts some coordinator hosting the model does not compute itself (no last resort there): this many
+    # replicas, so one volunteer leaving never leaves a hole (DESIGN §11 --remote-base-target)
+    remote_base_target: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
     saturation_threshold: Annotated[int, msgspec.Meta(ge=1)] = 2
     rise_s: NonNegFloat = 0.0  # saturated this long before the boost starts
     hold_s: NonNegFloat = 10.0  # unsaturated this long before the boost ends (hysteresis)

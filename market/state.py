@@ -211,8 +211,10 @@ class Market:
                 self.ix.add_model(row)
                 changes.append(Put(row))
         ids = [m.model_id for m in req.models]
-        crow = CoordinatorRow(req.url, ids, req.epoch, now, req.peer_id)
+        local = {mid: [(s.layer, s.lo, s.hi) for s in spans] for mid, spans in req.local_experts.items() if mid in ids}
+        crow = CoordinatorRow(req.url, ids, req.epoch, now, req.peer_id, local)
         self.ix.coordinators[req.url] = crow
+        self.ix.coordinators_changed()
         self.ix.polls.setdefault(req.url, PollRecord())
         changes.append(Put(crow))
         self._commit(changes)
@@ -259,7 +261,7 @@ class Market:
             self.ix.del_lease(lease, changes)  # lapsed; the tick has not collected it yet
         wanted = set(req.models) if req.models is not None else None
         supplies = [
-            ModelSupply(mid, row.manifest.bytes_per_expert, self.ix.counts[mid], self.ix.target(mid))
+            ModelSupply(mid, row.manifest.bytes_per_expert, self.ix.counts[mid], self.ix.targets(mid))
             for mid, row in self.ix.models.items()
             if (wanted is None or mid in wanted) and self.ix.hosts_of(mid)
         ]
@@ -583,7 +585,7 @@ class Market:
             )
             for k, r in rows.items()
         ]
-        plan = plan_ageout(m.n_layer, m.n_expert, self.ix.target(model_id), holdings)
+        plan = plan_ageout(m.n_layer, m.n_expert, self.ix.targets(model_id), holdings)
         for k in plan.restore:
             self.ix.put_cov(msgspec.structs.replace(rows[k], retiring_since=None), changes)
             rep.restored += 1

@@ -59,6 +59,7 @@ def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None)
             raise _unknown_model(mid)
         target = ix.target(mid)
         c = ix.counts[mid]
+        remote, holes = _remote_and_holes(ix, mid)
         out.append(
             ModelDemand(
                 mid,
@@ -68,7 +69,9 @@ def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None)
                 base_target=ix.policy.base_target,
                 effective_target=target,
                 replicas_min=c.min_replicas(),
-                segments=segments(c, target),
+                segments=segments(c, ix.targets(mid)),
+                remote_target=remote,
+                holes=holes,
             )
         )
     return DemandView(any(ix.recruiting(m) for m in ix.models), out)
@@ -97,6 +100,7 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                 )
             )
         st = ix.recruit.get(mid, RecruitState())
+        remote, holes = _remote_and_holes(ix, mid)
         out.append(
             ModelRecruitment(
                 mid,
@@ -111,9 +115,22 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                 map_version=map_version(ix, mid),
                 coordinators=coords,
                 workers=_workers(ix, mid, now),
+                remote_target=remote,
+                holes=holes,
             )
         )
     return RecruitmentView(any(m.recruiting for m in out), out)
+
+
+def _remote_and_holes(ix: Indexes, model_id: str) -> tuple[int | None, int]:
+    """The remote experts' effective target (None: every hosting coordinator computes every expert) and
+    the number of experts no one can compute now (no replica, not held by every hosting coordinator)."""
+    held = ix.held_by_all(model_id)
+    if held is None:
+        return None, 0
+    reps = ix.counts[model_id].replicas
+    holes = sum(1 for layer, row in enumerate(held) for e, h in enumerate(row) if not h and reps[layer][e] == 0)
+    return ix.remote_target(model_id), holes
 
 
 def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:

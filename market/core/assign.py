@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from market.core.demand import CoverageCounts
+from market.core.demand import CoverageCounts, Targets, layer_targets
 from market.core.records import SliceRef
 from swarm.core.rng import Rng
 
@@ -75,7 +75,7 @@ class ModelSupply:
     model_id: str
     bytes_per_expert: Sequence[int]  # per layer
     counts: CoverageCounts
-    target: int
+    target: Targets  # one for every expert, or per layer, per expert
 
 
 class Pick(msgspec.Struct, frozen=True):
@@ -88,7 +88,7 @@ _Key = tuple[float, float]
 _MEMO_LIMIT = 8192
 
 
-def _best_windows(need: list[int], n: int, target: int) -> tuple[_Key | None, list[tuple[int, int]]]:
+def _best_windows(need: list[int], n: int, target: Sequence[int]) -> tuple[_Key | None, list[tuple[int, int]]]:
     """The best-scoring windows of one layer: runs of needed experts inside aligned n-chunks."""
     best_key: _Key | None = None
     best: list[tuple[int, int]] = []
@@ -101,8 +101,8 @@ def _best_windows(need: list[int], n: int, target: int) -> tuple[_Key | None, li
                 if run_lo is None:
                     run_lo = e
             elif run_lo is not None:
-                window = need[run_lo:e]
-                key = (max(window) / target, sum(window) / target)
+                window = [need[x] / target[x] for x in range(run_lo, e)]
+                key = (max(window), sum(window))
                 if best_key is None or key > best_key:
                     best_key, best = key, [(run_lo, e)]
                 elif key == best_key:
@@ -131,10 +131,10 @@ def choose_slice(
     best: list[tuple[str, int, int, int, int]] = []  # (model_id, layer, lo, hi, bytes_per_expert)
     any_need = False
     for m in models:
-        target = m.target
-        if target <= 0:
-            continue
         counts = m.counts
+        uniform = isinstance(m.target, int)
+        if isinstance(m.target, int) and m.target <= 0:
+            continue
         held_here: dict[int, set[int]] = {}
         for s in held:
             if s.model_id == m.model_id:
@@ -145,18 +145,19 @@ def choose_slice(
             bpe = m.bytes_per_expert[layer]
             n = max(0, min(experts_that_fit(budget, bpe, header_allowance), counts.n_expert))
             mine = held_here.get(layer)
-            memo_key = (layer, target, n)
+            tl = layer_targets(m.target, layer, counts.n_expert)
+            memo_key = (layer, m.target if uniform else tuple(tl), n)
             hit = None if mine else counts.memo.get(memo_key)
             if hit is not None and hit[0] == counts.version[layer]:
                 layer_key, windows, layer_need = hit[1]
             else:
-                need = [target - r - p if r + p < target else 0 for r, p in zip(
-                    counts.replicas[layer], counts.pending[layer], strict=True)]
+                need = [t - r - p if r + p < t else 0 for r, p, t in zip(
+                    counts.replicas[layer], counts.pending[layer], tl, strict=True)]
                 if mine:
                     for e in mine:
                         need[e] = 0
                 layer_need = any(need)
-                layer_key, windows = _best_windows(need, n, target) if layer_need and n >= 1 else (None, [])
+                layer_key, windows = _best_windows(need, n, tl) if layer_need and n >= 1 else (None, [])
                 if not mine:
                     counts.memo[memo_key] = (counts.version[layer], (layer_key, windows, layer_need))
             any_need = any_need or layer_need

@@ -12,19 +12,40 @@ Rules (DESIGN §6, §11):
 - ``scarcity = (target - replicas) / target``; 0 when the target is 0; negative means surplus.
 - A model with no workers at all is seeded from its metadata: counts exist for every layer and
   expert from registration on, so demand is visible from zero.
+- Targets are per expert (``Targets``: per layer, per expert) or one number for all. An expert some
+  coordinator hosting the model does not compute itself (``--local-experts``) has no last resort
+  there, so its base is ``remote_base`` instead of ``base`` (``expert_targets``); the boost adds to
+  either while recruiting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Literal
 
 from market.core.records import CoverageRow
 from swarm.protocol.market import Segment
 
-__all__ = ["CountKind", "CoverageCounts", "Segment", "contribution", "effective_target", "scarcity", "segments"]
+__all__ = ["CountKind", "CoverageCounts", "Segment", "Targets", "contribution", "effective_target", "expert_targets",
+           "layer_targets", "scarcity", "segments"]
 
 CountKind = Literal["replica", "pending"]
+Targets = int | Sequence[Sequence[int]]  # one target for every expert, or per layer, per expert
+
+
+def layer_targets(targets: Targets, layer: int, n_expert: int) -> Sequence[int]:
+    return [targets] * n_expert if isinstance(targets, int) else targets[layer]
+
+
+def expert_targets(n_layer: int, n_expert: int, *, base: int, remote_base: int, boost: int, recruiting: bool,
+                   held_by_all: Sequence[Sequence[bool]] | None) -> Targets:
+    """Per-expert targets: ``base`` where every coordinator hosting the model computes the expert
+    itself, ``remote_base`` elsewhere, plus ``boost`` while recruiting. One number when uniform."""
+    local = effective_target(base, boost, recruiting)
+    if held_by_all is None or all(all(row) for row in held_by_all):
+        return local
+    remote = effective_target(remote_base, boost, recruiting)
+    return [[local if h else remote for h in held_by_all[layer]] for layer in range(n_layer)]
 
 
 def effective_target(base: int, boost: int, recruiting: bool) -> int:
@@ -91,14 +112,15 @@ class CoverageCounts:
         return min((min(r) for r in self.replicas), default=0)
 
 
-def segments(counts: CoverageCounts, target: int) -> list[Segment]:
-    """The model's demand, layer by layer, as maximal runs of equal ``(replicas, pending)``."""
+def segments(counts: CoverageCounts, targets: Targets) -> list[Segment]:
+    """The model's demand, layer by layer, as maximal runs of equal ``(replicas, pending, target)``."""
     out: list[Segment] = []
     for layer in range(counts.n_layer):
         reps, pend = counts.replicas[layer], counts.pending[layer]
+        tl = layer_targets(targets, layer, counts.n_expert)
         lo = 0
         for e in range(1, counts.n_expert + 1):
-            if e == counts.n_expert or reps[e] != reps[lo] or pend[e] != pend[lo]:
-                out.append(Segment(layer, lo, e, reps[lo], pend[lo], target, scarcity(target, reps[lo])))
+            if e == counts.n_expert or reps[e] != reps[lo] or pend[e] != pend[lo] or tl[e] != tl[lo]:
+                out.append(Segment(layer, lo, e, reps[lo], pend[lo], tl[lo], scarcity(tl[lo], reps[lo])))
                 lo = e
     return out

@@ -80,6 +80,8 @@ class CoordinatorRow(msgspec.Struct, frozen=True, tag=True):
     epoch: NonNeg
     registered_at: float
     peer_id: str | None = None  # its libp2p id (volunteers of its models answer it only)
+    # model -> [(layer, lo, hi)] it computes itself; a model not named: all (``--local-experts``)
+    local_experts: dict[str, list[tuple[int, int, int]]] = {}
 
 
 class VolunteerRow(msgspec.Struct, frozen=True, tag=True):

@@ -25,6 +25,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
+from market.core.demand import Targets, layer_targets
+
 __all__ = [
     "AgeOut",
     "Holding",
@@ -138,8 +140,10 @@ class AgeOut(Generic[K]):
     retire: list[K] = field(default_factory=list)
 
 
-def plan_ageout(n_layer: int, n_expert: int, target: int, holdings: Sequence[Holding[K]]) -> AgeOut[K]:
-    """Which retiring holdings to dispatch again and which counted ones to retire (see the rules)."""
+def plan_ageout(n_layer: int, n_expert: int, target: Targets, holdings: Sequence[Holding[K]]) -> AgeOut[K]:
+    """Which retiring holdings to dispatch again and which counted ones to retire (see the rules);
+    ``target`` is one for every expert or per layer, per expert."""
+    tl = [layer_targets(target, layer, n_expert) for layer in range(n_layer)]
     counts = [[0] * n_expert for _ in range(n_layer)]
     for h in holdings:
         if h.counted:
@@ -152,7 +156,7 @@ def plan_ageout(n_layer: int, n_expert: int, target: int, holdings: Sequence[Hol
         key=lambda h: (not h.served, not h.serving, h.since, h.peer_id),
     ):
         row = counts[h.layer]
-        if any(row[e] < target for e in range(h.lo, h.hi)):
+        if any(row[e] < tl[h.layer][e] for e in range(h.lo, h.hi)):
             out.restore.append(h.key)
             for e in range(h.lo, h.hi):
                 row[e] += 1
@@ -161,7 +165,7 @@ def plan_ageout(n_layer: int, n_expert: int, target: int, holdings: Sequence[Hol
         key=lambda h: (h.serving, h.served, -h.since, h.peer_id),
     ):
         row = counts[h.layer]
-        if all(row[e] - 1 >= target for e in range(h.lo, h.hi)):
+        if all(row[e] - 1 >= tl[h.layer][e] for e in range(h.lo, h.hi)):
             out.retire.append(h.key)
             for e in range(h.lo, h.hi):
                 row[e] -= 1

@@ -81,6 +81,14 @@ class Segment(msgspec.Struct, frozen=True):
 # -- requests ---------------------------------------------------------------------------------
 
 
+class ProvenSlice(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """``[layer, lo, hi]``: one slice (a volunteer proved it holds it; a coordinator computes it itself)."""
+
+    layer: Layer
+    lo: Expert
+    hi: Expert
+
+
 class RegisterModels(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /api/models``: a coordinator (by its advertised base URL) and the models it hosts.
 
@@ -93,6 +101,10 @@ class RegisterModels(msgspec.Struct, forbid_unknown_fields=True):
     epoch: Epoch = 0
     # the coordinator's libp2p peer id: volunteers holding its models answer expert calls from it only
     peer_id: PeerId | None = None
+    # the routed experts it computes itself, per model (``--local-experts``; DESIGN §11: holdings travel per
+    # coordinator, never in the manifest); a model not named here: all of them (what older coordinators do)
+    local_experts: Annotated[dict[ModelId, Annotated[list[ProvenSlice], msgspec.Meta(max_length=65536)]],
+                             msgspec.Meta(max_length=64)] = {}
 
 
 class VolunteerRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -150,14 +162,6 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     sent_at_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
-
-
-class ProvenSlice(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
-    """``[layer, lo, hi]``: one slice a volunteer proved it holds."""
-
-    layer: Layer
-    lo: Expert
-    hi: Expert
 
 
 class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
@@ -275,6 +279,9 @@ class ModelDemand(msgspec.Struct):
     effective_target: int
     replicas_min: int
     segments: list[Segment]
+    # experts some hosting coordinator does not compute itself: their effective target (None: there are none)
+    remote_target: int | None = None
+    holes: int = 0  # experts nobody can compute now: no replica, and not every hosting coordinator holds them
 
 
 class DemandView(msgspec.Struct):
@@ -327,6 +334,8 @@ class ModelRecruitment(msgspec.Struct):
     map_version: int
     coordinators: list[CoordinatorView]
     workers: list[WorkerView]
+    remote_target: int | None = None  # as in ModelDemand
+    holes: int = 0
 
 
 class RecruitmentView(msgspec.Struct):

@@ -281,3 +281,27 @@ async def test_a_holding_nobody_proves_stops_counting_after_the_grace_and_an_hon
 
 def s_of(slices: list[dict[str, Any]]) -> list[tuple[int, int, int, bool]]:
     return [(x["layer"], x["lo"], x["hi"], x["held"]) for x in slices]
+
+
+async def test_a_backbone_coordinator_registers_its_holdings_and_the_market_wants_two_replicas(
+    nursery: trio.Nursery, golden_model: GGUFModel, tmp_path: Path
+) -> None:
+    """``--local-experts none`` through a real MarketLink and market: the registration says the coordinator
+    computes no expert, so every expert is wanted twice (``--remote-base-target``) and all are holes."""
+    model = golden_model
+    market_url = await nursery.start(serve_market, MarketConfig(db=str(tmp_path / "m.db"), port=0, token=TOKEN,
+                                                                poll_interval_s=0.2, tick_s=0.05))
+    d = Dispatcher(model, None)
+    link = MarketLink(market_url, d, build_manifest(model), advertise_url="http://127.0.0.1:9/", token=TOKEN,
+                      poll_s=0.1, local_experts=[])
+    await nursery.start(link.serve)
+
+    async def registered() -> bool:
+        return link.registered
+
+    await eventually(registered)
+    async with httpx.AsyncClient(base_url=market_url) as h:
+        [m] = (await h.get("/api/expert-demand")).json()["models"]
+    cfg = model.config
+    assert (m["effective_target"], m["remote_target"], m["holes"]) == (1, 2, cfg.n_layer * cfg.n_expert)
+    assert {s["target"] for s in m["segments"]} == {2}

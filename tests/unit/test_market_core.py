@@ -17,7 +17,15 @@ from market.core.assign import (
     experts_that_fit,
     jittered,
 )
-from market.core.demand import CoverageCounts, Segment, contribution, effective_target, scarcity, segments
+from market.core.demand import (
+    CoverageCounts,
+    Segment,
+    contribution,
+    effective_target,
+    expert_targets,
+    scarcity,
+    segments,
+)
 from market.core.directive import Action, Directive, Reason, directive, in_cooldown, slice_refusal
 from market.core.records import CoverageRow, HeldState, SliceRef
 from market.core.recruit import (
@@ -618,3 +626,34 @@ def test_rank_sources_is_reproducible_from_a_seed() -> None:
     sources = [src(f"http://c{i}", True, 1) for i in range(6)]
     assert rank_sources(sources, random.Random(7)) == rank_sources(sources, random.Random(7))
     assert len({tuple(rank_sources(sources, random.Random(s))) for s in range(20)}) > 1  # equals are spread
+
+
+# -- per-expert targets (experts not every coordinator computes: --local-experts) ---------------
+
+
+def test_expert_targets_are_one_number_unless_some_coordinator_lacks_an_expert() -> None:
+    all_held = [[True] * 4, [True] * 4]
+    assert expert_targets(2, 4, base=1, remote_base=2, boost=1, recruiting=False, held_by_all=None) == 1
+    assert expert_targets(2, 4, base=1, remote_base=2, boost=1, recruiting=True, held_by_all=all_held) == 2
+    held = [[True, True, False, False], [False] * 4]
+    assert expert_targets(2, 4, base=1, remote_base=2, boost=1, recruiting=False, held_by_all=held) == [
+        [1, 1, 2, 2], [2, 2, 2, 2]]
+    assert expert_targets(2, 4, base=1, remote_base=2, boost=1, recruiting=True, held_by_all=held) == [
+        [2, 2, 3, 3], [3, 3, 3, 3]]
+
+
+def test_segments_split_where_the_target_changes() -> None:
+    c = counts_from(1, 4, {(0, 0, 4): 1})
+    assert segments(c, [[1, 1, 2, 2]]) == [Segment(0, 0, 2, 1, 0, 1, 0.0), Segment(0, 2, 4, 1, 0, 2, 0.5)]
+
+
+def test_choose_slice_and_ageout_follow_per_expert_targets() -> None:
+    # one replica everywhere: only the experts with target 2 (not held by the coordinator) are needed
+    c = counts_from(1, 8, {(0, 0, 8): 1})
+    targets = [[1, 1, 1, 1, 2, 2, 2, 2]]
+    got = choose_slice([supply(c, target=targets)], Budget(max_experts=8), [], random.Random(1))  # type: ignore[arg-type]
+    assert isinstance(got, Pick) and got.slice == S(0, 4, 8) and got.scarcity == 0.5
+    # age-out keeps two holdings of the remote experts and one of the others
+    hs = [H("a", 0, 4, 0), H("b", 0, 4, 1), H("c", 4, 8, 0), H("d", 4, 8, 1)]
+    plan = plan_ageout(1, 8, targets, hs)
+    assert plan.retire == ["b"] and plan.restore == []

@@ -408,3 +408,35 @@ def test_coverage_counts_only_once_proved_and_gets_one_grace_after_a_restart() -
     assert {r.peer_id for r in again.ix.by_model[MID].values()} == {"proved", "verified", "next"}
     again.tick(103.1)
     assert {r.peer_id for r in again.ix.by_model[MID].values()} == {"proved", "verified"}
+
+
+def test_experts_a_coordinator_does_not_compute_get_the_remote_target_and_holes_are_counted() -> None:
+    """DESIGN §11: holdings travel in the registration; experts not held by every coordinator hosting the
+    model get ``remote_base_target`` (2 here) replicas, the others ``base_target``; the views name the
+    remote target and the experts nobody can compute now (holes)."""
+    m = new_market()
+    m.register(RegisterModels(URL, [manifest(n_layer=1, n_expert=8)], epoch=10,
+                              local_experts={MID: [ProvenSlice(0, 0, 4)]}), 0.0)  # holds 0-3, not 4-7
+    [d] = m.demand(0.0).models
+    assert (d.effective_target, d.remote_target, d.holes) == (1, 2, 4)
+    assert [(s.lo, s.hi, s.target) for s in d.segments] == [(0, 4, 1), (4, 8, 2)]
+    # a second coordinator holding everything does not make 4-7 local: one that hosts it lacks them
+    m.register(RegisterModels("http://c2.test", [manifest(n_layer=1, n_expert=8)], epoch=10), 0.0)
+    assert m.demand(0.0).models[0].remote_target == 2
+    # volunteers: 4-7 twice (scarcity 1, then 0.5) before anyone takes 0-3 (scarcity 1 too, but later)
+    got = []
+    for i, p in enumerate(("v1", "v2", "v3")):
+        o = m.volunteer(VolunteerRequest(p, max_experts=4, epoch=1, sequence=1), 1.0 + i)
+        assert isinstance(o, Offer)
+        got.append((o.lease.slice.lo, o.lease.slice.hi))
+        m.heartbeat(hb(p, 2, (0, o.lease.slice.lo, o.lease.slice.hi, SERVING)), 1.0 + i)
+    assert sorted(got) == [(0, 4), (4, 8), (4, 8)]
+    m.tick(5.0)
+    [d] = m.demand(5.0).models
+    assert d.holes == 0 and [(s.lo, s.hi, s.replicas, s.target) for s in d.segments] == [(0, 4, 1, 1), (4, 8, 2, 2)]
+    [r] = m.recruitment(5.0).models
+    assert (r.remote_target, r.holes) == (2, 0)
+    # the registration is the whole list: re-registered holding all, the target is uniform again
+    m.register(RegisterModels(URL, [manifest(n_layer=1, n_expert=8)], epoch=11), 6.0)
+    [d] = m.demand(6.0).models
+    assert (d.remote_target, d.holes) == (None, 0) and {s.target for s in d.segments} == {1}
