@@ -30,6 +30,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--reservation-ttl", type=int, default=3600, help="seconds a reservation lasts without a refresh")
     r.add_argument("--circuit-max-bytes", type=int, default=0, help="bytes per direction per circuit (0 = unlimited)")
     r.add_argument("--circuit-max-duration", type=int, default=0, help="seconds per circuit (0 = unlimited)")
+    r.add_argument("--stream-window", type=int, default=256 * 1024,
+                   help="receive window per stream, in bytes: what the relay holds of a stalled circuit direction")
     r.set_defaults(func=run)
     return r
 
@@ -46,6 +48,7 @@ def config_from_args(ns: argparse.Namespace) -> RelayConfig:
         "max_circuits_per_peer": ns.max_circuits_per_peer,
         "reservation_ttl_s": ns.reservation_ttl,
         "circuit_max_bytes": ns.circuit_max_bytes,
+        "stream_window_bytes": ns.stream_window,
         "circuit_max_duration_s": ns.circuit_max_duration,
     }, flags={"reservation_ttl_s": "--reservation-ttl", "circuit_max_duration_s": "--circuit-max-duration"})
     cfg.limits()  # the ledger's own cross-field checks, before anything starts

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import trio
@@ -76,6 +76,9 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     timeout_s: PosFloat = 10.0  # one protocol exchange (reading a request, reaching a destination)
     max_dialbacks: PosInt = 8
     drain_timeout_s: NonNegFloat = 1.0
+    # receive window per stream: what the relay holds of a circuit direction whose reader stalls (plus one
+    # 64 KiB chunk); the spec's initial 256 KiB, not the 16 MiB our other hosts grant for throughput
+    stream_window_bytes: Annotated[int, msgspec.Meta(ge=256 * 1024, le=16 * 1024 * 1024)] = 256 * 1024
 
     def limits(self) -> RelayLimits:
         try:
@@ -184,7 +187,8 @@ async def open_relay(cfg: RelayConfig) -> AsyncIterator[RelayService]:
     key_path = Path(cfg.data_dir) / "identity.key" if cfg.data_dir is not None else None
     if not cfg.listen:
         raise ConfigError("give at least one --listen multiaddr")
-    async with open_libp2p_transport(key_path=key_path, listen_addrs=cfg.listen, dial_timeout_s=cfg.timeout_s) as transport:
+    async with open_libp2p_transport(key_path=key_path, listen_addrs=cfg.listen, dial_timeout_s=cfg.timeout_s,
+                                     yamux_window_bytes=cfg.stream_window_bytes) as transport:
         service = RelayService(transport, cfg)
         service.install()
         hc = HyperConfig()

@@ -249,13 +249,16 @@ async def open_libp2p_transport(
     dial_timeout_s: float = 10.0,
     max_inbound_streams_per_peer: int = DEFAULT_MAX_INBOUND_STREAMS_PER_PEER,
     websocket: bool = False,
+    yamux_window_bytes: int | None = None,
 ) -> AsyncIterator[Libp2pTransport]:
     """A running libp2p host listening on ``listen_addrs``; closed cleanly on exit.
 
     The identity is loaded from ``key_path`` (created on first use); ``None`` means a fresh,
     unsaved identity (tests, one-off tools). No listen address means a dial-only host (a volunteer
     reachable only through a relay). ``websocket`` (implied by a ``/ws`` listen address) adds the
-    WebSocket transport, for networks that only let web ports out.
+    WebSocket transport, for networks that only let web ports out. ``yamux_window_bytes``: the
+    receive window per stream (default 16 MiB: throughput over long paths; a relay, which holds
+    what it cannot pass on yet, takes a small one).
     """
     from libp2p.crypto.ed25519 import create_new_key_pair
     from multiaddr import Multiaddr
@@ -268,7 +271,8 @@ async def open_libp2p_transport(
         maddrs = [Multiaddr(a) for a in listen_addrs]
     except Exception as exc:
         raise ConfigError(f"bad listen address in {list(listen_addrs)}: {exc}") from exc
-    host = build_host(key_pair, websocket=websocket or any("/ws" in a for a in listen_addrs))
+    host = build_host(key_pair, websocket=websocket or any("/ws" in a for a in listen_addrs),
+                      yamux_window_bytes=yamux_window_bytes)
     async with host.run(listen_addrs=maddrs):
         try:
             if maddrs and not host.get_addrs():

@@ -85,14 +85,15 @@ class Vol:
 
 async def start_volunteer(
     nursery: trio.Nursery, relays: list[str], *, model: GGUFModel | None = None, listen: tuple[str, ...] = (),
-    hole_punch: bool = False, key_path: Path | None = None, **kw: Any,
+    hole_punch: bool = False, key_path: Path | None = None, window: int | None = None, **kw: Any,
 ) -> Vol:
     server = ExpertServer([load_slice(cut_slice(model, L, lo, hi)) for L, lo, hi in HALVES], threads=1) if model else None
 
     async def run(task_status: trio.TaskStatus[Vol]) -> None:
         with trio.CancelScope() as cs:
             cfg = NatConfig(relays=tuple(relays), hole_punch=hole_punch, **{**FAST, **kw})
-            async with open_listener_host(key_path=key_path, listen_addrs=listen, cfg=cfg) as (t, nat), trio.open_nursery() as n:
+            async with open_listener_host(key_path=key_path, listen_addrs=listen, cfg=cfg, yamux_window_bytes=window) as (t, nat), \
+                    trio.open_nursery() as n:
                 t.set_stream_handler(ECHO, echo)
                 if server is not None:
                     await n.start(server.serve)
@@ -423,3 +424,43 @@ async def test_two_relays_survive_the_loss_of_one(nursery: trio.Nursery, coord: 
         assert await s.read(10) == b"via r2"
         await s.aclose()
     assert r2.service.ledger.stats().circuits_opened_total == 1
+
+
+SINK = "/test/never-reads/1"
+
+
+async def test_a_destination_that_never_reads_holds_the_sender_not_the_relay(
+    nursery: trio.Nursery, coord: Libp2pTransport
+) -> None:
+    """Issue 11 item 5 on the relay: a circuit copies one 64 KiB chunk at a time with back-pressure and
+    the relay grants each stream only a 256 KiB receive window, so when the destination stops reading
+    (here after its own window filled) the relay stops taking bytes from the source: what it holds
+    of the circuit is bounded by its window plus a chunk, however much the sender tries to push."""
+    relay = await start_relay(nursery)
+    stalled = trio.Event()
+
+    async def never_reads(stream: Stream) -> None:
+        stalled.set()
+        await trio.sleep_forever()
+
+    vol = await start_volunteer(nursery, [relay.addr], window=256 << 10)  # its own window fills fast
+    vol.transport.set_stream_handler(SINK, never_reads)
+    async with open_nat(coord, NatConfig(hole_punch=False)):
+        s = await coord.open_stream(vol.peer_id, vol.addrs, SINK)
+        chunk = bytes(1 << 16)
+        written = 0
+        with trio.move_on_after(10.0):
+            try:
+                while written < 64 << 20:
+                    with trio.move_on_after(1.0) as blocked:  # a write that waits this long: held back
+                        await s.write(chunk)
+                    if blocked.cancelled_caught:
+                        break
+                    written += len(chunk)
+            except Exception:  # noqa: BLE001 - a write that waited too long for window: held back all the same
+                pass
+        forwarded = relay.service.ledger.stats().bytes_relayed_total
+        await s.aclose()
+    assert stalled.is_set() and written < 64 << 20, written  # the sender was held back
+    held = written - forwarded  # taken from the sender, not yet passed to the destination
+    assert held <= (256 + 64 + 64) << 10, (written, forwarded)

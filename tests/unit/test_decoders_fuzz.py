@@ -99,6 +99,22 @@ def test_expert_frames(data: bytes) -> None:
     check(frames, data)
 
 
+def _challenge_seed() -> bytes:
+    import struct
+
+    from swarm.protocol.expert import HoldChallenge, RequestId, encode_message
+
+    header = encode_message(HoldChallenge(request_id=RequestId(1), attempt=0, model_id="m-0123456789ab", layer=0, lo=0,
+                                          hi=4, nonce=bytes(range(16)), windows=[(0, 4096), (100, 7)]))
+    return struct.pack(">II", len(header), 0) + header
+
+
+@FUZZ
+@given(mutated(_challenge_seed()))
+def test_hold_challenge_frames(data: bytes) -> None:
+    check(frames, data)
+
+
 @FUZZ
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
 def test_a_declared_frame_size_is_never_allocated(header_len: int, payload_len: int) -> None:
@@ -112,12 +128,13 @@ def test_a_declared_frame_size_is_never_allocated(header_len: int, payload_len: 
 PEER = "12D3KooWCjibu497SX9P8yX4LR7U8zTUmaYuaS4sqf7KX1oiXz6k"
 MANIFEST = {"model_id": "m-0123456789ab", "arch": "qwen3moe", "n_layer": 2, "n_expert": 8, "bytes_per_expert": [10, 10]}
 MARKET_BODIES = {
-    "register": (register_decoder, {"url": "http://c.test", "models": [MANIFEST], "epoch": 1, "peer_id": PEER}),
+    "register": (register_decoder, {"url": "http://c.test", "models": [MANIFEST], "epoch": 1, "peer_id": PEER,
+                                    "local_experts": {"m-0123456789ab": [[0, 0, 4], [1, 4, 8]]}}),
     "volunteer": (volunteer_decoder, {"peer_id": PEER, "max_experts": 4, "epoch": 1, "sequence": 2, "sent_at_ms": 5}),
     "coverage": (coverage_decoder, {"peer_id": PEER, "epoch": 1, "sequence": 2, "addrs": ["/ip4/1.2.3.4/tcp/1"],
                                     "slices": [{"model_id": "m-0123456789ab", "layer": 0, "lo": 0, "hi": 4}]}),
     "report": (report_decoder, {"url": "http://c.test", "model_id": "m-0123456789ab",
-                                "workers": [{"peer_id": PEER, "calls": 1, "quarantine": "x"}],
+                                "workers": [{"peer_id": PEER, "calls": 1, "quarantine": "x", "held": [[0, 0, 4]]}],
                                 "ranges": [{"layer": 0, "lo": 0, "hi": 4, "rows": 9}]}),
 }
 

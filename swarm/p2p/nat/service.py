@@ -380,6 +380,7 @@ async def open_listener_host(
     key_path: Path | None,
     listen_addrs: Sequence[str],
     cfg: NatConfig,
+    yamux_window_bytes: int | None = None,
 ) -> AsyncIterator[tuple[Libp2pTransport, Nat]]:
     """A libp2p host that is reachable somehow: directly, or through ``cfg.relays``.
 
@@ -392,7 +393,8 @@ async def open_listener_host(
     if not listen_addrs and not cfg.relays:
         raise ConfigError("a host without a listen address needs at least one relay (--relay)")
     ws = any("/ws" in a for a in (*listen_addrs, *cfg.relays))
-    async with open_libp2p_transport(key_path=key_path, listen_addrs=listen_addrs, websocket=ws) as transport, \
+    async with open_libp2p_transport(key_path=key_path, listen_addrs=listen_addrs, websocket=ws,
+                                     yamux_window_bytes=yamux_window_bytes) as transport, \
             open_nat(transport, cfg) as nat, trio.open_nursery() as nursery:
         await nursery.start(nat.serve_listener)
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 import trio
 
 from swarm.p2p.patches import check_libp2p_version
@@ -69,7 +70,7 @@ def _workaround_swarm_class() -> type[Any]:
     return _WorkaroundSwarm
 
 
-def build_host(key_pair: KeyPair, *, websocket: bool = False) -> BasicHost:
+def build_host(key_pair: KeyPair, *, websocket: bool = False, yamux_window_bytes: int | None = None) -> BasicHost:
     from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
     from libp2p.custom_types import TProtocol
     from libp2p.host.basic_host import BasicHost
@@ -83,7 +84,7 @@ def build_host(key_pair: KeyPair, *, websocket: bool = False) -> BasicHost:
     from libp2p.transport.tcp.tcp import TCP
     from libp2p.transport.upgrader import TransportUpgrader
 
-    from swarm.p2p.patches.yamux import apply_yamux_tuning
+    from swarm.p2p.patches.yamux import DEFAULT_TUNING, apply_yamux_tuning
 
     check_libp2p_version()
     peer_id = ID.from_pubkey(key_pair.public_key)
@@ -97,7 +98,9 @@ def build_host(key_pair: KeyPair, *, websocket: bool = False) -> BasicHost:
         },
         muxer_transports_by_protocol={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
     )
-    apply_yamux_tuning(upgrader)  # go-yamux window updates, fewer scheduler trips per frame
+    tuning = DEFAULT_TUNING if yamux_window_bytes is None else msgspec.structs.replace(
+        DEFAULT_TUNING, window_bytes=yamux_window_bytes)
+    apply_yamux_tuning(upgrader, tuning)  # go-yamux window updates, fewer scheduler trips per frame
     transports: list[Any] = [TCP()]
     if websocket:
         from libp2p.transport.websocket.transport import WebsocketTransport
