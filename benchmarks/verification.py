@@ -137,11 +137,13 @@ async def complete(tr: Transformer, prompt: list[int]) -> list[int]:
 
 
 async def liar_case(model: GGUFModel, prompts: list[list[int]], ref: list[list[int]], name: str, workers: list[Worker],
-                    liar: Worker, cfg: DispatchConfig, max_completions: int, *, from_first_lie: bool = False) -> dict[str, Any]:
+                    liar: Worker, cfg: DispatchConfig, max_completions: int, *, from_first_lie: bool = False,
+                    backbone: bool = False) -> dict[str, Any]:
+    """``backbone``: the coordinator holds no expert (``--local-experts none``): checks run on a second replica."""
     async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
         for w in workers:
             await n.start(w.run)
-        d = Dispatcher(model, t, config=cfg)
+        d = Dispatcher(model, t, config=cfg, **({"held": lambda layer, lo, hi: False} if backbone else {}))
         await n.start(d.serve)
         d.set_map(dmap(model, workers))
         tr = Transformer(model, d)
@@ -158,7 +160,7 @@ async def liar_case(model: GGUFModel, prompts: list[list[int]], ref: list[list[i
         if from_first_lie and liar.first_lie is not None:
             calls -= liar.first_lie
         n.cancel_scope.cancel()
-    case = {"case": name, "verify_rate": cfg.verify_rate, "completions": done,
+    case = {"case": name, "verify_rate": cfg.verify_rate, "completions": done, "disputes": d.core.disputes,
             "calls_to_quarantine": calls if liar.peer_id in q else None, "completions_differing": differing,
             "false_quarantines": len(q - {liar.peer_id}), "liar_calls": liar.calls, "seconds": round(time.perf_counter() - t0, 1)}
     print(f"  {name:<13} rate {cfg.verify_rate:<5} calls to quarantine {case['calls_to_quarantine']}, completions "
@@ -267,6 +269,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, (lie, announce) in liars.items():
         liar = Worker(model, lie=lie, announce=announce)
         cases.append(await liar_case(model, prompts, ref, name, [liar, Worker(model)], liar, default, 60))
+    # a backbone coordinator (holds no expert): the liar's answers are checked against a second replica
+    liar = Worker(model, lie=lambda n, y: y * 1.5)
+    cases.append(await liar_case(model, prompts, ref, "backbone-scaled", [liar, Worker(model)], liar, default, 60,
+                                 backbone=True))
     for rate in (default.verify_rate, 1.0):
         sleeper = Worker(model, lie=lambda n, y: y * 1.5 if n >= 1000 else None)
         cfg = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=rate)
@@ -294,11 +300,11 @@ def main() -> None:
     if not args.no_throughput:
         honest.update(throughput_cost(args.quick))
     print(f"\nverification benchmark: {result['model']} ({result['threads']})")
-    print(f"{'case':<13} {'rate':>5} {'calls to quarantine':>20} {'completions differing':>22} {'false quarantines':>18}")
+    print(f"{'case':<15} {'rate':>5} {'calls to quarantine':>20} {'completions differing':>22} {'false quarantines':>18}")
     for c in result["cases"]:
         if c["case"] == "honest":
             continue
-        print(f"{c['case']:<13} {c['verify_rate']:>5} {c['calls_to_quarantine']!s:>20} "
+        print(f"{c['case']:<15} {c['verify_rate']:>5} {c['calls_to_quarantine']!s:>20} "
               f"{c['completions_differing']:>14}/{c['completions']:<7} {c['false_quarantines']:>18}")
     print(f"honest: {honest['calls']} calls, {honest['verifications']} compared, {honest['false_quarantines']} false quarantines")
     if "throughput_cost_pct" in honest:
