@@ -118,7 +118,7 @@ def build_app(
     aliases: Iterable[str] = (),
     extra_routes: Iterable[BaseRoute] = (),
     extra_collectors: Iterable[Collector] = (),
-    extra_health: Callable[[], tuple[str, MarketLinkStatus | None]] | None = None,
+    extra_health: Callable[[], tuple[str, MarketLinkStatus | None, int]] | None = None,
     max_body: int = DEFAULT_MAX_BODY,
 ) -> Starlette:
     names = {model_id, *aliases}
@@ -155,9 +155,9 @@ def build_app(
 
     async def health(_: Request) -> Response:
         busy = rt.busy()
-        peer_id, market = extra_health() if extra_health is not None else (None, None)
+        peer_id, market, holes = extra_health() if extra_health is not None else (None, None, 0)
         return _json(Health(model=model_id, slots_idle=rt.n_slots - busy, slots_processing=busy,
-                            peer_id=peer_id, market=market))
+                            peer_id=peer_id, market=market, coverage_holes=holes))
 
     async def slots(_: Request) -> Response:
         return _json(

@@ -57,6 +57,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--local-experts", default="all", metavar="SPEC",
                    help="routed experts computed here: all (default), none, or LAYERS:EXPERTS items such as "
                         "0-8:all,8-48:none (half-open); the others only on volunteers")
+    c.add_argument("--on-missing", choices=["wait", "disk", "fail"], default="wait",
+                   help="experts nobody serves (not held here, no live volunteer): wait for coverage up to "
+                        "--missing-wait seconds then 503 (default), compute them from the GGUF on disk, or fail")
+    c.add_argument("--missing-wait", type=float, default=30.0, help="seconds a layer waits for missing experts")
     c.add_argument("--no-hold-proof", action="store_true",
                    help="give listed volunteers work without first checking they hold their slices (hold challenge)")
     c.set_defaults(func=run)
@@ -94,9 +98,12 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "verify_probation_calls": ns.verify_probation,
         "hold_proof": not ns.no_hold_proof,
         "local_experts": ns.local_experts,
+        "on_missing": ns.on_missing,
+        "missing_wait_s": ns.missing_wait,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
               "serve_ttl_s": "--serve-ttl",
-              "verify_probation_calls": "--verify-probation", "hold_proof": "--no-hold-proof"})
+              "verify_probation_calls": "--verify-probation", "hold_proof": "--no-hold-proof",
+              "missing_wait_s": "--missing-wait"})
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -253,6 +253,13 @@ class _StepRun:
     fail: Fail | None = None
 
 
+class _MissingExperts(DispatchFailed):
+    """A layer failed because experts it routed to are held by nobody live (wait mode may retry it)."""
+
+
+_MISSING = frozenset({Reason.NO_REPLICA, Reason.ALL_DOWN, Reason.ALL_FAILED})
+
+
 def _failure_kind(exc: SwarmError) -> FailureKind:
     match exc:
         case TransportTimeout():
@@ -296,6 +303,7 @@ class Dispatcher:
         local_runner: LocalRunner | None = None,
         rng: random.Random | None = None,
         prove_holdings: bool = False,
+        missing_wait_s: float = 0.0,
     ) -> None:
         """``config`` holds the policy (``timeout_s``, if given, overrides its deadline); ``held(layer,
         lo, hi)`` tells the ranges the coordinator holds; ``local_kernel`` computes a range here
@@ -353,6 +361,12 @@ class Dispatcher:
         if prove_holdings and not isinstance(model, GGUFModel):
             raise ConfigError("hold challenges are checked against a GGUF model")
         self.holdings: HoldBook | None = HoldBook() if prove_holdings else None
+        # --on-missing wait: a layer with experts nobody serves is retried while the map or a worker's
+        # health may change, for up to this long, before the request fails (0: at once)
+        self.missing_wait_s = missing_wait_s
+        self._map_changed = trio.Event()
+        self.missing_waits = 0  # layers that waited for coverage
+        self.missing_failed = 0  # ... and still found none
         self._prove_wake = trio.Event()
         self._hold_ids = itertools.count(1 << 62)  # challenge ids: apart from the core's request ids
         self.maps_rejected = 0  # map files or market maps that could not be adopted
@@ -415,6 +429,8 @@ class Dispatcher:
         peers = m.peers()
         before = set(self.core.table.workers)
         self.map = m
+        self._map_changed.set()
+        self._map_changed = trio.Event()
         self._post(WorkersListed(frozenset(peers)))
         if self.holdings is not None:
             self.holdings.sync({Holding(rep.peer_id, lr.layer, r.lo, r.hi)
@@ -887,7 +903,32 @@ class Dispatcher:
     async def dispatch_layer(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:
-        """The routed-expert output ``[T, d_model]`` of one MoE layer (trio side)."""
+        """The routed-expert output ``[T, d_model]`` of one MoE layer (trio side). A layer that failed
+        for want of experts nobody serves is retried, whole, whenever the map changes (or every
+        0.5 s: a worker's backoff may pass) for up to ``missing_wait_s``; then it fails."""
+        deadline: float | None = None
+        while True:
+            changed = self._map_changed  # taken before the attempt: a map adopted during it is not missed
+            try:
+                return await self._dispatch_layer_once(layer, x, topk_ids, topk_w)
+            except _MissingExperts as exc:
+                now = trio.current_time()
+                if deadline is None:
+                    deadline = now + self.missing_wait_s
+                    if self.missing_wait_s > 0:
+                        self.missing_waits += 1
+                        log.warning("layer %d waits up to %.0f s for experts nobody serves: %s", layer,
+                                    self.missing_wait_s, exc.message)
+                if now >= deadline:
+                    if self.missing_wait_s > 0:
+                        self.missing_failed += 1
+                    raise DispatchFailed(exc.message) from None
+                with trio.move_on_after(min(0.5, deadline - now)):
+                    await changed.wait()
+
+    async def _dispatch_layer_once(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
+    ) -> torch.Tensor:
         jobs = self._jobs(layer, x, topk_ids, topk_w)
         works = tuple(
             RangeWork(
@@ -915,6 +956,8 @@ class Dispatcher:
         finally:
             del self._steps[step]
         if run.fail is not None:
+            if run.fail.reason in _MISSING:
+                raise _MissingExperts(run.fail.message)
             raise DispatchFailed(run.fail.message)
         assert run.combine is not None
         return self._combine(int(topk_ids.shape[0]), jobs, (run.results[c] for c in run.combine.calls))
@@ -1106,7 +1149,21 @@ class Dispatcher:
             hold_passes=book.passes if book is not None else 0,
             hold_failures=book.failures if book is not None else 0,
             hold_refutations=book.refutations if book is not None else 0,
+            holes=self.holes(now),
+            missing_waits=self.missing_waits,
+            missing_failed=self.missing_failed,
         )
+
+    def holes(self, now: float) -> int:
+        """Ranges of the current partition not held here with no live (and, if checked, proved) replica."""
+        m = self.map
+        n = 0
+        for layer in range(self.cfg.n_layer):
+            for r in partition_layer(m.ranges_of(layer) if m is not None else [], self.cfg.n_expert):
+                if not self.held(layer, r.lo, r.hi) and not any(
+                        self.core.table.is_live(p, now) for p in self._replicas(layer, r)):
+                    n += 1
+        return n
 
     def collector(self) -> DispatchCollector:
         return DispatchCollector(self)

@@ -85,6 +85,10 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # the routed experts this coordinator computes itself (DESIGN §11 SPEC; coordinator.core.local_experts):
     # others go to volunteers only (a backbone coordinator: none)
     local_experts: Annotated[str, msgspec.Meta(min_length=1, max_length=65536)] = "all"
+    # a layer routed to experts nobody serves (not held here, no live volunteer): wait for coverage (up to
+    # missing_wait_s, then 503), compute them from the GGUF on disk, or fail at once
+    on_missing: Literal["wait", "disk", "fail"] = "wait"
+    missing_wait_s: NonNegFloat = 30.0
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -101,7 +105,8 @@ def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:
     return DispatchConfig(mode=DispatchMode(cfg.dispatch), saturation_threshold=cfg.saturation_threshold,
                           serve_ttl_s=cfg.serve_ttl_s, hedge_floor_s=cfg.hedge_floor_ms / 1000.0,
                           hot_experts=cfg.hot_experts, timeout_s=cfg.expert_timeout_s,
-                          verify_rate=cfg.verify_rate, verify_probation_calls=cfg.verify_probation_calls)
+                          verify_rate=cfg.verify_rate, verify_probation_calls=cfg.verify_probation_calls,
+                          missing_disk=cfg.on_missing == "disk")
 
 
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
@@ -121,7 +126,8 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
             dispatcher = Dispatcher(model, transport, config=dispatch_config(cfg), wire_dtype=cfg.wire_dtype,
                                     kernel=cfg.kernel, hole_punch=cfg.hole_punch,
                                     load_probe=lambda: (rt.busy(), rt.n_slots), prove_holdings=cfg.hold_proof,
-                                    held=local.held)
+                                    held=local.held,
+                                    missing_wait_s=cfg.missing_wait_s if cfg.on_missing == "wait" else 0.0)
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
 
@@ -130,8 +136,9 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
 
             links: list[MarketLink] = []
 
-            def health_extra() -> tuple[str, MarketLinkStatus | None]:
-                return transport.peer_id, (links[0].status() if links else None)
+            def health_extra() -> tuple[str, MarketLinkStatus | None, int]:
+                holes = dispatcher.holes(trio.current_time()) if not local.all else 0
+                return transport.peer_id, (links[0].status() if links else None), holes
 
             app = build_app(
                 rt,

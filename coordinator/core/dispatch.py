@@ -25,7 +25,8 @@ Rules:
   ``Compared(equal)``: equal counts a verified call (the trial's proves the worker, ``MarkProven``);
   unequal **quarantines** the worker at once (``Quarantine`` with the evidence): never live again in
   this process, not even after a re-listing; its calls in flight are abandoned and their ranges
-  recovered (next proven replica, else local). Not-held ranges are not verified here (no local copy).
+  recovered (next proven replica, else local). Not-held ranges are checked on a second replica
+  (placement rules below). A wrong hold digest (``HoldRefuted``) quarantines the same way.
 - Load: ``LoadSample(busy, n_slots)`` every ``sample_interval_s`` (the shell bounds the sample in
   time; a sample that hangs or fails is ``LoadSampleTimeout`` and changes nothing). ``busy >=
   saturation_threshold`` is *loaded*. A sample older than ``sample_max_age_s`` has aged out and
@@ -44,7 +45,12 @@ Rules:
     in flight) wins: LOAD_EARLIEST_FINISH_LOCAL / _REMOTE. Ties go local;
   - serve TTL: the same earliest-finish choice without trials, reason SERVE_TTL;
   - not held: remote only (NOT_HELD), proven replicas first; no live replica: ``Fail``
-    (NO_REPLICA / ALL_DOWN).
+    (NO_REPLICA / ALL_DOWN; the shell may wait for coverage and retry the layer), or with
+    ``missing_disk`` the coordinator computes it from its GGUF anyway (MISSING_DISK). A sampled call
+    of such a range is checked on a second live replica (VERIFY_SECOND): neither answer is the
+    range's until both agree; a disagreement is settled by computing it here (DISPUTE, ``Settle``),
+    which is then the result, and whoever differs is quarantined; with no second replica the call is
+    served unchecked (``unverifiable``).
 - Hedging: every remote call (not a trial) gets a hedge timer at ``max(hedge_floor_s, p95)`` of its
   worker's recent latencies (no history: half the timeout). If it fires before any result for the
   range, the range is raced against the local copy (held) or the next live replica (HEDGE_SLOW).
@@ -433,6 +439,8 @@ class Reason(StrEnum):
     VERIFY = "verify"  # RunLocal: the coordinator's copy of a sampled remote call (its result is used)
     VERIFY_SECOND = "verify_second"  # SendRemote: a second replica of a sampled call of a range not held here
     DISPUTE = "dispute"  # RunLocal: two replicas disagreed; the coordinator computes it from its GGUF
+    LOCAL_FAILED = "local_failed"  # Fail: the coordinator's own kernel failed on a range
+    MISSING_DISK = "missing_disk"  # RunLocal: not held, nobody serves it: computed from the GGUF (--on-missing disk)
     QUARANTINED = "quarantined"  # Cancel: the worker failed verification
     LOST_RACE = "lost_race"  # Cancel: another call of the range answered first
     DEADLINE = "deadline"  # Cancel: no answer within the timeout
@@ -475,6 +483,9 @@ class DispatchConfig:
     max_errors: int = 32  # failures kept for /dispatch
     verify_rate: float = 0.05  # sampled share of a held range's remote calls after probation
     verify_probation_calls: int = 50  # verified answers at rate 1.0 after an attach and after any failure
+    # a range not held here with no live replica (or all failed): "fail" the layer (the shell may wait and
+    # retry it: --on-missing wait) or compute it here from the GGUF on disk anyway ("disk": slow but exact)
+    missing_disk: bool = False
 
 
 # -- events ----------------------------------------------------------------------------------------
@@ -1097,11 +1108,15 @@ class DispatchCore:
                     self._send(st, i, order[0], Reason.OFFLOAD_REMOTE, now, out)
                 elif w.held:
                     self._local(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
+                elif c.missing_disk:
+                    self._local(st, i, Reason.MISSING_DISK, now, out)
                 else:
                     self._fail(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
             elif not w.held:
                 if live:
                     self._send(st, i, self._best_remote(proven or live, now)[0], Reason.NOT_HELD, now, out)
+                elif c.missing_disk:
+                    self._local(st, i, Reason.MISSING_DISK, now, out)
                 else:
                     self._fail(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
             elif state is LoadState.IDLE:
@@ -1583,6 +1598,9 @@ class DispatchCore:
         elif w.held:
             r.planned_local = False
             self._local(st, i, Reason.FALLBACK_LOCAL, now, out)
+        elif self.config.missing_disk:
+            r.planned_local = False
+            self._local(st, i, Reason.MISSING_DISK, now, out)
         else:
             self._fail(st, i, Reason.ALL_FAILED, now, out)
 
@@ -1622,7 +1640,7 @@ class DispatchCore:
         r = st.ranges[c.index]
         r.pending.discard(cid)
         if r.winner is None and not any(self._can_win(r, p) for p in r.pending):
-            self._fail(st, c.index, Reason.ALL_FAILED, now, out, message=f"local experts failed: {message}")
+            self._fail(st, c.index, Reason.LOCAL_FAILED, now, out, message=f"local experts failed: {message}")
 
     def _timer(self, timer: Timer, now: float, out: list[Effect]) -> None:
         c = self._calls.get(timer.call)

@@ -56,6 +56,8 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
     slots_processing: int
     peer_id: str | None = None
     market: MarketLinkStatus | None = None
+    # ranges of experts not held here that no live volunteer serves now (requests routed there wait or fail)
+    coverage_holes: int = 0
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,6 +157,11 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     hold_passes: int = 0
     hold_failures: int = 0
     hold_refutations: int = 0
+    # coverage of the experts not held here (--local-experts): ranges of the map with no live replica now,
+    # layers that waited for coverage (--on-missing wait) and those that still found none
+    holes: int = 0
+    missing_waits: int = 0
+    missing_failed: int = 0
 
 
 slots_decoder = msgspec.json.Decoder(list[SlotInfo])

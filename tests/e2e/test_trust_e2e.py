@@ -121,22 +121,26 @@ async def test_declared_sizes_cost_a_volunteer_no_memory(procs: list[Proc], tmp_
 async def test_a_backbone_coordinator_computes_no_expert_and_says_which_are_missing(
     procs: list[Proc], tmp_path: Path, golden: dict[str, Any]  # noqa: F811
 ) -> None:
-    """``--local-experts none`` with real processes: without a volunteer a completion fails with 503
-    ``experts_unavailable`` naming the experts; once a static volunteer passed its hold challenges,
+    """``--local-experts none`` with real processes: without a volunteer a completion waits for coverage
+    (``--missing-wait``), then fails with 503 ``experts_unavailable`` naming the experts, and /health
+    counts the holes; once a static volunteer passed its hold challenges,
     every routed expert is computed by it (no local rows) and the tokens are llama.cpp's."""
     map_path = tmp_path / "map.json"
     model_id = model_id_for(GOLDEN_GGUF)
     map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
-    coord = Proc(cli("coordinator", "--local-experts", "none", "--model", str(GOLDEN_GGUF), "--port", "0",
+    coord = Proc(cli("coordinator", "--local-experts", "none", "--missing-wait", "1", "--model", str(GOLDEN_GGUF), "--port", "0",
                      "--data-dir", str(tmp_path / "c"), "--dispatch-map", str(map_path)), tmp_path / "coordinator.log")
     procs.append(coord)
     url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
     g = golden["greedy"][0]
     body = {"model": model_id, "prompt": g["prompt_ids"], "max_tokens": 12, "temperature": 0, "return_token_ids": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as h:
-        r = await h.post("/v1/completions", json=body)
+        assert (await h.get("/health")).json()["coverage_holes"] == 2  # both layers' experts: nobody serves them
+        r = await h.post("/v1/completions", json=body)  # waits --missing-wait for coverage, then 503
         assert r.status_code == 503 and r.json()["error"]["code"] == "experts_unavailable", r.text
         assert "experts 0-8" in r.json()["error"]["message"]
+        rep = (await h.get("/dispatch")).json()
+        assert (rep["missing_waits"], rep["missing_failed"], rep["holes"]) == (1, 1, 2)
         vol = Proc(cli("volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
                        "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
         procs.append(vol)
@@ -153,3 +157,4 @@ async def test_a_backbone_coordinator_computes_no_expert_and_says_which_are_miss
         rep = (await h.get("/dispatch")).json()
         assert rep["workers"][0]["calls"] > 0 and rep["workers"][0]["holdings_proven"] == 2
         assert all(L["local_rows"] == 0 and L["fallback_rows"] == 0 and L["remote_rows"] > 0 for L in rep["layers"])
+        assert rep["holes"] == 0 and (await h.get("/health")).json()["coverage_holes"] == 0

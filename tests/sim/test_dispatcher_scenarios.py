@@ -543,3 +543,52 @@ async def test_hung_load_probe_never_blocks_dispatch(
             await step(d, m, seed=1)
     finally:
         release.set()
+
+
+# -- experts nobody serves (--local-experts, --on-missing) -----------------------------------------
+
+
+async def test_a_layer_waits_for_missing_experts_and_runs_once_a_volunteer_is_listed(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """``--on-missing wait``: a backbone coordinator's layer routed to experts nobody serves waits (the
+    map may bring a replica) instead of failing; it runs as soon as one is listed, bits unchanged."""
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    await sw.volunteer("a")
+    m = dmap({k: ["a"] for k in HALVES})
+    async with sw.coordinator(config=DispatchConfig(**NO_SAMPLING), held=lambda layer, lo, hi: False,
+                              missing_wait_s=30.0) as d:
+        assert d.holes(trio.current_time()) == 2  # no map yet: each layer is one range nobody serves
+        done: list[float] = []
+
+        async def layer0() -> None:
+            done.append(await step(d, m, seed=3))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(layer0)
+            await trio.sleep(5.0)
+            assert not done and d.missing_waits == 1  # waiting, not failed
+            d.set_map(m)  # a volunteer is listed: the layer is retried at once
+        assert done and 5.0 <= done[0] < 5.5 and d.missing_failed == 0
+        assert d.holes(trio.current_time()) == 0
+
+
+async def test_a_layer_fails_after_the_wait_and_disk_mode_computes_it_here(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    from swarm.errors import DispatchFailed
+
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    m = dmap({})
+    async with sw.coordinator(config=DispatchConfig(**NO_SAMPLING), held=lambda layer, lo, hi: False,
+                              missing_wait_s=2.0) as d:
+        d.set_map(m)
+        t0 = trio.current_time()
+        with pytest.raises(DispatchFailed, match="experts 0-8"):
+            await step(d, m, seed=1)
+        assert 2.0 <= trio.current_time() - t0 < 2.6 and (d.missing_waits, d.missing_failed) == (1, 1)
+    async with sw.coordinator(config=DispatchConfig(missing_disk=True, **NO_SAMPLING),
+                              held=lambda layer, lo, hi: False) as d:
+        d.set_map(m)
+        await step(d, m, seed=1)  # computed here from the model: the all-local bits
+        assert decisions(d)[Reason.MISSING_DISK.value] >= 1
