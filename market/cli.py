@@ -57,6 +57,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="open leases one IP address may hold (volunteers behind one address share it)")
     p.add_argument("--remote-base-target", type=int, default=d.remote_base_target,
                    help="replicas of each expert some hosting coordinator does not compute itself (--local-experts)")
+    p.add_argument("--hot-extra-max", type=int, default=d.hot_extra_max,
+                   help="extra replicas, at most, for an expert carrying a multiple of its layer's mean load (0 = off)")
     p.add_argument("--proof-grace-s", type=float, default=d.proof_grace_s,
                    help="a serving slice no coordinator saw proof of (hold challenge, verified answers) "
                         "stops counting after this long; 0 = no proof needed")
@@ -94,6 +96,7 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "quarantine_s": ns.quarantine_s,
             "proof_grace_s": ns.proof_grace_s,
             "remote_base_target": ns.remote_base_target,
+            "hot_extra_max": ns.hot_extra_max,
         },
     }
     return build_config(MarketConfig, raw, flags={"relays": "--relay", "poll_interval_s": "--poll-interval",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from market.core.demand import CoverageCounts, Targets, contribution, effective_target, expert_targets
+from market.core.demand import CoverageCounts, Targets, contribution, effective_target, expert_targets, hot_extra
 from market.core.directive import Reason, slice_refusal
 from market.core.records import (
     CoordinatorRow,
@@ -93,7 +93,11 @@ class Indexes:
         self.served: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) reported by coordinators
         self.routed: dict[str, dict[tuple[int, int, int], int]] = {}  # model -> (layer, lo, hi) -> routed rows (runtime)
         self._coordinators_version = 0  # bumped on every registration change (the targets' memo key)
-        self._targets: dict[str, tuple[tuple[bool, int], Targets]] = {}
+        self._targets: dict[str, tuple[tuple[bool, int, int], Targets]] = {}
+        # model -> per layer, per expert: routed rows from coordinator reports, decayed (runtime)
+        self.heat: dict[str, list[list[float]]] = {}
+        self._heat_at: dict[str, float] = {}
+        self._heat_version: dict[str, int] = {}
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -265,17 +269,43 @@ class Indexes:
         """Per-expert effective targets (one number when uniform): ``market.core.demand.expert_targets``."""
         m = self.models[model_id].manifest
         p = self.policy
-        key = (self.recruiting(model_id), self._coordinators_version)
+        key = (self.recruiting(model_id), self._coordinators_version, self._heat_version.get(model_id, 0))
         hit = self._targets.get(model_id)
         if hit is not None and hit[0] == key:
             return hit[1]
+        heat = self.heat.get(model_id)
+        extra = [hot_extra(row, p.hot_extra_max) for row in heat] if heat is not None else None
         t = expert_targets(m.n_layer, m.n_expert, base=p.base_target, remote_base=p.remote_base_target, boost=p.boost,
-                           recruiting=key[0], held_by_all=self.held_by_all(model_id))
+                           recruiting=key[0], held_by_all=self.held_by_all(model_id), extra=extra)
         self._targets[model_id] = (key, t)
         return t
 
     def coordinators_changed(self) -> None:
         self._coordinators_version += 1
+
+    def add_heat(self, model_id: str, ranges: list[tuple[int, int, int, int]], now: float) -> None:
+        """Routed rows ``(layer, lo, hi, rows)`` reported for a model; older heat decays by
+        ``hot_half_life_s``; ranges outside the model are ignored."""
+        m = self.models.get(model_id)
+        if m is None or not ranges:
+            return
+        n_layer, n_expert = m.manifest.n_layer, m.manifest.n_expert
+        heat = self.heat.setdefault(model_id, [[0.0] * n_expert for _ in range(n_layer)])
+        at = self._heat_at.get(model_id, now)
+        f = 0.5 ** (max(0.0, now - at) / self.policy.hot_half_life_s)
+        if f < 1.0:
+            for row in heat:
+                for e in range(n_expert):
+                    row[e] *= f
+        self._heat_at[model_id] = now
+        for layer, lo, hi, rows in ranges:
+            if 0 <= layer < n_layer and 0 <= lo < hi <= n_expert and rows > 0:
+                share = rows / (hi - lo)
+                row = heat[layer]
+                for e in range(lo, hi):
+                    row[e] += share
+        self._heat_version[model_id] = self._heat_version.get(model_id, 0) + 1
+        self.touch(model_id)
 
     def live_volunteers(self) -> int:
         return len(self.coverage)

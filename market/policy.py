@@ -26,6 +26,10 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # experts some coordinator hosting the model does not compute itself (no last resort there): this many
     # replicas, so one volunteer leaving never leaves a hole (DESIGN §11 --remote-base-target)
     remote_base_target: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
+    # hot experts (routed rows in coordinator reports, decayed with this half-life): up to this many extra
+    # replicas for an expert carrying a multiple of its layer's mean load; 0 = off
+    hot_extra_max: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
+    hot_half_life_s: PosFloat = 300.0
     saturation_threshold: Annotated[int, msgspec.Meta(ge=1)] = 2
     rise_s: NonNegFloat = 0.0  # saturated this long before the boost starts
     hold_s: NonNegFloat = 10.0  # unsaturated this long before the boost ends (hysteresis)

@@ -442,11 +442,6 @@ class Market:
                         self.ix.put_cov(msgspec.structs.replace(got, held=True), changes)
                         self.ix.dirty_maps.add(rep.model_id)
                         self.counters["holdings_proved"] += 1
-            for rr in rep.ranges:  # rows routed per range (load-weighted targets; the dashboard)
-                k = (rr.layer, rr.lo, rr.hi)
-                routed = self.ix.routed.setdefault(rep.model_id, {})
-                if k in routed or len(routed) < 65536:
-                    routed[k] = routed.get(k, 0) + rr.rows
             if w.quarantine is None or self.quarantine_of(w.peer_id, now) is not None:
                 continue
             row = QuarantineRow(w.peer_id, now + self.policy.quarantine_s, w.quarantine, url, now)
@@ -461,6 +456,12 @@ class Market:
                 self.ix.del_lease(self.ix.leases[lease_id], changes)
             newly.append(w.peer_id)
             self.counters["quarantines"] += 1
+        routed = self.ix.routed.setdefault(rep.model_id, {})
+        for rr in rep.ranges:  # rows routed per range: hot experts' extra replicas, the dashboard
+            k = (rr.layer, rr.lo, rr.hi)
+            if k in routed or len(routed) < 65536:
+                routed[k] = routed.get(k, 0) + rr.rows
+        self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, rr.rows) for rr in rep.ranges], now)
         self._commit(changes)
         self.counters["reports"] += 1
         return ReportAck(len(rep.workers), newly)

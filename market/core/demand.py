@@ -16,6 +16,9 @@ Rules (DESIGN §6, §11):
   coordinator hosting the model does not compute itself (``--local-experts``) has no last resort
   there, so its base is ``remote_base`` instead of ``base`` (``expert_targets``); the boost adds to
   either while recruiting.
+- Hot experts get more replicas: an expert whose share of a layer's routed rows (coordinator
+  reports, decayed) is at least twice the mean gets ``floor(share / mean) - 1`` extra, at most
+  ``max_extra`` (``hot_extra``) -- capacity where the traffic is.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from market.core.records import CoverageRow
 from swarm.protocol.market import Segment
 
 __all__ = ["CountKind", "CoverageCounts", "Segment", "Targets", "contribution", "effective_target", "expert_targets",
-           "layer_targets", "scarcity", "segments"]
+           "hot_extra", "layer_targets", "scarcity", "segments"]
 
 CountKind = Literal["replica", "pending"]
 Targets = int | Sequence[Sequence[int]]  # one target for every expert, or per layer, per expert
@@ -37,15 +40,30 @@ def layer_targets(targets: Targets, layer: int, n_expert: int) -> Sequence[int]:
     return [targets] * n_expert if isinstance(targets, int) else targets[layer]
 
 
+def hot_extra(heat: Sequence[float], max_extra: int, min_ratio: float = 2.0) -> list[int]:
+    """Extra replicas per expert of one layer from its routed-row heat (see the rules)."""
+    n = len(heat)
+    total = float(sum(heat))
+    if n == 0 or max_extra <= 0 or total <= 0:
+        return [0] * n
+    mean = total / n
+    return [min(max_extra, int(h / mean) - 1) if h >= min_ratio * mean else 0 for h in heat]
+
+
 def expert_targets(n_layer: int, n_expert: int, *, base: int, remote_base: int, boost: int, recruiting: bool,
-                   held_by_all: Sequence[Sequence[bool]] | None) -> Targets:
+                   held_by_all: Sequence[Sequence[bool]] | None,
+                   extra: Sequence[Sequence[int]] | None = None) -> Targets:
     """Per-expert targets: ``base`` where every coordinator hosting the model computes the expert
-    itself, ``remote_base`` elsewhere, plus ``boost`` while recruiting. One number when uniform."""
+    itself, ``remote_base`` elsewhere, plus ``boost`` while recruiting, plus the hot experts'
+    ``extra``. One number when uniform."""
     local = effective_target(base, boost, recruiting)
-    if held_by_all is None or all(all(row) for row in held_by_all):
+    uniform_held = held_by_all is None or all(all(row) for row in held_by_all)
+    no_extra = extra is None or not any(any(row) for row in extra)
+    if uniform_held and no_extra:
         return local
     remote = effective_target(remote_base, boost, recruiting)
-    return [[local if h else remote for h in held_by_all[layer]] for layer in range(n_layer)]
+    return [[(local if held_by_all is None or held_by_all[layer][e] else remote) + (extra[layer][e] if extra else 0)
+             for e in range(n_expert)] for layer in range(n_layer)]
 
 
 def effective_target(base: int, boost: int, recruiting: bool) -> int:

@@ -193,14 +193,27 @@ def _draw(seed: int, plan: _TensorPlan, shape: tuple[int, ...], expert: int) -> 
     return x
 
 
-def _tensor_bytes(seed: int, plan: _TensorPlan) -> npt.NDArray[np.uint8]:
+def router_scales(n_expert: int, skew: float) -> npt.NDArray[np.float32]:
+    """Per-expert scale of a router's rows for ``--router-skew S``: ``(1 + S) ** (1 - 2e / (n - 1))``,
+    so expert 0 has the largest logits (routed most: top-k picks the largest), the last the smallest;
+    all ones for S = 0 (the weights then have the bytes they always had)."""
+    if n_expert < 2 or skew == 0:
+        return np.ones(n_expert, dtype=np.float32)
+    e = np.arange(n_expert, dtype=np.float64)
+    return ((1.0 + skew) ** (1.0 - 2.0 * e / (n_expert - 1))).astype(np.float32)
+
+
+def _tensor_bytes(seed: int, plan: _TensorPlan, router_skew: float = 0.0) -> npt.NDArray[np.uint8]:
     """The raw GGUF bytes of one tensor; 3-D expert stacks are drawn and quantised per expert."""
     if len(plan.shape) == 3:
         out = np.empty(plan.byte_shape, dtype=np.uint8)
         for e in range(plan.shape[0]):
             out[e] = quant.quantize(_draw(seed, plan, plan.shape[1:], e), plan.qtype)
         return out
-    return quant.quantize(_draw(seed, plan, plan.shape, 0), plan.qtype)
+    x = _draw(seed, plan, plan.shape, 0)
+    if router_skew and plan.name.endswith("ffn_gate_inp.weight"):
+        x *= router_scales(plan.shape[0], router_skew)[:, None]
+    return quant.quantize(x, plan.qtype)
 
 
 def _parse_qtype(qtype: str | None, size: str) -> T:
@@ -277,11 +290,12 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
 
 
 def make_model(
-    *, arch: Arch, size: SizeName, seed: int, out: Path, qtype: str | None = None
+    *, arch: Arch, size: SizeName, seed: int, out: Path, qtype: str | None = None, router_skew: float = 0.0
 ) -> Path:
     """Write the model GGUF to ``out`` (replacing it) and return ``out``.
 
     ``qtype`` (a GGML type name such as ``"Q4_K"``) overrides the expert tensors' type.
+    ``router_skew`` >= 0 makes low-index experts hot (``router_scales``; random routers are nearly uniform).
     Raises ``ConfigError`` for an unknown arch, size or type, or a type the size cannot use.
     """
     if arch not in ARCHITECTURES:
@@ -290,6 +304,8 @@ def make_model(
         raise ConfigError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
     if seed < 0 or seed >= 2**63:
         raise ConfigError(f"seed must be in [0, 2**63), got {seed}")
+    if not 0.0 <= router_skew <= 100.0:
+        raise ConfigError(f"--router-skew must be in [0, 100], got {router_skew}")
     expert_type = _parse_qtype(qtype, size)
     plans = _plan(arch, SIZES[size], expert_type)
 
@@ -299,13 +315,15 @@ def make_model(
     writer = gguf.GGUFWriter(partial, "qwen3moe" if arch == "qwen3moe" else "llama")
     try:
         _add_metadata(writer, arch, size, seed, expert_type)
+        if router_skew:
+            writer.add_float32("moe_swarm.router_skew", router_skew)
         for p in plans:
             writer.add_tensor_info(p.name, p.byte_shape, np.dtype(np.uint8), p.nbytes, raw_dtype=p.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for p in plans:  # one tensor in memory at a time
-            writer.write_tensor_data(_tensor_bytes(seed, p))
+            writer.write_tensor_data(_tensor_bytes(seed, p, router_skew))
         writer.close()
         os.replace(partial, out)
     except BaseException:
@@ -331,6 +349,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="storage type of the expert tensors (default: F32 for tiny/small, Q8_0 for bench)",
     )
+    parser.add_argument("--router-skew", type=float, default=0.0, metavar="S",
+                        help="make low-index experts hot: router rows scaled by (1+S)^(1-2e/(n-1)) (default 0: uniform)")
 
 
 def add_make_model_parser(
@@ -350,7 +370,8 @@ def add_make_model_parser(
 
 def run_make_model(args: argparse.Namespace) -> int:
     """Run a parsed ``make-model`` command; errors propagate as ``SwarmError``."""
-    path = make_model(arch=args.arch, size=args.size, seed=args.seed, out=args.out, qtype=args.qtype)
+    path = make_model(arch=args.arch, size=args.size, seed=args.seed, out=args.out, qtype=args.qtype,
+                      router_skew=args.router_skew)
     expert_type = _parse_qtype(args.qtype, args.size)
     print(
         f"wrote {path}: {args.arch} {args.size} seed={args.seed} experts={expert_type.name} "

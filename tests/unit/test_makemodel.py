@@ -285,3 +285,25 @@ def test_generated_bytes_are_pinned(tmp_path: Path, arch: str, size: str, seed: 
     or its defaults shows here (the pinned gguf writer version is part of the bytes too)."""
     out = makemodel.make_model(arch=arch, size=size, seed=seed, out=tmp_path / "m.gguf", qtype=qtype)  # type: ignore[arg-type]
     assert hashlib.sha256(out.read_bytes()).hexdigest() == sha256
+
+
+def test_router_skew_scales_only_the_routers_and_makes_low_experts_hot(tmp_path: Path, tiny_paths: dict[str, Path]) -> None:
+    assert np.array_equal(makemodel.router_scales(8, 0.0), np.ones(8, dtype=np.float32))
+    s = makemodel.router_scales(8, 1.0)
+    assert s[0] == pytest.approx(2.0) and s[-1] == pytest.approx(0.5) and all(np.diff(s) < 0)
+    skewed = makemodel.make_model(arch="qwen3moe", size="tiny", seed=7, out=tmp_path / "skew.gguf", router_skew=1.5)
+    plain, hot = gguf.GGUFReader(tiny_paths["qwen3moe"]), gguf.GGUFReader(skewed)
+    a = {t.name: np.asarray(t.data, dtype=np.float32) for t in plain.tensors}
+    b = {t.name: np.asarray(t.data, dtype=np.float32) for t in hot.tensors}
+    assert [n for n in a if not np.array_equal(a[n], b[n])] == [f"blk.{i}.ffn_gate_inp.weight" for i in range(2)]
+    w = b["blk.0.ffn_gate_inp.weight"]
+    assert np.allclose(w, a["blk.0.ffn_gate_inp.weight"] * makemodel.router_scales(w.shape[0], 1.5)[:, None])
+    assert float(fields(hot)["moe_swarm.router_skew"]) == pytest.approx(1.5)  # type: ignore[arg-type]
+    # routing over the embeddings' directions: the first experts are picked far more often than the last
+    x = b["token_embd.weight"]
+    x = x / np.sqrt((x**2).mean(1, keepdims=True))
+    top = np.argsort(-(x @ w.T), 1)[:, :2]
+    counts = np.bincount(top.reshape(-1), minlength=w.shape[0])
+    assert counts[0] > 2 * counts[-1]
+    with pytest.raises(ConfigError, match="router-skew"):
+        makemodel.make_model(arch="qwen3moe", size="tiny", seed=7, out=tmp_path / "bad.gguf", router_skew=-1.0)

@@ -23,6 +23,7 @@ from market.core.demand import (
     contribution,
     effective_target,
     expert_targets,
+    hot_extra,
     scarcity,
     segments,
 )
@@ -657,3 +658,16 @@ def test_choose_slice_and_ageout_follow_per_expert_targets() -> None:
     hs = [H("a", 0, 4, 0), H("b", 0, 4, 1), H("c", 4, 8, 0), H("d", 4, 8, 1)]
     plan = plan_ageout(1, 8, targets, hs)
     assert plan.retire == ["b"] and plan.restore == []
+
+
+def test_hot_experts_get_extra_replicas_in_proportion_and_bounded() -> None:
+    assert hot_extra([1.0] * 8, 2) == [0] * 8  # uniform: nothing
+    assert hot_extra([0.0] * 8, 2) == [0] * 8 and hot_extra([5.0, 1.0], 0) == [0, 0]
+    # mean 10: 40 is 4x (+3, bounded at 2), 20 is 2x (+1), the rest below twice the mean
+    heat = [40.0, 20.0, 5.0, 5.0, 5.0, 5.0, 0.0, 0.0]
+    assert hot_extra(heat, 2) == [2, 1, 0, 0, 0, 0, 0, 0]
+    assert hot_extra(heat, 5) == [3, 1, 0, 0, 0, 0, 0, 0]
+    t = expert_targets(1, 4, base=1, remote_base=2, boost=0, recruiting=False, held_by_all=None, extra=[[2, 1, 0, 0]])
+    assert t == [[3, 2, 1, 1]]
+    assert expert_targets(1, 4, base=1, remote_base=2, boost=0, recruiting=False, held_by_all=None,
+                          extra=[[0, 0, 0, 0]]) == 1

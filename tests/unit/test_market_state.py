@@ -23,6 +23,7 @@ from swarm.protocol.market import (
     ProvenSlice,
     RegisterModels,
     ReportedWorker,
+    RoutedRange,
     VolunteerRequest,
 )
 
@@ -440,3 +441,24 @@ def test_experts_a_coordinator_does_not_compute_get_the_remote_target_and_holes_
     m.register(RegisterModels(URL, [manifest(n_layer=1, n_expert=8)], epoch=11), 6.0)
     [d] = m.demand(6.0).models
     assert (d.remote_target, d.holes) == (None, 0) and {s.target for s in d.segments} == {1}
+
+
+def test_routed_rows_in_reports_give_hot_experts_more_replicas_until_the_heat_decays() -> None:
+    policy = msgspec.structs.replace(POLICY, hot_extra_max=2, hot_half_life_s=60.0)
+    m = Market(InMemoryStore(), policy, now=0.0, rng=random.Random(0))
+    m.register(RegisterModels(URL, [manifest(n_layer=1, n_expert=8)], epoch=1), 0.0)
+    m.heartbeat(hb("a", 1, (0, 0, 4, SERVING)), 0.0)
+    m.heartbeat(hb("b", 1, (0, 4, 8, SERVING)), 0.0)
+    # 0-1 carry 9 of every 10 routed rows: 3.6x the mean per expert (+2), the rest far below it
+    ranges = [RoutedRange(layer=0, lo=0, hi=2, rows=900), RoutedRange(layer=0, lo=2, hi=8, rows=100)]
+    for i in range(2):  # rows count once per report (not once per worker of it)
+        m.report(CoordinatorReport(url=URL, model_id=MID, workers=[ReportedWorker(peer_id="a"), ReportedWorker(peer_id="b")],
+                                   ranges=ranges), 1.0 + i)
+    assert m.ix.routed[MID][(0, 0, 2)] == 1800
+    [d] = m.demand(2.0).models
+    assert [(s.lo, s.hi, s.target) for s in d.segments] == [(0, 2, 3), (2, 8, 1)]
+    o = m.volunteer(VolunteerRequest("c", max_experts=4, epoch=1, sequence=1), 2.0)
+    assert isinstance(o, Offer) and (o.lease.slice.lo, o.lease.slice.hi) == (0, 2)  # the hot experts first
+    # an hour later, a report of uniform traffic: the old heat has decayed, the targets are even again
+    m.report(CoordinatorReport(url=URL, model_id=MID, ranges=[RoutedRange(layer=0, lo=0, hi=8, rows=800)]), 3600.0)
+    assert {s.target for s in m.demand(3600.0).models[0].segments} == {1}
