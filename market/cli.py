@@ -59,6 +59,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="replicas of each expert some hosting coordinator does not compute itself (--local-experts)")
     p.add_argument("--hot-extra-max", type=int, default=d.hot_extra_max,
                    help="extra replicas, at most, for an expert carrying a multiple of its layer's mean load (0 = off)")
+    p.add_argument("--hot-half-life-s", type=float, default=d.hot_half_life_s,
+                   help="half-life of the routed-row counts that make experts hot")
     p.add_argument("--proof-grace-s", type=float, default=d.proof_grace_s,
                    help="a serving slice no coordinator saw proof of (hold challenge, verified answers) "
                         "stops counting after this long; 0 = no proof needed")
@@ -97,6 +99,7 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "proof_grace_s": ns.proof_grace_s,
             "remote_base_target": ns.remote_base_target,
             "hot_extra_max": ns.hot_extra_max,
+            "hot_half_life_s": ns.hot_half_life_s,
         },
     }
     return build_config(MarketConfig, raw, flags={"relays": "--relay", "poll_interval_s": "--poll-interval",

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from market.core.demand import CoverageCounts, Targets, contribution, effective_target, expert_targets, hot_extra
+from market.core.demand import (
+    CoverageCounts,
+    Targets,
+    contribution,
+    effective_target,
+    expert_targets,
+    hot_extra,
+)
 from market.core.directive import Reason, slice_refusal
 from market.core.records import (
     CoordinatorRow,
