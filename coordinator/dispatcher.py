@@ -128,7 +128,7 @@ from swarm.errors import (
 )
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend, combine_pairs, expert_kernel, kernel_id
-from swarm.model.slices import hold_digest
+from swarm.model.slices import hold_digest_from_file
 from swarm.p2p.libp2p import Libp2pTransport
 from swarm.p2p.nat import Nat, NatConfig, open_nat
 from swarm.p2p.transport import Transport
@@ -863,7 +863,8 @@ class Dispatcher:
         ch = HoldChallenge(request_id=RequestId(next(self._hold_ids)), attempt=0, model_id=self.model.model_id,
                            layer=h.layer, lo=h.lo, hi=h.hi, nonce=nonce, windows=windows)
         try:
-            expected = await trio.to_thread.run_sync(hold_digest, stack, nonce, windows)
+            spans = tuple(self.model.file_span(t.raw) for t in (stack.gate_t, stack.up_t, stack.down_t))
+            expected = await trio.to_thread.run_sync(hold_digest_from_file, self.model.path, spans, nonce, windows)
             started = trio.current_time()
             proof = await self._client(h.peer).prove_hold(ch, timeout=self.timeout_s)
             self._note_session(h.peer, started)  # the challenge may have opened the stream (path migration)

@@ -13,6 +13,8 @@ Rules:
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,12 +87,57 @@ class ModelConfig:
     spec: ArchSpec
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+def file_sha256(path: Path, chunk: int = 1 << 22, *, drop_cache: bool = False) -> str:
+    """The file's sha256, read in ``chunk`` pieces; ``drop_cache`` tells the kernel to drop each piece
+    from the page cache once hashed (hashing a 17 GB model must not leave 17 GB of it cached)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        at = 0
         while block := f.read(chunk):
             h.update(block)
+            if drop_cache:
+                drop_pages(f.fileno(), at, len(block))
+            at += len(block)
     return h.hexdigest()
+
+
+def drop_pages(fd: int, offset: int, length: int) -> None:
+    """Advise the kernel to drop a file range from the page cache (best effort; Linux)."""
+    fadvise = getattr(os, "posix_fadvise", None)
+    if fadvise is not None:
+        try:
+            fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
+_READAHEAD_SLACK = 8 << 20
+
+
+def pread_chunks(path: Path, spans: Iterable[tuple[int, int]], piece: int = 1 << 20) -> Iterator[bytes]:
+    """The bytes of ``(offset, length)`` spans of a file, ``piece`` bytes at a time, read with
+    ``pread`` (never through a memory map, so the reader's RSS does not grow) and dropped from the page
+    cache after each piece."""
+    fd = os.open(path, os.O_RDONLY)
+    done: list[tuple[int, int]] = []
+    try:
+        for offset, length in spans:
+            end = offset + length
+            at = offset
+            while at < end:
+                n = min(piece, end - at)
+                block = os.pread(fd, n, at)
+                if len(block) != n:
+                    raise ModelError(f"{path}: short read at {at} ({len(block)} of {n} bytes)")
+                yield block
+                # the range read so far, less the last piece (readahead may still be filling it)
+                drop_pages(fd, offset, max(0, at - offset))
+                at += n
+            done.append((offset, length))
+    finally:
+        for offset, length in done:  # the whole spans and what readahead fetched past them
+            drop_pages(fd, offset, length + _READAHEAD_SLACK)
+        os.close(fd)
 
 
 def model_id_for(path: Path, sha256: str | None = None) -> str:
@@ -201,7 +248,7 @@ class GGUFModel:
                 self.fields[k] = f.contents()
             except Exception:  # noqa: BLE001 - a field we cannot decode is just absent
                 continue
-        self.sha256 = file_sha256(self.path) if compute_id else ""
+        self.sha256 = file_sha256(self.path, drop_cache=True) if compute_id else ""
         self.model_id = model_id_for(self.path, self.sha256) if compute_id else self.path.stem
         self.tensors: dict[str, QTensor] = {}
         for t in self.reader.tensors:
@@ -306,3 +353,12 @@ class GGUFModel:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def file_span(self, arr: np.ndarray[Any, np.dtype[np.uint8]]) -> tuple[int, int]:
+        """``(offset, length)`` in the GGUF file of a contiguous view of its mapped data (a tensor's
+        ``raw`` or a slice of its first axis), for ``pread_chunks``."""
+        base = int(self.reader.data.ctypes.data)
+        addr = int(arr.ctypes.data)
+        if not arr.flags.c_contiguous or not base <= addr <= base + int(self.reader.data.nbytes) - int(arr.nbytes):
+            raise ModelError("not a contiguous view of this model's file")
+        return addr - base, int(arr.nbytes)

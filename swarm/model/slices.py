@@ -42,7 +42,15 @@ import safetensors.torch
 
 from swarm.errors import SliceError
 from swarm.ids import SliceKey, parse_slice_arg
-from swarm.model.gguf import SUPPORTED_TYPES, ExpertStack, GGUFModel, ModelConfig, QTensor, file_sha256
+from swarm.model.gguf import (
+    SUPPORTED_TYPES,
+    ExpertStack,
+    GGUFModel,
+    ModelConfig,
+    QTensor,
+    file_sha256,
+    pread_chunks,
+)
 from swarm.protocol.manifest import SLICE_FORMAT, ModelManifest
 
 __all__ = [
@@ -59,6 +67,7 @@ __all__ = [
     "check_slice_range",
     "cut_slice",
     "hold_digest",
+    "hold_digest_from_file",
     "load_slice",
     "parse_slice_arg",
 ]
@@ -131,19 +140,24 @@ def _bytes_per_row(qtype: gguf.GGMLQuantizationType, cols: int) -> int:
 
 @dataclass(frozen=True)
 class _Layout:
-    """A slice file as parts: the header bytes, then the raw arrays (zero-copy views of the model)."""
+    """A slice file as parts: the header bytes, then the raw arrays (zero-copy views of the model) and
+    where they lie in the model's file (``spans``)."""
 
     header: bytes
     arrays: tuple[np.ndarray[Any, np.dtype[np.uint8]], ...]
+    path: Path
+    spans: tuple[tuple[int, int], ...]
 
     @property
     def size(self) -> int:
         return len(self.header) + sum(int(a.nbytes) for a in self.arrays)
 
-    def chunks(self) -> Iterable[memoryview]:
+    def chunks(self) -> Iterable[bytes | memoryview]:
+        """The file's bytes in bounded pieces, the tensor data read from the GGUF with ``pread`` (never
+        through its memory map: cutting and hashing every slice of a 17 GB model leaves the
+        coordinator's RSS where it was, and the pieces are dropped from the page cache)."""
         yield memoryview(self.header)
-        for a in self.arrays:
-            yield np.ascontiguousarray(a).reshape(-1).data
+        yield from pread_chunks(self.path, self.spans)
 
     def sha256(self) -> str:
         h = hashlib.sha256()
@@ -175,7 +189,8 @@ def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
         offset += raw.nbytes
     text = _canonical_json(header)
     text += b" " * (-(8 + len(text)) % 8)  # data starts 8-aligned, as safetensors writes it
-    return _Layout(struct.pack("<Q", len(text)) + text, tuple(tensors[k].raw for k in EXPERT_KINDS))
+    arrays = tuple(tensors[k].raw for k in EXPERT_KINDS)
+    return _Layout(struct.pack("<Q", len(text)) + text, arrays, model.path, tuple(model.file_span(a) for a in arrays))
 
 
 def cut_slice(model: GGUFModel, layer: int, lo: int, hi: int) -> bytes:
@@ -186,24 +201,44 @@ def cut_slice(model: GGUFModel, layer: int, lo: int, hi: int) -> bytes:
 # -- proof of holding -------------------------------------------------------------------------
 
 
+def _window_parts(sizes: list[int], windows: Iterable[tuple[int, int]]) -> Iterable[tuple[int, int, int]]:
+    """``(part, start, end)`` pieces of each window over parts of ``sizes`` bytes laid end to end;
+    ``SliceError`` for a window outside them."""
+    total = sum(sizes)
+    for off, n in windows:
+        if off < 0 or n <= 0 or off + n > total:
+            raise SliceError(f"hold window {off}+{n} lies outside the slice's {total} data bytes", code="bad_shape")
+        start = 0
+        for i, size in enumerate(sizes):
+            lo, hi = max(off, start), min(off + n, start + size)
+            if lo < hi:
+                yield i, lo - start, hi - start
+            start += size
+
+
+def hold_digest_from_file(path: Path, spans: tuple[tuple[int, int], ...], nonce: bytes,
+                          windows: Iterable[tuple[int, int]]) -> bytes:
+    """``hold_digest`` of a slice whose tensor data lies at ``spans`` of ``path`` (the coordinator's
+    GGUF: ``GGUFModel.file_span``), read with ``pread`` so the model's pages are never mapped in."""
+    h = hashlib.sha256(nonce)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for i, lo, hi in _window_parts([n for _, n in spans], windows):
+            h.update(os.pread(fd, hi - lo, spans[i][0] + lo))
+    finally:
+        os.close(fd)
+    return h.digest()
+
+
 def hold_digest(stack: ExpertStack, nonce: bytes, windows: Iterable[tuple[int, int]]) -> bytes:
     """``sha256(nonce || data[o:o+n] for each window)`` over a slice's tensor data (the slice file
     after its header: gate, up, down raw bytes), as ``HoldChallenge`` asks. The same on the
     coordinator (views of its GGUF) and on a volunteer (views of its slice file): no copy of the
     whole slice is made. ``SliceError`` for a window outside the data."""
     arrays = [np.ascontiguousarray(t.raw).reshape(-1) for t in (stack.gate_t, stack.up_t, stack.down_t)]
-    ends = np.cumsum([a.nbytes for a in arrays]).tolist()
-    total = int(ends[-1]) if ends else 0
     h = hashlib.sha256(nonce)
-    for off, n in windows:
-        if off < 0 or n <= 0 or off + n > total:
-            raise SliceError(f"hold window {off}+{n} lies outside the slice's {total} data bytes", code="bad_shape")
-        start = 0
-        for a, end in zip(arrays, ends, strict=True):
-            lo, hi = max(off, start), min(off + n, end)
-            if lo < hi:
-                h.update(a.data[lo - start : hi - start])
-            start = end
+    for i, lo, hi in _window_parts([int(a.nbytes) for a in arrays], windows):
+        h.update(arrays[i].data[lo:hi])
     return h.digest()
 
 

@@ -50,7 +50,7 @@ async def transport(monkeypatch: pytest.MonkeyPatch, *, tuned: bool) -> AsyncIte
     """Our libp2p transport; ``tuned=False`` builds the same host with the library's own Yamux."""
     with monkeypatch.context() as patch:
         if not tuned:
-            patch.setattr(swarm.p2p.patches.yamux, "apply_yamux_tuning", lambda upgrader: None)
+            patch.setattr(swarm.p2p.patches.yamux, "apply_yamux_tuning", lambda upgrader, tuning=None: None)
         cm = open_libp2p_transport(key_path=None)
         t = await cm.__aenter__()
     try:
