@@ -16,7 +16,12 @@ What it does, in order, printing as it goes:
    repeated under load give identical tokens; every switch of the dispatcher prints with its reason;
 7. the load stops: after the serve TTL the dispatcher is local again, the boost ends, the extra
    volunteer is undispatched and released (age-out);
-8. prints ``/api/moe/recruitment`` and stops every process it started, cleanly.
+8. second act, a backbone coordinator: another coordinator of the same model joins holding no
+   expert (``--local-experts none``); the market now wants two replicas of every expert, recruits
+   the idle volunteer and a fourth one; each proves it holds its slice (hold challenge); the
+   reference requests through the backbone give the same tokens with every expert computed by
+   volunteers, checked on a second replica;
+9. prints ``/api/moe/recruitment`` and stops every process it started, cleanly.
 """
 
 from __future__ import annotations
@@ -212,19 +217,19 @@ def main() -> None:
 
         prompts = ["What is a relay?", "Explain NAT.", "Why volunteer compute?", "Count to five."]
 
-        def ask(p: str) -> tuple[str, list[int], float]:
+        def ask(p: str, via: openai.OpenAI = client) -> tuple[str, list[int], float]:
             t = time.monotonic()
-            r = client.chat.completions.create(
+            r = via.chat.completions.create(
                 model=model_id, messages=[{"role": "user", "content": p}], max_tokens=48, temperature=0,
                 extra_body={"ignore_eos": True, "return_token_ids": True},
             )
             ids = list((r.choices[0].model_extra or {}).get("token_ids", []))
             return p, ids, time.monotonic() - t
 
-        def run_batch(label: str) -> list[list[int]]:
+        def run_batch(label: str, via: openai.OpenAI = client) -> list[list[int]]:
             t0 = time.monotonic()
             with ThreadPoolExecutor(4) as pool:
-                results = list(pool.map(ask, prompts))
+                results = list(pool.map(lambda p: ask(p, via), prompts))
             wall = time.monotonic() - t0
             total = sum(len(ids) for _, ids, _ in results)
             print(f"    {label}: 4 requests, {total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate")
@@ -323,6 +328,42 @@ def main() -> None:
         for L in rep["layers"]:
             print(f"    layer {L['layer']}: rows local {L['local_rows']}, remote {L['remote_rows']}, "
                   f"verified {L.get('verified_rows', 0)}, fallback {L['fallback_rows']}")
+
+        say("second act: a backbone coordinator joins the market; it holds no expert (--local-experts none)")
+        bport = free_port()
+        backbone = f"http://127.0.0.1:{bport}"
+        bp = procs.start("backbone", cli("coordinator", "--model", str(model_path), "--port", str(bport), "--slots", "4",
+                                         "--data-dir", str(DATA / "backbone"), "--market", market, "--token", "demo",
+                                         "--local-experts", "none"))
+        wait_healthy(backbone, bp, "backbone")
+        print("    one coordinator of the model now holds no expert: the market wants 2 replicas of each (remote target)")
+        start_volunteer(procs, "volunteer-4", ["--market", market, "--max-experts", "8"])
+        t2 = time.monotonic()
+        while time.monotonic() - t2 < 90:
+            for i in range(4):
+                f = DATA / f"volunteer-{i + 1}" / "volunteer.json"
+                if f.exists():
+                    names[json.loads(f.read_text())["peer_id"]] = f"volunteer-{i + 1}"
+            holes = httpx.get(f"{backbone}/health", timeout=5).json().get("coverage_holes", 1)
+            m = recruitment(market)
+            if holes == 0 and m["replicas_min"] >= 2:
+                break
+            time.sleep(0.5)
+        print(timeline_line(t2, market, backbone, names))
+        brep = dispatch_report(backbone)
+        print(f"    covered in {time.monotonic() - t2:.1f} s: {len(brep['workers'])} volunteers proved their slices to the "
+              f"backbone ({brep.get('hold_passes', 0)} hold challenges passed, {brep.get('hold_refutations', 0)} refuted)")
+        bclient = openai.OpenAI(base_url=backbone + "/v1", api_key="demo", max_retries=0)
+        before = dispatch_report(backbone)
+        via_backbone = run_batch("backbone, every expert on volunteers", bclient)
+        after = dispatch_report(backbone)
+        loc, rem, fb, _ = rows_since(before, after)
+        print(f"    rows local {loc}, remote {rem}, fallback {fb}; second-replica checks: "
+              f"{after.get('decisions', {}).get('verify_second', 0)} calls, disputes {after.get('decisions', {}).get('dispute', 0)}")
+        same = via_backbone == local
+        print(f"    tokens identical to the all-local run: {'YES' if same else 'NO'}")
+        if not same:
+            raise SystemExit("the backbone coordinator changed the output")
 
         say(f"GET {market}/api/moe/recruitment")
         print(json.dumps(recruitment(market), indent=2))
