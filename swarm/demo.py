@@ -122,6 +122,12 @@ def recruitment(market: str) -> dict[str, Any]:
     return model
 
 
+def _targets(m: dict[str, Any]) -> str:
+    """The effective target, and the remote experts' one when some coordinator holds no copy of them."""
+    remote = m.get("remote_target")
+    return str(m["effective_target"]) if remote is None else f"{m['effective_target']} (not held: {remote})"
+
+
 def timeline_line(t0: float, market: str, coord: str, names: dict[str, str]) -> str:
     m = recruitment(market)
     rep = httpx.get(f"{coord}/dispatch", timeout=5).json()
@@ -134,7 +140,7 @@ def timeline_line(t0: float, market: str, coord: str, names: dict[str, str]) -> 
         path = f"/{d['path']}" if d is not None and d.get("path") else ""
         parts.append(f"{name}:{state}{path}")
     return (f"    t={time.monotonic() - t0:5.1f}s busy={m['busy']}/{m['slots']} saturated={str(m['saturated']):5} "
-            f"recruiting={str(m['recruiting']):5} target={m['effective_target']} dispatch={rep.get('load_state', '?'):9} "
+            f"recruiting={str(m['recruiting']):5} target={_targets(m)} dispatch={rep.get('load_state', '?'):9} "
             f"workers=[{', '.join(parts)}]")
 
 
