@@ -49,6 +49,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="how long a handed-out slice stays reserved")
     p.add_argument("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s,
                    help="a volunteer silent this long expires")
+    p.add_argument("--sole-replica-ttl-s", type=float, default=d.sole_replica_ttl_s,
+                   help="... this long when it holds the only replica of experts a hosting coordinator lacks")
     p.add_argument("--cooldown-s", type=float, default=d.cooldown_s,
                    help="a surplus volunteer is undispatched this long before it is told to release")
     p.add_argument("--retry-after-s", type=float, default=d.retry_after_s,
@@ -92,6 +94,7 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "hold_s": ns.hold_s,
             "lease_s": ns.lease_s,
             "heartbeat_ttl_s": ns.heartbeat_ttl_s,
+            "sole_replica_ttl_s": ns.sole_replica_ttl_s,
             "cooldown_s": ns.cooldown_s,
             "retry_after_s": ns.retry_after_s,
             "max_leases_per_address": ns.max_leases_per_address,

@@ -36,6 +36,9 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     poll_stale_s: PosFloat = 10.0  # an older successful poll says nothing
     lease_s: PosFloat = 30.0
     heartbeat_ttl_s: PosFloat = 15.0
+    # a silent volunteer holding the only replica of experts some hosting coordinator cannot compute
+    # expires after this long instead (its slice is re-offered sooner: a backbone waits for it)
+    sole_replica_ttl_s: PosFloat = 8.0
     cooldown_s: NonNegFloat = 10.0  # retired (not dispatched) this long before "release"
     retry_after_s: PosFloat = 5.0
     flush_s: PosFloat = 5.0

@@ -483,8 +483,10 @@ class Market:
         rep = TickReport()
         changes: list[Change] = []
         ttl = self.policy.heartbeat_ttl_s
+        short = min(ttl, self.policy.sole_replica_ttl_s)
         for peer, v in list(self.ix.volunteers.items()):
-            if not is_expired(v.last_seen, now, ttl):
+            if not is_expired(v.last_seen, now, ttl) and not (
+                    is_expired(v.last_seen, now, short) and self._sole_replica_of_unheld(peer)):
                 continue
             rows = self.ix.coverage.get(peer)
             if rows:
@@ -535,6 +537,20 @@ class Market:
                 changes.append(Put(v.row))
                 v.dirty = False
         self._last_flush = now
+
+    def _sole_replica_of_unheld(self, peer: str) -> bool:
+        """Does ``peer`` hold the only live replica of an expert some coordinator hosting its model does
+        not compute itself (a hole the moment it is gone)?"""
+        for s, row in self.ix.coverage.get(peer, {}).items():
+            if not row.dispatched:
+                continue
+            held = self.ix.held_by_all(s.model_id)
+            if held is None:
+                continue
+            reps = self.ix.counts[s.model_id].replicas[s.layer]
+            if any(reps[e] <= 1 and not held[s.layer][e] for e in range(s.lo, s.hi)):
+                return True
+        return False
 
     def _drop_unproven(self, now: float, changes: list[Change]) -> None:
         """A serving holding that no coordinator reported proved (hold challenge or verified answers)

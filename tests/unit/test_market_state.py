@@ -462,3 +462,27 @@ def test_routed_rows_in_reports_give_hot_experts_more_replicas_until_the_heat_de
     # an hour later, a report of uniform traffic: the old heat has decayed, the targets are even again
     m.report(CoordinatorReport(url=URL, model_id=MID, ranges=[RoutedRange(layer=0, lo=0, hi=8, rows=800)]), 3600.0)
     assert {s.target for s in m.demand(3600.0).models[0].segments} == {1}
+
+
+def test_a_silent_sole_replica_of_experts_a_coordinator_lacks_expires_sooner() -> None:
+    """Its slice is a hole the moment it is gone, and a backbone waits for it: re-offered after
+    ``sole_replica_ttl_s`` instead of the heartbeat TTL. A volunteer with a second replica beside it,
+    or one whose experts every coordinator holds, keeps the normal TTL."""
+    policy = msgspec.structs.replace(POLICY, heartbeat_ttl_s=6.0, sole_replica_ttl_s=2.0)
+    m = Market(InMemoryStore(), policy, now=0.0, rng=random.Random(0))
+    m.register(RegisterModels(URL, [manifest(n_layer=1, n_expert=8)], epoch=1,
+                              local_experts={MID: [ProvenSlice(0, 4, 8)]}), 0.0)  # holds 4-7, not 0-3
+    m.heartbeat(hb("sole", 1, (0, 0, 4, SERVING)), 0.0)  # the only replica of 0-3 (not held)
+    m.heartbeat(hb("twin1", 1, (0, 4, 8, SERVING)), 0.0)  # 4-7: held by the coordinator anyway
+    m.tick(2.5)
+    assert "sole" not in m.ix.coverage and "twin1" in m.ix.coverage
+    assert m.demand(2.5).models[0].holes == 4
+    m.tick(6.5)
+    assert "twin1" not in m.ix.coverage  # the normal TTL
+    # two replicas of the experts nobody else computes: neither is a sole replica
+    m2 = Market(InMemoryStore(), policy, now=0.0, rng=random.Random(0))
+    m2.register(RegisterModels(URL, [manifest(n_layer=1, n_expert=8)], epoch=1, local_experts={MID: []}), 0.0)
+    m2.heartbeat(hb("a", 1, (0, 0, 4, SERVING)), 0.0)
+    m2.heartbeat(hb("b", 1, (0, 0, 4, SERVING)), 0.0)
+    m2.tick(2.5)
+    assert {"a", "b"} <= set(m2.ix.coverage)
