@@ -71,7 +71,7 @@ class MarketLink:
         self.last_error = ""
         self._reregister = trio.Event()
         self.report_s = report_s
-        self._reported: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) already sent
+        self._reported: dict[str, tuple[int, int, int, int]] = {}  # peer -> (calls, rows, verified, pairs) already sent
         self._quarantines: dict[str, str] = {}  # peer -> evidence, not yet accepted by the market
         self._routed: dict[tuple[int, int, int], int] = {}  # (layer, lo, hi) -> routed rows already reported
         self._report_now = trio.Event()
@@ -91,10 +91,10 @@ class MarketLink:
         seen: set[str] = set()
         for w in rep.workers:
             seen.add(w.peer_id)
-            c0, r0, v0 = self._reported.get(w.peer_id, (0, 0, 0))
+            c0, r0, v0, p0 = self._reported.get(w.peer_id, (0, 0, 0, 0))
             held = [ProvenSlice(h.layer, h.lo, h.hi) for h in book.proven(w.peer_id)] if book is not None else []
             workers.append(ReportedWorker(peer_id=w.peer_id, calls=max(0, w.calls - c0), rows=max(0, w.rows - r0),
-                                          verified=max(0, w.verified - v0), path=w.path,
+                                          verified=max(0, w.verified - v0), pairs=max(0, w.pairs - p0), path=w.path,
                                           quarantine=self._quarantines.get(w.peer_id), held=held))
         workers += [ReportedWorker(peer_id=p, quarantine=e) for p, e in self._quarantines.items() if p not in seen]
         routed = self.dispatcher.core.routed
@@ -170,8 +170,8 @@ class MarketLink:
             self.reports_sent += 1
             listed = {w.peer_id for w in body.workers}
             for w in body.workers:  # the deltas sent are accounted for
-                c0, r0, v0 = self._reported.get(w.peer_id, (0, 0, 0))
-                self._reported[w.peer_id] = (c0 + w.calls, r0 + w.rows, v0 + w.verified)
+                c0, r0, v0, p0 = self._reported.get(w.peer_id, (0, 0, 0, 0))
+                self._reported[w.peer_id] = (c0 + w.calls, r0 + w.rows, v0 + w.verified, p0 + w.pairs)
                 if w.quarantine is not None:
                     self._quarantines.pop(w.peer_id, None)
             for rr in body.ranges:

@@ -32,7 +32,9 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   With ``after``, waits up to ``wait_s`` (<= 30) for a version above ``V`` (long poll), then
   answers with the current map either way. ``ETag`` is the quoted version; ``If-None-Match``
   with it -> 304.
-- ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /metrics`` (Prometheus);
+- ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /api/volunteers/{peer_id}`` ->
+  ``VolunteerCredit`` (404 ``unknown_volunteer``); ``GET /api/volunteers?limit=N`` -> ``CreditBoard``
+  (by recent average credit); ``GET /metrics`` (Prometheus);
   ``GET /health`` (also lists the relays offered to volunteers).
 
 The release / age-out protocol (what a volunteer does with ``CoverageAck.slices``):
@@ -377,6 +379,15 @@ def build_market_app(api: MarketApi) -> Starlette:
     async def recruitment(_: Request) -> Response:
         return _json(m.recruitment(api.clock()))
 
+    @_guarded
+    async def volunteer_credit(request: Request) -> Response:
+        return _json(m.volunteer_credit(str(request.path_params["peer_id"]), api.clock()))
+
+    @_guarded
+    async def credit_board(request: Request) -> Response:
+        limit = _int_param(request, "limit")
+        return _json(m.credit_board(api.clock(), 100 if limit is None else max(0, min(limit, 1000))))
+
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -402,6 +413,8 @@ def build_market_app(api: MarketApi) -> Starlette:
             Route("/api/expert-demand", demand, methods=["GET"]),
             Route("/api/expert-dispatch-map", dispatch_map, methods=["GET"]),
             Route("/api/moe/recruitment", recruitment, methods=["GET"]),
+            Route("/api/volunteers", credit_board, methods=["GET"]),
+            Route("/api/volunteers/{peer_id}", volunteer_credit, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],

@@ -39,6 +39,7 @@ from market.core.directive import Reason, slice_refusal
 from market.core.records import (
     CoordinatorRow,
     CoverageRow,
+    CreditRow,
     LeaseRow,
     MapRow,
     ModelRow,
@@ -98,6 +99,7 @@ class Indexes:
         self.dirty_ageout: set[str] = set()
         self.quarantined: dict[str, QuarantineRow] = {}  # peer -> why and until when it is refused
         self.served: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) reported by coordinators
+        self.credit: dict[str, CreditRow] = {}  # peer -> its credit ledger row (durable)
         self.routed: dict[str, dict[tuple[int, int, int], int]] = {}  # model -> (layer, lo, hi) -> routed rows (runtime)
         self._coordinators_version = 0  # bumped on every registration change (the targets' memo key)
         self._targets: dict[str, tuple[tuple[bool, int, int], Targets]] = {}
@@ -125,6 +127,8 @@ class Indexes:
             self.volunteers[v.peer_id] = LiveVolunteer(v, last_seen=now)
         for q in snap.quarantine:
             self.quarantined[q.peer_id] = q
+        for cr in snap.credit:
+            self.credit[cr.peer_id] = cr
         for r in snap.recruitment:
             if r.model_id in self.models and r.recruiting:
                 self.recruit[r.model_id] = RecruitState(True, r.changed_at, last_saturated_at=now)

@@ -38,6 +38,7 @@ from typing import Final, Literal
 import msgspec
 
 from market.core.assign import Budget, ModelSupply, NoOfferReason, choose_slice, jittered, new_lease_id
+from market.core.credit import credit_row, flops_per_pair, rac_now
 from market.core.demand import contribution
 from market.core.directive import Action, Directive, Reason, directive, in_cooldown
 from market.core.records import (
@@ -77,6 +78,7 @@ from swarm.protocol.market import (
     CoordinatorReport,
     CoverageAck,
     CoverageHeartbeat,
+    CreditBoard,
     DemandView,
     HeldSlice,
     RecruitmentView,
@@ -84,6 +86,7 @@ from swarm.protocol.market import (
     RegisterModels,
     ReportAck,
     SliceDirective,
+    VolunteerCredit,
     VolunteerRequest,
 )
 
@@ -423,11 +426,19 @@ class Market:
         if rep.model_id not in self.ix.coordinators[url].model_ids:
             raise _http_error(f"coordinator {url[:200]!r} does not host {rep.model_id!r}", "unknown_model", status=404,
                               param="model_id")
+        m = self.ix.models.get(rep.model_id)
+        per_pair = flops_per_pair(m.manifest.d_model, m.manifest.d_expert) if m is not None else 0.0
         changes: list[Change] = []
         newly: list[str] = []
         for w in rep.workers:
             c, r, v = self.ix.served.get(w.peer_id, (0, 0, 0))
             self.ix.served[w.peer_id] = (c + w.calls, r + w.rows, v + w.verified)
+            if w.pairs and w.quarantine is None and self.quarantine_of(w.peer_id, now) is None:
+                credit = credit_row(self.ix.credit.get(w.peer_id), w.peer_id, flops=w.pairs * per_pair, pairs=w.pairs,
+                                    verified=w.verified, now=now)
+                self.ix.credit[w.peer_id] = credit
+                changes.append(Put(credit))
+                self.counters["credited_pairs"] += w.pairs
             if w.verified > 0 and w.quarantine is None:  # a coordinator checked its answers: served
                 self._served_peers.add(w.peer_id)
                 for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
@@ -648,6 +659,24 @@ class Market:
 
     def recruitment(self, now: float) -> RecruitmentView:
         return recruitment_view(self.ix, now)
+
+    def volunteer_credit(self, peer_id: str, now: float) -> VolunteerCredit:
+        """``GET /api/volunteers/{peer_id}``; ``unknown_volunteer`` (404) for a peer the market never saw."""
+        row = self.ix.credit.get(peer_id)
+        if row is None and peer_id not in self.ix.volunteers and peer_id not in self.ix.quarantined:
+            raise _http_error(f"no volunteer {peer_id[:128]!r} is known here", "unknown_volunteer", status=404)
+        q = self.quarantine_of(peer_id, now)
+        slices = sorted(str(s) for s in self.ix.coverage.get(peer_id, {}))
+        if row is None:
+            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None,
+                                   int(q.until * 1000) if q is not None else None, slices)
+        return VolunteerCredit(peer_id, row.total_flops, rac_now(row, now), row.pairs, row.verified,
+                               int(row.first_at * 1000), int(row.last_at * 1000),
+                               int(q.until * 1000) if q is not None else None, slices)
+
+    def credit_board(self, now: float, limit: int = 100) -> CreditBoard:
+        peers = sorted(self.ix.credit, key=lambda p: (-rac_now(self.ix.credit[p], now), p))[: max(0, limit)]
+        return CreditBoard([self.volunteer_credit(p, now) for p in peers])
 
 
 def _shape(m: ModelManifest) -> tuple[int, int, Sequence[int]]:

@@ -31,6 +31,7 @@ import msgspec
 from market.core.records import (
     CoordinatorRow,
     CoverageRow,
+    CreditRow,
     LeaseRow,
     MapRow,
     ModelRow,
@@ -56,7 +57,8 @@ __all__ = [
     "open_sqlite_store",
 ]
 
-SCHEMA_VERSION: Final = 2  # 2 added the quarantine table; a version-1 database moves forward on open (its tables are created)
+# 2 added the quarantine table, 3 the credit ledger; an older database moves forward on open (its new tables are created)
+SCHEMA_VERSION: Final = 3
 
 
 class Put(msgspec.Struct, frozen=True, tag=True):
@@ -88,6 +90,7 @@ _ROW_TYPES: Final[dict[Table, type[Any]]] = {
     Table.MAPS: MapRow,
     Table.RECRUITMENT: RecruitRow,
     Table.QUARANTINE: QuarantineRow,
+    Table.CREDIT: CreditRow,
 }
 _encoder = msgspec.json.Encoder()
 _decoders: Final = {t: msgspec.json.Decoder(cls) for t, cls in _ROW_TYPES.items()}
@@ -123,6 +126,7 @@ def _snapshot(rows: dict[Table, list[Any]]) -> Snapshot:
         maps=rows[Table.MAPS],
         recruitment=rows[Table.RECRUITMENT],
         quarantine=rows[Table.QUARANTINE],
+        credit=rows[Table.CREDIT],
     )
 
 

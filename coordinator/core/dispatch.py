@@ -177,6 +177,7 @@ class WorkerHealth:
     state: WorkerState = WorkerState.UP
     calls: int = 0
     rows: int = 0
+    pairs: int = 0  # (row, expert) pairs answered: the work its credit counts
     failures: int = 0
     consecutive_failures: int = 0
     down_until: float = 0.0
@@ -210,6 +211,7 @@ class WorkerView:
     verified: int = 0
     probation_left: int = 0
     quarantine: str = ""  # the evidence, when quarantined
+    pairs: int = 0
 
 
 def p95(samples: deque[float] | list[float]) -> float | None:
@@ -288,7 +290,7 @@ class WorkerTable:
         if w is not None and w.in_flight > 0:
             w.in_flight -= 1
 
-    def succeeded(self, peer_id: str, *, rows: int, latency_s: float, wall_ms: int) -> None:
+    def succeeded(self, peer_id: str, *, rows: int, latency_s: float, wall_ms: int, pairs: int = 0) -> None:
         w = self.workers.get(peer_id)
         if w is None:
             return
@@ -298,6 +300,7 @@ class WorkerTable:
         w.hedge_losses = 0
         w.calls += 1
         w.rows += rows
+        w.pairs += pairs
         self._sample(w, latency_s)
         w.last_serve_ms = wall_ms
 
@@ -359,6 +362,7 @@ class WorkerTable:
                     verified=w.verified,
                     probation_left=w.probation_left,
                     quarantine=self.quarantined.get(w.peer_id, ""),
+                    pairs=w.pairs,
                 )
             )
         return out
@@ -1516,7 +1520,7 @@ class DispatchCore:
         c.done = True
         del self._calls[cid]
         self.table.finished(c.peer)
-        self.table.succeeded(c.peer, rows=c.work.rows, latency_s=now - c.started, wall_ms=wall_ms)
+        self.table.succeeded(c.peer, rows=c.work.rows, latency_s=now - c.started, wall_ms=wall_ms, pairs=c.work.pairs)
         out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
         if not c.verify:
             out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))

@@ -58,6 +58,7 @@ class Table(enum.StrEnum):
     MAPS = "maps"
     RECRUITMENT = "recruitment"
     QUARANTINE = "quarantine"
+    CREDIT = "credit"
 
 
 SliceRef = SliceKey  # the slice identity of DESIGN §11, shared with the coordinator and volunteers
@@ -168,7 +169,22 @@ class QuarantineRow(msgspec.Struct, frozen=True, tag=True):
     at: float
 
 
-Row = ModelRow | CoordinatorRow | VolunteerRow | CoverageRow | LeaseRow | MapRow | RecruitRow | QuarantineRow
+class CreditRow(msgspec.Struct, frozen=True, tag=True):
+    """A volunteer's credit, fed only by coordinator reports (``market.core.credit``): FLOPs of the
+    pairs it answered (6 d_model d_expert each) in report periods it was not quarantined in, its
+    recent average (per day, exponentially decayed) and the pair counts."""
+
+    peer_id: str
+    total_flops: float
+    rac_flops_per_day: float
+    rac_at: float  # when ``rac_flops_per_day`` was last brought up to date
+    pairs: int
+    verified: int  # answers that passed a coordinator's verification
+    first_at: float
+    last_at: float
+
+
+Row = ModelRow | CoordinatorRow | VolunteerRow | CoverageRow | LeaseRow | MapRow | RecruitRow | QuarantineRow | CreditRow
 
 _TABLE_OF: Final[dict[type, Table]] = {
     ModelRow: Table.MODELS,
@@ -179,6 +195,7 @@ _TABLE_OF: Final[dict[type, Table]] = {
     MapRow: Table.MAPS,
     RecruitRow: Table.RECRUITMENT,
     QuarantineRow: Table.QUARANTINE,
+    CreditRow: Table.CREDIT,
 }
 
 
@@ -197,7 +214,7 @@ def row_key(row: Row) -> str:
             return row.manifest.model_id
         case CoordinatorRow():
             return row.url
-        case VolunteerRow() | QuarantineRow():
+        case VolunteerRow() | QuarantineRow() | CreditRow():
             return row.peer_id
         case CoverageRow():
             return coverage_key(row.peer_id, row.slice)
@@ -219,3 +236,4 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     maps: list[MapRow] = []
     recruitment: list[RecruitRow] = []
     quarantine: list[QuarantineRow] = []
+    credit: list[CreditRow] = []

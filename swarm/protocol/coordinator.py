@@ -85,6 +85,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     # hold challenges (DESIGN §12): its listed slices it proved it holds / not yet (None: not checked here)
     holdings_proven: int | None = None
     holdings_pending: int | None = None
+    pairs: int = 0  # (row, expert) pairs it answered (the work the market credits it for)
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):

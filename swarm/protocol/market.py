@@ -25,6 +25,7 @@ __all__ = [
     "CoordinatorView",
     "CoverageAck",
     "CoverageHeartbeat",
+    "CreditBoard",
     "DemandView",
     "HeldSlice",
     "ModelDemand",
@@ -39,6 +40,7 @@ __all__ = [
     "RoutedRange",
     "SliceDirective",
     "VolunteerAnswer",
+    "VolunteerCredit",
     "VolunteerRequest",
     "WorkerSliceView",
     "WorkerView",
@@ -171,6 +173,7 @@ class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
     calls: NonNeg = 0  # answered calls since the last report
     rows: NonNeg = 0
     verified: NonNeg = 0  # answers that passed verification since the last report
+    pairs: NonNeg = 0  # (row, expert) pairs answered since the last report: its credit (6 d_model d_expert FLOPs each)
     path: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # direct | relayed | hole-punched
     quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # the evidence, when it failed verification
     # slices it proved it holds (answered this coordinator's hold challenge: DESIGN §12)
@@ -336,6 +339,28 @@ class ModelRecruitment(msgspec.Struct):
     workers: list[WorkerView]
     remote_target: int | None = None  # as in ModelDemand
     holes: int = 0
+
+
+class VolunteerCredit(msgspec.Struct):
+    """``GET /api/volunteers/{peer_id}``: a volunteer's credit (fed only by coordinator reports: FLOPs of
+    the pairs it answered, 6 d_model d_expert each, in periods it was not quarantined) and its state.
+    Never its addresses."""
+
+    peer_id: str
+    total_flops: float
+    rac_flops_per_day: float  # recent average credit, half-life one week
+    pairs: int
+    verified: int  # answers that passed a coordinator's verification
+    first_credit_ms: int | None  # Unix ms (None: no credit yet)
+    last_credit_ms: int | None
+    quarantined_until_ms: int | None = None
+    slices: list[str] = []  # what it holds now, as the market counts it
+
+
+class CreditBoard(msgspec.Struct):
+    """``GET /api/volunteers?limit=N``: the volunteers with credit, highest recent average first."""
+
+    volunteers: list[VolunteerCredit]
 
 
 class RecruitmentView(msgspec.Struct):

@@ -15,11 +15,13 @@ import pytest
 from market.core.records import (
     CoordinatorRow,
     CoverageRow,
+    CreditRow,
     HeldState,
     LeaseRow,
     MapRow,
     ModelManifest,
     ModelRow,
+    QuarantineRow,
     RecruitRow,
     SliceRef,
     Snapshot,
@@ -44,7 +46,7 @@ S1 = SliceRef(MID, 1, 4, 8)
 def sample_rows() -> list[Put]:
     return [
         Put(ModelRow(MANIFEST, 1.5)),
-        Put(CoordinatorRow("http://127.0.0.1:8080", [MID], 7, 2.0)),
+        Put(CoordinatorRow("http://127.0.0.1:8080", [MID], 7, 2.0, "12D3KooWc", {MID: [(0, 0, 4)]})),
         Put(VolunteerRow("12D3KooWpeerA", 3, 41, 3.0, ["/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWpeerA"], 10**9)),
         Put(VolunteerRow("12D3KooWpeerB", 0, 0, 3.5)),
         Put(CoverageRow("12D3KooWpeerA", S0, HeldState.SERVING, 4.0, served=True, held=True)),
@@ -52,6 +54,8 @@ def sample_rows() -> list[Put]:
         Put(LeaseRow("00000000000000ff", "12D3KooWpeerB", S1, 5.0, 35.0)),
         Put(MapRow(MID, 12, [LayerRanges(0, [RangeReplicas(0, 4, [Replica("12D3KooWpeerA", ["/ip4/1.2.3.4"])])])])),
         Put(RecruitRow(MID, True, 6.0)),
+        Put(QuarantineRow("12D3KooWliar", 1e9, "layer 0 experts 0-4: outputs differ", "http://c.test", 7.0)),
+        Put(CreditRow("12D3KooWpeerA", 1.5e12, 2.5e11, 8.0, 1000, 40, 7.5, 8.0)),
     ]
 
 
@@ -89,6 +93,8 @@ def test_put_then_load_returns_every_row(opener: Opener) -> None:
     assert snap.leases == [puts[6].row]
     assert snap.maps == [puts[7].row]
     assert snap.recruitment == [puts[8].row]
+    assert snap.quarantine == [puts[9].row]
+    assert snap.credit == [puts[10].row]
     s.close()
 
 
@@ -148,7 +154,7 @@ def test_sqlite_uses_wal_and_a_schema_version(tmp_path: Path) -> None:
     open_sqlite_store(path).close()
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert tables == {t.value for t in Table}
     conn.execute("PRAGMA user_version = 99")
@@ -202,7 +208,7 @@ def test_sqlite_commit_survives_a_killed_process(tmp_path: Path) -> None:
 
 def test_a_version_1_database_moves_forward_with_its_rows(tmp_path: Path) -> None:
     """Schema 1 (as the market before quarantines wrote it: no quarantine table, coordinator rows
-    without a peer id) opens as schema 2: the table is added, every row still loads."""
+    without a peer id) opens as the current schema: the tables are added, every row still loads."""
     path = tmp_path / "v1.db"
     conn = sqlite3.connect(path)
     for t in ("models", "coordinators", "volunteers", "coverage", "leases", "maps", "recruitment"):
@@ -222,6 +228,36 @@ def test_a_version_1_database_moves_forward_with_its_rows(tmp_path: Path) -> Non
     assert snap.quarantine == []
     s.close()
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
-    assert "quarantine" in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert {"quarantine", "credit"} <= {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    conn.close()
+
+
+def test_a_version_2_database_moves_forward_with_its_rows(tmp_path: Path) -> None:
+    """Schema 2, as the previous release wrote it (coverage rows with ``proven``, coordinator rows
+    without holdings, no credit table), opens as schema 3: ``proven`` reads as ``served``, the
+    coordinator holds everything, the credit table is added and empty."""
+    path = tmp_path / "v2.db"
+    conn = sqlite3.connect(path)
+    for t in ("models", "coordinators", "volunteers", "coverage", "leases", "maps", "recruitment", "quarantine"):
+        conn.execute(f"CREATE TABLE {t} (key TEXT PRIMARY KEY, body BLOB NOT NULL) WITHOUT ROWID")
+    conn.execute("INSERT INTO coordinators VALUES ('http://c.test', ?)",
+                 (b'{"type":"CoordinatorRow","url":"http://c.test","model_ids":["m-0123456789ab"],"epoch":7,'
+                  b'"registered_at":1.5,"peer_id":"12D3KooWc"}',))
+    conn.execute("INSERT INTO coverage VALUES ('p|m-0123456789ab|0|0|4', ?)",
+                 (b'{"type":"CoverageRow","peer_id":"p","slice":{"model_id":"m-0123456789ab","layer":0,"lo":0,'
+                  b'"hi":4},"state":"serving","since":3.0,"retiring_since":null,"proven":true}',))
+    conn.execute("PRAGMA user_version = 2")
+    conn.commit()
+    conn.close()
+    s = open_sqlite_store(path)
+    snap = s.load()
+    [c] = snap.coordinators
+    assert (c.peer_id, c.local_experts) == ("12D3KooWc", {})
+    [cov] = snap.coverage
+    assert (cov.served, cov.held, cov.since) == (True, False, 3.0)
+    assert snap.credit == []
+    s.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
     conn.close()

@@ -277,6 +277,20 @@ async def test_a_holding_nobody_proves_stops_counting_after_the_grace_and_an_hon
     # the experts it held are needed again: the next volunteer is assigned them
     again = await _Stranger(market_url, tmp_path / "next.key", mute_t, model.model_id).poll()
     assert again["kind"] == "assignment" and (again["layer"], again["lo"]) == (a["layer"], a["lo"])
+    # the honest volunteer serves (offload: its range goes remote) and the coordinator's reports credit it
+    await greedy(Transformer(model, d), [1, 2, 3], 3)
+    per_pair = 6 * model.config.d_model * model.config.d_expert
+    async with httpx.AsyncClient(base_url=market_url) as h:
+        async def credited() -> Any:
+            r = (await h.get(f"/api/volunteers/{honest.peer_id}")).json()
+            return r if r["total_flops"] > 0 else None
+
+        c = await eventually(credited)
+        board = (await h.get("/api/volunteers")).json()["volunteers"]
+        unknown = await h.get("/api/volunteers/12D3KooWnobody")
+    assert c["pairs"] > 0 and c["total_flops"] == c["pairs"] * per_pair and c["rac_flops_per_day"] > 0
+    assert [v["peer_id"] for v in board] == [honest.peer_id]
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_volunteer"
 
 
 def s_of(slices: list[dict[str, Any]]) -> list[tuple[int, int, int, bool]]:
