@@ -67,7 +67,7 @@ from typing import Protocol
 import numpy as np
 import torch
 import trio
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator.core.dispatch import (
@@ -253,6 +253,32 @@ class _StepRun:
     fail: Fail | None = None
 
 
+class LatencyHistogram:
+    """Bucket counts of remote call latencies (for ``/metrics``; seconds)."""
+
+    BOUNDS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BOUNDS) + 1)
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = next((k for k, b in enumerate(self.BOUNDS) if seconds <= b), len(self.BOUNDS))
+        self.counts[i] += 1
+        self.total_s += seconds
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        out, run = [], 0
+        for b, n in zip((*self.BOUNDS, float("inf")), self.counts, strict=True):
+            run += n
+            out.append((b, run))
+        return out
+
+
+def _le(b: float) -> str:
+    return "+Inf" if b == float("inf") else repr(b)
+
+
 class _MissingExperts(DispatchFailed):
     """A layer failed because experts it routed to are held by nobody live (wait mode may retry it)."""
 
@@ -365,6 +391,7 @@ class Dispatcher:
         # health may change, for up to this long, before the request fails (0: at once)
         self.missing_wait_s = missing_wait_s
         self._map_changed = trio.Event()
+        self.latency_hist = LatencyHistogram()
         self.missing_waits = 0  # layers that waited for coverage
         self.missing_failed = 0  # ... and still found none
         self._prove_wake = trio.Event()
@@ -636,6 +663,7 @@ class Dispatcher:
                     if call in self._keep:
                         self._kept[call] = out
                     self._note_session(peer, started)
+                    self.latency_hist.observe(trio.current_time() - started)
                     ev = RemoteDone(call, _wall_ms())
             if self._calls.get(call) is scope:
                 del self._calls[call]
@@ -1212,6 +1240,34 @@ class DispatchCollector(Collector):
         )
         state.add_metric([model, core.load_state(self.d._now()).value], 1.0)
         yield state
+        now = self.d._now()
+        holes = GaugeMetricFamily("moe_swarm_dispatch_holes",
+                                  "Ranges not held here that no live volunteer serves now", labels=["model"])
+        holes.add_metric([model], self.d.holes(now))
+        yield holes
+        book = self.d.holdings
+        hold = CounterMetricFamily("moe_swarm_dispatch_hold_challenges", "Hold challenges by outcome",
+                                   labels=["model", "outcome"])
+        for outcome, n in (("passed", book.passes if book else 0), ("failed", book.failures if book else 0),
+                           ("refuted", book.refutations if book else 0)):
+            hold.add_metric([model, outcome], n)
+        yield hold
+        cross = CounterMetricFamily("moe_swarm_dispatch_cross_checks",
+                                    "Second-replica checks of experts not held here, by outcome", labels=["model", "outcome"])
+        cross.add_metric([model, "compared"], core.cross_checks)
+        cross.add_metric([model, "disputed"], core.disputes)
+        cross.add_metric([model, "unverifiable"], core.unverifiable)
+        yield cross
+        missing = CounterMetricFamily("moe_swarm_dispatch_missing", "Layers that waited for experts nobody served",
+                                      labels=["model", "outcome"])
+        missing.add_metric([model, "waited"], self.d.missing_waits)
+        missing.add_metric([model, "failed"], self.d.missing_failed)
+        yield missing
+        lat = HistogramMetricFamily("moe_swarm_dispatch_remote_latency_seconds",
+                                    "Latency of answered remote expert calls", labels=["model"])
+        h = self.d.latency_hist
+        lat.add_metric([model], [(_le(b), n) for b, n in h.cumulative()], sum_value=h.total_s)
+        yield lat
 
 
 async def watch_dispatch_map_file(

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -76,7 +77,7 @@ import httpx
 import msgspec
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -182,22 +183,47 @@ def _int_param(request: Request, name: str) -> int | None:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+class _RequestStats:
+    """Requests per handler and status, and their durations (for ``/metrics``)."""
+
+    BOUNDS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, int], int] = {}
+        self.buckets: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, handler: str, status: int, seconds: float) -> None:
+        self.counts[(handler, status)] = self.counts.get((handler, status), 0) + 1
+        b = self.buckets.setdefault(handler, [0] * (len(self.BOUNDS) + 1))
+        b[next((i for i, x in enumerate(self.BOUNDS) if seconds <= x), len(self.BOUNDS))] += 1
+        self.sums[handler] = self.sums.get(handler, 0.0) + seconds
+
+
 def _guarded(fn: Handler) -> Handler:
+    name = fn.__name__
+
     async def run(request: Request) -> Response:
+        t0 = time.perf_counter()
         try:
-            return await fn(request)
+            resp = await fn(request)
         except RequestError as exc:
-            return error_response(exc)
+            resp = error_response(exc)
         except SwarmError as exc:  # a store failure: the request did not complete
             log.error("%s %s failed: %s [%s]", request.method, request.url.path, exc, exc.code)
-            return error_response(exc, 503)
+            resp = error_response(exc, 503)
+        stats = getattr(request.app.state, "request_stats", None)
+        if isinstance(stats, _RequestStats):
+            stats.observe(name, resp.status_code, time.perf_counter() - t0)
+        return resp
 
     return run
 
 
 class _MarketCollector(Collector):
-    def __init__(self, api: MarketApi) -> None:
+    def __init__(self, api: MarketApi, stats: _RequestStats) -> None:
         self.api = api
+        self.stats = stats
 
     def collect(self) -> Iterable[Metric]:
         m = self.api.market
@@ -230,12 +256,42 @@ class _MarketCollector(Collector):
             fams["min"].add_metric([mid], m.ix.counts[mid].min_replicas())
             fams["version"].add_metric([mid], m.map_version(mid))
         yield from fams.values()
+        holes = GaugeMetricFamily("moe_swarm_market_holes",
+                                  "Experts nobody can compute now (no replica, not held by every hosting coordinator)",
+                                  labels=["model"])
+        layer_min = GaugeMetricFamily("moe_swarm_market_layer_replicas_min", "Fewest live replicas of an expert, per layer",
+                                      labels=["model", "layer"])
+        for mid in sorted(m.ix.models):
+            d = m.demand(now, [mid]).models[0]
+            holes.add_metric([mid], d.holes)
+            for layer, row in enumerate(m.ix.counts[mid].replicas):
+                layer_min.add_metric([mid, str(layer)], min(row, default=0))
+        yield holes
+        yield layer_min
+        credit = CounterMetricFamily("moe_swarm_market_credit_flops", "Credit granted to volunteers, in FLOPs")
+        credit.add_metric([], sum(r.total_flops for r in m.ix.credit.values()))
+        yield credit
+        stats = self.stats
+        req = CounterMetricFamily("moe_swarm_market_requests", "API requests by handler and status",
+                                  labels=["handler", "status"])
+        for (h, st), n in sorted(stats.counts.items()):
+            req.add_metric([h, str(st)], n)
+        yield req
+        lat = HistogramMetricFamily("moe_swarm_market_request_seconds", "API request durations", labels=["handler"])
+        for h, counts in sorted(stats.buckets.items()):
+            run, buckets = 0, []
+            for b, n in zip((*stats.BOUNDS, float("inf")), counts, strict=True):
+                run += n
+                buckets.append(("+Inf" if b == float("inf") else repr(b), run))
+            lat.add_metric([h], buckets, sum_value=stats.sums[h])
+        yield lat
 
 
 def build_market_app(api: MarketApi) -> Starlette:
     m = api.market
     registry = CollectorRegistry()
-    registry.register(_MarketCollector(api))
+    stats = _RequestStats()
+    registry.register(_MarketCollector(api, stats))
 
     def check_token(request: Request) -> None:
         if api.token is None:
@@ -404,7 +460,7 @@ def build_market_app(api: MarketApi) -> Starlette:
         code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
         return error_response(RequestError(detail, code=code, status=status), headers=headers)
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/api/models", register, methods=["POST"]),
             Route("/api/coordinator-report", coordinator_report, methods=["POST"]),
@@ -420,3 +476,5 @@ def build_market_app(api: MarketApi) -> Starlette:
         ],
         exception_handlers={HTTPException: http_error},
     )
+    app.state.request_stats = stats
+    return app
