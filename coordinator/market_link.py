@@ -95,6 +95,7 @@ class MarketLink:
             held = [ProvenSlice(h.layer, h.lo, h.hi) for h in book.proven(w.peer_id)] if book is not None else []
             workers.append(ReportedWorker(peer_id=w.peer_id, calls=max(0, w.calls - c0), rows=max(0, w.rows - r0),
                                           verified=max(0, w.verified - v0), pairs=max(0, w.pairs - p0), path=w.path,
+                                          latency_ms=w.latency_ewma_ms if w.latency_ewma_ms > 0 else None,
                                           quarantine=self._quarantines.get(w.peer_id), held=held))
         workers += [ReportedWorker(peer_id=p, quarantine=e) for p, e in self._quarantines.items() if p not in seen]
         routed = self.dispatcher.core.routed

@@ -66,11 +66,13 @@ Bad input never takes the market down.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import httpx
@@ -181,6 +183,15 @@ def _int_param(request: Request, name: str) -> int | None:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+# the page and everything it runs come from the market itself (no CDN; works offline)
+_DASHBOARD_CSP = "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; img-src 'self' data:"
+
+
+@functools.cache
+def _dashboard_html() -> bytes:
+    return (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
 
 
 class _RequestStats:
@@ -436,6 +447,14 @@ def build_market_app(api: MarketApi) -> Starlette:
         return _json(m.recruitment(api.clock()))
 
     @_guarded
+    async def events(request: Request) -> Response:
+        return _json(m.events(_int_param(request, "after") or 0))
+
+    async def dashboard(_: Request) -> Response:
+        return Response(_dashboard_html(), media_type="text/html; charset=utf-8",
+                        headers={"cache-control": "no-cache", "content-security-policy": _DASHBOARD_CSP})
+
+    @_guarded
     async def volunteer_credit(request: Request) -> Response:
         return _json(m.volunteer_credit(str(request.path_params["peer_id"]), api.clock()))
 
@@ -470,6 +489,8 @@ def build_market_app(api: MarketApi) -> Starlette:
             Route("/api/expert-dispatch-map", dispatch_map, methods=["GET"]),
             Route("/api/moe/recruitment", recruitment, methods=["GET"]),
             Route("/api/volunteers", credit_board, methods=["GET"]),
+            Route("/api/events", events, methods=["GET"]),
+            Route("/dashboard", dashboard, methods=["GET"]),
             Route("/api/volunteers/{peer_id}", volunteer_credit, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),

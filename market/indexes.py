@@ -68,6 +68,7 @@ class LiveVolunteer:
     load: float = 0.0
     dirty: bool = False  # a sequence newer than the stored row
     last_serve_ms: dict[SliceRef, int] = field(default_factory=dict)
+    display_name: str = ""  # volunteer-chosen (stranger text), control characters removed
 
 
 @dataclass
@@ -78,6 +79,7 @@ class PollRecord:
     at: float | None = None  # last attempt
     error: str | None = None
     last_ok: PollView | None = None
+    tps: float = 0.0  # decode tokens/s of its busy slots at the last successful poll
 
 
 class Indexes:
@@ -100,6 +102,7 @@ class Indexes:
         self.quarantined: dict[str, QuarantineRow] = {}  # peer -> why and until when it is refused
         self.served: dict[str, tuple[int, int, int]] = {}  # peer -> (calls, rows, verified) reported by coordinators
         self.credit: dict[str, CreditRow] = {}  # peer -> its credit ledger row (durable)
+        self.reported: dict[str, tuple[str | None, float | None]] = {}  # peer -> (path, latency ms) last reported
         self.routed: dict[str, dict[tuple[int, int, int], int]] = {}  # model -> (layer, lo, hi) -> routed rows (runtime)
         self._coordinators_version = 0  # bumped on every registration change (the targets' memo key)
         self._targets: dict[str, tuple[tuple[bool, int, int], Targets]] = {}

@@ -28,7 +28,8 @@ __all__ = ["Clock", "MapWatch", "Poller", "run_housekeeping", "run_recruitment_l
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-Poller = Callable[[str], Awaitable[tuple[int, int]]]  # coordinator URL -> (busy, slots); raises SwarmError
+# coordinator URL -> (busy, slots) or (busy, slots, decode tokens/s of its busy slots); raises SwarmError
+Poller = Callable[[str], Awaitable[tuple[int, int] | tuple[int, int, float]]]
 
 
 class MapWatch:
@@ -53,11 +54,11 @@ async def _poll_one(market: Market, poll: Poller, url: str, clock: Clock, timeou
     error = "timeout"
     with trio.move_on_after(timeout_s):
         try:
-            busy, slots = await poll(url)
+            got = await poll(url)
         except SwarmError as exc:
             error = f"{exc.code}: {exc.message}"
         else:
-            market.record_poll(url, busy, slots, clock())
+            market.record_poll(url, got[0], got[1], clock(), tps=float(got[2]) if len(got) > 2 else 0.0)
             return
     market.record_poll_failure(url, error, clock())
     log.debug("poll of %s failed: %s", url, error)

@@ -68,7 +68,7 @@ def open_store(db: str) -> Store:
 def make_slots_poller(client: httpx.AsyncClient) -> Poller:
     """``GET {url}/slots`` -> ``(busy, slots)``; ``TransportError`` / ``RemoteProtocolError`` on failure."""
 
-    async def poll(url: str) -> tuple[int, int]:
+    async def poll(url: str) -> tuple[int, int, float]:
         try:
             r = await client.get(url.rstrip("/") + "/slots")
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
@@ -79,7 +79,8 @@ def make_slots_poller(client: httpx.AsyncClient) -> Poller:
             slots = slots_decoder.decode(r.content)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise RemoteProtocolError(f"GET {url}/slots: unexpected body: {exc}", code="bad_slots") from exc
-        return sum(1 for s in slots if s.is_processing), len(slots)
+        return (sum(1 for s in slots if s.is_processing), len(slots),
+                float(sum(s.tps_ewma for s in slots if s.is_processing)))
 
     return poll
 

@@ -30,7 +30,8 @@ Rules:
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import math
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -80,7 +81,9 @@ from swarm.protocol.market import (
     CoverageHeartbeat,
     CreditBoard,
     DemandView,
+    EventLog,
     HeldSlice,
+    MarketEvent,
     RecruitmentView,
     RegisterAck,
     RegisterModels,
@@ -160,6 +163,9 @@ class Market:
         # gives every holding a fresh grace, so coverage from before proofs ruled is not a hole at once)
         self._proof_due: dict[tuple[str, SliceRef], float] = {}
         self._unproven: dict[tuple[str, SliceRef], float] = {}  # dropped for want of proof (the refusal's reason)
+        self._events: deque[MarketEvent] = deque(maxlen=1000)  # the dashboard's event log (runtime)
+        self._event_seq = 0
+        self._saturated_was: dict[str, bool] = {}
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
         self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
         dropped = self.ix.load(store.load(), now)
@@ -227,10 +233,11 @@ class Market:
         self.counters["registrations"] += 1
         return RegisterAck(req.url, ids, req.epoch, {mid: f"/api/expert-dispatch-map?model={mid}" for mid in ids})
 
-    def record_poll(self, url: str, busy: int, slots: int, now: float) -> None:
+    def record_poll(self, url: str, busy: int, slots: int, now: float, *, tps: float = 0.0) -> None:
         if url in self.ix.coordinators:
             p = self.ix.polls.setdefault(url, PollRecord())
             p.ok, p.at, p.error, p.last_ok = True, now, None, PollView(busy, slots, now)
+            p.tps = tps if math.isfinite(tps) and tps >= 0 else 0.0
             self.counters["polls_ok"] += 1
 
     def record_poll_failure(self, url: str, error: str, now: float) -> None:
@@ -287,6 +294,7 @@ class Market:
                 self.counters["no_offer_address_cap"] += 1
                 return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
+        self._event("assigned", now, peer_id=req.peer_id, s=res.slice, detail=f"scarcity {res.scarcity:.2f}")
         if address:
             self._lease_address[lease.lease_id] = address
         self.ix.index_lease(lease)
@@ -359,20 +367,24 @@ class Market:
         else:
             dirty = True
         old_bucket = load_bucket(v.load) if v else 0
-        v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, dirty, serves)
+        v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, dirty, serves,
+                                                           "".join(ch for ch in hb.display_name if ch.isprintable()))
         rows = dict(self.ix.coverage.get(hb.peer_id, {}))
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
         for s, state in diff.added:
             # served comes from coordinators' reports only, never from the volunteer's own word
             self.ix.put_cov(CoverageRow(hb.peer_id, s, state, now, served=hb.peer_id in self._served_peers), changes)
+            self._event(state.value, now, peer_id=hb.peer_id, s=s)
             if lease_id is not None and self.ix.leases[lease_id].slice == s:
                 self.ix.del_lease(self.ix.leases[lease_id], changes)
                 lease_id = None
         for old, state in diff.changed:
             self.ix.put_cov(msgspec.structs.replace(old, state=state), changes)
+            self._event(state.value, now, peer_id=hb.peer_id, s=old.slice)
         for old in diff.removed:
             self.ix.del_cov(old, changes)
+            self._event("released", now, peer_id=hb.peer_id, s=old.slice)
         if addrs_changed or load_bucket(hb.load) != old_bucket:
             for s in reported:
                 self.ix.dirty_maps.add(s.model_id)
@@ -433,6 +445,7 @@ class Market:
         for w in rep.workers:
             c, r, v = self.ix.served.get(w.peer_id, (0, 0, 0))
             self.ix.served[w.peer_id] = (c + w.calls, r + w.rows, v + w.verified)
+            self.ix.reported[w.peer_id] = (w.path, w.latency_ms)
             if w.pairs and w.quarantine is None and self.quarantine_of(w.peer_id, now) is None:
                 credit = credit_row(self.ix.credit.get(w.peer_id), w.peer_id, flops=w.pairs * per_pair, pairs=w.pairs,
                                     verified=w.verified, now=now)
@@ -467,6 +480,7 @@ class Market:
                 self.ix.del_lease(self.ix.leases[lease_id], changes)
             newly.append(w.peer_id)
             self.counters["quarantines"] += 1
+            self._event("quarantined", now, model_id=rep.model_id, peer_id=w.peer_id, detail=w.quarantine)
         routed = self.ix.routed.setdefault(rep.model_id, {})
         for rr in rep.ranges:  # rows routed per range: hot experts' extra replicas, the dashboard
             k = (rr.layer, rr.lo, rr.hi)
@@ -481,6 +495,17 @@ class Market:
         """The libp2p ids of the registered coordinators hosting any of ``model_ids``."""
         return sorted({c.peer_id for c in self.ix.coordinators.values()
                        if c.peer_id is not None and model_ids.intersection(c.model_ids)})
+
+    def _event(self, kind: str, now: float, *, model_id: str | None = None, peer_id: str | None = None,
+               s: SliceRef | None = None, detail: str = "") -> None:
+        self._event_seq += 1
+        self._events.append(MarketEvent(self._event_seq, int(now * 1000), kind,
+                                        model_id if model_id is not None else (s.model_id if s else None),
+                                        peer_id, str(s) if s is not None else None, detail[:300]))
+
+    def events(self, after: int = 0) -> EventLog:
+        """``GET /api/events?after=SEQ``: the kept events newer than ``after``."""
+        return EventLog([e for e in self._events if e.seq > after], self._event_seq)
 
     def _directive(self, row: CoverageRow, now: float) -> SliceDirective:
         d = directive(row.retiring_since, now, self.policy.cooldown_s)
@@ -504,6 +529,7 @@ class Market:
                 for row in list(rows.values()):
                     self.ix.del_cov(row, changes)
                 rep.expired_volunteers.append(peer)
+                self._event("expired", now, peer_id=peer, detail=f"silent {now - v.last_seen:.0f} s")
                 self.counters["volunteers_expired"] += 1
             elif now - v.last_seen > self.policy.volunteer_gc_s:
                 del self.ix.volunteers[peer]
@@ -513,6 +539,7 @@ class Market:
                 self.ix.del_lease(lease, changes)
                 self.ix.dirty_ageout.add(lease.slice.model_id)
                 rep.expired_leases += 1
+                self._event("lease_expired", now, peer_id=lease.peer_id, s=lease.slice)
                 self.counters["leases_expired"] += 1
         self._drop_unproven(now, changes)
         for mid in self.ix.models:
@@ -524,6 +551,11 @@ class Market:
                 rep.recruiting_changed.append(mid)
                 self.ix.touch(mid)
                 log.info("model %s: recruiting %s", mid, "on" if new.recruiting else "off")
+                self._event("recruiting" if new.recruiting else "recruiting_ended", now, model_id=mid)
+            sat = self.ix.saturated(mid, now)
+            if sat != self._saturated_was.get(mid, False):
+                self._saturated_was[mid] = sat
+                self._event("saturated" if sat else "unsaturated", now, model_id=mid)
         for mid in sorted(self.ix.dirty_ageout):
             self._age_out(mid, now, changes, rep)
         self.ix.dirty_ageout.clear()
@@ -585,6 +617,7 @@ class Market:
                 self.ix.dirty_ageout.add(s.model_id)
                 self._unproven[k] = now
                 self.counters["coverage_unproven"] += 1
+                self._event("unproven", now, peer_id=peer, s=s, detail=f"no proof of holding within {grace:.0f} s")
                 log.info("volunteer %s: %s not proved within %.0f s of serving; dropped", peer, s, grace)
         for k in list(due):
             if k not in live:
@@ -618,10 +651,12 @@ class Market:
             self.ix.put_cov(msgspec.structs.replace(rows[k], retiring_since=None), changes)
             rep.restored += 1
             self.counters["restored"] += 1
+            self._event("restored", now, peer_id=rows[k].peer_id, s=rows[k].slice)
         for k in plan.retire:
             self.ix.put_cov(msgspec.structs.replace(rows[k], retiring_since=now), changes)
             rep.retired += 1
             self.counters["retired"] += 1
+            self._event("draining", now, peer_id=rows[k].peer_id, s=rows[k].slice, detail="surplus")
         # a just-retired or restored row re-dirtied the model for age-out; the plan is already stable
         if plan.restore or plan.retire:
             log.info("model %s: age-out retired %d, restored %d", model_id, len(plan.retire), len(plan.restore))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from market.core.credit import rac_now
 from market.core.demand import segments
 from market.core.directive import Action, directive
 from market.core.records import CoverageRow
@@ -117,6 +118,8 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                 workers=_workers(ix, mid, now),
                 remote_target=remote,
                 holes=holes,
+                tokens_per_s=round(sum(ix.polls[u].tps for u in ix.hosts_of(mid)
+                                       if u in ix.polls and ix.polls[u].ok), 2),
             )
         )
     return RecruitmentView(any(m.recruiting for m in out), out)
@@ -155,6 +158,9 @@ def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
                     held=r.held,
                 )
             )
+        path, latency = ix.reported.get(peer, (None, None))
+        calls, _, verified = ix.served.get(peer, (0, 0, 0))
+        credit = ix.credit.get(peer)
         out.append(
             WorkerView(
                 peer,
@@ -164,6 +170,12 @@ def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
                 load=v.load if v else 0.0,
                 dispatched=any(r.dispatched for r in rows),
                 slices=views,
+                display_name=v.display_name if v else "",
+                path=path,
+                calls=calls,
+                verified=verified,
+                latency_ms=latency,
+                credit_rac=rac_now(credit, now) if credit is not None else 0.0,
             )
         )
     return out

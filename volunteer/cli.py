@@ -26,6 +26,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v.add_argument("--market", default=None, help="pull mode: take the scarcest slice the market offers")
     v.add_argument("--max-memory", type=size_flag, default=None, help="pull mode: slice budget, e.g. 512M (default 1G)")
     v.add_argument("--max-experts", type=int, default=None, help="pull mode: budget in experts")
+    v.add_argument("--display-name", default="", help="pull mode: a name for the market's dashboard (at most 64 characters)")
     v.add_argument("--models", action="append", default=None, help="pull mode: only these model ids (repeatable)")
     v.add_argument("--poll-interval", type=float, default=2.0, help="pull mode: seconds between market polls")
     v.add_argument("--coordinator", default=None, help="static mode: coordinator URL (slices are downloaded from it)")
@@ -72,6 +73,7 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
     return build_config(PullVolunteerConfig, {
         "market": ns.market, "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
         "max_bytes": max_bytes, "max_experts": ns.max_experts, "models": tuple(ns.models or ()),
+        "display_name": ns.display_name,
         "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
         "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch, "kernel": ns.kernel,
     }, flags=_FLAGS)

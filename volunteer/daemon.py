@@ -75,6 +75,7 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     poll_interval_s: PosFloat = 2.0
     progress: bool = True
     status_interval_s: PosFloat = 5.0
+    display_name: Annotated[str, msgspec.Meta(max_length=64)] = ""  # shown on the market's dashboard
 
 
 def measure_throughput(d_model: int = 1024, width: int = 2816, batch: int = 8, reps: int = 5) -> float:
@@ -236,7 +237,8 @@ class PullVolunteer:
         # ``seq`` is the lifecycle's heartbeat number; the wire carries the shared request counter
         body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=self._next_seq(), addrs=self.addrs,
                                  slices=slices, load=float(self.server.stats.in_flight), max_bytes=self.cfg.max_bytes,
-                                 protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000))
+                                 protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000),
+                                 display_name=self.cfg.display_name)
         # the body signature too, for a market of the previous release (it ignores the header)
         return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
 

@@ -26,6 +26,8 @@ __all__ = [
     "CoverageAck",
     "CoverageHeartbeat",
     "CreditBoard",
+    "EventLog",
+    "MarketEvent",
     "DemandView",
     "HeldSlice",
     "ModelDemand",
@@ -146,7 +148,7 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     that speak one of them (all coordinators speak 2 now).
     """
 
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name"})
 
     peer_id: PeerId
     epoch: Epoch
@@ -162,6 +164,8 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     )  # expert-stream versions spoken (swarm.protocol.expert); a body without it is from a v1 volunteer
     # the request scheme (X-Moe-Signature): the send time, within 120 s of the market's clock
     sent_at_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # a name the volunteer chose for the dashboard (stranger text: shown escaped, never as markup)
+    display_name: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 
@@ -174,6 +178,7 @@ class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
     rows: NonNeg = 0
     verified: NonNeg = 0  # answers that passed verification since the last report
     pairs: NonNeg = 0  # (row, expert) pairs answered since the last report: its credit (6 d_model d_expert FLOPs each)
+    latency_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] | None = None  # its latency EWMA now
     path: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # direct | relayed | hole-punched
     quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # the evidence, when it failed verification
     # slices it proved it holds (answered this coordinator's hold challenge: DESIGN §12)
@@ -322,6 +327,12 @@ class WorkerView(msgspec.Struct):
     load: float
     dispatched: bool
     slices: list[WorkerSliceView]
+    display_name: str = ""  # volunteer-chosen, control characters removed (escape it when shown)
+    path: str | None = None  # direct | relayed | hole-punched, as the last coordinator report said
+    calls: int = 0  # answered calls, as coordinators reported
+    verified: int = 0
+    latency_ms: float | None = None  # its latency EWMA at the last coordinator report
+    credit_rac: float = 0.0  # recent average credit, FLOPs a day
 
 
 class ModelRecruitment(msgspec.Struct):
@@ -339,6 +350,7 @@ class ModelRecruitment(msgspec.Struct):
     workers: list[WorkerView]
     remote_target: int | None = None  # as in ModelDemand
     holes: int = 0
+    tokens_per_s: float = 0.0  # decode tokens/s of its coordinators' busy slots at their last polls
 
 
 class VolunteerCredit(msgspec.Struct):
@@ -355,6 +367,27 @@ class VolunteerCredit(msgspec.Struct):
     last_credit_ms: int | None
     quarantined_until_ms: int | None = None
     slices: list[str] = []  # what it holds now, as the market counts it
+
+
+class MarketEvent(msgspec.Struct):
+    """One entry of the market's event log (``GET /api/events``): ``kind`` is one of assigned,
+    loading, serving, draining, restored, released, expired, lease_expired, unproven, quarantined,
+    recruiting, recruiting_ended, saturated, unsaturated."""
+
+    seq: int
+    at_ms: int
+    kind: str
+    model_id: str | None = None
+    peer_id: str | None = None
+    slice: str | None = None
+    detail: str = ""
+
+
+class EventLog(msgspec.Struct):
+    """``GET /api/events?after=SEQ``: the events after ``SEQ`` (the last 1,000 are kept)."""
+
+    events: list[MarketEvent]
+    last_seq: int
 
 
 class CreditBoard(msgspec.Struct):
