@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m swarm.demo
+	KEEP=$(KEEP) $(BIN)/python -m swarm.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -179,6 +179,25 @@ class ModeLog:
                 print(f"    dispatcher -> {c['state']} ({c['reason']}) at t={(key[0] - self.t0_ms) / 1000:5.1f}s", flush=True)
 
 
+def keep_running(market: str, client: openai.OpenAI, model_id: str, stream_worker: Any) -> None:
+    """``make demo KEEP=1``: the cluster stays up with its load ramp on a loop (20 s of three streams,
+    then 25 s idle) until Ctrl-C, for looking at the dashboard."""
+    say(f"KEEP=1: the cluster keeps running -- open {market}/dashboard; Ctrl-C stops it")
+    pool = ThreadPoolExecutor(3)
+    try:
+        while True:
+            print("    load: three streams for 20 s", flush=True)
+            futs = [pool.submit(stream_worker, time.monotonic() + 20.0) for _ in range(3)]
+            for f in futs:
+                f.result()
+            print("    idle for 25 s", flush=True)
+            time.sleep(25.0)
+    except KeyboardInterrupt:
+        print("\n    Ctrl-C: stopping", flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # streams in flight end when the coordinator stops
+
+
 def main() -> None:
     DATA.mkdir(exist_ok=True)
     from swarm.model.gguf import model_id_for
@@ -373,7 +392,9 @@ def main() -> None:
 
         say(f"GET {market}/api/moe/recruitment")
         print(json.dumps(recruitment(market), indent=2))
-        print(f"    (live: {market}/api/moe/recruitment, {market}/api/expert-demand, {coord}/dispatch)")
+        print(f"    (live: {market}/dashboard, {market}/api/moe/recruitment, {market}/api/expert-demand, {coord}/dispatch)")
+        if os.environ.get("KEEP") == "1":
+            keep_running(market, client, model_id, stream_worker)
         say("done: stopping processes (volunteers drain and deregister, then exit)")
     finally:
         procs.stop_all()
