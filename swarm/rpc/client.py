@@ -299,16 +299,20 @@ class ExpertClient:
         except WireError as exc:
             raise LocalProtocolError(exc.message, code=exc.code) from exc
         frame = encode_frame(req, payload, max_frame_bytes=session.hello.max_frame_bytes)
-        key = (req.request_id, req.attempt)
+        waiter = await self._exchange(session, (req.request_id, req.attempt), frame,
+                                      req.n_pairs * req.d_model * itemsize(dtype))
+        return self._result(req, waiter)
+
+    async def _exchange(self, session: _Session, key: RequestKey, frame: bytes, expected: int) -> _Waiter:
+        """Send ``frame`` for ``key`` and wait for its answer (``expected``: the largest answer payload
+        accepted). Abandoning the wait after the frame left sends a ``Cancel``."""
         if key in session.pending:
-            raise LocalProtocolError(
-                f"request {key} is already in flight to {self.peer_id}", code="duplicate_request"
-            )
+            raise LocalProtocolError(f"request {key} is already in flight to {self.peer_id}", code="duplicate_request")
         if session.dead is not None:
             raise _copy(session.dead)
         waiter = _Waiter()
         session.pending[key] = waiter
-        session.expected[key] = req.n_pairs * req.d_model * itemsize(dtype)
+        session.expected[key] = expected
         try:
             try:
                 item = _Outgoing(key, waiter, frame)
@@ -326,7 +330,7 @@ class ExpertClient:
                 session.expected.pop(key, None)
                 if waiter.sent and not waiter.event.is_set() and session.cancel_nowait(key):
                     self.cancels_sent += 1  # abandoned after it left: the server may drop it
-        return self._result(req, waiter)
+        return waiter
 
     async def prove_hold(self, ch: HoldChallenge, *, timeout: float) -> HoldProof:  # noqa: ASYNC109
         """Send a hold challenge and return its ``HoldProof`` (any status: judging it is the
@@ -337,23 +341,7 @@ class ExpertClient:
             session = self._session
             if session is None or session.dead is not None or self._closed:
                 session = await self._get_session()
-            key = (ch.request_id, ch.attempt)
-            if key in session.pending:
-                raise LocalProtocolError(f"request {key} is already in flight to {self.peer_id}", code="duplicate_request")
-            waiter = _Waiter()
-            session.pending[key] = waiter
-            session.expected[key] = 0
-            try:
-                try:
-                    await session.send_channel.send(_Outgoing(key, waiter, encode_frame(ch)))
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    if not waiter.event.is_set():
-                        raise _copy(session.dead or BrokenError(f"stream to {self.peer_id} broke")) from None
-                await waiter.event.wait()
-            finally:
-                if session.pending.get(key) is waiter:
-                    del session.pending[key]
-                    session.expected.pop(key, None)
+            waiter = await self._exchange(session, (ch.request_id, ch.attempt), encode_frame(ch), 0)
             if waiter.error is not None:
                 raise waiter.error
             resp = waiter.response

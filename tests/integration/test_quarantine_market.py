@@ -45,9 +45,9 @@ async def test_a_liar_is_quarantined_reported_and_refused_by_the_market(
     nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], tmp_path: Path
 ) -> None:
     model = golden_model
-    policy = MarketPolicy(heartbeat_ttl_s=30.0, flush_s=0.2)
-    market_url = await nursery.start(serve_market, MarketConfig(db=str(tmp_path / "market.db"), port=0, token=TOKEN,
-                                                                poll_interval_s=0.2, tick_s=0.05, policy=policy))
+    # hold challenges off: this liar holds its slices (it answers x1.5); verification is what catches it
+    market_url, d, link, coord_t = await _coordinator_and_market(
+        nursery, model, tmp_path, MarketPolicy(heartbeat_ttl_s=30.0, flush_s=0.2), prove_holdings=False)
     # the liar: a volunteer host answering x1.5, with the key its heartbeats are signed with
     key_path = tmp_path / "liar.key"
     kp = load_or_create_identity(key_path)
@@ -59,25 +59,6 @@ async def test_a_liar_is_quarantined_reported_and_refused_by_the_market(
     liar_t = await nursery.start(_host, key_path)
     await nursery.start(server.serve)
     set_expert_handlers(liar_t, lie, hello=make_hello(kernel_id=server.kernel_id))
-
-    coord_t = await nursery.start(_host, None)
-    d = Dispatcher(model, coord_t, config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False))
-    await nursery.start(d.serve)
-    # the coordinator's HTTP side as far as the market needs it: /slots and the slice files it describes
-    app = Starlette(routes=[*slice_routes({model.model_id: model}, {model.model_id: SliceCache(model, tmp_path / "sl")}),
-                            Route("/slots", lambda _: JSONResponse([]))])
-    hc = HyperConfig()
-    hc.bind = ["127.0.0.1:0"]
-    hc.accesslog = None
-    coord_url = (await nursery.start(hypercorn_serve, app, hc))[0]
-    link = MarketLink(market_url, d, build_manifest(model), advertise_url=coord_url, token=TOKEN,
-                      poll_s=0.1, report_s=0.2)
-    await nursery.start(link.serve)
-
-    async def registered() -> bool:
-        return link.registered
-
-    await eventually(registered)
     seq = 0
 
     async def poll() -> httpx.Response:
@@ -139,13 +120,15 @@ async def _host(key_path: Path | None, task_status: trio.TaskStatus[Any] = trio.
 
 
 async def _coordinator_and_market(
-    nursery: trio.Nursery, model: GGUFModel, tmp_path: Path, policy: MarketPolicy
+    nursery: trio.Nursery, model: GGUFModel, tmp_path: Path, policy: MarketPolicy, *, prove_holdings: bool = True
 ) -> tuple[str, Dispatcher, MarketLink, Any]:
-    """A real market and a coordinator's dispatcher (hold challenges on) with its MarketLink."""
+    """A real market and a coordinator's dispatcher (every range remote) with its MarketLink; the
+    coordinator's HTTP side as far as the market needs it: /slots and the slice files it describes."""
     market_url = await nursery.start(serve_market, MarketConfig(db=str(tmp_path / "market.db"), port=0, token=TOKEN,
                                                                 poll_interval_s=0.2, tick_s=0.05, policy=policy))
     coord_t = await nursery.start(_host, None)
-    d = Dispatcher(model, coord_t, config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False), prove_holdings=True)
+    d = Dispatcher(model, coord_t, config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False),
+                   prove_holdings=prove_holdings)
     await nursery.start(d.serve)
     app = Starlette(routes=[*slice_routes({model.model_id: model}, {model.model_id: SliceCache(model, tmp_path / "sl")}),
                             Route("/slots", lambda _: JSONResponse([]))])
