@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from swarm.config import build_config, data_dir_for
@@ -23,6 +24,9 @@ _FLAGS = {"max_bytes": "--max-memory", "poll_interval_s": "--poll-interval", "re
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v: argparse.ArgumentParser = subparsers.add_parser(
         "volunteer", help="serve expert slices: pulled from a market, or given statically")
+    v.add_argument("action", nargs="?", choices=["status"], default=None,
+                   help="status: print the running volunteer's status (of --data-dir) once, and exit")
+    v.add_argument("--json", action="store_true", help="status: as JSON")
     v.add_argument("--market", default=None, help="pull mode: take the scarcest slice the market offers")
     v.add_argument("--max-memory", type=size_flag, default=None, help="pull mode: slice budget, e.g. 512M (default 1G)")
     v.add_argument("--max-experts", type=int, default=None, help="pull mode: budget in experts")
@@ -94,7 +98,30 @@ def static_config_from_args(ns: argparse.Namespace) -> Any:
     return cfg
 
 
+def print_status(ns: argparse.Namespace) -> int:
+    """``moe-swarm volunteer status``: what the volunteer running in ``--data-dir`` says of itself."""
+    import msgspec
+
+    from volunteer.status import read_status, render_table
+
+    data_dir = Path(data_dir_for("volunteer", ns.data_dir))
+    try:
+        st = read_status(data_dir)
+    except OSError as exc:
+        raise ConfigError(f"no volunteer answers on {data_dir / 'status.sock'} ({exc}); is one running with "
+                          f"--data-dir {data_dir}?", code="not_running") from exc
+    if ns.json:
+        print(msgspec.json.encode(st).decode())
+        return 0
+    from rich.console import Console
+
+    Console().print(render_table(st))
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
+    if ns.action == "status":
+        return print_status(ns)
     import torch
 
     # parallelism comes from --threads compute threads; one intra-op thread each keeps them from

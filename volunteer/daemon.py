@@ -44,12 +44,14 @@ from swarm.protocol.market import (
     CoverageHeartbeat,
     HeldSlice,
     NothingNeeded,
+    VolunteerCredit,
     VolunteerRequest,
 )
 from swarm.protocol.status import VolunteerInfo, encode_info
-from swarm.rpc.server import set_expert_handlers
+from swarm.rpc.server import ByteBudget, set_expert_handlers
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer, shielded_until_cancelled
+from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table, serve_status
 
 __all__ = ["PullVolunteerConfig", "measure_throughput", "serve_pull_volunteer"]
 
@@ -109,7 +111,8 @@ class PullVolunteer:
         return self.allowed is None or peer_id in self.allowed
 
     def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, nat: Nat,
-                 server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
+                 server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+                 budget: ByteBudget | None = None) -> None:
         self.cfg = cfg
         self.base = cfg.market.rstrip("/")
         self.epoch = epoch
@@ -131,6 +134,11 @@ class PullVolunteer:
         self._wire_seq = 0  # the one (epoch, sequence) counter polls and heartbeats share (DESIGN §11)
         self._fetch_scopes: dict[Offer, trio.CancelScope] = {}
         self.deregistered = trio.Event()
+        self.budget = budget
+        self.started_at = time.monotonic()
+        self.calls_per_s = 0.0
+        self._rate_mark = (time.monotonic(), 0)
+        self.credit: VolunteerCredit | None = None  # as the market last said
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:
@@ -297,19 +305,64 @@ class PullVolunteer:
         self.deregistered.set()
 
     # -- loops ----------------------------------------------------------------------------------------
+    def snapshot(self) -> VolunteerStatus:
+        """What ``moe-swarm volunteer status`` and the terminal view show."""
+        s = self.server.stats
+        h = self.core.held
+        slices = [] if h is None else [SliceStatus(h.offer.model_id, f"{h.offer.layer}:{h.offer.lo}-{h.offer.hi}", h.state,
+                                                   s.last_serve_ms)]
+        addrs = self.addrs
+        c = self.credit
+        return VolunteerStatus(
+            peer_id=self.peer_id, market=self.base, phase=self.core.phase.value, waiting_for=self.status,
+            market_reachable=self.market_ok, reachability=self.nat.reachability.value,
+            path="relayed" if addrs and all("/p2p-circuit" in a for a in addrs) else ("direct" if addrs else "none yet"),
+            addrs=addrs, slices=slices, calls=s.calls, calls_per_s=round(self.calls_per_s, 2), rows=s.rows,
+            errors=s.errors, in_flight=s.in_flight, payload_bytes=self.budget.held if self.budget is not None else 0,
+            coordinators=sorted(self.allowed or ()),
+            credit_flops=c.total_flops if c is not None else None,
+            credit_rac_flops_per_day=c.rac_flops_per_day if c is not None else None,
+            verified=c.verified if c is not None else None, uptime_s=round(time.monotonic() - self.started_at, 1))
+
+    def _update_rate(self) -> None:
+        now, calls = time.monotonic(), self.server.stats.calls
+        t0, c0 = self._rate_mark
+        if now - t0 >= 1.0:
+            rate = (calls - c0) / (now - t0)
+            self.calls_per_s = rate if self.calls_per_s == 0 else 0.7 * self.calls_per_s + 0.3 * rate
+            self._rate_mark = (now, calls)
+
+    async def _credit_loop(self, interval_s: float = 10.0) -> None:
+        """What the market credits us (``GET /api/volunteers/{peer_id}``), for the status views."""
+        while True:
+            try:
+                r = await self.client.get(f"{self.base}/api/volunteers/{self.peer_id}")
+                if r.status_code == 200:
+                    self.credit = _credit_decoder.decode(r.content)
+            except (httpx.HTTPError, msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            await trio.sleep(interval_s)
+
     async def run(self) -> None:
         self.apply(self.core.start(trio.current_time()))
+        self.nursery.start_soon(self._credit_loop)
         last_status = 0.0
-        while True:
-            await trio.sleep(0.2)
-            now = trio.current_time()
-            self.apply(self.core.tick(now))
-            if now - last_status >= self.cfg.status_interval_s:
-                last_status = now
-                s = self.server.stats
-                market = "" if self.market_ok else " | market unreachable"
-                print(f"[volunteer {self.peer_id[-8:]}] {self.status} | calls {s.calls} rows {s.rows}{market}",
-                      file=sys.stderr, flush=True)
+        live = _live_view() if self.cfg.progress and sys.stderr.isatty() else None
+        try:
+            while True:
+                await trio.sleep(0.2)
+                now = trio.current_time()
+                self.apply(self.core.tick(now))
+                self._update_rate()
+                if live is not None:
+                    if self.core.phase is not Phase.FETCHING:  # the download draws its own progress bar then
+                        live.update(render_table(self.snapshot()), refresh=True)
+                elif now - last_status >= self.cfg.status_interval_s:
+                    last_status = now
+                    print(plain_line(self.snapshot()), file=sys.stderr, flush=True)
+        finally:
+            if live is not None:
+                live.stop()
 
     async def shutdown(self) -> None:
         """Report draining, answer calls in flight, deregister. Effects are awaited here, in order."""
@@ -350,12 +403,14 @@ async def serve_pull_volunteer(
         async with shielded_until_cancelled() as stop, \
                 open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
                 trio.open_nursery() as nursery:
+            budget = ByteBudget()
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
-                                server=server, client=client, nursery=nursery)
+                                server=server, client=client, nursery=nursery, budget=budget)
             # only the coordinators the market names for what we hold may use our experts
             set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
-                                authorize=vol.authorize, prove=server.prove)
+                                authorize=vol.authorize, prove=server.prove, budget=budget)
             await nursery.start(server.serve)
+            await nursery.start(serve_status, data_dir, vol.snapshot)  # moe-swarm volunteer status
             info = VolunteerInfo(peer_id=transport.peer_id, addrs=vol.addrs, epoch=epoch,
                                  reachability=nat.reachability.value, relays=list(relays), **probe)
             await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))
@@ -368,6 +423,19 @@ async def serve_pull_volunteer(
             with trio.move_on_after(30):
                 await vol.shutdown()  # host and compute loops still run: calls in flight are answered
             nursery.cancel_scope.cancel()
+
+
+_credit_decoder = msgspec.json.Decoder(VolunteerCredit)
+
+
+def _live_view() -> Any:
+    """A rich live display on stderr, redrawn by the run loop (not on its own timer)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    live = Live(console=Console(stderr=True), auto_refresh=False, transient=False)
+    live.start()
+    return live
 
 
 async def _market_relays(client: httpx.AsyncClient, market: str) -> tuple[str, ...]:

@@ -1,0 +1,90 @@
+"""The volunteer's own view (issue 13 item 5), with real processes: ``moe-swarm volunteer status``
+asks the running daemon over its owner-only Unix socket and prints its slice, path, calls and
+what it waits for; ``--json`` gives the same as data. The renderers are checked on their own too."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from tests.conftest import GOLDEN_GGUF, eventually
+from tests.e2e.test_process_e2e import UNVERIFIED, Proc, cli, procs, wait_for_line  # noqa: F401 - fixture
+from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table
+
+pytestmark = pytest.mark.slow
+
+
+def status_cmd(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "swarm.cli", "volunteer", "status", "--data-dir", str(data_dir), *extra],
+                          capture_output=True, text=True, timeout=60)
+
+
+async def test_volunteer_status_reads_the_running_daemon(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+    none = status_cmd(tmp_path / "nobody")
+    assert none.returncode == 2 and "no volunteer answers" in none.stderr  # nothing running there: a clear error
+    market = Proc(cli("market", "--db", str(tmp_path / "market.db"), "--port", "0", "--token", "t0k",
+                      "--poll-interval", "0.5"), tmp_path / "market.log")
+    procs.append(market)
+    murl = (await wait_for_line(market, "market ready at ")).split()[3]
+    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0",
+                     "--market", murl, "--token", "t0k", "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
+    procs.append(coord)
+    curl = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    vdir = tmp_path / "v"
+    vol = Proc(cli("volunteer", "--market", murl, "--max-experts", "16", "--data-dir", str(vdir), "--no-progress",
+                   "--poll-interval", "0.5"), tmp_path / "volunteer.log")
+    procs.append(vol)
+    await wait_for_line(vol, "volunteer ready ")
+    sock = vdir / "status.sock"
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600  # its owner only
+
+    async def serving() -> Any:
+        r = status_cmd(vdir, "--json")
+        st = msgspec.json.decode(r.stdout, type=VolunteerStatus) if r.returncode == 0 else None
+        return st if st is not None and st.slices and st.slices[0].state == "serving" and st.coordinators else None
+
+    st = await eventually(serving, within=60, interval=0.5)
+    async with httpx.AsyncClient(timeout=60) as h:
+        model_id = (await h.get(f"{curl}/v1/models")).json()["data"][0]["id"]
+        await h.post(f"{curl}/v1/completions", json={"model": model_id, "prompt": "hello", "max_tokens": 8, "temperature": 0})
+
+    async def computed() -> Any:
+        s = msgspec.json.decode(status_cmd(vdir, "--json").stdout, type=VolunteerStatus)
+        return s if s.calls > 0 and s.credit_flops else None  # its calls, and the market's credit for them
+
+    st = await eventually(computed, within=60, interval=0.5)
+    info = json.loads((vdir / "volunteer.json").read_text())
+    assert st.peer_id == info["peer_id"] and st.path == "direct" and st.market == murl and st.rows > 0
+    text = status_cmd(vdir)
+    assert text.returncode == 0
+    for want in (info["peer_id"][-12:], st.slices[0].slice, "serving", "direct", "credit"):
+        assert want in text.stdout, (want, text.stdout)
+
+
+def test_the_renderers_show_what_a_volunteer_needs_to_know() -> None:
+    from rich.console import Console
+
+    st = VolunteerStatus(peer_id="12D3KooWabcdefghijklmnop", market="http://m.test", phase="serving",
+                         waiting_for="serving 0:0-8 of m", market_reachable=False, reachability="private",
+                         path="relayed", addrs=["/p2p-circuit"], slices=[SliceStatus("m", "0:0-8", "serving", 1)],
+                         calls=12, calls_per_s=2.5, rows=48, errors=1, in_flight=2, payload_bytes=3 << 20,
+                         coordinators=["12D3KooWc"], credit_flops=1.5e12, credit_rac_flops_per_day=2e11, verified=7)
+    line = plain_line(st)
+    for want in ("serving 0:0-8 of m", "0:0-8:serving", "path relayed", "calls 12 (2.5/s)", "verified 7",
+                 "1.5 TFLOP", "market unreachable"):
+        assert want in line, (want, line)
+    console = Console(record=True, width=120)
+    console.print(render_table(st))
+    out = console.export_text()
+    for want in ("ghijklmnop", "m 0:0-8 (serving)", "relayed (private)", "1 coordinator", "3.0 MiB", "200.0 GFLOP a day",
+                 "market unreachable"):
+        assert want in out, (want, out)

@@ -1,0 +1,139 @@
+"""The volunteer's own view (shell: a Unix socket; the renderers are pure).
+
+``VolunteerStatus`` is what a running pull volunteer knows of itself: what it serves, how it is
+reached, what it computed, what the market credits it, and what it is waiting for. It is served
+as JSON on a Unix socket in the data dir (``status.sock``, mode 0600: its owner only) to
+``moe-swarm volunteer status``, and drawn every second on a terminal (rich) or logged as a plain
+line every ``status_interval_s`` when not on one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import msgspec
+import trio
+
+__all__ = ["SliceStatus", "VolunteerStatus", "plain_line", "read_status", "render_table", "serve_status"]
+
+SOCKET_NAME = "status.sock"
+
+
+class SliceStatus(msgspec.Struct, frozen=True):
+    model_id: str
+    slice: str  # layer:lo-hi
+    state: str  # serving | draining | loading
+    last_serve_ms: int
+
+
+class VolunteerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    peer_id: str
+    market: str
+    phase: str  # idle | fetching | serving | stopping
+    waiting_for: str  # the lifecycle's own words: "idle: nothing_scarce", "downloading ...", ...
+    market_reachable: bool
+    reachability: str  # public | private | unknown
+    path: str  # direct | relayed (how coordinators reach it: its advertised addresses)
+    addrs: list[str]
+    slices: list[SliceStatus]
+    calls: int
+    calls_per_s: float
+    rows: int
+    errors: int
+    in_flight: int
+    payload_bytes: int  # request bytes held now (the byte budget in use)
+    coordinators: list[str]  # the coordinators it answers
+    credit_flops: float | None = None  # from the market (None: not known yet)
+    credit_rac_flops_per_day: float | None = None
+    verified: int | None = None
+    uptime_s: float = 0.0
+
+
+_decoder = msgspec.json.Decoder(VolunteerStatus)
+
+
+def _flops(x: float | None) -> str:
+    if x is None:
+        return "?"
+    units = ["", "k", "M", "G", "T", "P", "E"]
+    i = 0
+    while x >= 1000 and i < len(units) - 1:
+        x /= 1000
+        i += 1
+    return f"{x:.1f} {units[i]}FLOP"
+
+
+def plain_line(s: VolunteerStatus) -> str:
+    """One log line (not on a terminal)."""
+    sl = ",".join(f"{x.slice}:{x.state}" for x in s.slices) or "none"
+    market = "" if s.market_reachable else " | market unreachable"
+    return (f"[volunteer {s.peer_id[-8:]}] {s.waiting_for} | slices {sl} | path {s.path} | calls {s.calls} "
+            f"({s.calls_per_s:.1f}/s) rows {s.rows} | verified {s.verified if s.verified is not None else '?'} | "
+            f"credit {_flops(s.credit_flops)}{market}")
+
+
+def render_table(s: VolunteerStatus) -> object:
+    """A one-screen rich renderable (``rich`` is imported here only: the status command and the TTY view)."""
+    from rich.table import Table
+
+    t = Table(title=f"moe-swarm volunteer {s.peer_id[-12:]}", show_header=False, expand=False)
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [
+        ("waiting for", s.waiting_for if s.market_reachable else f"{s.waiting_for} (market unreachable)"),
+        ("market", s.market),
+        ("slices", "\n".join(f"{x.model_id} {x.slice} ({x.state})" for x in s.slices) or "none"),
+        ("path", f"{s.path} ({s.reachability}); answers {len(s.coordinators)} coordinator(s)"),
+        ("calls", f"{s.calls} ({s.calls_per_s:.1f}/s), {s.in_flight} in flight, {s.errors} errors"),
+        ("rows", str(s.rows)),
+        ("bytes held", f"{s.payload_bytes / 2**20:.1f} MiB"),
+        ("verified", "?" if s.verified is None else str(s.verified)),
+        ("credit", f"{_flops(s.credit_flops)} total, {_flops(s.credit_rac_flops_per_day)} a day recently"),
+        ("uptime", f"{s.uptime_s:.0f} s"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+async def serve_status(data_dir: Path, snapshot: object, *,
+                       task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
+    """Answer each connection on ``data_dir/status.sock`` with ``snapshot()`` as JSON, then close it.
+    The socket is created owner-only (0600) and removed when this returns."""
+    path = data_dir / SOCKET_NAME
+    if path.is_socket() or path.exists():
+        path.unlink()
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        await sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(8)
+    listener = trio.SocketListener(sock)
+    try:
+        task_status.started(path)
+        async with listener:
+            while True:
+                stream = await listener.accept()
+                async with stream:
+                    try:
+                        await stream.send_all(msgspec.json.encode(snapshot()))  # type: ignore[operator]
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def read_status(data_dir: Path, timeout_s: float = 5.0) -> VolunteerStatus:
+    """The running volunteer's status from its socket (blocking; ``OSError`` when none runs there)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(str(data_dir / SOCKET_NAME))
+        chunks = []
+        while chunk := s.recv(1 << 16):
+            chunks.append(chunk)
+    return _decoder.decode(b"".join(chunks))
