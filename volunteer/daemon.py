@@ -319,6 +319,7 @@ class PullVolunteer:
             path="relayed" if addrs and all("/p2p-circuit" in a for a in addrs) else ("direct" if addrs else "none yet"),
             addrs=addrs, slices=slices, calls=s.calls, calls_per_s=round(self.calls_per_s, 2), rows=s.rows,
             errors=s.errors, in_flight=s.in_flight, payload_bytes=self.budget.held if self.budget is not None else 0,
+            latency_ms=round(s.latency_ewma_ms, 2), bytes_in=s.bytes_in, bytes_out=s.bytes_out,
             coordinators=sorted(self.allowed or ()),
             credit_flops=c.total_flops if c is not None else None,
             credit_rac_flops_per_day=c.rac_flops_per_day if c is not None else None,

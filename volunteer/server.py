@@ -73,6 +73,9 @@ class ServeStats:
     in_flight: int = 0
     last_call_at: float = 0.0  # monotonic
     last_serve_ms: int = 0  # Unix ms of the last answered call
+    latency_ewma_ms: float = 0.0  # from a request's arrival here to its answer (queueing + compute)
+    bytes_in: int = 0  # request rows received
+    bytes_out: int = 0  # answers sent
 
 
 @dataclass
@@ -264,6 +267,7 @@ class ExpertServer:
         s = self.stats
         s.in_flight += 1
         self._idle = trio.Event() if s.in_flight == 1 else self._idle
+        t0 = time.monotonic()
         try:
             out = await worker.submit(_Pending(req, rows, pairs, offset))
         except RemoteProtocolError:
@@ -279,6 +283,10 @@ class ExpertServer:
                 self._idle.set()
         s.calls += 1
         s.rows += int(rows.shape[0])
+        ms = (time.monotonic() - t0) * 1000.0
+        s.latency_ewma_ms = ms if s.latency_ewma_ms == 0 else 0.8 * s.latency_ewma_ms + 0.2 * ms
+        s.bytes_in += int(rows.nbytes)
+        s.bytes_out += int(out.nbytes)
         s.batches = sum(w.batches for w in self.workers)
         s.last_call_at = time.monotonic()
         s.last_serve_ms = int(time.time() * 1000)

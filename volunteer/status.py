@@ -44,6 +44,9 @@ class VolunteerStatus(msgspec.Struct, frozen=True, kw_only=True):
     errors: int
     in_flight: int
     payload_bytes: int  # request bytes held now (the byte budget in use)
+    latency_ms: float = 0.0  # a call's time here, arrival to answer (EWMA)
+    bytes_in: int = 0
+    bytes_out: int = 0
     coordinators: list[str]  # the coordinators it answers
     credit_flops: float | None = None  # from the market (None: not known yet)
     credit_rac_flops_per_day: float | None = None
@@ -70,7 +73,7 @@ def plain_line(s: VolunteerStatus) -> str:
     sl = ",".join(f"{x.slice}:{x.state}" for x in s.slices) or "none"
     market = "" if s.market_reachable else " | market unreachable"
     return (f"[volunteer {s.peer_id[-8:]}] {s.waiting_for} | slices {sl} | path {s.path} | calls {s.calls} "
-            f"({s.calls_per_s:.1f}/s) rows {s.rows} | verified {s.verified if s.verified is not None else '?'} | "
+            f"({s.calls_per_s:.1f}/s, {s.latency_ms:.1f} ms) rows {s.rows} | verified {s.verified if s.verified is not None else '?'} | "
             f"credit {_flops(s.credit_flops)}{market}")
 
 
@@ -87,8 +90,10 @@ def render_table(s: VolunteerStatus) -> object:
         ("slices", "\n".join(f"{x.model_id} {x.slice} ({x.state})" for x in s.slices) or "none"),
         ("path", f"{s.path} ({s.reachability}); answers {len(s.coordinators)} coordinator(s)"),
         ("calls", f"{s.calls} ({s.calls_per_s:.1f}/s), {s.in_flight} in flight, {s.errors} errors"),
+        ("latency", f"{s.latency_ms:.1f} ms a call here"),
         ("rows", str(s.rows)),
-        ("bytes held", f"{s.payload_bytes / 2**20:.1f} MiB"),
+        ("bytes", f"{s.bytes_in / 2**20:.1f} MiB in, {s.bytes_out / 2**20:.1f} MiB out, "
+                  f"{s.payload_bytes / 2**20:.1f} MiB held now"),
         ("verified", "?" if s.verified is None else str(s.verified)),
         ("credit", f"{_flops(s.credit_flops)} total, {_flops(s.credit_rac_flops_per_day)} a day recently"),
         ("uptime", f"{s.uptime_s:.0f} s"),

@@ -67,6 +67,11 @@ class Page:
             "return [...document.querySelectorAll('#volunteers tbody tr')].map(r => r.children[1].textContent)")
         return list(got)
 
+    def leaderboard(self) -> list[str]:
+        got = self.driver.execute_script(
+            "return [...document.querySelectorAll('#leaderboard tbody tr')].map(r => r.dataset.peer)")
+        return list(got)
+
     def title(self) -> str:
         return str(self.driver.title)
 
@@ -156,6 +161,12 @@ async def test_the_dashboard_follows_the_network_in_a_real_browser(procs: list[P
                 await trio.to_thread.run_sync(page.shot, "recruiting")
                 stop.set()
             await eventually(lambda: badge("false"), within=30, interval=0.25)
+
+            # the volunteers that computed under load have credit (coordinator reports): the leaderboard lists them
+            async def ranked() -> bool:
+                return len(await trio.to_thread.run_sync(page.leaderboard)) >= 2
+
+            await eventually(ranked, within=30, interval=0.5)
 
             # stop the idle one for good, then kill a serving volunteer: its cells become a hole
             m = await recruitment()

@@ -64,6 +64,7 @@ async def test_volunteer_status_reads_the_running_daemon(procs: list[Proc], tmp_
     st = await eventually(computed, within=60, interval=0.5)
     info = json.loads((vdir / "volunteer.json").read_text())
     assert st.peer_id == info["peer_id"] and st.path == "direct" and st.market == murl and st.rows > 0
+    assert st.latency_ms > 0 and st.bytes_in > 0 and st.bytes_out > 0
     text = status_cmd(vdir)
     assert text.returncode == 0
     for want in (info["peer_id"][-12:], st.slices[0].slice, "serving", "direct", "credit"):
@@ -77,14 +78,16 @@ def test_the_renderers_show_what_a_volunteer_needs_to_know() -> None:
                          waiting_for="serving 0:0-8 of m", market_reachable=False, reachability="private",
                          path="relayed", addrs=["/p2p-circuit"], slices=[SliceStatus("m", "0:0-8", "serving", 1)],
                          calls=12, calls_per_s=2.5, rows=48, errors=1, in_flight=2, payload_bytes=3 << 20,
+                         latency_ms=4.25, bytes_in=5 << 20, bytes_out=6 << 20,
                          coordinators=["12D3KooWc"], credit_flops=1.5e12, credit_rac_flops_per_day=2e11, verified=7)
     line = plain_line(st)
-    for want in ("serving 0:0-8 of m", "0:0-8:serving", "path relayed", "calls 12 (2.5/s)", "verified 7",
+    for want in ("serving 0:0-8 of m", "0:0-8:serving", "path relayed", "calls 12 (2.5/s, 4.2 ms)", "verified 7",
                  "1.5 TFLOP", "market unreachable"):
         assert want in line, (want, line)
     console = Console(record=True, width=120)
     console.print(render_table(st))
     out = console.export_text()
-    for want in ("ghijklmnop", "m 0:0-8 (serving)", "relayed (private)", "1 coordinator", "3.0 MiB", "200.0 GFLOP a day",
+    for want in ("ghijklmnop", "m 0:0-8 (serving)", "relayed (private)", "1 coordinator", "3.0 MiB held", "5.0 MiB in",
+                 "4.2 ms a call", "200.0 GFLOP a day",
                  "market unreachable"):
         assert want in out, (want, out)
