@@ -18,8 +18,15 @@ import httpx
 import pytest
 import trio
 
-from tests.conftest import GOLDEN_GGUF, eventually
-from tests.e2e.test_process_e2e import UNVERIFIED, Proc, cli, procs, wait_for_line  # noqa: F401 - fixture
+from tests.conftest import eventually
+from tests.e2e.test_process_e2e import (  # noqa: F401 - fixture
+    UNVERIFIED,
+    Proc,
+    cli,
+    procs,
+    start_coordinator_on,
+    start_market,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,14 +101,8 @@ async def test_the_dashboard_follows_the_network_in_a_real_browser(procs: list[P
     why = _browser_missing()
     if why is not None:
         pytest.skip(why)
-    market = Proc(cli("market", "--db", str(tmp_path / "market.db"), "--port", "0", "--token", "t0k", "--poll-interval", "0.5",
-                      "--hold-s", "2", "--cooldown-s", "2", "--heartbeat-ttl-s", "3"), tmp_path / "market.log")
-    procs.append(market)
-    murl = (await wait_for_line(market, "market ready at ")).split()[3]
-    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0",
-                     "--market", murl, "--token", "t0k", "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
-    procs.append(coord)
-    curl = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    murl = await start_market(procs, tmp_path, "--hold-s", "2", "--cooldown-s", "2", "--heartbeat-ttl-s", "3")
+    curl = await start_coordinator_on(procs, tmp_path, murl, "--dispatch", "offload", *UNVERIFIED)
     vols = []
     for i in range(3):
         name = EVIL if i == 0 else f"vol-{i}"

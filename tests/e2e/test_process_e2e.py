@@ -90,6 +90,32 @@ async def wait_for_text(proc: Proc, text: str, within: float = 60) -> str:
     return line
 
 
+async def start_market(procs: list[Proc], tmp_path: Path, *extra: str) -> str:
+    """A market process (SQLite in ``tmp_path``, token ``t0k``, /slots polled every 0.5 s); its URL."""
+    market = Proc(cli("market", "--db", str(tmp_path / "market.db"), "--port", "0", "--token", "t0k",
+                      "--poll-interval", "0.5", *extra), tmp_path / "market.log")
+    procs.append(market)
+    return (await wait_for_line(market, "market ready at ")).split()[3]
+
+
+async def start_coordinator_on(procs: list[Proc], tmp_path: Path, market_url: str, *extra: str) -> str:
+    """A coordinator process on the golden model registered with ``market_url``; its URL."""
+    coord = Proc(cli("coordinator", *extra, "--model", str(GOLDEN_GGUF), "--port", "0", "--market", market_url,
+                     "--token", "t0k", "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
+    procs.append(coord)
+    return (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+
+
+async def start_static_volunteer(procs: list[Proc], tmp_path: Path, coordinator_url: str) -> dict[str, Any]:
+    """A static volunteer process serving both layers' experts to ``coordinator_url``; its volunteer.json."""
+    vol = Proc(cli("volunteer", "--coordinator", coordinator_url, "--slice", "0:0-8", "--slice", "1:0-8",
+                   "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
+    procs.append(vol)
+    await wait_for_line(vol, "volunteer ready ")
+    info: dict[str, Any] = json.loads((tmp_path / "v" / "volunteer.json").read_text())
+    return info
+
+
 async def attach_single_worker(h: httpx.AsyncClient, map_path: Path, model_id: str, info: dict[str, Any]) -> None:
     """Write a dispatch map giving every expert of both layers to one volunteer; wait for /dispatch."""
     layers = [{"layer": L, "ranges": [{"lo": 0, "hi": 8, "replicas": [{"peer_id": info["peer_id"], "addrs": info["addrs"]}]}]}

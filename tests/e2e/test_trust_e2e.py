@@ -20,7 +20,15 @@ from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, encode_frame, make_hello, make_pairs
 from swarm.rpc.client import open_expert_client
 from tests.conftest import GOLDEN_GGUF, eventually
-from tests.e2e.test_process_e2e import UNVERIFIED, Proc, attach_single_worker, cli, procs, wait_for_line  # noqa: F401
+from tests.e2e.test_process_e2e import (  # noqa: F401
+    UNVERIFIED,
+    Proc,
+    attach_single_worker,
+    cli,
+    procs,
+    start_static_volunteer,
+    wait_for_line,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -141,11 +149,7 @@ async def test_a_backbone_coordinator_computes_no_expert_and_says_which_are_miss
         assert "experts 0-8" in r.json()["error"]["message"]
         rep = (await h.get("/dispatch")).json()
         assert (rep["missing_waits"], rep["missing_failed"], rep["holes"]) == (1, 1, 2)
-        vol = Proc(cli("volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
-                       "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
-        procs.append(vol)
-        await wait_for_line(vol, "volunteer ready ")
-        info = json.loads((tmp_path / "v" / "volunteer.json").read_text())
+        info = await start_static_volunteer(procs, tmp_path, url)
         await attach_single_worker(h, map_path, model_id, info)
 
         async def proved() -> bool:

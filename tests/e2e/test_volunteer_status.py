@@ -16,8 +16,16 @@ import httpx
 import msgspec
 import pytest
 
-from tests.conftest import GOLDEN_GGUF, eventually
-from tests.e2e.test_process_e2e import UNVERIFIED, Proc, cli, procs, wait_for_line  # noqa: F401 - fixture
+from tests.conftest import eventually
+from tests.e2e.test_process_e2e import (  # noqa: F401 - fixture
+    UNVERIFIED,
+    Proc,
+    cli,
+    procs,
+    start_coordinator_on,
+    start_market,
+    wait_for_line,
+)
 from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table
 
 pytestmark = pytest.mark.slow
@@ -31,14 +39,8 @@ def status_cmd(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 async def test_volunteer_status_reads_the_running_daemon(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
     none = status_cmd(tmp_path / "nobody")
     assert none.returncode == 2 and "no volunteer answers" in none.stderr  # nothing running there: a clear error
-    market = Proc(cli("market", "--db", str(tmp_path / "market.db"), "--port", "0", "--token", "t0k",
-                      "--poll-interval", "0.5"), tmp_path / "market.log")
-    procs.append(market)
-    murl = (await wait_for_line(market, "market ready at ")).split()[3]
-    coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0",
-                     "--market", murl, "--token", "t0k", "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
-    procs.append(coord)
-    curl = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
+    murl = await start_market(procs, tmp_path)
+    curl = await start_coordinator_on(procs, tmp_path, murl, "--dispatch", "offload", *UNVERIFIED)
     vdir = tmp_path / "v"
     vol = Proc(cli("volunteer", "--market", murl, "--max-experts", "16", "--data-dir", str(vdir), "--no-progress",
                    "--poll-interval", "0.5"), tmp_path / "volunteer.log")
