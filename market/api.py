@@ -447,6 +447,10 @@ def build_market_app(api: MarketApi) -> Starlette:
         return _json(m.recruitment(api.clock()))
 
     @_guarded
+    async def history(_: Request) -> Response:
+        return _json(m.history())
+
+    @_guarded
     async def events(request: Request) -> Response:
         return _json(m.events(_int_param(request, "after") or 0))
 
@@ -490,6 +494,7 @@ def build_market_app(api: MarketApi) -> Starlette:
             Route("/api/moe/recruitment", recruitment, methods=["GET"]),
             Route("/api/volunteers", credit_board, methods=["GET"]),
             Route("/api/events", events, methods=["GET"]),
+            Route("/api/history", history, methods=["GET"]),
             Route("/dashboard", dashboard, methods=["GET"]),
             Route("/api/volunteers/{peer_id}", volunteer_credit, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

@@ -83,7 +83,9 @@ from swarm.protocol.market import (
     DemandView,
     EventLog,
     HeldSlice,
+    HistorySample,
     MarketEvent,
+    ModelHistory,
     RecruitmentView,
     RegisterAck,
     RegisterModels,
@@ -96,6 +98,10 @@ from swarm.protocol.market import (
 __all__ = ["Market", "NoOffer", "Offer", "TickReport"]
 
 log = logging.getLogger(__name__)
+
+
+HISTORY_S: Final = 15 * 60.0  # what the dashboard's charts show
+HISTORY_EVERY_S: Final = 5.0
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,8 @@ class Market:
         self._events: deque[MarketEvent] = deque(maxlen=1000)  # the dashboard's event log (runtime)
         self._event_seq = 0
         self._saturated_was: dict[str, bool] = {}
+        self._history: dict[str, deque[HistorySample]] = {}  # the dashboard's charts: 15 min, every 5 s (runtime)
+        self._history_at = -math.inf
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
         self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
         dropped = self.ix.load(store.load(), now)
@@ -503,6 +511,25 @@ class Market:
                                         model_id if model_id is not None else (s.model_id if s else None),
                                         peer_id, str(s) if s is not None else None, detail[:300]))
 
+    def _sample_history(self, now: float) -> None:
+        for mid in self.ix.models:
+            busy = slots = 0
+            tps = 0.0
+            for url in self.ix.hosts_of(mid):
+                p = self.ix.polls.get(url)
+                if p is not None and p.ok and p.last_ok is not None:
+                    busy, slots, tps = busy + p.last_ok.busy, slots + p.last_ok.slots, tps + p.tps
+            h = self._history.setdefault(mid, deque(maxlen=int(HISTORY_S / HISTORY_EVERY_S)))
+            h.append(HistorySample(int(now * 1000), busy, slots, self.ix.target(mid), self.ix.counts[mid].min_replicas(),
+                                   round(tps, 2)))
+        for mid in list(self._history):
+            if mid not in self.ix.models:
+                del self._history[mid]
+
+    def history(self) -> list[ModelHistory]:
+        """``GET /api/history``: per model, the samples of the last 15 minutes."""
+        return [ModelHistory(mid, list(h)) for mid, h in sorted(self._history.items())]
+
     def events(self, after: int = 0) -> EventLog:
         """``GET /api/events?after=SEQ``: the kept events newer than ``after``."""
         return EventLog([e for e in self._events if e.seq > after], self._event_seq)
@@ -542,6 +569,9 @@ class Market:
                 self._event("lease_expired", now, peer_id=lease.peer_id, s=lease.slice)
                 self.counters["leases_expired"] += 1
         self._drop_unproven(now, changes)
+        if now - self._history_at >= HISTORY_EVERY_S:
+            self._history_at = now
+            self._sample_history(now)
         for mid in self.ix.models:
             old = self.ix.recruit.get(mid, RecruitState())
             new = step(old, observe(self.ix.poll_views(mid), now, self.ix.recruit_policy), now, self.ix.recruit_policy)

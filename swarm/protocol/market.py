@@ -26,6 +26,8 @@ __all__ = [
     "CoverageAck",
     "CoverageHeartbeat",
     "CreditBoard",
+    "HistorySample",
+    "ModelHistory",
     "EventLog",
     "MarketEvent",
     "DemandView",
@@ -388,6 +390,24 @@ class EventLog(msgspec.Struct):
 
     events: list[MarketEvent]
     last_seq: int
+
+
+class HistorySample(msgspec.Struct, array_like=True):
+    """``[at_ms, busy, slots, effective_target, replicas_min, tokens_per_s]``"""
+
+    at_ms: int
+    busy: int
+    slots: int
+    effective_target: int
+    replicas_min: int
+    tokens_per_s: float
+
+
+class ModelHistory(msgspec.Struct):
+    """``GET /api/history``: one model's samples of the last 15 minutes (every 5 s), oldest first."""
+
+    model_id: str
+    samples: list[HistorySample]
 
 
 class CreditBoard(msgspec.Struct):

@@ -79,6 +79,11 @@ class Page:
             "return [...document.querySelectorAll('#leaderboard tbody tr')].map(r => r.dataset.peer)")
         return list(got)
 
+    def first_sample_ms(self, model_id: str) -> float | None:
+        got = self.driver.execute_script(
+            "const s = series[arguments[0]]; return s && s.length ? Math.min(...s.map(p => p.t)) : null", model_id)
+        return float(got) if got is not None else None
+
     def title(self) -> str:
         return str(self.driver.title)
 
@@ -126,6 +131,7 @@ async def test_the_dashboard_follows_the_network_in_a_real_browser(procs: list[P
             return len(m["workers"]) == 2 and m["replicas_min"] >= 1
 
         await eventually(covered, within=60)
+        opened_ms = time.time() * 1000
         page = await trio.to_thread.run_sync(Page, f"{murl}/dashboard", tmp_path / "chrome")
         try:
             async def heatmap_matches() -> bool:
@@ -135,6 +141,9 @@ async def test_the_dashboard_follows_the_network_in_a_real_browser(procs: list[P
             await eventually(heatmap_matches, within=20, interval=0.25)
             assert len(await trio.to_thread.run_sync(page.cells)) == 16  # 2 layers x 8 experts
             assert len(await trio.to_thread.run_sync(page.names)) == 2  # the two serving volunteers
+            # the charts start from the market's own history (/api/history), not from the page's first poll
+            first = await trio.to_thread.run_sync(page.first_sample_ms, model_id)
+            assert first is not None and first < opened_ms - 1000, (first, opened_ms)
             await trio.to_thread.run_sync(page.shot, "covered")
 
             # a load ramp: the coordinator saturates, the market recruits, the badge turns on

@@ -486,3 +486,19 @@ def test_a_silent_sole_replica_of_experts_a_coordinator_lacks_expires_sooner() -
     m2.heartbeat(hb("b", 1, (0, 0, 4, SERVING)), 0.0)
     m2.tick(2.5)
     assert {"a", "b"} <= set(m2.ix.coverage)
+
+
+def test_the_dashboard_history_samples_every_5_s_for_15_minutes() -> None:
+    m = registered()
+    m.record_poll(URL, 3, 4, 0.0, tps=120.5)
+    for i in range(400):  # 2,000 s of ticks every 5 s
+        m.tick(float(i * 5))
+    [h] = m.history()
+    assert h.model_id == MID and len(h.samples) == 180  # 15 minutes
+    last = h.samples[-1]
+    assert (last.at_ms, last.effective_target, last.replicas_min) == (1995_000, 1, 0)
+    assert h.samples[0].at_ms == (400 - 180) * 5000
+    first = registered()
+    first.record_poll(URL, 3, 4, 0.0, tps=120.5)
+    first.tick(0.0)
+    assert [(s.busy, s.slots, s.tokens_per_s) for s in first.history()[0].samples] == [(3, 4, 120.5)]
