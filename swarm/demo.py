@@ -371,7 +371,9 @@ def main() -> None:
                     names[json.loads(f.read_text())["peer_id"]] = f"volunteer-{i + 1}"
             holes = httpx.get(f"{backbone}/health", timeout=5).json().get("coverage_holes", 1)
             m = recruitment(market)
-            if holes == 0 and m["replicas_min"] >= 2:
+            workers = dispatch_report(backbone)["workers"]
+            proved = len(workers) >= 4 and all(w.get("holdings_pending") == 0 for w in workers)
+            if holes == 0 and m["replicas_min"] >= 2 and proved:  # two proved replicas of everything
                 break
             time.sleep(0.5)
         print(timeline_line(t2, market, backbone, names))
