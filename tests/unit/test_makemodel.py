@@ -307,3 +307,27 @@ def test_router_skew_scales_only_the_routers_and_makes_low_experts_hot(tmp_path:
     assert counts[0] > 2 * counts[-1]
     with pytest.raises(ConfigError, match="router-skew"):
         makemodel.make_model(arch="qwen3moe", size="tiny", seed=7, out=tmp_path / "bad.gguf", router_skew=-1.0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0])
+def test_random_expert_blocks_have_the_planned_spread_and_bounded_values(qtype: T) -> None:
+    plan = makemodel._TensorPlan("blk.0.ffn_gate_exps.weight", (2, 96, 256), qtype, 256**-0.5)
+    raw = makemodel.random_blocks(7, plan, 1)
+    assert raw.shape == plan.byte_shape[1:] and raw.dtype == np.uint8
+    assert np.array_equal(raw, makemodel.random_blocks(7, plan, 1))  # deterministic
+    assert not np.array_equal(raw, makemodel.random_blocks(7, plan, 0)) and not np.array_equal(raw, makemodel.random_blocks(8, plan, 1))
+    w = quant.dequantize_raw(torch.from_numpy(raw), qtype, plan.shape[1:]).numpy()
+    assert np.isfinite(w).all() and abs(float(w.std()) / plan.std - 1.0) < 0.1
+    assert float(np.abs(w).max()) <= 16 * plan.std
+
+
+def test_the_30b_a3b_size_has_qwen3_30b_a3bs_shape() -> None:
+    spec = makemodel.SIZES["30b-a3b"]
+    assert (spec.n_layer, spec.n_expert, spec.n_expert_used, spec.d_model, spec.expert_width) == (48, 128, 8, 2048, 768)
+    assert (spec.n_head, spec.n_head_kv, spec.head_dim, spec.vocab_size, spec.context_length) == (32, 4, 128, 8192, 4096)
+    assert spec.expert_type is T.Q4_0 and spec.dense_type is T.F16 and spec.random_expert_blocks
+    n = makemodel.count_parameters("qwen3moe", "30b-a3b")
+    plans = makemodel._plan("qwen3moe", spec, spec.expert_type)
+    expert_bytes = sum(p.nbytes for p in plans if "_exps" in p.name)
+    # 29.9 B (the real model has 30.5 B: its vocabulary is 151,936, not 8,192); 29 B of them routed experts
+    assert 29.5e9 < n < 31.0e9 and 16.0e9 < expert_bytes < 16.6e9
