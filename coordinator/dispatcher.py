@@ -112,6 +112,7 @@ from coordinator.core.dispatch import (
     WorkerTable,
 )
 from coordinator.core.holdings import HoldBook, Holding
+from swarm.core.histogram import Histogram
 from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate
 from swarm.dispatch_map import DispatchMap, RangeReplicas, decode_dispatch_map, partition_layer
@@ -253,30 +254,8 @@ class _StepRun:
     fail: Fail | None = None
 
 
-class LatencyHistogram:
-    """Bucket counts of remote call latencies (for ``/metrics``; seconds)."""
-
-    BOUNDS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(self.BOUNDS) + 1)
-        self.total_s = 0.0
-
-    def observe(self, seconds: float) -> None:
-        i = next((k for k, b in enumerate(self.BOUNDS) if seconds <= b), len(self.BOUNDS))
-        self.counts[i] += 1
-        self.total_s += seconds
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        out, run = [], 0
-        for b, n in zip((*self.BOUNDS, float("inf")), self.counts, strict=True):
-            run += n
-            out.append((b, run))
-        return out
-
-
-def _le(b: float) -> str:
-    return "+Inf" if b == float("inf") else repr(b)
+# remote call latency buckets for /metrics (seconds)
+LATENCY_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class _MissingExperts(DispatchFailed):
@@ -391,7 +370,7 @@ class Dispatcher:
         # health may change, for up to this long, before the request fails (0: at once)
         self.missing_wait_s = missing_wait_s
         self._map_changed = trio.Event()
-        self.latency_hist = LatencyHistogram()
+        self.latency_hist = Histogram(LATENCY_BOUNDS)
         self.missing_waits = 0  # layers that waited for coverage
         self.missing_failed = 0  # ... and still found none
         self._prove_wake = trio.Event()
@@ -849,36 +828,27 @@ class Dispatcher:
         book = self.holdings
         assert book is not None
         running = 0
-        done = trio.Event()
 
         async def one(h: Holding) -> None:
-            nonlocal running, done
+            nonlocal running
             try:
                 await self._challenge(h)
             finally:
                 running -= 1
-                done.set()
+                self._prove_wake.set()  # a slot is free
 
         async with trio.open_nursery() as nursery:
             while True:
-                now = self._now()
-                for h in book.due(now, max_in_flight - running):
+                self._prove_wake = trio.Event()  # set by a new map or a finished challenge
+                for h in book.due(self._now(), max_in_flight - running):
                     if h.peer in self.core.table.quarantined:
                         book.refuted(h, "quarantined")
                         continue
                     running += 1
                     nursery.start_soon(one, h)
-                self._prove_wake = trio.Event()
-                done = trio.Event()
                 nxt = book.next_retry()
-                wait = 5.0 if nxt is None else max(0.01, min(5.0, nxt - self._now()))
-                with trio.move_on_after(wait):
-                    async with trio.open_nursery() as waiters:
-                        async def on(ev: trio.Event) -> None:
-                            await ev.wait()
-                            waiters.cancel_scope.cancel()
-                        waiters.start_soon(on, self._prove_wake)
-                        waiters.start_soon(on, done)
+                with trio.move_on_after(5.0 if nxt is None else max(0.01, min(5.0, nxt - self._now()))):
+                    await self._prove_wake.wait()
 
     async def _challenge(self, h: Holding) -> None:
         book = self.holdings
@@ -1265,8 +1235,7 @@ class DispatchCollector(Collector):
         yield missing
         lat = HistogramMetricFamily("moe_swarm_dispatch_remote_latency_seconds",
                                     "Latency of answered remote expert calls", labels=["model"])
-        h = self.d.latency_hist
-        lat.add_metric([model], [(_le(b), n) for b, n in h.cumulative()], sum_value=h.total_s)
+        lat.add_metric([model], self.d.latency_hist.buckets(), sum_value=self.d.latency_hist.total)
         yield lat
 
 

@@ -90,6 +90,7 @@ from starlette.routing import Route
 from market.core.assign import NoOfferReason
 from market.loops import Clock, MapWatch
 from market.state import Market, NoOffer, Offer
+from swarm.core.histogram import Histogram
 from swarm.errors import RequestError, SwarmError
 from swarm.http_io import close_if_unread, read_body
 from swarm.p2p.identity import SIGNATURE_HEADER, check_peer_id, verify_body, verify_request
@@ -201,14 +202,11 @@ class _RequestStats:
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, int], int] = {}
-        self.buckets: dict[str, list[int]] = {}
-        self.sums: dict[str, float] = {}
+        self.durations: dict[str, Histogram] = {}
 
     def observe(self, handler: str, status: int, seconds: float) -> None:
         self.counts[(handler, status)] = self.counts.get((handler, status), 0) + 1
-        b = self.buckets.setdefault(handler, [0] * (len(self.BOUNDS) + 1))
-        b[next((i for i, x in enumerate(self.BOUNDS) if seconds <= x), len(self.BOUNDS))] += 1
-        self.sums[handler] = self.sums.get(handler, 0.0) + seconds
+        self.durations.setdefault(handler, Histogram(self.BOUNDS)).observe(seconds)
 
 
 def _guarded(fn: Handler) -> Handler:
@@ -289,12 +287,8 @@ class _MarketCollector(Collector):
             req.add_metric([h, str(st)], n)
         yield req
         lat = HistogramMetricFamily("moe_swarm_market_request_seconds", "API request durations", labels=["handler"])
-        for h, counts in sorted(stats.buckets.items()):
-            run, buckets = 0, []
-            for b, n in zip((*stats.BOUNDS, float("inf")), counts, strict=True):
-                run += n
-                buckets.append(("+Inf" if b == float("inf") else repr(b), run))
-            lat.add_metric([h], buckets, sum_value=stats.sums[h])
+        for h, hist in sorted(stats.durations.items()):
+            lat.add_metric([h], hist.buckets(), sum_value=hist.total)
         yield lat
 
 

@@ -33,7 +33,9 @@ Rules:
   that could not be decoded or is not allowed at that point; ``fatal=True`` means the sender
   closes the stream after it.
 - ``HoldChallenge`` (no payload) asks for a digest over random windows of a slice's tensor data;
-  it is answered with exactly one ``HoldProof``, tagged like an expert answer (the coordinator's
+  a server that answers it says so in its Hello (``features`` holds ``FEATURE_HOLD_PROOF``; a
+  client sends none to a server whose Hello lacks it, an older one), and answers with exactly one
+  ``HoldProof``, tagged like an expert answer (the coordinator's
   check that a volunteer really holds what its market lists, before it gets any work).
 - Versions: a ``Hello`` of another ``protocol_version`` (even one that lacks fields this version
   requires) is refused with a fatal ``version_mismatch``; a v2 server answers a stream opened on
@@ -101,6 +103,7 @@ __all__ = [
     "Frame",
     "FrameDecoder",
     "FrameReader",
+    "FEATURE_HOLD_PROOF",
     "Hello",
     "HoldChallenge",
     "HoldProof",
@@ -161,6 +164,7 @@ class Status(enum.StrEnum):
     SLICE_NOT_HELD = "slice_not_held"
     NOT_AUTHORIZED = "not_authorized"
     BUSY = "busy"  # the receiver holds all the request bytes it accepts now
+    UNSUPPORTED = "unsupported"  # the peer's Hello does not offer the feature asked for (an older peer)
     INTERNAL_ERROR = "internal_error"
     REMOTE_PROTOCOL_ERROR = "remote_protocol_error"
     FRAME_TOO_LARGE = "frame_too_large"
@@ -218,6 +222,8 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="t
     max_rows: PosInt
     max_in_flight: PosInt = 16
     agent: str = ""  # role and software, e.g. "moe-swarm/0.2 volunteer"; for logs only
+    # optional messages this peer answers (``FEATURE_HOLD_PROOF``); absent in older peers' Hellos
+    features: Annotated[list[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=32)] = []
 
 
 class _HelloVersion(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
@@ -290,6 +296,7 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_fie
     fatal: bool = False
 
 
+FEATURE_HOLD_PROOF: Final = "hold_proof"  # a Hello's ``features``: this server answers ``HoldChallenge``
 MAX_HOLD_WINDOWS: Final = 16
 MAX_HOLD_WINDOW_BYTES: Final = 1 << 20
 

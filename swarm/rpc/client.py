@@ -15,7 +15,9 @@ Rules:
 - Answer bytes are bounded by what we asked: the reader buffers an answer's payload only if it
   is no larger than the largest answer a pending call expects (``n_pairs x d_model x itemsize``);
   a larger one is discarded as it arrives and fails its call (``busy``).
-- ``prove_hold`` sends a ``HoldChallenge`` and returns its ``HoldProof``.
+- ``prove_hold`` sends a ``HoldChallenge`` and returns its ``HoldProof``; to a peer whose Hello
+  does not offer ``FEATURE_HOLD_PROOF`` (an older volunteer) it sends nothing and answers
+  ``unsupported`` at once.
 - A call is a header, the rows and the pairs as flat arrays (``Pairs``, from
   ``swarm.rpc.tensors.pairs_from_tensors``): validated here exactly as the server validates them.
 - Errors: ``TransportTimeout`` (deadline), ``BrokenError`` (the stream died under the call),
@@ -56,6 +58,7 @@ from swarm.p2p.transport import Stream, Transport, quietly
 from swarm.protocol.expert import (
     DEFAULT_AGENT,
     DEFAULT_LIMITS,
+    FEATURE_HOLD_PROOF,
     PROTOCOL_ID,
     PROTOCOL_VERSION,
     SUPPORTED_DTYPES,
@@ -341,6 +344,10 @@ class ExpertClient:
             session = self._session
             if session is None or session.dead is not None or self._closed:
                 session = await self._get_session()
+            if FEATURE_HOLD_PROOF not in session.hello.features:  # an older peer: it could not decode one
+                return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=Status.UNSUPPORTED,
+                                 message=f"{self.peer_id} answers no hold challenges (its Hello offers "
+                                         f"{session.hello.features or 'no features'}): an older volunteer, upgrade it")
             waiter = await self._exchange(session, (ch.request_id, ch.attempt), encode_frame(ch), 0)
             if waiter.error is not None:
                 raise waiter.error

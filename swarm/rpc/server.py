@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import torch
 import trio
 
@@ -54,6 +55,7 @@ from swarm.errors import (
 from swarm.p2p.transport import Stream, StreamHandler, Transport, acquire, quietly
 from swarm.protocol.expert import (
     DEFAULT_LIMITS,
+    FEATURE_HOLD_PROOF,
     PROTOCOL_ID,
     PROTOCOL_VERSION,
     V1_PROTOCOL_ID,
@@ -156,6 +158,8 @@ async def serve_expert_stream(
     """
     peer = stream.remote_peer_id
     budget = budget if budget is not None else ByteBudget()
+    if prove is not None and FEATURE_HOLD_PROOF not in hello.features:
+        hello = msgspec.structs.replace(hello, features=[*hello.features, FEATURE_HOLD_PROOF])
     reader = FrameReader(stream, limits, admit=lambda n: budget.take(peer, n))
     write_lock = trio.Lock()
 

@@ -194,9 +194,7 @@ async def test_the_dashboard_follows_the_network_in_a_real_browser(procs: list[P
                 cells = await trio.to_thread.run_sync(page.cells)
                 return all(cells.get((layer, e), (1, 1))[0] == 0 for e in range(8))
 
-            t0 = time.monotonic()
             await eventually(hole, within=30, interval=0.25)
-            assert time.monotonic() - t0 < 30
             await trio.to_thread.run_sync(page.shot, "hole")
             assert await trio.to_thread.run_sync(page.errors) == []
         finally:

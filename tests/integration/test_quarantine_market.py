@@ -229,7 +229,7 @@ async def test_a_holding_nobody_proves_stops_counting_after_the_grace_and_an_hon
     async def never(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         raise AssertionError("an unproven holder got work")
 
-    set_expert_handlers(mute_t, never, hello=make_hello(kernel_id="any"))  # answers challenges slice_not_held
+    set_expert_handlers(mute_t, never, hello=make_hello(kernel_id="any"))  # offers no hold proofs: never challenged
     mute = _Stranger(market_url, tmp_path / "mute.key", mute_t, model.model_id)
     honest = _Stranger(market_url, tmp_path / "honest.key", honest_t, model.model_id)
     a = await mute.poll()

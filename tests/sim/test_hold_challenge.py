@@ -137,7 +137,9 @@ async def test_a_volunteer_answers_hold_challenges_for_what_it_holds_only(
         n.cancel_scope.cancel()
 
 
-async def test_a_server_without_a_prover_says_it_holds_nothing(net: Net, clock: Any) -> None:  # noqa: F811
+async def test_a_server_without_a_prover_is_not_challenged(net: Net, clock: Any) -> None:  # noqa: F811
+    """Its Hello (like an older volunteer's) offers no hold proofs: the client sends no challenge and
+    says ``unsupported`` at once, rather than waiting for an answer that cannot come."""
     async def no_compute(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         raise AssertionError("not asked to compute")
 
@@ -146,4 +148,5 @@ async def test_a_server_without_a_prover_says_it_holds_nothing(net: Net, clock: 
         async with open_expert_client(me, vol.peer_id, vol.listen_addrs, kernel_id=KERNEL) as c:
             p = await c.prove_hold(HoldChallenge(request_id=1, attempt=0, model_id="m", layer=0, lo=0, hi=4,
                                                  nonce=bytes(16), windows=[(0, 1)]), timeout=10)
-            assert p.status == Status.SLICE_NOT_HELD
+            assert p.status == Status.UNSUPPORTED and "older volunteer" in p.message
+            assert c.peer_hello is not None and c.peer_hello.features == []
