@@ -58,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     except SwarmError as exc:
         print(f"moe-swarm: error: {exc} [{exc.code}]", file=sys.stderr)
         return 2
+    except BaseExceptionGroup as group:  # raised inside a nursery (trio wraps it): the same clear error
+        found, rest = group.split(SwarmError)
+        if found is None or rest is not None:
+            raise
+        leaf: BaseException = found
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        print(f"moe-swarm: error: {leaf} [{getattr(leaf, 'code', 'error')}]", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return rc if isinstance(rc, int) else 0

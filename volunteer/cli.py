@@ -17,7 +17,7 @@ from swarm.service import run_service, size_flag
 
 __all__ = ["add_parser", "pull_config_from_args", "static_config_from_args"]
 
-_FLAGS = {"max_bytes": "--max-memory", "poll_interval_s": "--poll-interval", "relays": "--relay",
+_FLAGS = {"max_memory": "--max-memory", "max_slices": "--max-slices", "poll_interval_s": "--poll-interval", "relays": "--relay",
           "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice"}
 
 
@@ -28,7 +28,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="status: print the running volunteer's status (of --data-dir) once, and exit")
     v.add_argument("--json", action="store_true", help="status: as JSON")
     v.add_argument("--market", default=None, help="pull mode: take the scarcest slice the market offers")
-    v.add_argument("--max-memory", type=size_flag, default=None, help="pull mode: slice budget, e.g. 512M (default 1G)")
+    v.add_argument("--max-memory", type=size_flag, default=None,
+                   help="pull mode: this process's peak memory (RSS), e.g. 5G; the slices get what its baseline "
+                        "leaves (default 2G, or only --max-experts when that is given)")
+    v.add_argument("--max-slices", type=int, default=64, help="pull mode: hold at most this many slices (default 64)")
     v.add_argument("--max-experts", type=int, default=None, help="pull mode: budget in experts")
     v.add_argument("--display-name", default="", help="pull mode: a name for the market's dashboard (at most 64 characters)")
     v.add_argument("--models", action="append", default=None, help="pull mode: only these model ids (repeatable)")
@@ -71,12 +74,12 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
         raise ConfigError("--market (pull mode) and --coordinator/--slice (static mode) exclude each other")
     if ns.allow_peers:
         raise ConfigError("--allow-peer is for static mode: in pull mode the market names the coordinators")
-    max_bytes = ns.max_memory
-    if max_bytes is None and ns.max_experts is None:
-        max_bytes = 1 << 30
+    max_memory = ns.max_memory
+    if max_memory is None and ns.max_experts is None:
+        max_memory = 2 << 30
     return build_config(PullVolunteerConfig, {
         "market": ns.market, "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
-        "max_bytes": max_bytes, "max_experts": ns.max_experts, "models": tuple(ns.models or ()),
+        "max_memory": max_memory, "max_experts": ns.max_experts, "max_slices": ns.max_slices, "models": tuple(ns.models or ()),
         "display_name": ns.display_name,
         "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
         "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch, "kernel": ns.kernel,

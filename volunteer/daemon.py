@@ -1,11 +1,17 @@
 """The volunteer desktop daemon, market mode (shell around ``volunteer.core.lifecycle``).
 
-``moe-swarm volunteer --market URL [--max-memory SIZE] [--relay MULTIADDR ...] [--data-dir DIR]``
+``moe-swarm volunteer --market URL [--max-memory SIZE] [--max-slices N] [--relay MULTIADDR ...] [--data-dir DIR]``
 
 Rules:
 - Identity: the libp2p key in ``DATA_DIR/identity.key`` (peer id stable across restarts); the
   ``epoch`` in ``DATA_DIR/epoch`` grows by one on every start, so the market can tell a restarted
   volunteer's heartbeats from stale ones.
+- Memory: ``--max-memory`` bounds the process's peak resident set. Once the host, the compute
+  pool and the status socket are up the daemon measures its own baseline (``VmRSS``) and keeps a
+  reserve for request payloads in flight (the ``ByteBudget`` it enforces, twice: the rows in and the
+  answers out); what is left is the slice budget, filled with up to ``--max-slices`` slices (their
+  mapped pages are what the process grows by as it serves). A ``--max-memory`` below baseline plus
+  reserve is refused at start with a clear error.
 - Throughput is measured once (a float32 expert FFN at batch 8) and kept in ``DATA_DIR/probe.json``.
 - Every decision (when to poll, what to report, when to drop a slice) is the pure lifecycle core;
   this shell only performs its effects: HTTP to the market, slice downloads, loading/unloading
@@ -70,8 +76,10 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     relays: tuple[Multiaddr, ...] = ()  # empty: the relays the market offers
     hole_punch: bool = True
     kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml or the torch reference
-    max_bytes: PosInt | None = None
+    max_memory: PosInt | None = None  # peak RSS budget: the slice budget is what the baseline leaves
+    max_bytes: PosInt | None = None  # a slice budget given directly (embedding, tests); with max_memory: the smaller
     max_experts: PosInt | None = None
+    max_slices: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64
     models: tuple[str, ...] = ()
     threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
     poll_interval_s: PosFloat = 2.0
@@ -94,6 +102,37 @@ def measure_throughput(d_model: int = 1024, width: int = 2816, batch: int = 8, r
     return batch / best
 
 
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set (``VmRSS``) or its peak (``VmHWM``), in bytes (0 off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MemoryPlan(msgspec.Struct, frozen=True):
+    """How ``--max-memory`` splits (see the module rules)."""
+
+    max_memory: int
+    baseline: int
+    payload: int  # the ByteBudget total (request payloads held at once)
+    slices: int  # the slice budget
+
+    @staticmethod
+    def of(max_memory: int, baseline: int) -> MemoryPlan:
+        payload = min(256 << 20, max(16 << 20, max_memory // 16))
+        slices = max_memory - baseline - 2 * payload
+        if slices <= 0:
+            raise ConfigError(f"--max-memory {max_memory >> 20} MiB leaves nothing for slices: this process uses "
+                              f"{baseline >> 20} MiB before holding any, and keeps {2 * payload >> 20} MiB for "
+                              f"requests in flight; give at least {(baseline + 2 * payload + (64 << 20)) >> 20} MiB")
+        return MemoryPlan(max_memory, baseline, payload, slices)
+
+
 def _next_epoch(path: Path) -> int:
     try:
         epoch = int(path.read_text().strip()) + 1
@@ -112,7 +151,7 @@ class PullVolunteer:
 
     def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, nat: Nat,
                  server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery,
-                 budget: ByteBudget | None = None) -> None:
+                 budget: ByteBudget | None = None, max_bytes: int | None = None) -> None:
         self.cfg = cfg
         self.base = cfg.market.rstrip("/")
         self.epoch = epoch
@@ -122,7 +161,9 @@ class PullVolunteer:
         self.server = server
         self.client = client
         self.nursery = nursery
-        self.core = Lifecycle(rng=random.Random(), poll_interval_s=cfg.poll_interval_s)
+        self.max_bytes = max_bytes if max_bytes is not None else cfg.max_bytes  # the slice budget
+        self.core = Lifecycle(rng=random.Random(), poll_interval_s=cfg.poll_interval_s, max_bytes=self.max_bytes,
+                              max_experts=cfg.max_experts, max_slices=cfg.max_slices)
         self.data_dir = Path(cfg.data_dir)
         self.status = "starting"
         # the peers whose expert calls we answer: the coordinators the market names (DESIGN §12); None
@@ -155,7 +196,8 @@ class PullVolunteer:
                     if scope is not None:
                         scope.cancel()  # a download still running for it
                     self.server.remove_slice(o.model_id, o.layer, o.lo, o.hi)
-                    self.status = f"released {o.layer}:{o.lo}-{o.hi} ({reason})"
+                    if not self.core.holdings:
+                        self.status = f"released {o.layer}:{o.lo}-{o.hi} ({reason})"
                     log.info("released slice %d:%d-%d of %s (%s)", o.layer, o.lo, o.hi, o.model_id, reason)
                 case Deregister(sequence=seq):
                     self.nursery.start_soon(self._deregister, seq)
@@ -167,11 +209,12 @@ class PullVolunteer:
 
     async def _poll_at(self, at: float) -> None:
         await trio.sleep_until(at)
-        if self.core.next_poll != at or self.core.phase is not Phase.IDLE:
-            return  # superseded
+        if not self.core.wants_poll(at):
+            return  # superseded, or no room for another slice
         try:
             async with self._hb_lock:
-                body = VolunteerRequest(peer_id=self.peer_id, max_bytes=self.cfg.max_bytes, max_experts=self.cfg.max_experts,
+                body = VolunteerRequest(peer_id=self.peer_id, max_bytes=self.core.budget_left(),
+                                        max_experts=self.core.experts_left(),
                                         models=list(self.cfg.models) or None, epoch=self.epoch, sequence=self._next_seq(),
                                         sent_at_ms=int(time.time() * 1000))
                 r = await self._signed_post("/api/expert-volunteer", msgspec.json.encode(body))
@@ -189,13 +232,14 @@ class PullVolunteer:
                 offer = Offer(
                     model_id=ans.model_id, layer=ans.layer, lo=ans.lo, hi=ans.hi, url=ans.url, sha256=ans.sha256,
                     size=ans.size, lease_expires_in_s=ans.lease_expires_in_s, heartbeat_s=ans.heartbeat_s,
-                    relays=tuple(ans.relays),
+                    relays=tuple(ans.relays), lease_id=ans.lease_id,
                 )
                 self.status = f"offered {offer.layer}:{offer.lo}-{offer.hi} (scarcity {ans.scarcity:.2f}); downloading"
                 self.apply(self.core.offered(offer, now))
             case NothingNeeded():
-                self.status = f"idle: {ans.reason}"
-                self.apply(self.core.nothing_needed(ans.retry_after_s, now))
+                if not self.core.holdings:
+                    self.status = f"idle: {ans.reason}"
+                self.apply(self.core.nothing_needed(ans.retry_after_s, now, reason=ans.reason))
 
     async def _fetch(self, offer: Offer) -> None:
         dest = self.data_dir / "slices" / offer.model_id / f"{offer.layer}-{offer.lo}-{offer.hi}.safetensors"
@@ -220,8 +264,11 @@ class PullVolunteer:
                 log.info("dropping slice %d:%d-%d: its offer ended while it downloaded", offer.layer, offer.lo, offer.hi)
                 return
             self.server.add_slice(sl)
-            self.status = f"serving {offer.layer}:{offer.lo}-{offer.hi} of {offer.model_id}"
+            self.status = f"serving {self._held_text()} of {offer.model_id}"
             self.apply(effects)
+
+    def _held_text(self) -> str:
+        return ", ".join(f"{h.offer.layer}:{h.offer.lo}-{h.offer.hi}" for h in self.core.holdings.values()) or "nothing"
 
     def _next_seq(self) -> int:
         self._wire_seq += 1
@@ -235,16 +282,14 @@ class PullVolunteer:
         })
 
     def _body(self, seq: int) -> CoverageHeartbeat:
-        held = self.core.held
         slices = []
-        state = self.core.reported_state()
-        if held is not None and state is not None:
+        for held, state in self.core.reported():
             o = held.offer
             slices.append(HeldSlice(model_id=o.model_id, layer=o.layer, lo=o.lo, hi=o.hi, state=state,  # type: ignore[arg-type]
                                     last_serve_ms=self.server.last_serve_ms_of(o.model_id, o.layer, o.lo, o.hi)))
         # ``seq`` is the lifecycle's heartbeat number; the wire carries the shared request counter
         body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=self._next_seq(), addrs=self.addrs,
-                                 slices=slices, load=float(self.server.stats.in_flight), max_bytes=self.cfg.max_bytes,
+                                 slices=slices, load=float(self.server.stats.in_flight), max_bytes=self.max_bytes,
                                  protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000),
                                  display_name=self.cfg.display_name)
         # the body signature too, for a market of the previous release (it ignores the header)
@@ -287,17 +332,22 @@ class PullVolunteer:
             else:
                 log.info("answering expert calls from %d coordinator(s): %s", len(allowed), ", ".join(sorted(allowed)))
             self.allowed = allowed
-        h = self.core.held
-        if h is not None and h.state == "draining" and h.release_in_s is not None:
+        hs = list(self.core.holdings.values())
+        draining = [h for h in hs if h.state == "draining" and h.release_in_s is not None]
+        if self.core.phase is Phase.FETCHING:
+            pass  # the download's own status stands
+        elif draining:
+            h = draining[0]
             self.status = f"draining {h.offer.layer}:{h.offer.lo}-{h.offer.hi}: surplus, release in {h.release_in_s:.0f}s"
-        elif h is not None and h.state == "serving":
-            self.status = (f"serving {h.offer.layer}:{h.offer.lo}-{h.offer.hi} of {h.offer.model_id}"
-                           f"{'' if h.dispatched else ' (not dispatched yet)'}")
+        elif hs:
+            waiting = sum(not h.dispatched for h in hs)
+            self.status = (f"serving {self._held_text()} of {hs[0].offer.model_id}"
+                           f"{f' ({waiting} not dispatched yet)' if waiting else ''}")
 
     async def _deregister(self, seq: int) -> None:
         async with self._hb_lock:
             body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=self._next_seq(),
-                                     addrs=self.addrs, slices=[], load=0.0, max_bytes=self.cfg.max_bytes,
+                                     addrs=self.addrs, slices=[], load=0.0, max_bytes=self.max_bytes,
                                      protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000))
             body = msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
             with trio.move_on_after(3):
@@ -308,9 +358,9 @@ class PullVolunteer:
     def snapshot(self) -> VolunteerStatus:
         """What ``moe-swarm volunteer status`` and the terminal view show."""
         s = self.server.stats
-        h = self.core.held
-        slices = [] if h is None else [SliceStatus(h.offer.model_id, f"{h.offer.layer}:{h.offer.lo}-{h.offer.hi}", h.state,
-                                                   s.last_serve_ms)]
+        slices = [SliceStatus(h.offer.model_id, f"{h.offer.layer}:{h.offer.lo}-{h.offer.hi}", h.state,
+                              self.server.last_serve_ms_of(h.offer.model_id, h.offer.layer, h.offer.lo, h.offer.hi))
+                  for h in self.core.holdings.values()]
         addrs = self.addrs
         c = self.credit
         return VolunteerStatus(
@@ -404,13 +454,22 @@ async def serve_pull_volunteer(
         async with shielded_until_cancelled() as stop, \
                 open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat), \
                 trio.open_nursery() as nursery:
-            budget = ByteBudget()
+            plan: MemoryPlan | None = None
+            max_bytes = cfg.max_bytes
+            if cfg.max_memory is not None:
+                await nursery.start(server.serve)  # the compute pool is part of the baseline
+                plan = MemoryPlan.of(cfg.max_memory, rss_bytes())
+                max_bytes = plan.slices if max_bytes is None else min(max_bytes, plan.slices)
+                log.info("memory: %d MiB peak budget = %d MiB baseline + 2 x %d MiB requests in flight + %d MiB slices",
+                         plan.max_memory >> 20, plan.baseline >> 20, plan.payload >> 20, max_bytes >> 20)
+            budget = ByteBudget() if plan is None else ByteBudget(per_peer=plan.payload // 2, total=plan.payload)
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
-                                server=server, client=client, nursery=nursery, budget=budget)
+                                server=server, client=client, nursery=nursery, budget=budget, max_bytes=max_bytes)
             # only the coordinators the market names for what we hold may use our experts
             set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
                                 authorize=vol.authorize, prove=server.prove, budget=budget)
-            await nursery.start(server.serve)
+            if plan is None:
+                await nursery.start(server.serve)
             await nursery.start(serve_status, data_dir, vol.snapshot)  # moe-swarm volunteer status
             info = VolunteerInfo(peer_id=transport.peer_id, addrs=vol.addrs, epoch=epoch,
                                  reachability=nat.reachability.value, relays=list(relays), **probe)

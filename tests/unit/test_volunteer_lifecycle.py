@@ -53,10 +53,10 @@ def test_offer_fetch_serve_heartbeats() -> None:
     c.start(0)
     eff = c.offered(OFFER, 1.0)
     assert eff == [Fetch(OFFER), SendHeartbeat(1)]  # "loading" at once: converts the lease
-    assert c.phase is Phase.FETCHING and c.reported_state() == "loading"
+    assert c.phase is Phase.FETCHING and [st for _, st in c.reported()] == ["loading"]
     assert c.offered(OFFER, 1.1) == []  # one slice at a time
     assert c.fetched(OFFER, 2.0) == [SendHeartbeat(2)]
-    assert c.phase is Phase.SERVING and c.reported_state() == "serving"
+    assert c.phase is Phase.SERVING and [st for _, st in c.reported()] == ["serving"]
     assert c.tick(2.5) == [SendHeartbeat(3)]  # the "fetched" heartbeat was due immediately
     assert c.tick(3.0) == []
     assert c.tick(4.6) == [SendHeartbeat(4)]  # every heartbeat_s
@@ -68,7 +68,7 @@ def test_fetch_failure_returns_to_polling() -> None:
     c.offered(OFFER, 1.0)
     eff = c.fetch_failed(OFFER, "sha256 mismatch", 2.0)
     assert eff[0] == Unload(OFFER, "fetch_failed") and isinstance(eff[1], SendHeartbeat) and isinstance(eff[2], Poll)
-    assert c.phase is Phase.IDLE and c.held is None
+    assert c.phase is Phase.IDLE and not c.holdings
 
 
 def test_lease_lapses_without_an_ack() -> None:
@@ -84,7 +84,7 @@ def test_lease_lapses_without_an_ack() -> None:
 def test_acked_slice_survives_lease_and_market_outage() -> None:
     c = serving()
     c.heartbeat_acked([(*KEY, "keep", True, None)], 2.0, 2, 1.5)
-    assert c.held is not None and c.held.acked and c.held.dispatched
+    assert c.holdings[KEY].acked and c.holdings[KEY].dispatched
     for t in range(2, 60, 2):
         for e in c.tick(float(t)):
             assert isinstance(e, SendHeartbeat)
@@ -95,10 +95,10 @@ def test_acked_slice_survives_lease_and_market_outage() -> None:
 def test_drain_then_keep_then_release() -> None:
     c = serving()
     c.heartbeat_acked([(*KEY, "drain", False, 5.0)], 2.0, 2, 2.0)
-    assert c.held is not None and c.held.state == "draining" and not c.held.dispatched
-    assert c.reported_state() == "serving"  # still answering: the market decides when it goes
+    assert c.holdings[KEY].state == "draining" and not c.holdings[KEY].dispatched
+    assert [st for _, st in c.reported()] == ["serving"]  # still answering: the market decides when it goes
     c.heartbeat_acked([(*KEY, "keep", True, None)], 2.0, 3, 3.0)  # demand came back
-    assert c.held.state == "serving" and c.held.dispatched
+    assert c.holdings[KEY].state == "serving" and c.holdings[KEY].dispatched
     eff = c.heartbeat_acked([(*KEY, "release", False, None)], 2.0, 4, 9.0)
     assert eff[0] == Unload(OFFER, "released_by_market") and isinstance(eff[-1], Poll)
     assert c.phase is Phase.IDLE
@@ -119,7 +119,7 @@ def test_sequences_strictly_grow() -> None:
 def test_shutdown_drains_then_deregisters() -> None:
     c = serving()
     [hb] = c.stop(5.0)
-    assert isinstance(hb, SendHeartbeat) and c.reported_state() == "draining"
+    assert isinstance(hb, SendHeartbeat) and [st for _, st in c.reported()] == ["draining"]
     assert c.tick(100.0) == []  # no more heartbeats or lease logic while stopping
     eff = c.drained(6.0)
     assert eff[0] == Unload(OFFER, "shutdown") and isinstance(eff[1], Deregister) and eff[1].sequence > hb.sequence
@@ -136,7 +136,95 @@ def test_a_fetch_that_finishes_after_its_offer_ended_changes_nothing() -> None:
     c.heartbeat_acked([(*KEY, "release", False, None)], 2.0, 1, 1.0)
     assert c.phase is Phase.IDLE
     c.offered(other, 2.0)
-    assert c.fetched(OFFER, 3.0) == [] and c.reported_state() == "loading"  # A's late completion
+    assert c.fetched(OFFER, 3.0) == [] and [st for _, st in c.reported()] == ["loading"]  # A's late completion
     assert c.fetch_failed(OFFER, "late", 3.1) == []
     eff = c.fetch_failed(other, "sha256 mismatch", 4.0)
     assert eff[0] == Unload(other, "fetch_failed") and c.phase is Phase.IDLE
+
+
+def offer(layer: int, lo: int, hi: int, size: int = 400) -> Offer:
+    return Offer(model_id=OFFER.model_id, layer=layer, lo=lo, hi=hi, url=f"http://c/v1/slices/m/{layer}/{lo}-{hi}",
+                 sha256="ef" * 32, size=size, lease_expires_in_s=10.0, heartbeat_s=2.0)
+
+
+def budgeted(max_bytes: int = 1000, max_slices: int = 8) -> Lifecycle:
+    c = Lifecycle(rng=random.Random(3), poll_interval_s=2.0, jitter=0.25, max_bytes=max_bytes, max_slices=max_slices)
+    c.start(0.0)
+    return c
+
+
+def test_a_budget_fills_with_several_slices_one_download_at_a_time() -> None:
+    c = budgeted(1000)
+    a, b = offer(0, 0, 4), offer(3, 4, 8)
+    assert c.offered(a, 1.0) == [Fetch(a), SendHeartbeat(1)]
+    assert not c.has_room() and c.offered(b, 1.1) == []  # one download at a time
+    eff = c.fetched(a, 2.0)
+    assert eff[0] == SendHeartbeat(2) and isinstance(eff[1], Poll)  # room left: ask for more
+    assert c.budget_left() == 600 and c.wants_poll(eff[1].at)
+    c.offered(b, 3.0)
+    eff = c.fetched(b, 4.0)
+    assert c.budget_left() == 200 and isinstance(eff[-1], Poll) and c.phase is Phase.SERVING
+    [p] = [e for e in eff if isinstance(e, Poll)]
+    assert c.nothing_needed(5.0, p.at, reason="budget_too_small") == []  # full: stop asking
+    assert c.full and not c.has_room() and not c.wants_poll(p.at)
+    assert [(h.offer.layer, st) for h, st in c.reported()] == [(0, "serving"), (3, "serving")]
+
+
+def test_releasing_one_of_several_keeps_the_others_and_polls_again() -> None:
+    c = budgeted(1000)
+    a, b = offer(0, 0, 4), offer(3, 4, 8)
+    for o, t in ((a, 1.0), (b, 3.0)):
+        c.offered(o, t)
+        c.fetched(o, t + 1)
+    c.nothing_needed(5.0, 5.0, reason="budget_too_small")
+    eff = c.heartbeat_acked([(*a.key, "release", False, None), (*b.key, "keep", True, None)], 2.0, 4, 6.0)
+    assert eff[0] == Unload(a, "released_by_market") and isinstance(eff[-1], Poll)
+    assert list(c.holdings) == [b.key] and c.holdings[b.key].dispatched and not c.full
+
+
+def test_several_drops_in_one_event_send_one_heartbeat_and_one_poll() -> None:
+    c = budgeted(2000)
+    a, b, d = offer(0, 0, 4), offer(1, 0, 4), offer(2, 0, 4)
+    for o, t in ((a, 1.0), (b, 2.0), (d, 3.0)):
+        c.offered(o, t)
+        c.fetched(o, t + 0.5)
+    eff = c.heartbeat_acked([(*o.key, "release", False, None) for o in (a, b, d)], 2.0, 9, 6.0)
+    assert [e for e in eff if isinstance(e, Unload)] == [Unload(a, "released_by_market"), Unload(b, "released_by_market"),
+                                                         Unload(d, "released_by_market")]
+    assert sum(isinstance(e, SendHeartbeat) for e in eff) == 1 and sum(isinstance(e, Poll) for e in eff) == 1
+    assert c.phase is Phase.IDLE and c.budget_left() == 2000
+
+
+def test_a_lapsed_lease_drops_only_its_slice() -> None:
+    c = budgeted(1000)
+    a, b = offer(0, 0, 4), offer(1, 0, 4)
+    c.offered(a, 0.0)
+    c.fetched(a, 1.0)
+    c.heartbeat_acked([(*a.key, "keep", True, None)], 2.0, 2, 1.5)
+    c.offered(b, 2.0)  # never acknowledged: the market lost the lease
+    eff = c.tick(12.0)
+    assert Unload(b, "lease_lapsed") in eff and list(c.holdings) == [a.key]
+
+
+def test_max_slices_caps_the_holdings_and_shutdown_drains_them_all() -> None:
+    c = budgeted(10_000, max_slices=2)
+    a, b = offer(0, 0, 4), offer(1, 0, 4)
+    c.offered(a, 0.0)
+    c.fetched(a, 1.0)
+    c.offered(b, 2.0)
+    assert c.fetched(b, 3.0) == [SendHeartbeat(4)] and not c.has_room()  # two slices: no more polls
+    [hb] = c.stop(4.0)
+    assert [st for _, st in c.reported()] == ["draining", "draining"]
+    eff = c.drained(5.0)
+    assert eff[:2] == [Unload(a, "shutdown"), Unload(b, "shutdown")] and isinstance(eff[2], Deregister)
+
+
+def test_a_budget_in_experts_counts_the_experts_held() -> None:
+    c = Lifecycle(rng=random.Random(4), max_experts=8, max_slices=8)
+    c.start(0.0)
+    a, b = offer(0, 0, 4), offer(1, 4, 8)
+    c.offered(a, 0.0)
+    c.fetched(a, 1.0)
+    assert c.experts_left() == 4 and c.budget_left() is None and c.has_room()
+    c.offered(b, 2.0)
+    assert c.fetched(b, 3.0) == [SendHeartbeat(4)] and c.experts_left() == 0 and not c.has_room()
