@@ -28,6 +28,7 @@ import torch
 import trio
 
 from swarm.errors import Draining, RemoteProtocolError, SliceNotHeld
+from swarm.model.gguf import ExpertStack, QTensor
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
 from swarm.model.slices import LoadedSlice, hold_digest
 from swarm.protocol.expert import ExpertRequest, HoldChallenge, Pairs
@@ -248,12 +249,14 @@ class ExpertServer:
         )
 
     async def prove(self, ch: HoldChallenge) -> bytes:
-        """The ``Prove`` plugged into ``set_expert_handlers``: the hold digest of exactly the slice
-        asked for, from the slice file's mapped bytes (read in a thread: pages may come from disk)."""
+        """The ``Prove`` plugged into ``set_expert_handlers``: the hold digest of the slice asked for,
+        from the mapped bytes of a held slice that contains it (the market's map splits a range where
+        replicas' slices overlap, so a coordinator may challenge part of what we hold; the windows
+        are then offsets into that part's canonical data), read in a thread: pages may come from disk."""
         for w in self.workers:
             k = w.sl.key
-            if (k.model_id, k.layer, k.lo, k.hi) == (ch.model_id, ch.layer, ch.lo, ch.hi):
-                stack = w.sl.experts
+            if k.model_id == ch.model_id and k.layer == ch.layer and k.lo <= ch.lo and ch.hi <= k.hi:
+                stack = _sub_stack(w.sl.experts, ch.lo - k.lo, ch.hi - k.lo)
                 return await trio.to_thread.run_sync(hold_digest, stack, ch.nonce, ch.windows, limiter=self.limiter)
         raise SliceNotHeld(f"slice {ch.layer}:{ch.lo}-{ch.hi} of {ch.model_id} is not held here")
 
@@ -299,3 +302,11 @@ class ExpertServer:
             await self._idle.wait()
             return True
         return False
+
+
+def _sub_stack(stack: ExpertStack, a: int, b: int) -> ExpertStack:
+    """Experts ``a..b-1`` of ``stack`` (zero-copy views)."""
+    if (a, b) == (0, stack.n_expert):
+        return stack
+    return ExpertStack(*(QTensor(t.name, t.qtype, (b - a, *t.shape[1:]), t.raw[a:b])
+                         for t in (stack.gate_t, stack.up_t, stack.down_t)))

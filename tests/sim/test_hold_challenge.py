@@ -131,6 +131,13 @@ async def test_a_volunteer_answers_hold_challenges_for_what_it_holds_only(
             past = await c.prove_hold(ch(3, windows=[(stack.nbytes - 1, 2)]), timeout=10)
             assert past.status == "bad_shape" and "outside" in past.message
             assert (await c.prove_hold(ch(4), timeout=10)).digest == good.digest  # the stream goes on
+            # part of what it holds (the map split the range where another replica's slice ends):
+            # the digest of that part's canonical data, as the coordinator computes it
+            part = golden_model.expert_stack(0, 1, 3)
+            sub = await c.prove_hold(ch(6, lo=1, hi=3, windows=[(0, 64), (part.nbytes - 9, 9)]), timeout=10)
+            assert sub.status == Status.OK and sub.digest == hold_digest(part, nonce, [(0, 64), (part.nbytes - 9, 9)])
+            over = await c.prove_hold(ch(7, lo=2, hi=5), timeout=10)  # runs past the held slice
+            assert over.status == Status.SLICE_NOT_HELD
         async with open_expert_client(stranger, vol.peer_id, vol.listen_addrs, kernel_id=KERNEL) as c:
             refused = await c.prove_hold(ch(5), timeout=10)
             assert refused.status == Status.NOT_AUTHORIZED
