@@ -61,6 +61,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="experts nobody serves (not held here, no live volunteer): wait for coverage up to "
                         "--missing-wait seconds then 503 (default), compute them from the GGUF on disk, or fail")
     c.add_argument("--missing-wait", type=float, default=30.0, help="seconds a layer waits for missing experts")
+    c.add_argument("--origin", action="append", default=None, metavar="URL",
+                   help="an http(s) URL serving this GGUF file with Range requests (a mirror; repeatable): "
+                        "volunteers download their slices from it, checked against the manifest's expert hashes")
     c.add_argument("--no-hold-proof", action="store_true",
                    help="give listed volunteers work without first checking they hold their slices (hold challenge)")
     c.set_defaults(func=run)
@@ -100,8 +103,9 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "local_experts": ns.local_experts,
         "on_missing": ns.on_missing,
         "missing_wait_s": ns.missing_wait,
+        "origins": tuple(ns.origin or ()),
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
-              "serve_ttl_s": "--serve-ttl",
+              "serve_ttl_s": "--serve-ttl", "origins": "--origin",
               "verify_probation_calls": "--verify-probation", "hold_proof": "--no-hold-proof",
               "missing_wait_s": "--missing-wait"})
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -37,6 +38,7 @@ from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.expert import Dtype
+from swarm.protocol.manifest import MAX_ORIGINS
 from swarm.text.tokenizer import Tokenizer
 
 __all__ = ["CoordinatorConfig", "dispatch_config", "load_runtime", "serve_coordinator"]
@@ -89,6 +91,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # missing_wait_s, then 503), compute them from the GGUF on disk, or fail at once
     on_missing: Literal["wait", "disk", "fail"] = "wait"
     missing_wait_s: NonNegFloat = 30.0
+    # plain HTTP(S) mirrors of the GGUF file (``--origin``, repeatable): volunteers read their slices from
+    # them with Range requests at the manifest's tensor offsets, checked against its expert hashes
+    origins: Annotated[tuple[HttpUrl, ...], msgspec.Meta(max_length=MAX_ORIGINS)] = ()
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -130,6 +135,9 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                                     missing_wait_s=cfg.missing_wait_s if cfg.on_missing == "wait" else 0.0)
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
+            # the expert hashes read every expert once (10-20 s for 17 GB), then come from data_dir
+            manifest = await trio.to_thread.run_sync(partial(build_manifest, model, origins=cfg.origins,
+                                                             cache_dir=data_dir / "manifests"))
 
             async def dispatch_report(_: Request) -> Response:
                 return Response(msgspec.json.encode(dispatcher.report()), media_type="application/json")
@@ -145,7 +153,8 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                 model_id=model.model_id,
                 aliases=[model.path.stem],
                 max_body=cfg.max_body,
-                extra_routes=[*slice_routes({model.model_id: model}, caches), Route("/dispatch", dispatch_report, methods=["GET"])],
+                extra_routes=[*slice_routes({model.model_id: model}, caches, manifests={model.model_id: manifest}),
+                              Route("/dispatch", dispatch_report, methods=["GET"])],
                 extra_collectors=[dispatcher.collector()],
                 extra_health=health_extra,
             )
@@ -155,7 +164,7 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                     await nursery.start(watch_dispatch_map_file, Path(cfg.dispatch_map), dispatcher)
                 url = await nursery.start(_serve_http, rt, app, cfg)
                 if cfg.market is not None:
-                    link = MarketLink(cfg.market, dispatcher, build_manifest(model),
+                    link = MarketLink(cfg.market, dispatcher, manifest,
                                       advertise_url=cfg.advertise_url or url, token=cfg.token,
                                       local_experts=None if local.all else local.ranges())
                     links.append(link)

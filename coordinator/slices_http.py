@@ -145,11 +145,12 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
 
 
 class _SliceEndpoints:
-    def __init__(self, models: Mapping[str, GGUFModel], caches: Mapping[str, SliceCache]) -> None:
+    def __init__(self, models: Mapping[str, GGUFModel], caches: Mapping[str, SliceCache],
+                 manifests: Mapping[str, ModelManifest] | None) -> None:
         self.models = models
         self.caches = caches
         self.limiter = trio.CapacityLimiter(_CUT_THREADS)
-        self.manifests: dict[str, ModelManifest] = {}
+        self.manifests: dict[str, ModelManifest] = dict(manifests or {})
 
     def _unknown(self, model_id: str) -> Response:
         hosted = ", ".join(sorted(self.models)) or "none"
@@ -161,8 +162,9 @@ class _SliceEndpoints:
         if model is None:
             return self._unknown(model_id)
         manifest = self.manifests.get(model_id)
-        if manifest is None:
-            manifest = self.manifests[model_id] = build_manifest(model)
+        if manifest is None:  # not built by the caller: hashing the experts reads them all (a worker thread)
+            manifest = await trio.to_thread.run_sync(build_manifest, model, limiter=self.limiter)
+            self.manifests[model_id] = manifest
         return Response(msgspec.json.encode(manifest), media_type="application/json")
 
     async def slice(self, request: Request) -> Response:
@@ -205,9 +207,11 @@ class _SliceEndpoints:
         return _FileSpan(sf.path, ByteRange(0, sf.size), 200, headers)
 
 
-def slice_routes(models: Mapping[str, GGUFModel], caches: Mapping[str, SliceCache]) -> list[Route]:
-    """The manifest and slice-download routes for the hosted ``models`` (keyed by model id)."""
-    ep = _SliceEndpoints(models, caches)
+def slice_routes(models: Mapping[str, GGUFModel], caches: Mapping[str, SliceCache], *,
+                 manifests: Mapping[str, ModelManifest] | None = None) -> list[Route]:
+    """The manifest and slice-download routes for the hosted ``models`` (keyed by model id);
+    ``manifests``: the models' manifests as built at start (else built on first request)."""
+    ep = _SliceEndpoints(models, caches, manifests)
     return [
         Route("/v1/models/{model_id}/manifest", ep.manifest, methods=["GET"]),
         Route("/v1/slices/{model_id}/{layer}/{span}", ep.slice, methods=["GET", "HEAD"]),

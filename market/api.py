@@ -26,12 +26,26 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   [{model_id, layer, lo, hi, state, last_serve_ms}], load, max_bytes, signature}`` -> ``CoverageAck
   {peer_id, epoch, sequence, slices: [SliceDirective], heartbeat_s, ttl_s, relays}``.
   ``signature`` (base64 in JSON) must be the peer's Ed25519 signature (``swarm.p2p.identity``).
+  ``share_slices`` (default false): the volunteer serves its slices to downloading volunteers
+  (``/moe-swarm/slice/1``), so the market may name it in ``Assignment.sources``.
 - ``GET /api/expert-demand[?model=ID]`` -> ``DemandView``: per model and segment the replicas,
   pending, target and scarcity, plus ``recruiting``.
 - (operator token) ``GET /api/expert-dispatch-map?model=ID[&after=V&wait_s=S]`` -> the DESIGN §11 dispatch map.
   With ``after``, waits up to ``wait_s`` (<= 30) for a version above ``V`` (long poll), then
   answers with the current map either way. ``ETag`` is the quoted version; ``If-None-Match``
   with it -> 304.
+- ``Assignment.sources``: where to download the slice, best first (``market.core.sources``): up to 4
+  volunteers serving a range of the same model and layer that contains it and sharing their slices
+  (``kind: "peer"``, ``peer_id``, ``addrs``), the GGUF's origin mirrors (``"origin"``, ``url``), then
+  the coordinators' slice URLs (``"coordinator"``, ``url``; the one that described the file first).
+- ``GET /api/models/{model_id}/manifest`` -> the model's ``ModelManifest`` as registered (404
+  ``unknown_model``): what a volunteer needs to check the bytes it downloads from peers and mirrors.
+- ``GET /api/leases/{lease_id}`` -> ``LeaseView {lease_id, peer_id, model_id, layer, lo, hi,
+  expires_in_s, state}`` (404 ``unknown_lease``): an open lease (``leased``), or the coverage it was
+  converted into while the volunteer still reports it ``loading`` (``loading``; it holds for the
+  holder's remaining heartbeat TTL). A volunteer asked for slice bytes over ``/moe-swarm/slice/1``
+  checks the asker's lease here. No token: lease ids are unguessable, and the answer names only a peer id
+  and a slice (``/api/moe/recruitment`` shows both), never an address.
 - ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /api/volunteers/{peer_id}`` ->
   ``VolunteerCredit`` (404 ``unknown_volunteer``); ``GET /api/volunteers?limit=N`` -> ``CreditBoard``
   (by recent average credit); ``GET /metrics`` (Prometheus);
@@ -58,7 +72,7 @@ The release / age-out protocol (what a volunteer does with ``CoverageAck.slices`
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with stable codes:
 ``invalid_body`` (400: not JSON or not the schema), ``missing_budget``, ``missing_parameter``,
 ``bad_parameter``, ``bad_peer_id``, ``bad_manifest``, ``bad_url``, ``duplicate_slice`` (400);
-``bad_signature``, ``unauthorized`` (401); ``unknown_model``, ``not_found`` (404);
+``bad_signature``, ``unauthorized`` (401); ``unknown_model``, ``unknown_lease``, ``not_found`` (404);
 ``method_not_allowed`` (405); ``stale_epoch``, ``replayed_sequence``, ``stale_registration``,
 ``manifest_conflict`` (409); ``body_too_large`` (413); ``store_error`` (503).
 Bad input never takes the market down.
@@ -97,7 +111,9 @@ from swarm.p2p.identity import SIGNATURE_HEADER, check_peer_id, verify_body, ver
 from swarm.protocol.http import encode_error
 from swarm.protocol.market import (
     Assignment,
+    DownloadSource,
     NothingNeeded,
+    SourceKind,
     coverage_decoder,
     register_decoder,
     report_decoder,
@@ -387,6 +403,12 @@ def build_market_app(api: MarketApi) -> Starlette:
             )
         url, sha, size = found
         s = res.lease.slice
+        others = [b.rstrip("/") + s.http_path for b in res.sources]
+        sources = [
+            *(DownloadSource(kind=SourceKind.PEER, peer_id=p.peer_id, addrs=list(p.addrs)) for p in res.peers),
+            *(DownloadSource(kind=SourceKind.ORIGIN, url=u) for u in res.origins),
+            *(DownloadSource(kind=SourceKind.COORDINATOR, url=u) for u in [url, *(o for o in others if o != url)]),
+        ]
         return _json(
             Assignment(
                 model_id=s.model_id,
@@ -403,8 +425,23 @@ def build_market_app(api: MarketApi) -> Starlette:
                 relays=list(api.relays),
                 heartbeat_s=m.policy.heartbeat_s,
                 coordinator=url[: len(url) - len(s.http_path)],
+                sources=sources,
             )
         )
+
+    @_guarded
+    async def model_manifest(request: Request) -> Response:
+        row = m.ix.models.get(str(request.path_params["model_id"]))
+        if row is None:
+            raise RequestError("no such model is registered here", code="unknown_model", status=404)
+        return _json(row.manifest, headers={"cache-control": "no-cache"})
+
+    @_guarded
+    async def lease(request: Request) -> Response:
+        lease_id = str(request.path_params["lease_id"])
+        if not 0 < len(lease_id) <= 128:
+            raise RequestError("no such lease", code="unknown_lease", status=404)
+        return _json(m.lease_view(lease_id, api.clock()))
 
     @_guarded
     async def coverage(request: Request) -> Response:
@@ -491,6 +528,8 @@ def build_market_app(api: MarketApi) -> Starlette:
             Route("/api/history", history, methods=["GET"]),
             Route("/dashboard", dashboard, methods=["GET"]),
             Route("/api/volunteers/{peer_id}", volunteer_credit, methods=["GET"]),
+            Route("/api/leases/{lease_id}", lease, methods=["GET"]),
+            Route("/api/models/{model_id}/manifest", model_manifest, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],

@@ -9,7 +9,8 @@ caller commits the batch.
 Rules:
 - ``coverage`` (peer -> slice -> row) and ``by_model`` (model -> (peer, slice) -> row) hold the
   same rows; a peer with no rows is absent from ``coverage``.
-- A peer has at most one outstanding lease (``lease_of``).
+- A peer has at most one outstanding lease (``lease_of``); ``cov_by_lease`` finds the coverage row a
+  lease was converted into (rows with a ``lease_id``).
 - ``counts`` (replicas / pending per expert) are maintained incrementally on every coverage and
   lease change (``market.core.demand.contribution`` says how a row counts); ``recount()``
   rebuilds them from the rows, and the two must always be equal.
@@ -52,7 +53,7 @@ from market.core.records import (
 )
 from market.core.recruit import PollView, RecruitState, observe
 from market.core.registry import epoch_bound_ms
-from market.core.sources import Source
+from market.core.sources import PeerCandidate, Source
 from market.policy import MarketPolicy
 from market.store import Change, Delete, Put
 
@@ -69,6 +70,7 @@ class LiveVolunteer:
     dirty: bool = False  # a sequence newer than the stored row
     last_serve_ms: dict[SliceRef, int] = field(default_factory=dict)
     display_name: str = ""  # volunteer-chosen (stranger text), control characters removed
+    share_slices: bool = False  # it serves its slices to downloading volunteers (its last heartbeat said so)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Indexes:
         self.by_model: dict[str, dict[tuple[str, SliceRef], CoverageRow]] = {}
         self.leases: dict[str, LeaseRow] = {}
         self.lease_of: dict[str, str] = {}  # peer -> its outstanding lease id
+        self.cov_by_lease: dict[str, CoverageRow] = {}  # lease id -> the coverage row converted from it
         self.recruit: dict[str, RecruitState] = {}
         self.maps: dict[str, MapRow] = {}
         self.dirty_maps: set[str] = set()
@@ -183,12 +186,17 @@ class Indexes:
         if sign > 0:
             self.coverage.setdefault(row.peer_id, {})[s] = row
             self.by_model[s.model_id][(row.peer_id, s)] = row
+            if row.lease_id:
+                self.cov_by_lease[row.lease_id] = row
         else:
             rows = self.coverage.get(row.peer_id, {})
             rows.pop(s, None)
             if not rows:
                 self.coverage.pop(row.peer_id, None)
             self.by_model[s.model_id].pop((row.peer_id, s), None)
+            known = self.cov_by_lease.get(row.lease_id) if row.lease_id else None
+            if known is not None and (known.peer_id, known.slice) == (row.peer_id, s):
+                del self.cov_by_lease[row.lease_id]
         self.touch(s.model_id)
 
     def put_cov(self, row: CoverageRow, changes: list[Change]) -> None:
@@ -243,6 +251,19 @@ class Indexes:
         for url in self.hosts_of(model_id):
             p = self.polls.get(url)
             out.append(Source(url, p is not None and p.ok, p.last_ok if p is not None else None))
+        return out
+
+    def peer_candidates(self, model_id: str, layer: int, now: float) -> list[PeerCandidate]:
+        """Every holding of ``layer`` of ``model_id`` as a download source candidate (``market.core.sources``)."""
+        out: list[PeerCandidate] = []
+        for (peer, s), r in self.by_model.get(model_id, {}).items():
+            if s.layer != layer:
+                continue
+            v = self.volunteers.get(peer)
+            q = self.quarantined.get(peer)
+            out.append(PeerCandidate(peer, s.model_id, s.layer, s.lo, s.hi, tuple(v.row.addrs) if v else (),
+                                     r.dispatched, v.share_slices if v else False, q is not None and q.until > now,
+                                     r.proved))
         return out
 
     def saturated(self, model_id: str, now: float) -> bool:

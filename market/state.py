@@ -24,7 +24,12 @@ Rules:
   the next tick; ``market.core.recruit.plan_ageout`` picks them); each heartbeat answer is
   ``market.core.directive``'s (``keep``, ``drain`` during the cooldown, then ``release``). A
   retiring holding is dispatched again if its experts fall below target before it was released.
-- Download sources are ranked by ``market.core.sources``.
+- Download sources are ranked by ``market.core.sources``: volunteers sharing a holding that contains
+  the slice, the GGUF's origin mirrors, the coordinators.
+- A lease stays answerable (``lease_view``, ``GET /api/leases/{id}``) while it is open, and after the
+  first heartbeat converted it into coverage for as long as that coverage is ``loading`` and its
+  volunteer is within its heartbeat TTL (``CoverageRow.lease_id`` keeps the link, durably): peers a
+  volunteer downloads from check it.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from market.core.registry import (
     is_expired,
     registration_is_stale,
 )
-from market.core.sources import rank_sources
+from market.core.sources import PeerCandidate, rank_origins, rank_peer_sources, rank_sources
 from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
 from market.indexes import Indexes, LiveVolunteer, PollRecord
 from market.policy import MarketPolicy
@@ -84,6 +89,7 @@ from swarm.protocol.market import (
     EventLog,
     HeldSlice,
     HistorySample,
+    LeaseView,
     MarketEvent,
     ModelHistory,
     RecruitmentView,
@@ -113,6 +119,8 @@ class Offer:
     scarcity: float
     est_bytes: int
     renewed: bool = False  # the volunteer already had this lease
+    peers: list[PeerCandidate] = field(default_factory=list)  # volunteers to download it from, best first
+    origins: list[str] = field(default_factory=list)  # mirrors of the model's GGUF, best first
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,41 @@ class Market:
         """Coordinators hosting ``model_id``, best first (``market.core.sources``)."""
         return rank_sources(self.ix.sources(model_id), self.rng)
 
+    def _offer(self, lease: LeaseRow, now: float, scarcity: float, est_bytes: int, *, renewed: bool = False) -> Offer:
+        """An ``Offer`` of ``lease`` with its download sources, best first (``market.core.sources``):
+        volunteers holding the slice, the GGUF's mirrors (the hosting coordinators' ``--origin`` lists,
+        then the manifest's), the coordinators."""
+        s = lease.slice
+        coordinators = self.download_sources(s.model_id)
+        peers = rank_peer_sources(self.ix.peer_candidates(s.model_id, s.layer, now), model_id=s.model_id,
+                                  layer=s.layer, lo=s.lo, hi=s.hi, requester=lease.peer_id, rng=self.rng)
+        row = self.ix.models.get(s.model_id)
+        listed = [u for url in coordinators if url in self.ix.coordinators
+                  for u in self.ix.coordinators[url].origins.get(s.model_id, [])]
+        manifest_origins = list(row.manifest.origins) if row is not None and row.manifest.tensor_offsets else []
+        return Offer(lease, coordinators, scarcity, est_bytes, renewed=renewed, peers=peers,
+                     origins=rank_origins([*listed, *manifest_origins]))
+
+    def lease_view(self, lease_id: str, now: float) -> LeaseView:
+        """``GET /api/leases/{lease_id}``: an open lease, or the coverage it was converted into while that
+        is still ``loading`` (the volunteer downloads then: the peers it asks check this); for
+        ``loading`` the answer holds for the holder's remaining heartbeat TTL. Anything else (lapsed,
+        cancelled, serving, released, never granted): ``unknown_lease`` (404)."""
+        lease = self.ix.leases.get(lease_id)
+        if lease is not None and lease.expires_at > now:
+            s = lease.slice
+            return LeaseView(lease_id=lease_id, peer_id=lease.peer_id, model_id=s.model_id, layer=s.layer, lo=s.lo,
+                             hi=s.hi, expires_in_s=round(lease.expires_at - now, 3), state="leased")
+        row = self.ix.cov_by_lease.get(lease_id)
+        v = self.ix.volunteers.get(row.peer_id) if row is not None else None
+        if row is not None and v is not None and row.state is HeldState.LOADING and row.retiring_since is None:
+            left = v.last_seen + self.policy.heartbeat_ttl_s - now
+            if left > 0 and self.quarantine_of(row.peer_id, now) is None:
+                s = row.slice
+                return LeaseView(lease_id=lease_id, peer_id=row.peer_id, model_id=s.model_id, layer=s.layer, lo=s.lo,
+                                 hi=s.hi, expires_in_s=round(left, 3), state="loading")
+        raise _http_error(f"no open lease {lease_id[:64]!r} is known here", "unknown_lease", status=404)
+
     # -- coordinators ---------------------------------------------------------------------------
 
     def register(self, req: RegisterModels, now: float) -> RegisterAck:
@@ -210,6 +253,10 @@ class Market:
                     "manifest_conflict",
                     status=409,
                 )
+            if old is not None and old.manifest.expert_sha256 and m.expert_sha256 and (
+                    old.manifest.expert_sha256 != m.expert_sha256 or old.manifest.tensor_offsets != m.tensor_offsets):
+                raise _http_error(f"model {m.model_id!r} is already registered with other expert hashes or offsets",
+                                  "manifest_conflict", status=409)
         if req.epoch > epoch_bound_ms(now):
             raise _http_error(f"registration epoch {req.epoch} lies in the future (a start time in ms is expected)",
                               "bad_epoch", param="epoch")
@@ -223,13 +270,19 @@ class Market:
         changes: list[Change] = []
         for m in req.models:
             old = self.ix.models.get(m.model_id)
+            if old is not None and old.manifest.can_verify_experts and not m.can_verify_experts:
+                # an older coordinator of the same model: keep what peers and mirrors need
+                m = msgspec.structs.replace(m, kind_bytes=old.manifest.kind_bytes,
+                                            tensor_offsets=old.manifest.tensor_offsets,
+                                            expert_sha256=old.manifest.expert_sha256)
             if old is None or old.manifest != m:
                 row = ModelRow(m, now if old is None else old.registered_at)
                 self.ix.add_model(row)
                 changes.append(Put(row))
         ids = [m.model_id for m in req.models]
         local = {mid: [(s.layer, s.lo, s.hi) for s in spans] for mid, spans in req.local_experts.items() if mid in ids}
-        crow = CoordinatorRow(req.url, ids, req.epoch, now, req.peer_id, local)
+        origins = {m.model_id: list(m.origins) for m in req.models if m.origins}
+        crow = CoordinatorRow(req.url, ids, req.epoch, now, req.peer_id, local, origins)
         self.ix.coordinators[req.url] = crow
         self.ix.coordinators_changed()
         self.ix.polls.setdefault(req.url, PollRecord())
@@ -275,7 +328,7 @@ class Market:
             lease = self.ix.leases[lease_id]
             if lease.expires_at > now:
                 self.counters["offers_renewed"] += 1
-                return Offer(lease, self.download_sources(lease.slice.model_id), 0.0, 0, renewed=True)
+                return self._offer(lease, now, 0.0, 0, renewed=True)
             self.ix.del_lease(lease, changes)  # lapsed; the tick has not collected it yet
         wanted = set(req.models) if req.models is not None else None
         supplies = [
@@ -310,7 +363,7 @@ class Market:
         changes.append(Put(lease))
         self._commit(changes)
         self.counters["offers"] += 1
-        return Offer(lease, self.download_sources(res.slice.model_id), res.scarcity, res.est_bytes)
+        return self._offer(lease, now, res.scarcity, res.est_bytes)
 
     def cancel_lease(self, lease_id: str) -> None:
         """Undo a lease the shell could not complete (no coordinator described the slice file)."""
@@ -376,15 +429,18 @@ class Market:
             dirty = True
         old_bucket = load_bucket(v.load) if v else 0
         v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, dirty, serves,
-                                                           "".join(ch for ch in hb.display_name if ch.isprintable()))
+                                                           "".join(ch for ch in hb.display_name if ch.isprintable()),
+                                                           share_slices=hb.share_slices)
         rows = dict(self.ix.coverage.get(hb.peer_id, {}))
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
         for s, state in diff.added:
+            converted = lease_id is not None and self.ix.leases[lease_id].slice == s
             # served comes from coordinators' reports only, never from the volunteer's own word
-            self.ix.put_cov(CoverageRow(hb.peer_id, s, state, now, served=hb.peer_id in self._served_peers), changes)
+            self.ix.put_cov(CoverageRow(hb.peer_id, s, state, now, served=hb.peer_id in self._served_peers,
+                                        lease_id=lease_id if converted and lease_id is not None else ""), changes)
             self._event(state.value, now, peer_id=hb.peer_id, s=s)
-            if lease_id is not None and self.ix.leases[lease_id].slice == s:
+            if converted and lease_id is not None:
                 self.ix.del_lease(self.ix.leases[lease_id], changes)
                 lease_id = None
         for old, state in diff.changed:

@@ -33,7 +33,8 @@ Hierarchy::
     ├── Refused                     a well-formed request declined on purpose (not a breach)
     │   ├── Draining                the volunteer is shutting down
     │   ├── SliceNotHeld            the volunteer does not serve that slice
-    │   └── NotAuthorized           the volunteer does not serve this caller (not a coordinator it knows)
+    │   ├── NotAuthorized           the volunteer does not serve this caller (not a coordinator it knows)
+    │   └── SliceRefused            a volunteer declined to send slice bytes (``/moe-swarm/slice/1``'s codes)
     ├── TransportError
     │   ├── ClosedError
     │   ├── BrokenError
@@ -72,6 +73,7 @@ __all__ = [
     "RequestError",
     "SliceError",
     "SliceNotHeld",
+    "SliceRefused",
     "StoreError",
     "SwarmError",
     "TokenizerError",
@@ -245,6 +247,17 @@ class Busy(Refused):
     """The volunteer holds as many request bytes as it accepts (per peer or in all): try later."""
 
     code = "busy"
+
+
+class SliceRefused(Refused):
+    """A volunteer declined a slice-stream request (``code``: not_assigned, not_held, too_large,
+    rate_limited, busy, opted_out, ...); ``retry_after_s`` when it said when to come back."""
+
+    code = "slice_refused"
+
+    def __init__(self, message: str, *, code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
 
 
 _REFUSALS: Final[dict[str, type[Refused]]] = {

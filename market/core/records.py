@@ -83,6 +83,8 @@ class CoordinatorRow(msgspec.Struct, frozen=True, tag=True):
     peer_id: str | None = None  # its libp2p id (volunteers of its models answer it only)
     # model -> [(layer, lo, hi)] it computes itself; a model not named: all (``--local-experts``)
     local_experts: dict[str, list[tuple[int, int, int]]] = {}
+    # model -> the mirror URLs of its GGUF this coordinator registered (``--origin``; download sources)
+    origins: dict[str, list[str]] = {}
 
 
 class VolunteerRow(msgspec.Struct, frozen=True, tag=True):
@@ -108,6 +110,7 @@ class CoverageRow(msgspec.Struct, frozen=True, tag=True):
     when a coordinator reports verified answers of the volunteer (never from its own word; stored
     under its old name ``proven``); ``held`` once a coordinator reports it answered a hold
     challenge for the slice (DESIGN §12: only then, or served, does it count beyond its grace).
+    ``lease_id``: the lease the row was converted from.
     """
 
     peer_id: str
@@ -117,6 +120,10 @@ class CoverageRow(msgspec.Struct, frozen=True, tag=True):
     retiring_since: float | None = None
     served: bool = msgspec.field(default=False, name="proven")
     held: bool = False
+    # the lease it was granted under (converted by the heartbeat that first listed it): the market keeps
+    # answering ``GET /api/leases/{lease_id}`` for it while the row is ``loading`` (peers serving the
+    # download check it); "" for rows from before the rule or without a lease
+    lease_id: str = ""
 
     @property
     def proved(self) -> bool:

@@ -40,7 +40,7 @@ import numpy as np
 import safetensors
 import safetensors.torch
 
-from swarm.errors import SliceError
+from swarm.errors import ModelError, SliceError
 from swarm.ids import SliceKey, parse_slice_arg
 from swarm.model.gguf import (
     SUPPORTED_TYPES,
@@ -60,10 +60,16 @@ __all__ = [
     "LoadedSlice",
     "SliceCache",
     "SliceFile",
+    "SliceFileSpans",
     "SliceKey",
     "SliceMeta",
+    "SlicePlan",
     "TensorInfo",
     "build_manifest",
+    "expert_digests",
+    "plan_slice",
+    "slice_file_spans",
+    "slice_header",
     "check_slice_range",
     "cut_slice",
     "hold_digest",
@@ -166,6 +172,31 @@ class _Layout:
         return h.hexdigest()
 
 
+def slice_header(meta: SliceMeta) -> bytes:
+    """The exact header bytes (u64 length + canonical JSON, space-padded to 8) of the slice file that
+    ``meta`` describes: the one header builder, for cutting (``cut_slice``) and for rebuilding a file
+    from a manifest (``plan_slice``). ``SliceError`` for a tensor whose rows do not fit its type."""
+    header: dict[str, Any] = {"__metadata__": {METADATA_KEY: _canonical_json(meta).decode()}}
+    offset = 0
+    for kind in EXPERT_KINDS:
+        shape = _byte_shape(meta.tensors[kind])
+        nbytes = math.prod(shape)
+        header[kind] = {"dtype": "U8", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = _canonical_json(header)
+    text += b" " * (-(8 + len(text)) % 8)  # data starts 8-aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text
+
+
+def _byte_shape(info: TensorInfo) -> list[int]:
+    """How a tensor of ``info`` is stored in a slice file: ``uint8[*shape[:-1], bytes_per_row]``."""
+    try:
+        qtype = gguf.GGMLQuantizationType[info.type]
+    except KeyError:
+        raise SliceError(f"tensor type {info.type!r} is not a ggml type") from None
+    return [*info.shape[:-1], _bytes_per_row(qtype, info.shape[-1])]
+
+
 def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
     cfg = model.config
     check_slice_range(cfg, layer, lo, hi)
@@ -181,16 +212,12 @@ def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
         d_expert=stack.d_expert,
         tensors={k: TensorInfo(t.qtype.name, tuple(t.shape)) for k, t in tensors.items()},
     )
-    header: dict[str, Any] = {"__metadata__": {METADATA_KEY: _canonical_json(meta).decode()}}
-    offset = 0
-    for kind in EXPERT_KINDS:
-        raw = tensors[kind].raw
-        header[kind] = {"dtype": "U8", "shape": list(raw.shape), "data_offsets": [offset, offset + raw.nbytes]}
-        offset += raw.nbytes
-    text = _canonical_json(header)
-    text += b" " * (-(8 + len(text)) % 8)  # data starts 8-aligned, as safetensors writes it
+    for kind, info in meta.tensors.items():
+        if _byte_shape(info) != list(tensors[kind].raw.shape):
+            raise ModelError(f"{tensors[kind].name}: stored as {list(tensors[kind].raw.shape)} bytes, "
+                             f"its type and shape say {_byte_shape(info)}")
     arrays = tuple(tensors[k].raw for k in EXPERT_KINDS)
-    return _Layout(struct.pack("<Q", len(text)) + text, arrays, model.path, tuple(model.file_span(a) for a in arrays))
+    return _Layout(slice_header(meta), arrays, model.path, tuple(model.file_span(a) for a in arrays))
 
 
 def cut_slice(model: GGUFModel, layer: int, lo: int, hi: int) -> bytes:
@@ -456,6 +483,33 @@ def _parse_header(head: bytes, total: int) -> tuple[dict[str, Any], SliceMeta]:
     return header, meta
 
 
+@dataclass(frozen=True)
+class SliceFileSpans:
+    """Where a slice file keeps each kind's data: ``start[kind]`` (absolute offset in the file of the
+    kind's first expert) and ``kind_bytes[kind]`` (bytes of one expert)."""
+
+    key: SliceKey
+    start: dict[str, int]
+    kind_bytes: dict[str, int]
+
+
+def slice_file_spans(path: str | Path) -> SliceFileSpans:
+    """Read and validate a slice file's header only (``SliceError`` for anything wrong)."""
+    path = Path(path)
+    try:
+        total = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8 + _MAX_HEADER)
+    except OSError as exc:
+        raise SliceError(f"cannot read slice file {path}: {exc}") from exc
+    header, meta = _parse_header(head, total)
+    (n,) = struct.unpack("<Q", head[:8])
+    n_exp = meta.hi - meta.lo
+    start = {k: 8 + n + int(header[k]["data_offsets"][0]) for k in EXPERT_KINDS}
+    per = {k: (int(header[k]["data_offsets"][1]) - int(header[k]["data_offsets"][0])) // n_exp for k in EXPERT_KINDS}
+    return SliceFileSpans(meta.key, start, per)
+
+
 def load_slice(source: str | Path | bytes | bytearray | memoryview) -> LoadedSlice:
     """Validate and load a slice file (a path: memory-mapped, zero-copy) or its bytes."""
     try:
@@ -489,7 +543,91 @@ def load_slice(source: str | Path | bytes | bytearray | memoryview) -> LoadedSli
 # -- manifest ---------------------------------------------------------------------------------
 
 
-def build_manifest(model: GGUFModel) -> ModelManifest:
+class _ExpertFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``build_manifest`` caches per GGUF (keyed by its sha256): the costly per-expert hashes."""
+
+    gguf_sha256: str
+    kind_bytes: list[dict[str, int]]
+    tensor_offsets: list[dict[str, int]]
+    expert_sha256: list[list[str]]
+    version: int = 1
+
+
+_facts_decoder = msgspec.json.Decoder(_ExpertFacts)
+
+
+def expert_digests(model: GGUFModel, layer: int) -> list[str]:
+    """Per expert of ``layer``: the sha256 hex of its raw ``gate || up || down`` bytes, read from the
+    GGUF with ``pread`` in bounded pieces (never through the memory map; dropped from the page cache
+    as they are hashed, so hashing a 17 GB model leaves the coordinator's RSS and page cache where
+    they were). Each kind's stacked tensor is read once, front to back."""
+    stack = model.expert_stack(layer)
+    n = stack.n_expert
+    hashes = [hashlib.sha256() for _ in range(n)]
+    for t in (stack.gate_t, stack.up_t, stack.down_t):
+        offset, length = model.file_span(t.raw)
+        per = length // n
+        pos = 0
+        for block in pread_chunks(model.path, [(offset, length)], piece=4 << 20):
+            view = memoryview(block)
+            at = 0
+            while at < len(view):
+                e = pos // per
+                take = min(len(view) - at, (e + 1) * per - pos)
+                hashes[e].update(view[at : at + take])
+                at += take
+                pos += take
+    return [h.hexdigest() for h in hashes]
+
+
+def _expert_facts(model: GGUFModel) -> _ExpertFacts:
+    kind_bytes: list[dict[str, int]] = []
+    offsets: list[dict[str, int]] = []
+    digests: list[list[str]] = []
+    for layer in range(model.config.n_layer):
+        stack = model.expert_stack(layer)
+        kinds = {"gate": stack.gate_t, "up": stack.up_t, "down": stack.down_t}
+        kind_bytes.append({k: t.nbytes // stack.n_expert for k, t in kinds.items()})
+        offsets.append({k: model.file_span(t.raw)[0] for k, t in kinds.items()})
+        digests.append(expert_digests(model, layer))
+    return _ExpertFacts(model.sha256, kind_bytes, offsets, digests)
+
+
+def _cached_facts(model: GGUFModel, cache_dir: Path | None) -> _ExpertFacts:
+    """``_expert_facts``, from ``cache_dir/<gguf sha256>.experts.json`` when an earlier run left it
+    (a restart is free); written atomically after computing. A file that does not fit the model is
+    computed again."""
+    cfg = model.config
+    path = cache_dir / f"{model.sha256}.experts.json" if cache_dir is not None and model.sha256 else None
+    if path is not None and path.is_file():
+        try:
+            facts = _facts_decoder.decode(path.read_bytes())
+        except (OSError, msgspec.DecodeError) as exc:
+            log.warning("ignoring the expert hash cache %s: %s", path, exc)
+        else:
+            if (facts.gguf_sha256 == model.sha256 and len(facts.expert_sha256) == cfg.n_layer
+                    and all(len(row) == cfg.n_expert for row in facts.expert_sha256)):
+                return facts
+            log.warning("the expert hash cache %s does not fit the model; computing it again", path)
+    facts = _expert_facts(model)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(msgspec.json.encode(facts))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return facts
+
+
+def build_manifest(model: GGUFModel, *, origins: Iterable[str] = (), cache_dir: str | Path | None = None) -> ModelManifest:
+    """The model's manifest (``swarm.protocol.manifest``), with the per-expert hashes and file offsets a
+    download from peers and mirrors needs. Hashing every expert reads the experts once (about 10-20 s
+    for a 17 GB model): with ``cache_dir`` the result is kept there, keyed by the GGUF's sha256.
+    Blocking: call it from a worker thread in a service. ``origins``: mirror URLs of the GGUF file."""
     cfg = model.config
     types: list[dict[str, str]] = []
     per_expert: list[int] = []
@@ -497,7 +635,8 @@ def build_manifest(model: GGUFModel) -> ModelManifest:
         stack = model.expert_stack(layer)
         types.append({"gate": stack.gate_t.qtype.name, "up": stack.up_t.qtype.name, "down": stack.down_t.qtype.name})
         per_expert.append(stack.nbytes // stack.n_expert)
-    return ModelManifest(
+    facts = _cached_facts(model, Path(cache_dir) if cache_dir is not None else None)
+    manifest = ModelManifest(
         model_id=model.model_id,
         arch=cfg.arch,
         n_layer=cfg.n_layer,
@@ -508,4 +647,112 @@ def build_manifest(model: GGUFModel) -> ModelManifest:
         tensor_types=types,
         bytes_per_expert=per_expert,
         gguf_sha256=model.sha256,
+        kind_bytes=facts.kind_bytes,
+        tensor_offsets=facts.tensor_offsets,
+        expert_sha256=facts.expert_sha256,
+        origins=list(dict.fromkeys(origins)),
     )
+    # the invariant a download from peers and mirrors rests on: the manifest alone rebuilds the header
+    # cut_slice writes (a model whose expert tensors disagree with its metadata would break it)
+    for layer in range(cfg.n_layer):
+        try:
+            same = plan_slice(manifest, layer, 0, 1).header == _layout(model, layer, 0, 1).header
+        except SliceError:
+            same = False
+        if not same:
+            log.warning("%s: layer %d's slice header cannot be rebuilt from the manifest; volunteers will "
+                        "download from coordinators only", model.model_id, layer)
+            return msgspec.structs.replace(manifest, kind_bytes=[], tensor_offsets=[], expert_sha256=[], origins=[])
+    return manifest
+
+
+# -- a slice file from a manifest alone ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    """The canonical file of slice ``key`` as its manifest describes it: ``header``, then the gate,
+    up and down bytes of experts ``lo .. hi-1``, ``kind_bytes[kind]`` bytes an expert. Where each
+    expert lies in the file (``file_offset``) and in the model's GGUF (``gguf_offset``; None when the
+    manifest has no ``tensor_offsets``), and the sha256 of each expert's ``gate || up || down``
+    (``expert_sha256``, empty when the manifest predates them)."""
+
+    key: SliceKey
+    header: bytes
+    kind_bytes: dict[str, int]
+    expert_sha256: tuple[str, ...]
+    gguf_offsets: dict[str, int] | None
+
+    @property
+    def lo(self) -> int:
+        return self.key.lo
+
+    @property
+    def hi(self) -> int:
+        return self.key.hi
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return sum(self.kind_bytes.values())
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.key.n_expert * self.bytes_per_expert
+
+    def kind_start(self, kind: str) -> int:
+        """Where ``kind``'s tensor data begins in the slice file."""
+        at = len(self.header)
+        for k in EXPERT_KINDS:
+            if k == kind:
+                return at
+            at += self.key.n_expert * self.kind_bytes[k]
+        raise SliceError(f"no expert tensor kind {kind!r}")
+
+    def file_offset(self, kind: str, e: int) -> int:
+        """Offset in the slice file of expert ``e``'s (absolute index) ``kind`` bytes."""
+        return self.kind_start(kind) + (e - self.key.lo) * self.kind_bytes[kind]
+
+    def gguf_offset(self, kind: str, e: int) -> int | None:
+        """Offset in the model's GGUF file of expert ``e``'s ``kind`` bytes (None: not in the manifest)."""
+        if self.gguf_offsets is None:
+            return None
+        return self.gguf_offsets[kind] + e * self.kind_bytes[kind]
+
+    def groups(self, max_bytes: int) -> list[tuple[int, int]]:
+        """Runs of consecutive experts ``[e_lo, e_hi)`` of at most ``max_bytes`` (all kinds together), at
+        least one expert each, covering the slice in order."""
+        per = max(1, max_bytes // self.bytes_per_expert)
+        return [(e, min(e + per, self.key.hi)) for e in range(self.key.lo, self.key.hi, per)]
+
+
+def plan_slice(manifest: ModelManifest, layer: int, lo: int, hi: int) -> SlicePlan:
+    """The plan of slice ``(manifest.model_id, layer, lo, hi)`` from the manifest alone; its header is
+    byte-identical to the one ``cut_slice`` writes. ``SliceError`` for a slice outside the model
+    (``bad_slice_range``) or a manifest that contradicts itself (``bad_manifest``)."""
+    if not 0 <= layer < manifest.n_layer:
+        raise SliceError(f"layer {layer} out of range: the model has layers 0..{manifest.n_layer - 1}",
+                         code="bad_slice_range")
+    if not 0 <= lo < hi <= manifest.n_expert:
+        raise SliceError(f"expert range {lo}-{hi} invalid: need 0 <= lo < hi <= {manifest.n_expert} (half-open)",
+                         code="bad_slice_range")
+    problems = manifest.problems()
+    if problems:
+        raise SliceError(f"manifest of {manifest.model_id}: {'; '.join(problems)}", code="bad_manifest")
+    if len(manifest.tensor_types) != manifest.n_layer or set(manifest.tensor_types[layer]) != set(EXPERT_KINDS):
+        raise SliceError(f"manifest of {manifest.model_id} lists no tensor types for layer {layer}", code="bad_manifest")
+    n, d, f = hi - lo, manifest.d_model, manifest.d_expert
+    shapes = {"gate": (n, f, d), "up": (n, f, d), "down": (n, d, f)}
+    types = manifest.tensor_types[layer]
+    meta = SliceMeta(model_id=manifest.model_id, arch=manifest.arch, layer=layer, lo=lo, hi=hi, d_model=d, d_expert=f,
+                     tensors={k: TensorInfo(types[k], shapes[k]) for k in EXPERT_KINDS})
+    kind_bytes = {k: math.prod(_byte_shape(meta.tensors[k])) // n for k in EXPERT_KINDS}
+    if manifest.kind_bytes and manifest.kind_bytes[layer] != kind_bytes:
+        raise SliceError(f"manifest of {manifest.model_id}: layer {layer}'s kind_bytes {manifest.kind_bytes[layer]} "
+                         f"contradict its tensor types and dimensions ({kind_bytes})", code="bad_manifest")
+    if sum(kind_bytes.values()) != manifest.bytes_per_expert[layer]:
+        raise SliceError(f"manifest of {manifest.model_id}: layer {layer}'s bytes_per_expert "
+                         f"{manifest.bytes_per_expert[layer]} contradict its tensor types ({kind_bytes})",
+                         code="bad_manifest")
+    digests = tuple(manifest.expert_sha256[layer][lo:hi]) if manifest.expert_sha256 else ()
+    offsets = dict(manifest.tensor_offsets[layer]) if manifest.tensor_offsets else None
+    return SlicePlan(SliceKey(manifest.model_id, layer, lo, hi), slice_header(meta), kind_bytes, digests, offsets)

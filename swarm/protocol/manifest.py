@@ -10,6 +10,17 @@ Rules:
   the raw gate + up + down bytes of one expert of that layer.
 - Unknown fields are accepted (a newer coordinator may register with an older market); the limits
   are ``msgspec.Meta`` constraints, checked on decode; ``problems()`` lists what constraints cannot say.
+- Multi-source downloads (issue 12 item 4; all defaulted, so an older coordinator's manifest still
+  decodes, and then a volunteer downloads from the coordinator only: ``can_verify_experts``):
+  ``kind_bytes[layer][kind]`` is the bytes of ONE expert of that kind as stored;
+  ``tensor_offsets[layer][kind]`` the absolute offset in the GGUF file of that layer's stacked
+  ``kind`` expert tensor, so expert ``e`` of it lies at ``offset + e * kind_bytes[layer][kind]``;
+  ``expert_sha256[layer][e]`` the sha256 hex of expert ``e``'s raw ``gate || up || down`` bytes;
+  ``origins`` plain HTTP(S) mirrors of the GGUF file (read with Range at those offsets). Every byte
+  a volunteer takes from a peer or a mirror is checked against ``expert_sha256``; the slice file's
+  header is rebuilt from this manifest (``swarm.model.slices.plan_slice``).
+- Size: the expert hashes cost 67 bytes of JSON an expert (48 layers x 128 experts: 412 KB), within
+  the market's 4 MiB registration body for a few large models.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-__all__ = ["MODEL_ID_PATTERN", "SLICE_FORMAT", "ModelId", "ModelManifest"]
+__all__ = ["EXPERT_KINDS", "MAX_ORIGINS", "MODEL_ID_PATTERN", "SLICE_FORMAT", "ModelId", "ModelManifest"]
 
 MODEL_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 _MODEL_ID = re.compile(MODEL_ID_PATTERN)
@@ -31,6 +42,12 @@ _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 
 MAX_EXPERTS = 1 << 16  # layers x experts of one model (DeepSeek-V3: 58 x 256 = 14,848)
+MAX_ORIGINS: Final = 16
+EXPERT_KINDS: Final = ("gate", "up", "down")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_ORIGIN_PATTERN: Final = r"^https?://[^\s/]+(/[^\s]*)?$"
+_ORIGIN = re.compile(_ORIGIN_PATTERN[1:-1])
+OriginUrl = Annotated[str, msgspec.Meta(pattern=_ORIGIN_PATTERN, max_length=2048)]
 
 
 class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,6 +64,16 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_expert: list[_Positive]
     gguf_sha256: str = ""
     slice_format: int = SLICE_FORMAT
+    # multi-source downloads (module rules); empty: not known (an older coordinator)
+    kind_bytes: list[dict[str, _Positive]] = []
+    tensor_offsets: list[dict[str, _NonNeg]] = []
+    expert_sha256: list[list[Annotated[str, msgspec.Meta(min_length=64, max_length=64)]]] = []
+    origins: Annotated[list[OriginUrl], msgspec.Meta(max_length=MAX_ORIGINS)] = []
+
+    @property
+    def can_verify_experts(self) -> bool:
+        """Does it carry what a download from peers and mirrors needs (per-expert hashes and sizes)?"""
+        return bool(self.expert_sha256) and bool(self.kind_bytes)
 
     def problems(self) -> list[str]:
         """What makes this manifest unusable (empty when it is fine)."""
@@ -58,4 +85,36 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
         if self.n_layer * self.n_expert > MAX_EXPERTS:
             # the market keeps per-expert state: a stranger's 1024 x 16384 "model" would cost it gigabytes
             out.append(f"{self.n_layer} layers x {self.n_expert} experts exceed {MAX_EXPERTS} experts in all")
+            return out  # and the per-expert lists below are not walked
+        out.extend(self._source_problems())
+        return out
+
+    def _source_problems(self) -> list[str]:
+        out: list[str] = []
+        kinds = set(EXPERT_KINDS)
+        for name, table in (("kind_bytes", self.kind_bytes), ("tensor_offsets", self.tensor_offsets)):
+            if table and len(table) != self.n_layer:
+                out.append(f"{name} has {len(table)} entries for {self.n_layer} layers")
+            elif any(set(row) != kinds for row in table):
+                out.append(f"every {name} entry names exactly the kinds {', '.join(EXPERT_KINDS)}")
+        if self.kind_bytes and len(self.kind_bytes) == len(self.bytes_per_expert) and not out:
+            bad = [i for i, (row, total) in enumerate(zip(self.kind_bytes, self.bytes_per_expert, strict=True))
+                   if sum(row.values()) != total]
+            if bad:
+                out.append(f"kind_bytes of layer {bad[0]} do not add up to its bytes_per_expert")
+        if self.expert_sha256:
+            if len(self.expert_sha256) != self.n_layer:
+                out.append(f"expert_sha256 has {len(self.expert_sha256)} entries for {self.n_layer} layers")
+            elif any(len(row) != self.n_expert for row in self.expert_sha256):
+                out.append(f"every expert_sha256 entry lists {self.n_expert} experts")
+            elif not all(_HEX64.fullmatch(h) for row in self.expert_sha256 for h in row):
+                out.append("expert_sha256 holds a value that is not 64 lowercase hex digits")
+            if not self.kind_bytes:
+                out.append("expert_sha256 without kind_bytes")
+        bad_origins = [u for u in self.origins if not _ORIGIN.fullmatch(u)]
+        if bad_origins or len(self.origins) > MAX_ORIGINS or len(set(self.origins)) != len(self.origins):
+            out.append(f"origins must be at most {MAX_ORIGINS} distinct http(s) URLs"
+                       + (f" ({bad_origins[0][:100]!r} is not one)" if bad_origins else ""))
+        if self.origins and not (self.tensor_offsets and self.can_verify_experts):
+            out.append("origins without tensor_offsets, kind_bytes and expert_sha256 cannot be read")
         return out

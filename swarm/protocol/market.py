@@ -25,6 +25,9 @@ __all__ = [
     "CoordinatorView",
     "CoverageAck",
     "CoverageHeartbeat",
+    "DownloadSource",
+    "LeaseView",
+    "SourceKind",
     "CreditBoard",
     "HistorySample",
     "ModelHistory",
@@ -49,6 +52,7 @@ __all__ = [
     "WorkerSliceView",
     "WorkerView",
     "coverage_decoder",
+    "lease_decoder",
     "register_decoder",
     "report_decoder",
     "volunteer_decoder",
@@ -150,7 +154,7 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     that speak one of them (all coordinators speak 2 now).
     """
 
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name", "share_slices"})
 
     peer_id: PeerId
     epoch: Epoch
@@ -168,6 +172,9 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     sent_at_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # a name the volunteer chose for the dashboard (stranger text: shown escaped, never as markup)
     display_name: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # it serves its slices to other volunteers downloading them (``/moe-swarm/slice/1``); older
+    # volunteers do not, and one that opted out says False
+    share_slices: bool = False
 
 
 
@@ -219,10 +226,43 @@ class RegisterAck(msgspec.Struct):
     dispatch_map_paths: dict[str, str]  # model id -> path of its dispatch map on this market
 
 
+class SourceKind(enum.StrEnum):
+    PEER = "peer"  # a volunteer holding the slice: ``/moe-swarm/slice/1`` to ``peer_id`` at ``addrs``
+    ORIGIN = "origin"  # a plain HTTP(S) mirror of the GGUF file at ``url`` (Range at the manifest's offsets)
+    COORDINATOR = "coordinator"  # the slice file at ``url`` (``GET /v1/slices/...``, Range honoured)
+
+
+class DownloadSource(msgspec.Struct, frozen=True, kw_only=True):
+    """One place to download an assigned slice from. ``kind`` is a ``SourceKind`` value, kept an open
+    string on the wire: a volunteer skips kinds it does not know (a newer market's), where a tagged
+    union would make the whole assignment undecodable."""
+
+    kind: str
+    url: str = ""  # origin, coordinator
+    peer_id: str = ""  # peer
+    addrs: list[str] = []  # peer
+
+
+class LeaseView(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /api/leases/{lease_id}``: whose lease it is and for what, so a volunteer asked for slice
+    bytes can check the asker was assigned that slice. ``state`` ``leased`` (not reported yet) or
+    ``loading`` (reported ``loading``: downloading); ``expires_in_s`` how long the answer holds."""
+
+    lease_id: str
+    peer_id: str
+    model_id: str
+    layer: int
+    lo: int
+    hi: int
+    expires_in_s: float
+    state: Literal["leased", "loading"] = "leased"
+
+
 class Assignment(msgspec.Struct, tag="assignment", tag_field="kind"):
-    """The slice to serve. Download ``url`` (sha256-check it), report it ``loading`` then
-    ``serving`` in heartbeats before the lease lapses (``lease_expires_in_s``: the market's clock
-    need not match yours)."""
+    """The slice to serve. Download it (sha256-check it), report it ``loading`` then ``serving`` in
+    heartbeats before the lease lapses (``lease_expires_in_s``: the market's clock need not match
+    yours). ``sources``: where to download from, best first (peers holding it, the GGUF's mirrors,
+    then the coordinators; a market that predates them sends none: use ``url``)."""
 
     model_id: str
     layer: int
@@ -238,6 +278,7 @@ class Assignment(msgspec.Struct, tag="assignment", tag_field="kind"):
     relays: list[str]  # reserve a slot on one of these when you cannot be dialled
     heartbeat_s: float  # send coverage at least this often
     coordinator: str
+    sources: list[DownloadSource] = []
 
 
 class NothingNeeded(msgspec.Struct, tag="nothing_needed", tag_field="kind"):
@@ -425,3 +466,4 @@ register_decoder = msgspec.json.Decoder(RegisterModels)
 volunteer_decoder = msgspec.json.Decoder(VolunteerRequest)
 coverage_decoder = msgspec.json.Decoder(CoverageHeartbeat)
 report_decoder = msgspec.json.Decoder(CoordinatorReport)
+lease_decoder = msgspec.json.Decoder(LeaseView)

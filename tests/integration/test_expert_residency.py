@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from swarm.model.gguf import GGUFModel, drop_pages
-from swarm.model.slices import SliceCache, hold_digest, hold_digest_from_file, load_slice
+from swarm.model.slices import SliceCache, build_manifest, hold_digest, hold_digest_from_file, load_slice
 from tests.conftest import GOLDEN_GGUF
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -54,4 +54,21 @@ def test_cutting_hashing_and_challenging_slices_leave_expert_pages_out_of_memory
     assert max(shares) < 0.05, shares
     # the mapping itself is intact: touching it now brings the pages in (the measure can see them)
     int(experts[0].sum())
+    assert resident_share(experts[0]) > 0.9
+
+
+def test_hashing_every_expert_for_the_manifest_leaves_expert_pages_out_of_memory(tmp_path: Path) -> None:
+    path = tmp_path / GOLDEN_GGUF.name
+    shutil.copyfile(GOLDEN_GGUF, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    drop_pages(fd, 0, 0)
+    os.close(fd)
+    model = GGUFModel(path)
+    experts = [t.raw for n, t in model.tensors.items() if "_exps" in n]
+    manifest = build_manifest(model, cache_dir=tmp_path / "manifests")  # reads every expert once
+    assert len(manifest.expert_sha256) == model.config.n_layer
+    shares = [resident_share(a) for a in experts]
+    assert max(shares) < 0.05, shares
+    int(experts[0].sum())  # the measure sees pages once they are touched
     assert resident_share(experts[0]) > 0.9

@@ -31,6 +31,8 @@ def config(*argv: str) -> object:
         (["coordinator", "--model", "m.gguf", "--serve-ttl", "-1"], "--serve-ttl"),
         (["coordinator", "--model", "m.gguf", "--hedge-floor-ms", "-5"], "--hedge-floor-ms"),
         (["coordinator", "--model", "m.gguf", "--hot-experts", "-1"], "--hot-experts"),
+        (["coordinator", "--model", "m.gguf", "--origin", "ftp://mirror.test/m.gguf"], "--origin"),
+        (["coordinator", "--model", "m.gguf", "--origin", "mirror.test/m.gguf"], "--origin"),
         (["volunteer", "--market", "http://m:8090", "--threads", "0"], "--threads"),
         (["volunteer", "--market", "http://m:8090", "--poll-interval", "-1"], "--poll-interval"),
         (["volunteer", "--market", "ftp://m"], "--market"),
