@@ -36,7 +36,8 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   with it -> 304.
 - ``Assignment.sources``: where to download the slice, best first (``market.core.sources``): up to 4
   volunteers serving a range of the same model and layer that contains it and sharing their slices
-  (``kind: "peer"``, ``peer_id``, ``addrs``), the GGUF's origin mirrors (``"origin"``, ``url``), then
+  (``kind: "peer"``, ``peer_id``, ``addrs``: direct ones only; a volunteer reachable only through a
+  relay is no source), the GGUF's origin mirrors (``"origin"``, ``url``), then
   the coordinators' slice URLs (``"coordinator"``, ``url``; the one that described the file first).
 - ``GET /api/models/{model_id}/manifest`` -> the model's ``ModelManifest`` as registered (404
   ``unknown_model``): what a volunteer needs to check the bytes it downloads from peers and mirrors.

@@ -20,7 +20,10 @@ Rules for peers (``rank_peer_sources``):
 - A candidate is a volunteer's holding; it qualifies when it is of the same model and layer, its
   range contains the wanted ``[lo, hi)``, it is serving and dispatched (not loading, draining or
   retiring: those may be gone before the download ends), its volunteer shares its slices (its
-  heartbeat said ``share_slices``), is not the requester, is not quarantined and has an address.
+  heartbeat said ``share_slices``), is not the requester, is not quarantined and has a direct
+  address: ``/p2p-circuit`` ones are left out (a relay is sized for expert traffic, not for
+  gigabytes of slices, and circuit-relay v2 may cut a long transfer), so a volunteer reachable only
+  through a relay is no source.
 - One entry per volunteer (its first qualifying holding); proved holders (served or held: a
   coordinator checked them) first, then a uniform draw each (one per qualifying volunteer, in the
   order given), then the peer id; at most ``limit`` (default 4).
@@ -32,7 +35,7 @@ in their ranking order, then the manifest's), each once, at most ``limit`` (defa
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from market.core.recruit import PollView
@@ -81,12 +84,14 @@ class PeerCandidate:
 
 def rank_peer_sources(candidates: Iterable[PeerCandidate], *, model_id: str, layer: int, lo: int, hi: int,
                       requester: str, rng: Rng, limit: int = MAX_PEER_SOURCES) -> list[PeerCandidate]:
-    """The volunteers to download ``(model_id, layer, lo, hi)`` from, best first (see the rules)."""
+    """The volunteers to download ``(model_id, layer, lo, hi)`` from, best first, each with its direct
+    addresses only (see the rules)."""
     chosen: dict[str, PeerCandidate] = {}
     for c in candidates:
+        direct = tuple(a for a in c.addrs if "/p2p-circuit" not in a)
         if (c.model_id == model_id and c.layer == layer and c.lo <= lo and hi <= c.hi and c.dispatched and c.shares
-                and not c.quarantined and c.peer_id != requester and c.addrs and c.peer_id not in chosen):
-            chosen[c.peer_id] = c
+                and not c.quarantined and c.peer_id != requester and direct and c.peer_id not in chosen):
+            chosen[c.peer_id] = replace(c, addrs=direct)
     ranked = sorted((not c.proved, rng.uniform(0.0, 1.0), c.peer_id) for c in chosen.values())
     return [chosen[pid] for *_, pid in ranked[: max(0, limit)]]
 

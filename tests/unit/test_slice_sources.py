@@ -228,6 +228,7 @@ def cand(peer: str, lo: int = 0, hi: int = 8, *, layer: int = 0, model: str = MI
     ([cand("a", dispatched=False), cand("b", shares=False), cand("c", quarantined=True), cand("me"),
       cand("e", addrs=()), cand("f", layer=1), cand("g", model="other-model"), cand("h")], [0.3], ["h"]),
     ([cand("a"), cand("a", 0, 6)], [0.3], ["a"]),  # one entry a volunteer
+    ([cand("a", addrs=("/ip4/1.2.3.4/tcp/1/p2p/R/p2p-circuit/p2p/a",)), cand("b")], [0.3], ["b"]),  # relayed only
     ([cand(p) for p in "abcdef"], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1], ["f", "e", "d", "c"]),  # at most 4
 ])
 def test_rank_peer_sources(cands: list[PeerCandidate], draws: list[float], want: list[str]) -> None:
@@ -235,6 +236,13 @@ def test_rank_peer_sources(cands: list[PeerCandidate], draws: list[float], want:
     got = rank_peer_sources(cands, model_id=MID, layer=0, lo=2, hi=5, requester="me", rng=rng)
     assert [c.peer_id for c in got] == want
     assert rng.calls == len(draws)  # one draw per qualifying volunteer
+
+
+def test_peer_sources_carry_direct_addresses_only() -> None:
+    relayed = "/ip4/1.2.3.4/tcp/1/p2p/R/p2p-circuit/p2p/a"
+    got = rank_peer_sources([cand("a", addrs=(relayed, "/ip4/5.6.7.8/tcp/2"))], model_id=MID, layer=0, lo=0, hi=8,
+                            requester="me", rng=random.Random(0))
+    assert [c.addrs for c in got] == [("/ip4/5.6.7.8/tcp/2",)]
 
 
 def test_rank_origins() -> None:
