@@ -18,8 +18,9 @@ Real processes on loopback:
    cgroups are not writable), and its peak RSS is its ``VmHWM``, read just before it is stopped.
    ``coverage_s``: from starting the volunteers until the coordinator's ``/health`` shows no coverage
    hole. Then the same completions as the reference at 1 and 4 sessions: ``tokens_identical``.
-3. **Kill the only replica** (``--quick`` only: the machine has no room for a spare 30b volunteer): a
-   spare volunteer idles; during a streamed completion the volunteer holding layer 0 is killed; the
+3. **Kill the only replica** (``--quick`` only: the machine has no room for a spare 30b volunteer):
+   once the extra replicas the load recruited have aged out, a spare volunteer starts and idles
+   (nothing scarce); during a streamed completion the volunteer holding layer 0 is killed; the
    market re-offers its slices, the spare fetches and serves them; ``stall_s`` is the longest gap
    between streamed tokens and the completion's tokens must equal the reference.
 
@@ -289,8 +290,22 @@ def backbone(model: Path, work: Path, n_tokens: int, *, n_vol: int, coord_cap: i
 
 def _kill_only_replica(procs: Procs, market: str, url: str, mid: str, n_tokens: int, n_vol: int, vol_cap: int,
                        extra: list[str], want: list[int]) -> dict[str, Any]:
+    # the load of the cases before recruited extra replicas: wait until they aged out, so the spare idles
+    def settled() -> bool:
+        m = httpx.get(f"{market}/api/moe/recruitment", timeout=10).json()["models"][0]
+        return not m["recruiting"] and all(s["state"] == "dispatched" for w in m["workers"] for s in w["slices"])
+
+    wait_for(settled, 300, "recruitment to end and its extra replicas to age out", 0.5)
+    spare_dir = procs.work / "bb-volunteer-spare"
     procs.start("volunteer-spare", "volunteer", "--market", market, "--max-memory", str(vol_cap), *extra, "--threads", "1",
-                "--no-progress", "--poll-interval", "1", "--data-dir", str(procs.work / "bb-volunteer-spare"), cap=vol_cap)
+                "--no-progress", "--poll-interval", "1", "--data-dir", str(spare_dir), cap=vol_cap)
+
+    def spare_idle() -> bool:
+        r = subprocess.run([sys.executable, "-m", "swarm.cli", "volunteer", "status", "--json", "--data-dir", str(spare_dir)],
+                           capture_output=True, text=True, timeout=30, cwd=ROOT)
+        return r.returncode == 0 and '"waiting_for":"idle: nothing_scarce"' in r.stdout.replace(" ", "")
+
+    wait_for(spare_idle, 120, "the spare volunteer to idle", 0.5)
     workers = httpx.get(f"{market}/api/moe/recruitment", timeout=10).json()["models"][0]["workers"]
     victim_peer = next(w["peer_id"] for w in workers if any(s["layer"] == 0 for s in w["slices"]))
     victim = next(f"volunteer-{i + 1}" for i in range(n_vol)
