@@ -17,7 +17,7 @@ from swarm.service import run_service, size_flag
 
 __all__ = ["add_parser", "pull_config_from_args", "static_config_from_args"]
 
-_FLAGS = {"max_memory": "--max-memory", "max_slices": "--max-slices", "poll_interval_s": "--poll-interval", "relays": "--relay",
+_FLAGS = {"max_memory": "--max-memory", "max_slices": "--max-slices", "share_rate_bytes_per_s": "--share-rate", "poll_interval_s": "--poll-interval", "relays": "--relay",
           "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice"}
 
 
@@ -32,6 +32,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="pull mode: this process's peak memory (RSS), e.g. 5G; the slices get what its baseline "
                         "leaves (default 2G, or only --max-experts when that is given)")
     v.add_argument("--max-slices", type=int, default=64, help="pull mode: hold at most this many slices (default 64)")
+    v.add_argument("--no-share", action="store_true",
+                   help="pull mode: do not serve held slices to other volunteers (they download elsewhere)")
+    v.add_argument("--share-rate", type=size_flag, default=16 << 20,
+                   help="pull mode: upload cap for sharing slices, bytes per second (default 16M)")
     v.add_argument("--max-experts", type=int, default=None, help="pull mode: budget in experts")
     v.add_argument("--display-name", default="", help="pull mode: a name for the market's dashboard (at most 64 characters)")
     v.add_argument("--models", action="append", default=None, help="pull mode: only these model ids (repeatable)")
@@ -79,7 +83,8 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
         max_memory = 2 << 30
     return build_config(PullVolunteerConfig, {
         "market": ns.market, "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
-        "max_memory": max_memory, "max_experts": ns.max_experts, "max_slices": ns.max_slices, "models": tuple(ns.models or ()),
+        "max_memory": max_memory, "max_experts": ns.max_experts, "max_slices": ns.max_slices,
+        "share_slices": not ns.no_share, "share_rate_bytes_per_s": float(ns.share_rate), "models": tuple(ns.models or ()),
         "display_name": ns.display_name,
         "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
         "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch, "kernel": ns.kernel,

@@ -12,6 +12,12 @@ Rules:
   answers out); what is left is the slice budget, filled with up to ``--max-slices`` slices (their
   mapped pages are what the process grows by as it serves). A ``--max-memory`` below baseline plus
   reserve is refused at start with a clear error.
+- Downloads: from the sources the market ranks in the assignment (volunteers holding the slice over
+  ``/moe-swarm/slice/1``, HTTP mirrors of the GGUF, the coordinator), every expert checked against
+  the market's manifest (``swarm.model.sources``); a market or manifest without expert hashes
+  falls back to the coordinator's sha256-checked file. Slices held are shared with volunteers the
+  market assigned them to (``swarm.rpc.slice_server``: rate-limited by ``--share-rate``; ``--no-share``
+  opts out and the heartbeat says so).
 - Throughput is measured once (a float32 expert FFN at batch 8) and kept in ``DATA_DIR/probe.json``.
 - Every decision (when to poll, what to report, when to drop a slice) is the pure lifecycle core;
   this shell only performs its effects: HTTP to the market, slice downloads, loading/unloading
@@ -38,12 +44,16 @@ import trio
 
 from swarm.config import HttpUrl, Multiaddr, PosFloat, PosInt
 from swarm.errors import ConfigError, SwarmError
+from swarm.ids import SliceKey
 from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import load_slice
+from swarm.model.sources import CoordinatorSource, OriginSource, fetch_slice_from
 from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_body, sign_request
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
+from swarm.p2p.transport import Transport
 from swarm.protocol.expert import SUPPORTED_VERSIONS, make_hello
+from swarm.protocol.manifest import ModelManifest
 from swarm.protocol.market import (
     Assignment,
     CoverageAck,
@@ -55,6 +65,8 @@ from swarm.protocol.market import (
 )
 from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import ByteBudget, set_expert_handlers
+from swarm.rpc.slice_client import PeerSource, sources_from_assignment
+from swarm.rpc.slice_server import SliceServer, SliceShareConfig, market_lease_check, set_slice_handler
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer, shielded_until_cancelled
 from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table, serve_status
@@ -86,6 +98,8 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     progress: bool = True
     status_interval_s: PosFloat = 5.0
     display_name: Annotated[str, msgspec.Meta(max_length=64)] = ""  # shown on the market's dashboard
+    share_slices: bool = True  # serve held slices to volunteers the market assigned them to
+    share_rate_bytes_per_s: PosFloat = float(16 << 20)
 
 
 def measure_throughput(d_model: int = 1024, width: int = 2816, batch: int = 8, reps: int = 5) -> float:
@@ -151,7 +165,8 @@ class PullVolunteer:
 
     def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, nat: Nat,
                  server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery,
-                 budget: ByteBudget | None = None, max_bytes: int | None = None) -> None:
+                 budget: ByteBudget | None = None, max_bytes: int | None = None,
+                 transport: Transport | None = None, slice_server: SliceServer | None = None) -> None:
         self.cfg = cfg
         self.base = cfg.market.rstrip("/")
         self.epoch = epoch
@@ -180,6 +195,11 @@ class PullVolunteer:
         self.calls_per_s = 0.0
         self._rate_mark = (time.monotonic(), 0)
         self.credit: VolunteerCredit | None = None  # as the market last said
+        self.transport = transport
+        self.slice_server = slice_server
+        self._assignments: dict[SliceKey, Assignment] = {}  # the market's word for each offer (its sources)
+        self._manifests: dict[str, ModelManifest] = {}
+        self.download_bytes: dict[str, int] = {}  # by source kind (peer | origin | coordinator), for the status
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:
@@ -196,6 +216,9 @@ class PullVolunteer:
                     if scope is not None:
                         scope.cancel()  # a download still running for it
                     self.server.remove_slice(o.model_id, o.layer, o.lo, o.hi)
+                    if self.slice_server is not None:
+                        self.slice_server.remove_slice(SliceKey(o.model_id, o.layer, o.lo, o.hi))
+                    self._assignments.pop(SliceKey(o.model_id, o.layer, o.lo, o.hi), None)
                     if not self.core.holdings:
                         self.status = f"released {o.layer}:{o.lo}-{o.hi} ({reason})"
                     log.info("released slice %d:%d-%d of %s (%s)", o.layer, o.lo, o.hi, o.model_id, reason)
@@ -235,6 +258,7 @@ class PullVolunteer:
                     relays=tuple(ans.relays), lease_id=ans.lease_id,
                 )
                 self.status = f"offered {offer.layer}:{offer.lo}-{offer.hi} (scarcity {ans.scarcity:.2f}); downloading"
+                self._assignments[SliceKey(offer.model_id, offer.layer, offer.lo, offer.hi)] = ans
                 self.apply(self.core.offered(offer, now))
             case NothingNeeded():
                 if not self.core.holdings:
@@ -246,8 +270,7 @@ class PullVolunteer:
         with trio.CancelScope() as scope:
             self._fetch_scopes[offer] = scope
             try:
-                path = await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256,
-                                         progress=self.cfg.progress)
+                path = await self._download(offer, dest)
                 sl = await trio.to_thread.run_sync(load_slice, path)
                 k = sl.key
                 if (k.model_id, k.layer, k.lo, k.hi) != (offer.model_id, offer.layer, offer.lo, offer.hi):
@@ -264,8 +287,43 @@ class PullVolunteer:
                 log.info("dropping slice %d:%d-%d: its offer ended while it downloaded", offer.layer, offer.lo, offer.hi)
                 return
             self.server.add_slice(sl)
+            if self.slice_server is not None:
+                self.slice_server.add_slice(path)
             self.status = f"serving {self._held_text()} of {offer.model_id}"
             self.apply(effects)
+
+    async def _manifest(self, model_id: str) -> ModelManifest | None:
+        """The market's manifest of ``model_id`` (cached; None when the market has none to give)."""
+        m = self._manifests.get(model_id)
+        if m is None:
+            try:
+                r = await self.client.get(f"{self.base}/api/models/{model_id}/manifest")
+                if r.status_code != 200:
+                    return None
+                m = self._manifests[model_id] = msgspec.json.decode(r.content, type=ModelManifest)
+            except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError):
+                return None
+        return m
+
+    async def _download(self, offer: Offer, dest: Path) -> Path:
+        """The offered slice from the sources the market ranked, each expert checked against the
+        manifest; from the coordinator alone when that is impossible (an older market)."""
+        a = self._assignments.get(SliceKey(offer.model_id, offer.layer, offer.lo, offer.hi))
+        manifest = await self._manifest(offer.model_id) if a is not None else None
+        if a is None or manifest is None or not manifest.can_verify_experts or manifest.problems():
+            return await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.cfg.progress)
+        sources = sources_from_assignment(a, client=self.client, transport=self.transport, self_peer_id=self.peer_id)
+        res = await fetch_slice_from(sources, manifest, offer.layer, offer.lo, offer.hi, dest,
+                                     expected_sha256=offer.sha256, progress=self.cfg.progress)
+        by_kind = {s.name: _source_kind(s) for s in sources}
+        for name, n in res.bytes_from.items():
+            kind = by_kind.get(name, "other")
+            self.download_bytes[kind] = self.download_bytes.get(kind, 0) + n
+        if res.bytes_from or res.lied:
+            log.info("slice %d:%d-%d downloaded: %s%s", offer.layer, offer.lo, offer.hi,
+                     ", ".join(f"{n} B from {by_kind.get(name, '?')} {name}" for name, n in res.bytes_from.items()) or "cached",
+                     f"; wrong bytes from {', '.join(res.lied)} (dropped)" if res.lied else "")
+        return res.path
 
     def _held_text(self) -> str:
         return ", ".join(f"{h.offer.layer}:{h.offer.lo}-{h.offer.hi}" for h in self.core.holdings.values()) or "nothing"
@@ -291,7 +349,8 @@ class PullVolunteer:
         body = CoverageHeartbeat(peer_id=self.peer_id, epoch=self.epoch, sequence=self._next_seq(), addrs=self.addrs,
                                  slices=slices, load=float(self.server.stats.in_flight), max_bytes=self.max_bytes,
                                  protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000),
-                                 display_name=self.cfg.display_name)
+                                 display_name=self.cfg.display_name,
+                                 share_slices=self.slice_server is not None and self.slice_server.sharing)
         # the body signature too, for a market of the previous release (it ignores the header)
         return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
 
@@ -463,8 +522,13 @@ async def serve_pull_volunteer(
                 log.info("memory: %d MiB peak budget = %d MiB baseline + 2 x %d MiB requests in flight + %d MiB slices",
                          plan.max_memory >> 20, plan.baseline >> 20, plan.payload >> 20, max_bytes >> 20)
             budget = ByteBudget() if plan is None else ByteBudget(per_peer=plan.payload // 2, total=plan.payload)
+            slice_server = SliceServer(market_lease_check(client, cfg.market), SliceShareConfig(
+                share=cfg.share_slices, rate_bytes_per_s=cfg.share_rate_bytes_per_s,
+                burst_bytes=max(1 << 20, int(cfg.share_rate_bytes_per_s))))
+            set_slice_handler(transport, slice_server)  # /moe-swarm/slice/1: our slices, to assigned volunteers
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
-                                server=server, client=client, nursery=nursery, budget=budget, max_bytes=max_bytes)
+                                server=server, client=client, nursery=nursery, budget=budget, max_bytes=max_bytes,
+                                transport=transport, slice_server=slice_server)
             # only the coordinators the market names for what we hold may use our experts
             set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
                                 authorize=vol.authorize, prove=server.prove, budget=budget)
@@ -486,6 +550,10 @@ async def serve_pull_volunteer(
 
 
 _credit_decoder = msgspec.json.Decoder(VolunteerCredit)
+
+
+def _source_kind(src: object) -> str:
+    return {PeerSource: "peer", OriginSource: "origin", CoordinatorSource: "coordinator"}.get(type(src), "other")
 
 
 def _live_view() -> Any:

@@ -71,7 +71,6 @@ class Offer:
     heartbeat_s: float
     relays: tuple[str, ...] = ()
     lease_id: str = ""
-    sources: tuple[object, ...] = ()  # where to download it from, best first (the shell's types)
 
     @property
     def key(self) -> SliceKey:
