@@ -18,9 +18,11 @@ What it does, in order, printing as it goes:
    volunteer is undispatched and released (age-out);
 8. second act, a backbone coordinator: another coordinator of the same model joins holding no
    expert (``--local-experts none``); the market now wants two replicas of every expert, recruits
-   the idle volunteer and a fourth one; each proves it holds its slice (hold challenge); the
-   reference requests through the backbone give the same tokens with every expert computed by
-   volunteers, checked on a second replica;
+   the idle volunteer and a fourth one, which download their slices from the volunteers already
+   serving them (``/moe-swarm/slice/1``, every expert checked against the manifest) rather than from
+   a coordinator; each proves it holds its slice (hold challenge); the reference requests through
+   the backbone give the same tokens with every expert computed by volunteers, checked on a second
+   replica;
 9. prints ``/api/moe/recruitment`` and stops every process it started, cleanly.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,6 +102,24 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], name: str, timeout: fl
 
 def start_volunteer(procs: Procs, name: str, extra: list[str]) -> subprocess.Popen[bytes]:
     return procs.start(name, cli("volunteer", "--data-dir", str(DATA / name), "--no-progress", "--poll-interval", "1", *extra))
+
+
+def show_downloads(name: str, names: dict[str, str]) -> None:
+    """One line: a volunteer's slices, the bytes it downloaded by source and what it shared (its status)."""
+    r = subprocess.run(cli("volunteer", "status", "--json", "--data-dir", str(DATA / name)), capture_output=True, text=True,
+                       timeout=30, cwd=ROOT)
+    if r.returncode != 0:
+        print(f"    {name}: no status ({r.stderr.strip()[:200]})")
+        return
+    st = json.loads(r.stdout)
+    parts = []
+    for src, n in sorted(st.get("downloaded", {}).items()):
+        kind, _, who = src.partition(" ")
+        label = f"peer {names.get(who, who[-8:])}" if kind == "peer" else kind
+        parts.append(f"{n / 1024:.0f} KiB from {label}")
+    slices = ", ".join(x["slice"] for x in st.get("slices", [])) or "none"
+    print(f"    {name}: serves {slices}; downloaded {', '.join(parts) or 'nothing'}; "
+          f"shared {st.get('shared_bytes', 0) / 1024:.0f} KiB with other volunteers")
 
 
 def start_relay(procs: Procs) -> str:
@@ -209,6 +230,8 @@ def main() -> None:
     model_id = model_id_for(model_path)
     for stale in DATA.glob("market.db*"):
         stale.unlink()
+    for cache in DATA.glob("volunteer-*/slices"):  # every run shows the downloads (and where they came from)
+        shutil.rmtree(cache)
     procs = Procs()
     try:
         mport, cport = free_port(), free_port()
@@ -380,6 +403,9 @@ def main() -> None:
         brep = dispatch_report(backbone)
         print(f"    covered in {time.monotonic() - t2:.1f} s: {len(brep['workers'])} volunteers proved their slices to the "
               f"backbone ({brep.get('hold_passes', 0)} hold challenges passed, {brep.get('hold_refutations', 0)} refuted)")
+        print("    where each volunteer's slices came from (volunteer-1 is reachable only through the relay: no source):")
+        for i in range(4):
+            show_downloads(f"volunteer-{i + 1}", names)
         bclient = openai.OpenAI(base_url=backbone + "/v1", api_key="demo", max_retries=0)
         before = dispatch_report(backbone)
         via_backbone = run_batch("backbone, every expert on volunteers", bclient)

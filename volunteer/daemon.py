@@ -48,7 +48,7 @@ from swarm.ids import SliceKey
 from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import load_slice
-from swarm.model.sources import CoordinatorSource, OriginSource, fetch_slice_from
+from swarm.model.sources import fetch_slice_from
 from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_body, sign_request
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
 from swarm.p2p.transport import Transport
@@ -65,7 +65,7 @@ from swarm.protocol.market import (
 )
 from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import ByteBudget, set_expert_handlers
-from swarm.rpc.slice_client import PeerSource, sources_from_assignment
+from swarm.rpc.slice_client import sources_from_assignment
 from swarm.rpc.slice_server import SliceServer, SliceShareConfig, market_lease_check, set_slice_handler
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.server import ExpertServer, shielded_until_cancelled
@@ -199,7 +199,7 @@ class PullVolunteer:
         self.slice_server = slice_server
         self._assignments: dict[SliceKey, Assignment] = {}  # the market's word for each offer (its sources)
         self._manifests: dict[str, ModelManifest] = {}
-        self.download_bytes: dict[str, int] = {}  # by source kind (peer | origin | coordinator), for the status
+        self.downloaded: dict[str, int] = {}  # slice bytes by source name, for the status
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:
@@ -315,13 +315,11 @@ class PullVolunteer:
         sources = sources_from_assignment(a, client=self.client, transport=self.transport, self_peer_id=self.peer_id)
         res = await fetch_slice_from(sources, manifest, offer.layer, offer.lo, offer.hi, dest,
                                      expected_sha256=offer.sha256, progress=self.cfg.progress)
-        by_kind = {s.name: _source_kind(s) for s in sources}
         for name, n in res.bytes_from.items():
-            kind = by_kind.get(name, "other")
-            self.download_bytes[kind] = self.download_bytes.get(kind, 0) + n
+            self.downloaded[name] = self.downloaded.get(name, 0) + n
         if res.bytes_from or res.lied:
             log.info("slice %d:%d-%d downloaded: %s%s", offer.layer, offer.lo, offer.hi,
-                     ", ".join(f"{n} B from {by_kind.get(name, '?')} {name}" for name, n in res.bytes_from.items()) or "cached",
+                     ", ".join(f"{n} B from {name}" for name, n in res.bytes_from.items()) or "cached",
                      f"; wrong bytes from {', '.join(res.lied)} (dropped)" if res.lied else "")
         return res.path
 
@@ -432,7 +430,9 @@ class PullVolunteer:
             coordinators=sorted(self.allowed or ()),
             credit_flops=c.total_flops if c is not None else None,
             credit_rac_flops_per_day=c.rac_flops_per_day if c is not None else None,
-            verified=c.verified if c is not None else None, uptime_s=round(time.monotonic() - self.started_at, 1))
+            verified=c.verified if c is not None else None, uptime_s=round(time.monotonic() - self.started_at, 1),
+            downloaded=dict(self.downloaded),
+            shared_bytes=self.slice_server.bytes_sent if self.slice_server is not None else 0)
 
     def _update_rate(self) -> None:
         now, calls = time.monotonic(), self.server.stats.calls
@@ -550,10 +550,6 @@ async def serve_pull_volunteer(
 
 
 _credit_decoder = msgspec.json.Decoder(VolunteerCredit)
-
-
-def _source_kind(src: object) -> str:
-    return {PeerSource: "peer", OriginSource: "origin", CoordinatorSource: "coordinator"}.get(type(src), "other")
 
 
 def _live_view() -> Any:

@@ -52,6 +52,8 @@ class VolunteerStatus(msgspec.Struct, frozen=True, kw_only=True):
     credit_rac_flops_per_day: float | None = None
     verified: int | None = None
     uptime_s: float = 0.0
+    downloaded: dict[str, int] = {}  # slice bytes by source ("peer 12D3...", "origin URL", "coordinator URL")
+    shared_bytes: int = 0  # slice bytes sent to other volunteers
 
 
 _decoder = msgspec.json.Decoder(VolunteerStatus)
@@ -77,6 +79,16 @@ def plain_line(s: VolunteerStatus) -> str:
             f"credit {_flops(s.credit_flops)}{market}")
 
 
+def downloads_text(s: VolunteerStatus) -> str:
+    """Where the slices came from, by kind of source, and what was shared: ``4.0 MiB from peers, ...``."""
+    by: dict[str, int] = {}
+    for name, n in s.downloaded.items():
+        kind = name.split(" ", 1)[0]
+        by[kind] = by.get(kind, 0) + n
+    parts = [f"{n / 2**20:.1f} MiB from {kind}{'s' if kind in ('peer', 'origin') else ''}" for kind, n in sorted(by.items())]
+    return f"{', '.join(parts) or 'nothing yet'}; shared {s.shared_bytes / 2**20:.1f} MiB"
+
+
 def render_table(s: VolunteerStatus) -> object:
     """A one-screen rich renderable (``rich`` is imported here only: the status command and the TTY view)."""
     from rich.table import Table
@@ -94,6 +106,7 @@ def render_table(s: VolunteerStatus) -> object:
         ("rows", str(s.rows)),
         ("bytes", f"{s.bytes_in / 2**20:.1f} MiB in, {s.bytes_out / 2**20:.1f} MiB out, "
                   f"{s.payload_bytes / 2**20:.1f} MiB held now"),
+        ("downloads", downloads_text(s)),
         ("verified", "?" if s.verified is None else str(s.verified)),
         ("credit", f"{_flops(s.credit_flops)} total, {_flops(s.credit_rac_flops_per_day)} a day recently"),
         ("uptime", f"{s.uptime_s:.0f} s"),

@@ -81,7 +81,9 @@ def test_the_renderers_show_what_a_volunteer_needs_to_know() -> None:
                          path="relayed", addrs=["/p2p-circuit"], slices=[SliceStatus("m", "0:0-8", "serving", 1)],
                          calls=12, calls_per_s=2.5, rows=48, errors=1, in_flight=2, payload_bytes=3 << 20,
                          latency_ms=4.25, bytes_in=5 << 20, bytes_out=6 << 20,
-                         coordinators=["12D3KooWc"], credit_flops=1.5e12, credit_rac_flops_per_day=2e11, verified=7)
+                         coordinators=["12D3KooWc"], credit_flops=1.5e12, credit_rac_flops_per_day=2e11, verified=7,
+                         downloaded={"peer 12D3KooWa": 3 << 20, "peer 12D3KooWb": 1 << 20, "origin https://o/m.gguf": 2 << 20},
+                         shared_bytes=5 << 19)
     line = plain_line(st)
     for want in ("serving 0:0-8 of m", "0:0-8:serving", "path relayed", "calls 12 (2.5/s, 4.2 ms)", "verified 7",
                  "1.5 TFLOP", "market unreachable"):
@@ -90,6 +92,6 @@ def test_the_renderers_show_what_a_volunteer_needs_to_know() -> None:
     console.print(render_table(st))
     out = console.export_text()
     for want in ("ghijklmnop", "m 0:0-8 (serving)", "relayed (private)", "1 coordinator", "3.0 MiB held", "5.0 MiB in",
-                 "4.2 ms a call", "200.0 GFLOP a day",
+                 "4.2 ms a call", "200.0 GFLOP a day", "2.0 MiB from origins, 4.0 MiB from peers; shared 2.5 MiB",
                  "market unreachable"):
         assert want in out, (want, out)
