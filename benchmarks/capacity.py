@@ -34,6 +34,7 @@ its experts with 1; in a sequential decode only one of them computes at a time.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -167,8 +168,6 @@ def stream_one(url: str, model_id: str, prompt: str, n_tokens: int, out: dict[st
     """A streamed greedy completion: token ids and the time each streamed chunk arrived."""
     body = {"model": model_id, "prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
-    import json
-
     ids: list[int] = []
     times: list[float] = []
     with httpx.Client(timeout=httpx.Timeout(600.0)) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -303,7 +302,7 @@ def _kill_only_replica(procs: Procs, market: str, url: str, mid: str, n_tokens: 
     def spare_idle() -> bool:
         r = subprocess.run([sys.executable, "-m", "swarm.cli", "volunteer", "status", "--json", "--data-dir", str(spare_dir)],
                            capture_output=True, text=True, timeout=30, cwd=ROOT)
-        return r.returncode == 0 and '"waiting_for":"idle: nothing_scarce"' in r.stdout.replace(" ", "")
+        return r.returncode == 0 and json.loads(r.stdout)["waiting_for"] == "idle: nothing_scarce"
 
     wait_for(spare_idle, 120, "the spare volunteer to idle", 0.5)
     workers = httpx.get(f"{market}/api/moe/recruitment", timeout=10).json()["models"][0]["workers"]
