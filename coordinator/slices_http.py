@@ -1,4 +1,5 @@
-"""Slice downloads and model manifests over HTTP (shell: Starlette endpoints over ``SliceCache``).
+"""Slice downloads and model manifests over HTTP (shell: Starlette endpoints over ``SliceCache``,
+which serves each slice file as its header plus ``pread`` ranges of the GGUF: no copy on disk).
 
 Routes (DESIGN §11):
 
@@ -12,8 +13,9 @@ Rules:
   ``Content-Range: bytes */size``; ``If-Range`` that is not exactly our ETag -> the full 200. A Range
   header we do not understand (other unit, several ranges, bad syntax) is ignored, as RFC 9110
   allows, and the full file is sent.
-- Cutting a slice reads the model and writes a cache file: it runs in a worker thread behind a
-  ``CapacityLimiter``, never on the event loop.
+- Describing a slice (its sha256, once per slice) and reading its bytes run in worker threads
+  behind a ``CapacityLimiter``, never on the event loop; bytes are read 1 MiB at a time with
+  ``pread`` and dropped from the page cache, so serving a 17 GB model's slices does not grow RSS.
 - Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with stable codes:
   ``unknown_model`` (404), ``bad_slice_range`` (400), ``range_not_satisfiable`` (416),
   ``slice_unavailable`` (500).
@@ -26,7 +28,6 @@ import enum
 import logging
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import NamedTuple
 
 import msgspec
@@ -106,11 +107,13 @@ def _error(status: int, code: str, message: str, headers: Mapping[str, str] | No
 
 
 class _FileSpan(Response):
-    """Streams ``[start, end)`` of a file; stops early when the client goes away."""
+    """Streams ``[start, end)`` of a slice file; stops early when the client goes away."""
 
-    def __init__(self, path: Path, span: ByteRange, status: int, headers: Mapping[str, str]) -> None:
-        self.path = path
+    def __init__(self, sf: SliceFile, span: ByteRange, status: int, headers: Mapping[str, str],
+                 limiter: trio.CapacityLimiter) -> None:
+        self.sf = sf
         self.span = span
+        self.limiter = limiter
         self.status_code = status
         self.background = None
         self.media_type = "application/octet-stream"
@@ -128,14 +131,16 @@ class _FileSpan(Response):
 
     async def _stream(self, send: Send) -> None:
         pos, end = self.span
-        async with await trio.open_file(self.path, "rb") as f:
-            await f.seek(pos)
+        pieces = self.sf.read(pos, end, _CHUNK)
+        try:
             while pos < end:
-                chunk = await f.read(min(_CHUNK, end - pos))
+                chunk = await trio.to_thread.run_sync(next, pieces, b"", limiter=self.limiter)
                 if not chunk:
-                    raise SliceError(f"slice file {self.path} shrank while being sent")
+                    raise SliceError(f"slice {self.sf.path} ended early at byte {pos} of {end}")
                 pos += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": pos < end})
+        finally:
+            pieces.close()  # its file descriptor, and the pages it read dropped
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
@@ -203,8 +208,8 @@ class _SliceEndpoints:
                           {**headers, "content-range": f"bytes */{sf.size}"})
         if isinstance(plan, ByteRange):
             headers["content-range"] = f"bytes {plan.start}-{plan.end - 1}/{sf.size}"
-            return _FileSpan(sf.path, plan, 206, headers)
-        return _FileSpan(sf.path, ByteRange(0, sf.size), 200, headers)
+            return _FileSpan(sf, plan, 206, headers, self.limiter)
+        return _FileSpan(sf, ByteRange(0, sf.size), 200, headers, self.limiter)
 
 
 def slice_routes(models: Mapping[str, GGUFModel], caches: Mapping[str, SliceCache], *,

@@ -1,4 +1,4 @@
-"""Expert slices: cut, cache, load and describe (shell: reads the model map, writes cache files).
+"""Expert slices: cut, serve, load and describe (shell: reads the model with ``pread``).
 
 A slice is ``(model_id, layer, lo, hi)``: experts ``lo .. hi-1`` of one MoE layer (DESIGN §3, §11).
 Its file is safetensors holding the raw GGUF bytes of ``blk.{layer}.ffn_{gate,up,down}_exps.weight``
@@ -15,8 +15,8 @@ Rules:
   the very code the coordinator uses (``swarm.model.gguf.ExpertStack``): results are bit-identical.
 - A slice file comes from a peer: everything in it is validated and every defect is a
   ``SliceError`` naming what is wrong, never an assert.
-- Cache files are written to a temp file in the same directory, fsynced and renamed over the target,
-  so a reader never sees a partial file and two concurrent writers cannot corrupt it.
+- The coordinator keeps no copies: ``SliceCache`` serves a slice file as its header plus byte
+  ranges of the GGUF and remembers only each slice's sha256 (an index file written atomically).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import struct
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final
@@ -48,7 +48,6 @@ from swarm.model.gguf import (
     GGUFModel,
     ModelConfig,
     QTensor,
-    file_sha256,
     pread_chunks,
 )
 from swarm.protocol.manifest import SLICE_FORMAT, ModelManifest
@@ -274,141 +273,132 @@ def hold_digest(stack: ExpertStack, nonce: bytes, windows: Iterable[tuple[int, i
 
 @dataclass(frozen=True)
 class SliceFile:
-    path: Path
+    """A slice file without a copy on disk: its header bytes and where its tensor data lies in the
+    model's GGUF (``spans``), read with ``pread`` when it is sent."""
+
+    path: Path  # the GGUF
+    header: bytes
+    spans: tuple[tuple[int, int], ...]
     sha256: str
     size: int
 
+    def read(self, start: int, end: int, piece: int = 1 << 20) -> Generator[bytes, None, None]:
+        """Bytes ``[start, end)`` of the slice file, at most ``piece`` at a time (blocking: run it in a
+        worker thread), the GGUF's pages dropped from the page cache as they are read."""
+        if not 0 <= start <= end <= self.size:
+            raise SliceError(f"range {start}-{end} outside the slice file's {self.size} bytes")
+        n_head = len(self.header)
+        if start < n_head:
+            yield self.header[start:min(end, n_head)]
+        parts: list[tuple[int, int]] = []
+        at = n_head
+        for off, length in self.spans:
+            lo, hi = max(start, at), min(end, at + length)
+            if lo < hi:
+                parts.append((off + lo - at, hi - lo))
+            at += length
+        yield from pread_chunks(self.path, parts, piece)
+
 
 class SliceCache:
-    """Cuts slices of one model on demand and keeps them as files under ``cache_dir/<model_id>/``.
+    """Describes the slices of one model and serves them straight from its GGUF (DESIGN §11).
 
-    ``get`` blocks (it reads the model and writes files): call it from a worker thread. It is
-    thread-safe; concurrent calls for one slice cut it once. A file found on disk from an earlier
-    run is checked against the model once per process and rewritten when it differs.
+    A slice file is its canonical header followed by byte ranges of the GGUF, so nothing is written:
+    ``get`` returns a ``SliceFile`` whose bytes are read with ``pread`` when sent (the coordinator's
+    disk holds the model once, and its RSS does not grow with what it serves). What ``get`` must
+    compute is the file's sha256 (its ``ETag``): one ``pread`` pass over the slice, done once per
+    slice and remembered, in memory and in ``cache_dir/<model_id>/sha256.json`` (so a restart does
+    not hash again; an entry is trusted only for the same GGUF, by its content hash).
 
-    Bounded: the files this cache knows of take at most ``max_bytes`` on disk (default: twice the
-    model's expert bytes, two whole partitions); a new slice evicts the least recently asked-for
-    ones (a download already open keeps reading its unlinked file). Any ``(layer, lo, hi)`` may be
-    asked for -- about n_expert^2 / 2 per layer -- so without the bound a stranger's requests would
-    fill the disk.
+    ``get`` blocks (it reads the model): call it from a worker thread. It is thread-safe; concurrent
+    calls for one slice hash it once. Bounded: at most ``max_entries`` digests are remembered (the
+    least recently asked-for are forgotten first) -- any ``(layer, lo, hi)`` may be asked for, about
+    n_expert^2 / 2 per layer, so a stranger's requests cost hashing time (two worker threads in the
+    HTTP shell), never disk or unbounded memory.
     """
 
-    def __init__(self, model: GGUFModel, cache_dir: str | Path, *, max_bytes: int | None = None) -> None:
+    def __init__(self, model: GGUFModel, cache_dir: str | Path, *, max_entries: int = 65536) -> None:
         self.model = model
         self.dir = Path(cache_dir) / model.model_id
+        self.max_entries = max_entries
         self._lock = threading.Lock()
         self._key_locks: dict[tuple[int, int, int], threading.Lock] = {}
-        self._files: dict[tuple[int, int, int], SliceFile] = {}  # insertion order = recency (LRU first)
-        if max_bytes is None:
-            cfg = model.config
-            max_bytes = 2 * sum(model.expert_stack(L).nbytes for L in range(cfg.n_layer))
-        self.max_bytes = max_bytes
-        self.evicted = 0
-        # files left by an earlier run: counted against the budget (oldest evicted first) until asked for
-        self._untracked: dict[tuple[int, int, int], Path] = {}
-        found = []
-        for f in self.dir.glob("*.safetensors") if self.dir.is_dir() else ():
-            parts = f.stem.split("-")
-            if len(parts) == 3 and all(x.isdigit() and len(x) < 10 for x in parts):
-                found.append((f.stat().st_mtime, (int(parts[0]), int(parts[1]), int(parts[2])), f))
-        for _, key, f in sorted(found):
-            self._untracked[key] = f
-
-    def _untracked_bytes(self) -> int:
-        total = 0
-        for f in self._untracked.values():
-            try:
-                total += f.stat().st_size
-            except FileNotFoundError:
-                pass
-        return total
+        self._sha: dict[tuple[int, int, int], str] = {}  # insertion order = recency (LRU first)
+        self._dirty = False
+        self.hashed = 0  # slices hashed by this process (the rest came from the index)
+        index = self._load_index()
+        for k, v in index.items():
+            self._sha[k] = v
+        # an earlier release kept a copy of every slice it served here: give that disk back
+        old = sorted(self.dir.glob("*.safetensors")) if self.dir.is_dir() else []
+        for f in old:
+            f.unlink(missing_ok=True)
+        if old:
+            log.info("removed %d slice copies an earlier release left in %s (slices are served from the GGUF now)",
+                     len(old), self.dir)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the cache's files on disk."""
+    def index_path(self) -> Path:
+        return self.dir / "sha256.json"
+
+    def _load_index(self) -> dict[tuple[int, int, int], str]:
+        try:
+            raw = msgspec.json.decode(self.index_path.read_bytes())
+        except (OSError, msgspec.DecodeError):
+            return {}
+        if not isinstance(raw, dict) or raw.get("gguf_sha256") != self.model.sha256 or not self.model.sha256:
+            return {}
+        out: dict[tuple[int, int, int], str] = {}
+        for key, digest in (raw.get("slices") or {}).items():
+            parts = str(key).split("-")
+            if (len(parts) == 3 and all(x.isdigit() and len(x) < 10 for x in parts) and isinstance(digest, str)
+                    and len(digest) == 64 and len(out) < self.max_entries):
+                out[(int(parts[0]), int(parts[1]), int(parts[2]))] = digest
+        return out
+
+    def save(self) -> None:
+        """Write the digests to the index (atomically; a no-op when nothing changed). ``get`` calls it."""
         with self._lock:
-            return sum(f.size for f in self._files.values()) + self._untracked_bytes()
+            if not self._dirty or not self.model.sha256:
+                return
+            body = msgspec.json.encode({"gguf_sha256": self.model.sha256,
+                                        "slices": {f"{a}-{b}-{c}": d for (a, b, c), d in self._sha.items()}})
+            self._dirty = False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".sha256.", suffix=".tmp", dir=self.dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            os.replace(tmp, self.index_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def key(self, layer: int, lo: int, hi: int) -> SliceKey:
         return SliceKey(self.model.model_id, layer, lo, hi)
 
-    def path_for(self, layer: int, lo: int, hi: int) -> Path:
-        return self.dir / f"{layer}-{lo}-{hi}.safetensors"
-
     def get(self, layer: int, lo: int, hi: int) -> SliceFile:
         check_slice_range(self.model.config, layer, lo, hi)
+        layout = _layout(self.model, layer, lo, hi)
         k = (layer, lo, hi)
         with self._lock:
             key_lock = self._key_locks.setdefault(k, threading.Lock())
         with key_lock:
             with self._lock:
-                self._untracked.pop(k, None)  # checked against the model below, then tracked
-                known = self._files.pop(k, None)
-                if known is not None:
-                    self._files[k] = known  # most recently used
-            if known is not None and _has_size(known.path, known.size):
-                return known
-            size = _layout(self.model, layer, lo, hi).size
-            if size > self.max_bytes:
-                raise SliceError(f"slice {layer}:{lo}-{hi} ({size} bytes) exceeds the slice cache's {self.max_bytes} bytes")
-            self._evict_for(size, keep=k)
-            sf = self._materialise(layer, lo, hi)
-            with self._lock:
-                self._files[k] = sf
-            return sf
-
-    def _evict_for(self, size: int, *, keep: tuple[int, int, int]) -> None:
-        """Remove least recently used files until ``size`` more bytes fit in the budget."""
-        while True:
-            with self._lock:
-                used = sum(f.size for kk, f in self._files.items() if kk != keep) + self._untracked_bytes()
-                if used + size <= self.max_bytes:
-                    return
-                if self._untracked:
-                    path = self._untracked.pop(next(iter(self._untracked)))
-                else:
-                    path = self._files.pop(next(kk for kk in self._files if kk != keep)).path
-                self.evicted += 1
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-
-    def _materialise(self, layer: int, lo: int, hi: int) -> SliceFile:
-        layout = _layout(self.model, layer, lo, hi)
-        path = self.path_for(layer, lo, hi)
-        if _has_size(path, layout.size):
-            expected = layout.sha256()
-            if file_sha256(path) == expected:
-                return SliceFile(path, expected, layout.size)
-            log.warning("slice cache file %s does not match the model; rewriting it", path)
-        digest = _write_atomic(path, layout)
-        return SliceFile(path, digest, layout.size)
-
-
-def _has_size(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size
-    except FileNotFoundError:
-        return False
-
-
-def _write_atomic(path: Path, layout: _Layout) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    h = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in layout.chunks():
-                h.update(c)
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return h.hexdigest()
+                digest = self._sha.pop(k, None)
+                if digest is not None:
+                    self._sha[k] = digest  # most recently used
+            if digest is None:
+                digest = layout.sha256()
+                self.hashed += 1
+                with self._lock:
+                    self._sha[k] = digest
+                    while len(self._sha) > self.max_entries:
+                        self._sha.pop(next(iter(self._sha)))
+                    self._dirty = True
+                    self._key_locks.pop(k, None)
+                self.save()
+        return SliceFile(layout.path, layout.header, layout.spans, digest, layout.size)
 
 
 # -- loading ----------------------------------------------------------------------------------

@@ -49,7 +49,10 @@ def test_cutting_hashing_and_challenging_slices_leave_expert_pages_out_of_memory
         nonce = secrets.token_bytes(16)
         windows = [(0, 4096), (stack.nbytes - 100, 100)]
         got = hold_digest_from_file(model.path, spans, nonce, windows)
-        assert got == hold_digest(load_slice(files[layer * 2].path).experts, nonce, windows)  # the volunteer's answer
+        served = b"".join(files[layer * 2].read(0, files[layer * 2].size))  # what a download of it sends
+        assert got == hold_digest(load_slice(served).experts, nonce, windows)  # the volunteer's answer
+    for f in files:  # serve every slice once more, in small pieces (the HTTP shell's reads)
+        assert sum(len(b) for b in f.read(0, f.size, piece=4096)) == f.size
     shares = [resident_share(a) for a in experts]
     assert max(shares) < 0.05, shares
     # the mapping itself is intact: touching it now brings the pages in (the measure can see them)

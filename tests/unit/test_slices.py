@@ -317,7 +317,10 @@ def test_missing_file(tmp_path: Path) -> None:
 # -- cache --------------------------------------------------------------------------------------
 
 
-def test_cache_cuts_once_and_atomically(golden_model: GGUFModel, tmp_path: Path) -> None:
+def test_slices_are_served_from_the_gguf_and_hashed_once(golden_model: GGUFModel, tmp_path: Path) -> None:
+    """No copy on disk: the file is the header plus ``pread`` ranges of the GGUF, any byte range of it
+    equal to ``cut_slice``'s; concurrent callers hash a slice once, a new process reads the digest
+    from the index, and an index from another GGUF is not trusted."""
     want = cut_slice(golden_model, 0, 2, 5)
     cache = SliceCache(golden_model, tmp_path)
     results = []
@@ -332,22 +335,42 @@ def test_cache_cuts_once_and_atomically(golden_model: GGUFModel, tmp_path: Path)
         t.start()
     for t in threads:
         t.join()
-    assert len(results) == 6 and len(set(results)) == 1
+    assert len(results) == 6 and len({(r.sha256, r.size) for r in results}) == 1
     sf = results[0]
-    assert sf.path == tmp_path / golden_model.model_id / "0-2-5.safetensors"
-    assert (sf.sha256, sf.size) == (sha(want), len(want))
-    assert sf.path.read_bytes() == want
-    assert [p.name for p in sf.path.parent.iterdir()] == ["0-2-5.safetensors"]  # no temp files left
-    assert cache.key(0, 2, 5) == SliceKey(golden_model.model_id, 0, 2, 5)
+    assert (sf.sha256, sf.size, sf.path) == (sha(want), len(want), golden_model.path)
+    assert b"".join(sf.read(0, sf.size)) == want
+    n_head = len(sf.header)
+    for a, b in [(0, 5), (n_head - 3, n_head + 9), (n_head, sf.size), (sf.size - 1, sf.size), (7, 7), (100, 20_000)]:
+        assert b"".join(sf.read(a, b, piece=4096)) == want[a:b], (a, b)
+    with pytest.raises(SliceError, match="outside"):
+        list(sf.read(0, sf.size + 1))
+    assert cache.hashed <= 6 and cache.key(0, 2, 5) == SliceKey(golden_model.model_id, 0, 2, 5)
+    files = sorted(p.name for p in (tmp_path / golden_model.model_id).iterdir())
+    assert files == ["sha256.json"]  # the digests only: no slice file, no temp file left
+    (tmp_path / golden_model.model_id / "0-2-5.safetensors").write_bytes(want)  # a copy an earlier release kept
+    again = SliceCache(golden_model, tmp_path)
+    assert not (tmp_path / golden_model.model_id / "0-2-5.safetensors").exists()  # its disk given back
+    assert again.get(0, 2, 5).sha256 == sf.sha256 and again.hashed == 0  # from the index
+    index = (tmp_path / golden_model.model_id / "sha256.json")
+    index.write_bytes(index.read_bytes().replace(golden_model.sha256.encode(), b"0" * 64))  # another GGUF's
+    other = SliceCache(golden_model, tmp_path)
+    assert other.get(0, 2, 5).sha256 == sf.sha256 and other.hashed == 1
 
-    # a deleted file is cut again; a damaged one found by a new process is repaired
-    sf.path.unlink()
-    assert cache.get(0, 2, 5) == sf and sf.path.read_bytes() == want
-    damaged = bytearray(want)
-    damaged[-10] ^= 0xFF
-    sf.path.write_bytes(bytes(damaged))
-    assert SliceCache(golden_model, tmp_path).get(0, 2, 5) == sf
-    assert sf.path.read_bytes() == want
+
+def test_the_digest_index_is_bounded_least_recently_used_first(golden_model: GGUFModel, tmp_path: Path) -> None:
+    cache = SliceCache(golden_model, tmp_path, max_entries=3)
+    keys = [(0, 0, 2), (0, 2, 4), (1, 0, 2), (1, 2, 4)]
+    for k in keys[:3]:
+        cache.get(*k)
+    cache.get(*keys[0])  # used again: the most recent
+    cache.get(*keys[3])  # one too many: forgets the least recently used, keys[1]
+    again = SliceCache(golden_model, tmp_path, max_entries=3)
+    for k in (keys[0], keys[2], keys[3]):
+        again.get(*k)
+    assert again.hashed == 0
+    again.get(*keys[1])
+    assert again.hashed == 1
+    assert b"".join(again.get(*keys[1]).read(0, again.get(*keys[1]).size)) == cut_slice(golden_model, 0, 2, 4)
 
 
 # -- manifest -----------------------------------------------------------------------------------
@@ -378,26 +401,3 @@ def test_manifest(golden_model: GGUFModel, quant_model: GGUFModel, quant_path: P
     assert msgspec.json.decode(msgspec.json.encode(q), type=ModelManifest) == q
 
 
-def test_cache_is_bounded_least_recently_used_first(golden_model: GGUFModel, tmp_path: Path) -> None:
-    one = len(cut_slice(golden_model, 0, 0, 2))  # every 2-expert slice of this model has this size
-    cache = SliceCache(golden_model, tmp_path, max_bytes=3 * one)
-    keys = [(0, 0, 2), (0, 2, 4), (1, 0, 2), (1, 2, 4), (0, 4, 6)]
-    first = [cache.get(*keys[0]), cache.get(*keys[1]), cache.get(*keys[2])]
-    cache.get(*keys[0])  # used again: the most recent
-    cache.get(*keys[3])  # over budget: evicts the least recently used, keys[1]
-    assert not first[1].path.exists() and first[0].path.exists() and first[2].path.exists()
-    assert cache.nbytes <= cache.max_bytes and cache.evicted == 1
-    on_disk = sum(p.stat().st_size for p in first[0].path.parent.iterdir())
-    assert on_disk == cache.nbytes == 3 * one
-    assert cache.get(*keys[1]) == first[1] and first[1].path.read_bytes() == cut_slice(golden_model, 0, 2, 4)  # cut again
-    # a new process counts the files an earlier one left, and evicts the oldest of them first
-    again = SliceCache(golden_model, tmp_path, max_bytes=3 * one)
-    assert again.nbytes == 3 * one
-    again.get(*keys[4])
-    assert sum(p.stat().st_size for p in first[0].path.parent.iterdir()) <= 3 * one
-    # a slice larger than the whole budget is refused, not cut
-    with pytest.raises(SliceError):
-        SliceCache(golden_model, tmp_path / "small", max_bytes=one - 1).get(0, 0, 2)
-    # the default budget: two whole partitions of the model's experts
-    default = SliceCache(golden_model, tmp_path / "d")
-    assert default.max_bytes == 2 * sum(golden_model.expert_stack(L).nbytes for L in range(golden_model.config.n_layer))
