@@ -28,7 +28,6 @@ import torch
 import trio
 
 from swarm.errors import Draining, RemoteProtocolError, SliceNotHeld
-from swarm.model.gguf import ExpertStack, QTensor
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
 from swarm.model.slices import LoadedSlice, hold_digest
 from swarm.protocol.expert import ExpertRequest, HoldChallenge, Pairs
@@ -238,11 +237,18 @@ class ExpertServer:
     def slices(self) -> list[LoadedSlice]:
         return [w.sl for w in self.workers]
 
-    def _find(self, req: ExpertRequest) -> tuple[_SliceWorker, int]:
+    def _containing(self, model_id: str, layer: int, lo: int, hi: int) -> tuple[_SliceWorker, int] | None:
+        """The held slice that contains experts ``lo..hi-1`` of the layer, and ``lo``'s offset in it."""
         for w in self.workers:
             k = w.sl.key
-            if k.model_id == req.model_id and k.layer == req.layer and k.lo <= req.lo and req.hi <= k.hi:
-                return w, req.lo - k.lo
+            if k.model_id == model_id and k.layer == layer and k.lo <= lo and hi <= k.hi:
+                return w, lo - k.lo
+        return None
+
+    def _find(self, req: ExpertRequest) -> tuple[_SliceWorker, int]:
+        found = self._containing(req.model_id, req.layer, req.lo, req.hi)
+        if found is not None:
+            return found
         held = ", ".join(str(w.sl.key) for w in self.workers) or "none"
         raise SliceNotHeld(
             f"slice {req.layer}:{req.lo}-{req.hi} of {req.model_id} is not held here (held: {held})"
@@ -253,11 +259,11 @@ class ExpertServer:
         from the mapped bytes of a held slice that contains it (the market's map splits a range where
         replicas' slices overlap, so a coordinator may challenge part of what we hold; the windows
         are then offsets into that part's canonical data), read in a thread: pages may come from disk."""
-        for w in self.workers:
-            k = w.sl.key
-            if k.model_id == ch.model_id and k.layer == ch.layer and k.lo <= ch.lo and ch.hi <= k.hi:
-                stack = _sub_stack(w.sl.experts, ch.lo - k.lo, ch.hi - k.lo)
-                return await trio.to_thread.run_sync(hold_digest, stack, ch.nonce, ch.windows, limiter=self.limiter)
+        found = self._containing(ch.model_id, ch.layer, ch.lo, ch.hi)
+        if found is not None:
+            w, off = found
+            stack = w.sl.experts.experts(off, off + ch.hi - ch.lo)
+            return await trio.to_thread.run_sync(hold_digest, stack, ch.nonce, ch.windows, limiter=self.limiter)
         raise SliceNotHeld(f"slice {ch.layer}:{ch.lo}-{ch.hi} of {ch.model_id} is not held here")
 
     async def handle(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
@@ -303,10 +309,3 @@ class ExpertServer:
             return True
         return False
 
-
-def _sub_stack(stack: ExpertStack, a: int, b: int) -> ExpertStack:
-    """Experts ``a..b-1`` of ``stack`` (zero-copy views)."""
-    if (a, b) == (0, stack.n_expert):
-        return stack
-    return ExpertStack(*(QTensor(t.name, t.qtype, (b - a, *t.shape[1:]), t.raw[a:b])
-                         for t in (stack.gate_t, stack.up_t, stack.down_t)))

@@ -188,6 +188,13 @@ class ExpertStack:
         if up.shape[1:] != gate.shape[1:] or down.shape[1:] != (self.d_model, self.d_expert):
             raise ModelError(f"expert tensor shapes disagree: {gate.shape} {up.shape} {down.shape}")
 
+    def experts(self, lo: int, hi: int) -> ExpertStack:
+        """Experts ``lo..hi-1`` of this stack (zero-copy views)."""
+        if (lo, hi) == (0, self.n_expert):
+            return self
+        return ExpertStack(*(QTensor(t.name, t.qtype, (hi - lo, *t.shape[1:]), t.raw[lo:hi])
+                             for t in (self.gate_t, self.up_t, self.down_t)))
+
     def _get(self, t: QTensor, e: int) -> torch.Tensor:
         return dequantize_raw(torch.from_numpy(t.raw[e]), t.qtype, t.shape[1:])
 
@@ -342,13 +349,8 @@ class GGUFModel:
 
     def expert_stack(self, layer: int, lo: int = 0, hi: int | None = None) -> ExpertStack:
         """Experts ``lo..hi-1`` of a layer as a zero-copy ``ExpertStack``."""
-        p = f"blk.{layer}."
-        parts = []
-        for kind in ("gate", "up", "down"):
-            t = self.tensor(f"{p}ffn_{kind}_exps.weight")
-            end = t.shape[0] if hi is None else hi
-            parts.append(QTensor(t.name, t.qtype, (end - lo, *t.shape[1:]), t.raw[lo:end]))
-        return ExpertStack(*parts)
+        stack = ExpertStack(*(self.tensor(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in ("gate", "up", "down")))
+        return stack.experts(lo, stack.n_expert if hi is None else hi)
 
     @property
     def nbytes(self) -> int:
