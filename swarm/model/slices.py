@@ -483,15 +483,19 @@ class SliceFileSpans:
     kind_bytes: dict[str, int]
 
 
-def slice_file_spans(path: str | Path) -> SliceFileSpans:
-    """Read and validate a slice file's header only (``SliceError`` for anything wrong)."""
-    path = Path(path)
+def _read_head(path: Path) -> tuple[bytes, int]:
+    """A slice file's first bytes (room for the largest header we accept) and its size."""
     try:
         total = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8 + _MAX_HEADER)
+            return f.read(8 + _MAX_HEADER), total
     except OSError as exc:
         raise SliceError(f"cannot read slice file {path}: {exc}") from exc
+
+
+def slice_file_spans(path: str | Path) -> SliceFileSpans:
+    """Read and validate a slice file's header only (``SliceError`` for anything wrong)."""
+    head, total = _read_head(Path(path))
     header, meta = _parse_header(head, total)
     (n,) = struct.unpack("<Q", head[:8])
     n_exp = meta.hi - meta.lo
@@ -509,12 +513,7 @@ def load_slice(source: str | Path | bytes | bytearray | memoryview) -> LoadedSli
             tensors = safetensors.torch.load(data)
         else:
             path = Path(source)
-            try:
-                total = path.stat().st_size
-                with open(path, "rb") as f:
-                    head = f.read(8 + _MAX_HEADER)
-            except OSError as exc:
-                raise SliceError(f"cannot read slice file {path}: {exc}") from exc
+            head, total = _read_head(path)
             _, meta = _parse_header(head, total)
             # framework="pt" maps the file (copy-on-write) and hands out views of the map
             with safetensors.safe_open(str(path), framework="pt") as f:

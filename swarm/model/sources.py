@@ -54,6 +54,7 @@ import trio
 from tqdm import tqdm
 
 from swarm.errors import DialError, RemoteProtocolError, SliceError, SliceRefused, SwarmError, TransportError
+from swarm.model.gguf import file_sha256
 from swarm.model.slices import EXPERT_KINDS, SlicePlan, plan_slice
 from swarm.protocol.manifest import ModelManifest
 
@@ -207,7 +208,7 @@ async def _fetch(sources: Sequence[SliceSource], manifest: ModelManifest, layer:
         why = "; ".join(f"{k}: {v}" for k, v in result.failed.items()) or "no sources"
         raise SliceError(f"slice {plan.key} of {manifest.model_id}: {len(pending)} expert groups could not be "
                          f"downloaded ({why})", code="slice_unavailable")
-    got = await trio.to_thread.run_sync(_file_sha256, part)
+    got = await trio.to_thread.run_sync(file_sha256, part)
     if expected is not None and got != expected:
         await trio.to_thread.run_sync(_discard, part, done_path)
         raise SliceError(f"slice {plan.key} of {manifest.model_id} rebuilt from the manifest has sha256 {got}, "
@@ -313,19 +314,11 @@ def _write_group(part: Path, done_path: Path, plan: SlicePlan, e_lo: int, e_hi: 
         f.write(f"{e_lo}-{e_hi}\n")
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(4 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _complete(path: Path, plan: SlicePlan, expected: str | None) -> bool:
     """Is ``path`` already the slice: its sha256 is ``expected``, or (without one) its size, header
     and every expert match the plan?"""
     if expected is not None:
-        return _file_sha256(path) == expected
+        return file_sha256(path) == expected
     try:
         if path.stat().st_size != plan.size:
             return False
