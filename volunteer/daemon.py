@@ -68,6 +68,7 @@ from swarm.rpc.server import ByteBudget, set_expert_handlers
 from swarm.rpc.slice_client import sources_from_assignment
 from swarm.rpc.slice_server import SliceServer, SliceShareConfig, market_lease_check, set_slice_handler
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
+from volunteer.core.memory import MemoryPlan
 from volunteer.server import ExpertServer, shielded_until_cancelled
 from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table, serve_status
 
@@ -126,25 +127,6 @@ def rss_bytes(field: str = "VmRSS") -> int:
     except OSError:
         pass
     return 0
-
-
-class MemoryPlan(msgspec.Struct, frozen=True):
-    """How ``--max-memory`` splits (see the module rules)."""
-
-    max_memory: int
-    baseline: int
-    payload: int  # the ByteBudget total (request payloads held at once)
-    slices: int  # the slice budget
-
-    @staticmethod
-    def of(max_memory: int, baseline: int) -> MemoryPlan:
-        payload = min(256 << 20, max(16 << 20, max_memory // 16))
-        slices = max_memory - baseline - 2 * payload
-        if slices <= 0:
-            raise ConfigError(f"--max-memory {max_memory >> 20} MiB leaves nothing for slices: this process uses "
-                              f"{baseline >> 20} MiB before holding any, and keeps {2 * payload >> 20} MiB for "
-                              f"requests in flight; give at least {(baseline + 2 * payload + (64 << 20)) >> 20} MiB")
-        return MemoryPlan(max_memory, baseline, payload, slices)
 
 
 def _next_epoch(path: Path) -> int:

@@ -27,7 +27,8 @@ from tests.e2e.test_process_e2e import (  # noqa: F401 - fixture
     wait_for_line,
 )
 from tests.e2e.test_volunteer_status import status_cmd
-from volunteer.daemon import MemoryPlan, rss_bytes
+from volunteer.core.memory import MemoryPlan
+from volunteer.daemon import rss_bytes
 from volunteer.status import VolunteerStatus
 
 
