@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import pytest
 import trio
 
 from coordinator.server import CoordinatorConfig, serve_coordinator
@@ -86,6 +87,15 @@ class Volunteer:
 async def lease_of(c: httpx.AsyncClient, lease_id: str) -> LeaseView | int:
     r = await c.get(f"/api/leases/{lease_id}")
     return msgspec.json.decode(r.content, type=LeaseView) if r.status_code == 200 else r.status_code
+
+
+async def refusal(asker: Volunteer, holder: Volunteer, a: Assignment) -> str:
+    """The code ``holder`` refuses ``asker``'s read of ``a``'s first gate bytes with (under ``a``'s lease)."""
+    async with open_slice_client(asker.transport, holder.peer_id, holder.transport.listen_addrs) as sc:
+        with pytest.raises(SliceRefused) as refused:
+            await sc.read(model_id=a.model_id, layer=a.layer, kind="gate", e_lo=a.lo, e_hi=a.hi, offset=0,
+                          length=1024, lease_id=a.lease_id)
+    return refused.value.code
 
 
 async def test_volunteers_download_from_the_mirror_then_from_each_other(nursery: trio.Nursery, tmp_path: Path) -> None:
@@ -161,27 +171,13 @@ async def test_volunteers_download_from_the_mirror_then_from_each_other(nursery:
 
         # the lease opens nothing for anyone else, nor for anything outside its slice
         other = vols["b" if h is vols["a"] else "a"]
-        async with open_slice_client(other.transport, h.peer_id, h.transport.listen_addrs) as sc:
-            try:
-                await sc.read(model_id=a.model_id, layer=a.layer, kind="gate", e_lo=a.lo, e_hi=a.hi, offset=0,
-                              length=1024, lease_id=a.lease_id)
-            except SliceRefused as exc:
-                assert exc.code == "not_assigned"
-            else:
-                raise AssertionError("another volunteer used the newcomer's lease")
+        assert await refusal(other, h, a) == "not_assigned"  # another volunteer cannot use the newcomer's lease
 
         # serving: the download is over and the lease is no longer known
         await n.heartbeat(c, HeldState.SERVING)
         assert await lease_of(c, a.lease_id) == 404
         assert (await c.get("/api/leases/0123456789abcdef")).json()["error"]["code"] == "unknown_lease"
-        async with open_slice_client(n.transport, h.peer_id, h.transport.listen_addrs) as sc:
-            try:
-                await sc.read(model_id=a.model_id, layer=a.layer, kind="gate", e_lo=a.lo, e_hi=a.hi, offset=0,
-                              length=1024, lease_id=a.lease_id)
-            except SliceRefused as exc:
-                assert exc.code == "not_assigned"
-            else:
-                raise AssertionError("a lease of a served slice still opened it")
+        assert await refusal(n, h, a) == "not_assigned"  # a lease of a served slice opens it no more
         # and the mirror alone gives the same file (OriginSource at the manifest's offsets)
         res = await fetch_slice_from([OriginSource(c, origin)], manifest, a.layer, a.lo, a.hi, tmp_path / "m.st",
                                      expected_sha256=a.sha256)
