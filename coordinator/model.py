@@ -13,9 +13,12 @@ Rules:
   numbers (tests: within 1.6e-6 of llama.cpp on Q8_0, Q4_0 and Q4_K_M files). The torch path (the
   reference backend) computes the same math with torch ops.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
-  per architecture; per-head q/k RMSNorm before RoPE where the architecture has it; GQA maps query
-  head h to kv head ``h // (n_head / n_head_kv)``; router softmax over all experts, top-k, and
-  renormalisation of the top-k weights where the architecture asks for it.
+  per architecture; q/k/v biases where the file has them; q/k RMSNorm before RoPE per head or over
+  the whole projection where the architecture has it; GQA maps query head h to kv head
+  ``h // (n_head / n_head_kv)``; router softmax over all experts, top-k, and renormalisation of the
+  top-k weights where the architecture asks for it.
+- A shared expert (qwen2moe's, sigmoid-gated) is not routed: the coordinator computes it (in the
+  ``AttnOut`` graph with ggml) and adds it to the routed sum before the residual, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from swarm.model.gguf import GGUFModel, ModelConfig
+from swarm.model.gguf import GGUFModel, ModelConfig, SharedExpert
 from swarm.model.kernels import KernelBackend, compute_threads, expert_kernel
-from swarm.model.kernels.block import Attention, AttnIn, AttnOut, DenseWeight, Family, Head
+from swarm.model.kernels.block import Attention, AttnIn, AttnOut, DenseWeight, Family, Head, SharedFFN
 from swarm.model.kernels.dense import Linear
 
 __all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
@@ -99,6 +102,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def _biased(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b
+
+
+def shared_ffn(sh: SharedExpert, h: torch.Tensor) -> torch.Tensor:
+    """A shared expert on rows ``h`` (the torch path): ``down(silu(gate h) * up h)``, scaled by
+    ``sigmoid(gate_inp . h)`` where it is gated."""
+    y = sh.down(torch.nn.functional.silu(sh.gate(h)) * sh.up(h))
+    if sh.gate_inp is not None:
+        y = y * torch.sigmoid(h @ sh.gate_inp).unsqueeze(-1)
+    return y
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.numpy()
+
+
 def _dw(lin: Linear) -> DenseWeight:
     t = lin.weight
     return DenseWeight(np.ascontiguousarray(t.raw).reshape(-1), int(t.qtype), lin.out_features, lin.in_features)
@@ -119,12 +139,15 @@ class _GgmlDense:
         for L in model.layers:
             self.attn_in.append(AttnIn(
                 attn_norm=L.attn_norm.numpy(), wq=_dw(L.wq), wk=_dw(L.wk), wv=_dw(L.wv),
-                q_norm=None if L.q_norm is None else L.q_norm.numpy(),
-                k_norm=None if L.k_norm is None else L.k_norm.numpy(),
+                q_norm=_np(L.q_norm), k_norm=_np(L.k_norm), qk_norm_full=cfg.spec.qk_norm == "full",
+                bq=_np(L.bq), bk=_np(L.bk), bv=_np(L.bv),
                 n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v,
                 n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, family=fam))
-            self.attn_out.append(AttnOut(wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dw(L.router),
-                                         eps=cfg.rms_eps, family=fam))
+            sh = L.shared
+            self.attn_out.append(AttnOut(
+                wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dw(L.router), eps=cfg.rms_eps, bo=_np(L.bo),
+                shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
+                family=fam))
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD)
@@ -220,10 +243,12 @@ class Transformer:
             att = gd.attn.many(items, att_threads, zero_tail=False)
             attn = att[0] if len(att) == 1 else np.concatenate(att)
             blk_o = gd.attn_out[li]
-            xn, hn, probs = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
+            xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
             ids, w = self.select(torch.from_numpy(probs))
-            moe = self.experts.moe(li, torch.from_numpy(hn), ids, w)
-            xn = xn + moe.numpy()  # float32, as llama.cpp's add
+            moe = self.experts.moe(li, torch.from_numpy(hn), ids, w).numpy()
+            if shared is not None:  # llama.cpp: (routed + shared) + residual, float32 adds
+                moe = moe + shared
+            xn = xn + moe  # float32, as llama.cpp's add
         out: list[torch.Tensor] = []
         for c, (s, e) in zip(chunks, bounds, strict=True):
             xs = xn[s:e] if c.all_logits else xn[e - 1 : e]
@@ -240,10 +265,13 @@ class Transformer:
         scale = 1.0 / (hdk**0.5)
         for li, L in enumerate(m.layers):
             h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-            q = L.wq(h).view(n_tok, H, hdk)
-            k = L.wk(h).view(n_tok, Hkv, hdk)
-            v = L.wv(h).view(n_tok, Hkv, hdv)
-            if L.q_norm is not None and L.k_norm is not None:
+            q, k, v = _biased(L.wq(h), L.bq), _biased(L.wk(h), L.bk), _biased(L.wv(h), L.bv)
+            full = cfg.spec.qk_norm == "full"
+            if full and L.q_norm is not None and L.k_norm is not None:  # over the whole projection
+                q = rms_norm(q, L.q_norm, cfg.rms_eps)
+                k = rms_norm(k, L.k_norm, cfg.rms_eps)
+            q, k, v = q.view(n_tok, H, hdk), k.view(n_tok, Hkv, hdk), v.view(n_tok, Hkv, hdv)
+            if not full and L.q_norm is not None and L.k_norm is not None:  # per head
                 q = rms_norm(q, L.q_norm, cfg.rms_eps)
                 k = rms_norm(k, L.k_norm, cfg.rms_eps)
             q = self._rope(q, pos)
@@ -269,10 +297,13 @@ class Transformer:
                 o = torch.bmm(torch.softmax(scores, dim=-1), vv)  # [Hkv, group * n, hdv]
                 o = o.view(Hkv, group, n, hdv).permute(2, 0, 1, 3).reshape(n, H, hdv)
                 attn[s:e] = o
-            x = x + L.wo(attn.reshape(n_tok, H * hdv))
+            x = x + _biased(L.wo(attn.reshape(n_tok, H * hdv)), L.bo)
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
             ids, w = self.route(li, h)
-            x = x + self.experts.moe(li, h, ids, w)
+            moe = self.experts.moe(li, h, ids, w)
+            if L.shared is not None:
+                moe = moe + shared_ffn(L.shared, h)
+            x = x + moe
         out: list[torch.Tensor] = []
         for c, (s, e) in zip(chunks, bounds, strict=True):
             xs = x[s:e] if c.all_logits else x[e - 1 : e]

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import gguf
 import numpy as np
@@ -37,6 +37,7 @@ __all__ = [
     "GGUFModel",
     "ModelConfig",
     "QTensor",
+    "SharedExpert",
     "file_sha256",
     "model_id_for",
 ]
@@ -48,22 +49,42 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
+QkNorm = Literal["none", "head", "full"]
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between MoE architectures, as data (add an entry to support a new one)."""
+    """What differs between MoE architectures, as data (add an entry to support a new one).
+
+    Biases (``attn_{q,k,v,output}.bias``) are read wherever the file has them, as llama.cpp does for
+    the architectures that may carry them; the entries below say what the architecture *requires*.
+    """
 
     name: str
     rope_neox: bool  # NEOX (rotate halves) vs adjacent pairs
-    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    qk_norm: QkNorm  # RMSNorm of q and k before RoPE: per head, over the whole projection, or none
     norm_topk: bool  # renormalise the top-k router weights
-    shared_expert: bool = False
+    # a shared expert beside the routed ones (``ffn_{gate,up,down}_shexp``), computed by the coordinator;
+    # "sigmoid": its output is scaled by sigmoid(ffn_gate_inp_shexp . x) (qwen2moe)
+    shared_expert: Literal["none", "plain", "sigmoid"] = "none"
+    qkv_bias: bool = False  # attn_{q,k,v}.bias are required
     expert_ff_key: str = "expert_feed_forward_length"
+    # when ``expert_ff_key`` is absent: feed_forward_length / expert_used_count (qwen2moe), else an error
+    expert_ff_from_n_ff: bool = False
+    shared_ff_key: str = "expert_shared_feed_forward_length"  # absent: feed_forward_length
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "qwen3moe": ArchSpec("qwen3moe", rope_neox=True, qk_norm=True, norm_topk=True),
+    "qwen3moe": ArchSpec("qwen3moe", rope_neox=True, qk_norm="head", norm_topk=True),
     # Mixtral-style: arch "llama" with merged expert tensors; expert width is feed_forward_length.
-    "llama": ArchSpec("llama", rope_neox=False, qk_norm=False, norm_topk=True, expert_ff_key="feed_forward_length"),
+    "llama": ArchSpec("llama", rope_neox=False, qk_norm="none", norm_topk=True, expert_ff_key="feed_forward_length"),
+    # Qwen1.5-MoE / Qwen2-57B-A14B: q/k/v biases, a sigmoid-gated shared expert, top-k weights as the
+    # softmax gave them (llama.cpp never renormalises them for this architecture)
+    "qwen2moe": ArchSpec("qwen2moe", rope_neox=True, qk_norm="none", norm_topk=False, shared_expert="sigmoid",
+                         qkv_bias=True, expert_ff_from_n_ff=True),
+    # OLMoE: q/k RMSNorm over the whole projection (all heads at once), no renormalisation, expert
+    # width from feed_forward_length
+    "olmoe": ArchSpec("olmoe", rope_neox=True, qk_norm="full", norm_topk=False, expert_ff_key="feed_forward_length"),
 }
 
 
@@ -85,6 +106,7 @@ class ModelConfig:
     rope_base: float
     rms_eps: float
     spec: ArchSpec
+    d_shared: int = 0  # the shared expert's width (0: none)
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22, *, drop_cache: bool = False) -> str:
@@ -224,17 +246,33 @@ def _field(fields: dict[str, Any], key: str, default: Any = None, *, required: b
 
 
 @dataclass(frozen=True)
+class SharedExpert:
+    """A layer's shared (always-on) expert: ``down(silu(gate x) * up x)``, times ``sigmoid(gate_inp . x)``
+    where the architecture gates it (``gate_inp`` then holds ``ffn_gate_inp_shexp``, a ``[d_model]`` vector)."""
+
+    gate: Linear
+    up: Linear
+    down: Linear
+    gate_inp: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     attn_norm: torch.Tensor
     wq: Linear
     wk: Linear
     wv: Linear
     wo: Linear
-    q_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim_k] (per head) or [n_head * head_dim_k] (whole projection)
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
     router: Linear
     experts: ExpertStack
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    shared: SharedExpert | None = None
 
 
 class GGUFModel:
@@ -307,16 +345,29 @@ class GGUFModel:
             n_rot=int(_field(f, f"{arch}.rope.dimension_count", head_dim_k)),
             n_expert=n_expert,
             n_expert_used=int(_field(f, f"{arch}.expert_used_count", required=True)),
-            d_expert=int(_field(f, f"{arch}.{spec.expert_ff_key}", required=True)),
+            d_expert=self._expert_width(arch, spec, int(_field(f, f"{arch}.expert_used_count", 1))),
             rope_base=float(_field(f, f"{arch}.rope.freq_base", 10000.0)),
             rms_eps=float(_field(f, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             spec=spec,
+            d_shared=int(_field(f, f"{arch}.{spec.shared_ff_key}", 0) or _field(f, f"{arch}.feed_forward_length", 0))
+            if spec.shared_expert != "none" else 0,
         )
+        if spec.shared_expert != "none" and cfg.d_shared <= 0:
+            raise ModelError(f"{arch}: the shared expert's width ({arch}.{spec.shared_ff_key} or "
+                             f"{arch}.feed_forward_length) is missing")
         if n_head % n_head_kv != 0:
             raise ModelError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
         if not 0 < cfg.n_expert_used <= cfg.n_expert:
             raise ModelError(f"expert_used_count {cfg.n_expert_used} out of range for {cfg.n_expert} experts")
         return cfg
+
+    def _expert_width(self, arch: str, spec: ArchSpec, n_used: int) -> int:
+        f = self.fields
+        key = f"{arch}.{spec.expert_ff_key}"
+        if key in f or not spec.expert_ff_from_n_ff:
+            return int(_field(f, key, required=True))
+        n_ff = int(_field(f, f"{arch}.feed_forward_length", required=True))  # llama.cpp: n_ff / n_expert_used
+        return n_ff // max(1, n_used)
 
     # -- tensors ----------------------------------------------------------------------------
     def tensor(self, name: str) -> QTensor:
@@ -331,20 +382,41 @@ class GGUFModel:
     def _linear(self, name: str) -> Linear:
         return Linear(self.tensor(name), self.kernel)
 
+    def _optional(self, name: str) -> torch.Tensor | None:
+        return self._dense(name) if name in self.tensors else None
+
     def _layer(self, i: int) -> LayerWeights:
         p = f"blk.{i}."
         spec = self.config.spec
+        if spec.qkv_bias:
+            for b in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
+                self.tensor(p + b)  # required: a clear error when missing
+        shared = None
+        if spec.shared_expert != "none":
+            shared = SharedExpert(
+                gate=self._linear(p + "ffn_gate_shexp.weight"), up=self._linear(p + "ffn_up_shexp.weight"),
+                down=self._linear(p + "ffn_down_shexp.weight"),
+                gate_inp=self._dense(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+                if spec.shared_expert == "sigmoid" else None)
+            if (shared.gate.out_features, shared.down.in_features) != (self.config.d_shared, self.config.d_shared):
+                raise ModelError(f"blk.{i}: shared expert tensors are not {self.config.d_shared} wide")
+        qk = spec.qk_norm != "none"
         return LayerWeights(
             attn_norm=self._dense(p + "attn_norm.weight"),
             wq=self._linear(p + "attn_q.weight"),
             wk=self._linear(p + "attn_k.weight"),
             wv=self._linear(p + "attn_v.weight"),
             wo=self._linear(p + "attn_output.weight"),
-            q_norm=self._dense(p + "attn_q_norm.weight") if spec.qk_norm else None,
-            k_norm=self._dense(p + "attn_k_norm.weight") if spec.qk_norm else None,
+            q_norm=self._dense(p + "attn_q_norm.weight") if qk else None,
+            k_norm=self._dense(p + "attn_k_norm.weight") if qk else None,
             ffn_norm=self._dense(p + "ffn_norm.weight"),
             router=self._linear(p + "ffn_gate_inp.weight"),
             experts=self.expert_stack(i),
+            bq=self._optional(p + "attn_q.bias"),
+            bk=self._optional(p + "attn_k.bias"),
+            bv=self._optional(p + "attn_v.bias"),
+            bo=self._optional(p + "attn_output.bias"),
+            shared=shared,
         )
 
     def expert_stack(self, layer: int, lo: int = 0, hi: int | None = None) -> ExpertStack:

@@ -82,9 +82,11 @@ __all__ = [
     "run_make_model",
 ]
 
-Arch = Literal["qwen3moe", "mixtral"]
+Arch = Literal["qwen3moe", "mixtral", "qwen2moe", "olmoe"]
 SizeName = Literal["tiny", "small", "bench", "30b-a3b"]
 ARCHITECTURES: tuple[str, ...] = get_args(Arch)
+GGUF_ARCH: Final[dict[str, str]] = {"qwen3moe": "qwen3moe", "mixtral": "llama", "qwen2moe": "qwen2moe", "olmoe": "olmoe"}
+SHARED_WIDTH_FACTOR: Final = 4  # qwen2moe's shared expert is 4x an expert's width (Qwen1.5-MoE-A2.7B: 5632 / 1408)
 
 # Rendering: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
 # "<|im_start|>assistant\n" when add_generation_prompt.
@@ -158,9 +160,14 @@ class _TensorPlan:
         return (*self.shape[:-1], quant.bytes_per_row(self.qtype, self.shape[-1]))
 
 
+def n_head_kv(arch: Arch, spec: SizeSpec) -> int:
+    """OLMoE has as many kv heads as query heads (llama.cpp sizes its k norm by d_model)."""
+    return spec.n_head if arch == "olmoe" else spec.n_head_kv
+
+
 def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
     d, hd, width, n_exp = spec.d_model, spec.head_dim, spec.expert_width, spec.n_expert
-    q_dim, kv_dim = spec.n_head * hd, spec.n_head_kv * hd
+    q_dim, kv_dim = spec.n_head * hd, n_head_kv(arch, spec) * hd
     dense, f32 = spec.dense_type, T.F32
     norm_std = 0.1
     plans = [_TensorPlan("token_embd.weight", (spec.vocab_size, d), dense, 1.0)]
@@ -173,10 +180,18 @@ def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
             _TensorPlan(b + "attn_v.weight", (kv_dim, d), dense, d**-0.5),
             _TensorPlan(b + "attn_output.weight", (d, q_dim), dense, q_dim**-0.5),
         ]
-        if arch == "qwen3moe":
+        if arch == "qwen2moe":  # q/k/v biases (F32, as converted files keep them)
+            plans += [_TensorPlan(b + f"attn_{x}.bias", (n,), f32, 0.2) for x, n in (("q", q_dim), ("k", kv_dim),
+                                                                                       ("v", kv_dim))]
+        if arch == "qwen3moe":  # per-head q/k norms
             plans += [
                 _TensorPlan(b + "attn_q_norm.weight", (hd,), f32, norm_std, is_norm=True),
                 _TensorPlan(b + "attn_k_norm.weight", (hd,), f32, norm_std, is_norm=True),
+            ]
+        if arch == "olmoe":  # q/k norms over the whole projection
+            plans += [
+                _TensorPlan(b + "attn_q_norm.weight", (q_dim,), f32, norm_std, is_norm=True),
+                _TensorPlan(b + "attn_k_norm.weight", (kv_dim,), f32, norm_std, is_norm=True),
             ]
         plans += [
             _TensorPlan(b + "ffn_norm.weight", (d,), f32, norm_std, is_norm=True),
@@ -185,6 +200,14 @@ def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
             _TensorPlan(b + "ffn_up_exps.weight", (n_exp, width, d), expert_type, d**-0.5),
             _TensorPlan(b + "ffn_down_exps.weight", (n_exp, d, width), expert_type, width**-0.5),
         ]
+        if arch == "qwen2moe":  # the sigmoid-gated shared expert (the dense type, like attention)
+            sw = SHARED_WIDTH_FACTOR * width
+            plans += [
+                _TensorPlan(b + "ffn_gate_inp_shexp.weight", (d,), f32, d**-0.5),
+                _TensorPlan(b + "ffn_gate_shexp.weight", (sw, d), dense, d**-0.5),
+                _TensorPlan(b + "ffn_up_shexp.weight", (sw, d), dense, d**-0.5),
+                _TensorPlan(b + "ffn_down_shexp.weight", (d, sw), dense, sw**-0.5),
+            ]
     plans += [
         _TensorPlan("output_norm.weight", (d,), f32, norm_std, is_norm=True),
         # logits of std ~2: argmax is scale-free, but top-1/top-2 margins double (robust greedy tests)
@@ -282,28 +305,32 @@ def count_parameters(arch: Arch, size: SizeName) -> int:
 
 def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, expert_type: T) -> None:
     spec = SIZES[size]
-    gguf_arch = "qwen3moe" if arch == "qwen3moe" else "llama"
+    a = GGUF_ARCH[arch]
     w.add_string("general.name", f"moe-swarm-{arch}-{size}-seed{seed}")
     w.add_type("model")
-    a = gguf_arch
     w.add_uint32(f"{a}.context_length", spec.context_length)
     w.add_uint32(f"{a}.embedding_length", spec.d_model)
     w.add_uint32(f"{a}.block_count", spec.n_layer)
+    # the keys each architecture's converter writes (llama.cpp's convert_hf_to_gguf.py)
     if arch == "qwen3moe":
         # Qwen3-MoE's dense intermediate size (unused by the MoE blocks), as in the golden file.
         w.add_uint32(f"{a}.feed_forward_length", 6 * spec.expert_width)
         w.add_uint32(f"{a}.expert_feed_forward_length", spec.expert_width)
-    else:
+    elif arch == "qwen2moe":
+        w.add_uint32(f"{a}.feed_forward_length", SHARED_WIDTH_FACTOR * spec.expert_width)
+        w.add_uint32(f"{a}.expert_feed_forward_length", spec.expert_width)
+        w.add_uint32(f"{a}.expert_shared_feed_forward_length", SHARED_WIDTH_FACTOR * spec.expert_width)
+    else:  # mixtral, olmoe: the expert width is feed_forward_length
         w.add_uint32(f"{a}.feed_forward_length", spec.expert_width)
     w.add_uint32(f"{a}.attention.head_count", spec.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", spec.n_head_kv)
-    if arch == "qwen3moe":
+    w.add_uint32(f"{a}.attention.head_count_kv", n_head_kv(arch, spec))
+    if arch == "mixtral":
+        w.add_uint32(f"{a}.rope.dimension_count", spec.head_dim)
+    else:
         w.add_uint32(f"{a}.attention.key_length", spec.head_dim)
         w.add_uint32(f"{a}.attention.value_length", spec.head_dim)
-    else:
-        w.add_uint32(f"{a}.rope.dimension_count", spec.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", 1_000_000.0)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen3moe" else 1e-5)
+    w.add_float32(f"{a}.rope.freq_base", 10_000.0 if arch == "olmoe" else 1_000_000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6 if arch in ("qwen3moe", "qwen2moe") else 1e-5)
     w.add_uint32(f"{a}.expert_count", spec.n_expert)
     w.add_uint32(f"{a}.expert_used_count", spec.n_expert_used)
     w.add_uint32("general.file_type", int(_FILE_TYPES[expert_type]))
@@ -312,7 +339,7 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
 
     vocab = build_vocab(spec.vocab_size)
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "qwen2" if arch == "qwen3moe" else "llama-bpe")
+    w.add_string("tokenizer.ggml.pre", {"mixtral": "llama-bpe", "olmoe": "olmo"}.get(arch, "qwen2"))
     w.add_token_list(list(vocab.tokens))
     w.add_token_types(list(vocab.token_types))
     w.add_token_merges(list(vocab.merges))
@@ -341,12 +368,17 @@ def make_model(
     if not 0.0 <= router_skew <= 100.0:
         raise ConfigError(f"--router-skew must be in [0, 100], got {router_skew}")
     expert_type = _parse_qtype(qtype, size)
-    plans = _plan(arch, SIZES[size], expert_type)
+    spec = SIZES[size]
+    if arch in ("qwen2moe", "olmoe") and spec.head_dim * spec.n_head != spec.d_model:
+        # llama.cpp sizes these architectures' q and output projections by d_model
+        raise ConfigError(f"{arch} needs head_dim x heads = d_model; size {size!r} has "
+                          f"{spec.head_dim} x {spec.n_head} != {spec.d_model}")
+    plans = _plan(arch, spec, expert_type)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
-    writer = gguf.GGUFWriter(partial, "qwen3moe" if arch == "qwen3moe" else "llama")
+    writer = gguf.GGUFWriter(partial, GGUF_ARCH[arch])
     try:
         _add_metadata(writer, arch, size, seed, expert_type)
         if router_skew:

@@ -72,7 +72,8 @@ def test_attn_out_and_head_match_float64_reference(rng: np.random.Generator) -> 
     fn, on = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32), (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
     blk = AttnOut(wo=wo, ffn_norm=fn, router=wr, eps=1e-6)
     a, x = rng.standard_normal((4, H * HD)).astype(np.float32), rng.standard_normal((4, D)).astype(np.float32)
-    x2, h, p = blk(a, x)
+    x2, h, p, sh = blk(a, x)
+    assert sh is None
     rx2 = x + a.astype(np.float64) @ o.T
     rh = rms(rx2, fn)
     lg = rh @ r.T

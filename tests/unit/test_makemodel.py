@@ -236,7 +236,9 @@ def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="Q2_K"):
         makemodel.make_model(arch="qwen3moe", size="tiny", seed=0, out=tmp_path / "x.gguf", qtype="Q2_K")
     with pytest.raises(ConfigError, match="arch"):
-        makemodel.make_model(arch="olmoe", size="tiny", seed=0, out=tmp_path / "x.gguf")  # type: ignore[arg-type]
+        makemodel.make_model(arch="gpt2", size="tiny", seed=0, out=tmp_path / "x.gguf")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="head_dim x heads = d_model"):  # llama.cpp's layout for these
+        makemodel.make_model(arch="olmoe", size="30b-a3b", seed=0, out=tmp_path / "x.gguf")
     with pytest.raises(ConfigError, match="size"):
         makemodel.make_model(arch="qwen3moe", size="huge", seed=0, out=tmp_path / "x.gguf")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="seed"):

@@ -4,11 +4,14 @@ A decode step used to cost ~30 small torch ops and five separate ggml matmuls pe
 attention; on a 2-core machine that Python/dispatch overhead was a third of the step. Here each
 half is one ggml graph, built once per row bucket (and thread count) and recomputed with new data:
 
-- ``AttnIn``: ``x`` -> RMSNorm * ``attn_norm`` -> q, k, v projections -> per-head q/k RMSNorm
-  (where the architecture has it) -> RoPE (NEOX or adjacent pairs) at the given positions.
-- ``AttnOut``: attention output, residual -> ``x2 = residual + W_o @ attn`` -> RMSNorm *
+- ``AttnIn``: ``x`` -> RMSNorm * ``attn_norm`` -> q, k, v projections (+ biases where the file
+  has them) -> q/k RMSNorm per head or over the whole projection (where the architecture has it)
+  -> RoPE (NEOX or adjacent pairs) at the given positions.
+- ``AttnOut``: attention output, residual -> ``x2 = residual + W_o @ attn (+ b_o)`` -> RMSNorm *
   ``ffn_norm`` -> router logits -> softmax. Returns ``x2`` (the MoE residual), the normed rows
-  (the experts' input) and the router probabilities.
+  (the experts' input) and the router probabilities; with a shared expert also its output
+  ``down(silu(gate h) * up h)`` (times ``sigmoid(g . h)`` where it is gated; the sigmoid as
+  llama.cpp computes it, ``silu(z) / z``).
 - ``Head``: RMSNorm * ``output_norm`` -> output projection.
 
 These are llama.cpp's own ops (``ggml_rms_norm`` sums in double, ``ggml_rope_ext`` with its
@@ -44,7 +47,7 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head"]
+__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "SharedFFN"]
 
 _NODES = 64
 
@@ -181,13 +184,18 @@ def _rms(ctx: Any, x: Any, w: Any, eps: float) -> Any:
     return g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, ctypes.c_float(eps)), w)
 
 
+def _biased(ctx: Any, x: Any, b: Any | None) -> Any:
+    return x if b is None else g.ggml_add(ctx, x, b)
+
+
 class AttnIn(_Graphs):
     """``x[n, d]``, positions ``[n]`` -> roped ``q[n, H*hdk]``, roped ``k[n, Hkv*hdk]``, ``v[n, Hkv*hdv]``."""
 
     def __init__(self, *, attn_norm: np.ndarray, wq: DenseWeight, wk: DenseWeight, wv: DenseWeight,
                  q_norm: np.ndarray | None, k_norm: np.ndarray | None, n_head: int, n_head_kv: int,
                  head_dim_k: int, head_dim_v: int, n_rot: int, rope_neox: bool, rope_base: float, eps: float,
-                 max_rows: int = 256, family: Family | None = None) -> None:
+                 qk_norm_full: bool = False, bq: np.ndarray | None = None, bk: np.ndarray | None = None,
+                 bv: np.ndarray | None = None, max_rows: int = 256, family: Family | None = None) -> None:
         super().__init__(max_rows)
         d = wq.in_features
         if (wq.out_features, wk.out_features, wv.out_features) != (n_head * head_dim_k, n_head_kv * head_dim_k,
@@ -204,11 +212,16 @@ class AttnIn(_Graphs):
         self.rope_base, self.eps = float(rope_base), float(eps)
         self._norm = self._vec(attn_norm, d, "attn_norm")
         self._wq, self._wk, self._wv = self._dense(wq, "wq"), self._dense(wk, "wk"), self._dense(wv, "wv")
-        self._qn = self._vec(q_norm, head_dim_k, "q_norm") if q_norm is not None else None
-        self._kn = self._vec(k_norm, head_dim_k, "k_norm") if k_norm is not None else None
+        self.qk_norm_full = bool(qk_norm_full)
+        qn, kn = (wq.out_features, wk.out_features) if qk_norm_full else (head_dim_k, head_dim_k)
+        self._qn = self._vec(q_norm, qn, "q_norm") if q_norm is not None else None
+        self._kn = self._vec(k_norm, kn, "k_norm") if k_norm is not None else None
+        self._bq = self._vec(bq, wq.out_features, "bq") if bq is not None else None
+        self._bk = self._vec(bk, wk.out_features, "bk") if bk is not None else None
+        self._bv = self._vec(bv, wv.out_features, "bv") if bv is not None else None
         self.macs = d * (wq.out_features + wk.out_features + wv.out_features)
         self._share(family, (n_head, n_head_kv, head_dim_k, head_dim_v, n_rot, self.mode, self.rope_base, self.eps,
-                             q_norm is not None))
+                             q_norm is not None, self.qk_norm_full, bq is not None, bk is not None, bv is not None))
 
     def _mem(self, b: int) -> int:
         q, kv = self.H * self.hdk, self.Hkv * max(self.hdk, self.hdv)
@@ -225,10 +238,15 @@ class AttnIn(_Graphs):
         g.ggml_set_input(x)
         g.ggml_set_input(pos)
         h = _rms(ctx, x, self._norm, self.eps)
-        q = g.ggml_reshape_3d(ctx, g.ggml_mul_mat(ctx, self._wq, h), self.hdk, self.H, b)
-        k = g.ggml_reshape_3d(ctx, g.ggml_mul_mat(ctx, self._wk, h), self.hdk, self.Hkv, b)
-        v = g.ggml_mul_mat(ctx, self._wv, h)
-        if self._qn is not None and self._kn is not None:
+        q = _biased(ctx, g.ggml_mul_mat(ctx, self._wq, h), self._bq)
+        k = _biased(ctx, g.ggml_mul_mat(ctx, self._wk, h), self._bk)
+        v = _biased(ctx, g.ggml_mul_mat(ctx, self._wv, h), self._bv)
+        if self.qk_norm_full and self._qn is not None and self._kn is not None:  # over the whole projection
+            q = _rms(ctx, q, self._qn, self.eps)
+            k = _rms(ctx, k, self._kn, self.eps)
+        q = g.ggml_reshape_3d(ctx, q, self.hdk, self.H, b)
+        k = g.ggml_reshape_3d(ctx, k, self.hdk, self.Hkv, b)
+        if not self.qk_norm_full and self._qn is not None and self._kn is not None:  # per head
             q = _rms(ctx, q, self._qn, self.eps)
             k = _rms(ctx, k, self._kn, self.eps)
         q = self._rope(ctx, q, pos)
@@ -249,11 +267,24 @@ class AttnIn(_Graphs):
         return q, k, vv
 
 
+@dataclass(frozen=True)
+class SharedFFN:
+    """A shared expert's weights for ``AttnOut``: ``gate``/``up`` ``[width, d]``, ``down`` ``[d, width]``,
+    ``gate_inp`` ``[d]`` float32 where its output is sigmoid-gated."""
+
+    gate: DenseWeight
+    up: DenseWeight
+    down: DenseWeight
+    gate_inp: np.ndarray | None = None
+
+
 class AttnOut(_Graphs):
-    """Attention output ``a[n, H*hdv]``, residual ``x[n, d]`` -> ``x2 = x + W_o a``, ``h = RMSNorm(x2)
-    * ffn_norm``, router probabilities ``softmax(W_r h)`` ``[n, n_expert]``."""
+    """Attention output ``a[n, H*hdv]``, residual ``x[n, d]`` -> ``x2 = x + W_o a (+ b_o)``, ``h = RMSNorm(x2)
+    * ffn_norm``, router probabilities ``softmax(W_r h)`` ``[n, n_expert]``, and with ``shared`` the
+    shared expert's output ``[n, d]``."""
 
     def __init__(self, *, wo: DenseWeight, ffn_norm: np.ndarray, router: DenseWeight, eps: float,
+                 bo: np.ndarray | None = None, shared: SharedFFN | None = None,
                  max_rows: int = 256, family: Family | None = None) -> None:
         super().__init__(max_rows)
         if router.in_features != wo.out_features:
@@ -261,23 +292,50 @@ class AttnOut(_Graphs):
         self.d, self.a, self.n_expert, self.eps = wo.out_features, wo.in_features, router.out_features, float(eps)
         self._wo, self._wr = self._dense(wo, "wo"), self._dense(router, "router")
         self._norm = self._vec(ffn_norm, self.d, "ffn_norm")
+        self._bo = self._vec(bo, self.d, "bo") if bo is not None else None
         self.macs = self.d * (self.a + self.n_expert)
-        self._share(family, (self.eps,))
+        self.width = 0
+        self._sh: tuple[Any, Any, Any, Any | None] | None = None
+        if shared is not None:
+            w = shared.gate.out_features
+            if (shared.gate.in_features, shared.up.out_features, shared.up.in_features, shared.down.out_features,
+                    shared.down.in_features) != (self.d, w, self.d, self.d, w):
+                raise KernelError("shared expert shapes do not match")
+            gi = None
+            if shared.gate_inp is not None:
+                arr = _f32(shared.gate_inp, self.d, "shexp_gate_inp")
+                gi = self._dense(DenseWeight(arr.view(np.uint8), int(g.GGML_TYPE_F32), 1, self.d), "shexp_gate_inp")
+            self._sh = (self._dense(shared.gate, "shexp_gate"), self._dense(shared.up, "shexp_up"),
+                        self._dense(shared.down, "shexp_down"), gi)
+            self.width = w
+            self.macs += 3 * self.d * w + (self.d if gi is not None else 0)
+        self._share(family, (self.eps, bo is not None, self.width, shared is not None and shared.gate_inp is not None))
 
     def _mem(self, b: int) -> int:
-        return 4 * b * (self.a + 6 * self.d + 3 * self.n_expert)
+        return 4 * b * (self.a + 8 * self.d + 3 * self.n_expert + 4 * self.width + 8)
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         a = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.a, b)
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
         g.ggml_set_input(a)
         g.ggml_set_input(x)
-        x2 = g.ggml_add(ctx, g.ggml_mul_mat(ctx, self._wo, a), x)
+        x2 = g.ggml_add(ctx, _biased(ctx, g.ggml_mul_mat(ctx, self._wo, a), self._bo), x)
         h = _rms(ctx, x2, self._norm, self.eps)
         probs = g.ggml_soft_max(ctx, g.ggml_mul_mat(ctx, self._wr, h))
-        return {"a": (a, (b, self.a), "f32"), "x": (x, (b, self.d), "f32")}, [x2, h, probs]
+        outs = [x2, h, probs]
+        if self._sh is not None:
+            wg, wu, wd, gi = self._sh
+            act = g.ggml_mul(ctx, g.ggml_silu(ctx, g.ggml_mul_mat(ctx, wg, h)), g.ggml_mul_mat(ctx, wu, h))
+            sh = g.ggml_mul_mat(ctx, wd, act)
+            if gi is not None:
+                z = g.ggml_mul_mat(ctx, gi, h)  # [1, b]
+                sh = g.ggml_mul(ctx, sh, g.ggml_div(ctx, g.ggml_silu(ctx, z), z))
+            outs.append(sh)
+        return {"a": (a, (b, self.a), "f32"), "x": (x, (b, self.d), "f32")}, outs
 
-    def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(x2, h, probs, shared)``; ``shared`` is None without a shared expert."""
         a = np.ascontiguousarray(a, dtype=np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if a.ndim != 2 or a.shape[1] != self.a or x.shape != (a.shape[0], self.d):
@@ -287,8 +345,8 @@ class AttnOut(_Graphs):
             v["a"][: e - s] = a[s:e]
             v["x"][: e - s] = x[s:e]
 
-        x2, h, probs = self._run(a.shape[0], n_threads, fill, 3)
-        return x2, h, probs
+        outs = self._run(a.shape[0], n_threads, fill, 4 if self._sh is not None else 3)
+        return outs[0], outs[1], outs[2], (outs[3] if self._sh is not None else None)
 
 
 class Head(_Graphs):

@@ -1,0 +1,290 @@
+"""Golden fixtures for the MoE architectures beyond qwen3moe, made with llama.cpp.
+
+NOT a project module: like ``make_goldens.py`` (whose llama.cpp helpers it reuses) it runs only in a
+scratch venv with llama-cpp-python 0.3.36 and ``gguf``::
+
+    /work/ggml-proto/llama/bin/python benchmarks/make_arch_goldens.py           # writes the files below
+    /work/ggml-proto/llama/bin/python benchmarks/make_arch_goldens.py --check   # regenerate, compare
+
+For each architecture in ``ARCHS`` it writes, into ``--out`` (default ``tests/fixtures/golden``):
+
+- ``<arch>-tiny-f32.gguf``: a tiny random-weight model written here with ``gguf.GGUFWriter``, laid
+  out as llama.cpp's converter (``convert_hf_to_gguf.py``) lays out a real model of that family:
+  the same metadata keys (and only those), the same tensor names and shapes, biases and norms in
+  F32; independent of the project's ``make-model``. Tokenizer: the tiny qwen3moe golden's (byte-level
+  BPE, 387 tokens).
+- ``<arch>-tiny-q8_0.gguf``: that file quantised by ``llama_model_quantize`` (``MOSTLY_Q8_0``, the
+  default parameters, so llama.cpp chooses every tensor's type).
+- ``<name>.llamacpp.json`` for each (schema: ``tests/fixtures/golden/README.md``): llama.cpp's raw
+  logits of 3 random 16-token sequences at every position, greedy continuations of random prompts
+  whose every step has a top-1/top-2 margin above 2e-3, and llama.cpp's tokenisation of the tiny
+  golden's texts. F32 KV cache, flash attention off, 2 threads, ``GGML_CPU_TILED_MM=0``.
+- ``makemodel-<arch>-tiny.llamacpp.json``: the project's own generator checked by llama.cpp:
+  ``moe-swarm make-model --arch <arch> --size tiny --seed 0`` (run with ``--project-python``, default
+  ``.venv/bin/python``), its sha256 and llama.cpp's logits of one sequence and one greedy
+  continuation on it (the test regenerates the file, checks the sha256, and compares).
+
+Everything is a pure function of the constants below (``--check`` regenerates into a temporary
+directory and compares sha256s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_goldens as mg  # noqa: E402  (sets GGML_CPU_TILED_MM before llama_cpp loads)
+
+gguf, llama_cpp, np = mg.gguf, mg.llama_cpp, mg.np
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_TOKENIZER = "qwen3moe-tiny-f32.gguf"
+
+# the tiny models: d_model 128, 2 layers, 8 experts top-2; per architecture what its family needs
+BASE: dict[str, Any] = {
+    "n_layer": 2,
+    "d_model": 128,
+    "n_head": 4,
+    "n_expert": 8,
+    "n_expert_used": 2,
+    "expert_width": 64,
+    "context_length": 256,
+}
+ARCHS: dict[str, dict[str, Any]] = {
+    # Qwen1.5-MoE style: GQA, q/k/v biases, a sigmoid-gated shared expert 4x an expert's width
+    "qwen2moe": {**BASE, "seed": 2, "n_head_kv": 2, "shared_width": 256, "rope_base": 1_000_000.0, "rms_eps": 1e-6},
+    # OLMoE style: q/k RMSNorm over the whole projection; llama.cpp sizes the k norm by d_model, so
+    # kv heads = query heads (as in OLMoE-1B-7B)
+    "olmoe": {**BASE, "seed": 3, "n_head_kv": 4, "rope_base": 10_000.0, "rms_eps": 1e-5},
+}
+
+
+def write_model(arch: str, tokenizer_src: Path, out: Path) -> None:
+    c = ARCHS[arch]
+    tok = gguf.GGUFReader(tokenizer_src)
+    tokens = mg._field(tok, "tokenizer.ggml.tokens")
+    d, nh, nkv, ne, w_ = c["d_model"], c["n_head"], c["n_head_kv"], c["n_expert"], c["expert_width"]
+    hd = d // nh
+    q_dim, kv_dim, vocab, seed = nh * hd, nkv * hd, len(tokens), c["seed"]
+
+    w = gguf.GGUFWriter(out, arch)
+    w.add_string("general.name", f"{arch}-tiny-seed{seed}")
+    w.add_type("model")
+    w.add_uint32(f"{arch}.context_length", c["context_length"])
+    w.add_uint32(f"{arch}.embedding_length", d)
+    w.add_uint32(f"{arch}.block_count", c["n_layer"])
+    if arch == "qwen2moe":  # Qwen2MoeModel: intermediate_size, moe_intermediate_size, shared_expert_intermediate_size
+        w.add_uint32(f"{arch}.feed_forward_length", c["shared_width"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", w_)
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", c["shared_width"])
+    else:  # OlmoeModel: intermediate_size is the expert width
+        w.add_uint32(f"{arch}.feed_forward_length", w_)
+    w.add_uint32(f"{arch}.attention.head_count", nh)
+    w.add_uint32(f"{arch}.attention.head_count_kv", nkv)
+    w.add_float32(f"{arch}.rope.freq_base", c["rope_base"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_eps"])
+    w.add_uint32(f"{arch}.expert_count", ne)
+    w.add_uint32(f"{arch}.expert_used_count", c["n_expert_used"])
+    w.add_uint32("general.file_type", 0)
+    w.add_string("tokenizer.ggml.model", mg._field(tok, "tokenizer.ggml.model"))
+    w.add_string("tokenizer.ggml.pre", mg._field(tok, "tokenizer.ggml.pre"))
+    w.add_token_list(tokens)
+    w.add_token_types([int(t) for t in mg._field(tok, "tokenizer.ggml.token_type")])
+    w.add_token_merges(mg._field(tok, "tokenizer.ggml.merges"))
+    w.add_eos_token_id(int(mg._field(tok, "tokenizer.ggml.eos_token_id")))
+    w.add_pad_token_id(int(mg._field(tok, "tokenizer.ggml.padding_token_id")))
+    w.add_bos_token_id(int(mg._field(tok, "tokenizer.ggml.bos_token_id")))
+    w.add_add_bos_token(False)
+
+    plan: list[tuple[str, tuple[int, ...], float, bool]] = [("token_embd.weight", (vocab, d), 1.0, False)]
+    for i in range(c["n_layer"]):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (d,), 0.1, True),
+            (b + "attn_q.weight", (q_dim, d), d**-0.5, False),
+            (b + "attn_k.weight", (kv_dim, d), d**-0.5, False),
+            (b + "attn_v.weight", (kv_dim, d), d**-0.5, False),
+            (b + "attn_output.weight", (d, q_dim), q_dim**-0.5, False),
+        ]
+        if arch == "qwen2moe":
+            plan += [(b + "attn_q.bias", (q_dim,), 0.5, False), (b + "attn_k.bias", (kv_dim,), 0.5, False),
+                     (b + "attn_v.bias", (kv_dim,), 0.5, False)]
+        if arch == "olmoe":
+            plan += [(b + "attn_q_norm.weight", (q_dim,), 0.1, True), (b + "attn_k_norm.weight", (kv_dim,), 0.1, True)]
+        plan += [
+            (b + "ffn_norm.weight", (d,), 0.1, True),
+            (b + "ffn_gate_inp.weight", (ne, d), d**-0.5, False),
+            (b + "ffn_gate_exps.weight", (ne, w_, d), d**-0.5, False),
+            (b + "ffn_up_exps.weight", (ne, w_, d), d**-0.5, False),
+            (b + "ffn_down_exps.weight", (ne, d, w_), w_**-0.5, False),
+        ]
+        if arch == "qwen2moe":
+            sw = c["shared_width"]
+            plan += [
+                (b + "ffn_gate_inp_shexp.weight", (d,), 2.0 * d**-0.5, False),  # gate logits of std ~2
+                (b + "ffn_gate_shexp.weight", (sw, d), d**-0.5, False),
+                (b + "ffn_up_shexp.weight", (sw, d), d**-0.5, False),
+                (b + "ffn_down_shexp.weight", (d, sw), sw**-0.5, False),
+            ]
+    plan += [("output_norm.weight", (d,), 0.1, True), ("output.weight", (vocab, d), 2.0 * d**-0.5, False)]
+    for name, shape, std, norm in plan:
+        w.add_tensor(name, mg._draw(seed, name, shape, std, norm))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def sequences(llm: Any, normal: list[int], n: int) -> list[dict[str, Any]]:
+    rng = np.random.Generator(np.random.PCG64(mg.SEQ_SEED))
+    out = []
+    for _ in range(n):
+        toks = [int(normal[i]) for i in rng.integers(0, len(normal), mg.SEQ_LEN)]
+        lg = mg.all_logits(llm, toks)
+        out.append({"tokens": toks, "logits": [[round(float(x), 7) for x in row] for row in lg]})
+    return out
+
+
+def greedy_prompts(llm: Any, normal: list[int], n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """n decisive greedy continuations of fixed random prompts (a candidate with any step's margin at
+    or below 2e-3 is skipped and listed)."""
+    prng = np.random.Generator(np.random.PCG64(mg.PROMPT_SEED))
+    kept: list[dict[str, Any]] = []
+    rejected: list[dict[str, Any]] = []
+    while len(kept) < n:
+        pids = [int(normal[i]) for i in prng.integers(0, len(normal), mg.PROMPT_LEN)]
+        e = mg.greedy_entry(llm, mg.detok(llm, pids), pids)
+        if e["n_reliable"] == mg.N_GREEDY:
+            kept.append(e)
+        else:
+            rejected.append({"prompt_ids": pids, "n_reliable": e["n_reliable"], "first_small_margin": e["first_small_margin"]})
+        if len(rejected) > 50:
+            raise RuntimeError("no decisive prompts found")
+    return kept, rejected
+
+
+def settings() -> dict[str, Any]:
+    return {"kv_cache": "f32", "flash_attn": False, "logits": "raw, before any sampling", "n_ctx": mg.N_CTX,
+            "n_batch": mg.N_CTX, "n_threads": mg.N_THREADS, "env": {"GGML_CPU_TILED_MM": "0"},
+            "greedy_margin_threshold": mg.MARGIN}
+
+
+def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ftype: str | None) -> dict[str, Any]:
+    llm = mg.load(path)
+    normal = mg.normal_token_ids(path)
+    seqs = sequences(llm, normal, mg.N_SEQ)
+    fresh = mg.load(path)  # a fresh context gives the same bits
+    if not np.array_equal(mg.all_logits(fresh, seqs[0]["tokens"]), mg.all_logits(llm, seqs[0]["tokens"])):
+        raise RuntimeError(f"{path.name}: logits differ between contexts")
+    del fresh
+    tokenize = [{"text": t["text"], "special": t["special"],
+                 "ids": list(llm.tokenize(t["text"].encode(), add_bos=False, special=t["special"]))}
+                for t in tiny_golden["tokenize"]]
+    kept, rejected = greedy_prompts(llm, normal, mg.N_PROMPTS)
+    return {
+        "model_file": path.name,
+        "model_sha256": mg.sha256(path),
+        "arch": arch,
+        "producer": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}",
+        "llama_cpp_python_version": llama_cpp.__version__,
+        "generator": "benchmarks/make_arch_goldens.py",
+        "config": ARCHS[arch],
+        **({"quantize_ftype": f"LLAMA_FTYPE_MOSTLY_{ftype}",
+            "source_model": {"file": src.name, "sha256": mg.sha256(src)}} if ftype else {}),
+        "kv_type": "f32",
+        "settings": settings(),
+        "n_vocab": llm.n_vocab(),
+        "tensor_types": mg.tensor_types(path),
+        "tokenize": tokenize,
+        "sequences": seqs,
+        "greedy": kept,
+        "greedy_rejected_prompts": rejected,
+    }
+
+
+def makemodel_json(arch: str, project_python: Path, tmp: Path) -> dict[str, Any]:
+    """The project's generator checked by llama.cpp (the file is not stored: the test rewrites it)."""
+    path = tmp / f"makemodel-{arch}-tiny.gguf"
+    subprocess.run([str(project_python), "-m", "swarm.cli", "make-model", "--arch", arch, "--size", "tiny",
+                    "--seed", "0", "--out", str(path)], check=True, cwd=ROOT, capture_output=True)
+    llm = mg.load(path)
+    normal = mg.normal_token_ids(path)
+    kept, rejected = greedy_prompts(llm, normal, 1)
+    return {
+        "make_model": {"arch": arch, "size": "tiny", "seed": 0},
+        "model_sha256": mg.sha256(path),
+        "producer": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}",
+        "generator": "benchmarks/make_arch_goldens.py",
+        "settings": settings(),
+        "n_vocab": llm.n_vocab(),
+        "sequences": sequences(llm, normal, 1),
+        "greedy": kept,
+        "greedy_rejected_prompts": rejected,
+    }
+
+
+def generate(out_dir: Path, project_python: Path, only: set[str] | None) -> dict[str, str]:
+    tiny_golden = json.loads((out_dir / "qwen3moe-tiny-f32.llamacpp.json").read_text())
+    shas: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="make_arch_goldens-") as tmp:
+        for arch in ARCHS:
+            if only and arch not in only:
+                continue
+            t0 = time.time()
+            f32 = out_dir / f"{arch}-tiny-f32.gguf"
+            part = out_dir / f".{f32.name}.partial"
+            write_model(arch, out_dir / TINY_TOKENIZER, part)
+            part.replace(f32)
+            q8 = out_dir / f"{arch}-tiny-q8_0.gguf"
+            mg.quantize(f32, part, "Q8_0")
+            part.replace(q8)
+            files: list[tuple[Path, dict[str, Any]]] = [
+                (f32, build_json(f32, arch, f32, tiny_golden, None)),
+                (q8, build_json(q8, arch, f32, tiny_golden, "Q8_0")),
+            ]
+            mm = makemodel_json(arch, project_python, Path(tmp))
+            for gg, data in files:
+                js = out_dir / f"{gg.stem}.llamacpp.json"
+                js.write_text(json.dumps(data, ensure_ascii=False) + "\n")
+                shas[gg.name], shas[js.name] = mg.sha256(gg), mg.sha256(js)
+                print(f"{gg.name}: {gg.stat().st_size} B, greedy min margins "
+                      f"{[g['min_margin'] for g in data['greedy']]}, rejected {len(data['greedy_rejected_prompts'])}",
+                      flush=True)
+            js = out_dir / f"makemodel-{arch}-tiny.llamacpp.json"
+            js.write_text(json.dumps(mm, ensure_ascii=False) + "\n")
+            shas[js.name] = mg.sha256(js)
+            print(f"{arch}: done in {time.time() - t0:.1f} s", flush=True)
+    return shas
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=mg.DEFAULT_OUT)
+    ap.add_argument("--only", nargs="*", help="architectures to (re)generate (default: all)")
+    ap.add_argument("--project-python", type=Path, default=ROOT / ".venv" / "bin" / "python")
+    ap.add_argument("--check", action="store_true", help="regenerate into a temporary directory and compare")
+    args = ap.parse_args()
+    llama_cpp.llama_log_set(mg._QUIET, None)
+    only = set(args.only) if args.only else None
+    if not args.check:
+        generate(args.out, args.project_python, only)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="make_arch_goldens-check-") as tmp:
+        d = Path(tmp)
+        for f in (TINY_TOKENIZER, "qwen3moe-tiny-f32.llamacpp.json"):
+            (d / f).write_bytes((args.out / f).read_bytes())
+        shas = generate(d, args.project_python, only)
+    bad = [f for f, s in shas.items() if not (args.out / f).exists() or mg.sha256(args.out / f) != s]
+    print("identical" if not bad else f"DIFFERENT: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

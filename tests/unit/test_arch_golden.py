@@ -1,0 +1,158 @@
+"""The MoE architectures beyond qwen3moe against llama.cpp (``benchmarks/make_arch_goldens.py``).
+
+Each architecture has a tiny F32 file written by an independent script laid out as llama.cpp's
+converter lays out a real model of that family, the same file quantised to Q8_0 by llama.cpp, and
+llama.cpp's logits (F32 KV cache), greedy continuations and tokenisation on both. Each single
+deviation a family has (qwen2moe: q/k/v biases, the sigmoid-gated shared expert, no top-k
+renormalisation; olmoe: q/k RMSNorm over the whole projection, no renormalisation) moves these
+logits by far more than the tolerance -- ``test_each_deviation_is_caught`` checks that here.
+
+The project's own generator (``make-model --arch``) is checked too: llama.cpp loaded its tiny file
+of each architecture, and its logits are recorded beside the file's sha256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.model import KVCache, SeqChunk, Transformer
+from swarm.model.gguf import ARCHITECTURES, GGUFModel
+from swarm.model.kernels import KernelBackend
+from swarm.text.tokenizer import Tokenizer
+from swarm.tools.makemodel import make_model
+from tests.conftest import FIXTURES
+
+ARCHS = ["qwen2moe", "olmoe"]
+TOL = 1e-4
+GOLDEN = FIXTURES / "golden"
+
+
+def golden(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((GOLDEN / f"{name}.llamacpp.json").read_text())
+    return data
+
+
+@pytest.fixture(scope="module", params=[(a, q, k) for a in ARCHS for q, k in (("f32", KernelBackend.GGML),
+                                                                                ("f32", KernelBackend.TORCH),
+                                                                                ("q8_0", KernelBackend.GGML))],
+                ids=lambda p: f"{p[0]}-{p[1]}-{p[2].value}")
+def case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], Transformer]:
+    arch, q, kernel = request.param
+    name = f"{arch}-tiny-{q}"
+    return arch, golden(name), Transformer(GGUFModel(GOLDEN / f"{name}.gguf", kernel=kernel))
+
+
+def max_dev(tr: Transformer, seq: dict[str, Any]) -> float:
+    logits = tr.forward([SeqChunk(KVCache(tr.cfg, 256), seq["tokens"], 0, all_logits=True)])[0]
+    ref = torch.tensor(seq["logits"])
+    assert logits.shape == ref.shape
+    return float((logits - ref).abs().max().item())
+
+
+def greedy(tr: Transformer, prompt: list[int], n: int) -> list[int]:
+    cache = KVCache(tr.cfg, 256)
+    lg = tr.forward([SeqChunk(cache, list(prompt), 0)])[0][-1]
+    out, pos = [], len(prompt)
+    for _ in range(n):
+        t = int(lg.argmax())
+        out.append(t)
+        lg = tr.forward([SeqChunk(cache, [t], pos)])[0][-1]
+        pos += 1
+    return out
+
+
+def test_the_files_are_what_the_goldens_were_made_on(case: tuple[str, dict[str, Any], Transformer]) -> None:
+    arch, g, tr = case
+    assert tr.model.sha256 == g["model_sha256"]
+    assert tr.cfg.arch == g["arch"] == arch
+    assert {n: t.qtype.name for n, t in tr.model.tensors.items()} == g["tensor_types"]
+    assert g["settings"]["kv_cache"] == "f32" and g["settings"]["env"] == {"GGML_CPU_TILED_MM": "0"}
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_logits_match_llamacpp(case: tuple[str, dict[str, Any], Transformer], i: int) -> None:
+    _, g, tr = case
+    assert max_dev(tr, g["sequences"][i]) <= TOL
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_greedy_continuations_match_llamacpp(case: tuple[str, dict[str, Any], Transformer], i: int) -> None:
+    _, g, tr = case
+    e = g["greedy"][i]
+    assert e["n_reliable"] == 24 and e["min_margin"] > 2e-3
+    assert greedy(tr, e["prompt_ids"], 24) == e["greedy_ids"]
+
+
+def test_tokenisation_matches_llamacpp(case: tuple[str, dict[str, Any], Transformer]) -> None:
+    _, g, tr = case
+    tok = Tokenizer.from_gguf_fields(tr.model.fields)
+    assert len(g["tokenize"]) > 5
+    for t in g["tokenize"]:
+        assert tok.encode(t["text"], parse_special=t["special"], add_bos=False) == t["ids"], t["text"]
+
+
+def test_the_architectures_read_their_families_metadata() -> None:
+    q = GGUFModel(GOLDEN / "qwen2moe-tiny-f32.gguf", compute_id=False)
+    assert (q.config.d_expert, q.config.d_shared) == (64, 256)  # expert_feed_forward_length, ..._shared_...
+    assert all(L.bq is not None and L.bk is not None and L.bv is not None and L.shared is not None for L in q.layers)
+    assert q.layers[0].shared is not None and q.layers[0].shared.gate_inp is not None
+    o = GGUFModel(GOLDEN / "olmoe-tiny-f32.gguf", compute_id=False)
+    assert (o.config.d_expert, o.config.d_shared) == (64, 0)  # feed_forward_length is the expert width
+    assert o.layers[0].q_norm is not None and o.layers[0].q_norm.shape == (128,)  # the whole projection
+
+
+@pytest.mark.parametrize("arch,change", [
+    ("qwen2moe", {"norm_topk": True}),
+    ("qwen2moe", {"shared_expert": "plain"}),
+    ("qwen2moe", {"rope_neox": False}),
+    ("olmoe", {"qk_norm": "none"}),
+    ("olmoe", {"norm_topk": True}),
+    ("olmoe", {"rope_neox": False}),
+])
+def test_each_deviation_is_caught(monkeypatch: pytest.MonkeyPatch, arch: str, change: dict[str, Any]) -> None:
+    """The tolerance is meaningful: one architecture rule changed moves the logits far beyond it."""
+    monkeypatch.setitem(ARCHITECTURES, arch, dataclasses.replace(ARCHITECTURES[arch], **change))
+    name = f"{arch}-tiny-f32"
+    tr = Transformer(GGUFModel(GOLDEN / f"{name}.gguf", compute_id=False))
+    assert max_dev(tr, golden(name)["sequences"][0]) > 100 * TOL
+
+
+def test_qwen2moe_without_biases_is_refused(tmp_path: Path) -> None:
+    import gguf
+
+    from swarm.errors import ModelError
+
+    src = gguf.GGUFReader(GOLDEN / "qwen2moe-tiny-f32.gguf")
+    w = gguf.GGUFWriter(tmp_path / "nobias.gguf", "qwen2moe")
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in src.tensors:
+        if t.name != "blk.1.attn_k.bias":
+            w.add_tensor(t.name, t.data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="blk.1.attn_k.bias"):
+        GGUFModel(tmp_path / "nobias.gguf", compute_id=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_make_model_files_are_the_ones_llamacpp_ran(tmp_path: Path, arch: str) -> None:
+    g = golden(f"makemodel-{arch}-tiny")
+    mm = g["make_model"]
+    path = make_model(arch=arch, size=mm["size"], seed=mm["seed"], out=tmp_path / f"{arch}.gguf")  # type: ignore[arg-type]
+    tr = Transformer(GGUFModel(path))
+    assert tr.model.sha256 == g["model_sha256"]  # the generator still writes the file llama.cpp loaded
+    assert tr.cfg.arch == ARCHITECTURES[{"mixtral": "llama"}.get(arch, arch)].name
+    assert max_dev(tr, g["sequences"][0]) <= TOL
+    e = g["greedy"][0]
+    assert greedy(tr, e["prompt_ids"], 24) == e["greedy_ids"]
