@@ -14,7 +14,9 @@ For each architecture in ``ARCHS`` it writes, into ``--out`` (default ``tests/fi
   F32; independent of the project's ``make-model``. Tokenizer: the tiny qwen3moe golden's (byte-level
   BPE, 387 tokens).
 - ``<arch>-tiny-q8_0.gguf``: that file quantised by ``llama_model_quantize`` (``MOSTLY_Q8_0``, the
-  default parameters, so llama.cpp chooses every tensor's type).
+  default parameters, so llama.cpp chooses every tensor's type); for the architectures in
+  ``MXFP4_ARCHS`` also ``<arch>-tiny-mxfp4_moe.gguf`` (``MOSTLY_MXFP4_MOE``: llama.cpp's MXFP4
+  expert tensors, as gpt-oss ships them).
 - ``<name>.llamacpp.json`` for each (schema: ``tests/fixtures/golden/README.md``): llama.cpp's raw
   logits of 3 random 16-token sequences at every position, greedy continuations of random prompts
   whose every step has a top-1/top-2 margin above 2e-3, and llama.cpp's tokenisation of the tiny
@@ -64,6 +66,9 @@ ARCHS: dict[str, dict[str, Any]] = {
     # kv heads = query heads (as in OLMoE-1B-7B)
     "olmoe": {**BASE, "seed": 3, "n_head_kv": 4, "rope_base": 10_000.0, "rms_eps": 1e-5},
 }
+
+
+MXFP4_ARCHS = ("qwen2moe",)
 
 
 def write_model(arch: str, tokenizer_src: Path, out: Path) -> None:
@@ -249,6 +254,11 @@ def generate(out_dir: Path, project_python: Path, only: set[str] | None) -> dict
                 (f32, build_json(f32, arch, f32, tiny_golden, None)),
                 (q8, build_json(q8, arch, f32, tiny_golden, "Q8_0")),
             ]
+            if arch in MXFP4_ARCHS:
+                mx = out_dir / f"{arch}-tiny-mxfp4_moe.gguf"
+                mg.quantize(f32, part, "MXFP4_MOE")
+                part.replace(mx)
+                files.append((mx, build_json(mx, arch, f32, tiny_golden, "MXFP4_MOE")))
             mm = makemodel_json(arch, project_python, Path(tmp))
             for gg, data in files:
                 js = out_dir / f"{gg.stem}.llamacpp.json"

@@ -46,7 +46,7 @@ __all__ = [
 # torch reference path (``--kernel torch``) dequantises them (its own torch code for the common ones,
 # gguf's numpy reference for the rest)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                   "Q6_K", "IQ4_NL", "IQ4_XS")
+                   "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 QkNorm = Literal["none", "head", "full"]

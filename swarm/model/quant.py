@@ -332,7 +332,7 @@ def quantize(x: npt.NDArray[Any], qtype: T) -> _U8Array:
 def dequantize_raw(raw: torch.Tensor, qtype: T, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw GGUF bytes of ``qtype`` -> float32 of ``shape`` (zero-copy for F32).
 
-    Types without a torch dequantiser here (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS: ggml's
+    Types without a torch dequantiser here (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4: ggml's
     kernels compute them on the engine's paths) go through gguf's numpy reference: exact, slower.
     """
     if qtype == T.F32:

@@ -6,6 +6,8 @@ llama.cpp's logits (F32 KV cache), greedy continuations and tokenisation on both
 deviation a family has (qwen2moe: q/k/v biases, the sigmoid-gated shared expert, no top-k
 renormalisation; olmoe: q/k RMSNorm over the whole projection, no renormalisation) moves these
 logits by far more than the tolerance -- ``test_each_deviation_is_caught`` checks that here.
+qwen2moe is also quantised with llama.cpp's ``MXFP4_MOE`` (MXFP4 experts, whose activations ggml
+quantises to Q8_0 for the dot products; the rest Q8_0).
 
 The project's own generator (``make-model --arch``) is checked too: llama.cpp loaded its tiny file
 of each architecture, and its logits are recorded beside the file's sha256.
@@ -38,10 +40,12 @@ def golden(name: str) -> dict[str, Any]:
     return data
 
 
-@pytest.fixture(scope="module", params=[(a, q, k) for a in ARCHS for q, k in (("f32", KernelBackend.GGML),
-                                                                                ("f32", KernelBackend.TORCH),
-                                                                                ("q8_0", KernelBackend.GGML))],
-                ids=lambda p: f"{p[0]}-{p[1]}-{p[2].value}")
+CASES = [(a, q, k) for a in ARCHS for q, k in (("f32", KernelBackend.GGML), ("f32", KernelBackend.TORCH),
+                                               ("q8_0", KernelBackend.GGML))]
+CASES.append(("qwen2moe", "mxfp4_moe", KernelBackend.GGML))  # llama.cpp's MXFP4 experts (gpt-oss's type)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}-{p[2].value}")
 def case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], Transformer]:
     arch, q, kernel = request.param
     name = f"{arch}-tiny-{q}"
@@ -73,6 +77,8 @@ def test_the_files_are_what_the_goldens_were_made_on(case: tuple[str, dict[str, 
     assert tr.cfg.arch == g["arch"] == arch
     assert {n: t.qtype.name for n, t in tr.model.tensors.items()} == g["tensor_types"]
     assert g["settings"]["kv_cache"] == "f32" and g["settings"]["env"] == {"GGML_CPU_TILED_MM": "0"}
+    if g.get("quantize_ftype") == "LLAMA_FTYPE_MOSTLY_MXFP4_MOE":
+        assert {t.qtype.name for n, t in tr.model.tensors.items() if n.endswith("_exps.weight")} == {"MXFP4"}
 
 
 @pytest.mark.parametrize("i", range(3))

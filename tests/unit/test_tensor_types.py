@@ -19,8 +19,8 @@ from swarm.model.kernels import KernelBackend
 from swarm.model.kernels import ggml as K
 
 D, F, E, H, HD, VOCAB = 256, 256, 4, 2, 128, 64
-# (gate, up, down) per layer, then (q, k, v, o, router) per layer: all 15 types appear
-EXPERT_TYPES = [("Q4_1", "Q5_0", "Q5_1"), ("Q2_K", "Q3_K", "IQ4_NL"), ("IQ4_XS", "Q4_K", "Q6_K")]
+# (gate, up, down) per layer, then (q, k, v, o, router) per layer: all 16 types appear
+EXPERT_TYPES = [("Q4_1", "Q5_0", "Q5_1"), ("Q2_K", "Q3_K", "IQ4_NL"), ("IQ4_XS", "MXFP4", "Q6_K")]
 DENSE_TYPES = [("Q8_0", "Q4_0", "F16", "BF16", "F32"), ("Q5_K", "Q8_0", "Q4_0", "F16", "F32"),
                ("Q6_K", "Q4_K", "Q5_0", "IQ4_NL", "F32")]
 

@@ -64,7 +64,7 @@ ALGO_VERSION = "moe-pairs-v1"  # bump when the graph or the accumulation changes
 
 SUPPORTED_TYPES: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
 )
 _TYPE_ID = {name: getattr(g, f"GGML_TYPE_{name}") for name in SUPPORTED_TYPES}
 _TYPE_NAME = {v: k for k, v in _TYPE_ID.items()}
@@ -72,7 +72,7 @@ _TYPE_NAME = {v: k for k, v in _TYPE_ID.items()}
 # the type llama.cpp's CPU backend converts float32 activations to before the dot product
 _ACT_TYPE = {
     "F32": "F32", "F16": "F16", "BF16": "BF16",
-    "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
+    "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0", "MXFP4": "Q8_0",
     "Q4_1": "Q8_1", "Q5_1": "Q8_1",
     "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "IQ4_XS": "Q8_K",
 }
