@@ -47,7 +47,7 @@ from swarm.errors import ConfigError, SwarmError
 from swarm.ids import SliceKey
 from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
-from swarm.model.slices import load_slice
+from swarm.model.slices import check_activation, load_slice
 from swarm.model.sources import fetch_slice_from
 from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_body, sign_request
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
@@ -292,6 +292,8 @@ class PullVolunteer:
         manifest; from the coordinator alone when that is impossible (an older market)."""
         a = self._assignments.get(SliceKey(offer.model_id, offer.layer, offer.lo, offer.hi))
         manifest = await self._manifest(offer.model_id) if a is not None else None
+        if manifest is not None:
+            check_activation(manifest.expert_activation)  # before a byte is downloaded
         if a is None or manifest is None or not manifest.can_verify_experts or manifest.problems():
             return await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.cfg.progress)
         sources = sources_from_assignment(a, client=self.client, transport=self.transport, self_peer_id=self.peer_id)

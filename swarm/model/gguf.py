@@ -72,6 +72,9 @@ class ArchSpec:
     # when ``expert_ff_key`` is absent: feed_forward_length / expert_used_count (qwen2moe), else an error
     expert_ff_from_n_ff: bool = False
     shared_ff_key: str = "expert_shared_feed_forward_length"  # absent: feed_forward_length
+    # the routed experts' activation, carried by manifests and slices to volunteers
+    # (``swarm.model.kernels.EXPERT_ACTIVATIONS``); every architecture so far: silu(gate) * up
+    expert_activation: str = "silu"
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {

@@ -50,7 +50,7 @@ from swarm.model.gguf import (
     QTensor,
     pread_chunks,
 )
-from swarm.protocol.manifest import SLICE_FORMAT, ModelManifest
+from swarm.protocol.manifest import DEFAULT_ACTIVATION, SLICE_FORMAT, SLICE_FORMAT_ACTIVATION, ModelManifest
 
 __all__ = [
     "EXPERT_KINDS",
@@ -69,6 +69,7 @@ __all__ = [
     "plan_slice",
     "slice_file_spans",
     "slice_header",
+    "check_activation",
     "check_slice_range",
     "cut_slice",
     "hold_digest",
@@ -120,6 +121,9 @@ class SliceMeta(msgspec.Struct, frozen=True, kw_only=True):
     d_expert: Positive
     tensors: dict[str, TensorInfo]
     format: int = SLICE_FORMAT
+    # set (with format 2) only for experts whose activation is not the default: the bytes of every
+    # SiLU slice stay what they always were
+    activation: str | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def key(self) -> SliceKey:
@@ -127,6 +131,22 @@ class SliceMeta(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _meta_decoder = msgspec.json.Decoder(SliceMeta)
+
+
+def check_activation(activation: str) -> None:
+    """``SliceError`` (``unsupported_activation``) unless the expert kernels compute ``activation``."""
+    from swarm.model.kernels import EXPERT_ACTIVATIONS
+
+    if activation not in EXPERT_ACTIVATIONS:
+        raise SliceError(f"experts with activation {activation[:64]!r} cannot be computed here; this version "
+                         f"computes {', '.join(EXPERT_ACTIVATIONS)}", code="unsupported_activation")
+
+
+def _activation_fields(activation: str) -> dict[str, Any]:
+    """``SliceMeta`` fields for experts of ``activation`` (none for the default: unchanged bytes)."""
+    if activation == DEFAULT_ACTIVATION:
+        return {}
+    return {"activation": activation, "format": SLICE_FORMAT_ACTIVATION}
 
 
 def _canonical_json(obj: Any) -> bytes:
@@ -210,6 +230,7 @@ def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
         d_model=stack.d_model,
         d_expert=stack.d_expert,
         tensors={k: TensorInfo(t.qtype.name, tuple(t.shape)) for k, t in tensors.items()},
+        **_activation_fields(cfg.spec.expert_activation),
     )
     for kind, info in meta.tensors.items():
         if _byte_shape(info) != list(tensors[kind].raw.shape):
@@ -437,8 +458,13 @@ def _parse_header(head: bytes, total: int) -> tuple[dict[str, Any], SliceMeta]:
         meta = _meta_decoder.decode(extra[METADATA_KEY])
     except msgspec.DecodeError as exc:
         raise SliceError(f"bad slice metadata: {exc}") from exc
-    if meta.format != SLICE_FORMAT:
-        raise SliceError(f"slice format {meta.format} is not supported (this version reads {SLICE_FORMAT})")
+    if meta.format not in (SLICE_FORMAT, SLICE_FORMAT_ACTIVATION):
+        raise SliceError(f"slice format {meta.format} is not supported (this version reads "
+                         f"{SLICE_FORMAT} and {SLICE_FORMAT_ACTIVATION})")
+    act = meta.activation if isinstance(meta.activation, str) else DEFAULT_ACTIVATION
+    if (meta.format == SLICE_FORMAT_ACTIVATION) != isinstance(meta.activation, str):
+        raise SliceError(f"bad slice metadata: format {meta.format} with activation {meta.activation!r}")
+    check_activation(act)
     if meta.lo >= meta.hi:
         raise SliceError(f"bad slice metadata: empty expert range {meta.lo}-{meta.hi}")
     if set(meta.tensors) != set(EXPERT_KINDS) or set(header) != {"__metadata__", *EXPERT_KINDS}:
@@ -640,6 +666,7 @@ def build_manifest(model: GGUFModel, *, origins: Iterable[str] = (), cache_dir: 
         tensor_offsets=facts.tensor_offsets,
         expert_sha256=facts.expert_sha256,
         origins=list(dict.fromkeys(origins)),
+        expert_activation=cfg.spec.expert_activation,
     )
     # the invariant a download from peers and mirrors rests on: the manifest alone rebuilds the header
     # cut_slice writes (a model whose expert tensors disagree with its metadata would break it)
@@ -733,7 +760,8 @@ def plan_slice(manifest: ModelManifest, layer: int, lo: int, hi: int) -> SlicePl
     shapes = {"gate": (n, f, d), "up": (n, f, d), "down": (n, d, f)}
     types = manifest.tensor_types[layer]
     meta = SliceMeta(model_id=manifest.model_id, arch=manifest.arch, layer=layer, lo=lo, hi=hi, d_model=d, d_expert=f,
-                     tensors={k: TensorInfo(types[k], shapes[k]) for k in EXPERT_KINDS})
+                     tensors={k: TensorInfo(types[k], shapes[k]) for k in EXPERT_KINDS},
+                     **_activation_fields(manifest.expert_activation))
     kind_bytes = {k: math.prod(_byte_shape(meta.tensors[k])) // n for k in EXPERT_KINDS}
     if manifest.kind_bytes and manifest.kind_bytes[layer] != kind_bytes:
         raise SliceError(f"manifest of {manifest.model_id}: layer {layer}'s kind_bytes {manifest.kind_bytes[layer]} "

@@ -19,6 +19,8 @@ Rules:
   ``origins`` plain HTTP(S) mirrors of the GGUF file (read with Range at those offsets). Every byte
   a volunteer takes from a peer or a mirror is checked against ``expert_sha256``; the slice file's
   header is rebuilt from this manifest (``swarm.model.slices.plan_slice``).
+- ``expert_activation``: the function between an expert's gate/up and down projections ("silu":
+  ``silu(gate) * up``, every architecture so far); a volunteer checks it before downloading.
 - Size: the expert hashes cost 67 bytes of JSON an expert (48 layers x 128 experts: 412 KB), within
   the market's 4 MiB registration body for a few large models.
 """
@@ -30,11 +32,16 @@ from typing import Annotated, Final
 
 import msgspec
 
-__all__ = ["EXPERT_KINDS", "MAX_ORIGINS", "MODEL_ID_PATTERN", "SLICE_FORMAT", "ModelId", "ModelManifest"]
+__all__ = ["DEFAULT_ACTIVATION", "EXPERT_KINDS", "MAX_ORIGINS", "MODEL_ID_PATTERN", "SLICE_FORMAT",
+           "SLICE_FORMAT_ACTIVATION", "ModelId", "ModelManifest"]
 
 MODEL_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 _MODEL_ID = re.compile(MODEL_ID_PATTERN)
 SLICE_FORMAT: Final = 1  # version of the slice file layout (``swarm.model.slices``)
+# a slice whose experts use another activation than SiLU-gated (SwiGLU) says so, in format 2: a
+# volunteer that predates activations refuses format 2 instead of computing the wrong function
+SLICE_FORMAT_ACTIVATION: Final = 2
+DEFAULT_ACTIVATION: Final = "silu"
 
 ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
 _Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -69,6 +76,8 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     tensor_offsets: list[dict[str, _NonNeg]] = []
     expert_sha256: list[list[Annotated[str, msgspec.Meta(min_length=64, max_length=64)]]] = []
     origins: Annotated[list[OriginUrl], msgspec.Meta(max_length=MAX_ORIGINS)] = []
+    # the experts' activation (``swarm.model.kernels.EXPERT_ACTIVATIONS`` names what a volunteer computes)
+    expert_activation: Annotated[str, msgspec.Meta(max_length=64)] = DEFAULT_ACTIVATION
 
     @property
     def can_verify_experts(self) -> bool:

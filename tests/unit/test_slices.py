@@ -280,7 +280,12 @@ CORRUPTIONS: list[tuple[str, Callable[[bytes], bytes], str]] = [
     ("metadata not a string", lambda d: rewrite(d, _set(f"header.__metadata__.{METADATA_KEY}", 5)), "is missing"),
     ("metadata field missing", lambda d: rewrite(d, _set("meta.d_model", _DELETE)), "bad slice metadata"),
     ("negative layer", lambda d: rewrite(d, _set("meta.layer", -1)), "bad slice metadata"),
-    ("future format", lambda d: rewrite(d, _set("meta.format", 2)), "format 2 is not supported"),
+    ("future format", lambda d: rewrite(d, _set("meta.format", 3)), "format 3 is not supported"),
+    ("format 2 without an activation", lambda d: rewrite(d, _set("meta.format", 2)), "format 2 with activation"),
+    ("an activation in format 1", lambda d: rewrite(d, _set("meta.activation", "silu")), "format 1 with activation"),
+    ("an activation not computed here",
+     lambda d: rewrite(rewrite(d, _set("meta.format", 2)), _set("meta.activation", "swiglu_oai")),
+     "activation 'swiglu_oai' cannot be computed here"),
     ("unknown type", lambda d: rewrite(d, _set("meta.tensors.gate.type", "Q9_9")), "not supported"),
     ("shape disagrees", lambda d: rewrite(d, _set("meta.tensors.up.shape.1", 63)), "logical shape"),
     ("d_model lies", lambda d: rewrite(d, _set("meta.d_model", 64)), "logical shape"),
@@ -401,3 +406,35 @@ def test_manifest(golden_model: GGUFModel, quant_model: GGUFModel, quant_path: P
     assert msgspec.json.decode(msgspec.json.encode(q), type=ModelManifest) == q
 
 
+
+
+def test_an_architectures_activation_travels_in_manifest_and_slice(golden_model: GGUFModel,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """SiLU slices keep their bytes (no activation field, format 1); experts of another activation are
+    cut as format 2 naming it, the manifest alone rebuilds that header, and a volunteer whose kernels
+    lack the activation refuses the slice (and, from the manifest, before downloading it)."""
+    import dataclasses
+
+    from swarm.model import kernels
+    from swarm.model.slices import build_manifest, check_activation, plan_slice
+
+    silu = cut_slice(golden_model, 0, 0, 4)
+    meta = json.loads(split_file(silu)[0]["__metadata__"][METADATA_KEY])
+    assert meta["format"] == 1 and "activation" not in meta
+    assert build_manifest(golden_model).expert_activation == "silu"
+    cfg = golden_model.config
+    monkeypatch.setattr(golden_model, "config", dataclasses.replace(
+        cfg, spec=dataclasses.replace(cfg.spec, expert_activation="swiglu_oai")))
+    other = cut_slice(golden_model, 0, 0, 4)
+    meta = json.loads(split_file(other)[0]["__metadata__"][METADATA_KEY])
+    assert (meta["format"], meta["activation"]) == (2, "swiglu_oai")
+    manifest = build_manifest(golden_model)
+    assert manifest.expert_activation == "swiglu_oai" and manifest.can_verify_experts
+    assert plan_slice(manifest, 0, 0, 4).header == other[: len(plan_slice(manifest, 0, 0, 4).header)]
+    with pytest.raises(SliceError, match="cannot be computed here") as err:
+        load_slice(other)
+    assert err.value.code == "unsupported_activation"
+    with pytest.raises(SliceError, match="computes silu"):
+        check_activation(manifest.expert_activation)
+    monkeypatch.setattr(kernels, "EXPERT_ACTIVATIONS", ("silu", "swiglu_oai"))  # a version that has it
+    assert load_slice(other).key == load_slice(silu).key

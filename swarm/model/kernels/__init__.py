@@ -19,6 +19,8 @@ Rules:
   coordinators. The torch reference promises no such thing (BLAS picks its paths by shape).
 - ``kernel_id`` names the backend, its version and every build flag that changes numerics; equal
   ids and equal inputs give equal bits (local = remote). Different ids agree within a tolerance.
+- ``EXPERT_ACTIVATIONS`` names the activations the kernels compute between an expert's gate/up and
+  down projections ("silu": ``silu(gate) * up``); a slice of any other is refused at load.
 - The ggml kernels are pooled per (types, shape): a pooled kernel is rebound to the slice's bytes
   for one call and returned, so concurrent callers each get their own and graph buffers are shared
   across layers; the bytes are never copied (zero-copy over the memory-mapped GGUF or slice file).
@@ -38,11 +40,13 @@ import torch
 from swarm.model.combine import add_in_expert_order
 from swarm.model.experts import slice_pair_outputs, slice_partial_sum
 
+EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu",)
+
 if TYPE_CHECKING:
     from swarm.model.gguf import ExpertStack
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
-__all__ = ["BIG_WORK", "DEFAULT_BACKEND", "ExpertKernel", "KernelBackend", "combine_pairs", "compute_threads",
+__all__ = ["BIG_WORK", "DEFAULT_BACKEND", "EXPERT_ACTIVATIONS", "ExpertKernel", "KernelBackend", "combine_pairs", "compute_threads",
            "configure_threads",
            "expert_kernel", "kernel_id", "set_compute_threads"]
 
