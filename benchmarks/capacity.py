@@ -329,7 +329,7 @@ def _experts(model: Path) -> int:
     from swarm.model.gguf import GGUFModel
 
     m = GGUFModel(model, compute_id=False)
-    return int(m.config.n_layer * m.config.n_expert)
+    return int(m.config.n_moe_layer * m.config.n_expert)
 
 
 def main() -> None:

@@ -65,13 +65,113 @@ ARCHS: dict[str, dict[str, Any]] = {
     # OLMoE style: q/k RMSNorm over the whole projection; llama.cpp sizes the k norm by d_model, so
     # kv heads = query heads (as in OLMoE-1B-7B)
     "olmoe": {**BASE, "seed": 3, "n_head_kv": 4, "rope_base": 10_000.0, "rms_eps": 1e-5},
+    # DeepSeek-V2 style: MLA (q through a rank-48 bottleneck, kv_lora_rank 64, nope/rope/v head dims
+    # 32/16/32), one leading dense block, 2 shared experts, softmax gating scaled by 1.5, no
+    # renormalisation. (llama.cpp 0.3.36 takes the plain attn_q of V2-Lite only for 26- or 27-block
+    # models, so a tiny file has the bottleneck.)
+    "deepseek2": {**BASE, "seed": 4, "n_layer": 3, "n_dense": 1, "dense_width": 192, "n_shared": 2,
+                  "kv_lora_rank": 64, "q_lora_rank": 48, "d_nope": 32, "d_rope": 16, "d_v": 32,
+                  "weights_scale": 1.5, "rope_base": 10_000.0, "rms_eps": 1e-6},
 }
 
 
 MXFP4_ARCHS = ("qwen2moe",)
 
 
+def _add_tokenizer(w: Any, tok: Any) -> list[str]:
+    tokens: list[str] = mg._field(tok, "tokenizer.ggml.tokens")
+    w.add_string("tokenizer.ggml.model", mg._field(tok, "tokenizer.ggml.model"))
+    w.add_string("tokenizer.ggml.pre", mg._field(tok, "tokenizer.ggml.pre"))
+    w.add_token_list(tokens)
+    w.add_token_types([int(t) for t in mg._field(tok, "tokenizer.ggml.token_type")])
+    w.add_token_merges(mg._field(tok, "tokenizer.ggml.merges"))
+    w.add_eos_token_id(int(mg._field(tok, "tokenizer.ggml.eos_token_id")))
+    w.add_pad_token_id(int(mg._field(tok, "tokenizer.ggml.padding_token_id")))
+    w.add_bos_token_id(int(mg._field(tok, "tokenizer.ggml.bos_token_id")))
+    w.add_add_bos_token(False)
+    return tokens
+
+
+def write_deepseek2(tokenizer_src: Path, out: Path) -> None:
+    """DeepseekV2Model's layout (convert_hf_to_gguf.py, after llama.cpp split attn_kv_b into attn_k_b
+    (stored [heads, kv_lora, nope]) and attn_v_b ([heads, v, kv_lora]) for its MLA cache)."""
+    a, c = "deepseek2", ARCHS["deepseek2"]
+    tok = gguf.GGUFReader(tokenizer_src)
+    d, nh, ne, w_ = c["d_model"], c["n_head"], c["n_expert"], c["expert_width"]
+    kvl, ql, dn, dr, dv = c["kv_lora_rank"], c["q_lora_rank"], c["d_nope"], c["d_rope"], c["d_v"]
+    seed = c["seed"]
+    w = gguf.GGUFWriter(out, a)
+    w.add_string("general.name", f"{a}-tiny-seed{seed}")
+    w.add_type("model")
+    w.add_uint32(f"{a}.context_length", c["context_length"])
+    w.add_uint32(f"{a}.embedding_length", d)
+    w.add_uint32(f"{a}.block_count", c["n_layer"])
+    w.add_uint32(f"{a}.feed_forward_length", c["dense_width"])
+    w.add_uint32(f"{a}.attention.head_count", nh)
+    w.add_uint32(f"{a}.attention.head_count_kv", 1)
+    w.add_float32(f"{a}.rope.freq_base", c["rope_base"])
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", c["rms_eps"])
+    w.add_uint32(f"{a}.expert_used_count", c["n_expert_used"])
+    w.add_uint32(f"{a}.leading_dense_block_count", c["n_dense"])
+    if ql:
+        w.add_uint32(f"{a}.attention.q_lora_rank", ql)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", kvl)
+    w.add_uint32(f"{a}.attention.key_length", kvl + dr)
+    w.add_uint32(f"{a}.attention.value_length", kvl)
+    w.add_uint32(f"{a}.attention.key_length_mla", dn + dr)
+    w.add_uint32(f"{a}.attention.value_length_mla", dv)
+    w.add_uint32(f"{a}.expert_feed_forward_length", w_)
+    w.add_uint32(f"{a}.expert_count", ne)
+    w.add_uint32(f"{a}.expert_shared_count", c["n_shared"])
+    w.add_float32(f"{a}.expert_weights_scale", c["weights_scale"])
+    w.add_bool(f"{a}.expert_weights_norm", False)
+    w.add_uint32(f"{a}.expert_gating_func", 1)  # softmax
+    w.add_uint32(f"{a}.rope.dimension_count", dr)
+    w.add_uint32("general.file_type", 0)
+    tokens = _add_tokenizer(w, tok)
+    vocab, sw = len(tokens), c["n_shared"] * w_
+    plan: list[tuple[str, tuple[int, ...], float, bool]] = [("token_embd.weight", (vocab, d), 1.0, False)]
+    for i in range(c["n_layer"]):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (d,), 0.1, True),
+            *([(b + "attn_q_a.weight", (ql, d), d**-0.5, False), (b + "attn_q_a_norm.weight", (ql,), 0.1, True),
+               (b + "attn_q_b.weight", (nh * (dn + dr), ql), ql**-0.5, False)] if ql else
+              [(b + "attn_q.weight", (nh * (dn + dr), d), d**-0.5, False)]),
+            (b + "attn_kv_a_mqa.weight", (kvl + dr, d), d**-0.5, False),
+            (b + "attn_kv_a_norm.weight", (kvl,), 0.1, True),
+            (b + "attn_k_b.weight", (nh, kvl, dn), kvl**-0.5, False),
+            (b + "attn_v_b.weight", (nh, dv, kvl), kvl**-0.5, False),
+            (b + "attn_output.weight", (d, nh * dv), (nh * dv) ** -0.5, False),
+            (b + "ffn_norm.weight", (d,), 0.1, True),
+        ]
+        if i < c["n_dense"]:
+            dw = c["dense_width"]
+            plan += [(b + "ffn_gate.weight", (dw, d), d**-0.5, False), (b + "ffn_up.weight", (dw, d), d**-0.5, False),
+                     (b + "ffn_down.weight", (d, dw), dw**-0.5, False)]
+            continue
+        plan += [
+            (b + "ffn_gate_inp.weight", (ne, d), d**-0.5, False),
+            (b + "ffn_gate_exps.weight", (ne, w_, d), d**-0.5, False),
+            (b + "ffn_up_exps.weight", (ne, w_, d), d**-0.5, False),
+            (b + "ffn_down_exps.weight", (ne, d, w_), w_**-0.5, False),
+            (b + "ffn_gate_shexp.weight", (sw, d), d**-0.5, False),
+            (b + "ffn_up_shexp.weight", (sw, d), d**-0.5, False),
+            (b + "ffn_down_shexp.weight", (d, sw), sw**-0.5, False),
+        ]
+    plan += [("output_norm.weight", (d,), 0.1, True), ("output.weight", (vocab, d), 2.0 * d**-0.5, False)]
+    for name, shape, std, norm in plan:
+        w.add_tensor(name, mg._draw(seed, name, shape, std, norm))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_model(arch: str, tokenizer_src: Path, out: Path) -> None:
+    if arch == "deepseek2":
+        write_deepseek2(tokenizer_src, out)
+        return
     c = ARCHS[arch]
     tok = gguf.GGUFReader(tokenizer_src)
     tokens = mg._field(tok, "tokenizer.ggml.tokens")

@@ -218,7 +218,7 @@ LoadProbe = Callable[[], tuple[int, int]]  # (busy slots, slots)
 
 class _Dims(Protocol):
     @property
-    def n_layer(self) -> int: ...
+    def n_moe_layer(self) -> int: ...
     @property
     def n_expert(self) -> int: ...
     @property
@@ -339,7 +339,7 @@ class Dispatcher:
         self._local_runner: LocalRunner = local_runner if local_runner is not None else self._thread_runner
         self._local_limiter = trio.CapacityLimiter(1)
         # the verification samples: seeded from the OS unless a test hands in its own generator
-        self.core = DispatchCore(cfg, n_layer=self.cfg.n_layer, n_expert=self.cfg.n_expert,
+        self.core = DispatchCore(cfg, n_layer=self.cfg.n_moe_layer, n_expert=self.cfg.n_expert,
                                  rng=rng if rng is not None else random.Random(secrets.randbits(64)))
         self.map: DispatchMap | None = None
         self._step_ids = itertools.count(1)
@@ -429,7 +429,7 @@ class Dispatcher:
                 f"dispatch map is for {m.model_id!r}, this coordinator hosts {self.model.model_id!r}",
                 code="bad_dispatch_map",
             )
-        m.validate(n_layer=self.cfg.n_layer, n_expert=self.cfg.n_expert)
+        m.validate(n_layer=self.cfg.n_moe_layer, n_expert=self.cfg.n_expert)
         if self.map is not None and m.version < self.map.version and not force:
             return False
         peers = m.peers()
@@ -979,7 +979,7 @@ class Dispatcher:
                 dt = time.perf_counter() - t0
                 # the core hears of the step's layers in one hand-off (each one wakes the trio thread)
                 self._ran_here.append(LayerRanLocally(layer, works, reason, dt))
-                if layer == self.cfg.n_layer - 1 or len(self._ran_here) >= self.cfg.n_layer:
+                if layer == self.cfg.n_moe_layer - 1 or len(self._ran_here) >= self.cfg.n_moe_layer:
                     evs, self._ran_here = self._ran_here, []
                     with contextlib.suppress(trio.RunFinishedError):
                         token.run_sync_soon(self._post_all, evs)
@@ -1157,7 +1157,7 @@ class Dispatcher:
         """Ranges of the current partition not held here with no live (and, if checked, proved) replica."""
         m = self.map
         n = 0
-        for layer in range(self.cfg.n_layer):
+        for layer in range(self.cfg.n_moe_layer):
             for r in partition_layer(m.ranges_of(layer) if m is not None else [], self.cfg.n_expert):
                 if not self.held(layer, r.lo, r.hi) and not any(
                         self.core.table.is_live(p, now) for p in self._replicas(layer, r)):

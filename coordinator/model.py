@@ -29,9 +29,19 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from swarm.model.gguf import GGUFModel, ModelConfig, SharedExpert
+from swarm.model.gguf import GGUFModel, LayerWeights, ModelConfig, QTensor, SharedExpert
 from swarm.model.kernels import KernelBackend, compute_threads, expert_kernel
-from swarm.model.kernels.block import Attention, AttnIn, AttnOut, DenseWeight, Family, Head, SharedFFN
+from swarm.model.kernels.block import (
+    Attention,
+    AttnIn,
+    AttnOut,
+    DenseWeight,
+    Family,
+    Head,
+    HeadWeights,
+    MlaIn,
+    SharedFFN,
+)
 from swarm.model.kernels.dense import Linear
 
 __all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
@@ -44,11 +54,12 @@ class ExpertBackend(Protocol):
 
 
 class LocalExperts:
-    """All experts of every layer computed on this machine, as one slice per layer."""
+    """All experts of every expert layer computed on this machine, as one slice per layer."""
 
     def __init__(self, model: GGUFModel, kernel: KernelBackend | None = None) -> None:
         self.model = model
-        self.kernels = [expert_kernel(layer.experts, kernel or model.kernel) for layer in model.layers]
+        self.kernels = [expert_kernel(model.expert_stack(i), kernel or model.kernel)
+                        for i in range(model.config.n_moe_layer)]
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         k = topk_ids.shape[1]
@@ -124,6 +135,30 @@ def _dw(lin: Linear) -> DenseWeight:
     return DenseWeight(np.ascontiguousarray(t.raw).reshape(-1), int(t.qtype), lin.out_features, lin.in_features)
 
 
+def _dwo(lin: Linear | None) -> DenseWeight | None:
+    return None if lin is None else _dw(lin)
+
+
+def _hw(t: QTensor) -> HeadWeights:
+    return HeadWeights(np.ascontiguousarray(t.raw).reshape(-1), int(t.qtype), *t.shape)
+
+
+def _attn_in(cfg: ModelConfig, L: LayerWeights, fam: Family) -> AttnIn | MlaIn:
+    if L.mla is not None and cfg.mla is not None:
+        m, mc = L.mla, cfg.mla
+        return MlaIn(attn_norm=L.attn_norm.numpy(), wq=_dwo(L.wq), wq_a=_dwo(m.wq_a), q_a_norm=_np(m.q_a_norm),
+                     wq_b=_dwo(m.wq_b), wkv_a=_dw(m.wkv_a), kv_a_norm=m.kv_a_norm.numpy(), wk_b=_hw(m.wk_b),
+                     n_head=cfg.n_head, kv_lora_rank=mc.kv_lora_rank, d_nope=mc.d_nope, d_rope=mc.d_rope,
+                     rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, family=fam)
+    assert L.wq is not None and L.wk is not None and L.wv is not None
+    return AttnIn(
+        attn_norm=L.attn_norm.numpy(), wq=_dw(L.wq), wk=_dw(L.wk), wv=_dw(L.wv),
+        q_norm=_np(L.q_norm), k_norm=_np(L.k_norm), qk_norm_full=cfg.spec.qk_norm == "full",
+        bq=_np(L.bq), bk=_np(L.bk), bv=_np(L.bv),
+        n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v,
+        n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, family=fam)
+
+
 ATTN_BIG_WORK = 16_000_000  # attention multiply-accumulates from which it uses every thread (prefill)
 KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama.cpp pads its view too)
 
@@ -133,24 +168,19 @@ class _GgmlDense:
 
     def __init__(self, model: GGUFModel) -> None:
         cfg = model.config
-        self.attn_in: list[AttnIn] = []
+        self.attn_in: list[AttnIn | MlaIn] = []
         self.attn_out: list[AttnOut] = []
         fam: Family = {}  # layers of equal shapes and types share their graphs (and graph buffers)
         for L in model.layers:
-            self.attn_in.append(AttnIn(
-                attn_norm=L.attn_norm.numpy(), wq=_dw(L.wq), wk=_dw(L.wk), wv=_dw(L.wv),
-                q_norm=_np(L.q_norm), k_norm=_np(L.k_norm), qk_norm_full=cfg.spec.qk_norm == "full",
-                bq=_np(L.bq), bk=_np(L.bk), bv=_np(L.bv),
-                n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v,
-                n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, family=fam))
+            self.attn_in.append(_attn_in(cfg, L, fam))
             sh = L.shared
             self.attn_out.append(AttnOut(
-                wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dw(L.router), eps=cfg.rms_eps, bo=_np(L.bo),
+                wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dwo(L.router), eps=cfg.rms_eps, bo=_np(L.bo),
                 shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
-                family=fam))
+                v_b=_hw(L.mla.wv_b) if L.mla is not None else None, family=fam))
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
-                              head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD)
+                              head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
 
 
 class Transformer:
@@ -159,6 +189,10 @@ class Transformer:
         self.cfg = model.config
         self.experts: ExpertBackend = experts if experts is not None else LocalExperts(model)
         cfg = self.cfg
+        # block -> expert layer (None: a dense block)
+        self._moe_of: list[int | None] = [None] * cfg.n_layer
+        for i, b in enumerate(cfg.moe_layers):
+            self._moe_of[b] = i
         n_rot = cfg.n_rot
         # float64 frequencies, cast at use: matches llama.cpp's float32 rope within ~1e-7
         self._inv_freq = cfg.rope_base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
@@ -182,18 +216,64 @@ class Transformer:
             rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
         return torch.cat([rot, rest], dim=-1) if rest.shape[-1] else rot
 
-    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qkv(self, L: LayerWeights, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Roped q ``[n, H, hdk]``, k ``[n, Hkv, hdk]`` and v ``[n, Hkv, hdv]`` of an MHA/GQA block."""
+        cfg = self.cfg
+        n_tok = h.shape[0]
+        assert L.wq is not None and L.wk is not None and L.wv is not None
+        q, k, v = _biased(L.wq(h), L.bq), _biased(L.wk(h), L.bk), _biased(L.wv(h), L.bv)
+        full = cfg.spec.qk_norm == "full"
+        if full and L.q_norm is not None and L.k_norm is not None:  # over the whole projection
+            q = rms_norm(q, L.q_norm, cfg.rms_eps)
+            k = rms_norm(k, L.k_norm, cfg.rms_eps)
+        q = q.view(n_tok, cfg.n_head, cfg.head_dim_k)
+        k = k.view(n_tok, cfg.n_head_kv, cfg.head_dim_k)
+        v = v.view(n_tok, cfg.n_head_kv, cfg.head_dim_v)
+        if not full and L.q_norm is not None and L.k_norm is not None:  # per head
+            q = rms_norm(q, L.q_norm, cfg.rms_eps)
+            k = rms_norm(k, L.k_norm, cfg.rms_eps)
+        return self._rope(q, pos), self._rope(k, pos), v
+
+    def _mla_qkv(self, L: LayerWeights, h: torch.Tensor, pos: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MLA with attn_k_b absorbed, as llama.cpp: q ``[n, H, kv_lora + d_rope]``, k ``[n, 1, kv_lora +
+        d_rope]``, v ``[n, 1, kv_lora]`` (the normed latent); RoPE on the last ``d_rope`` dims only."""
+        cfg, m = self.cfg, L.mla
+        assert m is not None and cfg.mla is not None
+        mc, n_tok = cfg.mla, h.shape[0]
+        if L.wq is not None:
+            q = L.wq(h)
+        else:
+            assert m.wq_a is not None and m.wq_b is not None and m.q_a_norm is not None
+            q = m.wq_b(rms_norm(m.wq_a(h), m.q_a_norm, cfg.rms_eps))
+        q = q.view(n_tok, cfg.n_head, mc.d_nope + mc.d_rope)
+        q_nope, q_pe = q[..., : mc.d_nope], q[..., mc.d_nope :]
+        kv = m.wkv_a(h)
+        kv_c, k_pe = kv[:, : mc.kv_lora_rank], kv[:, mc.kv_lora_rank :].reshape(n_tok, 1, mc.d_rope)
+        q_pe, k_pe = self._rope(q_pe, pos), self._rope(k_pe, pos)
+        kv_c = rms_norm(kv_c, m.kv_a_norm, cfg.rms_eps)
+        kb = m.wk_b.to_float()  # [H, kv_lora, d_nope]
+        q_abs = torch.bmm(kb, q_nope.permute(1, 2, 0)).permute(2, 0, 1)  # [n, H, kv_lora]
+        q = torch.cat([q_abs, q_pe], dim=-1)
+        k = torch.cat([kv_c.unsqueeze(1), k_pe], dim=-1)
+        return q, k, kv_c.unsqueeze(1)
+
+    def route(self, block: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts and weights of rows ``h`` (the torch path; ggml computes the probabilities
         in the layer's graph and selects with ``select``)."""
-        logits = self.model.layers[layer].router(h)
-        return self.select(torch.softmax(logits, dim=-1))
+        router = self.model.layers[block].router
+        assert router is not None
+        return self.select(torch.softmax(router(h), dim=-1))
 
     def select(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of router probabilities; renormalised as llama.cpp does (the sum in double, one
-        float32 division) where the architecture asks for it."""
+        float32 division) where the architecture asks for it, then scaled by the model's
+        ``expert_weights_scale`` (a float32 multiply, as ggml_scale) unless it is 1."""
         w, ids = torch.topk(probs, self.cfg.n_expert_used, dim=-1)
-        if self.cfg.spec.norm_topk:
+        if self.cfg.norm_topk:
             w = w / w.double().sum(-1, keepdim=True).float()
+        if self.cfg.expert_weights_scale != 1.0:
+            w = w * torch.tensor(self.cfg.expert_weights_scale, dtype=torch.float32)
         return ids, w
 
     # -- forward ----------------------------------------------------------------------------
@@ -244,8 +324,13 @@ class Transformer:
             attn = att[0] if len(att) == 1 else np.concatenate(att)
             blk_o = gd.attn_out[li]
             xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
+            moe_layer = self._moe_of[li]
+            if moe_layer is None:  # a dense block: its FFN came out of the graph
+                assert shared is not None
+                xn = xn + shared
+                continue
             ids, w = self.select(torch.from_numpy(probs))
-            moe = self.experts.moe(li, torch.from_numpy(hn), ids, w).numpy()
+            moe = self.experts.moe(moe_layer, torch.from_numpy(hn), ids, w).numpy()
             if shared is not None:  # llama.cpp: (routed + shared) + residual, float32 adds
                 moe = moe + shared
             xn = xn + moe  # float32, as llama.cpp's add
@@ -262,20 +347,10 @@ class Transformer:
         n_tok = x.shape[0]
         H, Hkv, hdk, hdv = cfg.n_head, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
         group = H // Hkv
-        scale = 1.0 / (hdk**0.5)
+        scale = cfg.kq_scale or 1.0 / (hdk**0.5)
         for li, L in enumerate(m.layers):
             h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-            q, k, v = _biased(L.wq(h), L.bq), _biased(L.wk(h), L.bk), _biased(L.wv(h), L.bv)
-            full = cfg.spec.qk_norm == "full"
-            if full and L.q_norm is not None and L.k_norm is not None:  # over the whole projection
-                q = rms_norm(q, L.q_norm, cfg.rms_eps)
-                k = rms_norm(k, L.k_norm, cfg.rms_eps)
-            q, k, v = q.view(n_tok, H, hdk), k.view(n_tok, Hkv, hdk), v.view(n_tok, Hkv, hdv)
-            if not full and L.q_norm is not None and L.k_norm is not None:  # per head
-                q = rms_norm(q, L.q_norm, cfg.rms_eps)
-                k = rms_norm(k, L.k_norm, cfg.rms_eps)
-            q = self._rope(q, pos)
-            k = self._rope(k, pos)
+            q, k, v = self._mla_qkv(L, h, pos) if L.mla is not None else self._qkv(L, h, pos)
             attn = torch.empty(n_tok, H, hdv)
             for c, (s, e) in zip(chunks, bounds, strict=True):
                 n = e - s
@@ -297,10 +372,20 @@ class Transformer:
                 o = torch.bmm(torch.softmax(scores, dim=-1), vv)  # [Hkv, group * n, hdv]
                 o = o.view(Hkv, group, n, hdv).permute(2, 0, 1, 3).reshape(n, H, hdv)
                 attn[s:e] = o
-            x = x + _biased(L.wo(attn.reshape(n_tok, H * hdv)), L.bo)
+            if L.mla is not None:  # per head from the latent space to the value dims (attn_v_b)
+                vb = L.mla.wv_b.to_float()  # [H, d_v, kv_lora]
+                att = torch.bmm(vb, attn.permute(1, 2, 0)).permute(2, 0, 1).reshape(n_tok, -1)  # [n, H * d_v]
+            else:
+                att = attn.reshape(n_tok, H * hdv)
+            x = x + _biased(L.wo(att), L.bo)
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
+            moe_layer = self._moe_of[li]
+            if moe_layer is None:  # a dense block
+                assert L.shared is not None
+                x = x + shared_ffn(L.shared, h)
+                continue
             ids, w = self.route(li, h)
-            moe = self.experts.moe(li, h, ids, w)
+            moe = self.experts.moe(moe_layer, h, ids, w)
             if L.shared is not None:
                 moe = moe + shared_ffn(L.shared, h)
             x = x + moe

@@ -117,10 +117,10 @@ def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     rt = await trio.to_thread.run_sync(load_runtime, cfg)
     model = rt.model
-    local = parse_local_experts(cfg.local_experts, model.config.n_layer, model.config.n_expert)
+    local = parse_local_experts(cfg.local_experts, model.config.n_moe_layer, model.config.n_expert)
     if not local.all:
         log.info("local experts %s: %d of %d held here, the rest only on volunteers", local.spec,
-                 local.held_experts(), model.config.n_layer * model.config.n_expert)
+                 local.held_experts(), model.config.n_moe_layer * model.config.n_expert)
     with contextlib.ExitStack() as stack:
         if cfg.data_dir is not None:
             data_dir = Path(cfg.data_dir)  # expanded at the edge (CLI)

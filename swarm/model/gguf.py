@@ -35,6 +35,8 @@ __all__ = [
     "ArchSpec",
     "ExpertStack",
     "GGUFModel",
+    "MlaConfig",
+    "MlaWeights",
     "ModelConfig",
     "QTensor",
     "SharedExpert",
@@ -72,6 +74,13 @@ class ArchSpec:
     # when ``expert_ff_key`` is absent: feed_forward_length / expert_used_count (qwen2moe), else an error
     expert_ff_from_n_ff: bool = False
     shared_ff_key: str = "expert_shared_feed_forward_length"  # absent: feed_forward_length
+    # DeepSeek-V2 style: the shared experts' width is expert_shared_count x the expert width
+    shared_ff_from_count: bool = False
+    # "mla": multi-head latent attention (DeepSeek-V2: compressed KV, split rope/nope head dims,
+    # attn_k_b/attn_v_b absorbed as llama.cpp does, one latent "kv head"); "mha": q/k/v projections
+    attention: Literal["mha", "mla"] = "mha"
+    # metadata that may turn on the top-k renormalisation (DeepSeek: expert_weights_norm), else norm_topk
+    norm_topk_key: str | None = None
     # the routed experts' activation, carried by manifests and slices to volunteers
     # (``swarm.model.kernels.EXPERT_ACTIVATIONS``); every architecture so far: silu(gate) * up
     expert_activation: str = "silu"
@@ -88,7 +97,25 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # OLMoE: q/k RMSNorm over the whole projection (all heads at once), no renormalisation, expert
     # width from feed_forward_length
     "olmoe": ArchSpec("olmoe", rope_neox=True, qk_norm="full", norm_topk=False, expert_ff_key="feed_forward_length"),
+    # DeepSeek-V2 / V2-Lite: multi-head latent attention, adjacent-pair RoPE on the rope dims only,
+    # leading dense FFN layers (leading_dense_block_count), expert_shared_count shared experts, softmax
+    # gating scaled by expert_weights_scale, renormalised only where expert_weights_norm says so
+    "deepseek2": ArchSpec("deepseek2", rope_neox=False, qk_norm="none", norm_topk=False, shared_expert="plain",
+                          shared_ff_from_count=True, attention="mla", norm_topk_key="expert_weights_norm"),
 }
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek-V2's attention dimensions: per head ``d_nope + d_rope`` query/key dims (RoPE on the
+    last ``d_rope``), ``d_v`` value dims; K/V compressed to ``kv_lora_rank`` (+ the shared rope part);
+    queries through a ``q_lora_rank`` bottleneck (0: one plain projection, ``attn_q``)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int
+    d_nope: int
+    d_rope: int
+    d_v: int
 
 
 @dataclass(frozen=True)
@@ -110,6 +137,18 @@ class ModelConfig:
     rms_eps: float
     spec: ArchSpec
     d_shared: int = 0  # the shared expert's width (0: none)
+    # the blocks with routed experts, in order; "expert layer" i (slices, manifests, dispatch maps) is
+    # block moe_layers[i]. Every block but DeepSeek's leading dense ones.
+    moe_layers: tuple[int, ...] = ()
+    d_ff_dense: int = 0  # the FFN width of the dense blocks (feed_forward_length)
+    norm_topk: bool = False  # renormalise the top-k weights
+    expert_weights_scale: float = 1.0  # the top-k weights are multiplied by this (when not 0 or 1)
+    mla: MlaConfig | None = None
+    kq_scale: float = 0.0  # the attention's score scale (0: 1/sqrt(head_dim_k))
+
+    @property
+    def n_moe_layer(self) -> int:
+        return len(self.moe_layers)
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22, *, drop_cache: bool = False) -> str:
@@ -260,22 +299,41 @@ class SharedExpert:
 
 
 @dataclass(frozen=True)
+class MlaWeights:
+    """A block's multi-head latent attention weights (DeepSeek-V2): ``wq_a``/``q_a_norm``/``wq_b`` (or
+    the block's ``wq`` when ``q_lora_rank`` is 0), ``wkv_a`` ``[kv_lora + d_rope, d_model]``,
+    ``kv_a_norm``, and ``wk_b`` ``(H, kv_lora, d_nope)`` / ``wv_b`` ``(H, d_v, kv_lora)`` as stored."""
+
+    wq_a: Linear | None
+    q_a_norm: torch.Tensor | None
+    wq_b: Linear | None
+    wkv_a: Linear
+    kv_a_norm: torch.Tensor
+    wk_b: QTensor
+    wv_b: QTensor
+
+
+@dataclass(frozen=True)
 class LayerWeights:
+    """One block. ``wk``/``wv`` are None with MLA (``mla``); ``router``/``experts`` are None in a
+    dense block, whose FFN is ``shared``; otherwise ``shared`` is the shared expert, if any."""
+
     attn_norm: torch.Tensor
-    wq: Linear
-    wk: Linear
-    wv: Linear
+    wq: Linear | None
+    wk: Linear | None
+    wv: Linear | None
     wo: Linear
     q_norm: torch.Tensor | None  # [head_dim_k] (per head) or [n_head * head_dim_k] (whole projection)
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
-    router: Linear
-    experts: ExpertStack
+    router: Linear | None
+    experts: ExpertStack | None
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
     shared: SharedExpert | None = None
+    mla: MlaWeights | None = None
 
 
 class GGUFModel:
@@ -335,34 +393,83 @@ class GGUFModel:
         head_dim_v = int(_field(f, f"{arch}.attention.value_length", head_dim_k))
         tokens = _field(f, "tokenizer.ggml.tokens", [])
         n_vocab = len(tokens) if tokens else self.tensors["token_embd.weight"].shape[0]
+        n_layer = int(_field(f, f"{arch}.block_count", required=True))
+        n_dense = int(_field(f, f"{arch}.leading_dense_block_count", 0))
+        if not 0 <= n_dense < n_layer:
+            raise ModelError(f"{arch}.leading_dense_block_count {n_dense} leaves no MoE block of {n_layer}")
+        n_used = int(_field(f, f"{arch}.expert_used_count", required=True))
+        d_expert = self._expert_width(arch, spec, n_used)
+        if spec.shared_expert == "none":
+            d_shared = 0
+        elif spec.shared_ff_from_count:
+            d_shared = int(_field(f, f"{arch}.expert_shared_count", 0)) * d_expert
+        else:
+            d_shared = int(_field(f, f"{arch}.{spec.shared_ff_key}", 0) or _field(f, f"{arch}.feed_forward_length", 0))
+        mla = self._mla(arch) if spec.attention == "mla" else None
+        self._check_rope_scaling(arch)
+        gating = int(_field(f, f"{arch}.expert_gating_func", 1))
+        if gating != 1:  # llama.cpp: 1 softmax, 2 sigmoid (DeepSeek-V3), 3 softmax of the top-k
+            raise UnsupportedArchitecture(f"{arch} with expert_gating_func {gating} (not softmax) is not supported")
         cfg = ModelConfig(
             arch=arch,
             n_vocab=n_vocab,
             n_ctx_train=int(_field(f, f"{arch}.context_length", 2048)),
             d_model=d_model,
-            n_layer=int(_field(f, f"{arch}.block_count", required=True)),
+            n_layer=n_layer,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim_k=head_dim_k,
             head_dim_v=head_dim_v,
             n_rot=int(_field(f, f"{arch}.rope.dimension_count", head_dim_k)),
             n_expert=n_expert,
-            n_expert_used=int(_field(f, f"{arch}.expert_used_count", required=True)),
-            d_expert=self._expert_width(arch, spec, int(_field(f, f"{arch}.expert_used_count", 1))),
+            n_expert_used=n_used,
+            d_expert=d_expert,
             rope_base=float(_field(f, f"{arch}.rope.freq_base", 10000.0)),
             rms_eps=float(_field(f, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             spec=spec,
-            d_shared=int(_field(f, f"{arch}.{spec.shared_ff_key}", 0) or _field(f, f"{arch}.feed_forward_length", 0))
-            if spec.shared_expert != "none" else 0,
+            d_shared=d_shared,
+            moe_layers=tuple(range(n_dense, n_layer)),
+            d_ff_dense=int(_field(f, f"{arch}.feed_forward_length", 0)) if n_dense else 0,
+            norm_topk=bool(_field(f, f"{arch}.{spec.norm_topk_key}", spec.norm_topk)) if spec.norm_topk_key
+            else spec.norm_topk,
+            expert_weights_scale=float(_field(f, f"{arch}.expert_weights_scale", 0.0) or 1.0),
+            mla=mla,
+            kq_scale=float(np.float32(1.0) / np.sqrt(np.float32(mla.d_nope + mla.d_rope))) if mla is not None else 0.0,
         )
-        if spec.shared_expert != "none" and cfg.d_shared <= 0:
+        if spec.shared_expert != "none" and cfg.d_shared <= 0 and not spec.shared_ff_from_count:
             raise ModelError(f"{arch}: the shared expert's width ({arch}.{spec.shared_ff_key} or "
                              f"{arch}.feed_forward_length) is missing")
+        if n_dense and cfg.d_ff_dense <= 0:
+            raise ModelError(f"{arch}: {arch}.feed_forward_length (the dense blocks' width) is missing")
         if n_head % n_head_kv != 0:
             raise ModelError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
         if not 0 < cfg.n_expert_used <= cfg.n_expert:
             raise ModelError(f"expert_used_count {cfg.n_expert_used} out of range for {cfg.n_expert} experts")
         return cfg
+
+    def _mla(self, arch: str) -> MlaConfig:
+        f = self.fields
+        key_mla, val_mla = f"{arch}.attention.key_length_mla", f"{arch}.attention.value_length_mla"
+        if key_mla not in f or val_mla not in f:
+            raise UnsupportedArchitecture(
+                f"{arch} file without {key_mla} / {val_mla}: a GGUF converted before llama.cpp split attn_kv_b "
+                "into attn_k_b and attn_v_b; convert the model again with a current llama.cpp")
+        d_rope = int(_field(f, f"{arch}.rope.dimension_count", required=True))
+        kv_lora = int(_field(f, f"{arch}.attention.kv_lora_rank", required=True))
+        mla = MlaConfig(kv_lora_rank=kv_lora, q_lora_rank=int(_field(f, f"{arch}.attention.q_lora_rank", 0)),
+                        d_nope=int(f[key_mla]) - d_rope, d_rope=d_rope, d_v=int(f[val_mla]))
+        hk, hv, hkv = (int(_field(f, f"{arch}.attention.{k}", 0)) for k in ("key_length", "value_length", "head_count_kv"))
+        if (hk, hv, hkv) != (kv_lora + d_rope, kv_lora, 1) or mla.d_nope <= 0:
+            raise ModelError(f"{arch}: MLA needs key_length = kv_lora_rank + rope dims ({kv_lora + d_rope}), "
+                             f"value_length = kv_lora_rank ({kv_lora}) and one kv head; the file says "
+                             f"{hk}, {hv}, {hkv}")
+        return mla
+
+    def _check_rope_scaling(self, arch: str) -> None:
+        kind = _field(self.fields, f"{arch}.rope.scaling.type", "none")
+        factor = float(_field(self.fields, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        if str(kind) not in ("none", "") and factor != 1.0:
+            raise UnsupportedArchitecture(f"{arch} with RoPE scaling {kind!r} (factor {factor}) is not supported yet")
 
     def _expert_width(self, arch: str, spec: ArchSpec, n_used: int) -> int:
         f = self.fields
@@ -388,43 +495,81 @@ class GGUFModel:
     def _optional(self, name: str) -> torch.Tensor | None:
         return self._dense(name) if name in self.tensors else None
 
+    def _ffn(self, p: str, suffix: str, width: int, gate_inp: str | None = None) -> SharedExpert:
+        ffn = SharedExpert(gate=self._linear(f"{p}ffn_gate{suffix}.weight"), up=self._linear(f"{p}ffn_up{suffix}.weight"),
+                           down=self._linear(f"{p}ffn_down{suffix}.weight"),
+                           gate_inp=self._dense(p + gate_inp).reshape(-1) if gate_inp is not None else None)
+        if (ffn.gate.out_features, ffn.down.in_features) != (width, width):
+            raise ModelError(f"{p}ffn_*{suffix}: the tensors are not {width} wide")
+        return ffn
+
     def _layer(self, i: int) -> LayerWeights:
         p = f"blk.{i}."
-        spec = self.config.spec
+        cfg = self.config
+        spec = cfg.spec
+        moe = i in cfg.moe_layers
         if spec.qkv_bias:
             for b in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
                 self.tensor(p + b)  # required: a clear error when missing
         shared = None
-        if spec.shared_expert != "none":
-            shared = SharedExpert(
-                gate=self._linear(p + "ffn_gate_shexp.weight"), up=self._linear(p + "ffn_up_shexp.weight"),
-                down=self._linear(p + "ffn_down_shexp.weight"),
-                gate_inp=self._dense(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-                if spec.shared_expert == "sigmoid" else None)
-            if (shared.gate.out_features, shared.down.in_features) != (self.config.d_shared, self.config.d_shared):
-                raise ModelError(f"blk.{i}: shared expert tensors are not {self.config.d_shared} wide")
+        if not moe:  # a leading dense block: its whole FFN, computed like a shared expert
+            shared = self._ffn(p, "", cfg.d_ff_dense)
+        elif spec.shared_expert != "none" and cfg.d_shared > 0:
+            shared = self._ffn(p, "_shexp", cfg.d_shared,
+                               "ffn_gate_inp_shexp.weight" if spec.shared_expert == "sigmoid" else None)
         qk = spec.qk_norm != "none"
+        mha = spec.attention == "mha"
         return LayerWeights(
             attn_norm=self._dense(p + "attn_norm.weight"),
-            wq=self._linear(p + "attn_q.weight"),
-            wk=self._linear(p + "attn_k.weight"),
-            wv=self._linear(p + "attn_v.weight"),
+            wq=self._linear(p + "attn_q.weight") if mha or f"{p}attn_q.weight" in self.tensors else None,
+            wk=self._linear(p + "attn_k.weight") if mha else None,
+            wv=self._linear(p + "attn_v.weight") if mha else None,
             wo=self._linear(p + "attn_output.weight"),
             q_norm=self._dense(p + "attn_q_norm.weight") if qk else None,
             k_norm=self._dense(p + "attn_k_norm.weight") if qk else None,
             ffn_norm=self._dense(p + "ffn_norm.weight"),
-            router=self._linear(p + "ffn_gate_inp.weight"),
-            experts=self.expert_stack(i),
+            router=self._linear(p + "ffn_gate_inp.weight") if moe else None,
+            experts=self._stack(i) if moe else None,
             bq=self._optional(p + "attn_q.bias"),
             bk=self._optional(p + "attn_k.bias"),
             bv=self._optional(p + "attn_v.bias"),
             bo=self._optional(p + "attn_output.bias"),
             shared=shared,
+            mla=self._mla_weights(p) if not mha else None,
         )
 
+    def _mla_weights(self, p: str) -> MlaWeights:
+        mla = self.config.mla
+        assert mla is not None
+        H = self.config.n_head
+        low_rank_q = mla.q_lora_rank > 0
+        w = MlaWeights(
+            wq_a=self._linear(p + "attn_q_a.weight") if low_rank_q else None,
+            q_a_norm=self._dense(p + "attn_q_a_norm.weight") if low_rank_q else None,
+            wq_b=self._linear(p + "attn_q_b.weight") if low_rank_q else None,
+            wkv_a=self._linear(p + "attn_kv_a_mqa.weight"),
+            kv_a_norm=self._dense(p + "attn_kv_a_norm.weight"),
+            wk_b=self.tensor(p + "attn_k_b.weight"),
+            wv_b=self.tensor(p + "attn_v_b.weight"),
+        )
+        want = {"attn_k_b": (H, mla.kv_lora_rank, mla.d_nope), "attn_v_b": (H, mla.d_v, mla.kv_lora_rank)}
+        for name, t in (("attn_k_b", w.wk_b), ("attn_v_b", w.wv_b)):
+            if t.shape != want[name]:
+                raise ModelError(f"{p}{name}.weight has shape {t.shape}, MLA needs {want[name]}")
+        if w.wkv_a.out_features != mla.kv_lora_rank + mla.d_rope:
+            raise ModelError(f"{p}attn_kv_a_mqa.weight is not kv_lora_rank + rope dims wide")
+        return w
+
+    def _stack(self, block: int) -> ExpertStack:
+        return ExpertStack(*(self.tensor(f"blk.{block}.ffn_{kind}_exps.weight") for kind in ("gate", "up", "down")))
+
     def expert_stack(self, layer: int, lo: int = 0, hi: int | None = None) -> ExpertStack:
-        """Experts ``lo..hi-1`` of a layer as a zero-copy ``ExpertStack``."""
-        stack = ExpertStack(*(self.tensor(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in ("gate", "up", "down")))
+        """Experts ``lo..hi-1`` of expert layer ``layer`` (block ``config.moe_layers[layer]``) as a
+        zero-copy ``ExpertStack``."""
+        if not 0 <= layer < self.config.n_moe_layer:
+            raise ModelError(f"expert layer {layer} out of range: the model has {self.config.n_moe_layer}")
+        stack = self.layers[self.config.moe_layers[layer]].experts
+        assert stack is not None
         return stack.experts(lo, stack.n_expert if hi is None else hi)
 
     @property

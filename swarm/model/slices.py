@@ -93,8 +93,8 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 def check_slice_range(config: ModelConfig, layer: int, lo: int, hi: int) -> None:
     """``SliceError`` (code ``bad_slice_range``) unless the slice exists in a model of ``config``."""
-    if not 0 <= layer < config.n_layer:
-        raise SliceError(f"layer {layer} out of range: the model has layers 0..{config.n_layer - 1}",
+    if not 0 <= layer < config.n_moe_layer:
+        raise SliceError(f"layer {layer} out of range: the model has layers 0..{config.n_moe_layer - 1}",
                          code="bad_slice_range")
     if not 0 <= lo < hi <= config.n_expert:
         raise SliceError(f"expert range {lo}-{hi} invalid: need 0 <= lo < hi <= {config.n_expert} (half-open)",
@@ -599,7 +599,7 @@ def _expert_facts(model: GGUFModel) -> _ExpertFacts:
     kind_bytes: list[dict[str, int]] = []
     offsets: list[dict[str, int]] = []
     digests: list[list[str]] = []
-    for layer in range(model.config.n_layer):
+    for layer in range(model.config.n_moe_layer):
         stack = model.expert_stack(layer)
         kinds = {"gate": stack.gate_t, "up": stack.up_t, "down": stack.down_t}
         kind_bytes.append({k: t.nbytes // stack.n_expert for k, t in kinds.items()})
@@ -620,7 +620,7 @@ def _cached_facts(model: GGUFModel, cache_dir: Path | None) -> _ExpertFacts:
         except (OSError, msgspec.DecodeError) as exc:
             log.warning("ignoring the expert hash cache %s: %s", path, exc)
         else:
-            if (facts.gguf_sha256 == model.sha256 and len(facts.expert_sha256) == cfg.n_layer
+            if (facts.gguf_sha256 == model.sha256 and len(facts.expert_sha256) == cfg.n_moe_layer
                     and all(len(row) == cfg.n_expert for row in facts.expert_sha256)):
                 return facts
             log.warning("the expert hash cache %s does not fit the model; computing it again", path)
@@ -646,7 +646,7 @@ def build_manifest(model: GGUFModel, *, origins: Iterable[str] = (), cache_dir: 
     cfg = model.config
     types: list[dict[str, str]] = []
     per_expert: list[int] = []
-    for layer in range(cfg.n_layer):
+    for layer in range(cfg.n_moe_layer):
         stack = model.expert_stack(layer)
         types.append({"gate": stack.gate_t.qtype.name, "up": stack.up_t.qtype.name, "down": stack.down_t.qtype.name})
         per_expert.append(stack.nbytes // stack.n_expert)
@@ -654,7 +654,7 @@ def build_manifest(model: GGUFModel, *, origins: Iterable[str] = (), cache_dir: 
     manifest = ModelManifest(
         model_id=model.model_id,
         arch=cfg.arch,
-        n_layer=cfg.n_layer,
+        n_layer=cfg.n_moe_layer,
         n_expert=cfg.n_expert,
         n_expert_used=cfg.n_expert_used,
         d_model=cfg.d_model,
@@ -670,7 +670,7 @@ def build_manifest(model: GGUFModel, *, origins: Iterable[str] = (), cache_dir: 
     )
     # the invariant a download from peers and mirrors rests on: the manifest alone rebuilds the header
     # cut_slice writes (a model whose expert tensors disagree with its metadata would break it)
-    for layer in range(cfg.n_layer):
+    for layer in range(cfg.n_moe_layer):
         try:
             same = plan_slice(manifest, layer, 0, 1).header == _layout(model, layer, 0, 1).header
         except SliceError:

@@ -82,10 +82,11 @@ __all__ = [
     "run_make_model",
 ]
 
-Arch = Literal["qwen3moe", "mixtral", "qwen2moe", "olmoe"]
+Arch = Literal["qwen3moe", "mixtral", "qwen2moe", "olmoe", "deepseek2"]
 SizeName = Literal["tiny", "small", "bench", "30b-a3b"]
 ARCHITECTURES: tuple[str, ...] = get_args(Arch)
-GGUF_ARCH: Final[dict[str, str]] = {"qwen3moe": "qwen3moe", "mixtral": "llama", "qwen2moe": "qwen2moe", "olmoe": "olmoe"}
+GGUF_ARCH: Final[dict[str, str]] = {"qwen3moe": "qwen3moe", "mixtral": "llama", "qwen2moe": "qwen2moe", "olmoe": "olmoe",
+                                    "deepseek2": "deepseek2"}
 SHARED_WIDTH_FACTOR: Final = 4  # qwen2moe's shared expert is 4x an expert's width (Qwen1.5-MoE-A2.7B: 5632 / 1408)
 
 # Rendering: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
@@ -160,9 +161,33 @@ class _TensorPlan:
         return (*self.shape[:-1], quant.bytes_per_row(self.qtype, self.shape[-1]))
 
 
+@dataclass(frozen=True)
+class MlaDims:
+    """deepseek2's attention and FFN shape for a size: nope/rope/value head dims, the latent ranks,
+    one leading dense block of ``dense_width``, ``n_shared`` shared experts."""
+
+    d_nope: int
+    d_rope: int
+    d_v: int
+    kv_lora_rank: int
+    q_lora_rank: int
+    n_dense: int
+    dense_width: int
+    n_shared: int
+
+
+def mla_dims(spec: SizeSpec) -> MlaDims:
+    """DeepSeek-V2's proportions scaled to the size's head_dim (V2: 128/64/128, kv 512, q 1536).
+    q goes through its low-rank bottleneck (V2's layout: llama.cpp 0.3.36 reads V2-Lite's plain
+    attn_q only in 26- or 27-block models)."""
+    hd = spec.head_dim
+    return MlaDims(d_nope=hd, d_rope=hd // 2, d_v=hd, kv_lora_rank=2 * hd, q_lora_rank=3 * hd // 2, n_dense=1,
+                   dense_width=3 * spec.expert_width, n_shared=2)
+
+
 def n_head_kv(arch: Arch, spec: SizeSpec) -> int:
     """OLMoE has as many kv heads as query heads (llama.cpp sizes its k norm by d_model)."""
-    return spec.n_head if arch == "olmoe" else spec.n_head_kv
+    return spec.n_head if arch == "olmoe" else 1 if arch == "deepseek2" else spec.n_head_kv
 
 
 def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
@@ -171,6 +196,8 @@ def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
     dense, f32 = spec.dense_type, T.F32
     norm_std = 0.1
     plans = [_TensorPlan("token_embd.weight", (spec.vocab_size, d), dense, 1.0)]
+    if arch == "deepseek2":
+        return plans + _plan_deepseek2(spec, expert_type)
     for i in range(spec.n_layer):
         b = f"blk.{i}."
         plans += [
@@ -214,6 +241,48 @@ def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
         _TensorPlan("output.weight", (spec.vocab_size, d), dense, 2.0 * d**-0.5),
     ]
     return plans
+
+
+def _plan_deepseek2(spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
+    """The blocks and head of a deepseek2 file (llama.cpp's tensor names and shapes, numpy order)."""
+    m = mla_dims(spec)
+    d, H, width, n_exp, dense, f32 = spec.d_model, spec.n_head, spec.expert_width, spec.n_expert, spec.dense_type, T.F32
+    qk, sw = m.d_nope + m.d_rope, m.n_shared * width
+    plans: list[_TensorPlan] = []
+    for i in range(spec.n_layer):
+        b = f"blk.{i}."
+        plans += [
+            _TensorPlan(b + "attn_norm.weight", (d,), f32, 0.1, is_norm=True),
+            _TensorPlan(b + "attn_q_a.weight", (m.q_lora_rank, d), dense, d**-0.5),
+            _TensorPlan(b + "attn_q_a_norm.weight", (m.q_lora_rank,), f32, 0.1, is_norm=True),
+            _TensorPlan(b + "attn_q_b.weight", (H * qk, m.q_lora_rank), dense, m.q_lora_rank**-0.5),
+            _TensorPlan(b + "attn_kv_a_mqa.weight", (m.kv_lora_rank + m.d_rope, d), dense, d**-0.5),
+            _TensorPlan(b + "attn_kv_a_norm.weight", (m.kv_lora_rank,), f32, 0.1, is_norm=True),
+            _TensorPlan(b + "attn_k_b.weight", (H, m.kv_lora_rank, m.d_nope), dense, m.kv_lora_rank**-0.5),
+            _TensorPlan(b + "attn_v_b.weight", (H, m.d_v, m.kv_lora_rank), dense, m.kv_lora_rank**-0.5),
+            _TensorPlan(b + "attn_output.weight", (d, H * m.d_v), dense, (H * m.d_v) ** -0.5),
+            _TensorPlan(b + "ffn_norm.weight", (d,), f32, 0.1, is_norm=True),
+        ]
+        if i < m.n_dense:
+            plans += [
+                _TensorPlan(b + "ffn_gate.weight", (m.dense_width, d), dense, d**-0.5),
+                _TensorPlan(b + "ffn_up.weight", (m.dense_width, d), dense, d**-0.5),
+                _TensorPlan(b + "ffn_down.weight", (d, m.dense_width), dense, m.dense_width**-0.5),
+            ]
+            continue
+        plans += [
+            _TensorPlan(b + "ffn_gate_inp.weight", (n_exp, d), f32, d**-0.5),
+            _TensorPlan(b + "ffn_gate_exps.weight", (n_exp, width, d), expert_type, d**-0.5),
+            _TensorPlan(b + "ffn_up_exps.weight", (n_exp, width, d), expert_type, d**-0.5),
+            _TensorPlan(b + "ffn_down_exps.weight", (n_exp, d, width), expert_type, width**-0.5),
+            _TensorPlan(b + "ffn_gate_shexp.weight", (sw, d), dense, d**-0.5),
+            _TensorPlan(b + "ffn_up_shexp.weight", (sw, d), dense, d**-0.5),
+            _TensorPlan(b + "ffn_down_shexp.weight", (d, sw), dense, sw**-0.5),
+        ]
+    return plans + [
+        _TensorPlan("output_norm.weight", (d,), f32, 0.1, is_norm=True),
+        _TensorPlan("output.weight", (spec.vocab_size, d), dense, 2.0 * d**-0.5),
+    ]
 
 
 def _draw(seed: int, plan: _TensorPlan, shape: tuple[int, ...], expert: int) -> npt.NDArray[np.float32]:
@@ -320,16 +389,34 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
         w.add_uint32(f"{a}.feed_forward_length", SHARED_WIDTH_FACTOR * spec.expert_width)
         w.add_uint32(f"{a}.expert_feed_forward_length", spec.expert_width)
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", SHARED_WIDTH_FACTOR * spec.expert_width)
+    elif arch == "deepseek2":  # DeepseekV2Model (convert_hf_to_gguf.py), MLA with attn_k_b / attn_v_b
+        m = mla_dims(spec)
+        w.add_uint32(f"{a}.feed_forward_length", m.dense_width)
+        w.add_uint32(f"{a}.leading_dense_block_count", m.n_dense)
+        w.add_uint32(f"{a}.attention.q_lora_rank", m.q_lora_rank)
+        w.add_uint32(f"{a}.attention.kv_lora_rank", m.kv_lora_rank)
+        w.add_uint32(f"{a}.attention.key_length_mla", m.d_nope + m.d_rope)
+        w.add_uint32(f"{a}.attention.value_length_mla", m.d_v)
+        w.add_uint32(f"{a}.expert_feed_forward_length", spec.expert_width)
+        w.add_uint32(f"{a}.expert_shared_count", m.n_shared)
+        w.add_float32(f"{a}.expert_weights_scale", 1.0)
+        w.add_bool(f"{a}.expert_weights_norm", False)
+        w.add_uint32(f"{a}.expert_gating_func", 1)  # softmax
     else:  # mixtral, olmoe: the expert width is feed_forward_length
         w.add_uint32(f"{a}.feed_forward_length", spec.expert_width)
     w.add_uint32(f"{a}.attention.head_count", spec.n_head)
     w.add_uint32(f"{a}.attention.head_count_kv", n_head_kv(arch, spec))
-    if arch == "mixtral":
+    if arch == "deepseek2":
+        m = mla_dims(spec)
+        w.add_uint32(f"{a}.attention.key_length", m.kv_lora_rank + m.d_rope)
+        w.add_uint32(f"{a}.attention.value_length", m.kv_lora_rank)
+        w.add_uint32(f"{a}.rope.dimension_count", m.d_rope)
+    elif arch == "mixtral":
         w.add_uint32(f"{a}.rope.dimension_count", spec.head_dim)
     else:
         w.add_uint32(f"{a}.attention.key_length", spec.head_dim)
         w.add_uint32(f"{a}.attention.value_length", spec.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", 10_000.0 if arch == "olmoe" else 1_000_000.0)
+    w.add_float32(f"{a}.rope.freq_base", 10_000.0 if arch in ("olmoe", "deepseek2") else 1_000_000.0)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6 if arch in ("qwen3moe", "qwen2moe") else 1e-5)
     w.add_uint32(f"{a}.expert_count", spec.n_expert)
     w.add_uint32(f"{a}.expert_used_count", spec.n_expert_used)
@@ -339,7 +426,7 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
 
     vocab = build_vocab(spec.vocab_size)
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", {"mixtral": "llama-bpe", "olmoe": "olmo"}.get(arch, "qwen2"))
+    w.add_string("tokenizer.ggml.pre", {"mixtral": "llama-bpe", "olmoe": "olmo", "deepseek2": "llama-bpe"}.get(arch, "qwen2"))
     w.add_token_list(list(vocab.tokens))
     w.add_token_types(list(vocab.token_types))
     w.add_token_merges(list(vocab.merges))

@@ -1,7 +1,8 @@
 """Every architecture's routed experts on volunteers over real libp2p hosts: the same bits as all-local.
 
-The shared expert (qwen2moe) is not routed and stays on the coordinator; the routed ranges are sliced
-and served exactly as qwen3moe's are, so a volunteer serves slices of every architecture.
+The shared experts (qwen2moe, deepseek2) and deepseek2's leading dense block are not routed and stay on
+the coordinator; the routed ranges are sliced and served exactly as qwen3moe's are (expert layer i is
+block ``moe_layers[i]``), so a volunteer serves slices of every architecture.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from swarm.p2p.libp2p import open_libp2p_transport
 from tests.conftest import FIXTURES
 from tests.integration.test_remote_experts import dmap, greedy, make_dispatcher, report, start_volunteer
 
-FILES = ["qwen2moe-tiny-f32", "qwen2moe-tiny-q8_0", "qwen2moe-tiny-mxfp4_moe", "olmoe-tiny-f32", "olmoe-tiny-q8_0"]
+FILES = ["qwen2moe-tiny-f32", "qwen2moe-tiny-q8_0", "qwen2moe-tiny-mxfp4_moe", "olmoe-tiny-f32", "olmoe-tiny-q8_0",
+         "deepseek2-tiny-f32", "deepseek2-tiny-q8_0"]
 
 
 @pytest.mark.parametrize("name", FILES)

@@ -43,7 +43,7 @@ def clock() -> trio.testing.MockClock:
 
 @dataclass(frozen=True)
 class Dims:
-    n_layer: int = 2
+    n_moe_layer: int = 2
     n_expert: int = N_EXPERT
     d_model: int = D
 

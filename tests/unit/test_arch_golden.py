@@ -4,7 +4,9 @@ Each architecture has a tiny F32 file written by an independent script laid out 
 converter lays out a real model of that family, the same file quantised to Q8_0 by llama.cpp, and
 llama.cpp's logits (F32 KV cache), greedy continuations and tokenisation on both. Each single
 deviation a family has (qwen2moe: q/k/v biases, the sigmoid-gated shared expert, no top-k
-renormalisation; olmoe: q/k RMSNorm over the whole projection, no renormalisation) moves these
+renormalisation; olmoe: q/k RMSNorm over the whole projection, no renormalisation; deepseek2:
+multi-head latent attention with k_b absorbed, RoPE on the rope dims only in adjacent pairs, a
+leading dense block, shared experts, the weights scale) moves these
 logits by far more than the tolerance -- ``test_each_deviation_is_caught`` checks that here.
 qwen2moe is also quantised with llama.cpp's ``MXFP4_MOE`` (MXFP4 experts, whose activations ggml
 quantises to Q8_0 for the dot products; the rest Q8_0).
@@ -30,7 +32,7 @@ from swarm.text.tokenizer import Tokenizer
 from swarm.tools.makemodel import make_model
 from tests.conftest import FIXTURES
 
-ARCHS = ["qwen2moe", "olmoe"]
+ARCHS = ["qwen2moe", "olmoe", "deepseek2"]
 TOL = 1e-4
 GOLDEN = FIXTURES / "golden"
 
@@ -111,6 +113,15 @@ def test_the_architectures_read_their_families_metadata() -> None:
     o = GGUFModel(GOLDEN / "olmoe-tiny-f32.gguf", compute_id=False)
     assert (o.config.d_expert, o.config.d_shared) == (64, 0)  # feed_forward_length is the expert width
     assert o.layers[0].q_norm is not None and o.layers[0].q_norm.shape == (128,)  # the whole projection
+    d = GGUFModel(GOLDEN / "deepseek2-tiny-f32.gguf", compute_id=False)
+    c = d.config
+    assert c.moe_layers == (1, 2) and c.n_moe_layer == 2 and c.d_ff_dense == 192  # block 0 is dense
+    assert (c.d_expert, c.d_shared, c.expert_weights_scale, c.norm_topk) == (64, 128, 1.5, False)
+    assert c.mla is not None and (c.mla.kv_lora_rank, c.mla.q_lora_rank, c.mla.d_nope, c.mla.d_rope, c.mla.d_v) == (
+        64, 48, 32, 16, 32)
+    assert (c.n_head_kv, c.head_dim_k, c.head_dim_v) == (1, 80, 64)  # one latent head: kv_lora + rope, kv_lora
+    assert d.layers[0].router is None and d.layers[0].experts is None and d.layers[0].shared is not None
+    assert d.expert_stack(0).n_expert == 8 and d.expert_stack(0).gate_t.name == "blk.1.ffn_gate_exps.weight"
 
 
 @pytest.mark.parametrize("arch,change", [
@@ -120,6 +131,9 @@ def test_the_architectures_read_their_families_metadata() -> None:
     ("olmoe", {"qk_norm": "none"}),
     ("olmoe", {"norm_topk": True}),
     ("olmoe", {"rope_neox": False}),
+    ("deepseek2", {"rope_neox": True}),
+    ("deepseek2", {"shared_expert": "none"}),
+    ("deepseek2", {"norm_topk_key": None, "norm_topk": True}),
 ])
 def test_each_deviation_is_caught(monkeypatch: pytest.MonkeyPatch, arch: str, change: dict[str, Any]) -> None:
     """The tolerance is meaningful: one architecture rule changed moves the logits far beyond it."""

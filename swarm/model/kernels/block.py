@@ -12,6 +12,10 @@ half is one ggml graph, built once per row bucket (and thread count) and recompu
   (the experts' input) and the router probabilities; with a shared expert also its output
   ``down(silu(gate h) * up h)`` (times ``sigmoid(g . h)`` where it is gated; the sigmoid as
   llama.cpp computes it, ``silu(z) / z``).
+- ``MlaIn``: DeepSeek-V2's multi-head latent attention input, as llama.cpp computes it with
+  ``attn_k_b`` absorbed into the queries (an MQA over one latent head); ``AttnOut`` then takes the
+  latent attention output through ``attn_v_b`` per head before ``W_o``. A dense block (no router)
+  gets its whole FFN as ``shared``.
 - ``Head``: RMSNorm * ``output_norm`` -> output projection.
 
 These are llama.cpp's own ops (``ggml_rms_norm`` sums in double, ``ggml_rope_ext`` with its
@@ -47,7 +51,7 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "SharedFFN"]
+__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "HeadWeights", "MlaIn", "SharedFFN"]
 
 _NODES = 64
 
@@ -105,6 +109,14 @@ class _Graphs:
         raw = _as_raw(w.raw, row_nbytes(tid, w.in_features) * w.out_features, name)
         self._keep.append(raw)
         t = _weight_tensor(self._wctx, tid, (w.in_features, w.out_features), raw, name)
+        self._leaves.append(t)
+        return t
+
+    def _dense3(self, w: HeadWeights, name: str) -> Any:
+        tid = _type_id(w.qtype)
+        raw = _as_raw(w.raw, row_nbytes(tid, w.in_features) * w.out_features * w.heads, name)
+        self._keep.append(raw)
+        t = _weight_tensor(self._wctx, tid, (w.in_features, w.out_features, w.heads), raw, name)
         self._leaves.append(t)
         return t
 
@@ -267,6 +279,109 @@ class AttnIn(_Graphs):
         return q, k, vv
 
 
+class MlaIn(_Graphs):
+    """Multi-head latent attention's input half (DeepSeek-V2), with llama.cpp's absorption of
+    ``attn_k_b``: ``x[n, d]``, positions -> ``q[n, H*(kv_lora+d_rope)]`` (each head's nope part taken
+    into the latent space by k_b, then its roped part), ``k[n, kv_lora+d_rope]`` (the normed latent,
+    then the shared roped part) and ``v[n, kv_lora]`` (the normed latent): an MQA over one latent head.
+    RoPE (``rope_neox`` False: adjacent pairs) acts on the last ``d_rope`` dims of q and k only."""
+
+    def __init__(self, *, attn_norm: np.ndarray, wq: DenseWeight | None, wq_a: DenseWeight | None,
+                 q_a_norm: np.ndarray | None, wq_b: DenseWeight | None, wkv_a: DenseWeight, kv_a_norm: np.ndarray,
+                 wk_b: HeadWeights, n_head: int, kv_lora_rank: int, d_nope: int, d_rope: int, rope_neox: bool,
+                 rope_base: float, eps: float, max_rows: int = 256, family: Family | None = None) -> None:
+        super().__init__(max_rows)
+        d = wkv_a.in_features
+        qk = d_nope + d_rope
+        self.d, self.H, self.kvl, self.dn, self.dr = d, n_head, kv_lora_rank, d_nope, d_rope
+        self.mode, self.rope_base, self.eps = (2 if rope_neox else 0), float(rope_base), float(eps)
+        if wkv_a.out_features != kv_lora_rank + d_rope:
+            raise KernelError("attn_kv_a_mqa must give kv_lora_rank + rope dims")
+        if (wk_b.heads, wk_b.out_features, wk_b.in_features) != (n_head, kv_lora_rank, d_nope):
+            raise KernelError("attn_k_b must be [heads, kv_lora_rank, nope dims]")
+        if d_rope % 2:
+            raise KernelError("the rope dims must be even")
+        self._norm = self._vec(attn_norm, d, "attn_norm")
+        self.low_rank = wq is None
+        if wq is not None:
+            if (wq.in_features, wq.out_features) != (d, n_head * qk):
+                raise KernelError("attn_q must be [heads x (nope + rope), d_model]")
+            self._wq: tuple[Any, ...] = (self._dense(wq, "wq"),)
+            q_macs = d * wq.out_features
+        else:
+            if wq_a is None or wq_b is None or q_a_norm is None:
+                raise KernelError("MLA needs attn_q or attn_q_a, attn_q_a_norm and attn_q_b")
+            if wq_b.out_features != n_head * qk or wq_b.in_features != wq_a.out_features:
+                raise KernelError("attn_q_b does not fit attn_q_a and the heads")
+            self._wq = (self._dense(wq_a, "wq_a"), self._vec(q_a_norm, wq_a.out_features, "q_a_norm"),
+                        self._dense(wq_b, "wq_b"))
+            q_macs = d * wq_a.out_features + wq_a.out_features * wq_b.out_features
+        self._wkv = self._dense(wkv_a, "wkv_a")
+        self._kvn = self._vec(kv_a_norm, kv_lora_rank, "kv_a_norm")
+        self._wkb = self._dense3(wk_b, "wk_b")
+        self.macs = q_macs + d * wkv_a.out_features + n_head * d_nope * kv_lora_rank
+        self._share(family, (n_head, kv_lora_rank, d_nope, d_rope, self.mode, self.rope_base, self.eps, self.low_rank))
+
+    def _mem(self, b: int) -> int:
+        qk, lat = self.dn + self.dr, self.kvl + self.dr
+        return 4 * b * (4 * self.d + 4 * self.H * qk + 4 * self.H * lat + 6 * lat + 2 * self.H * self.kvl) + 4 * b
+
+    def _rope(self, ctx: Any, t: Any, pos: Any) -> Any:
+        return g.ggml_rope_ext(ctx, t, pos, None, self.dr, self.mode, 0, ctypes.c_float(self.rope_base),
+                               ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_float(1.0), ctypes.c_float(32.0),
+                               ctypes.c_float(1.0))
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        H, kvl, dn, dr = self.H, self.kvl, self.dn, self.dr
+        x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
+        pos = g.ggml_new_tensor_1d(ctx, g.GGML_TYPE_I32, b)
+        g.ggml_set_input(x)
+        g.ggml_set_input(pos)
+        h = _rms(ctx, x, self._norm, self.eps)
+        if len(self._wq) == 1:
+            q = g.ggml_mul_mat(ctx, self._wq[0], h)
+        else:
+            wq_a, qn, wq_b = self._wq
+            q = g.ggml_mul_mat(ctx, wq_b, _rms(ctx, g.ggml_mul_mat(ctx, wq_a, h), qn, self.eps))
+        f4 = 4  # float32 rows
+        q_nope = g.ggml_view_3d(ctx, q, dn, H, b, (dn + dr) * f4, (dn + dr) * f4 * H, 0)
+        q_pe = g.ggml_view_3d(ctx, q, dr, H, b, (dn + dr) * f4, (dn + dr) * f4 * H, dn * f4)
+        kv = g.ggml_mul_mat(ctx, self._wkv, h)  # [kv_lora + dr, b]
+        kv_c = g.ggml_view_2d(ctx, kv, kvl, b, (kvl + dr) * f4, 0)
+        k_pe = g.ggml_view_3d(ctx, kv, dr, 1, b, (kvl + dr) * f4, (kvl + dr) * f4, kvl * f4)
+        q_pe = self._rope(ctx, q_pe, pos)
+        k_pe = self._rope(ctx, k_pe, pos)
+        kv_c = _rms(ctx, kv_c, self._kvn, self.eps)
+        q_abs = g.ggml_mul_mat(ctx, self._wkb, g.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [kv_lora, b, H]
+        q_out = g.ggml_concat(ctx, g.ggml_permute(ctx, q_abs, 0, 2, 1, 3), q_pe, 0)  # [kv_lora + dr, H, b]
+        k_out = g.ggml_concat(ctx, g.ggml_reshape_3d(ctx, kv_c, kvl, 1, b), k_pe, 0)  # [kv_lora + dr, 1, b]
+        return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, [q_out, k_out, kv_c]
+
+    def __call__(self, x: np.ndarray, pos: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
+        if x.ndim != 2 or x.shape[1] != self.d or p.shape[0] != x.shape[0]:
+            raise KernelError(f"x must be [n, {self.d}] with n positions, got {x.shape} and {p.shape}")
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["x"][: e - s] = x[s:e]
+            v["pos"][: e - s] = p[s:e]
+
+        q, k, v = self._run(x.shape[0], n_threads, fill, 3)
+        return q, k, v
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """A stack of per-head matrices ``[heads, out, in]`` as raw GGUF bytes (MLA's attn_k_b / attn_v_b)."""
+
+    raw: np.ndarray
+    qtype: int
+    heads: int
+    out_features: int
+    in_features: int
+
+
 @dataclass(frozen=True)
 class SharedFFN:
     """A shared expert's weights for ``AttnOut``: ``gate``/``up`` ``[width, d]``, ``down`` ``[d, width]``,
@@ -283,17 +398,26 @@ class AttnOut(_Graphs):
     * ffn_norm``, router probabilities ``softmax(W_r h)`` ``[n, n_expert]``, and with ``shared`` the
     shared expert's output ``[n, d]``."""
 
-    def __init__(self, *, wo: DenseWeight, ffn_norm: np.ndarray, router: DenseWeight, eps: float,
-                 bo: np.ndarray | None = None, shared: SharedFFN | None = None,
+    def __init__(self, *, wo: DenseWeight, ffn_norm: np.ndarray, router: DenseWeight | None, eps: float,
+                 bo: np.ndarray | None = None, shared: SharedFFN | None = None, v_b: HeadWeights | None = None,
                  max_rows: int = 256, family: Family | None = None) -> None:
         super().__init__(max_rows)
-        if router.in_features != wo.out_features:
+        if router is not None and router.in_features != wo.out_features:
             raise KernelError("router input width differs from the output projection's")
-        self.d, self.a, self.n_expert, self.eps = wo.out_features, wo.in_features, router.out_features, float(eps)
-        self._wo, self._wr = self._dense(wo, "wo"), self._dense(router, "router")
+        if router is None and shared is None:
+            raise KernelError("a block without a router needs its dense FFN (shared)")
+        self.d, self.n_expert, self.eps = wo.out_features, router.out_features if router is not None else 0, float(eps)
+        # MLA: the attention output is per head in the latent space, decompressed by v_b before wo
+        self.v_b = v_b
+        self.a = v_b.heads * v_b.in_features if v_b is not None else wo.in_features
+        if v_b is not None and v_b.heads * v_b.out_features != wo.in_features:
+            raise KernelError("v_b's heads x value dims differ from the output projection's input")
+        self._wvb = self._dense3(v_b, "v_b") if v_b is not None else None
+        self._wo = self._dense(wo, "wo")
+        self._wr = self._dense(router, "router") if router is not None else None
         self._norm = self._vec(ffn_norm, self.d, "ffn_norm")
         self._bo = self._vec(bo, self.d, "bo") if bo is not None else None
-        self.macs = self.d * (self.a + self.n_expert)
+        self.macs = self.d * (wo.in_features + self.n_expert) + (self.a * v_b.out_features if v_b is not None else 0)
         self.width = 0
         self._sh: tuple[Any, Any, Any, Any | None] | None = None
         if shared is not None:
@@ -309,19 +433,27 @@ class AttnOut(_Graphs):
                         self._dense(shared.down, "shexp_down"), gi)
             self.width = w
             self.macs += 3 * self.d * w + (self.d if gi is not None else 0)
-        self._share(family, (self.eps, bo is not None, self.width, shared is not None and shared.gate_inp is not None))
+        self._share(family, (self.eps, bo is not None, self.width, shared is not None and shared.gate_inp is not None,
+                             router is not None, v_b is not None))
 
     def _mem(self, b: int) -> int:
-        return 4 * b * (self.a + 8 * self.d + 3 * self.n_expert + 4 * self.width + 8)
+        return 4 * b * (4 * self.a + 8 * self.d + 3 * self.n_expert + 4 * self.width + 8)
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         a = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.a, b)
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
         g.ggml_set_input(a)
         g.ggml_set_input(x)
-        x2 = g.ggml_add(ctx, _biased(ctx, g.ggml_mul_mat(ctx, self._wo, a), self._bo), x)
+        att = a
+        if self.v_b is not None and self._wvb is not None:  # per head: [kv_lora] -> [d_v], as llama.cpp's v_mla
+            vb = self.v_b
+            lat = g.ggml_cont(ctx, g.ggml_permute(ctx, g.ggml_reshape_3d(ctx, a, vb.in_features, vb.heads, b), 0, 2, 1, 3))
+            o = g.ggml_mul_mat(ctx, self._wvb, lat)  # [d_v, b, H]
+            att = g.ggml_cont_2d(ctx, g.ggml_permute(ctx, o, 0, 2, 1, 3), vb.out_features * vb.heads, b)
+        x2 = g.ggml_add(ctx, _biased(ctx, g.ggml_mul_mat(ctx, self._wo, att), self._bo), x)
         h = _rms(ctx, x2, self._norm, self.eps)
-        probs = g.ggml_soft_max(ctx, g.ggml_mul_mat(ctx, self._wr, h))
+        # a dense block has no router: its "probabilities" output is h again (ignored by the caller)
+        probs = g.ggml_soft_max(ctx, g.ggml_mul_mat(ctx, self._wr, h)) if self._wr is not None else h
         outs = [x2, h, probs]
         if self._sh is not None:
             wg, wu, wd, gi = self._sh
@@ -335,7 +467,8 @@ class AttnOut(_Graphs):
 
     def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """``(x2, h, probs, shared)``; ``shared`` is None without a shared expert."""
+        """``(x2, h, probs, shared)``; ``shared`` is None without a shared expert (or dense FFN),
+        ``probs`` has no columns without a router."""
         a = np.ascontiguousarray(a, dtype=np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if a.ndim != 2 or a.shape[1] != self.a or x.shape != (a.shape[0], self.d):
@@ -346,7 +479,8 @@ class AttnOut(_Graphs):
             v["x"][: e - s] = x[s:e]
 
         outs = self._run(a.shape[0], n_threads, fill, 4 if self._sh is not None else 3)
-        return outs[0], outs[1], outs[2], (outs[3] if self._sh is not None else None)
+        return outs[0], outs[1], outs[2] if self._wr is not None else np.zeros((a.shape[0], 0), np.float32), \
+            (outs[3] if self._sh is not None else None)
 
 
 class Head(_Graphs):
@@ -392,12 +526,13 @@ class Attention:
     """
 
     def __init__(self, *, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int, kv_pad: int = 256,
-                 max_rows: int = 256, max_graphs: int = 32) -> None:
+                 max_rows: int = 256, max_graphs: int = 32, scale: float = 0.0) -> None:
         if n_head % n_head_kv:
             raise KernelError("n_head must be a multiple of n_head_kv")
         self.H, self.Hkv, self.hdk, self.hdv = n_head, n_head_kv, head_dim_k, head_dim_v
         self.kv_pad, self.max_rows, self.max_graphs = int(kv_pad), int(max_rows), int(max_graphs)
-        self.scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim_k)))
+        # the score scale: 1/sqrt(head_dim_k), or the architecture's (MLA: 1/sqrt(nope + rope dims))
+        self.scale = float(np.float32(scale)) if scale else float(np.float32(1.0) / np.sqrt(np.float32(head_dim_k)))
         self._plans: dict[tuple[tuple[tuple[int, int], ...], int, int], tuple[_Plan, list[dict[str, Any]], _Ctx]] = {}
         self._lock = threading.Lock()
 
