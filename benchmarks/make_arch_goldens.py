@@ -76,6 +76,23 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 
 MXFP4_ARCHS = ("qwen2moe",)
+# YaRN context extension (F32 files ``<arch>-yarn-tiny-f32.gguf``): factor 4 over an original context
+# of 32, so the 16-token sequences and 32-token greedy runs cross the correction dims; deepseek2 with
+# V2-Lite's log multiplier (0.1 x mscale_all_dim 0.707, as its converter writes it)
+YARN: dict[str, dict[str, Any]] = {
+    "qwen2moe": {"factor": 4.0, "original_context_length": 32},
+    "deepseek2": {"factor": 4.0, "original_context_length": 32, "yarn_log_multiplier": 0.0707},
+}
+
+
+def _add_yarn(w: Any, arch: str, yarn: dict[str, Any] | None) -> None:
+    if yarn is None:
+        return
+    w.add_string(f"{arch}.rope.scaling.type", "yarn")
+    w.add_float32(f"{arch}.rope.scaling.factor", yarn["factor"])
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length", yarn["original_context_length"])
+    if "yarn_log_multiplier" in yarn:
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", yarn["yarn_log_multiplier"])
 
 
 def _add_tokenizer(w: Any, tok: Any) -> list[str]:
@@ -92,7 +109,7 @@ def _add_tokenizer(w: Any, tok: Any) -> list[str]:
     return tokens
 
 
-def write_deepseek2(tokenizer_src: Path, out: Path) -> None:
+def write_deepseek2(tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None = None) -> None:
     """DeepseekV2Model's layout (convert_hf_to_gguf.py, after llama.cpp split attn_kv_b into attn_k_b
     (stored [heads, kv_lora, nope]) and attn_v_b ([heads, v, kv_lora]) for its MLA cache)."""
     a, c = "deepseek2", ARCHS["deepseek2"]
@@ -127,6 +144,7 @@ def write_deepseek2(tokenizer_src: Path, out: Path) -> None:
     w.add_bool(f"{a}.expert_weights_norm", False)
     w.add_uint32(f"{a}.expert_gating_func", 1)  # softmax
     w.add_uint32(f"{a}.rope.dimension_count", dr)
+    _add_yarn(w, a, yarn)
     w.add_uint32("general.file_type", 0)
     tokens = _add_tokenizer(w, tok)
     vocab, sw = len(tokens), c["n_shared"] * w_
@@ -168,9 +186,9 @@ def write_deepseek2(tokenizer_src: Path, out: Path) -> None:
     w.close()
 
 
-def write_model(arch: str, tokenizer_src: Path, out: Path) -> None:
+def write_model(arch: str, tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None = None) -> None:
     if arch == "deepseek2":
-        write_deepseek2(tokenizer_src, out)
+        write_deepseek2(tokenizer_src, out, yarn)
         return
     c = ARCHS[arch]
     tok = gguf.GGUFReader(tokenizer_src)
@@ -197,6 +215,7 @@ def write_model(arch: str, tokenizer_src: Path, out: Path) -> None:
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_eps"])
     w.add_uint32(f"{arch}.expert_count", ne)
     w.add_uint32(f"{arch}.expert_used_count", c["n_expert_used"])
+    _add_yarn(w, arch, yarn)
     w.add_uint32("general.file_type", 0)
     w.add_string("tokenizer.ggml.model", mg._field(tok, "tokenizer.ggml.model"))
     w.add_string("tokenizer.ggml.pre", mg._field(tok, "tokenizer.ggml.pre"))
@@ -275,6 +294,12 @@ def greedy_prompts(llm: Any, normal: list[int], n: int) -> tuple[list[dict[str, 
     return kept, rejected
 
 
+def long_sequences(normal: list[int]) -> list[list[int]]:
+    """One 96-token sequence (positions past a YaRN file's original context of 32)."""
+    rng = np.random.Generator(np.random.PCG64(mg.SEQ_SEED + 1))
+    return [[int(normal[i]) for i in rng.integers(0, len(normal), 96)]]
+
+
 def settings() -> dict[str, Any]:
     return {"kv_cache": "f32", "flash_attn": False, "logits": "raw, before any sampling", "n_ctx": mg.N_CTX,
             "n_batch": mg.N_CTX, "n_threads": mg.N_THREADS, "env": {"GGML_CPU_TILED_MM": "0"},
@@ -293,6 +318,8 @@ def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ft
                  "ids": list(llm.tokenize(t["text"].encode(), add_bos=False, special=t["special"]))}
                 for t in tiny_golden["tokenize"]]
     kept, rejected = greedy_prompts(llm, normal, mg.N_PROMPTS)
+    seqs += [{"tokens": t, "logits": [[round(float(x), 7) for x in row] for row in mg.all_logits(llm, t)]}
+             for t in long_sequences(normal)]
     return {
         "model_file": path.name,
         "model_sha256": mg.sha256(path),
@@ -359,6 +386,13 @@ def generate(out_dir: Path, project_python: Path, only: set[str] | None) -> dict
                 mg.quantize(f32, part, "MXFP4_MOE")
                 part.replace(mx)
                 files.append((mx, build_json(mx, arch, f32, tiny_golden, "MXFP4_MOE")))
+            if arch in YARN:
+                yf = out_dir / f"{arch}-yarn-tiny-f32.gguf"
+                write_model(arch, out_dir / TINY_TOKENIZER, part, YARN[arch])
+                part.replace(yf)
+                data = build_json(yf, arch, yf, tiny_golden, None)
+                data["yarn"] = YARN[arch]
+                files.append((yf, data))
             mm = makemodel_json(arch, project_python, Path(tmp))
             for gg, data in files:
                 js = out_dir / f"{gg.stem}.llamacpp.json"

@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,7 @@ from swarm.model.kernels.block import (
     Head,
     HeadWeights,
     MlaIn,
+    RopeArgs,
     SharedFFN,
 )
 from swarm.model.kernels.dense import Linear
@@ -143,20 +145,28 @@ def _hw(t: QTensor) -> HeadWeights:
     return HeadWeights(np.ascontiguousarray(t.raw).reshape(-1), int(t.qtype), *t.shape)
 
 
+def _rope_args(cfg: ModelConfig) -> RopeArgs:
+    r = cfg.rope
+    return RopeArgs(freq_scale=r.freq_scale, ext_factor=r.ext_factor, attn_factor=r.attn_factor, beta_fast=r.beta_fast,
+                    beta_slow=r.beta_slow, n_ctx_orig=r.n_ctx_orig)
+
+
 def _attn_in(cfg: ModelConfig, L: LayerWeights, fam: Family) -> AttnIn | MlaIn:
     if L.mla is not None and cfg.mla is not None:
         m, mc = L.mla, cfg.mla
         return MlaIn(attn_norm=L.attn_norm.numpy(), wq=_dwo(L.wq), wq_a=_dwo(m.wq_a), q_a_norm=_np(m.q_a_norm),
                      wq_b=_dwo(m.wq_b), wkv_a=_dw(m.wkv_a), kv_a_norm=m.kv_a_norm.numpy(), wk_b=_hw(m.wk_b),
                      n_head=cfg.n_head, kv_lora_rank=mc.kv_lora_rank, d_nope=mc.d_nope, d_rope=mc.d_rope,
-                     rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, family=fam)
+                     rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, rope=_rope_args(cfg),
+                     family=fam)
     assert L.wq is not None and L.wk is not None and L.wv is not None
     return AttnIn(
         attn_norm=L.attn_norm.numpy(), wq=_dw(L.wq), wk=_dw(L.wk), wv=_dw(L.wv),
         q_norm=_np(L.q_norm), k_norm=_np(L.k_norm), qk_norm_full=cfg.spec.qk_norm == "full",
         bq=_np(L.bq), bk=_np(L.bk), bv=_np(L.bv),
         n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v,
-        n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, family=fam)
+        n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, rope=_rope_args(cfg),
+        family=fam)
 
 
 ATTN_BIG_WORK = 16_000_000  # attention multiply-accumulates from which it uses every thread (prefill)
@@ -196,16 +206,33 @@ class Transformer:
         n_rot = cfg.n_rot
         # float64 frequencies, cast at use: matches llama.cpp's float32 rope within ~1e-7
         self._inv_freq = cfg.rope_base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
+        r = cfg.rope  # ggml_rope_yarn_corr_dims
+
+        def corr(beta: float) -> float:
+            return n_rot * math.log(r.n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(cfg.rope_base))
+
+        self._yarn_dims = ((max(0.0, math.floor(corr(r.beta_fast))), min(n_rot - 1.0, math.ceil(corr(r.beta_slow))))
+                           if r.ext_factor != 0.0 else (0.0, 0.0))
         # ggml: each layer's dense halves and the head are one graph each (llama.cpp's own ops)
         self._ggml = _GgmlDense(model) if model.kernel is KernelBackend.GGML else None
 
     # -- pieces -----------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x[T, H, hd]`` at positions ``pos[T]`` (first n_rot dims)."""
+        """Rotate ``x[T, H, hd]`` at positions ``pos[T]`` (first n_rot dims), with ggml's position
+        scaling and YaRN (``cfg.rope``; ggml's rope_yarn in float64)."""
         n_rot = self.cfg.n_rot
-        ang = pos.to(torch.float64).unsqueeze(1) * self._inv_freq.unsqueeze(0)  # [T, n_rot/2]
-        cos = ang.cos().to(torch.float32).unsqueeze(1)
-        sin = ang.sin().to(torch.float32).unsqueeze(1)
+        r = self.cfg.rope
+        extrap = pos.to(torch.float64).unsqueeze(1) * self._inv_freq.unsqueeze(0)  # [T, n_rot/2]
+        ang = extrap * r.freq_scale
+        mscale = r.attn_factor
+        if r.ext_factor != 0.0:
+            lo, hi = self._yarn_dims
+            ramp = 1.0 - ((torch.arange(n_rot // 2, dtype=torch.float64) - lo) / max(0.001, hi - lo)).clamp(0, 1)
+            mix = ramp * r.ext_factor
+            ang = ang * (1 - mix) + extrap * mix
+            mscale *= 1.0 + 0.1 * math.log(1.0 / r.freq_scale)
+        cos = (ang.cos() * mscale).to(torch.float32).unsqueeze(1)
+        sin = (ang.sin() * mscale).to(torch.float32).unsqueeze(1)
         xr, rest = x[..., :n_rot], x[..., n_rot:]
         if self.cfg.spec.rope_neox:
             half = n_rot // 2

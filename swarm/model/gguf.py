@@ -39,6 +39,7 @@ __all__ = [
     "MlaWeights",
     "ModelConfig",
     "QTensor",
+    "RopeScaling",
     "SharedExpert",
     "file_sha256",
     "model_id_for",
@@ -106,6 +107,71 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """ggml_rope_ext's context-extension parameters, as llama.cpp derives them from the GGUF
+    (``rope.scaling.*``; llama-context.cpp): none/linear scale the positions by ``freq_scale``; YaRN
+    (``ext_factor`` 1) mixes interpolated and extrapolated frequencies between the correction dims
+    of ``beta_fast``/``beta_slow`` at ``n_ctx_orig`` and scales cos/sin by ``attn_factor``."""
+
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+    yarn_log_mul: float = 0.0  # DeepSeek's mscale_all_dim (MLA's score scale uses it)
+
+
+def _f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def rope_scaling(fields: dict[str, Any], arch: str, n_ctx_train: int) -> RopeScaling:
+    """llama.cpp's derivation of the RoPE scaling parameters (float32 arithmetic, as in C)."""
+    kind = str(_field(fields, f"{arch}.rope.scaling.type", "linear"))
+    if kind not in ("none", "linear", "yarn"):
+        raise UnsupportedArchitecture(f"{arch} with RoPE scaling {kind!r} is not supported (none, linear, yarn)")
+    factor = float(_field(fields, f"{arch}.rope.scaling.factor", 0.0) or _field(fields, f"{arch}.rope.scale_linear", 0.0))
+    freq_scale = _f32(1.0) if kind == "none" or factor == 0.0 else _f32(1.0) / _f32(factor)
+    ext = float(_field(fields, f"{arch}.rope.scaling.yarn_ext_factor", -1.0))
+    if ext < 0:
+        ext = 1.0 if kind == "yarn" else 0.0
+    log_mul = _f32(float(_field(fields, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)))
+    if arch == "deepseek2" and log_mul != 0:
+        log_mul = log_mul / _f32(0.1)  # llama.cpp cancels the factor its converter wrote
+    attn = _f32(float(_field(fields, f"{arch}.rope.scaling.yarn_attn_factor", 1.0)))
+    if ext != 0:
+        def get_mscale(scale: np.float32, mscale: np.float32) -> np.float32:
+            return _f32(1.0) if scale <= 1 else _f32(0.1) * mscale * np.log(scale) + _f32(1.0)
+
+        f = _f32(1.0) / freq_scale
+        if log_mul != 0:
+            mscale, mscale_all = _f32(1.0), log_mul
+            if arch == "deepseek2" and mscale_all != 1:
+                mscale = mscale_all
+            attn = get_mscale(f, mscale) / get_mscale(f, mscale_all)
+        else:
+            attn = get_mscale(f, _f32(1.0))
+        attn = attn * (_f32(1.0) / (_f32(1.0) + _f32(0.1) * np.log(f)))
+    attn = attn * _f32(float(_field(fields, f"{arch}.rope.scaling.attn_factor", 1.0)))
+    return RopeScaling(
+        freq_scale=float(freq_scale), ext_factor=float(ext), attn_factor=float(attn),
+        beta_fast=float(_field(fields, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(_field(fields, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        n_ctx_orig=int(_field(fields, f"{arch}.rope.scaling.original_context_length", n_ctx_train)),
+        yarn_log_mul=float(log_mul))
+
+
+def mla_kq_scale(rope: RopeScaling, d_qk: int) -> float:
+    """DeepSeek-V2's attention score scale (llama.cpp's deepseek2 graph): YaRN's magnitude
+    correction, squared, over sqrt(nope + rope dims)."""
+    fs = _f32(rope.freq_scale)
+    org = _f32(rope.attn_factor) * (_f32(1.0) + _f32(0.1) * np.log(_f32(1.0) / fs))
+    mscale = org * (_f32(1.0) + _f32(0.1) * _f32(rope.yarn_log_mul) * np.log(_f32(1.0) / fs))
+    return float(_f32(1.0) * mscale * mscale / np.sqrt(_f32(d_qk)))
+
+
+@dataclass(frozen=True)
 class MlaConfig:
     """DeepSeek-V2's attention dimensions: per head ``d_nope + d_rope`` query/key dims (RoPE on the
     last ``d_rope``), ``d_v`` value dims; K/V compressed to ``kv_lora_rank`` (+ the shared rope part);
@@ -145,6 +211,7 @@ class ModelConfig:
     expert_weights_scale: float = 1.0  # the top-k weights are multiplied by this (when not 0 or 1)
     mla: MlaConfig | None = None
     kq_scale: float = 0.0  # the attention's score scale (0: 1/sqrt(head_dim_k))
+    rope: RopeScaling = RopeScaling()
 
     @property
     def n_moe_layer(self) -> int:
@@ -406,14 +473,15 @@ class GGUFModel:
         else:
             d_shared = int(_field(f, f"{arch}.{spec.shared_ff_key}", 0) or _field(f, f"{arch}.feed_forward_length", 0))
         mla = self._mla(arch) if spec.attention == "mla" else None
-        self._check_rope_scaling(arch)
+        n_ctx_train = int(_field(f, f"{arch}.context_length", 2048))
+        rope = rope_scaling(f, arch, n_ctx_train)
         gating = int(_field(f, f"{arch}.expert_gating_func", 1))
         if gating != 1:  # llama.cpp: 1 softmax, 2 sigmoid (DeepSeek-V3), 3 softmax of the top-k
             raise UnsupportedArchitecture(f"{arch} with expert_gating_func {gating} (not softmax) is not supported")
         cfg = ModelConfig(
             arch=arch,
             n_vocab=n_vocab,
-            n_ctx_train=int(_field(f, f"{arch}.context_length", 2048)),
+            n_ctx_train=n_ctx_train,
             d_model=d_model,
             n_layer=n_layer,
             n_head=n_head,
@@ -434,7 +502,8 @@ class GGUFModel:
             else spec.norm_topk,
             expert_weights_scale=float(_field(f, f"{arch}.expert_weights_scale", 0.0) or 1.0),
             mla=mla,
-            kq_scale=float(np.float32(1.0) / np.sqrt(np.float32(mla.d_nope + mla.d_rope))) if mla is not None else 0.0,
+            kq_scale=mla_kq_scale(rope, mla.d_nope + mla.d_rope) if mla is not None else 0.0,
+            rope=rope,
         )
         if spec.shared_expert != "none" and cfg.d_shared <= 0 and not spec.shared_ff_from_count:
             raise ModelError(f"{arch}: the shared expert's width ({arch}.{spec.shared_ff_key} or "
@@ -464,12 +533,6 @@ class GGUFModel:
                              f"value_length = kv_lora_rank ({kv_lora}) and one kv head; the file says "
                              f"{hk}, {hv}, {hkv}")
         return mla
-
-    def _check_rope_scaling(self, arch: str) -> None:
-        kind = _field(self.fields, f"{arch}.rope.scaling.type", "none")
-        factor = float(_field(self.fields, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-        if str(kind) not in ("none", "") and factor != 1.0:
-            raise UnsupportedArchitecture(f"{arch} with RoPE scaling {kind!r} (factor {factor}) is not supported yet")
 
     def _expert_width(self, arch: str, spec: ArchSpec, n_used: int) -> int:
         f = self.fields

@@ -9,7 +9,9 @@ multi-head latent attention with k_b absorbed, RoPE on the rope dims only in adj
 leading dense block, shared experts, the weights scale) moves these
 logits by far more than the tolerance -- ``test_each_deviation_is_caught`` checks that here.
 qwen2moe is also quantised with llama.cpp's ``MXFP4_MOE`` (MXFP4 experts, whose activations ggml
-quantises to Q8_0 for the dot products; the rest Q8_0).
+quantises to Q8_0 for the dot products; the rest Q8_0), and qwen2moe and deepseek2 have YaRN files
+(``rope.scaling.type = yarn``: llama.cpp's attn_factor derivation, and for deepseek2 its MLA score
+scale with the log multiplier).
 
 The project's own generator (``make-model --arch``) is checked too: llama.cpp loaded its tiny file
 of each architecture, and its logits are recorded beside the file's sha256.
@@ -45,6 +47,8 @@ def golden(name: str) -> dict[str, Any]:
 CASES = [(a, q, k) for a in ARCHS for q, k in (("f32", KernelBackend.GGML), ("f32", KernelBackend.TORCH),
                                                ("q8_0", KernelBackend.GGML))]
 CASES.append(("qwen2moe", "mxfp4_moe", KernelBackend.GGML))  # llama.cpp's MXFP4 experts (gpt-oss's type)
+# YaRN context extension (factor 4 over an original context of 32; deepseek2 with V2-Lite's log multiplier)
+CASES += [(f"{a}-yarn", "f32", k) for a in ("qwen2moe", "deepseek2") for k in (KernelBackend.GGML, KernelBackend.TORCH)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}-{p[2].value}")
@@ -76,14 +80,16 @@ def greedy(tr: Transformer, prompt: list[int], n: int) -> list[int]:
 def test_the_files_are_what_the_goldens_were_made_on(case: tuple[str, dict[str, Any], Transformer]) -> None:
     arch, g, tr = case
     assert tr.model.sha256 == g["model_sha256"]
-    assert tr.cfg.arch == g["arch"] == arch
+    assert tr.cfg.arch == g["arch"] == arch.removesuffix("-yarn")
+    if "yarn" in g:  # what llama.cpp derives from rope.scaling.*
+        assert tr.cfg.rope.ext_factor == 1.0 and tr.cfg.rope.freq_scale == 0.25 and tr.cfg.rope.n_ctx_orig == 32
     assert {n: t.qtype.name for n, t in tr.model.tensors.items()} == g["tensor_types"]
     assert g["settings"]["kv_cache"] == "f32" and g["settings"]["env"] == {"GGML_CPU_TILED_MM": "0"}
     if g.get("quantize_ftype") == "LLAMA_FTYPE_MOSTLY_MXFP4_MOE":
         assert {t.qtype.name for n, t in tr.model.tensors.items() if n.endswith("_exps.weight")} == {"MXFP4"}
 
 
-@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("i", range(4))  # the 4th: 96 tokens, past a YaRN file's original context
 def test_logits_match_llamacpp(case: tuple[str, dict[str, Any], Transformer], i: int) -> None:
     _, g, tr = case
     assert max_dev(tr, g["sequences"][i]) <= TOL
@@ -176,3 +182,15 @@ def test_make_model_files_are_the_ones_llamacpp_ran(tmp_path: Path, arch: str) -
     assert max_dev(tr, g["sequences"][0]) <= TOL
     e = g["greedy"][0]
     assert greedy(tr, e["prompt_ids"], 24) == e["greedy_ids"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
+def test_ignoring_yarn_is_caught(monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """Past the original context, a model that ignores rope.scaling.* misses llama.cpp by far."""
+    from swarm.model import gguf as model_gguf
+
+    monkeypatch.setattr(model_gguf, "rope_scaling", lambda fields, arch, n_ctx: model_gguf.RopeScaling())
+    name = f"{arch}-yarn-tiny-f32"
+    tr = Transformer(GGUFModel(GOLDEN / f"{name}.gguf", compute_id=False))
+    assert tr.cfg.rope.ext_factor == 0.0
+    assert max_dev(tr, golden(name)["sequences"][3]) > 100 * TOL

@@ -51,9 +51,27 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "HeadWeights", "MlaIn", "SharedFFN"]
+__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "HeadWeights", "MlaIn", "RopeArgs", "SharedFFN"]
 
 _NODES = 64
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """ggml_rope_ext's scaling arguments (``swarm.model.gguf.RopeScaling`` derives them as llama.cpp does)."""
+
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+
+    def apply(self, ctx: Any, t: Any, pos: Any, n_rot: int, mode: int, base: float) -> Any:
+        return g.ggml_rope_ext(ctx, t, pos, None, n_rot, mode, self.n_ctx_orig, ctypes.c_float(base),
+                               ctypes.c_float(self.freq_scale), ctypes.c_float(self.ext_factor),
+                               ctypes.c_float(self.attn_factor), ctypes.c_float(self.beta_fast),
+                               ctypes.c_float(self.beta_slow))
 
 
 @dataclass(frozen=True)
@@ -207,7 +225,8 @@ class AttnIn(_Graphs):
                  q_norm: np.ndarray | None, k_norm: np.ndarray | None, n_head: int, n_head_kv: int,
                  head_dim_k: int, head_dim_v: int, n_rot: int, rope_neox: bool, rope_base: float, eps: float,
                  qk_norm_full: bool = False, bq: np.ndarray | None = None, bk: np.ndarray | None = None,
-                 bv: np.ndarray | None = None, max_rows: int = 256, family: Family | None = None) -> None:
+                 bv: np.ndarray | None = None, rope: RopeArgs = RopeArgs(), max_rows: int = 256,
+                 family: Family | None = None) -> None:
         super().__init__(max_rows)
         d = wq.in_features
         if (wq.out_features, wk.out_features, wv.out_features) != (n_head * head_dim_k, n_head_kv * head_dim_k,
@@ -221,7 +240,7 @@ class AttnIn(_Graphs):
             raise KernelError(f"n_rot {n_rot} must be even and at most head_dim_k {head_dim_k}")
         self.d, self.H, self.Hkv, self.hdk, self.hdv = d, n_head, n_head_kv, head_dim_k, head_dim_v
         self.n_rot, self.mode = n_rot, (2 if rope_neox else 0)  # GGML_ROPE_TYPE_NEOX / normal
-        self.rope_base, self.eps = float(rope_base), float(eps)
+        self.rope_base, self.eps, self.rope_args = float(rope_base), float(eps), rope
         self._norm = self._vec(attn_norm, d, "attn_norm")
         self._wq, self._wk, self._wv = self._dense(wq, "wq"), self._dense(wk, "wk"), self._dense(wv, "wv")
         self.qk_norm_full = bool(qk_norm_full)
@@ -233,16 +252,14 @@ class AttnIn(_Graphs):
         self._bv = self._vec(bv, wv.out_features, "bv") if bv is not None else None
         self.macs = d * (wq.out_features + wk.out_features + wv.out_features)
         self._share(family, (n_head, n_head_kv, head_dim_k, head_dim_v, n_rot, self.mode, self.rope_base, self.eps,
-                             q_norm is not None, self.qk_norm_full, bq is not None, bk is not None, bv is not None))
+                             q_norm is not None, self.qk_norm_full, bq is not None, bk is not None, bv is not None, rope))
 
     def _mem(self, b: int) -> int:
         q, kv = self.H * self.hdk, self.Hkv * max(self.hdk, self.hdv)
         return 4 * b * (3 * self.d + 4 * q + 8 * kv) + 4 * b
 
     def _rope(self, ctx: Any, t: Any, pos: Any) -> Any:
-        return g.ggml_rope_ext(ctx, t, pos, None, self.n_rot, self.mode, 0, ctypes.c_float(self.rope_base),
-                               ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_float(1.0), ctypes.c_float(32.0),
-                               ctypes.c_float(1.0))
+        return self.rope_args.apply(ctx, t, pos, self.n_rot, self.mode, self.rope_base)
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
@@ -289,9 +306,11 @@ class MlaIn(_Graphs):
     def __init__(self, *, attn_norm: np.ndarray, wq: DenseWeight | None, wq_a: DenseWeight | None,
                  q_a_norm: np.ndarray | None, wq_b: DenseWeight | None, wkv_a: DenseWeight, kv_a_norm: np.ndarray,
                  wk_b: HeadWeights, n_head: int, kv_lora_rank: int, d_nope: int, d_rope: int, rope_neox: bool,
-                 rope_base: float, eps: float, max_rows: int = 256, family: Family | None = None) -> None:
+                 rope_base: float, eps: float, rope: RopeArgs = RopeArgs(), max_rows: int = 256,
+                 family: Family | None = None) -> None:
         super().__init__(max_rows)
         d = wkv_a.in_features
+        self.rope_args = rope
         qk = d_nope + d_rope
         self.d, self.H, self.kvl, self.dn, self.dr = d, n_head, kv_lora_rank, d_nope, d_rope
         self.mode, self.rope_base, self.eps = (2 if rope_neox else 0), float(rope_base), float(eps)
@@ -320,16 +339,15 @@ class MlaIn(_Graphs):
         self._kvn = self._vec(kv_a_norm, kv_lora_rank, "kv_a_norm")
         self._wkb = self._dense3(wk_b, "wk_b")
         self.macs = q_macs + d * wkv_a.out_features + n_head * d_nope * kv_lora_rank
-        self._share(family, (n_head, kv_lora_rank, d_nope, d_rope, self.mode, self.rope_base, self.eps, self.low_rank))
+        self._share(family, (n_head, kv_lora_rank, d_nope, d_rope, self.mode, self.rope_base, self.eps, self.low_rank,
+                             rope))
 
     def _mem(self, b: int) -> int:
         qk, lat = self.dn + self.dr, self.kvl + self.dr
         return 4 * b * (4 * self.d + 4 * self.H * qk + 4 * self.H * lat + 6 * lat + 2 * self.H * self.kvl) + 4 * b
 
     def _rope(self, ctx: Any, t: Any, pos: Any) -> Any:
-        return g.ggml_rope_ext(ctx, t, pos, None, self.dr, self.mode, 0, ctypes.c_float(self.rope_base),
-                               ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_float(1.0), ctypes.c_float(32.0),
-                               ctypes.c_float(1.0))
+        return self.rope_args.apply(ctx, t, pos, self.dr, self.mode, self.rope_base)
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         H, kvl, dn, dr = self.H, self.kvl, self.dn, self.dr
