@@ -95,10 +95,26 @@ def _add_yarn(w: Any, arch: str, yarn: dict[str, Any] | None) -> None:
         w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", yarn["yarn_log_multiplier"])
 
 
-def _add_tokenizer(w: Any, tok: Any) -> list[str]:
+# each family's pre-tokenizer as its converter names it (the vocabulary stays the tiny golden's)
+PRE: dict[str, str] = {"qwen2moe": "qwen2", "olmoe": "olmo", "deepseek2": "deepseek-llm"}
+# texts tokenised by llama.cpp beside the tiny golden's: what the pre-tokenizers split differently
+EXTRA_TEXTS = [
+    "line one\nline two\r\n\tindented   \n\n",
+    "trailing spaces   ",
+    "  leading spaces and 12345678 digits 3.14159",
+    "Ελληνικά, русский, العربية, עברית",
+    "中文分词测试，全角标点！日本語のテキスト。한국어 문장",
+    "ＡＢＣ ｆｕｌｌｗｉｄｔｈ（ｔｅｓｔ）“quotes”",
+    "emoji 🙂🚀 and µ-units, Ω and K",
+    "code: def f(x): return x**2 # ok?",
+    "it's they're we'll I'd you've",
+]
+
+
+def _add_tokenizer(w: Any, tok: Any, pre: str | None = None) -> list[str]:
     tokens: list[str] = mg._field(tok, "tokenizer.ggml.tokens")
     w.add_string("tokenizer.ggml.model", mg._field(tok, "tokenizer.ggml.model"))
-    w.add_string("tokenizer.ggml.pre", mg._field(tok, "tokenizer.ggml.pre"))
+    w.add_string("tokenizer.ggml.pre", pre or mg._field(tok, "tokenizer.ggml.pre"))
     w.add_token_list(tokens)
     w.add_token_types([int(t) for t in mg._field(tok, "tokenizer.ggml.token_type")])
     w.add_token_merges(mg._field(tok, "tokenizer.ggml.merges"))
@@ -146,7 +162,7 @@ def write_deepseek2(tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None 
     w.add_uint32(f"{a}.rope.dimension_count", dr)
     _add_yarn(w, a, yarn)
     w.add_uint32("general.file_type", 0)
-    tokens = _add_tokenizer(w, tok)
+    tokens = _add_tokenizer(w, tok, PRE["deepseek2"])
     vocab, sw = len(tokens), c["n_shared"] * w_
     plan: list[tuple[str, tuple[int, ...], float, bool]] = [("token_embd.weight", (vocab, d), 1.0, False)]
     for i in range(c["n_layer"]):
@@ -217,15 +233,7 @@ def write_model(arch: str, tokenizer_src: Path, out: Path, yarn: dict[str, Any] 
     w.add_uint32(f"{arch}.expert_used_count", c["n_expert_used"])
     _add_yarn(w, arch, yarn)
     w.add_uint32("general.file_type", 0)
-    w.add_string("tokenizer.ggml.model", mg._field(tok, "tokenizer.ggml.model"))
-    w.add_string("tokenizer.ggml.pre", mg._field(tok, "tokenizer.ggml.pre"))
-    w.add_token_list(tokens)
-    w.add_token_types([int(t) for t in mg._field(tok, "tokenizer.ggml.token_type")])
-    w.add_token_merges(mg._field(tok, "tokenizer.ggml.merges"))
-    w.add_eos_token_id(int(mg._field(tok, "tokenizer.ggml.eos_token_id")))
-    w.add_pad_token_id(int(mg._field(tok, "tokenizer.ggml.padding_token_id")))
-    w.add_bos_token_id(int(mg._field(tok, "tokenizer.ggml.bos_token_id")))
-    w.add_add_bos_token(False)
+    _add_tokenizer(w, tok, PRE[arch])
 
     plan: list[tuple[str, tuple[int, ...], float, bool]] = [("token_embd.weight", (vocab, d), 1.0, False)]
     for i in range(c["n_layer"]):
@@ -314,9 +322,10 @@ def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ft
     if not np.array_equal(mg.all_logits(fresh, seqs[0]["tokens"]), mg.all_logits(llm, seqs[0]["tokens"])):
         raise RuntimeError(f"{path.name}: logits differ between contexts")
     del fresh
-    tokenize = [{"text": t["text"], "special": t["special"],
-                 "ids": list(llm.tokenize(t["text"].encode(), add_bos=False, special=t["special"]))}
-                for t in tiny_golden["tokenize"]]
+    texts = [(t["text"], t["special"]) for t in tiny_golden["tokenize"]] + [(t, sp) for t in EXTRA_TEXTS
+                                                                            for sp in (False, True)]
+    tokenize = [{"text": t, "special": sp, "ids": list(llm.tokenize(t.encode(), add_bos=False, special=sp))}
+                for t, sp in texts]
     kept, rejected = greedy_prompts(llm, normal, mg.N_PROMPTS)
     seqs += [{"tokens": t, "logits": [[round(float(x), 7) for x in row] for row in mg.all_logits(llm, t)]}
              for t in long_sequences(normal)]
@@ -341,16 +350,28 @@ def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ft
     }
 
 
-def makemodel_json(arch: str, project_python: Path, tmp: Path) -> dict[str, Any]:
+# the project's generator, checked by llama.cpp: (arch, vocab) -> makemodel-<name>-tiny.llamacpp.json
+MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("mixtral", "spm")]
+
+
+def makemodel_name(arch: str, vocab: str) -> str:
+    return f"makemodel-{arch}{'-spm' if vocab == 'spm' else ''}-tiny"
+
+
+def makemodel_json(arch: str, vocab: str, project_python: Path, tmp: Path, tiny_golden: dict[str, Any]) -> dict[str, Any]:
     """The project's generator checked by llama.cpp (the file is not stored: the test rewrites it)."""
-    path = tmp / f"makemodel-{arch}-tiny.gguf"
+    path = tmp / f"{makemodel_name(arch, vocab)}.gguf"
     subprocess.run([str(project_python), "-m", "swarm.cli", "make-model", "--arch", arch, "--size", "tiny",
-                    "--seed", "0", "--out", str(path)], check=True, cwd=ROOT, capture_output=True)
+                    "--seed", "0", "--vocab", vocab, "--out", str(path)], check=True, cwd=ROOT, capture_output=True)
     llm = mg.load(path)
     normal = mg.normal_token_ids(path)
     kept, rejected = greedy_prompts(llm, normal, 1)
+    texts = [(t["text"], t["special"]) for t in tiny_golden["tokenize"]] + [(t, sp) for t in EXTRA_TEXTS
+                                                                            for sp in (False, True)]
     return {
-        "make_model": {"arch": arch, "size": "tiny", "seed": 0},
+        "make_model": {"arch": arch, "size": "tiny", "seed": 0, "vocab": vocab},
+        "tokenize": [{"text": t, "special": sp, "add_bos": True,
+                      "ids": list(llm.tokenize(t.encode(), add_bos=True, special=sp))} for t, sp in texts],
         "model_sha256": mg.sha256(path),
         "producer": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}",
         "generator": "benchmarks/make_arch_goldens.py",
@@ -393,7 +414,6 @@ def generate(out_dir: Path, project_python: Path, only: set[str] | None) -> dict
                 data = build_json(yf, arch, yf, tiny_golden, None)
                 data["yarn"] = YARN[arch]
                 files.append((yf, data))
-            mm = makemodel_json(arch, project_python, Path(tmp))
             for gg, data in files:
                 js = out_dir / f"{gg.stem}.llamacpp.json"
                 js.write_text(json.dumps(data, ensure_ascii=False) + "\n")
@@ -401,10 +421,14 @@ def generate(out_dir: Path, project_python: Path, only: set[str] | None) -> dict
                 print(f"{gg.name}: {gg.stat().st_size} B, greedy min margins "
                       f"{[g['min_margin'] for g in data['greedy']]}, rejected {len(data['greedy_rejected_prompts'])}",
                       flush=True)
-            js = out_dir / f"makemodel-{arch}-tiny.llamacpp.json"
+            print(f"{arch}: done in {time.time() - t0:.1f} s", flush=True)
+        for arch, vocab in MAKE_MODEL:
+            if only and arch not in only:
+                continue
+            mm = makemodel_json(arch, vocab, project_python, Path(tmp), tiny_golden)
+            js = out_dir / f"{makemodel_name(arch, vocab)}.llamacpp.json"
             js.write_text(json.dumps(mm, ensure_ascii=False) + "\n")
             shas[js.name] = mg.sha256(js)
-            print(f"{arch}: done in {time.time() - t0:.1f} s", flush=True)
     return shas
 
 

@@ -183,15 +183,20 @@ def build_app(
             check_model(req.model)
             params = gen_params(req, default_max_tokens=rt.n_ctx, max_tokens_override=req.max_completion_tokens)
             msgs = [msgspec_to_dict(m) for m in req.messages]
+            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             text = render_chat(
                 template if isinstance(template, str) else None,
                 msgs,
                 add_generation_prompt=True,
-                bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                bos_token=bos_text,
                 eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
             )
+            if tok.add_bos and bos_text and text.startswith(bos_text):
+                # the template wrote the bos the tokenizer adds (Mixtral's "<s>[INST]"): once, as
+                # llama.cpp's common_chat_templates_apply drops the rendered one
+                text = text[len(bos_text):]
             ids = await encode(text, "messages")
-            handle = rt.submit(ids, params, prompt_param="messages")
+            handle = rt.submit(ids, params, prompt_param="messages", continuation=False)
         except SwarmError as exc:
             return _err(exc)
         return await _respond(request, req, handle, chat=True)

@@ -139,9 +139,12 @@ class EngineRuntime:
                 await trio.to_thread.run_sync(thread.join)
 
     # -- trio side ---------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: GenParams, *, prompt_param: str = "prompt") -> RequestHandle:
+    def submit(self, prompt: list[int], params: GenParams, *, prompt_param: str = "prompt",
+               continuation: bool = True) -> RequestHandle:
         """Queue a request; raises ``RequestError`` (status 503 when the queue is full); ``prompt_param``
-        is the body field errors about the prompt name (``messages`` for chat)."""
+        is the body field errors about the prompt name (``messages`` for chat). ``continuation``: the
+        text continues the prompt's (a completion: an SPM model's first " Paris" keeps its space, as
+        llama.cpp's token_to_piece streams it); False for a chat reply, which starts its own text."""
         if self._token is None:
             raise RuntimeError("engine is not running")
         for t in prompt:
@@ -150,7 +153,7 @@ class EngineRuntime:
         req_id = next(self._ids)
         send, recv = trio.open_memory_channel[Event](math.inf)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer), params)
+        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer, continuation=continuation), params)
         now = time.monotonic()
         with self._lock:
             self._reqs[req_id] = state

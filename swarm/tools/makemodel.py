@@ -52,10 +52,10 @@ import hashlib
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal, get_args
+from typing import Any, Final, Literal, get_args
 
 import gguf
 import numpy as np
@@ -372,7 +372,33 @@ def count_parameters(arch: Arch, size: SizeName) -> int:
 # the file
 
 
-def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, expert_type: T) -> None:
+VOCABS: tuple[str, ...] = ("bpe", "spm")
+
+
+def _add_spm_vocab(w: gguf.GGUFWriter, n_vocab: int) -> None:
+    """A SentencePiece vocabulary laid out as a converted Mixtral file's (``swarm.tools.spm``)."""
+    from swarm.tools.spm import spm_metadata
+
+    meta = spm_metadata(n_vocab)
+    writers: dict[str, Callable[[Any], None]] = {
+        "tokenizer.ggml.model": w.add_tokenizer_model,
+        "tokenizer.ggml.tokens": w.add_token_list,
+        "tokenizer.ggml.scores": w.add_token_scores,
+        "tokenizer.ggml.token_type": w.add_token_types,
+        "tokenizer.ggml.bos_token_id": w.add_bos_token_id,
+        "tokenizer.ggml.eos_token_id": w.add_eos_token_id,
+        "tokenizer.ggml.unknown_token_id": w.add_unk_token_id,
+        "tokenizer.ggml.add_bos_token": w.add_add_bos_token,
+        "tokenizer.ggml.add_eos_token": w.add_add_eos_token,
+        "tokenizer.ggml.add_space_prefix": w.add_add_space_prefix,
+        "tokenizer.chat_template": w.add_chat_template,
+    }
+    for key, value in meta.items():
+        writers[key](value)
+
+
+def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, expert_type: T,
+                  vocab_kind: str = "bpe") -> None:
     spec = SIZES[size]
     a = GGUF_ARCH[arch]
     w.add_string("general.name", f"moe-swarm-{arch}-{size}-seed{seed}")
@@ -424,9 +450,12 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
     if expert_type not in _UNQUANTISED:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
+    if vocab_kind == "spm":
+        _add_spm_vocab(w, spec.vocab_size)
+        return
     vocab = build_vocab(spec.vocab_size)
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", {"mixtral": "llama-bpe", "olmoe": "olmo", "deepseek2": "llama-bpe"}.get(arch, "qwen2"))
+    w.add_string("tokenizer.ggml.pre", {"mixtral": "llama-bpe", "olmoe": "olmo", "deepseek2": "deepseek-llm"}.get(arch, "qwen2"))
     w.add_token_list(list(vocab.tokens))
     w.add_token_types(list(vocab.token_types))
     w.add_token_merges(list(vocab.merges))
@@ -438,10 +467,13 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
 
 
 def make_model(
-    *, arch: Arch, size: SizeName, seed: int, out: Path, qtype: str | None = None, router_skew: float = 0.0
+    *, arch: Arch, size: SizeName, seed: int, out: Path, qtype: str | None = None, router_skew: float = 0.0,
+    vocab: str = "bpe",
 ) -> Path:
     """Write the model GGUF to ``out`` (replacing it) and return ``out``.
 
+    ``vocab``: "bpe" (byte-level BPE, ChatML) or "spm" (a SentencePiece vocabulary with byte fallback
+    and Mixtral-Instruct's [INST] template, as real Mixtral files carry).
     ``qtype`` (a GGML type name such as ``"Q4_K"``) overrides the expert tensors' type.
     ``router_skew`` >= 0 makes low-index experts hot (``router_scales``; random routers are nearly uniform).
     Raises ``ConfigError`` for an unknown arch, size or type, or a type the size cannot use.
@@ -450,6 +482,8 @@ def make_model(
         raise ConfigError(f"unknown arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}")
     if size not in SIZES:
         raise ConfigError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
+    if vocab not in VOCABS:
+        raise ConfigError(f"unknown vocab {vocab!r}: choose one of {', '.join(VOCABS)}")
     if seed < 0 or seed >= 2**63:
         raise ConfigError(f"seed must be in [0, 2**63), got {seed}")
     if not 0.0 <= router_skew <= 100.0:
@@ -467,7 +501,7 @@ def make_model(
     partial = out.with_name(f".{out.name}.partial")
     writer = gguf.GGUFWriter(partial, GGUF_ARCH[arch])
     try:
-        _add_metadata(writer, arch, size, seed, expert_type)
+        _add_metadata(writer, arch, size, seed, expert_type, vocab)
         if router_skew:
             writer.add_float32("moe_swarm.router_skew", router_skew)
         for p in plans:
@@ -494,6 +528,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen3moe", help="model architecture")
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny", help="model size (see the module docs)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
+    parser.add_argument("--vocab", choices=VOCABS, default="bpe",
+                        help="tokenizer: byte-level BPE with ChatML, or SentencePiece with byte fallback (Mixtral's)")
     parser.add_argument("--out", type=Path, required=True, help="output GGUF path")
     parser.add_argument(
         "--qtype",
@@ -524,7 +560,7 @@ def add_make_model_parser(
 def run_make_model(args: argparse.Namespace) -> int:
     """Run a parsed ``make-model`` command; errors propagate as ``SwarmError``."""
     path = make_model(arch=args.arch, size=args.size, seed=args.seed, out=args.out, qtype=args.qtype,
-                      router_skew=args.router_skew)
+                      router_skew=args.router_skew, vocab=args.vocab)
     expert_type = _parse_qtype(args.qtype, args.size)
     print(
         f"wrote {path}: {args.arch} {args.size} seed={args.seed} experts={expert_type.name} "

@@ -171,17 +171,26 @@ def test_qwen2moe_without_biases_is_refused(tmp_path: Path) -> None:
         GGUFModel(tmp_path / "nobias.gguf", compute_id=False)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_make_model_files_are_the_ones_llamacpp_ran(tmp_path: Path, arch: str) -> None:
-    g = golden(f"makemodel-{arch}-tiny")
+MAKE_MODEL = [(a, "bpe") for a in ARCHS] + [("mixtral", "spm")]
+
+
+@pytest.mark.parametrize(("arch", "vocab"), MAKE_MODEL)
+def test_make_model_files_are_the_ones_llamacpp_ran(tmp_path: Path, arch: str, vocab: str) -> None:
+    g = golden(f"makemodel-{arch}{'-spm' if vocab == 'spm' else ''}-tiny")
     mm = g["make_model"]
-    path = make_model(arch=arch, size=mm["size"], seed=mm["seed"], out=tmp_path / f"{arch}.gguf")  # type: ignore[arg-type]
+    assert mm["vocab"] == vocab
+    path = make_model(arch=arch, size=mm["size"], seed=mm["seed"], out=tmp_path / f"{arch}.gguf",  # type: ignore[arg-type]
+                      vocab=vocab)
     tr = Transformer(GGUFModel(path))
     assert tr.model.sha256 == g["model_sha256"]  # the generator still writes the file llama.cpp loaded
     assert tr.cfg.arch == ARCHITECTURES[{"mixtral": "llama"}.get(arch, arch)].name
     assert max_dev(tr, g["sequences"][0]) <= TOL
     e = g["greedy"][0]
     assert greedy(tr, e["prompt_ids"], 24) == e["greedy_ids"]
+    tok = Tokenizer.from_gguf_fields(tr.model.fields)
+    assert tok.add_bos == (vocab == "spm")
+    for t in g["tokenize"]:  # llama.cpp's tokenisation with its add_bos (the file's default)
+        assert tok.encode(t["text"], parse_special=t["special"]) == t["ids"], t["text"]
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
