@@ -69,13 +69,17 @@ ARCHS: dict[str, dict[str, Any]] = {
     # 32/16/32), one leading dense block, 2 shared experts, softmax gating scaled by 1.5, no
     # renormalisation. (llama.cpp 0.3.36 takes the plain attn_q of V2-Lite only for 26- or 27-block
     # models, so a tiny file has the bottleneck.)
+    # gpt-oss style: head_dim 48 (q_dim 192 != d_model), GQA 4/2, a sliding window of 8 on even
+    # layers, attention sinks, biases on q/k/v/o, the router and the experts, clamped SwiGLU, YaRN
+    "gpt-oss": {**BASE, "seed": 5, "n_head_kv": 2, "head_dim": 48, "sliding_window": 8, "rope_base": 150_000.0,
+                "rms_eps": 1e-5},
     "deepseek2": {**BASE, "seed": 4, "n_layer": 3, "n_dense": 1, "dense_width": 192, "n_shared": 2,
                   "kv_lora_rank": 64, "q_lora_rank": 48, "d_nope": 32, "d_rope": 16, "d_v": 32,
                   "weights_scale": 1.5, "rope_base": 10_000.0, "rms_eps": 1e-6},
 }
 
 
-MXFP4_ARCHS = ("qwen2moe",)
+MXFP4_ARCHS = ("qwen2moe", "gpt-oss")
 # YaRN context extension (F32 files ``<arch>-yarn-tiny-f32.gguf``): factor 4 over an original context
 # of 32, so the 16-token sequences and 32-token greedy runs cross the correction dims; deepseek2 with
 # V2-Lite's log multiplier (0.1 x mscale_all_dim 0.707, as its converter writes it)
@@ -96,7 +100,7 @@ def _add_yarn(w: Any, arch: str, yarn: dict[str, Any] | None) -> None:
 
 
 # each family's pre-tokenizer as its converter names it (the vocabulary stays the tiny golden's)
-PRE: dict[str, str] = {"qwen2moe": "qwen2", "olmoe": "olmo", "deepseek2": "deepseek-llm"}
+PRE: dict[str, str] = {"qwen2moe": "qwen2", "olmoe": "olmo", "deepseek2": "deepseek-llm", "gpt-oss": "gpt-4o"}
 # texts tokenised by llama.cpp beside the tiny golden's: what the pre-tokenizers split differently
 EXTRA_TEXTS = [
     "line one\nline two\r\n\tindented   \n\n",
@@ -202,9 +206,67 @@ def write_deepseek2(tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None 
     w.close()
 
 
+def write_gpt_oss(tokenizer_src: Path, out: Path) -> None:
+    """GptOssModel's layout (conversion/gpt_oss.py): attn_post_norm, attn_sinks, biases, separate
+    gate/up/down experts with biases; YaRN as gpt-oss ships it (here factor 4 over 32)."""
+    a, c = "gpt-oss", ARCHS["gpt-oss"]
+    tok = gguf.GGUFReader(tokenizer_src)
+    d, nh, nkv, ne, w_, hd = c["d_model"], c["n_head"], c["n_head_kv"], c["n_expert"], c["expert_width"], c["head_dim"]
+    seed = c["seed"]
+    w = gguf.GGUFWriter(out, a)
+    w.add_string("general.name", f"{a}-tiny-seed{seed}")
+    w.add_type("model")
+    w.add_uint32(f"{a}.context_length", c["context_length"])
+    w.add_uint32(f"{a}.embedding_length", d)
+    w.add_uint32(f"{a}.block_count", c["n_layer"])
+    w.add_uint32(f"{a}.feed_forward_length", w_)
+    w.add_uint32(f"{a}.attention.head_count", nh)
+    w.add_uint32(f"{a}.attention.head_count_kv", nkv)
+    w.add_float32(f"{a}.rope.freq_base", c["rope_base"])
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", c["rms_eps"])
+    w.add_uint32(f"{a}.expert_count", ne)
+    w.add_uint32(f"{a}.expert_used_count", c["n_expert_used"])
+    w.add_uint32(f"{a}.attention.key_length", hd)
+    w.add_uint32(f"{a}.attention.value_length", hd)
+    w.add_string(f"{a}.rope.scaling.type", "yarn")
+    w.add_float32(f"{a}.rope.scaling.factor", 4.0)
+    w.add_uint32(f"{a}.rope.scaling.original_context_length", 32)
+    w.add_uint32(f"{a}.attention.sliding_window", c["sliding_window"])
+    w.add_uint32(f"{a}.expert_feed_forward_length", w_)
+    w.add_uint32("general.file_type", 0)
+    tokens = _add_tokenizer(w, tok, PRE[a])
+    vocab, q_dim, kv_dim = len(tokens), nh * hd, nkv * hd
+    plan: list[tuple[str, tuple[int, ...], float, bool]] = [("token_embd.weight", (vocab, d), 1.0, False)]
+    for i in range(c["n_layer"]):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (d,), 0.1, True),
+            (b + "attn_q.weight", (q_dim, d), d**-0.5, False), (b + "attn_q.bias", (q_dim,), 0.5, False),
+            (b + "attn_k.weight", (kv_dim, d), d**-0.5, False), (b + "attn_k.bias", (kv_dim,), 0.5, False),
+            (b + "attn_v.weight", (kv_dim, d), d**-0.5, False), (b + "attn_v.bias", (kv_dim,), 0.5, False),
+            (b + "attn_output.weight", (d, q_dim), q_dim**-0.5, False), (b + "attn_output.bias", (d,), 0.1, False),
+            (b + "attn_sinks.weight", (nh,), 1.0, False),
+            (b + "post_attention_norm.weight", (d,), 0.1, True),
+            (b + "ffn_gate_inp.weight", (ne, d), d**-0.5, False), (b + "ffn_gate_inp.bias", (ne,), 0.5, False),
+            (b + "ffn_gate_exps.weight", (ne, w_, d), d**-0.5, False), (b + "ffn_gate_exps.bias", (ne, w_), 0.5, False),
+            (b + "ffn_up_exps.weight", (ne, w_, d), d**-0.5, False), (b + "ffn_up_exps.bias", (ne, w_), 0.5, False),
+            (b + "ffn_down_exps.weight", (ne, d, w_), w_**-0.5, False), (b + "ffn_down_exps.bias", (ne, d), 0.1, False),
+        ]
+    plan += [("output_norm.weight", (d,), 0.1, True), ("output.weight", (vocab, d), 2.0 * d**-0.5, False)]
+    for name, shape, std, norm in plan:
+        w.add_tensor(name, mg._draw(seed, name, shape, std, norm))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_model(arch: str, tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None = None) -> None:
     if arch == "deepseek2":
         write_deepseek2(tokenizer_src, out, yarn)
+        return
+    if arch == "gpt-oss":
+        write_gpt_oss(tokenizer_src, out)
         return
     c = ARCHS[arch]
     tok = gguf.GGUFReader(tokenizer_src)

@@ -187,7 +187,8 @@ class _GgmlDense:
             self.attn_out.append(AttnOut(
                 wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dwo(L.router), eps=cfg.rms_eps, bo=_np(L.bo),
                 shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
-                v_b=_hw(L.mla.wv_b) if L.mla is not None else None, family=fam))
+                v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b),
+                softmax=cfg.spec.gating == "softmax", family=fam))
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
@@ -199,6 +200,7 @@ class Transformer:
         self.cfg = model.config
         self.experts: ExpertBackend = experts if experts is not None else LocalExperts(model)
         cfg = self.cfg
+        self._swa = frozenset(cfg.swa_layers)
         # block -> expert layer (None: a dense block)
         self._moe_of: list[int | None] = [None] * cfg.n_layer
         for i, b in enumerate(cfg.moe_layers):
@@ -288,15 +290,21 @@ class Transformer:
     def route(self, block: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts and weights of rows ``h`` (the torch path; ggml computes the probabilities
         in the layer's graph and selects with ``select``)."""
-        router = self.model.layers[block].router
-        assert router is not None
-        return self.select(torch.softmax(router(h), dim=-1))
+        L = self.model.layers[block]
+        assert L.router is not None
+        logits = L.router(h)
+        if L.router_b is not None:
+            logits = logits + L.router_b
+        return self.select(torch.softmax(logits, dim=-1) if self.cfg.spec.gating == "softmax" else logits)
 
     def select(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k of router probabilities; renormalised as llama.cpp does (the sum in double, one
-        float32 division) where the architecture asks for it, then scaled by the model's
-        ``expert_weights_scale`` (a float32 multiply, as ggml_scale) unless it is 1."""
+        """Top-k of router probabilities (for a "softmax_topk" gate: of the logits, then a softmax
+        over those k); renormalised as llama.cpp does (the sum in double, one float32 division)
+        where the architecture asks for it, then scaled by the model's ``expert_weights_scale`` (a
+        float32 multiply, as ggml_scale) unless it is 1."""
         w, ids = torch.topk(probs, self.cfg.n_expert_used, dim=-1)
+        if self.cfg.spec.gating == "softmax_topk":
+            w = torch.softmax(w, dim=-1)
         if self.cfg.norm_topk:
             w = w / w.double().sum(-1, keepdim=True).float()
         if self.cfg.expert_weights_scale != 1.0:
@@ -347,7 +355,9 @@ class Transformer:
                 kc[c.pos : c.pos + n] = kn[s:e].reshape(n, Hkv, hdk)
                 vc[:, :, c.pos : c.pos + n] = vn[s:e].reshape(n, Hkv, hdv).transpose(1, 2, 0)
                 items.append((qn[s:e], kc, vc, c.pos))
-            att = gd.attn.many(items, att_threads, zero_tail=False)
+            L = self.model.layers[li]
+            att = gd.attn.many(items, att_threads, zero_tail=False, sinks=_np(L.sinks),
+                               window=cfg.n_swa if li in self._swa else 0)
             attn = att[0] if len(att) == 1 else np.concatenate(att)
             blk_o = gd.attn_out[li]
             xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
@@ -391,12 +401,20 @@ class Transformer:
                 vv = c.cache.v[li, :, :, :L_].transpose(1, 2).to(torch.float32)  # [Hkv, L, hdv]
                 qq = q[s:e].view(n, Hkv, group, hdk).permute(1, 2, 0, 3).reshape(Hkv, group * n, hdk)
                 scores = torch.bmm(qq, kk.transpose(1, 2)) * scale  # [Hkv, group * n, L]
-                if n > 1:
+                window = cfg.n_swa if li in self._swa else 0
+                if n > 1 or window:
                     kpos = torch.arange(L_)
                     qpos = torch.arange(c.pos, L_)
-                    masked = (kpos.unsqueeze(0) > qpos.unsqueeze(1)).repeat(group, 1)  # [group * n, L]
-                    scores = scores.masked_fill(masked, float("-inf"))
-                o = torch.bmm(torch.softmax(scores, dim=-1), vv)  # [Hkv, group * n, hdv]
+                    masked = kpos.unsqueeze(0) > qpos.unsqueeze(1)
+                    if window:
+                        masked |= qpos.unsqueeze(1) - kpos.unsqueeze(0) >= window
+                    scores = scores.masked_fill(masked.repeat(group, 1), float("-inf"))  # [group * n, L]
+                if L.sinks is not None:  # one more logit per head in the softmax, whose value weighs nothing
+                    sink = L.sinks.view(Hkv, group, 1, 1).expand(Hkv, group, n, 1).reshape(Hkv, group * n, 1)
+                    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+                else:
+                    probs = torch.softmax(scores, dim=-1)
+                o = torch.bmm(probs, vv)  # [Hkv, group * n, hdv]
                 o = o.view(Hkv, group, n, hdv).permute(2, 0, 1, 3).reshape(n, H, hdv)
                 attn[s:e] = o
             if L.mla is not None:  # per head from the latent space to the value dims (attn_v_b)

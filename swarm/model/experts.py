@@ -8,7 +8,9 @@ Rules:
 - Fixed summation order: within a slice, experts are added in ascending local index; across slices
   the caller (``combine_partials``) adds partial sums in ascending ``lo`` order.
 - An expert FFN is SwiGLU: ``down @ (silu(gate @ x) * (up @ x))``, scaled by the router weight
-  after ``down`` (as llama.cpp does).
+  after ``down`` (as llama.cpp does); gpt-oss's (activation ``swiglu_oai``): biases after each
+  projection and ``min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)``, ggml's
+  swiglu_oai.
 """
 
 from __future__ import annotations
@@ -22,16 +24,33 @@ import torch.nn.functional as F
 
 from swarm.model.combine import add_in_expert_order
 
-__all__ = ["ExpertWeights", "combine_partials", "pairs_from_lists", "slice_pair_outputs", "slice_partial_sum"]
+__all__ = ["OAI_ALPHA", "OAI_LIMIT", "ExpertWeights", "combine_partials", "swiglu_oai", "pairs_from_lists", "slice_pair_outputs", "slice_partial_sum"]
 
 
 class ExpertWeights(Protocol):
     n_expert: int
     d_model: int
+    activation: str
 
     def gate(self, e: int) -> torch.Tensor: ...
     def up(self, e: int) -> torch.Tensor: ...
     def down(self, e: int) -> torch.Tensor: ...
+    def bias(self, kind: int, e: int) -> torch.Tensor | None: ...
+
+
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp: LLM_FFN_SWIGLU_OAI_MOE)
+
+
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """ggml's swiglu_oai in float32: ``x / (1 + exp(-alpha x)) * (y + 1)``, x = min(g, limit),
+    y = clamp(u, -limit, limit)."""
+    x = torch.clamp(g, max=OAI_LIMIT)
+    y = torch.clamp(u, -OAI_LIMIT, OAI_LIMIT)
+    return x / (1.0 + torch.exp(-OAI_ALPHA * x)) * (y + 1.0)
+
+
+def _biased(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b
 
 
 def slice_partial_sum(
@@ -69,9 +88,10 @@ def slice_pair_outputs(
     for e in torch.unique(pair_experts).tolist():
         sel = pair_experts == e
         xe = x.index_select(0, pair_rows[sel])
-        g = xe @ weights.gate(e).T
-        u = xe @ weights.up(e).T
-        h = (F.silu(g) * u) @ weights.down(e).T
+        g = _biased(xe @ weights.gate(e).T, weights.bias(0, e))
+        u = _biased(xe @ weights.up(e).T, weights.bias(1, e))
+        act = swiglu_oai(g, u) if weights.activation == "swiglu_oai" else F.silu(g) * u
+        h = _biased(act @ weights.down(e).T, weights.bias(2, e))
         out[sel] = h * pair_weights[sel].unsqueeze(1)
     return out
 

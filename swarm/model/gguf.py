@@ -82,6 +82,14 @@ class ArchSpec:
     attention: Literal["mha", "mla"] = "mha"
     # metadata that may turn on the top-k renormalisation (DeepSeek: expert_weights_norm), else norm_topk
     norm_topk_key: str | None = None
+    # "softmax": softmax over all experts, then top-k; "softmax_topk" (gpt-oss): top-k of the raw
+    # logits, then a softmax over those k (llama.cpp's SOFTMAX_WEIGHT gating)
+    gating: Literal["softmax", "softmax_topk"] = "softmax"
+    ffn_norm_name: str = "ffn_norm"  # gpt-oss: post_attention_norm (llama.cpp's ATTN_POST_NORM)
+    # sliding-window attention on every layer il with il % pattern < pattern - 1 (llama.cpp's default
+    # pattern; 0: no sliding window), window from attention.sliding_window
+    swa_pattern: int = 0
+    attn_sinks: bool = False  # one learned logit per head joins each softmax (attn_sinks.weight)
     # the routed experts' activation, carried by manifests and slices to volunteers
     # (``swarm.model.kernels.EXPERT_ACTIVATIONS``); every architecture so far: silu(gate) * up
     expert_activation: str = "silu"
@@ -103,6 +111,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # gating scaled by expert_weights_scale, renormalised only where expert_weights_norm says so
     "deepseek2": ArchSpec("deepseek2", rope_neox=False, qk_norm="none", norm_topk=False, shared_expert="plain",
                           shared_ff_from_count=True, attention="mla", norm_topk_key="expert_weights_norm"),
+    # gpt-oss: attention sinks, sliding-window attention on alternate layers, biases on q/k/v/o, the
+    # router and the experts, top-k of the router logits then softmax over k, the clamped SwiGLU
+    "gpt-oss": ArchSpec("gpt-oss", rope_neox=True, qk_norm="none", norm_topk=False, gating="softmax_topk",
+                        ffn_norm_name="post_attention_norm", swa_pattern=2, attn_sinks=True,
+                        expert_activation="swiglu_oai"),
 }
 
 
@@ -212,6 +225,8 @@ class ModelConfig:
     mla: MlaConfig | None = None
     kq_scale: float = 0.0  # the attention's score scale (0: 1/sqrt(head_dim_k))
     rope: RopeScaling = RopeScaling()
+    n_swa: int = 0  # the sliding window (tokens), for the blocks in swa_layers
+    swa_layers: tuple[int, ...] = ()
 
     @property
     def n_moe_layer(self) -> int:
@@ -307,24 +322,38 @@ class ExpertStack:
     """The three expert tensors of one layer (or a slice of them), dequantised per use.
 
     ``gate(e)``/``up(e)`` are ``[d_expert, d_model]``, ``down(e)`` is ``[d_model, d_expert]``, all
-    float32, for local expert index ``e`` (0-based within the stack).
+    float32, for local expert index ``e`` (0-based within the stack). ``biases`` (gpt-oss): the
+    F32 ``gate``/``up`` ``[n_expert, d_expert]`` and ``down`` ``[n_expert, d_model]`` bias rows;
+    ``activation``: what joins gate and up (``swarm.model.kernels.EXPERT_ACTIVATIONS``).
     """
 
-    def __init__(self, gate: QTensor, up: QTensor, down: QTensor) -> None:
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, *,
+                 biases: tuple[QTensor, QTensor, QTensor] | None = None, activation: str = "silu") -> None:
         if not (gate.shape[0] == up.shape[0] == down.shape[0]):
             raise ModelError("expert tensors disagree on the number of experts")
         self.gate_t, self.up_t, self.down_t = gate, up, down
         self.n_expert = gate.shape[0]
         self.d_expert, self.d_model = gate.shape[1], gate.shape[2]
         if up.shape[1:] != gate.shape[1:] or down.shape[1:] != (self.d_model, self.d_expert):
-            raise ModelError(f"expert tensor shapes disagree: {gate.shape} {up.shape} {down.shape}")
+            raise ModelError(f"expert tensors shapes disagree: {gate.shape} {up.shape} {down.shape}")
+        if biases is not None:
+            want = ((self.n_expert, self.d_expert), (self.n_expert, self.d_expert), (self.n_expert, self.d_model))
+            if tuple(b.shape for b in biases) != want or any(b.qtype != gguf.GGMLQuantizationType.F32 for b in biases):
+                raise ModelError(f"expert biases must be F32 {want}, got {[b.shape for b in biases]}")
+        self.biases = biases
+        self.activation = activation
 
     def experts(self, lo: int, hi: int) -> ExpertStack:
         """Experts ``lo..hi-1`` of this stack (zero-copy views)."""
         if (lo, hi) == (0, self.n_expert):
             return self
-        return ExpertStack(*(QTensor(t.name, t.qtype, (hi - lo, *t.shape[1:]), t.raw[lo:hi])
-                             for t in (self.gate_t, self.up_t, self.down_t)))
+
+        def sub(t: QTensor) -> QTensor:
+            return QTensor(t.name, t.qtype, (hi - lo, *t.shape[1:]), t.raw[lo:hi])
+
+        gate, up, down = (sub(t) for t in (self.gate_t, self.up_t, self.down_t))
+        biases = None if self.biases is None else (sub(self.biases[0]), sub(self.biases[1]), sub(self.biases[2]))
+        return ExpertStack(gate, up, down, biases=biases, activation=self.activation)
 
     def _get(self, t: QTensor, e: int) -> torch.Tensor:
         return dequantize_raw(torch.from_numpy(t.raw[e]), t.qtype, t.shape[1:])
@@ -337,6 +366,10 @@ class ExpertStack:
 
     def down(self, e: int) -> torch.Tensor:
         return self._get(self.down_t, e)
+
+    def bias(self, kind: int, e: int) -> torch.Tensor | None:
+        """Expert ``e``'s bias row of kind 0 (gate), 1 (up) or 2 (down); None without biases."""
+        return None if self.biases is None else self._get(self.biases[kind], e)
 
     @property
     def nbytes(self) -> int:
@@ -401,6 +434,8 @@ class LayerWeights:
     bo: torch.Tensor | None = None
     shared: SharedExpert | None = None
     mla: MlaWeights | None = None
+    router_b: torch.Tensor | None = None  # gpt-oss: the router's bias
+    sinks: torch.Tensor | None = None  # gpt-oss: one attention-sink logit per head
 
 
 class GGUFModel:
@@ -475,6 +510,13 @@ class GGUFModel:
         mla = self._mla(arch) if spec.attention == "mla" else None
         n_ctx_train = int(_field(f, f"{arch}.context_length", 2048))
         rope = rope_scaling(f, arch, n_ctx_train)
+        n_swa = int(_field(f, f"{arch}.attention.sliding_window", 0)) if spec.swa_pattern else 0
+        swa_pattern = int(_field(f, f"{arch}.attention.sliding_window_pattern", spec.swa_pattern))
+        if spec.swa_pattern and n_swa <= 0:
+            raise ModelError(f"{arch}: {arch}.attention.sliding_window is missing")
+        if float(_field(f, f"{arch}.rope.freq_base_swa", _field(f, f"{arch}.rope.freq_base", 10000.0))) != \
+                float(_field(f, f"{arch}.rope.freq_base", 10000.0)):
+            raise UnsupportedArchitecture(f"{arch} with another RoPE base on its sliding-window layers is not supported")
         gating = int(_field(f, f"{arch}.expert_gating_func", 1))
         if gating != 1:  # llama.cpp: 1 softmax, 2 sigmoid (DeepSeek-V3), 3 softmax of the top-k
             raise UnsupportedArchitecture(f"{arch} with expert_gating_func {gating} (not softmax) is not supported")
@@ -504,6 +546,9 @@ class GGUFModel:
             mla=mla,
             kq_scale=mla_kq_scale(rope, mla.d_nope + mla.d_rope) if mla is not None else 0.0,
             rope=rope,
+            n_swa=n_swa,
+            swa_layers=tuple(i for i in range(n_layer) if spec.swa_pattern and n_swa
+                             and i % swa_pattern < swa_pattern - 1),
         )
         if spec.shared_expert != "none" and cfg.d_shared <= 0 and not spec.shared_ff_from_count:
             raise ModelError(f"{arch}: the shared expert's width ({arch}.{spec.shared_ff_key} or "
@@ -590,7 +635,7 @@ class GGUFModel:
             wo=self._linear(p + "attn_output.weight"),
             q_norm=self._dense(p + "attn_q_norm.weight") if qk else None,
             k_norm=self._dense(p + "attn_k_norm.weight") if qk else None,
-            ffn_norm=self._dense(p + "ffn_norm.weight"),
+            ffn_norm=self._dense(f"{p}{spec.ffn_norm_name}.weight"),
             router=self._linear(p + "ffn_gate_inp.weight") if moe else None,
             experts=self._stack(i) if moe else None,
             bq=self._optional(p + "attn_q.bias"),
@@ -599,6 +644,8 @@ class GGUFModel:
             bo=self._optional(p + "attn_output.bias"),
             shared=shared,
             mla=self._mla_weights(p) if not mha else None,
+            router_b=self._optional(p + "ffn_gate_inp.bias") if moe else None,
+            sinks=self._dense(p + "attn_sinks.weight").reshape(-1) if spec.attn_sinks else None,
         )
 
     def _mla_weights(self, p: str) -> MlaWeights:
@@ -624,7 +671,15 @@ class GGUFModel:
         return w
 
     def _stack(self, block: int) -> ExpertStack:
-        return ExpertStack(*(self.tensor(f"blk.{block}.ffn_{kind}_exps.weight") for kind in ("gate", "up", "down")))
+        kinds = ("gate", "up", "down")
+        p = f"blk.{block}."
+        names = [f"{p}ffn_{k}_exps.bias" for k in kinds]
+        have = [n in self.tensors for n in names]
+        if any(have) and not all(have):
+            raise ModelError(f"{p}: expert biases come for gate, up and down together")
+        biases = (self.tensor(names[0]), self.tensor(names[1]), self.tensor(names[2])) if all(have) else None
+        return ExpertStack(*(self.tensor(f"{p}ffn_{k}_exps.weight") for k in kinds), biases=biases,
+                           activation=self.config.spec.expert_activation)
 
     def expert_stack(self, layer: int, lo: int = 0, hi: int | None = None) -> ExpertStack:
         """Experts ``lo..hi-1`` of expert layer ``layer`` (block ``config.moe_layers[layer]``) as a

@@ -124,6 +124,13 @@ _DEFAULT = _PreTokenizer(
 _GPT2 = _PreTokenizer(regexes=(_GPT2_RE,), ignore_merges=False, default_add_bos=False)
 _LLAMA3 = _PreTokenizer(regexes=(_LLAMA3_RE,), ignore_merges=True, default_add_bos=True)
 _QWEN2 = _PreTokenizer(regexes=(_QWEN2_RE,), ignore_merges=False, default_add_bos=False)
+# gpt-oss / GPT-4o (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O: its rewrite of o200k's case-insensitive groups)
+_GPT4O_RE = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = _PreTokenizer(regexes=(_GPT4O_RE,), ignore_merges=False, default_add_bos=False)
 # DeepSeek-V2 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_LLM), applied in sequence; llama.cpp matches
 # "\s+$" with std::regex, where "$" is the end of the fragment: "\z" here (Oniguruma's "$" is a line end)
 _DEEPSEEK_LLM = _PreTokenizer(
@@ -161,6 +168,7 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "deepseek-r1-qwen": _QWEN2,
     "olmo": _GPT2,  # llama.cpp: LLAMA_VOCAB_PRE_TYPE_OLMO shares GPT-2's regex
     "deepseek-llm": _DEEPSEEK_LLM,
+    "gpt-4o": _GPT4O,
 }
 SUPPORTED_PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(_PRE_TOKENIZERS))
 

@@ -6,7 +6,9 @@ llama.cpp's logits (F32 KV cache), greedy continuations and tokenisation on both
 deviation a family has (qwen2moe: q/k/v biases, the sigmoid-gated shared expert, no top-k
 renormalisation; olmoe: q/k RMSNorm over the whole projection, no renormalisation; deepseek2:
 multi-head latent attention with k_b absorbed, RoPE on the rope dims only in adjacent pairs, a
-leading dense block, shared experts, the weights scale) moves these
+leading dense block, shared experts, the weights scale; gpt-oss: attention sinks, the sliding
+window on alternate layers, biases everywhere, top-k of the raw router logits then softmax over k,
+the clamped SwiGLU) moves these
 logits by far more than the tolerance -- ``test_each_deviation_is_caught`` checks that here.
 qwen2moe is also quantised with llama.cpp's ``MXFP4_MOE`` (MXFP4 experts, whose activations ggml
 quantises to Q8_0 for the dot products; the rest Q8_0), and qwen2moe and deepseek2 have YaRN files
@@ -34,7 +36,7 @@ from swarm.text.tokenizer import Tokenizer
 from swarm.tools.makemodel import make_model
 from tests.conftest import FIXTURES
 
-ARCHS = ["qwen2moe", "olmoe", "deepseek2"]
+ARCHS = ["qwen2moe", "olmoe", "deepseek2", "gpt-oss"]
 TOL = 1e-4
 GOLDEN = FIXTURES / "golden"
 
@@ -46,7 +48,7 @@ def golden(name: str) -> dict[str, Any]:
 
 CASES = [(a, q, k) for a in ARCHS for q, k in (("f32", KernelBackend.GGML), ("f32", KernelBackend.TORCH),
                                                ("q8_0", KernelBackend.GGML))]
-CASES.append(("qwen2moe", "mxfp4_moe", KernelBackend.GGML))  # llama.cpp's MXFP4 experts (gpt-oss's type)
+CASES += [(a, "mxfp4_moe", KernelBackend.GGML) for a in ("qwen2moe", "gpt-oss")]  # llama.cpp's MXFP4 experts
 # YaRN context extension (factor 4 over an original context of 32; deepseek2 with V2-Lite's log multiplier)
 CASES += [(f"{a}-yarn", "f32", k) for a in ("qwen2moe", "deepseek2") for k in (KernelBackend.GGML, KernelBackend.TORCH)]
 
@@ -140,6 +142,10 @@ def test_the_architectures_read_their_families_metadata() -> None:
     ("deepseek2", {"rope_neox": True}),
     ("deepseek2", {"shared_expert": "none"}),
     ("deepseek2", {"norm_topk_key": None, "norm_topk": True}),
+    ("gpt-oss", {"attn_sinks": False}),
+    ("gpt-oss", {"swa_pattern": 0}),
+    ("gpt-oss", {"gating": "softmax"}),
+    ("gpt-oss", {"expert_activation": "silu"}),
 ])
 def test_each_deviation_is_caught(monkeypatch: pytest.MonkeyPatch, arch: str, change: dict[str, Any]) -> None:
     """The tolerance is meaningful: one architecture rule changed moves the logits far beyond it."""
@@ -171,7 +177,7 @@ def test_qwen2moe_without_biases_is_refused(tmp_path: Path) -> None:
         GGUFModel(tmp_path / "nobias.gguf", compute_id=False)
 
 
-MAKE_MODEL = [(a, "bpe") for a in ARCHS] + [("mixtral", "spm")]
+MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("mixtral", "spm")]
 
 
 @pytest.mark.parametrize(("arch", "vocab"), MAKE_MODEL)

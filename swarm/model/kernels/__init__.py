@@ -20,7 +20,8 @@ Rules:
 - ``kernel_id`` names the backend, its version and every build flag that changes numerics; equal
   ids and equal inputs give equal bits (local = remote). Different ids agree within a tolerance.
 - ``EXPERT_ACTIVATIONS`` names the activations the kernels compute between an expert's gate/up and
-  down projections ("silu": ``silu(gate) * up``); a slice of any other is refused at load.
+  down projections ("silu": ``silu(gate) * up``; "swiglu_oai": gpt-oss's clamped variant, with the
+  experts' biases); a slice of any other is refused at load.
 - The ggml kernels are pooled per (types, shape): a pooled kernel is rebound to the slice's bytes
   for one call and returned, so concurrent callers each get their own and graph buffers are shared
   across layers; the bytes are never copied (zero-copy over the memory-mapped GGUF or slice file).
@@ -40,7 +41,7 @@ import torch
 from swarm.model.combine import add_in_expert_order
 from swarm.model.experts import slice_pair_outputs, slice_partial_sum
 
-EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu",)
+EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "swiglu_oai")
 
 if TYPE_CHECKING:
     from swarm.model.gguf import ExpertStack
@@ -156,7 +157,7 @@ class TorchExpertKernel:
         return slice_pair_outputs(x, pair_rows, pair_experts, pair_weights, self.stack)
 
 
-_PoolKey = tuple[tuple[int, int, int], int, int, int, int]
+_PoolKey = tuple[tuple[int, int, int], int, int, int, int, str, bool]
 _POOL: dict[_PoolKey, list[GgmlExpertKernel]] = {}
 _POOL_LOCK = threading.Lock()
 
@@ -167,16 +168,19 @@ def _pooled(stack: ExpertStack, n_threads: int = 1) -> Iterator[GgmlExpertKernel
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
     types = (int(stack.gate_t.qtype), int(stack.up_t.qtype), int(stack.down_t.qtype))
-    key = (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads)
+    key = (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads, stack.activation, stack.biases is not None)
     raws = tuple(np.ascontiguousarray(t.raw).reshape(-1) for t in (stack.gate_t, stack.up_t, stack.down_t))
+    braws = None if stack.biases is None else (np.ascontiguousarray(stack.biases[0].raw).reshape(-1),
+                                               np.ascontiguousarray(stack.biases[1].raw).reshape(-1),
+                                               np.ascontiguousarray(stack.biases[2].raw).reshape(-1))
     with _POOL_LOCK:
         free = _POOL.setdefault(key, [])
         k = free.pop() if free else None
     if k is None:
         k = GgmlExpertKernel(raws[0], raws[1], raws[2], types, stack.d_model, stack.d_expert, stack.n_expert,
-                             n_threads=n_threads)
+                             n_threads=n_threads, activation=stack.activation, biases=braws)
     else:
-        k.rebind(raws[0], raws[1], raws[2])
+        k.rebind(raws[0], raws[1], raws[2], braws)
     try:
         yield k
     finally:

@@ -418,7 +418,8 @@ class AttnOut(_Graphs):
 
     def __init__(self, *, wo: DenseWeight, ffn_norm: np.ndarray, router: DenseWeight | None, eps: float,
                  bo: np.ndarray | None = None, shared: SharedFFN | None = None, v_b: HeadWeights | None = None,
-                 max_rows: int = 256, family: Family | None = None) -> None:
+                 router_b: np.ndarray | None = None, softmax: bool = True, max_rows: int = 256,
+                 family: Family | None = None) -> None:
         super().__init__(max_rows)
         if router is not None and router.in_features != wo.out_features:
             raise KernelError("router input width differs from the output projection's")
@@ -435,6 +436,8 @@ class AttnOut(_Graphs):
         self._wr = self._dense(router, "router") if router is not None else None
         self._norm = self._vec(ffn_norm, self.d, "ffn_norm")
         self._bo = self._vec(bo, self.d, "bo") if bo is not None else None
+        self._br = self._vec(router_b, self.n_expert, "router_b") if router_b is not None else None
+        self.softmax = bool(softmax)  # False: the router's (biased) logits, for a top-k-then-softmax gate
         self.macs = self.d * (wo.in_features + self.n_expert) + (self.a * v_b.out_features if v_b is not None else 0)
         self.width = 0
         self._sh: tuple[Any, Any, Any, Any | None] | None = None
@@ -452,7 +455,7 @@ class AttnOut(_Graphs):
             self.width = w
             self.macs += 3 * self.d * w + (self.d if gi is not None else 0)
         self._share(family, (self.eps, bo is not None, self.width, shared is not None and shared.gate_inp is not None,
-                             router is not None, v_b is not None))
+                             router is not None, v_b is not None, router_b is not None, self.softmax))
 
     def _mem(self, b: int) -> int:
         return 4 * b * (4 * self.a + 8 * self.d + 3 * self.n_expert + 4 * self.width + 8)
@@ -471,7 +474,10 @@ class AttnOut(_Graphs):
         x2 = g.ggml_add(ctx, _biased(ctx, g.ggml_mul_mat(ctx, self._wo, att), self._bo), x)
         h = _rms(ctx, x2, self._norm, self.eps)
         # a dense block has no router: its "probabilities" output is h again (ignored by the caller)
-        probs = g.ggml_soft_max(ctx, g.ggml_mul_mat(ctx, self._wr, h)) if self._wr is not None else h
+        probs = h
+        if self._wr is not None:
+            logits = _biased(ctx, g.ggml_mul_mat(ctx, self._wr, h), self._br)
+            probs = g.ggml_soft_max(ctx, logits) if self.softmax else logits
         outs = [x2, h, probs]
         if self._sh is not None:
             wg, wu, wd, gi = self._sh
@@ -551,14 +557,15 @@ class Attention:
         self.kv_pad, self.max_rows, self.max_graphs = int(kv_pad), int(max_rows), int(max_graphs)
         # the score scale: 1/sqrt(head_dim_k), or the architecture's (MLA: 1/sqrt(nope + rope dims))
         self.scale = float(np.float32(scale)) if scale else float(np.float32(1.0) / np.sqrt(np.float32(head_dim_k)))
-        self._plans: dict[tuple[tuple[tuple[int, int], ...], int, int], tuple[_Plan, list[dict[str, Any]], _Ctx]] = {}
+        self._plans: dict[tuple[tuple[tuple[int, int], ...], int, int, bool], tuple[_Plan, list[dict[str, Any]], _Ctx]] = {}
         self._lock = threading.Lock()
 
     def n_kv(self, used: int, n_ctx: int) -> int:
         return min(n_ctx, -(-used // self.kv_pad) * self.kv_pad)
 
-    def _sub(self, c: Any, lctx: Any, b: int, n_kv: int, tid: int) -> tuple[dict[str, Any], Any]:
-        """One sequence's attention inside a graph: its inputs and its output ``[hdv, H, b]``."""
+    def _sub(self, c: Any, lctx: Any, b: int, n_kv: int, tid: int, sinks: bool = False) -> tuple[dict[str, Any], Any]:
+        """One sequence's attention inside a graph: its inputs and its output ``[hdv, H, b]``; with
+        ``sinks``, a per-head sink logit (input ``sinks``, ``[H]``) joins every softmax."""
         H, Hkv, hdk, hdv = self.H, self.Hkv, self.hdk, self.hdv
         es = 2 if tid == g.GGML_TYPE_F16 else 4
         q = g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, hdk, H, b)
@@ -572,16 +579,23 @@ class Attention:
             g.ggml_set_input(t)
         kq = g.ggml_mul_mat(c, k, g.ggml_permute(c, q, 0, 2, 1, 3))  # [n_kv, b, H]
         kq = g.ggml_soft_max_ext(c, kq, mask, ctypes.c_float(self.scale), ctypes.c_float(0.0))
+        st = None
+        if sinks:
+            st = g.ggml_new_tensor_1d(c, g.GGML_TYPE_F32, H)
+            g.ggml_set_input(st)
+            g.ggml_soft_max_add_sinks(kq, st)
         kqv = g.ggml_mul_mat(c, vt, kq)  # [hdv, b, H]
         out = g.ggml_cont(c, g.ggml_permute(c, kqv, 0, 2, 1, 3))  # [hdv, H, b]
         g.ggml_set_output(out)
         views = {"q": _f32_view(q, (b, H * hdk)), "mask": _f32_view(mask, (b, n_kv)), "out": _f32_view(out, (b, H * hdv)),
                  "k": k, "vt": vt, "es": es}
+        if st is not None:
+            views["sinks"] = _f32_view(st, (H,))
         return views, out
 
-    def _plan(self, shape: tuple[tuple[int, int], ...], tid: int, n_threads: int
+    def _plan(self, shape: tuple[tuple[int, int], ...], tid: int, n_threads: int, sinks: bool = False
               ) -> tuple[_Plan, list[dict[str, Any]], _Ctx]:
-        key = (shape, tid, n_threads)
+        key = (shape, tid, n_threads, sinks)
         p = self._plans.get(key)
         if p is not None:
             return p
@@ -598,7 +612,7 @@ class Attention:
         graph = g.ggml_new_graph_custom(ctx.ctx, nodes, False)
         subs = []
         for b, n_kv in shape:
-            views, out = self._sub(ctx.ctx, lctx.ctx, b, n_kv, tid)
+            views, out = self._sub(ctx.ctx, lctx.ctx, b, n_kv, tid, sinks)
             views["q"][:] = 0
             views["mask"][:] = 0
             g.ggml_build_forward_expand(graph, out)
@@ -629,21 +643,27 @@ class Attention:
         return int(tid)
 
     def many(self, items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int]], n_threads: int = 1, *,
-             zero_tail: bool = True) -> list[np.ndarray]:
+             zero_tail: bool = True, sinks: np.ndarray | None = None, window: int = 0) -> list[np.ndarray]:
         """Several sequences' attention in one graph: ``items`` = ``(q, k_cache, v_cache, pos)`` as in
         ``__call__`` (all caches of one type). ``zero_tail=False``: the caller guarantees that cache
-        rows past each sequence's end are zero (``coordinator.model.KVCache`` does)."""
+        rows past each sequence's end are zero (``coordinator.model.KVCache`` does). ``sinks``: one
+        logit per head joining each softmax (gpt-oss); ``window`` > 0: a query at position p sees
+        the keys at p - window + 1 .. p only (llama.cpp's standard sliding window)."""
         tids = {self._check(q, kc, vc, pos) for q, kc, vc, pos in items}
         if len(tids) != 1:
             raise KernelError("the KV caches of one call must share a type")
         tid = tids.pop()
         if any(q.shape[0] > self.max_rows for q, *_ in items):  # long prefill chunks: one at a time
-            return [self(q, kc, vc, pos, n_threads, zero_tail=zero_tail) for q, kc, vc, pos in items]
+            return [self(q, kc, vc, pos, n_threads, zero_tail=zero_tail, sinks=sinks, window=window)
+                    for q, kc, vc, pos in items]
+        sk = None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1)
+        if sk is not None and sk.shape != (self.H,):
+            raise KernelError(f"sinks must be {self.H} float32 values")
         shape = tuple((_bucket(q.shape[0], self.max_rows), self.n_kv(pos + q.shape[0], kc.shape[0]))
                       for q, kc, _, pos in items)
         outs = []
         with self._lock:
-            plan, subs, _ = self._plan(shape, tid, n_threads)
+            plan, subs, _ = self._plan(shape, tid, n_threads, sk is not None)
             for (q, kc, vc, pos), (b, n_kv), v in zip(items, shape, subs, strict=True):
                 n, n_ctx, es = q.shape[0], kc.shape[0], v["es"]
                 used = pos + n
@@ -658,25 +678,33 @@ class Attention:
                 vt.nb[3] = self.Hkv * self.hdv * n_ctx * es
                 v["q"][:n] = q
                 qpos = np.minimum(pos + np.arange(b), used - 1)  # padding rows repeat the last one
-                v["mask"][:] = np.where(np.arange(n_kv)[None, :] > qpos[:, None], -np.inf, 0.0)
+                kpos = np.arange(n_kv)[None, :]
+                masked = kpos > qpos[:, None]
+                if window > 0:
+                    masked |= qpos[:, None] - kpos >= window
+                v["mask"][:] = np.where(masked, -np.inf, 0.0)
+                if sk is not None:
+                    v["sinks"][:] = sk
             plan.compute(n_threads)
             for (q, *_), v in zip(items, subs, strict=True):
                 outs.append(v["out"][: q.shape[0]].copy())
         return outs
 
     def __call__(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int,
-                 n_threads: int = 1, *, zero_tail: bool = True) -> np.ndarray:
+                 n_threads: int = 1, *, zero_tail: bool = True, sinks: np.ndarray | None = None,
+                 window: int = 0) -> np.ndarray:
         """``q[n, H*hdk]`` (roped) of rows at positions ``pos .. pos+n-1``; ``k_cache`` ``[n_ctx, Hkv,
         hdk]`` and ``v_cache`` ``[Hkv, hdv, n_ctx]``, float32 or float16, already holding this step's
         rows. Returns ``[n, H*hdv]``."""
         self._check(q, k_cache, v_cache, pos)
         n = q.shape[0]
         if n <= self.max_rows:
-            return self.many([(q, k_cache, v_cache, pos)], n_threads, zero_tail=zero_tail)[0]
+            return self.many([(q, k_cache, v_cache, pos)], n_threads, zero_tail=zero_tail, sinks=sinks, window=window)[0]
         out = np.empty((n, self.H * self.hdv), dtype=np.float32)
         for s in range(0, n, self.max_rows):  # row blocks; each sees the cache up to its own last row
             e = min(n, s + self.max_rows)
-            out[s:e] = self.many([(q[s:e], k_cache, v_cache, pos + s)], n_threads, zero_tail=zero_tail)[0]
+            out[s:e] = self.many([(q[s:e], k_cache, v_cache, pos + s)], n_threads, zero_tail=zero_tail, sinks=sinks,
+                                 window=window)[0]
         return out
 
     def close(self) -> None:

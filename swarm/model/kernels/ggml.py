@@ -359,6 +359,8 @@ def _bucket(n: int, cap: int) -> int:
 
 
 _GRAPH_NODES = 16
+_ACTIVATIONS = ("silu", "swiglu_oai")
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU (llama.cpp's constants)
 
 
 # ----------------------------------------------------------------------------- expert kernel
@@ -387,7 +389,12 @@ class GgmlExpertKernel:
         n_threads: int = 1,
         poll: int | None = None,
         max_pairs: int = 512,
+        activation: str = "silu",
+        biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
+        if activation not in _ACTIVATIONS:
+            raise KernelError(f"activation {activation!r} is not computed here ({', '.join(_ACTIVATIONS)})")
+        self.activation = activation
         if isinstance(qtype, (str, int)):
             qtype = (qtype, qtype, qtype)
         if len(qtype) != 3:
@@ -409,12 +416,21 @@ class GgmlExpertKernel:
         )
         self.n_threads, self.max_pairs = int(n_threads), int(max_pairs)
         self._pool, self._poll = _threadpool(self.n_threads, _POLL if poll is None else poll)[0], poll
-        self._wctx = _Ctx(4 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
+        self._wctx = _Ctx(8 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
         self._w = (
             _weight_tensor(self._wctx, self.types[0], (d_model, d_expert, n_expert), self._raw[0], "gate_exps"),
             _weight_tensor(self._wctx, self.types[1], (d_model, d_expert, n_expert), self._raw[1], "up_exps"),
             _weight_tensor(self._wctx, self.types[2], (d_expert, d_model, n_expert), self._raw[2], "down_exps"),
         )
+        # gpt-oss: F32 bias rows per expert, added with ggml_add_id after each projection, as llama.cpp
+        self._b: tuple[Any, Any, Any] | None = None
+        self._braw: tuple[np.ndarray, ...] = ()
+        if biases is not None:
+            sizes = (d_expert, d_expert, d_model)
+            self._braw = tuple(_as_raw(b, 4 * n * n_expert, f"{k}_bias")
+                               for b, n, k in zip(biases, sizes, ("gate", "up", "down"), strict=True))
+            self._b = tuple(_weight_tensor(self._wctx, g.GGML_TYPE_F32, (n, n_expert), r, f"{k}_bias")  # type: ignore[assignment]
+                            for r, n, k in zip(self._braw, sizes, ("gate", "up", "down"), strict=True))
         self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
@@ -422,25 +438,34 @@ class GgmlExpertKernel:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self._raw)
 
-    def rebind(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+    def rebind(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+               biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         """Point the kernel at another stack of the same shape and types (e.g. another layer),
         keeping the built graphs and buffers: one kernel (and ~tens of MB of bucket buffers) can
         serve every layer. Safe because the weight tensors are graph leaves, not views: ggml
         reads ``tensor->data`` at compute time."""
         raws = (_as_raw(gate, self._raw[0].nbytes, "gate"), _as_raw(up, self._raw[1].nbytes, "up"),
                 _as_raw(down, self._raw[2].nbytes, "down"))
+        if (biases is None) != (self._b is None):
+            raise KernelError("rebind: biases must come exactly when the kernel was built with them")
+        braws = () if biases is None else tuple(_as_raw(b, r.nbytes, "bias") for b, r in zip(biases, self._braw,
+                                                                                             strict=True))
         with self._lock:
             for t, r in zip(self._w, raws, strict=True):
                 t.contents.data = r.ctypes.data
             self._raw = raws
+            if self._b is not None:
+                for t, r in zip(self._b, braws, strict=True):
+                    t.contents.data = r.ctypes.data
+                self._braw = braws
 
     def _plan(self, b: int) -> tuple[_Plan, np.ndarray, np.ndarray, np.ndarray]:
         p = self._plans.get(b)
         if p is not None:
             return p
         d, f = self.d_model, self.d_expert
-        data = 4 * b * (2 * d + 3 * f) + 4 * b
-        mem = data + 16 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_GRAPH_NODES, False) + 16 * 64
+        data = 4 * b * (2 * d + 3 * f) + 4 * b + (4 * b * (2 * f + d) if self._b is not None else 0)
+        mem = data + 24 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_GRAPH_NODES, False) + 24 * 64
         ctx = _Ctx(mem, no_alloc=False)
         c = ctx.ctx
         xp = g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, d, 1, b)  # one token per pair, one slot
@@ -449,8 +474,16 @@ class GgmlExpertKernel:
         g.ggml_set_input(ids)
         gt = g.ggml_mul_mat_id(c, self._w[0], xp, ids)  # [f, 1, b]
         ut = g.ggml_mul_mat_id(c, self._w[1], xp, ids)
-        h = g.ggml_swiglu_split(c, gt, ut)  # silu(gate) * up
+        if self._b is not None:
+            ut = g.ggml_add_id(c, ut, self._b[1], ids)
+            gt = g.ggml_add_id(c, gt, self._b[0], ids)
+        if self.activation == "swiglu_oai":
+            h = g.ggml_swiglu_oai(c, gt, ut, ctypes.c_float(OAI_ALPHA), ctypes.c_float(OAI_LIMIT))
+        else:
+            h = g.ggml_swiglu_split(c, gt, ut)  # silu(gate) * up
         y = g.ggml_mul_mat_id(c, self._w[2], h, ids)  # [d, 1, b]
+        if self._b is not None:
+            y = g.ggml_add_id(c, y, self._b[2], ids)
         g.ggml_set_output(y)
         graph = g.ggml_new_graph_custom(c, _GRAPH_NODES, False)
         g.ggml_build_forward_expand(graph, y)
