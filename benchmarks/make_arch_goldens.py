@@ -413,7 +413,7 @@ def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ft
 
 
 # the project's generator, checked by llama.cpp: (arch, vocab) -> makemodel-<name>-tiny.llamacpp.json
-MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("mixtral", "spm")]
+MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("gpt-oss", "bpe"), ("mixtral", "spm")]
 
 
 def makemodel_name(arch: str, vocab: str) -> str:

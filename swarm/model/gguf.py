@@ -371,9 +371,17 @@ class ExpertStack:
         """Expert ``e``'s bias row of kind 0 (gate), 1 (up) or 2 (down); None without biases."""
         return None if self.biases is None else self._get(self.biases[kind], e)
 
+    def tensors(self) -> dict[str, QTensor]:
+        """The stack's tensors by slice kind: ``gate``, ``up``, ``down``, then ``gate_b``, ``up_b``,
+        ``down_b`` when it has biases (the order slices store them in)."""
+        out = {"gate": self.gate_t, "up": self.up_t, "down": self.down_t}
+        if self.biases is not None:
+            out.update(zip(("gate_b", "up_b", "down_b"), self.biases, strict=True))
+        return out
+
     @property
     def nbytes(self) -> int:
-        return self.gate_t.nbytes + self.up_t.nbytes + self.down_t.nbytes
+        return sum(t.nbytes for t in self.tensors().values())
 
     def bytes_per_expert(self) -> int:
         return self.nbytes // max(1, self.n_expert)

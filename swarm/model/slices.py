@@ -50,7 +50,14 @@ from swarm.model.gguf import (
     QTensor,
     pread_chunks,
 )
-from swarm.protocol.manifest import DEFAULT_ACTIVATION, SLICE_FORMAT, SLICE_FORMAT_ACTIVATION, ModelManifest
+from swarm.protocol.manifest import (
+    BIAS_KINDS,
+    DEFAULT_ACTIVATION,
+    SLICE_FORMAT,
+    SLICE_FORMAT_ACTIVATION,
+    ModelManifest,
+    slice_kinds,
+)
 
 __all__ = [
     "EXPERT_KINDS",
@@ -197,7 +204,11 @@ def slice_header(meta: SliceMeta) -> bytes:
     from a manifest (``plan_slice``). ``SliceError`` for a tensor whose rows do not fit its type."""
     header: dict[str, Any] = {"__metadata__": {METADATA_KEY: _canonical_json(meta).decode()}}
     offset = 0
-    for kind in EXPERT_KINDS:
+    kinds = slice_kinds(meta.tensors)
+    if kinds is None:
+        raise SliceError(f"a slice holds the tensors {', '.join(EXPERT_KINDS)} (and their biases), "
+                         f"not {sorted(meta.tensors)}")
+    for kind in kinds:
         shape = _byte_shape(meta.tensors[kind])
         nbytes = math.prod(shape)
         header[kind] = {"dtype": "U8", "shape": shape, "data_offsets": [offset, offset + nbytes]}
@@ -220,7 +231,7 @@ def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
     cfg = model.config
     check_slice_range(cfg, layer, lo, hi)
     stack = model.expert_stack(layer, lo, hi)
-    tensors = {"gate": stack.gate_t, "up": stack.up_t, "down": stack.down_t}
+    tensors = stack.tensors()
     meta = SliceMeta(
         model_id=model.model_id,
         arch=cfg.arch,
@@ -236,7 +247,7 @@ def _layout(model: GGUFModel, layer: int, lo: int, hi: int) -> _Layout:
         if _byte_shape(info) != list(tensors[kind].raw.shape):
             raise ModelError(f"{tensors[kind].name}: stored as {list(tensors[kind].raw.shape)} bytes, "
                              f"its type and shape say {_byte_shape(info)}")
-    arrays = tuple(tensors[k].raw for k in EXPERT_KINDS)
+    arrays = tuple(t.raw for t in tensors.values())
     return _Layout(slice_header(meta), arrays, model.path, tuple(model.file_span(a) for a in arrays))
 
 
@@ -467,15 +478,20 @@ def _parse_header(head: bytes, total: int) -> tuple[dict[str, Any], SliceMeta]:
     check_activation(act)
     if meta.lo >= meta.hi:
         raise SliceError(f"bad slice metadata: empty expert range {meta.lo}-{meta.hi}")
-    if set(meta.tensors) != set(EXPERT_KINDS) or set(header) != {"__metadata__", *EXPERT_KINDS}:
-        raise SliceError(f"a slice holds exactly the tensors {', '.join(EXPERT_KINDS)}; "
-                         f"metadata lists {sorted(meta.tensors)}, the file {sorted(k for k in header if k[:2] != '__')}")
+    kinds = slice_kinds(meta.tensors)
+    if kinds is None or set(header) != {"__metadata__", *kinds}:
+        raise SliceError(f"a slice holds exactly the tensors {', '.join(EXPERT_KINDS)} (and their biases "
+                         f"{', '.join(BIAS_KINDS)}); metadata lists {sorted(meta.tensors)}, the file "
+                         f"{sorted(k for k in header if k[:2] != '__')}")
     n_exp = meta.hi - meta.lo
     want = {"gate": (n_exp, meta.d_expert, meta.d_model), "up": (n_exp, meta.d_expert, meta.d_model),
-            "down": (n_exp, meta.d_model, meta.d_expert)}
+            "down": (n_exp, meta.d_model, meta.d_expert), "gate_b": (n_exp, meta.d_expert),
+            "up_b": (n_exp, meta.d_expert), "down_b": (n_exp, meta.d_model)}
     end = 0
-    for kind in EXPERT_KINDS:
+    for kind in kinds:
         info = meta.tensors[kind]
+        if kind in BIAS_KINDS and info.type != "F32":
+            raise SliceError(f"tensor {kind}: expert biases are F32, not {info.type}")
         if info.type not in SUPPORTED_TYPES:
             raise SliceError(f"tensor {kind}: type {info.type!r} is not supported ({', '.join(SUPPORTED_TYPES)})")
         if info.shape != want[kind]:
@@ -525,8 +541,9 @@ def slice_file_spans(path: str | Path) -> SliceFileSpans:
     header, meta = _parse_header(head, total)
     (n,) = struct.unpack("<Q", head[:8])
     n_exp = meta.hi - meta.lo
-    start = {k: 8 + n + int(header[k]["data_offsets"][0]) for k in EXPERT_KINDS}
-    per = {k: (int(header[k]["data_offsets"][1]) - int(header[k]["data_offsets"][0])) // n_exp for k in EXPERT_KINDS}
+    kinds = slice_kinds(meta.tensors) or EXPERT_KINDS
+    start = {k: 8 + n + int(header[k]["data_offsets"][0]) for k in kinds}
+    per = {k: (int(header[k]["data_offsets"][1]) - int(header[k]["data_offsets"][0])) // n_exp for k in kinds}
     return SliceFileSpans(meta.key, start, per)
 
 
@@ -543,16 +560,20 @@ def load_slice(source: str | Path | bytes | bytearray | memoryview) -> LoadedSli
             _, meta = _parse_header(head, total)
             # framework="pt" maps the file (copy-on-write) and hands out views of the map
             with safetensors.safe_open(str(path), framework="pt") as f:
-                tensors = {k: f.get_tensor(k) for k in EXPERT_KINDS}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except safetensors.SafetensorError as exc:
         raise SliceError(f"not a valid safetensors file: {exc}") from exc
-    parts = []
-    for kind in EXPERT_KINDS:
+    parts = {}
+    for kind in slice_kinds(meta.tensors) or EXPERT_KINDS:
         info = meta.tensors[kind]
         raw = tensors[kind].numpy()
-        name = f"blk.{meta.layer}.ffn_{kind}_exps.weight"
-        parts.append(QTensor(name, gguf.GGMLQuantizationType[info.type], tuple(info.shape), raw))
-    return LoadedSlice(meta.key, meta, ExpertStack(*parts))
+        name = (f"blk.{meta.layer}.ffn_{kind[:-2]}_exps.bias" if kind in BIAS_KINDS
+                else f"blk.{meta.layer}.ffn_{kind}_exps.weight")
+        parts[kind] = QTensor(name, gguf.GGMLQuantizationType[info.type], tuple(info.shape), raw)
+    biases = (parts["gate_b"], parts["up_b"], parts["down_b"]) if "gate_b" in parts else None
+    act = meta.activation if isinstance(meta.activation, str) else DEFAULT_ACTIVATION
+    return LoadedSlice(meta.key, meta, ExpertStack(parts["gate"], parts["up"], parts["down"], biases=biases,
+                                                   activation=act))
 
 
 # -- manifest ---------------------------------------------------------------------------------
@@ -579,7 +600,7 @@ def expert_digests(model: GGUFModel, layer: int) -> list[str]:
     stack = model.expert_stack(layer)
     n = stack.n_expert
     hashes = [hashlib.sha256() for _ in range(n)]
-    for t in (stack.gate_t, stack.up_t, stack.down_t):
+    for t in stack.tensors().values():
         offset, length = model.file_span(t.raw)
         per = length // n
         pos = 0
@@ -601,7 +622,7 @@ def _expert_facts(model: GGUFModel) -> _ExpertFacts:
     digests: list[list[str]] = []
     for layer in range(model.config.n_moe_layer):
         stack = model.expert_stack(layer)
-        kinds = {"gate": stack.gate_t, "up": stack.up_t, "down": stack.down_t}
+        kinds = stack.tensors()
         kind_bytes.append({k: t.nbytes // stack.n_expert for k, t in kinds.items()})
         offsets.append({k: model.file_span(t.raw)[0] for k, t in kinds.items()})
         digests.append(expert_digests(model, layer))
@@ -648,7 +669,7 @@ def build_manifest(model: GGUFModel, *, origins: Iterable[str] = (), cache_dir: 
     per_expert: list[int] = []
     for layer in range(cfg.n_moe_layer):
         stack = model.expert_stack(layer)
-        types.append({"gate": stack.gate_t.qtype.name, "up": stack.up_t.qtype.name, "down": stack.down_t.qtype.name})
+        types.append({k: t.qtype.name for k, t in stack.tensors().items()})
         per_expert.append(stack.nbytes // stack.n_expert)
     facts = _cached_facts(model, Path(cache_dir) if cache_dir is not None else None)
     manifest = ModelManifest(
@@ -708,6 +729,11 @@ class SlicePlan:
         return self.key.hi
 
     @property
+    def kinds(self) -> tuple[str, ...]:
+        """The slice's tensor kinds in storage order (the weights, then their biases if any)."""
+        return slice_kinds(self.kind_bytes) or EXPERT_KINDS
+
+    @property
     def bytes_per_expert(self) -> int:
         return sum(self.kind_bytes.values())
 
@@ -718,7 +744,7 @@ class SlicePlan:
     def kind_start(self, kind: str) -> int:
         """Where ``kind``'s tensor data begins in the slice file."""
         at = len(self.header)
-        for k in EXPERT_KINDS:
+        for k in self.kinds:
             if k == kind:
                 return at
             at += self.key.n_expert * self.kind_bytes[k]
@@ -754,15 +780,16 @@ def plan_slice(manifest: ModelManifest, layer: int, lo: int, hi: int) -> SlicePl
     problems = manifest.problems()
     if problems:
         raise SliceError(f"manifest of {manifest.model_id}: {'; '.join(problems)}", code="bad_manifest")
-    if len(manifest.tensor_types) != manifest.n_layer or set(manifest.tensor_types[layer]) != set(EXPERT_KINDS):
+    kinds = slice_kinds(manifest.tensor_types[layer]) if len(manifest.tensor_types) == manifest.n_layer else None
+    if kinds is None:
         raise SliceError(f"manifest of {manifest.model_id} lists no tensor types for layer {layer}", code="bad_manifest")
     n, d, f = hi - lo, manifest.d_model, manifest.d_expert
-    shapes = {"gate": (n, f, d), "up": (n, f, d), "down": (n, d, f)}
+    shapes = {"gate": (n, f, d), "up": (n, f, d), "down": (n, d, f), "gate_b": (n, f), "up_b": (n, f), "down_b": (n, d)}
     types = manifest.tensor_types[layer]
     meta = SliceMeta(model_id=manifest.model_id, arch=manifest.arch, layer=layer, lo=lo, hi=hi, d_model=d, d_expert=f,
-                     tensors={k: TensorInfo(types[k], shapes[k]) for k in EXPERT_KINDS},
+                     tensors={k: TensorInfo(types[k], shapes[k]) for k in kinds},
                      **_activation_fields(manifest.expert_activation))
-    kind_bytes = {k: math.prod(_byte_shape(meta.tensors[k])) // n for k in EXPERT_KINDS}
+    kind_bytes = {k: math.prod(_byte_shape(meta.tensors[k])) // n for k in kinds}
     if manifest.kind_bytes and manifest.kind_bytes[layer] != kind_bytes:
         raise SliceError(f"manifest of {manifest.model_id}: layer {layer}'s kind_bytes {manifest.kind_bytes[layer]} "
                          f"contradict its tensor types and dimensions ({kind_bytes})", code="bad_manifest")

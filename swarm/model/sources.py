@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 from swarm.errors import DialError, RemoteProtocolError, SliceError, SliceRefused, SwarmError, TransportError
 from swarm.model.gguf import file_sha256
-from swarm.model.slices import EXPERT_KINDS, SlicePlan, plan_slice
+from swarm.model.slices import SlicePlan, plan_slice
 from swarm.protocol.manifest import ModelManifest
 
 __all__ = ["CoordinatorSource", "FetchResult", "OriginSource", "SliceSource", "fetch_slice_from"]
@@ -225,7 +225,7 @@ def _short(name: str) -> str:
 async def _read_group(src: SliceSource, plan: SlicePlan, e_lo: int, e_hi: int, timeout_s: float,
                       min_rate: float) -> dict[str, bytes | bytearray]:
     parts: dict[str, bytes | bytearray] = {}
-    for kind in EXPERT_KINDS:
+    for kind in plan.kinds:
         want = (e_hi - e_lo) * plan.kind_bytes[kind]
         with trio.fail_after(timeout_s + want / min_rate):
             data = await src.read(plan, kind, e_lo, e_hi)
@@ -238,7 +238,7 @@ async def _read_group(src: SliceSource, plan: SlicePlan, e_lo: int, e_hi: int, t
 
 def _expert_digest(plan: SlicePlan, parts: dict[str, bytes | bytearray], i: int) -> str:
     h = hashlib.sha256()
-    for kind in EXPERT_KINDS:
+    for kind in plan.kinds:
         per = plan.kind_bytes[kind]
         h.update(memoryview(parts[kind])[i * per : (i + 1) * per])
     return h.hexdigest()
@@ -293,7 +293,7 @@ def _open_part(part: Path, done_path: Path, plan: SlicePlan) -> set[tuple[int, i
 def _read_back(path: Path, plan: SlicePlan, e_lo: int, e_hi: int) -> dict[str, bytes | bytearray]:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return {k: os.pread(fd, (e_hi - e_lo) * plan.kind_bytes[k], plan.file_offset(k, e_lo)) for k in EXPERT_KINDS}
+        return {k: os.pread(fd, (e_hi - e_lo) * plan.kind_bytes[k], plan.file_offset(k, e_lo)) for k in plan.kinds}
     finally:
         os.close(fd)
 
@@ -302,7 +302,7 @@ def _write_group(part: Path, done_path: Path, plan: SlicePlan, e_lo: int, e_hi: 
                  parts: dict[str, bytes | bytearray]) -> None:
     fd = os.open(part, os.O_WRONLY)
     try:
-        for kind in EXPERT_KINDS:
+        for kind in plan.kinds:
             data = memoryview(parts[kind])
             at = plan.file_offset(kind, e_lo)
             while data:

@@ -32,8 +32,8 @@ from typing import Annotated, Final
 
 import msgspec
 
-__all__ = ["DEFAULT_ACTIVATION", "EXPERT_KINDS", "MAX_ORIGINS", "MODEL_ID_PATTERN", "SLICE_FORMAT",
-           "SLICE_FORMAT_ACTIVATION", "ModelId", "ModelManifest"]
+__all__ = ["BIAS_KINDS", "DEFAULT_ACTIVATION", "EXPERT_KINDS", "MAX_ORIGINS", "MODEL_ID_PATTERN", "SLICE_FORMAT",
+           "SLICE_FORMAT_ACTIVATION", "ModelId", "ModelManifest", "slice_kinds"]
 
 MODEL_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 _MODEL_ID = re.compile(MODEL_ID_PATTERN)
@@ -51,6 +51,18 @@ _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 MAX_EXPERTS = 1 << 16  # layers x experts of one model (DeepSeek-V3: 58 x 256 = 14,848)
 MAX_ORIGINS: Final = 16
 EXPERT_KINDS: Final = ("gate", "up", "down")
+BIAS_KINDS: Final = ("gate_b", "up_b", "down_b")  # gpt-oss's expert biases (F32), after the weights
+
+
+def slice_kinds(names: object) -> tuple[str, ...] | None:
+    """The kinds a slice of experts holds, in storage order, for the set of kind ``names`` it lists:
+    the three weights, or the weights and their biases; None for anything else."""
+    got = set(names) if isinstance(names, dict | list | tuple | set | frozenset) else None
+    if got == set(EXPERT_KINDS):
+        return EXPERT_KINDS
+    if got == set(EXPERT_KINDS) | set(BIAS_KINDS):
+        return EXPERT_KINDS + BIAS_KINDS
+    return None
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _ORIGIN_PATTERN: Final = r"^https?://[^\s/]+(/[^\s]*)?$"
 _ORIGIN = re.compile(_ORIGIN_PATTERN[1:-1])
@@ -100,12 +112,12 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
 
     def _source_problems(self) -> list[str]:
         out: list[str] = []
-        kinds = set(EXPERT_KINDS)
         for name, table in (("kind_bytes", self.kind_bytes), ("tensor_offsets", self.tensor_offsets)):
             if table and len(table) != self.n_layer:
                 out.append(f"{name} has {len(table)} entries for {self.n_layer} layers")
-            elif any(set(row) != kinds for row in table):
-                out.append(f"every {name} entry names exactly the kinds {', '.join(EXPERT_KINDS)}")
+            elif any(slice_kinds(row) is None for row in table):
+                out.append(f"every {name} entry names exactly the kinds {', '.join(EXPERT_KINDS)} "
+                           f"(and {', '.join(BIAS_KINDS)} for biased experts)")
         if self.kind_bytes and len(self.kind_bytes) == len(self.bytes_per_expert) and not out:
             bad = [i for i, (row, total) in enumerate(zip(self.kind_bytes, self.bytes_per_expert, strict=True))
                    if sum(row.values()) != total]

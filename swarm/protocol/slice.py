@@ -58,7 +58,7 @@ MAX_REQUEST_BYTES: Final = 8 << 20
 _U32_MAX: Final = 2**32 - 1
 U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
-SliceKind = Literal["gate", "up", "down"]
+SliceKind = Literal["gate", "up", "down", "gate_b", "up_b", "down_b"]  # the biases: gpt-oss
 
 # what each side accepts: requests are small headers without payload; answers carry one request's bytes
 SERVER_LIMITS: Final = WireLimits(max_header_bytes=4096, max_frame_bytes=4096)

@@ -124,7 +124,7 @@ class PeerSource:
         return f"peer {self.peer_id}"
 
     async def read(self, plan: SlicePlan, kind: str, e_lo: int, e_hi: int) -> bytearray:
-        if kind not in ("gate", "up", "down"):
+        if kind not in plan.kinds:
             raise ValueError(f"no expert tensor kind {kind!r}")
         k = cast(SliceKind, kind)
         if self._client is None or self._client.closed:

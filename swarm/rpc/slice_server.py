@@ -245,6 +245,8 @@ class SliceServer:
         if held is None:  # released while we checked
             raise _Refuse(SliceCode.NOT_HELD, "the slice was released")
         path, spans = held
+        if req.kind not in spans.kind_bytes:
+            raise _Refuse(SliceCode.BAD_REQUEST, f"the held slice has no {req.kind} tensor")
         per = spans.kind_bytes[req.kind]
         span = (req.e_hi - req.e_lo) * per
         if req.offset + req.length > span:

@@ -82,11 +82,11 @@ __all__ = [
     "run_make_model",
 ]
 
-Arch = Literal["qwen3moe", "mixtral", "qwen2moe", "olmoe", "deepseek2"]
+Arch = Literal["qwen3moe", "mixtral", "qwen2moe", "olmoe", "deepseek2", "gpt-oss"]
 SizeName = Literal["tiny", "small", "bench", "30b-a3b"]
 ARCHITECTURES: tuple[str, ...] = get_args(Arch)
 GGUF_ARCH: Final[dict[str, str]] = {"qwen3moe": "qwen3moe", "mixtral": "llama", "qwen2moe": "qwen2moe", "olmoe": "olmoe",
-                                    "deepseek2": "deepseek2"}
+                                    "deepseek2": "deepseek2", "gpt-oss": "gpt-oss"}
 SHARED_WIDTH_FACTOR: Final = 4  # qwen2moe's shared expert is 4x an expert's width (Qwen1.5-MoE-A2.7B: 5632 / 1408)
 
 # Rendering: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
@@ -198,6 +198,8 @@ def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
     plans = [_TensorPlan("token_embd.weight", (spec.vocab_size, d), dense, 1.0)]
     if arch == "deepseek2":
         return plans + _plan_deepseek2(spec, expert_type)
+    if arch == "gpt-oss":
+        return plans + _plan_gpt_oss(spec, expert_type)
     for i in range(spec.n_layer):
         b = f"blk.{i}."
         plans += [
@@ -241,6 +243,46 @@ def _plan(arch: Arch, spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
         _TensorPlan("output.weight", (spec.vocab_size, d), dense, 2.0 * d**-0.5),
     ]
     return plans
+
+
+def gpt_oss_window(spec: SizeSpec) -> int:
+    """The sliding window of a gpt-oss file (gpt-oss: 128 of a 4096-token original context)."""
+    return max(8, spec.context_length // 32)
+
+
+def _plan_gpt_oss(spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
+    """gpt-oss's blocks (llama.cpp's names): biases on q/k/v/o, the router and the experts (F32), one
+    attention-sink logit per head, ``post_attention_norm``."""
+    d, hd, width, n_exp, dense, f32 = spec.d_model, spec.head_dim, spec.expert_width, spec.n_expert, spec.dense_type, T.F32
+    q_dim, kv_dim = spec.n_head * hd, spec.n_head_kv * hd
+    plans: list[_TensorPlan] = []
+    for i in range(spec.n_layer):
+        b = f"blk.{i}."
+        plans += [
+            _TensorPlan(b + "attn_norm.weight", (d,), f32, 0.1, is_norm=True),
+            _TensorPlan(b + "attn_q.weight", (q_dim, d), dense, d**-0.5),
+            _TensorPlan(b + "attn_q.bias", (q_dim,), f32, 0.2),
+            _TensorPlan(b + "attn_k.weight", (kv_dim, d), dense, d**-0.5),
+            _TensorPlan(b + "attn_k.bias", (kv_dim,), f32, 0.2),
+            _TensorPlan(b + "attn_v.weight", (kv_dim, d), dense, d**-0.5),
+            _TensorPlan(b + "attn_v.bias", (kv_dim,), f32, 0.2),
+            _TensorPlan(b + "attn_output.weight", (d, q_dim), dense, q_dim**-0.5),
+            _TensorPlan(b + "attn_output.bias", (d,), f32, 0.05),
+            _TensorPlan(b + "attn_sinks.weight", (spec.n_head,), f32, 1.0),
+            _TensorPlan(b + "post_attention_norm.weight", (d,), f32, 0.1, is_norm=True),
+            _TensorPlan(b + "ffn_gate_inp.weight", (n_exp, d), f32, d**-0.5),
+            _TensorPlan(b + "ffn_gate_inp.bias", (n_exp,), f32, 0.2),
+            _TensorPlan(b + "ffn_gate_exps.weight", (n_exp, width, d), expert_type, d**-0.5),
+            _TensorPlan(b + "ffn_gate_exps.bias", (n_exp, width), f32, 0.2),
+            _TensorPlan(b + "ffn_up_exps.weight", (n_exp, width, d), expert_type, d**-0.5),
+            _TensorPlan(b + "ffn_up_exps.bias", (n_exp, width), f32, 0.2),
+            _TensorPlan(b + "ffn_down_exps.weight", (n_exp, d, width), expert_type, width**-0.5),
+            _TensorPlan(b + "ffn_down_exps.bias", (n_exp, d), f32, 0.05),
+        ]
+    return plans + [
+        _TensorPlan("output_norm.weight", (d,), f32, 0.1, is_norm=True),
+        _TensorPlan("output.weight", (spec.vocab_size, d), dense, 2.0 * d**-0.5),
+    ]
 
 
 def _plan_deepseek2(spec: SizeSpec, expert_type: T) -> list[_TensorPlan]:
@@ -428,6 +470,13 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
         w.add_float32(f"{a}.expert_weights_scale", 1.0)
         w.add_bool(f"{a}.expert_weights_norm", False)
         w.add_uint32(f"{a}.expert_gating_func", 1)  # softmax
+    elif arch == "gpt-oss":  # GptOssModel: sliding window, YaRN as gpt-oss ships it (32 over 4096)
+        w.add_uint32(f"{a}.feed_forward_length", spec.expert_width)
+        w.add_uint32(f"{a}.expert_feed_forward_length", spec.expert_width)
+        w.add_uint32(f"{a}.attention.sliding_window", gpt_oss_window(spec))
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", 32.0)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
     else:  # mixtral, olmoe: the expert width is feed_forward_length
         w.add_uint32(f"{a}.feed_forward_length", spec.expert_width)
     w.add_uint32(f"{a}.attention.head_count", spec.n_head)
@@ -442,7 +491,7 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
     else:
         w.add_uint32(f"{a}.attention.key_length", spec.head_dim)
         w.add_uint32(f"{a}.attention.value_length", spec.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", 10_000.0 if arch in ("olmoe", "deepseek2") else 1_000_000.0)
+    w.add_float32(f"{a}.rope.freq_base", {"olmoe": 10_000.0, "deepseek2": 10_000.0, "gpt-oss": 150_000.0}.get(arch, 1e6))
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6 if arch in ("qwen3moe", "qwen2moe") else 1e-5)
     w.add_uint32(f"{a}.expert_count", spec.n_expert)
     w.add_uint32(f"{a}.expert_used_count", spec.n_expert_used)
@@ -455,7 +504,8 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
         return
     vocab = build_vocab(spec.vocab_size)
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", {"mixtral": "llama-bpe", "olmoe": "olmo", "deepseek2": "deepseek-llm"}.get(arch, "qwen2"))
+    pre = {"mixtral": "llama-bpe", "olmoe": "olmo", "deepseek2": "deepseek-llm", "gpt-oss": "gpt-4o"}
+    w.add_string("tokenizer.ggml.pre", pre.get(arch, "qwen2"))
     w.add_token_list(list(vocab.tokens))
     w.add_token_types(list(vocab.token_types))
     w.add_token_merges(list(vocab.merges))

@@ -21,6 +21,7 @@ from tests.conftest import FIXTURES
 from tests.integration.test_remote_experts import dmap, greedy, make_dispatcher, report, start_volunteer
 
 FILES = ["qwen2moe-tiny-f32", "qwen2moe-tiny-q8_0", "qwen2moe-tiny-mxfp4_moe", "olmoe-tiny-f32", "olmoe-tiny-q8_0",
+         "gpt-oss-tiny-f32", "gpt-oss-tiny-mxfp4_moe",
          "deepseek2-tiny-f32", "deepseek2-tiny-q8_0"]
 
 

@@ -213,3 +213,19 @@ async def test_a_manifest_without_expert_hashes_is_refused(manifest: ModelManife
     with pytest.raises(SliceError) as ei:
         await fetch_slice_from([], old, LAYER, LO, HI, tmp_path / "s.safetensors")
     assert ei.value.code == "no_expert_hashes"
+
+
+async def test_biased_experts_download_from_a_mirror(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """gpt-oss: a slice holds MXFP4 weights and F32 biases; each expert's six parts are fetched, hashed
+    together against the manifest and assembled into the coordinator's file."""
+    path = FIXTURES / "golden" / "gpt-oss-tiny-mxfp4_moe.gguf"
+    m = GGUFModel(path)
+    man = build_manifest(m)
+    want = cut_slice(m, 1, 2, 7)
+    origin = await serve_app(nursery, file_app(path)) + "/models/m.gguf"
+    dest = tmp_path / "s.safetensors"
+    async with httpx.AsyncClient() as client:
+        res = await fetch_slice_from([OriginSource(client, origin)], man, 1, 2, 7, dest, expected_sha256=sha(want),
+                                     group_bytes=2 * plan_slice(man, 1, 2, 7).bytes_per_expert)
+    assert dest.read_bytes() == want and res.lied == []
+    assert plan_slice(man, 1, 2, 7).kinds == ("gate", "up", "down", "gate_b", "up_b", "down_b")

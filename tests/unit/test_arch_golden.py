@@ -130,6 +130,13 @@ def test_the_architectures_read_their_families_metadata() -> None:
     assert (c.n_head_kv, c.head_dim_k, c.head_dim_v) == (1, 80, 64)  # one latent head: kv_lora + rope, kv_lora
     assert d.layers[0].router is None and d.layers[0].experts is None and d.layers[0].shared is not None
     assert d.expert_stack(0).n_expert == 8 and d.expert_stack(0).gate_t.name == "blk.1.ffn_gate_exps.weight"
+    g = GGUFModel(GOLDEN / "gpt-oss-tiny-f32.gguf", compute_id=False)
+    c = g.config
+    assert (c.n_swa, c.swa_layers, c.head_dim_k, c.rope.ext_factor) == (8, (0,), 48, 1.0)  # even layers slide
+    L = g.layers[1]
+    assert L.sinks is not None and L.sinks.shape == (4,) and L.router_b is not None and L.bo is not None
+    st = g.expert_stack(1)
+    assert st.activation == "swiglu_oai" and st.biases is not None and st.biases[2].shape == (8, 128)
 
 
 @pytest.mark.parametrize("arch,change", [
@@ -177,7 +184,7 @@ def test_qwen2moe_without_biases_is_refused(tmp_path: Path) -> None:
         GGUFModel(tmp_path / "nobias.gguf", compute_id=False)
 
 
-MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("mixtral", "spm")]
+MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("gpt-oss", "bpe"), ("mixtral", "spm")]
 
 
 @pytest.mark.parametrize(("arch", "vocab"), MAKE_MODEL)

@@ -120,5 +120,5 @@ def test_unsupported_architecture(tmp_path: Any) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitecture, match="supported: deepseek2, llama, olmoe, qwen2moe, qwen3moe"):
+    with pytest.raises(UnsupportedArchitecture, match="supported: deepseek2, gpt-oss, llama, olmoe, qwen2moe, qwen3moe"):
         GGUFModel(tmp_path / "x.gguf")

@@ -17,12 +17,13 @@ from swarm.tools.makemodel import GGUF_ARCH, make_model
 
 
 @pytest.mark.parametrize(("arch", "vocab"), [("qwen3moe", "bpe"), ("mixtral", "bpe"), ("mixtral", "spm"),
-                                             ("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe")])
+                                             ("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"),
+                                             ("gpt-oss", "bpe")])
 async def test_tiny_model_generates(tmp_path: Path, arch: str, vocab: str) -> None:
     path = make_model(arch=arch, size="tiny", seed=3, out=tmp_path / f"{arch}.gguf", vocab=vocab)  # type: ignore[arg-type]
     model = GGUFModel(path)
     assert model.config.arch == GGUF_ARCH[arch]
-    assert model.config.spec.rope_neox == (arch in ("qwen3moe", "qwen2moe", "olmoe"))
+    assert model.config.spec.rope_neox == (arch in ("qwen3moe", "qwen2moe", "olmoe", "gpt-oss"))
     tok = Tokenizer.from_gguf_fields(model.fields)
     rt = EngineRuntime(model, tok, n_slots=2)
     text = render_chat(model.fields["tokenizer.chat_template"], [{"role": "user", "content": "Hello there"}])

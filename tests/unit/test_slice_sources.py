@@ -25,7 +25,9 @@ from tests.conftest import FIXTURES
 from tests.unit.test_market_state import MID, POLICY, URL, hb, manifest
 from tests.unit.test_slices import write_quant_model
 
-GGUFS = ["qwen3moe-tiny-f32", "qwen3moe-tiny-q4_0", "qwen3moe-tiny-q8_0", "qwen3moe-small-w224-q4_k_m", "mixed"]
+# gpt-oss: MXFP4 experts with F32 biases (six kinds a slice); deepseek2: expert layer 0 is block 1
+GGUFS = ["qwen3moe-tiny-f32", "qwen3moe-tiny-q4_0", "qwen3moe-tiny-q8_0", "qwen3moe-small-w224-q4_k_m",
+         "gpt-oss-tiny-mxfp4_moe", "deepseek2-tiny-q8_0", "mixed"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def assembled(model: GGUFModel, layer: int, lo: int, hi: int) -> bytes:
     """The slice file built from the manifest alone: its header, then each kind's experts read from
     the GGUF at the manifest's tensor offsets (what an origin mirror serves)."""
     plan = plan_slice(build_manifest(model), layer, lo, hi)
-    data = [gguf_bytes(model, plan.gguf_offset(k, lo) or 0, (hi - lo) * plan.kind_bytes[k]) for k in ("gate", "up", "down")]
+    data = [gguf_bytes(model, plan.gguf_offset(k, lo) or 0, (hi - lo) * plan.kind_bytes[k]) for k in plan.kinds]
     return plan.header + b"".join(data)
 
 
@@ -55,7 +57,8 @@ def assembled(model: GGUFModel, layer: int, lo: int, hi: int) -> bytes:
 def test_the_manifest_alone_rebuilds_the_slice_file(models: dict[str, GGUFModel], name: str) -> None:
     model = models[name]
     cfg = model.config
-    cases = {(0, 0, 1), (0, 0, cfg.n_expert), (cfg.n_layer - 1, 1, 4), (cfg.n_layer - 1, cfg.n_expert - 3, cfg.n_expert)}
+    last = cfg.n_moe_layer - 1
+    cases = {(0, 0, 1), (0, 0, cfg.n_expert), (last, 1, 4), (last, cfg.n_expert - 3, cfg.n_expert)}
     manifest_ = build_manifest(model)
     for layer, lo, hi in sorted(cases):
         want = cut_slice(model, layer, lo, hi)
@@ -65,7 +68,8 @@ def test_the_manifest_alone_rebuilds_the_slice_file(models: dict[str, GGUFModel]
         assert assembled(model, layer, lo, hi) == want
         # the plan's offsets locate each expert's kind bytes in the slice file
         stack = model.expert_stack(layer, lo, hi)
-        for kind, t in (("gate", stack.gate_t), ("up", stack.up_t), ("down", stack.down_t)):
+        assert plan.kinds == tuple(stack.tensors())  # gpt-oss: the weights, then their biases
+        for kind, t in stack.tensors().items():
             at = plan.file_offset(kind, hi - 1)
             assert want[at : at + plan.kind_bytes[kind]] == t.raw[hi - 1 - lo].tobytes()
         assert plan.expert_sha256 == tuple(manifest_.expert_sha256[layer][lo:hi])

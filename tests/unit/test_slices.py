@@ -284,8 +284,8 @@ CORRUPTIONS: list[tuple[str, Callable[[bytes], bytes], str]] = [
     ("format 2 without an activation", lambda d: rewrite(d, _set("meta.format", 2)), "format 2 with activation"),
     ("an activation in format 1", lambda d: rewrite(d, _set("meta.activation", "silu")), "format 1 with activation"),
     ("an activation not computed here",
-     lambda d: rewrite(rewrite(d, _set("meta.format", 2)), _set("meta.activation", "swiglu_oai")),
-     "activation 'swiglu_oai' cannot be computed here"),
+     lambda d: rewrite(rewrite(d, _set("meta.format", 2)), _set("meta.activation", "relu2")),
+     "activation 'relu2' cannot be computed here"),
     ("unknown type", lambda d: rewrite(d, _set("meta.tensors.gate.type", "Q9_9")), "not supported"),
     ("shape disagrees", lambda d: rewrite(d, _set("meta.tensors.up.shape.1", 63)), "logical shape"),
     ("d_model lies", lambda d: rewrite(d, _set("meta.d_model", 64)), "logical shape"),
@@ -424,17 +424,17 @@ def test_an_architectures_activation_travels_in_manifest_and_slice(golden_model:
     assert build_manifest(golden_model).expert_activation == "silu"
     cfg = golden_model.config
     monkeypatch.setattr(golden_model, "config", dataclasses.replace(
-        cfg, spec=dataclasses.replace(cfg.spec, expert_activation="swiglu_oai")))
+        cfg, spec=dataclasses.replace(cfg.spec, expert_activation="relu2")))
     other = cut_slice(golden_model, 0, 0, 4)
     meta = json.loads(split_file(other)[0]["__metadata__"][METADATA_KEY])
-    assert (meta["format"], meta["activation"]) == (2, "swiglu_oai")
+    assert (meta["format"], meta["activation"]) == (2, "relu2")
     manifest = build_manifest(golden_model)
-    assert manifest.expert_activation == "swiglu_oai" and manifest.can_verify_experts
+    assert manifest.expert_activation == "relu2" and manifest.can_verify_experts
     assert plan_slice(manifest, 0, 0, 4).header == other[: len(plan_slice(manifest, 0, 0, 4).header)]
     with pytest.raises(SliceError, match="cannot be computed here") as err:
         load_slice(other)
     assert err.value.code == "unsupported_activation"
-    with pytest.raises(SliceError, match="computes silu"):
+    with pytest.raises(SliceError, match="computes silu, swiglu_oai"):
         check_activation(manifest.expert_activation)
-    monkeypatch.setattr(kernels, "EXPERT_ACTIVATIONS", ("silu", "swiglu_oai"))  # a version that has it
+    monkeypatch.setattr(kernels, "EXPERT_ACTIVATIONS", ("silu", "swiglu_oai", "relu2"))  # a version that has it
     assert load_slice(other).key == load_slice(silu).key

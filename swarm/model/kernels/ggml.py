@@ -429,7 +429,7 @@ class GgmlExpertKernel:
             sizes = (d_expert, d_expert, d_model)
             self._braw = tuple(_as_raw(b, 4 * n * n_expert, f"{k}_bias")
                                for b, n, k in zip(biases, sizes, ("gate", "up", "down"), strict=True))
-            self._b = tuple(_weight_tensor(self._wctx, g.GGML_TYPE_F32, (n, n_expert), r, f"{k}_bias")  # type: ignore[assignment]
+            self._b = tuple(_weight_tensor(self._wctx, g.GGML_TYPE_F32, (n, n_expert), r, f"{k}_bias")
                             for r, n, k in zip(self._braw, sizes, ("gate", "up", "down"), strict=True))
         self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
