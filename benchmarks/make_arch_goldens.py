@@ -398,7 +398,7 @@ def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ft
         "producer": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}",
         "llama_cpp_python_version": llama_cpp.__version__,
         "generator": "benchmarks/make_arch_goldens.py",
-        "config": ARCHS[arch],
+        "config": ARCHS.get(arch, {}),
         **({"quantize_ftype": f"LLAMA_FTYPE_MOSTLY_{ftype}",
             "source_model": {"file": src.name, "sha256": mg.sha256(src)}} if ftype else {}),
         "kv_type": "f32",
@@ -411,6 +411,8 @@ def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ft
         "greedy_rejected_prompts": rejected,
     }
 
+
+QUANTISE_EXISTING = [("mixtral-spm-tiny", "llama")]
 
 # the project's generator, checked by llama.cpp: (arch, vocab) -> makemodel-<name>-tiny.llamacpp.json
 MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("gpt-oss", "bpe"), ("mixtral", "spm")]
@@ -484,6 +486,19 @@ def generate(out_dir: Path, project_python: Path, only: set[str] | None) -> dict
                       f"{[g['min_margin'] for g in data['greedy']]}, rejected {len(data['greedy_rejected_prompts'])}",
                       flush=True)
             print(f"{arch}: done in {time.time() - t0:.1f} s", flush=True)
+        # llama.cpp's Q8_0 of the Mixtral-style SPM golden (make_spm_golden.py writes the F32 file)
+        for name, arch in QUANTISE_EXISTING:
+            if only and arch not in only:
+                continue
+            src = out_dir / f"{name}-f32.gguf"
+            dst = out_dir / f"{name}-q8_0.gguf"
+            part = out_dir / f".{dst.name}.partial"
+            mg.quantize(src, part, "Q8_0")
+            part.replace(dst)
+            data = build_json(dst, arch, src, tiny_golden, "Q8_0")
+            js = out_dir / f"{dst.stem}.llamacpp.json"
+            js.write_text(json.dumps(data, ensure_ascii=False) + "\n")
+            shas[dst.name], shas[js.name] = mg.sha256(dst), mg.sha256(js)
         for arch, vocab in MAKE_MODEL:
             if only and arch not in only:
                 continue
@@ -508,7 +523,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="make_arch_goldens-check-") as tmp:
         d = Path(tmp)
-        for f in (TINY_TOKENIZER, "qwen3moe-tiny-f32.llamacpp.json"):
+        for f in (TINY_TOKENIZER, "qwen3moe-tiny-f32.llamacpp.json", *(f"{n}-f32.gguf" for n, _ in QUANTISE_EXISTING)):
             (d / f).write_bytes((args.out / f).read_bytes())
         shas = generate(d, args.project_python, only)
     bad = [f for f, s in shas.items() if not (args.out / f).exists() or mg.sha256(args.out / f) != s]
