@@ -98,9 +98,10 @@ async def start_market(procs: list[Proc], tmp_path: Path, *extra: str) -> str:
     return (await wait_for_line(market, "market ready at ")).split()[3]
 
 
-async def start_coordinator_on(procs: list[Proc], tmp_path: Path, market_url: str, *extra: str) -> str:
-    """A coordinator process on the golden model registered with ``market_url``; its URL."""
-    coord = Proc(cli("coordinator", *extra, "--model", str(GOLDEN_GGUF), "--port", "0", "--market", market_url,
+async def start_coordinator_on(procs: list[Proc], tmp_path: Path, market_url: str, *extra: str,
+                               model: Path = GOLDEN_GGUF) -> str:
+    """A coordinator process on ``model`` (the golden one) registered with ``market_url``; its URL."""
+    coord = Proc(cli("coordinator", *extra, "--model", str(model), "--port", "0", "--market", market_url,
                      "--token", "t0k", "--data-dir", str(tmp_path / "c")), tmp_path / "coordinator.log")
     procs.append(coord)
     return (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
