@@ -681,6 +681,11 @@ class GGUFModel:
     def _stack(self, block: int) -> ExpertStack:
         kinds = ("gate", "up", "down")
         p = f"blk.{block}."
+        if f"{p}ffn_gate_exps.weight" not in self.tensors and f"{p}ffn_gate.0.weight" in self.tensors:
+            raise UnsupportedArchitecture(
+                f"{self.path.name} stores each expert as its own tensor ({p}ffn_gate.0.weight, an old Mixtral "
+                "conversion); moe-swarm reads merged expert tensors (ffn_gate_exps): convert the model again with "
+                "a current llama.cpp")
         names = [f"{p}ffn_{k}_exps.bias" for k in kinds]
         have = [n in self.tensors for n in names]
         if any(have) and not all(have):

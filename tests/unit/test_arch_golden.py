@@ -217,3 +217,27 @@ def test_ignoring_yarn_is_caught(monkeypatch: pytest.MonkeyPatch, arch: str) -> 
     tr = Transformer(GGUFModel(GOLDEN / f"{name}.gguf", compute_id=False))
     assert tr.cfg.rope.ext_factor == 0.0
     assert max_dev(tr, golden(name)["sequences"][3]) > 100 * TOL
+
+
+def test_an_old_per_expert_mixtral_file_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    import gguf
+
+    from swarm.errors import UnsupportedArchitecture
+
+    src = gguf.GGUFReader(GOLDEN / "mixtral-spm-tiny-f32.gguf")
+    w = gguf.GGUFWriter(tmp_path / "old.gguf", "llama")
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in src.tensors:  # block 0's merged gate as the old per-expert layout (its first expert)
+        if t.name == "blk.0.ffn_gate_exps.weight":
+            w.add_tensor("blk.0.ffn_gate.0.weight", t.data[0])
+        else:
+            w.add_tensor(t.name, t.data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitecture, match="convert the model again"):
+        GGUFModel(tmp_path / "old.gguf", compute_id=False)
