@@ -61,6 +61,7 @@ class OneExpert:
 
     n_expert = 1
     d_model = D_MODEL
+    activation = "silu"
 
     def __init__(self, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -76,6 +77,9 @@ class OneExpert:
 
     def down(self, e: int) -> torch.Tensor:
         return self.w_down
+
+    def bias(self, kind: int, e: int) -> torch.Tensor | None:
+        return None  # unbiased (only gpt-oss's experts have biases)
 
 
 def compute(w: OneExpert, x: torch.Tensor) -> torch.Tensor:

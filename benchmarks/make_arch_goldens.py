@@ -89,6 +89,10 @@ YARN: dict[str, dict[str, Any]] = {
 }
 
 
+# group-limited routing (DeepSeek-V2's n_group / topk_group): F32 file ``<arch>-groups-tiny-f32.gguf``
+GROUPS: dict[str, dict[str, int]] = {"deepseek2": {"expert_group_count": 4, "expert_group_used_count": 2}}
+
+
 def _add_yarn(w: Any, arch: str, yarn: dict[str, Any] | None) -> None:
     if yarn is None:
         return
@@ -129,7 +133,8 @@ def _add_tokenizer(w: Any, tok: Any, pre: str | None = None) -> list[str]:
     return tokens
 
 
-def write_deepseek2(tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None = None) -> None:
+def write_deepseek2(tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None = None,
+                    groups: dict[str, int] | None = None) -> None:
     """DeepseekV2Model's layout (convert_hf_to_gguf.py, after llama.cpp split attn_kv_b into attn_k_b
     (stored [heads, kv_lora, nope]) and attn_v_b ([heads, v, kv_lora]) for its MLA cache)."""
     a, c = "deepseek2", ARCHS["deepseek2"]
@@ -165,6 +170,8 @@ def write_deepseek2(tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None 
     w.add_uint32(f"{a}.expert_gating_func", 1)  # softmax
     w.add_uint32(f"{a}.rope.dimension_count", dr)
     _add_yarn(w, a, yarn)
+    for key, value in (groups or {}).items():
+        w.add_uint32(f"{a}.{key}", value)
     w.add_uint32("general.file_type", 0)
     tokens = _add_tokenizer(w, tok, PRE["deepseek2"])
     vocab, sw = len(tokens), c["n_shared"] * w_
@@ -471,6 +478,13 @@ def generate(out_dir: Path, project_python: Path, only: set[str] | None) -> dict
                 mg.quantize(f32, part, "MXFP4_MOE")
                 part.replace(mx)
                 files.append((mx, build_json(mx, arch, f32, tiny_golden, "MXFP4_MOE")))
+            if arch in GROUPS:
+                gf = out_dir / f"{arch}-groups-tiny-f32.gguf"
+                write_deepseek2(out_dir / TINY_TOKENIZER, part, None, GROUPS[arch])
+                part.replace(gf)
+                data = build_json(gf, arch, gf, tiny_golden, None)
+                data["groups"] = GROUPS[arch]
+                files.append((gf, data))
             if arch in YARN:
                 yf = out_dir / f"{arch}-yarn-tiny-f32.gguf"
                 write_model(arch, out_dir / TINY_TOKENIZER, part, YARN[arch])

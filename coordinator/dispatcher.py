@@ -861,7 +861,7 @@ class Dispatcher:
         ch = HoldChallenge(request_id=RequestId(next(self._hold_ids)), attempt=0, model_id=self.model.model_id,
                            layer=h.layer, lo=h.lo, hi=h.hi, nonce=nonce, windows=windows)
         try:
-            spans = tuple(self.model.file_span(t.raw) for t in (stack.gate_t, stack.up_t, stack.down_t))
+            spans = tuple(self.model.file_span(t.raw) for t in stack.tensors().values())  # the slice file's data order
             expected = await trio.to_thread.run_sync(hold_digest_from_file, self.model.path, spans, nonce, windows)
             started = trio.current_time()
             proof = await self._client(h.peer).prove_hold(ch, timeout=self.timeout_s)

@@ -302,7 +302,17 @@ class Transformer:
         over those k); renormalised as llama.cpp does (the sum in double, one float32 division)
         where the architecture asks for it, then scaled by the model's ``expert_weights_scale`` (a
         float32 multiply, as ggml_scale) unless it is 1."""
-        w, ids = torch.topk(probs, self.cfg.n_expert_used, dim=-1)
+        cfg = self.cfg
+        if cfg.n_expert_groups > 1:  # llama.cpp: groups ranked by the sum of their two best, the rest out
+            per = cfg.n_expert // cfg.n_expert_groups
+            grouped = probs.view(probs.shape[0], cfg.n_expert_groups, per)
+            score = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # [T, groups]
+            keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(cfg.n_group_used, dim=-1).indices, True)
+            sel = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(probs)
+            ids = torch.topk(sel, cfg.n_expert_used, dim=-1).indices
+            w = probs.gather(1, ids)
+        else:
+            w, ids = torch.topk(probs, cfg.n_expert_used, dim=-1)
         if self.cfg.spec.gating == "softmax_topk":
             w = torch.softmax(w, dim=-1)
         if self.cfg.norm_topk:

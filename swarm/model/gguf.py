@@ -139,6 +139,12 @@ def _f32(x: float) -> np.float32:
     return np.float32(x)
 
 
+# the rope.scaling.yarn_* keys llama.cpp reads for an architecture (llama-model.cpp / src/models/*): the
+# ext/attn factors and betas only for architectures we do not support (grok, mistral3), the log
+# multiplier for deepseek2; for the others its defaults hold whatever a file says
+_YARN_LOG_MUL_ARCHS = frozenset({"deepseek2"})
+
+
 def rope_scaling(fields: dict[str, Any], arch: str, n_ctx_train: int) -> RopeScaling:
     """llama.cpp's derivation of the RoPE scaling parameters (float32 arithmetic, as in C)."""
     kind = str(_field(fields, f"{arch}.rope.scaling.type", "linear"))
@@ -146,13 +152,12 @@ def rope_scaling(fields: dict[str, Any], arch: str, n_ctx_train: int) -> RopeSca
         raise UnsupportedArchitecture(f"{arch} with RoPE scaling {kind!r} is not supported (none, linear, yarn)")
     factor = float(_field(fields, f"{arch}.rope.scaling.factor", 0.0) or _field(fields, f"{arch}.rope.scale_linear", 0.0))
     freq_scale = _f32(1.0) if kind == "none" or factor == 0.0 else _f32(1.0) / _f32(factor)
-    ext = float(_field(fields, f"{arch}.rope.scaling.yarn_ext_factor", -1.0))
-    if ext < 0:
-        ext = 1.0 if kind == "yarn" else 0.0
-    log_mul = _f32(float(_field(fields, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)))
+    ext = 1.0 if kind == "yarn" else 0.0
+    log_mul = _f32(float(_field(fields, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+                   if arch in _YARN_LOG_MUL_ARCHS else 0.0)
     if arch == "deepseek2" and log_mul != 0:
         log_mul = log_mul / _f32(0.1)  # llama.cpp cancels the factor its converter wrote
-    attn = _f32(float(_field(fields, f"{arch}.rope.scaling.yarn_attn_factor", 1.0)))
+    attn = _f32(1.0)
     if ext != 0:
         def get_mscale(scale: np.float32, mscale: np.float32) -> np.float32:
             return _f32(1.0) if scale <= 1 else _f32(0.1) * mscale * np.log(scale) + _f32(1.0)
@@ -169,8 +174,8 @@ def rope_scaling(fields: dict[str, Any], arch: str, n_ctx_train: int) -> RopeSca
     attn = attn * _f32(float(_field(fields, f"{arch}.rope.scaling.attn_factor", 1.0)))
     return RopeScaling(
         freq_scale=float(freq_scale), ext_factor=float(ext), attn_factor=float(attn),
-        beta_fast=float(_field(fields, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-        beta_slow=float(_field(fields, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        beta_fast=32.0,
+        beta_slow=1.0,
         n_ctx_orig=int(_field(fields, f"{arch}.rope.scaling.original_context_length", n_ctx_train)),
         yarn_log_mul=float(log_mul))
 
@@ -227,6 +232,10 @@ class ModelConfig:
     rope: RopeScaling = RopeScaling()
     n_swa: int = 0  # the sliding window (tokens), for the blocks in swa_layers
     swa_layers: tuple[int, ...] = ()
+    # group-limited routing (DeepSeek-V2/V2.5: expert_group_count 8, expert_group_used_count 3): only
+    # the n_group_used groups with the largest sums of their two best experts take part in the top-k
+    n_expert_groups: int = 0
+    n_group_used: int = 0
 
     @property
     def n_moe_layer(self) -> int:
@@ -503,7 +512,8 @@ class GGUFModel:
         head_dim_v = int(_field(f, f"{arch}.attention.value_length", head_dim_k))
         tokens = _field(f, "tokenizer.ggml.tokens", [])
         n_vocab = len(tokens) if tokens else self.tensors["token_embd.weight"].shape[0]
-        n_layer = int(_field(f, f"{arch}.block_count", required=True))
+        # llama.cpp runs block_count - nextn_predict_layers blocks (the rest are multi-token prediction)
+        n_layer = int(_field(f, f"{arch}.block_count", required=True)) - int(_field(f, f"{arch}.nextn_predict_layers", 0))
         n_dense = int(_field(f, f"{arch}.leading_dense_block_count", 0))
         if not 0 <= n_dense < n_layer:
             raise ModelError(f"{arch}.leading_dense_block_count {n_dense} leaves no MoE block of {n_layer}")
@@ -519,12 +529,22 @@ class GGUFModel:
         n_ctx_train = int(_field(f, f"{arch}.context_length", 2048))
         rope = rope_scaling(f, arch, n_ctx_train)
         n_swa = int(_field(f, f"{arch}.attention.sliding_window", 0)) if spec.swa_pattern else 0
-        swa_pattern = int(_field(f, f"{arch}.attention.sliding_window_pattern", spec.swa_pattern))
+        raw_pattern = _field(f, f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
+        # llama.cpp: a per-layer bool array, or n (layer il slides when il % n < n - 1; 0: every layer)
+        swa_flags = [bool(x) for x in raw_pattern] if isinstance(raw_pattern, list) else None
+        swa_pattern = 0 if swa_flags is not None else int(raw_pattern)
         if spec.swa_pattern and n_swa <= 0:
             raise ModelError(f"{arch}: {arch}.attention.sliding_window is missing")
         if float(_field(f, f"{arch}.rope.freq_base_swa", _field(f, f"{arch}.rope.freq_base", 10000.0))) != \
                 float(_field(f, f"{arch}.rope.freq_base", 10000.0)):
             raise UnsupportedArchitecture(f"{arch} with another RoPE base on its sliding-window layers is not supported")
+        n_groups = int(_field(f, f"{arch}.expert_group_count", 0))
+        if n_groups > 1 and (n_expert % n_groups or not 0 < int(_field(f, f"{arch}.expert_group_used_count", 0)) <= n_groups):
+            raise ModelError(f"{arch}: expert_group_count {n_groups} and expert_group_used_count do not fit "
+                             f"{n_expert} experts")
+        if any(t.endswith("exp_probs_b.bias") for t in self.tensors):
+            raise UnsupportedArchitecture(f"{arch} with an expert selection bias (exp_probs_b, DeepSeek-V3 style) "
+                                          "is not supported")
         gating = int(_field(f, f"{arch}.expert_gating_func", 1))
         if gating != 1:  # llama.cpp: 1 softmax, 2 sigmoid (DeepSeek-V3), 3 softmax of the top-k
             raise UnsupportedArchitecture(f"{arch} with expert_gating_func {gating} (not softmax) is not supported")
@@ -555,8 +575,11 @@ class GGUFModel:
             kq_scale=mla_kq_scale(rope, mla.d_nope + mla.d_rope) if mla is not None else 0.0,
             rope=rope,
             n_swa=n_swa,
-            swa_layers=tuple(i for i in range(n_layer) if spec.swa_pattern and n_swa
-                             and i % swa_pattern < swa_pattern - 1),
+            n_expert_groups=n_groups if n_groups > 1 else 0,
+            n_group_used=int(_field(f, f"{arch}.expert_group_used_count", 0)) if n_groups > 1 else 0,
+            swa_layers=tuple(i for i in range(n_layer) if spec.swa_pattern and n_swa and (
+                swa_flags[i] if swa_flags is not None and i < len(swa_flags) else
+                swa_flags is None and (swa_pattern == 0 or i % swa_pattern < swa_pattern - 1))),
         )
         if spec.shared_expert != "none" and cfg.d_shared <= 0 and not spec.shared_ff_from_count:
             raise ModelError(f"{arch}: the shared expert's width ({arch}.{spec.shared_ff_key} or "

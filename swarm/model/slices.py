@@ -290,10 +290,11 @@ def hold_digest_from_file(path: Path, spans: tuple[tuple[int, int], ...], nonce:
 
 def hold_digest(stack: ExpertStack, nonce: bytes, windows: Iterable[tuple[int, int]]) -> bytes:
     """``sha256(nonce || data[o:o+n] for each window)`` over a slice's tensor data (the slice file
-    after its header: gate, up, down raw bytes), as ``HoldChallenge`` asks. The same on the
-    coordinator (views of its GGUF) and on a volunteer (views of its slice file): no copy of the
-    whole slice is made. ``SliceError`` for a window outside the data."""
-    arrays = [np.ascontiguousarray(t.raw).reshape(-1) for t in (stack.gate_t, stack.up_t, stack.down_t)]
+    after its header: its tensors' raw bytes in storage order, gate, up, down and, for biased
+    experts, their biases), as ``HoldChallenge`` asks. The same on the coordinator (views of its
+    GGUF) and on a volunteer (views of its slice file): no copy of the whole slice is made.
+    ``SliceError`` for a window outside the data."""
+    arrays = [np.ascontiguousarray(t.raw).reshape(-1) for t in stack.tensors().values()]
     h = hashlib.sha256(nonce)
     for i, lo, hi in _window_parts([int(a.nbytes) for a in arrays], windows):
         h.update(arrays[i].data[lo:hi])
@@ -799,4 +800,7 @@ def plan_slice(manifest: ModelManifest, layer: int, lo: int, hi: int) -> SlicePl
                          code="bad_manifest")
     digests = tuple(manifest.expert_sha256[layer][lo:hi]) if manifest.expert_sha256 else ()
     offsets = dict(manifest.tensor_offsets[layer]) if manifest.tensor_offsets else None
+    if offsets is not None and set(offsets) != set(kinds):
+        raise SliceError(f"manifest of {manifest.model_id}: layer {layer}'s tensor_offsets name {sorted(offsets)}, "
+                         f"its tensor types {sorted(kinds)}", code="bad_manifest")
     return SlicePlan(SliceKey(manifest.model_id, layer, lo, hi), slice_header(meta), kind_bytes, digests, offsets)

@@ -308,7 +308,7 @@ class HoldChallenge(
 
     The answer is a ``HoldProof`` whose ``digest`` is ``sha256(nonce || the slice's tensor data at
     each window)``; the tensor data is the slice file after its safetensors header (gate, up, down
-    bytes in that order: ``swarm.model.slices.hold_digest``). The caller picks ``nonce`` and the
+    bytes in that order, then the experts' biases where they have them: ``swarm.model.slices.hold_digest``). The caller picks ``nonce`` and the
     windows at random, so no answer can be precomputed or replayed, and checks them against its
     own copy of the model. No payload.
     """

@@ -118,6 +118,12 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
             elif any(slice_kinds(row) is None for row in table):
                 out.append(f"every {name} entry names exactly the kinds {', '.join(EXPERT_KINDS)} "
                            f"(and {', '.join(BIAS_KINDS)} for biased experts)")
+        if not out:  # each layer's tables name the same kinds (the weights, or the weights and their biases)
+            for i in range(self.n_layer):
+                rows = [t[i] for t in (self.tensor_types, self.kind_bytes, self.tensor_offsets) if len(t) == self.n_layer]
+                if len({frozenset(r) for r in rows}) > 1:
+                    out.append(f"layer {i}: tensor_types, kind_bytes and tensor_offsets name different kinds")
+                    break
         if self.kind_bytes and len(self.kind_bytes) == len(self.bytes_per_expert) and not out:
             bad = [i for i, (row, total) in enumerate(zip(self.kind_bytes, self.bytes_per_expert, strict=True))
                    if sum(row.values()) != total]

@@ -52,6 +52,8 @@ CASES += [(a, "mxfp4_moe", KernelBackend.GGML) for a in ("qwen2moe", "gpt-oss")]
 CASES.append(("mixtral-spm", "q8_0", KernelBackend.GGML))  # llama.cpp's Q8_0 of the Mixtral-style SPM golden
 # YaRN context extension (factor 4 over an original context of 32; deepseek2 with V2-Lite's log multiplier)
 CASES += [(f"{a}-yarn", "f32", k) for a in ("qwen2moe", "deepseek2") for k in (KernelBackend.GGML, KernelBackend.TORCH)]
+# group-limited routing (DeepSeek-V2's n_group / topk_group: 4 groups of 2 experts, the best 2 groups)
+CASES += [("deepseek2-groups", "f32", k) for k in (KernelBackend.GGML, KernelBackend.TORCH)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}-{p[2].value}")
@@ -83,7 +85,9 @@ def greedy(tr: Transformer, prompt: list[int], n: int) -> list[int]:
 def test_the_files_are_what_the_goldens_were_made_on(case: tuple[str, dict[str, Any], Transformer]) -> None:
     arch, g, tr = case
     assert tr.model.sha256 == g["model_sha256"]
-    assert tr.cfg.arch == g["arch"] == {"mixtral-spm": "llama"}.get(arch, arch.removesuffix("-yarn"))
+    assert tr.cfg.arch == g["arch"] == {"mixtral-spm": "llama"}.get(arch, arch.removesuffix("-yarn").removesuffix("-groups"))
+    if "groups" in g:
+        assert (tr.cfg.n_expert_groups, tr.cfg.n_group_used) == (4, 2)
     if "yarn" in g:  # what llama.cpp derives from rope.scaling.*
         assert tr.cfg.rope.ext_factor == 1.0 and tr.cfg.rope.freq_scale == 0.25 and tr.cfg.rope.n_ctx_orig == 32
     assert {n: t.qtype.name for n, t in tr.model.tensors.items()} == g["tensor_types"]
@@ -241,3 +245,55 @@ def test_an_old_per_expert_mixtral_file_is_refused_with_a_clear_error(tmp_path: 
     w.close()
     with pytest.raises(UnsupportedArchitecture, match="convert the model again"):
         GGUFModel(tmp_path / "old.gguf", compute_id=False)
+
+
+def test_ignoring_expert_groups_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "deepseek2-groups-tiny-f32"
+    tr = Transformer(GGUFModel(GOLDEN / f"{name}.gguf", compute_id=False))
+    monkeypatch.setattr(tr, "cfg", dataclasses.replace(tr.cfg, n_expert_groups=0, n_group_used=0))
+    assert max_dev(tr, golden(name)["sequences"][3]) > 100 * TOL
+
+
+def _copy_with(tmp_path: Path, name: str, extra: dict[str, Any]) -> Path:
+    """The golden ``name`` with extra metadata keys (uint32, or a bool array)."""
+    import gguf
+
+    src = gguf.GGUFReader(GOLDEN / f"{name}.gguf")
+    arch = str(src.fields["general.architecture"].contents())
+    out = tmp_path / f"{name}-extra.gguf"
+    w = gguf.GGUFWriter(out, arch)
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for k, v in extra.items():
+        if isinstance(v, list):
+            w.add_array(k, v)
+        else:
+            w.add_uint32(k, v)
+    for t in src.tensors:
+        w.add_tensor(t.name, t.data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_sliding_window_patterns_as_llama_cpp_reads_them(tmp_path: Path) -> None:
+    """0: every layer slides; a per-layer bool array says which ones do; a bad value is a ModelError."""
+    from swarm.errors import ModelError
+
+    def swa(extra: dict[str, Any]) -> tuple[int, ...]:
+        return GGUFModel(_copy_with(tmp_path, "gpt-oss-tiny-f32", extra), compute_id=False).config.swa_layers
+
+    assert swa({}) == (0,)  # gpt-oss's default pattern 2: even layers
+    assert swa({"gpt-oss.attention.sliding_window_pattern": 0}) == (0, 1)
+    assert swa({"gpt-oss.attention.sliding_window_pattern": [False, True]}) == (1,)
+    # llama.cpp runs block_count - nextn_predict_layers blocks (multi-token prediction blocks are not the model)
+    nextn = GGUFModel(_copy_with(tmp_path, "deepseek2-tiny-f32", {"deepseek2.nextn_predict_layers": 1}),
+                      compute_id=False).config
+    assert (nextn.n_layer, nextn.moe_layers) == (2, (1,))
+    with pytest.raises(ModelError, match="expert_group_count"):
+        GGUFModel(_copy_with(tmp_path, "deepseek2-tiny-f32", {"deepseek2.expert_group_count": 3,
+                                                             "deepseek2.expert_group_used_count": 2}), compute_id=False)

@@ -154,6 +154,11 @@ def base(**kw: object) -> ModelManifest:
     ({"origins": ["ftp://mirror.test/m.gguf"]}, "origins must be at most 16 distinct http(s) URLs"),
     ({"origins": ["https://a.test/m"] * 2}, "origins must be at most 16 distinct"),
     ({"tensor_offsets": []}, "origins without tensor_offsets"),
+    # biased experts (gpt-oss): six kinds in every table of a layer, or the tables disagree
+    ({"tensor_types": [{k: "F32" for k in ("gate", "up", "down", "gate_b", "up_b", "down_b")}] * 2},
+     "layer 0: tensor_types, kind_bytes and tensor_offsets name different kinds"),
+    ({"kind_bytes": [{"gate": 2, "up": 2, "down": 2, "gate_b": 0, "up_b": 0, "down_b": 0}] * 2},
+     "name different kinds"),
 ])
 def test_manifest_problems(changes: dict[str, object], problem: str | None) -> None:
     got = base(**changes).problems()

@@ -438,3 +438,23 @@ def test_an_architectures_activation_travels_in_manifest_and_slice(golden_model:
         check_activation(manifest.expert_activation)
     monkeypatch.setattr(kernels, "EXPERT_ACTIVATIONS", ("silu", "swiglu_oai", "relu2"))  # a version that has it
     assert load_slice(other).key == load_slice(silu).key
+
+
+def test_hold_proofs_cover_a_biased_slice_to_its_last_byte() -> None:
+    """gpt-oss: the challenged data is the slice file's whole tensor data, weights then biases; the
+    coordinator (pread of its GGUF) and the volunteer (its slice file) agree on windows anywhere in
+    it, the bias tail included, and a window past its end is refused."""
+    from swarm.model.slices import hold_digest, hold_digest_from_file
+    from tests.conftest import FIXTURES
+
+    model = GGUFModel(FIXTURES / "golden" / "gpt-oss-tiny-mxfp4_moe.gguf")
+    stack = model.expert_stack(0, 0, 4)
+    served = load_slice(cut_slice(model, 0, 0, 4)).experts
+    size = stack.nbytes
+    assert size == sum(t.nbytes for t in stack.tensors().values()) > stack.gate_t.nbytes * 3  # biases included
+    spans = tuple(model.file_span(t.raw) for t in stack.tensors().values())
+    for windows in ([(0, 64)], [(size - 100, 100)], [(size - 4096, 4096), (17, 300)]):
+        nonce = b"n" * 16
+        assert hold_digest_from_file(model.path, spans, nonce, windows) == hold_digest(served, nonce, windows)
+    with pytest.raises(SliceError):
+        hold_digest(served, b"n" * 16, [(size - 10, 11)])
