@@ -41,7 +41,6 @@ from swarm.model.kernels.block import (
     Head,
     HeadWeights,
     MlaIn,
-    RopeArgs,
     SharedFFN,
 )
 from swarm.model.kernels.dense import Linear
@@ -145,19 +144,13 @@ def _hw(t: QTensor) -> HeadWeights:
     return HeadWeights(np.ascontiguousarray(t.raw).reshape(-1), int(t.qtype), *t.shape)
 
 
-def _rope_args(cfg: ModelConfig) -> RopeArgs:
-    r = cfg.rope
-    return RopeArgs(freq_scale=r.freq_scale, ext_factor=r.ext_factor, attn_factor=r.attn_factor, beta_fast=r.beta_fast,
-                    beta_slow=r.beta_slow, n_ctx_orig=r.n_ctx_orig)
-
-
 def _attn_in(cfg: ModelConfig, L: LayerWeights, fam: Family) -> AttnIn | MlaIn:
     if L.mla is not None and cfg.mla is not None:
         m, mc = L.mla, cfg.mla
         return MlaIn(attn_norm=L.attn_norm.numpy(), wq=_dwo(L.wq), wq_a=_dwo(m.wq_a), q_a_norm=_np(m.q_a_norm),
                      wq_b=_dwo(m.wq_b), wkv_a=_dw(m.wkv_a), kv_a_norm=m.kv_a_norm.numpy(), wk_b=_hw(m.wk_b),
                      n_head=cfg.n_head, kv_lora_rank=mc.kv_lora_rank, d_nope=mc.d_nope, d_rope=mc.d_rope,
-                     rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, rope=_rope_args(cfg),
+                     rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, rope=cfg.rope,
                      family=fam)
     assert L.wq is not None and L.wk is not None and L.wv is not None
     return AttnIn(
@@ -165,7 +158,7 @@ def _attn_in(cfg: ModelConfig, L: LayerWeights, fam: Family) -> AttnIn | MlaIn:
         q_norm=_np(L.q_norm), k_norm=_np(L.k_norm), qk_norm_full=cfg.spec.qk_norm == "full",
         bq=_np(L.bq), bk=_np(L.bk), bv=_np(L.bv),
         n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v,
-        n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, rope=_rope_args(cfg),
+        n_rot=cfg.n_rot, rope_neox=cfg.spec.rope_neox, rope_base=cfg.rope_base, eps=cfg.rms_eps, rope=cfg.rope,
         family=fam)
 
 

@@ -39,6 +39,7 @@ import ggml.ggml as g
 import numpy as np
 
 from swarm.errors import KernelError
+from swarm.model.gguf import RopeScaling
 from swarm.model.kernels.ggml import (
     _as_raw,
     _bucket,
@@ -51,27 +52,19 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "HeadWeights", "MlaIn", "RopeArgs", "SharedFFN"]
+__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "HeadWeights", "MlaIn", "SharedFFN"]
 
 _NODES = 64
 
 
-@dataclass(frozen=True)
-class RopeArgs:
-    """ggml_rope_ext's scaling arguments (``swarm.model.gguf.RopeScaling`` derives them as llama.cpp does)."""
+_NO_SCALING = RopeScaling()
 
-    freq_scale: float = 1.0
-    ext_factor: float = 0.0
-    attn_factor: float = 1.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    n_ctx_orig: int = 0
 
-    def apply(self, ctx: Any, t: Any, pos: Any, n_rot: int, mode: int, base: float) -> Any:
-        return g.ggml_rope_ext(ctx, t, pos, None, n_rot, mode, self.n_ctx_orig, ctypes.c_float(base),
-                               ctypes.c_float(self.freq_scale), ctypes.c_float(self.ext_factor),
-                               ctypes.c_float(self.attn_factor), ctypes.c_float(self.beta_fast),
-                               ctypes.c_float(self.beta_slow))
+def _rope_ext(ctx: Any, t: Any, pos: Any, n_rot: int, mode: int, base: float, r: RopeScaling) -> Any:
+    """ggml_rope_ext with the model's scaling (``RopeScaling``: derived from the GGUF as llama.cpp does)."""
+    return g.ggml_rope_ext(ctx, t, pos, None, n_rot, mode, r.n_ctx_orig, ctypes.c_float(base),
+                           ctypes.c_float(r.freq_scale), ctypes.c_float(r.ext_factor), ctypes.c_float(r.attn_factor),
+                           ctypes.c_float(r.beta_fast), ctypes.c_float(r.beta_slow))
 
 
 @dataclass(frozen=True)
@@ -218,14 +211,33 @@ def _biased(ctx: Any, x: Any, b: Any | None) -> Any:
     return x if b is None else g.ggml_add(ctx, x, b)
 
 
-class AttnIn(_Graphs):
+class _QkvIn(_Graphs):
+    """A graph from rows ``x[n, d]`` at positions ``[n]`` to ``(q, k, v)`` (``AttnIn``, ``MlaIn``)."""
+
+    d: int
+
+    def __call__(self, x: np.ndarray, pos: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
+        if x.ndim != 2 or x.shape[1] != self.d or p.shape[0] != x.shape[0]:
+            raise KernelError(f"x must be [n, {self.d}] with n positions, got {x.shape} and {p.shape}")
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["x"][: e - s] = x[s:e]
+            v["pos"][: e - s] = p[s:e]
+
+        q, k, v = self._run(x.shape[0], n_threads, fill, 3)
+        return q, k, v
+
+
+class AttnIn(_QkvIn):
     """``x[n, d]``, positions ``[n]`` -> roped ``q[n, H*hdk]``, roped ``k[n, Hkv*hdk]``, ``v[n, Hkv*hdv]``."""
 
     def __init__(self, *, attn_norm: np.ndarray, wq: DenseWeight, wk: DenseWeight, wv: DenseWeight,
                  q_norm: np.ndarray | None, k_norm: np.ndarray | None, n_head: int, n_head_kv: int,
                  head_dim_k: int, head_dim_v: int, n_rot: int, rope_neox: bool, rope_base: float, eps: float,
                  qk_norm_full: bool = False, bq: np.ndarray | None = None, bk: np.ndarray | None = None,
-                 bv: np.ndarray | None = None, rope: RopeArgs = RopeArgs(), max_rows: int = 256,
+                 bv: np.ndarray | None = None, rope: RopeScaling = _NO_SCALING, max_rows: int = 256,
                  family: Family | None = None) -> None:
         super().__init__(max_rows)
         d = wq.in_features
@@ -259,7 +271,7 @@ class AttnIn(_Graphs):
         return 4 * b * (3 * self.d + 4 * q + 8 * kv) + 4 * b
 
     def _rope(self, ctx: Any, t: Any, pos: Any) -> Any:
-        return self.rope_args.apply(ctx, t, pos, self.n_rot, self.mode, self.rope_base)
+        return _rope_ext(ctx, t, pos, self.n_rot, self.mode, self.rope_base, self.rope_args)
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
@@ -282,21 +294,7 @@ class AttnIn(_Graphs):
         k = self._rope(ctx, k, pos)
         return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, [q, k, v]
 
-    def __call__(self, x: np.ndarray, pos: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
-        if x.ndim != 2 or x.shape[1] != self.d or p.shape[0] != x.shape[0]:
-            raise KernelError(f"x must be [n, {self.d}] with n positions, got {x.shape} and {p.shape}")
-
-        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
-            v["x"][: e - s] = x[s:e]
-            v["pos"][: e - s] = p[s:e]
-
-        q, k, vv = self._run(x.shape[0], n_threads, fill, 3)
-        return q, k, vv
-
-
-class MlaIn(_Graphs):
+class MlaIn(_QkvIn):
     """Multi-head latent attention's input half (DeepSeek-V2), with llama.cpp's absorption of
     ``attn_k_b``: ``x[n, d]``, positions -> ``q[n, H*(kv_lora+d_rope)]`` (each head's nope part taken
     into the latent space by k_b, then its roped part), ``k[n, kv_lora+d_rope]`` (the normed latent,
@@ -306,7 +304,7 @@ class MlaIn(_Graphs):
     def __init__(self, *, attn_norm: np.ndarray, wq: DenseWeight | None, wq_a: DenseWeight | None,
                  q_a_norm: np.ndarray | None, wq_b: DenseWeight | None, wkv_a: DenseWeight, kv_a_norm: np.ndarray,
                  wk_b: HeadWeights, n_head: int, kv_lora_rank: int, d_nope: int, d_rope: int, rope_neox: bool,
-                 rope_base: float, eps: float, rope: RopeArgs = RopeArgs(), max_rows: int = 256,
+                 rope_base: float, eps: float, rope: RopeScaling = _NO_SCALING, max_rows: int = 256,
                  family: Family | None = None) -> None:
         super().__init__(max_rows)
         d = wkv_a.in_features
@@ -347,7 +345,7 @@ class MlaIn(_Graphs):
         return 4 * b * (4 * self.d + 4 * self.H * qk + 4 * self.H * lat + 6 * lat + 2 * self.H * self.kvl) + 4 * b
 
     def _rope(self, ctx: Any, t: Any, pos: Any) -> Any:
-        return self.rope_args.apply(ctx, t, pos, self.dr, self.mode, self.rope_base)
+        return _rope_ext(ctx, t, pos, self.dr, self.mode, self.rope_base, self.rope_args)
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         H, kvl, dn, dr = self.H, self.kvl, self.dn, self.dr
@@ -374,20 +372,6 @@ class MlaIn(_Graphs):
         q_out = g.ggml_concat(ctx, g.ggml_permute(ctx, q_abs, 0, 2, 1, 3), q_pe, 0)  # [kv_lora + dr, H, b]
         k_out = g.ggml_concat(ctx, g.ggml_reshape_3d(ctx, kv_c, kvl, 1, b), k_pe, 0)  # [kv_lora + dr, 1, b]
         return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, [q_out, k_out, kv_c]
-
-    def __call__(self, x: np.ndarray, pos: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        p = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
-        if x.ndim != 2 or x.shape[1] != self.d or p.shape[0] != x.shape[0]:
-            raise KernelError(f"x must be [n, {self.d}] with n positions, got {x.shape} and {p.shape}")
-
-        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
-            v["x"][: e - s] = x[s:e]
-            v["pos"][: e - s] = p[s:e]
-
-        q, k, v = self._run(x.shape[0], n_threads, fill, 3)
-        return q, k, v
-
 
 @dataclass(frozen=True)
 class HeadWeights:
