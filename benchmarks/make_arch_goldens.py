@@ -205,12 +205,7 @@ def write_deepseek2(tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None 
             (b + "ffn_down_shexp.weight", (d, sw), sw**-0.5, False),
         ]
     plan += [("output_norm.weight", (d,), 0.1, True), ("output.weight", (vocab, d), 2.0 * d**-0.5, False)]
-    for name, shape, std, norm in plan:
-        w.add_tensor(name, mg._draw(seed, name, shape, std, norm))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    mg.write_tensors(w, seed, plan)
 
 
 def write_gpt_oss(tokenizer_src: Path, out: Path) -> None:
@@ -260,12 +255,7 @@ def write_gpt_oss(tokenizer_src: Path, out: Path) -> None:
             (b + "ffn_down_exps.weight", (ne, d, w_), w_**-0.5, False), (b + "ffn_down_exps.bias", (ne, d), 0.1, False),
         ]
     plan += [("output_norm.weight", (d,), 0.1, True), ("output.weight", (vocab, d), 2.0 * d**-0.5, False)]
-    for name, shape, std, norm in plan:
-        w.add_tensor(name, mg._draw(seed, name, shape, std, norm))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    mg.write_tensors(w, seed, plan)
 
 
 def write_model(arch: str, tokenizer_src: Path, out: Path, yarn: dict[str, Any] | None = None) -> None:
@@ -335,40 +325,7 @@ def write_model(arch: str, tokenizer_src: Path, out: Path, yarn: dict[str, Any] 
                 (b + "ffn_down_shexp.weight", (d, sw), sw**-0.5, False),
             ]
     plan += [("output_norm.weight", (d,), 0.1, True), ("output.weight", (vocab, d), 2.0 * d**-0.5, False)]
-    for name, shape, std, norm in plan:
-        w.add_tensor(name, mg._draw(seed, name, shape, std, norm))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def sequences(llm: Any, normal: list[int], n: int) -> list[dict[str, Any]]:
-    rng = np.random.Generator(np.random.PCG64(mg.SEQ_SEED))
-    out = []
-    for _ in range(n):
-        toks = [int(normal[i]) for i in rng.integers(0, len(normal), mg.SEQ_LEN)]
-        lg = mg.all_logits(llm, toks)
-        out.append({"tokens": toks, "logits": [[round(float(x), 7) for x in row] for row in lg]})
-    return out
-
-
-def greedy_prompts(llm: Any, normal: list[int], n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """n decisive greedy continuations of fixed random prompts (a candidate with any step's margin at
-    or below 2e-3 is skipped and listed)."""
-    prng = np.random.Generator(np.random.PCG64(mg.PROMPT_SEED))
-    kept: list[dict[str, Any]] = []
-    rejected: list[dict[str, Any]] = []
-    while len(kept) < n:
-        pids = [int(normal[i]) for i in prng.integers(0, len(normal), mg.PROMPT_LEN)]
-        e = mg.greedy_entry(llm, mg.detok(llm, pids), pids)
-        if e["n_reliable"] == mg.N_GREEDY:
-            kept.append(e)
-        else:
-            rejected.append({"prompt_ids": pids, "n_reliable": e["n_reliable"], "first_small_margin": e["first_small_margin"]})
-        if len(rejected) > 50:
-            raise RuntimeError("no decisive prompts found")
-    return kept, rejected
+    mg.write_tensors(w, seed, plan)
 
 
 def long_sequences(normal: list[int]) -> list[list[int]]:
@@ -386,7 +343,7 @@ def settings() -> dict[str, Any]:
 def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ftype: str | None) -> dict[str, Any]:
     llm = mg.load(path)
     normal = mg.normal_token_ids(path)
-    seqs = sequences(llm, normal, mg.N_SEQ)
+    seqs = mg.sequences(llm, normal, mg.N_SEQ)
     fresh = mg.load(path)  # a fresh context gives the same bits
     if not np.array_equal(mg.all_logits(fresh, seqs[0]["tokens"]), mg.all_logits(llm, seqs[0]["tokens"])):
         raise RuntimeError(f"{path.name}: logits differ between contexts")
@@ -395,7 +352,7 @@ def build_json(path: Path, arch: str, src: Path, tiny_golden: dict[str, Any], ft
                                                                             for sp in (False, True)]
     tokenize = [{"text": t, "special": sp, "ids": list(llm.tokenize(t.encode(), add_bos=False, special=sp))}
                 for t, sp in texts]
-    kept, rejected = greedy_prompts(llm, normal, mg.N_PROMPTS)
+    kept, rejected = mg.greedy_prompts(llm, normal, mg.N_PROMPTS)
     seqs += [{"tokens": t, "logits": [[round(float(x), 7) for x in row] for row in mg.all_logits(llm, t)]}
              for t in long_sequences(normal)]
     return {
@@ -436,7 +393,7 @@ def makemodel_json(arch: str, vocab: str, project_python: Path, tmp: Path, tiny_
                     "--seed", "0", "--vocab", vocab, "--out", str(path)], check=True, cwd=ROOT, capture_output=True)
     llm = mg.load(path)
     normal = mg.normal_token_ids(path)
-    kept, rejected = greedy_prompts(llm, normal, 1)
+    kept, rejected = mg.greedy_prompts(llm, normal, 1)
     texts = [(t["text"], t["special"]) for t in tiny_golden["tokenize"]] + [(t, sp) for t in EXTRA_TEXTS
                                                                             for sp in (False, True)]
     return {
@@ -448,7 +405,7 @@ def makemodel_json(arch: str, vocab: str, project_python: Path, tmp: Path, tiny_
         "generator": "benchmarks/make_arch_goldens.py",
         "settings": settings(),
         "n_vocab": llm.n_vocab(),
-        "sequences": sequences(llm, normal, 1),
+        "sequences": mg.sequences(llm, normal, 1),
         "greedy": kept,
         "greedy_rejected_prompts": rejected,
     }

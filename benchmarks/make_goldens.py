@@ -171,6 +171,12 @@ def write_w224(tokenizer_src: Path, out: Path) -> None:
         ("output_norm.weight", (d,), 0.1, True),
         ("output.weight", (vocab, d), 2.0 * d**-0.5, False),  # logits std ~2: larger greedy margins
     ]
+    write_tensors(w, seed, plan)
+
+
+def write_tensors(w: gguf.GGUFWriter, seed: int, plan: list[tuple[str, tuple[int, ...], float, bool]]) -> None:
+    """Draw each ``(name, numpy shape, std, is_norm)`` of ``plan`` and write the file (header, metadata,
+    tensors), closing ``w``."""
     for name, shape, std, norm in plan:
         w.add_tensor(name, _draw(seed, name, shape, std, norm))
     w.write_header_to_file()
@@ -267,22 +273,46 @@ def greedy_entry(llm: llama_cpp.Llama, prompt: str, prompt_ids: list[int]) -> di
     }
 
 
+def sequences(llm: llama_cpp.Llama, normal: list[int], n: int) -> list[dict[str, Any]]:
+    """``n`` random 16-token sequences of NORMAL tokens (fixed seed) and llama.cpp's logits at every position."""
+    rng = np.random.Generator(np.random.PCG64(SEQ_SEED))
+    out = []
+    for _ in range(n):
+        toks = [int(normal[i]) for i in rng.integers(0, len(normal), SEQ_LEN)]
+        lg = all_logits(llm, toks)
+        out.append({"tokens": toks, "logits": [[round(float(x), 7) for x in row] for row in lg]})
+    return out
+
+
+def greedy_prompts(llm: llama_cpp.Llama, normal: list[int], n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``n`` decisive greedy continuations of fixed random prompts (a candidate with any step's margin
+    at or below 2e-3 is skipped and listed)."""
+    prng = np.random.Generator(np.random.PCG64(PROMPT_SEED))
+    kept: list[dict[str, Any]] = []
+    rejected: list[dict[str, Any]] = []
+    while len(kept) < n:
+        pids = [int(normal[i]) for i in prng.integers(0, len(normal), PROMPT_LEN)]
+        e = greedy_entry(llm, detok(llm, pids), pids)
+        if e["n_reliable"] == N_GREEDY:
+            kept.append(e)
+        else:
+            rejected.append({"prompt_ids": pids, "n_reliable": e["n_reliable"], "first_small_margin": e["first_small_margin"]})
+        if len(rejected) > 50:
+            raise RuntimeError("no decisive prompts found")
+    return kept, rejected
+
+
 def build_json(path: Path, source: str, ftype_name: str, src_path: Path, tiny_golden: dict[str, Any]) -> dict[str, Any]:
     llm = load(path)
     n_vocab = llm.n_vocab()
     normal = normal_token_ids(path)
 
-    rng = np.random.Generator(np.random.PCG64(SEQ_SEED))
-    sequences = []
-    for _ in range(N_SEQ):
-        toks = [int(normal[i]) for i in rng.integers(0, len(normal), SEQ_LEN)]
-        lg = all_logits(llm, toks)
-        sequences.append({"tokens": toks, "logits": [[round(float(x), 7) for x in row] for row in lg]})
+    seqs = sequences(llm, normal, N_SEQ)
 
     # self-check: a fresh context gives the same bits (no state leaks between reset()s)
     fresh = load(path)
-    again = all_logits(fresh, sequences[0]["tokens"])
-    if not np.array_equal(again, all_logits(llm, sequences[0]["tokens"])):
+    again = all_logits(fresh, seqs[0]["tokens"])
+    if not np.array_equal(again, all_logits(llm, seqs[0]["tokens"])):
         raise RuntimeError(f"{path.name}: logits differ between contexts")
     del fresh
 
@@ -298,17 +328,7 @@ def build_json(path: Path, source: str, ftype_name: str, src_path: Path, tiny_go
         for g in tiny_golden["greedy"]:
             greedy_out.append(greedy_entry(llm, g["prompt"], g["prompt_ids"]))
     else:
-        # fixed random prompts; a candidate with any small margin among its 24 steps is skipped
-        prng = np.random.Generator(np.random.PCG64(PROMPT_SEED))
-        while len(greedy_out) < N_PROMPTS:
-            pids = [int(normal[i]) for i in prng.integers(0, len(normal), PROMPT_LEN)]
-            e = greedy_entry(llm, detok(llm, pids), pids)
-            if e["n_reliable"] == N_GREEDY:
-                greedy_out.append(e)
-            else:
-                rejected.append({"prompt_ids": pids, "n_reliable": e["n_reliable"], "first_small_margin": e["first_small_margin"]})
-            if len(rejected) > 50:
-                raise RuntimeError("no decisive prompts found")
+        greedy_out, rejected = greedy_prompts(llm, normal, N_PROMPTS)
 
     out = {
         "model_file": path.name,
@@ -337,7 +357,7 @@ def build_json(path: Path, source: str, ftype_name: str, src_path: Path, tiny_go
         "n_vocab": n_vocab,
         "tensor_types": tensor_types(path),
         "tokenize": tokenize,
-        "sequences": sequences,
+        "sequences": seqs,
         "greedy": greedy_out,
         "greedy_rejected_prompts": rejected,
     }

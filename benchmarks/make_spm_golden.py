@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
 import os
 import sys
@@ -47,7 +46,10 @@ from llama_cpp import llama_chat_format  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # swarm.tools.spm is pure (gguf and the stdlib only)
 
-from swarm.tools.spm import spm_metadata  # noqa: E402
+from swarm.tools.spm import add_tokenizer_metadata, spm_metadata  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from make_goldens import all_logits, greedy, sha256, write_tensors  # noqa: E402  (the shared llama.cpp helpers)
 
 DEFAULT_OUT = HERE.parent / "tests" / "fixtures" / "golden"
 NAME = "mixtral-spm-tiny-f32"
@@ -165,50 +167,16 @@ VARIANTS: list[dict[str, Any]] = [
 ]
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
 # the model file
 
 
-def _draw(seed: int, name: str, shape: tuple[int, ...], std: float, norm: bool = False) -> np.ndarray:
-    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, key])))
-    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-    if norm:
-        x += np.float32(1.0)
-    return x.astype(np.float32)
 
 
 def tokenizer_fields() -> dict[str, Any]:
     return spm_metadata(CONFIG["n_vocab"])
-
-
-def _add_tokenizer(w: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
-    """The tokenizer keys, each with the GGUF type a converted Mixtral file gives it."""
-    writers = {
-        "tokenizer.ggml.model": w.add_tokenizer_model,
-        "tokenizer.ggml.tokens": w.add_token_list,
-        "tokenizer.ggml.scores": w.add_token_scores,
-        "tokenizer.ggml.token_type": w.add_token_types,
-        "tokenizer.ggml.bos_token_id": w.add_bos_token_id,
-        "tokenizer.ggml.eos_token_id": w.add_eos_token_id,
-        "tokenizer.ggml.unknown_token_id": w.add_unk_token_id,
-        "tokenizer.ggml.add_bos_token": w.add_add_bos_token,
-        "tokenizer.ggml.add_eos_token": w.add_add_eos_token,
-        "tokenizer.ggml.add_space_prefix": w.add_add_space_prefix,
-        "tokenizer.chat_template": w.add_chat_template,
-    }
-    for key, value in meta.items():
-        if key not in writers:
-            raise KeyError(f"no writer for {key}")
-        writers[key](value)
 
 
 def write_model(out: Path, *, meta: dict[str, Any] | None = None, name: str = "mixtral-spm-tiny") -> None:
@@ -235,7 +203,7 @@ def write_model(out: Path, *, meta: dict[str, Any] | None = None, name: str = "m
     w.add_uint32(f"{a}.expert_count", ne)
     w.add_uint32(f"{a}.expert_used_count", c["n_expert_used"])
     w.add_uint32("general.file_type", 0)
-    _add_tokenizer(w, meta)
+    add_tokenizer_metadata(w, meta)
 
     # numpy shapes (outer first); GGUF ne is the reverse. Scales as in the qwen3moe tiny golden.
     plan: list[tuple[str, tuple[int, ...], float, bool]] = [("token_embd.weight", (vocab, d), 1.0, False)]
@@ -257,12 +225,7 @@ def write_model(out: Path, *, meta: dict[str, Any] | None = None, name: str = "m
         ("output_norm.weight", (d,), 0.1, True),
         ("output.weight", (vocab, d), 2.0 * d**-0.5, False),  # logits std ~2: larger greedy margins
     ]
-    for tname, shape, std, norm in plan:
-        w.add_tensor(tname, _draw(seed, tname, shape, std, norm))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors(w, seed, plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,29 +268,10 @@ def detokenize(llm: llama_cpp.Llama, ids: list[int], *, remove_special: bool, un
     return bytes(buf.raw[:n])
 
 
-def all_logits(llm: llama_cpp.Llama, tokens: list[int]) -> np.ndarray:
-    llm.reset()
-    llm.eval(tokens)
-    return np.array(llm.scores[: len(tokens)], dtype=np.float32)
 
 
-def margin(lg: np.ndarray) -> float:
-    top = np.sort(lg.astype(np.float64))[-2:]
-    return float(top[1] - top[0])
 
 
-def greedy(llm: llama_cpp.Llama, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    llm.reset()
-    llm.eval(prompt)
-    lg = np.array(llm.scores[len(prompt) - 1], dtype=np.float32)
-    ids, margins = [], []
-    for _ in range(n):
-        t = int(np.argmax(lg))
-        ids.append(t)
-        margins.append(margin(lg))
-        llm.eval([t])
-        lg = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-    return ids, margins
 
 
 def token_types(path: Path) -> list[int]:

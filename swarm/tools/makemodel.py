@@ -52,10 +52,10 @@ import hashlib
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal, get_args
+from typing import Final, Literal, get_args
 
 import gguf
 import numpy as np
@@ -417,28 +417,6 @@ def count_parameters(arch: Arch, size: SizeName) -> int:
 VOCABS: tuple[str, ...] = ("bpe", "spm")
 
 
-def _add_spm_vocab(w: gguf.GGUFWriter, n_vocab: int) -> None:
-    """A SentencePiece vocabulary laid out as a converted Mixtral file's (``swarm.tools.spm``)."""
-    from swarm.tools.spm import spm_metadata
-
-    meta = spm_metadata(n_vocab)
-    writers: dict[str, Callable[[Any], None]] = {
-        "tokenizer.ggml.model": w.add_tokenizer_model,
-        "tokenizer.ggml.tokens": w.add_token_list,
-        "tokenizer.ggml.scores": w.add_token_scores,
-        "tokenizer.ggml.token_type": w.add_token_types,
-        "tokenizer.ggml.bos_token_id": w.add_bos_token_id,
-        "tokenizer.ggml.eos_token_id": w.add_eos_token_id,
-        "tokenizer.ggml.unknown_token_id": w.add_unk_token_id,
-        "tokenizer.ggml.add_bos_token": w.add_add_bos_token,
-        "tokenizer.ggml.add_eos_token": w.add_add_eos_token,
-        "tokenizer.ggml.add_space_prefix": w.add_add_space_prefix,
-        "tokenizer.chat_template": w.add_chat_template,
-    }
-    for key, value in meta.items():
-        writers[key](value)
-
-
 def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, expert_type: T,
                   vocab_kind: str = "bpe") -> None:
     spec = SIZES[size]
@@ -500,7 +478,9 @@ def _add_metadata(w: gguf.GGUFWriter, arch: Arch, size: SizeName, seed: int, exp
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     if vocab_kind == "spm":
-        _add_spm_vocab(w, spec.vocab_size)
+        from swarm.tools.spm import add_tokenizer_metadata, spm_metadata
+
+        add_tokenizer_metadata(w, spm_metadata(spec.vocab_size))
         return
     vocab = build_vocab(spec.vocab_size)
     w.add_string("tokenizer.ggml.model", "gpt2")

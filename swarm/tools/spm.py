@@ -35,7 +35,7 @@ import gguf
 from swarm.errors import ConfigError
 from swarm.tools.bpe import corpus
 
-__all__ = ["MIXTRAL_CHAT_TEMPLATE", "SPECIAL_PIECES", "SpmVocab", "spm_metadata", "spm_vocab"]
+__all__ = ["MIXTRAL_CHAT_TEMPLATE", "SPECIAL_PIECES", "SpmVocab", "add_tokenizer_metadata", "spm_metadata", "spm_vocab"]
 
 SPACE = "\u2581"  # "▁"
 SPECIAL_PIECES: tuple[str, ...] = ("<unk>", "<s>", "</s>")
@@ -201,3 +201,25 @@ def spm_metadata(n_vocab: int) -> dict[str, Any]:
         "tokenizer.ggml.add_eos_token": False,
         "tokenizer.chat_template": MIXTRAL_CHAT_TEMPLATE,
     }
+
+
+def add_tokenizer_metadata(w: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
+    """Add SPM tokenizer keys (``spm_metadata``, or a variant of it) to ``w``, each with the GGUF type a
+    converted Mixtral file gives it; ``KeyError`` for a key it has no writer for."""
+    writers = {
+        "tokenizer.ggml.model": w.add_tokenizer_model,
+        "tokenizer.ggml.tokens": w.add_token_list,
+        "tokenizer.ggml.scores": w.add_token_scores,
+        "tokenizer.ggml.token_type": w.add_token_types,
+        "tokenizer.ggml.bos_token_id": w.add_bos_token_id,
+        "tokenizer.ggml.eos_token_id": w.add_eos_token_id,
+        "tokenizer.ggml.unknown_token_id": w.add_unk_token_id,
+        "tokenizer.ggml.add_bos_token": w.add_add_bos_token,
+        "tokenizer.ggml.add_eos_token": w.add_add_eos_token,
+        "tokenizer.ggml.add_space_prefix": w.add_add_space_prefix,
+        "tokenizer.chat_template": w.add_chat_template,
+    }
+    for key, value in meta.items():
+        if key not in writers:
+            raise KeyError(f"no writer for {key}")
+        writers[key](value)
