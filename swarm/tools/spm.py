@@ -28,6 +28,7 @@ import collections
 import functools
 import heapq
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import gguf
@@ -206,7 +207,7 @@ def spm_metadata(n_vocab: int) -> dict[str, Any]:
 def add_tokenizer_metadata(w: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
     """Add SPM tokenizer keys (``spm_metadata``, or a variant of it) to ``w``, each with the GGUF type a
     converted Mixtral file gives it; ``KeyError`` for a key it has no writer for."""
-    writers = {
+    writers: dict[str, Callable[[Any], None]] = {
         "tokenizer.ggml.model": w.add_tokenizer_model,
         "tokenizer.ggml.tokens": w.add_token_list,
         "tokenizer.ggml.scores": w.add_token_scores,
