@@ -14,6 +14,7 @@ import collections
 import functools
 import heapq
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 
@@ -21,7 +22,7 @@ import gguf
 
 from swarm.errors import ConfigError
 
-__all__ = ["SPECIAL_TOKENS", "BpeVocab", "build_vocab", "corpus"]
+__all__ = ["SPECIAL_TOKENS", "BpeVocab", "bpe_merges", "build_vocab", "corpus"]
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -79,15 +80,10 @@ def _training_words() -> list[tuple[str, int]]:
     return sorted(counts.items())
 
 
-def _train_merges(n_tokens: int) -> tuple[list[str], list[tuple[str, str]]]:
-    """Byte-level BPE: merge the most frequent adjacent pair (ties: smallest pair) until the
-    vocabulary has ``n_tokens`` tokens. Incremental pair counts with a lazily invalidated heap."""
-    b2u = _byte_to_unicode()
-    vocab = list(b2u.values())
-    known = set(vocab)
-    words_counts = _training_words()
-    words = [[b2u[b] for b in word.encode("utf-8")] for word, _ in words_counts]
-    freq = [count for _, count in words_counts]
+def bpe_merges(words: list[list[str]], freq: list[int]) -> Iterator[tuple[str, str]]:
+    """The merges BPE training makes on ``words`` (lists of symbols, rewritten in place as pairs merge)
+    weighted by ``freq``, in order, lazily: each time the most frequent adjacent pair (ties: the
+    smallest pair). Incremental pair counts with a lazily invalidated heap."""
     pair_count: dict[tuple[str, str], int] = collections.defaultdict(int)
     pair_words: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
     for i, symbols in enumerate(words):
@@ -96,17 +92,13 @@ def _train_merges(n_tokens: int) -> tuple[list[str], list[tuple[str, str]]]:
             pair_words[pair].add(i)
     heap = [(-count, left, right) for (left, right), count in pair_count.items()]
     heapq.heapify(heap)
-    merges: list[tuple[str, str]] = []
-    while len(vocab) < n_tokens and heap:
+    while heap:
         neg, left, right = heapq.heappop(heap)
         pair = (left, right)
         if pair_count.get(pair, 0) != -neg:
             continue  # stale heap entry
-        merges.append(pair)
+        yield pair
         merged = left + right
-        if merged not in known:
-            known.add(merged)
-            vocab.append(merged)
         touched: set[tuple[str, str]] = set()
         for i in sorted(pair_words.pop(pair)):
             symbols = words[i]
@@ -135,6 +127,25 @@ def _train_merges(n_tokens: int) -> tuple[list[str], list[tuple[str, str]]]:
             else:
                 pair_count.pop(p, None)
                 pair_words.pop(p, None)
+
+
+def _train_merges(n_tokens: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """Byte-level BPE (``bpe_merges`` on the corpus' UTF-8 bytes) until the vocabulary has
+    ``n_tokens`` tokens."""
+    b2u = _byte_to_unicode()
+    vocab = list(b2u.values())
+    known = set(vocab)
+    words_counts = _training_words()
+    words = [[b2u[b] for b in word.encode("utf-8")] for word, _ in words_counts]
+    merges: list[tuple[str, str]] = []
+    for pair in bpe_merges(words, [count for _, count in words_counts]):
+        if len(vocab) >= n_tokens:
+            break
+        merges.append(pair)
+        merged = pair[0] + pair[1]
+        if merged not in known:
+            known.add(merged)
+            vocab.append(merged)
     if len(vocab) < n_tokens:
         raise ConfigError(f"the built-in corpus supplies only {len(vocab)} BPE tokens, {n_tokens} asked")
     return vocab, merges

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import heapq
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -34,7 +33,7 @@ from typing import Any, NamedTuple
 import gguf
 
 from swarm.errors import ConfigError
-from swarm.tools.bpe import corpus
+from swarm.tools.bpe import bpe_merges, corpus
 
 __all__ = ["MIXTRAL_CHAT_TEMPLATE", "SPECIAL_PIECES", "SpmVocab", "add_tokenizer_metadata", "spm_metadata", "spm_vocab"]
 
@@ -101,58 +100,16 @@ def _required_chars() -> list[str]:
 
 @functools.cache
 def _merged_pieces() -> tuple[str, ...]:
-    """Every piece BPE training can create, in creation order (incremental pair counts with a lazily
-    invalidated heap, as ``swarm.tools.bpe``); a smaller vocabulary takes a prefix."""
+    """Every piece BPE training can create (``swarm.tools.bpe.bpe_merges`` on the characters of the
+    training words), in creation order; a smaller vocabulary takes a prefix."""
     words_counts = _training_words()
-    words = [list(word) for word, _ in words_counts]
-    freq = [count for _, count in words_counts]
-    pair_count: dict[tuple[str, str], int] = collections.defaultdict(int)
-    pair_words: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
-    for i, symbols in enumerate(words):
-        for pair in zip(symbols, symbols[1:], strict=False):
-            pair_count[pair] += freq[i]
-            pair_words[pair].add(i)
-    heap = [(-count, left, right) for (left, right), count in pair_count.items()]
-    heapq.heapify(heap)
     pieces: list[str] = []
     known: set[str] = set()
-    while heap:
-        neg, left, right = heapq.heappop(heap)
-        pair = (left, right)
-        if pair_count.get(pair, 0) != -neg:
-            continue  # stale heap entry
+    for left, right in bpe_merges([list(word) for word, _ in words_counts], [count for _, count in words_counts]):
         merged = left + right
         if merged not in known:
             known.add(merged)
             pieces.append(merged)
-        touched: set[tuple[str, str]] = set()
-        for i in sorted(pair_words.pop(pair)):
-            symbols = words[i]
-            for old in zip(symbols, symbols[1:], strict=False):
-                pair_count[old] -= freq[i]
-                touched.add(old)
-            out: list[str] = []
-            j = 0
-            while j < len(symbols):
-                if j + 1 < len(symbols) and symbols[j] == left and symbols[j + 1] == right:
-                    out.append(merged)
-                    j += 2
-                else:
-                    out.append(symbols[j])
-                    j += 1
-            words[i] = out
-            for new in zip(out, out[1:], strict=False):
-                pair_count[new] += freq[i]
-                pair_words[new].add(i)
-                touched.add(new)
-        pair_count.pop(pair, None)
-        touched.discard(pair)
-        for p in sorted(touched):
-            if pair_count.get(p, 0) > 0:
-                heapq.heappush(heap, (-pair_count[p], p[0], p[1]))
-            else:
-                pair_count.pop(p, None)
-                pair_words.pop(p, None)
     return tuple(pieces)
 
 
