@@ -100,11 +100,14 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 def check_slice_range(config: ModelConfig, layer: int, lo: int, hi: int) -> None:
     """``SliceError`` (code ``bad_slice_range``) unless the slice exists in a model of ``config``."""
-    if not 0 <= layer < config.n_moe_layer:
-        raise SliceError(f"layer {layer} out of range: the model has layers 0..{config.n_moe_layer - 1}",
-                         code="bad_slice_range")
-    if not 0 <= lo < hi <= config.n_expert:
-        raise SliceError(f"expert range {lo}-{hi} invalid: need 0 <= lo < hi <= {config.n_expert} (half-open)",
+    _check_range(config.n_moe_layer, config.n_expert, layer, lo, hi)
+
+
+def _check_range(n_layer: int, n_expert: int, layer: int, lo: int, hi: int) -> None:
+    if not 0 <= layer < n_layer:
+        raise SliceError(f"layer {layer} out of range: the model has layers 0..{n_layer - 1}", code="bad_slice_range")
+    if not 0 <= lo < hi <= n_expert:
+        raise SliceError(f"expert range {lo}-{hi} invalid: need 0 <= lo < hi <= {n_expert} (half-open)",
                          code="bad_slice_range")
 
 
@@ -772,12 +775,7 @@ def plan_slice(manifest: ModelManifest, layer: int, lo: int, hi: int) -> SlicePl
     """The plan of slice ``(manifest.model_id, layer, lo, hi)`` from the manifest alone; its header is
     byte-identical to the one ``cut_slice`` writes. ``SliceError`` for a slice outside the model
     (``bad_slice_range``) or a manifest that contradicts itself (``bad_manifest``)."""
-    if not 0 <= layer < manifest.n_layer:
-        raise SliceError(f"layer {layer} out of range: the model has layers 0..{manifest.n_layer - 1}",
-                         code="bad_slice_range")
-    if not 0 <= lo < hi <= manifest.n_expert:
-        raise SliceError(f"expert range {lo}-{hi} invalid: need 0 <= lo < hi <= {manifest.n_expert} (half-open)",
-                         code="bad_slice_range")
+    _check_range(manifest.n_layer, manifest.n_expert, layer, lo, hi)
     problems = manifest.problems()
     if problems:
         raise SliceError(f"manifest of {manifest.model_id}: {'; '.join(problems)}", code="bad_manifest")
