@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,34 @@ def greedy(tr: Transformer, prompt: list[int], n: int) -> list[int]:
         out.append(t)
         lg = tr.forward([SeqChunk(cache, [t], pos)])[0][-1]
         pos += 1
+    return out
+
+
+def rewritten(tmp_path: Path, name: str, extra: dict[str, Any] | None = None,
+              tensors: Callable[[str, Any], list[tuple[str, Any]]] | None = None) -> Path:
+    """The golden ``name`` written again with ``extra`` metadata keys (uint32, or a bool array) and each
+    tensor through ``tensors(name, data) -> [(name, data), ...]`` (default: as it is)."""
+    import gguf
+
+    src = gguf.GGUFReader(GOLDEN / f"{name}.gguf")
+    out = tmp_path / f"{name}-rewritten-{len(list(tmp_path.iterdir()))}.gguf"  # a new file each call
+    w = gguf.GGUFWriter(out, str(src.fields["general.architecture"].contents()))
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for k, v in (extra or {}).items():
+        if isinstance(v, list):
+            w.add_array(k, v)
+        else:
+            w.add_uint32(k, v)
+    for t in src.tensors:
+        for tname, data in tensors(t.name, t.data) if tensors is not None else [(t.name, t.data)]:
+            w.add_tensor(tname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return out
 
 
@@ -168,25 +197,11 @@ def test_each_deviation_is_caught(monkeypatch: pytest.MonkeyPatch, arch: str, ch
 
 
 def test_qwen2moe_without_biases_is_refused(tmp_path: Path) -> None:
-    import gguf
-
     from swarm.errors import ModelError
 
-    src = gguf.GGUFReader(GOLDEN / "qwen2moe-tiny-f32.gguf")
-    w = gguf.GGUFWriter(tmp_path / "nobias.gguf", "qwen2moe")
-    for k, f in src.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    for t in src.tensors:
-        if t.name != "blk.1.attn_k.bias":
-            w.add_tensor(t.name, t.data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = rewritten(tmp_path, "qwen2moe-tiny-f32", tensors=lambda n, d: [] if n == "blk.1.attn_k.bias" else [(n, d)])
     with pytest.raises(ModelError, match="blk.1.attn_k.bias"):
-        GGUFModel(tmp_path / "nobias.gguf", compute_id=False)
+        GGUFModel(path, compute_id=False)
 
 
 MAKE_MODEL = [("qwen2moe", "bpe"), ("olmoe", "bpe"), ("deepseek2", "bpe"), ("gpt-oss", "bpe"), ("mixtral", "spm")]
@@ -224,27 +239,13 @@ def test_ignoring_yarn_is_caught(monkeypatch: pytest.MonkeyPatch, arch: str) -> 
 
 
 def test_an_old_per_expert_mixtral_file_is_refused_with_a_clear_error(tmp_path: Path) -> None:
-    import gguf
-
     from swarm.errors import UnsupportedArchitecture
 
-    src = gguf.GGUFReader(GOLDEN / "mixtral-spm-tiny-f32.gguf")
-    w = gguf.GGUFWriter(tmp_path / "old.gguf", "llama")
-    for k, f in src.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    for t in src.tensors:  # block 0's merged gate as the old per-expert layout (its first expert)
-        if t.name == "blk.0.ffn_gate_exps.weight":
-            w.add_tensor("blk.0.ffn_gate.0.weight", t.data[0])
-        else:
-            w.add_tensor(t.name, t.data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def per_expert(name: str, data: Any) -> list[tuple[str, Any]]:  # block 0's gate as the old layout
+        return [("blk.0.ffn_gate.0.weight", data[0])] if name == "blk.0.ffn_gate_exps.weight" else [(name, data)]
+
     with pytest.raises(UnsupportedArchitecture, match="convert the model again"):
-        GGUFModel(tmp_path / "old.gguf", compute_id=False)
+        GGUFModel(rewritten(tmp_path, "mixtral-spm-tiny-f32", tensors=per_expert), compute_id=False)
 
 
 def test_ignoring_expert_groups_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,46 +255,20 @@ def test_ignoring_expert_groups_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
     assert max_dev(tr, golden(name)["sequences"][3]) > 100 * TOL
 
 
-def _copy_with(tmp_path: Path, name: str, extra: dict[str, Any]) -> Path:
-    """The golden ``name`` with extra metadata keys (uint32, or a bool array)."""
-    import gguf
-
-    src = gguf.GGUFReader(GOLDEN / f"{name}.gguf")
-    arch = str(src.fields["general.architecture"].contents())
-    out = tmp_path / f"{name}-extra.gguf"
-    w = gguf.GGUFWriter(out, arch)
-    for k, f in src.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    for k, v in extra.items():
-        if isinstance(v, list):
-            w.add_array(k, v)
-        else:
-            w.add_uint32(k, v)
-    for t in src.tensors:
-        w.add_tensor(t.name, t.data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
-
 def test_sliding_window_patterns_as_llama_cpp_reads_them(tmp_path: Path) -> None:
     """0: every layer slides; a per-layer bool array says which ones do; a bad value is a ModelError."""
     from swarm.errors import ModelError
 
     def swa(extra: dict[str, Any]) -> tuple[int, ...]:
-        return GGUFModel(_copy_with(tmp_path, "gpt-oss-tiny-f32", extra), compute_id=False).config.swa_layers
+        return GGUFModel(rewritten(tmp_path, "gpt-oss-tiny-f32", extra), compute_id=False).config.swa_layers
 
     assert swa({}) == (0,)  # gpt-oss's default pattern 2: even layers
     assert swa({"gpt-oss.attention.sliding_window_pattern": 0}) == (0, 1)
     assert swa({"gpt-oss.attention.sliding_window_pattern": [False, True]}) == (1,)
     # llama.cpp runs block_count - nextn_predict_layers blocks (multi-token prediction blocks are not the model)
-    nextn = GGUFModel(_copy_with(tmp_path, "deepseek2-tiny-f32", {"deepseek2.nextn_predict_layers": 1}),
+    nextn = GGUFModel(rewritten(tmp_path, "deepseek2-tiny-f32", {"deepseek2.nextn_predict_layers": 1}),
                       compute_id=False).config
     assert (nextn.n_layer, nextn.moe_layers) == (2, (1,))
     with pytest.raises(ModelError, match="expert_group_count"):
-        GGUFModel(_copy_with(tmp_path, "deepseek2-tiny-f32", {"deepseek2.expert_group_count": 3,
+        GGUFModel(rewritten(tmp_path, "deepseek2-tiny-f32", {"deepseek2.expert_group_count": 3,
                                                              "deepseek2.expert_group_used_count": 2}), compute_id=False)
