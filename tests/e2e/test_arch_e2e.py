@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import torch
 
-from coordinator.model import KVCache, SeqChunk, Transformer
+from coordinator.model import Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.text.tokenizer import Tokenizer
-from tests.conftest import FIXTURES, eventually
+from tests.conftest import FIXTURES, eventually, greedy_tokens
 from tests.e2e.test_process_e2e import (  # noqa: F401 - fixture
     UNVERIFIED,
     Proc,
@@ -28,8 +27,7 @@ from tests.e2e.test_process_e2e import (  # noqa: F401 - fixture
     start_market,
     wait_for_line,
 )
-from tests.e2e.test_volunteer_status import status_cmd
-from volunteer.status import VolunteerStatus
+from tests.e2e.test_volunteer_status import serving
 
 pytestmark = pytest.mark.slow
 
@@ -39,17 +37,7 @@ PROMPT = "The quick brown fox"
 def all_local_greedy(path: Path, n: int) -> list[int]:
     model = GGUFModel(path, compute_id=False)
     tok = Tokenizer.from_gguf_fields(model.fields)
-    tr = Transformer(model)
-    ids = tok.encode(PROMPT)
-    cache = KVCache(tr.cfg, 256, dtype=torch.float16)  # the coordinator's default KV type
-    lg = tr.forward([SeqChunk(cache, ids, 0)])[0][-1]
-    out, pos = [], len(ids)
-    for _ in range(n):
-        t = int(lg.argmax())
-        out.append(t)
-        lg = tr.forward([SeqChunk(cache, [t], pos)])[0][-1]
-        pos += 1
-    return out
+    return greedy_tokens(Transformer(model), tok.encode(PROMPT), n, kv_dtype=torch.float16)  # the coordinator's KV type
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-tiny-mxfp4_moe", "deepseek2-tiny-q8_0"])
@@ -65,14 +53,7 @@ async def test_a_volunteer_serves_every_expert_layer_of_the_architecture(procs: 
     procs.append(vol)
     await wait_for_line(vol, "volunteer ready ")
 
-    async def both() -> Any:
-        r = status_cmd(vdir, "--json")
-        st = msgspec.json.decode(r.stdout, type=VolunteerStatus) if r.returncode == 0 else None
-        if st is None or len(st.slices) != 2 or any(s.state != "serving" for s in st.slices):
-            return None
-        return st
-
-    st = await eventually(both, within=90, interval=0.5)
+    st = await serving(vdir, 2)
     assert sorted(s.slice for s in st.slices) == ["0:0-8", "1:0-8"]  # 2 expert layers x 8 experts
     n = 12
     async with httpx.AsyncClient(timeout=60) as h:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 
 from swarm.errors import ConfigError
@@ -26,10 +25,9 @@ from tests.e2e.test_process_e2e import (  # noqa: F401 - fixture
     start_market,
     wait_for_line,
 )
-from tests.e2e.test_volunteer_status import status_cmd
+from tests.e2e.test_volunteer_status import serving
 from volunteer.core.memory import MemoryPlan
 from volunteer.daemon import rss_bytes
-from volunteer.status import VolunteerStatus
 
 
 def test_the_memory_plan_leaves_the_slices_what_baseline_and_requests_do_not_take() -> None:
@@ -61,14 +59,7 @@ async def test_one_volunteer_serves_a_slice_of_every_layer_its_budget_holds(proc
     procs.append(vol)
     await wait_for_line(vol, "volunteer ready ")
 
-    async def both() -> Any:
-        r = status_cmd(vdir, "--json")
-        st = msgspec.json.decode(r.stdout, type=VolunteerStatus) if r.returncode == 0 else None
-        if st is None or len(st.slices) != 2 or any(s.state != "serving" for s in st.slices):
-            return None
-        return st
-
-    st = await eventually(both, within=90, interval=0.5)
+    st = await serving(vdir, 2)
     assert sorted(s.slice for s in st.slices) == ["0:0-8", "1:0-8"]  # the golden model: 2 layers x 8 experts
     async with httpx.AsyncClient(timeout=60) as h:
         credit = (await h.get(f"{murl}/api/volunteers/{st.peer_id}")).json()

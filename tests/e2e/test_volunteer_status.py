@@ -36,6 +36,20 @@ def status_cmd(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+async def serving(data_dir: Path, n: int, *, within: float = 90) -> VolunteerStatus:
+    """The daemon's status once it serves ``n`` slices (read with ``volunteer status --json``)."""
+
+    async def ready() -> VolunteerStatus | None:
+        r = status_cmd(data_dir, "--json")
+        st = msgspec.json.decode(r.stdout, type=VolunteerStatus) if r.returncode == 0 else None
+        if st is None or len(st.slices) != n or any(s.state != "serving" for s in st.slices):
+            return None
+        return st
+
+    st: VolunteerStatus = await eventually(ready, within=within, interval=0.5)
+    return st
+
+
 async def test_volunteer_status_reads_the_running_daemon(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
     none = status_cmd(tmp_path / "nobody")
     assert none.returncode == 2 and "no volunteer answers" in none.stderr  # nothing running there: a clear error

@@ -35,7 +35,7 @@ from swarm.model.gguf import ARCHITECTURES, GGUFModel
 from swarm.model.kernels import KernelBackend
 from swarm.text.tokenizer import Tokenizer
 from swarm.tools.makemodel import make_model
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, greedy_tokens
 
 ARCHS = ["qwen2moe", "olmoe", "deepseek2", "gpt-oss"]
 TOL = 1e-4
@@ -69,18 +69,6 @@ def max_dev(tr: Transformer, seq: dict[str, Any]) -> float:
     ref = torch.tensor(seq["logits"])
     assert logits.shape == ref.shape
     return float((logits - ref).abs().max().item())
-
-
-def greedy(tr: Transformer, prompt: list[int], n: int) -> list[int]:
-    cache = KVCache(tr.cfg, 256)
-    lg = tr.forward([SeqChunk(cache, list(prompt), 0)])[0][-1]
-    out, pos = [], len(prompt)
-    for _ in range(n):
-        t = int(lg.argmax())
-        out.append(t)
-        lg = tr.forward([SeqChunk(cache, [t], pos)])[0][-1]
-        pos += 1
-    return out
 
 
 def rewritten(tmp_path: Path, name: str, extra: dict[str, Any] | None = None,
@@ -136,7 +124,7 @@ def test_greedy_continuations_match_llamacpp(case: tuple[str, dict[str, Any], Tr
     _, g, tr = case
     e = g["greedy"][i]
     assert e["n_reliable"] == 24 and e["min_margin"] > 2e-3
-    assert greedy(tr, e["prompt_ids"], 24) == e["greedy_ids"]
+    assert greedy_tokens(tr, e["prompt_ids"], 24) == e["greedy_ids"]
 
 
 def test_tokenisation_matches_llamacpp(case: tuple[str, dict[str, Any], Transformer]) -> None:
@@ -219,7 +207,7 @@ def test_make_model_files_are_the_ones_llamacpp_ran(tmp_path: Path, arch: str, v
     assert tr.cfg.arch == ARCHITECTURES[{"mixtral": "llama"}.get(arch, arch)].name
     assert max_dev(tr, g["sequences"][0]) <= TOL
     e = g["greedy"][0]
-    assert greedy(tr, e["prompt_ids"], 24) == e["greedy_ids"]
+    assert greedy_tokens(tr, e["prompt_ids"], 24) == e["greedy_ids"]
     tok = Tokenizer.from_gguf_fields(tr.model.fields)
     assert tok.add_bos == (vocab == "spm")
     for t in g["tokenize"]:  # llama.cpp's tokenisation with its add_bos (the file's default)

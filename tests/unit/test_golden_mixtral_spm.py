@@ -14,6 +14,7 @@ from coordinator.model import KVCache, SeqChunk, Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
 from swarm.text.tokenizer import StreamDecoder, Tokenizer
+from tests.conftest import greedy_tokens
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden"
 GGUF_PATH = GOLDEN / "mixtral-spm-tiny-f32.gguf"
@@ -32,19 +33,6 @@ def model(request: pytest.FixtureRequest) -> GGUFModel:
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf_fields(GGUFModel(GGUF_PATH).fields)
-
-
-def greedy(tr: Transformer, prompt: list[int], n: int) -> list[int]:
-    cache = KVCache(tr.cfg, LLAMACPP["settings"]["n_ctx"])
-    lg = tr.forward([SeqChunk(cache, list(prompt), 0)])[0][-1]
-    out = []
-    pos = len(prompt)
-    for _ in range(n):
-        t = int(lg.argmax())
-        out.append(t)
-        lg = tr.forward([SeqChunk(cache, [t], pos)])[0][-1]
-        pos += 1
-    return out
 
 
 def test_model_metadata(model: GGUFModel) -> None:
@@ -90,7 +78,7 @@ def test_greedy_continuation_matches_llamacpp(model: GGUFModel, tokenizer: Token
     """Text in (tokenised here), tokens out (decoded here, as the coordinator streams them)."""
     prompt_ids = tokenizer.encode(case["prompt"])
     assert prompt_ids == case["prompt_ids"]
-    out = greedy(Transformer(model), prompt_ids, len(case["greedy_ids"]))
+    out = greedy_tokens(Transformer(model), prompt_ids, len(case["greedy_ids"]), n_ctx=LLAMACPP["settings"]["n_ctx"])
     assert out == case["greedy_ids"]
     stream = StreamDecoder(tokenizer)
     text = "".join(stream.push(t) for t in out) + stream.flush()
