@@ -457,12 +457,10 @@ class AttnOut(_Graphs):
             att = g.ggml_cont_2d(ctx, g.ggml_permute(ctx, o, 0, 2, 1, 3), vb.out_features * vb.heads, b)
         x2 = g.ggml_add(ctx, _biased(ctx, g.ggml_mul_mat(ctx, self._wo, att), self._bo), x)
         h = _rms(ctx, x2, self._norm, self.eps)
-        # a dense block has no router: its "probabilities" output is h again (ignored by the caller)
-        probs = h
-        if self._wr is not None:
+        outs = [x2, h]
+        if self._wr is not None:  # a dense block has no router
             logits = _biased(ctx, g.ggml_mul_mat(ctx, self._wr, h), self._br)
-            probs = g.ggml_soft_max(ctx, logits) if self.softmax else logits
-        outs = [x2, h, probs]
+            outs.append(g.ggml_soft_max(ctx, logits) if self.softmax else logits)
         if self._sh is not None:
             wg, wu, wd, gi = self._sh
             act = g.ggml_mul(ctx, g.ggml_silu(ctx, g.ggml_mul_mat(ctx, wg, h)), g.ggml_mul_mat(ctx, wu, h))
@@ -486,9 +484,9 @@ class AttnOut(_Graphs):
             v["a"][: e - s] = a[s:e]
             v["x"][: e - s] = x[s:e]
 
-        outs = self._run(a.shape[0], n_threads, fill, 4 if self._sh is not None else 3)
-        return outs[0], outs[1], outs[2] if self._wr is not None else np.zeros((a.shape[0], 0), np.float32), \
-            (outs[3] if self._sh is not None else None)
+        outs = self._run(a.shape[0], n_threads, fill, 2 + (self._wr is not None) + (self._sh is not None))
+        probs = outs[2] if self._wr is not None else np.zeros((a.shape[0], 0), np.float32)
+        return outs[0], outs[1], probs, (outs[-1] if self._sh is not None else None)
 
 
 class Head(_Graphs):
