@@ -208,9 +208,11 @@ def normal_token_ids(path: Path) -> list[int]:
     return [i for i, t in enumerate(types) if int(t) == int(gguf.TokenType.NORMAL)]
 
 
-def load(path: Path) -> llama_cpp.Llama:
+def load(path: Path, *, vocab_only: bool = False) -> llama_cpp.Llama:
+    """llama.cpp on ``path`` with the goldens' settings (F32 KV cache, no flash attention, 2 threads)."""
     return llama_cpp.Llama(
         model_path=str(path),
+        vocab_only=vocab_only,
         n_ctx=N_CTX,
         n_batch=N_CTX,
         n_ubatch=N_CTX,

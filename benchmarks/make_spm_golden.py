@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE.parent))  # swarm.tools.spm is pure (gguf and the st
 from swarm.tools.spm import add_tokenizer_metadata, spm_metadata  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-from make_goldens import all_logits, greedy, sha256, write_tensors  # noqa: E402  (the shared llama.cpp helpers)
+from make_goldens import all_logits, greedy, load, sha256, write_tensors  # noqa: E402  (the shared llama.cpp helpers)
 
 DEFAULT_OUT = HERE.parent / "tests" / "fixtures" / "golden"
 NAME = "mixtral-spm-tiny-f32"
@@ -232,23 +232,6 @@ def write_model(out: Path, *, meta: dict[str, Any] | None = None, name: str = "m
 # llama.cpp
 
 
-def load(path: Path, *, vocab_only: bool = False) -> llama_cpp.Llama:
-    return llama_cpp.Llama(
-        model_path=str(path),
-        vocab_only=vocab_only,
-        n_ctx=N_CTX,
-        n_batch=N_CTX,
-        n_ubatch=N_CTX,
-        n_threads=N_THREADS,
-        n_threads_batch=N_THREADS,
-        logits_all=True,
-        flash_attn=False,
-        type_k=llama_cpp.GGML_TYPE_F32,
-        type_v=llama_cpp.GGML_TYPE_F32,
-        n_gpu_layers=0,
-        seed=0,
-        verbose=False,
-    )
 
 
 def tokenize(llm: llama_cpp.Llama, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
