@@ -272,8 +272,16 @@ _READAHEAD_SLACK = 8 << 20
 def pread_chunks(path: Path, spans: Iterable[tuple[int, int]], piece: int = 1 << 20) -> Iterator[bytes]:
     """The bytes of ``(offset, length)`` spans of a file, ``piece`` bytes at a time, read with
     ``pread`` (never through a memory map, so the reader's RSS does not grow) and dropped from the page
-    cache after each piece."""
+    cache after each piece. Readahead is switched off for the descriptor (``POSIX_FADV_RANDOM``: each
+    piece is one large read anyway): an asynchronous readahead still in flight when the pages are
+    dropped would otherwise land in the cache afterwards."""
     fd = os.open(path, os.O_RDONLY)
+    fadvise = getattr(os, "posix_fadvise", None)
+    if fadvise is not None:
+        try:
+            fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            pass
     done: list[tuple[int, int]] = []
     try:
         for offset, length in spans:

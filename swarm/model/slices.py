@@ -280,14 +280,12 @@ def _window_parts(sizes: list[int], windows: Iterable[tuple[int, int]]) -> Itera
 def hold_digest_from_file(path: Path, spans: tuple[tuple[int, int], ...], nonce: bytes,
                           windows: Iterable[tuple[int, int]]) -> bytes:
     """``hold_digest`` of a slice whose tensor data lies at ``spans`` of ``path`` (the coordinator's
-    GGUF: ``GGUFModel.file_span``), read with ``pread`` so the model's pages are never mapped in."""
+    GGUF: ``GGUFModel.file_span``), read with ``pread_chunks`` so the model's pages are never mapped in
+    and what the windows (and the kernel's readahead past them) brought into the page cache is dropped."""
     h = hashlib.sha256(nonce)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for i, lo, hi in _window_parts([n for _, n in spans], windows):
-            h.update(os.pread(fd, hi - lo, spans[i][0] + lo))
-    finally:
-        os.close(fd)
+    reads = [(spans[i][0] + lo, hi - lo) for i, lo, hi in _window_parts([n for _, n in spans], windows)]
+    for block in pread_chunks(path, reads):
+        h.update(block)
     return h.digest()
 
 
