@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -149,6 +150,21 @@ async def run_sessions(url: str, model_id: str, n: int, n_decode: int) -> tuple[
     tps = n * (n_decode - 1) / (end - first)
     ms = statistics.median((r["t_end"] - r["t_first"]) / (n_decode - 1) * 1000 for r in out)
     return tps, ms, [r["ids"] for r in out]
+
+
+def volunteer_latency(vol: Proc) -> float:
+    """The volunteer's own arrival-to-answer EWMA (``latency 3.2ms``) from its first status line
+    (every 10 s) after now."""
+    start = vol.log.stat().st_size
+
+    def after() -> float | None:
+        with open(vol.log, "rb") as f:
+            f.seek(start)
+            found = re.findall(rb" latency ([0-9.]+)ms ", f.read())
+        return float(found[-1]) if found else None
+
+    got: float = wait_until("a volunteer status line", after, [vol], timeout=30)
+    return got
 
 
 def dispatch(url: str) -> dict[str, Any]:
@@ -294,12 +310,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     case["decisions"] = {k: v - d0.get(k, 0) for k, v in d1.items() if v - d0.get(k, 0)}
                     w = after["workers"][0]
                     case["worker_latency_ewma_ms"], case["worker_p95_ms"] = w["latency_ewma_ms"], w.get("p95_ms")
+                    # the volunteer's own arrival-to-answer time: the rest of the coordinator's figure is
+                    # the wire and the coordinator's own loop
+                    case["volunteer_latency_ms"] = volunteer_latency(vol)
                 cases.append(case)
                 print(f"    {mode:8} sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
                       f"rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)
                 if mode != "local":
                     print(f"             decisions {case['decisions']}; worker latency EWMA "
-                          f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}", flush=True)
+                          f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}; at the volunteer "
+                          f"{case['volunteer_latency_ms']:.2f} ms", flush=True)
     finally:
         for p in reversed(procs):
             p.stop()

@@ -893,6 +893,11 @@ class Dispatcher:
     def _all_here(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Every expert of the layer computed here in one kernel call: the bits of any partition
         (per-pair outputs are batch-invariant; the combine order is fixed by the experts)."""
+        if self.local_kernel == self._model_kernel:  # one graph, the same bits (ExpertKernel.combined)
+            assert isinstance(self.model, GGUFModel)
+            stack = self.model.expert_stack(layer)
+            kern = expert_kernel(stack, self.kernel) if self.kernel is not None else expert_kernel(stack)
+            return kern.combined(x, topk_ids, topk_w)
         n_tok, k = topk_ids.shape
         job = LocalJob(layer, 0, self.cfg.n_expert, x, torch.arange(n_tok).repeat_interleave(k), topk_ids.reshape(-1),
                        topk_w.reshape(-1))

@@ -63,9 +63,7 @@ class LocalExperts:
                         for i in range(model.config.n_moe_layer)]
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        k = topk_ids.shape[1]
-        rows = torch.arange(x.shape[0]).repeat_interleave(k)
-        return self.kernels[layer].partial_sum(x, rows, topk_ids.reshape(-1), topk_w.reshape(-1))
+        return self.kernels[layer].combined(x, topk_ids, topk_w)
 
 
 KV_TYPES: dict[str, torch.dtype] = {"f16": torch.float16, "f32": torch.float32}
@@ -210,6 +208,7 @@ class Transformer:
                            if r.ext_factor != 0.0 else (0.0, 0.0))
         # ggml: each layer's dense halves and the head are one graph each (llama.cpp's own ops)
         self._ggml = _GgmlDense(model) if model.kernel is KernelBackend.GGML else None
+        self._np_select = cfg.n_expert_groups <= 1 and cfg.spec.gating == "softmax"
 
     # -- pieces -----------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -314,6 +313,21 @@ class Transformer:
             w = w * torch.tensor(self.cfg.expert_weights_scale, dtype=torch.float32)
         return ids, w
 
+    def select_np(self, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``select`` in numpy, for the common gate (softmax, no expert groups): a decode step's
+        handful of rows costs a few microseconds here against ~50 in torch's small ops. The same
+        numbers: top-k in descending order (ties to the lower index), the renormalisation's sum in
+        double over that order and one float32 division, the float32 scale."""
+        cfg = self.cfg
+        k = cfg.n_expert_used
+        ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(probs, ids, axis=1)
+        if cfg.norm_topk:
+            w = w / w.astype(np.float64).sum(-1, keepdims=True).astype(np.float32)
+        if cfg.expert_weights_scale != 1.0:
+            w = w * np.float32(cfg.expert_weights_scale)
+        return ids, w
+
     # -- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
@@ -369,7 +383,11 @@ class Transformer:
                 assert shared is not None
                 xn = xn + shared
                 continue
-            ids, w = self.select(torch.from_numpy(probs))
+            if self._np_select:
+                ids_np, w_np = self.select_np(probs)
+                ids, w = torch.from_numpy(ids_np), torch.from_numpy(w_np)
+            else:
+                ids, w = self.select(torch.from_numpy(probs))
             moe = self.experts.moe(moe_layer, torch.from_numpy(hn), ids, w).numpy()
             if shared is not None:  # llama.cpp: (routed + shared) + residual, float32 adds
                 moe = moe + shared

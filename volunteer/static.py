@@ -154,7 +154,7 @@ async def _status_loop(server: ExpertServer, peer_id: str, interval_s: float, na
                          + (f" (failures {r.failures}: {r.last_error})" if r.failures else "")
                          for r in nat.relay_status())
         print(f"[volunteer {peer_id[-8:]}] serving {len(server.slices)} slice(s) | calls {s.calls} rows {s.rows} "
-              f"batches {s.batches} errors {s.errors} | last call {ago}{relays}", file=sys.stderr, flush=True)
+              f"batches {s.batches} errors {s.errors} latency {s.latency_ewma_ms:.1f}ms | last call {ago}{relays}", file=sys.stderr, flush=True)
 
 
 async def _publish_addrs(nat: Nat, info: VolunteerInfo, path: Path) -> None:

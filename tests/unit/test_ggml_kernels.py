@@ -205,6 +205,42 @@ def test_experts_batch_and_thread_invariance(rng, t):
             assert np.array_equal(bits(k.expert_outputs(x, rows[:n], exps[:n])), bits(alone[:n])), (t, nt, mp, n)
 
 
+@pytest.mark.parametrize("t", ALL)
+def test_combined_is_compute_in_one_graph(rng, t):
+    """`combined` (the whole routed MoE of the rows in one graph) has the bits of `compute` over the
+    same pairs, for every type, row count, bucket cap and thread count; a row's result never
+    depends on the other rows (each row alone gives the same bits)."""
+    d, f, e, k = 256, 256, 6, 3
+    raws, _ = make_stack(rng, t, d, f, e)
+    x = rng.standard_normal((64, d)).astype(np.float32)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(64)])
+    w = rng.random((64, k)).astype(np.float32)
+    k1 = K.GgmlExpertKernel(*raws, t, d, f, e, n_threads=1)
+    alone = np.concatenate([k1.combined(x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(64)])
+    for nt, mp in ((1, 512), (2, 512), (2, 20)):
+        kk = K.GgmlExpertKernel(*raws, t, d, f, e, n_threads=nt, max_pairs=mp)
+        for n in (1, 2, 3, 8, 64):
+            want = kk.compute(x[:n], np.repeat(np.arange(n), k), ids[:n].reshape(-1), w[:n].reshape(-1))
+            got = kk.combined(x[:n], ids[:n], w[:n])
+            assert np.array_equal(bits(got), bits(want)), (t, nt, mp, n)
+            assert np.array_equal(bits(got), bits(alone[:n])), (t, nt, mp, n)
+
+
+def test_combined_validates(rng):
+    d, f, e = 256, 128, 4
+    raws, _ = make_stack(rng, "Q8_0", d, f, e)
+    kk = K.GgmlExpertKernel(*raws, "Q8_0", d, f, e)
+    x = rng.standard_normal((2, d)).astype(np.float32)
+    w = np.ones((2, 2), np.float32)
+    with pytest.raises(K.KernelError, match="more than once"):
+        kk.combined(x, np.array([[1, 1], [0, 2]]), w)
+    with pytest.raises(K.KernelError, match="out of range"):
+        kk.combined(x, np.array([[1, 4], [0, 2]]), w)
+    with pytest.raises(K.KernelError):
+        kk.combined(x, np.array([[1, 2]]), w)
+    assert not kk.combined(x[:0], np.zeros((0, 2), np.int64), w[:0]).size
+
+
 # --------------------------------------------------------------------------- the summation rule
 
 def numpy_slice_partial_sum(y_pairs, rows, exps, w, n, d):

@@ -113,6 +113,12 @@ class ExpertKernel(Protocol):
         order; its bits depend only on that pair (batch invariance) and the kernel id."""
         ...
 
+    def combined(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """The MoE output ``[n, d_model]`` of rows ``x`` whose experts ``topk_ids[n, k]`` (local,
+        distinct per row) all lie in this slice, with weights ``topk_w[n, k]``: the bits of
+        ``combine_pairs`` over ``pair_outputs`` (so of any partition of the slice), in one call."""
+        ...
+
 
 def combine_pairs(n_rows: int, pair_rows: Any, pair_experts: Any, y: Any) -> torch.Tensor:
     """The MoE sum of a layer from its pairs' weighted outputs: per row, ``acc = 0`` then ``acc += y_p``
@@ -155,6 +161,11 @@ class TorchExpertKernel:
         self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
     ) -> torch.Tensor:
         return slice_pair_outputs(x, pair_rows, pair_experts, pair_weights, self.stack)
+
+    def combined(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        n, k = topk_ids.shape
+        rows = torch.arange(n).repeat_interleave(k)
+        return self.partial_sum(x, rows, topk_ids.reshape(-1), topk_w.reshape(-1))
 
 
 _PoolKey = tuple[tuple[int, int, int], int, int, int, int, str, bool]
@@ -216,6 +227,13 @@ class GgmlKernel:
             raise ValueError("pair_weights differs in length from pair_rows")
         y *= w[:, None]  # float32 product, rounded (no FMA), as in GgmlExpertKernel.compute
         return torch.from_numpy(y)
+
+    def combined(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        xs = x.detach().to(torch.float32).contiguous().numpy()
+        work = int(topk_ids.numel()) * 3 * self.stack.d_model * self.stack.d_expert
+        with _pooled(self.stack, compute_threads(work)) as k:
+            out = k.combined(xs, topk_ids.numpy(), topk_w.detach().to(torch.float32).numpy())
+        return torch.from_numpy(out)
 
 
 def expert_kernel(stack: ExpertStack, backend: KernelBackend = DEFAULT_BACKEND) -> ExpertKernel:

@@ -432,6 +432,7 @@ class GgmlExpertKernel:
             self._b = tuple(_weight_tensor(self._wctx, g.GGML_TYPE_F32, (n, n_expert), r, f"{k}_bias")
                             for r, n, k in zip(self._braw, sizes, ("gate", "up", "down"), strict=True))
         self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._plans_c: dict[tuple[int, int], tuple[_Plan, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -494,6 +495,97 @@ class GgmlExpertKernel:
         p = (plan, xv, iv, yv)
         self._plans[b] = p
         return p
+
+    def _plan_combined(self, b: int, k: int) -> tuple[_Plan, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The whole routed MoE of ``b`` rows with ``k`` experts each in one graph: per-pair outputs
+        as ``_plan`` computes them (mul_mat_id over ``[k, b]`` ids reads each row once; the dot
+        products are the same, row by row), times the weight (``ggml_mul``, one float32 rounding),
+        then added into a zero row slot by slot -- the caller sorts each row's experts ascending --
+        so the bits are ``add_in_expert_order``'s over the per-pair outputs."""
+        key = (b, k)
+        p = self._plans_c.get(key)
+        if p is not None:
+            return p
+        d, f = self.d_model, self.d_expert
+        data = 4 * b * (2 * d + k * (3 * f + 2 * d) + 2 * k + d * k) + (4 * b * k * (2 * f + d) if self._b is not None else 0)
+        nodes = 16 + 2 * k
+        mem = data + (24 + 2 * k) * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(max(_GRAPH_NODES, nodes), False) + 64 * (24 + 2 * k)
+        ctx = _Ctx(mem, no_alloc=False)
+        c = ctx.ctx
+        xp = g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, d, 1, b)  # one row, read by each of its k experts
+        ids = g.ggml_new_tensor_2d(c, g.GGML_TYPE_I32, k, b)
+        wt = g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, 1, k, b)
+        zero = g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, d, b)
+        for t in (xp, ids, wt, zero):
+            g.ggml_set_input(t)
+        gt = g.ggml_mul_mat_id(c, self._w[0], xp, ids)  # [f, k, b]
+        ut = g.ggml_mul_mat_id(c, self._w[1], xp, ids)
+        if self._b is not None:
+            ut = g.ggml_add_id(c, ut, self._b[1], ids)
+            gt = g.ggml_add_id(c, gt, self._b[0], ids)
+        if self.activation == "swiglu_oai":
+            h = g.ggml_swiglu_oai(c, gt, ut, ctypes.c_float(OAI_ALPHA), ctypes.c_float(OAI_LIMIT))
+        else:
+            h = g.ggml_swiglu_split(c, gt, ut)
+        y = g.ggml_mul_mat_id(c, self._w[2], h, ids)  # [d, k, b]
+        if self._b is not None:
+            y = g.ggml_add_id(c, y, self._b[2], ids)
+        yw = g.ggml_mul(c, y, wt)  # [d, k, b] * [1, k, b]
+        acc = zero
+        nb1, nb2 = yw.contents.nb[1], yw.contents.nb[2]
+        for j in range(k):  # slot j holds each row's j-th smallest expert
+            acc = g.ggml_add(c, acc, g.ggml_view_2d(c, yw, d, b, nb2, j * nb1))
+        g.ggml_set_output(acc)
+        graph = g.ggml_new_graph_custom(c, max(_GRAPH_NODES, nodes), False)
+        g.ggml_build_forward_expand(graph, acc)
+        plan = _Plan(ctx, graph, self.n_threads, self._pool)
+        xv, iv, wv, ov = _f32_view(xp, (b, d)), _i32_view(ids, (b, k)), _f32_view(wt, (b, k)), _f32_view(acc, (b, d))
+        xv[:] = 0
+        iv[:] = 0
+        wv[:] = 0
+        _f32_view(zero, (b, d))[:] = 0
+        p = (plan, xv, iv, wv, ov)
+        self._plans_c[key] = p
+        return p
+
+    def combined(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The routed MoE output ``[n, d_model]`` float32 of rows ``x[n, d_model]``, each with ``k``
+        distinct experts ``ids[n, k]`` (local indices) and weights ``w[n, k]``: the bits of
+        ``compute`` (per row, weighted outputs added in ascending expert order), in one graph."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.asarray(ids)
+        w = np.asarray(w, dtype=np.float32)
+        n = x.shape[0]
+        if x.ndim != 2 or x.shape[1] != self.d_model or ids.ndim != 2 or ids.shape[0] != n or w.shape != ids.shape:
+            raise KernelError(f"combined: x [n, {self.d_model}], ids and w [n, k]; got {x.shape}, {ids.shape}, {w.shape}")
+        k = ids.shape[1]
+        out = np.empty((n, self.d_model), dtype=np.float32)
+        if n == 0 or k == 0:
+            out[:] = 0
+            return out
+        order = np.argsort(ids, axis=1, kind="stable")
+        ids_s = np.take_along_axis(ids, order, axis=1)
+        if ids_s.min() < 0 or ids_s.max() >= self.n_expert:
+            raise KernelError(f"expert index out of range 0..{self.n_expert - 1}")
+        if k > 1 and (ids_s[:, 1:] == ids_s[:, :-1]).any():
+            raise KernelError("a row appears more than once for the same expert")
+        w_s = np.take_along_axis(w, order, axis=1)
+        cap = max(1, self.max_pairs // k)
+        with self._lock:
+            for s in range(0, n, cap):
+                e = min(n, s + cap)
+                m = e - s
+                plan, xv, iv, wv, ov = self._plan_combined(_bucket(m, cap), k)
+                xv[:m] = x[s:e]
+                iv[:m] = ids_s[s:e]
+                wv[:m] = w_s[s:e]
+                if m < iv.shape[0]:  # padding rows: zero input and weight, the last row's experts
+                    xv[m:] = 0
+                    wv[m:] = 0
+                    iv[m:] = ids_s[e - 1]
+                plan.compute(self.n_threads, self._poll)
+                out[s:e] = ov[:m]
+        return out
 
     def _check_pairs(self, x: np.ndarray, pair_row: Any, pair_expert: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32) if not (
@@ -572,7 +664,10 @@ class GgmlExpertKernel:
         with self._lock:
             for plan, *_ in self._plans.values():
                 plan.ctx.free()
+            for plan, *_ in self._plans_c.values():
+                plan.ctx.free()
             self._plans.clear()
+            self._plans_c.clear()
             self._wctx.free()
 
 

@@ -1,0 +1,358 @@
+"""Does a volunteer make serving faster? The coordinator and one volunteer on one machine, each with
+one compute thread (the two cores), on the ``bench`` model: aggregate decode tokens/s and per-session
+ms/token at 1, 4 and 8 concurrent sessions, local-only vs load-adaptive dispatch (DESIGN §11 format).
+
+    python benchmarks/offload.py [--quick] [--json OUT] [--sessions 1 4 8] [--decode 32] [--verify-cases]
+
+Real processes on loopback: ``moe-swarm coordinator --threads 1`` and ``moe-swarm volunteer --threads 1``
+in static mode, serving every layer of the model in four ranges (its slices are downloaded from the
+coordinator once and cached in ``benchmarks/.cache/offload-volunteer``). One coordinator process runs
+every case; its ``--dispatch-map`` file is rewritten between them: no replicas (``local``: every
+expert on the coordinator) or the volunteer for every range (``adaptive``: local while idle, split
+by earliest finish under load). Before the adaptive cases a load burst gives the volunteer its
+hedged trial, so it is proven; every case starts from an idle dispatcher (after the serve TTL). Requests go through the HTTP API (``/v1/completions``, streamed, the
+same token-id prompt per session index, ``ignore_eos``); the tokens of every adaptive case are
+checked against the local case's.
+
+Verification is at the coordinator's defaults (a volunteer's first 50 answers and then 5 % are
+recomputed here: ``rows_verified``). ``--verify-cases`` adds ``adaptive_unverified``: the same
+adaptive cases on a second coordinator process started with ``--verify-rate 0 --verify-probation 0``
+(idle during the other cases), whose ratio to ``adaptive`` is verification's throughput cost.
+
+The ``bound`` case measures one decode step in this process (8 sessions, one thread): its dense
+time D (attention, norms, router, head) and expert time E, and prints the gain two equal workers
+could reach by splitting the experts: (D + E) / (D + E / 2), round trips not counted.
+
+Not measured here (yet): added link latency (``--rtt-ms``) and the micro-batch overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
+
+from _results import write_json  # noqa: E402
+
+from swarm.model.gguf import model_id_for  # noqa: E402
+from swarm.tools.makemodel import make_model  # noqa: E402
+
+CACHE = ROOT / "benchmarks" / ".cache"
+N_RANGES = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swarm.cli", "--log-level", "WARNING", *args]
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], log: Path) -> None:
+        self.name, self.log = name, log
+        self.fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.p = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def alive(self) -> None:
+        if self.p.poll() is not None:
+            raise RuntimeError(f"{self.name} exited {self.p.returncode}:\n{self.log.read_text(errors='replace')[-3000:]}")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.fh.close()
+
+
+def wait_until(what: str, cond: Any, procs: list[Proc], timeout: float = 600.0) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for p in procs:
+            p.alive()
+        try:
+            v = cond()
+        except (httpx.HTTPError, OSError, ValueError, KeyError):
+            v = None
+        if v:
+            return v
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def write_map(path: Path, model_id: str, n_layer: int, n_expert: int, version: int, worker: dict[str, Any] | None) -> None:
+    step = n_expert // N_RANGES
+    reps = [{"peer_id": worker["peer_id"], "addrs": worker["addrs"]}] if worker else []
+    layers = [{"layer": L, "ranges": [{"lo": lo, "hi": lo + step, "replicas": reps} for lo in range(0, n_expert, step)]}
+              for L in range(n_layer)] if worker else []
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model_id": model_id, "version": version, "layers": layers}))
+    os.replace(tmp, path)
+
+
+async def one_session(h: httpx.AsyncClient, model_id: str, i: int, n_decode: int) -> dict[str, Any]:
+    prompt = [(11 * i + 7 * j + 3) % 8000 for j in range(16)]
+    body = {"model": model_id, "prompt": prompt, "max_tokens": n_decode, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    t_first: float | None = None
+    ids: list[int] = []
+    async with h.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            got = json.loads(line[6:])["choices"][0].get("token_ids", [])
+            if got and t_first is None:
+                t_first = time.perf_counter()
+            ids.extend(got)
+    t_end = time.perf_counter()
+    assert t_first is not None and len(ids) == n_decode, (len(ids), n_decode)
+    return {"t_first": t_first, "t_end": t_end, "ids": ids}
+
+
+async def run_sessions(url: str, model_id: str, n: int, n_decode: int) -> tuple[float, float, list[list[int]]]:
+    """(aggregate decode tokens/s, median per-session ms/token, token ids per session)."""
+    out: list[dict[str, Any]] = [{}] * n
+    async with httpx.AsyncClient(base_url=url, timeout=600) as h:
+
+        async def go(i: int) -> None:
+            out[i] = await one_session(h, model_id, i, n_decode)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(go, i)
+    first = max(r["t_first"] for r in out)
+    end = max(r["t_end"] for r in out)
+    tps = n * (n_decode - 1) / (end - first)
+    ms = statistics.median((r["t_end"] - r["t_first"]) / (n_decode - 1) * 1000 for r in out)
+    return tps, ms, [r["ids"] for r in out]
+
+
+def volunteer_latency(vol: Proc) -> float:
+    """The volunteer's own arrival-to-answer EWMA (``latency 3.2ms``) from its first status line
+    (every 10 s) after now."""
+    start = vol.log.stat().st_size
+
+    def after() -> float | None:
+        with open(vol.log, "rb") as f:
+            f.seek(start)
+            found = re.findall(rb" latency ([0-9.]+)ms ", f.read())
+        return float(found[-1]) if found else None
+
+    got: float = wait_until("a volunteer status line", after, [vol], timeout=30)
+    return got
+
+
+def dispatch(url: str) -> dict[str, Any]:
+    rep: dict[str, Any] = httpx.get(url + "/dispatch", timeout=10).json()
+    return rep
+
+
+def rows(rep: dict[str, Any]) -> tuple[int, int]:
+    return (sum(L["local_rows"] for L in rep["layers"]), sum(L["remote_rows"] + L["fallback_rows"] for L in rep["layers"]))
+
+
+def verified_rows(rep: dict[str, Any]) -> int:
+    return sum(int(L.get("verified_rows", 0)) for L in rep["layers"])
+
+
+def bound(path: Path, sessions: int) -> dict[str, Any]:
+    """Dense and expert time of one decode step at ``sessions`` sequences, one thread, in process."""
+    import torch
+
+    from coordinator.model import KVCache, LocalExperts, SeqChunk, Transformer
+    from swarm.model.gguf import GGUFModel
+    from swarm.model.kernels import KernelBackend, configure_threads
+
+    configure_threads(1, KernelBackend.GGML)
+    model = GGUFModel(path)
+    local = LocalExperts(model)
+    spent = [0.0]
+
+    class Timed:
+        def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            t = time.perf_counter()
+            r = local.moe(layer, x, ids, w)
+            spent[0] += time.perf_counter() - t
+            return r
+
+    tr = Transformer(model, Timed())
+    caches = [KVCache(tr.cfg, 256, torch.float16) for _ in range(sessions)]
+    tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % 8000 for j in range(16)], 0) for i, c in enumerate(caches)])
+    toks, pos, steps = [5] * sessions, 16, []
+    for k in range(12):
+        spent[0] = 0.0
+        t = time.perf_counter()
+        out = tr.forward([SeqChunk(c, [toks[i]], pos) for i, c in enumerate(caches)])
+        dt = time.perf_counter() - t
+        toks = [int(o[-1].argmax()) for o in out]
+        pos += 1
+        if k >= 2:
+            steps.append((dt - spent[0], spent[0]))
+    d = statistics.median(s[0] for s in steps) * 1000
+    e = statistics.median(s[1] for s in steps) * 1000
+    return {"case": "bound", "sessions": sessions, "dense_ms": round(d, 2), "experts_ms": round(e, 2),
+            "ideal_gain": round((d + e) / (d + e / 2), 3)}
+
+
+def sessions(url: str, model_id: str, n: int, n_decode: int) -> tuple[float, float, list[list[int]]]:
+    return trio.run(run_sessions, url, model_id, n, n_decode)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    path = CACHE / "bench-qwen3moe.gguf"
+    if not path.exists():
+        print(f"generating the bench model -> {path} (once)", flush=True)
+        make_model(arch="qwen3moe", size="bench", seed=0, out=path)
+    model_id = model_id_for(path)
+    work = CACHE / "offload"
+    work.mkdir(parents=True, exist_ok=True)
+    map_path = work / "dispatch-map.json"
+    write_map(map_path, model_id, 0, 0, 1, None)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs: list[Proc] = []
+    cases: list[dict[str, Any]] = []
+    try:
+        common = ["--model", str(path), "--threads", "1", "--slots", str(max(args.sessions)), "--ctx-size", "256", *os.environ.get("XARGS", "").split()]
+        coord = Proc("coordinator", cli("coordinator", *common, "--port", str(port),
+                                        "--data-dir", str(work / "coordinator"), "--dispatch-map", str(map_path)),
+                     work / "coordinator.log")
+        procs.append(coord)
+        wait_until("the coordinator", lambda: httpx.get(url + "/health", timeout=2).status_code == 200, procs)
+        modes = ["local", "adaptive"]
+        urls = {"local": url, "adaptive": url}
+        maps = {"local": map_path, "adaptive": map_path}
+        if getattr(args, "verify_cases", False):
+            # the same adaptive dispatch without verification: a second coordinator (verification is a
+            # start-time setting), idle except in its own case
+            port2 = free_port()
+            url2 = f"http://127.0.0.1:{port2}"
+            map2 = work / "dispatch-map-unverified.json"
+            write_map(map2, model_id, 0, 0, 1, None)
+            procs.append(Proc("coordinator-unverified", cli("coordinator", *common, "--port", str(port2), "--verify-rate", "0",
+                                                            "--verify-probation", "0", "--data-dir", str(work / "coordinator2"),
+                                                            "--dispatch-map", str(map2)), work / "coordinator-unverified.log"))
+            wait_until("the second coordinator", lambda: httpx.get(url2 + "/health", timeout=2).status_code == 200, procs)
+            modes.append("adaptive_unverified")
+            urls["adaptive_unverified"], maps["adaptive_unverified"] = url2, map2
+        cfg = dispatch(url)
+        n_layer = len(cfg["layers"])
+        manifest = httpx.get(f"{url}/v1/models/{model_id}/manifest", timeout=10).json()
+        n_expert = int(manifest["n_expert"])
+        step = n_expert // N_RANGES
+        slices = [a for L in range(n_layer) for lo in range(0, n_expert, step) for a in ("--slice", f"{L}:{lo}-{lo + step}")]
+        vdir = CACHE / "offload-volunteer"
+        print(f"starting the volunteer ({n_layer} layers x {N_RANGES} ranges; slices cached in {vdir})", flush=True)
+        # the volunteer answers its --coordinator; the second coordinator, if any, by --allow-peer
+        allow = [a for u in urls.values() if u != url for a in ("--allow-peer", httpx.get(u + "/health", timeout=5).json()["peer_id"])]
+        vol = Proc("volunteer", cli("volunteer", "--coordinator", url, *slices, "--threads", "1", "--data-dir", str(vdir),
+                                    "--no-progress", "--listen", "/ip4/127.0.0.1/tcp/0", *sorted(set(allow))), work / "volunteer.log")
+        procs.append(vol)
+        info = wait_until("the volunteer", lambda: json.loads((vdir / "volunteer.json").read_text())
+                          if "volunteer ready" in vol.log.read_text(errors="replace") else None, procs, timeout=1800)
+
+        ref: dict[int, list[list[int]]] = {}
+        version = 1
+        for mode in modes:
+            version += 1
+            url = urls[mode]
+            write_map(maps[mode], model_id, n_layer, n_expert, version, info if mode != "local" else None)
+            want = 0 if mode == "local" else 1
+            wait_until(f"the {mode} map", lambda v=version, w=want, u=url: dispatch(u)["map_version"] == v
+                       and len(dispatch(u)["workers"]) == w, procs)
+            # warm-up: graphs for these sizes; in adaptive mode the load onset gives the volunteer its trial
+            sessions(url, model_id, max(args.sessions), 8)
+            if mode != "local":
+                w = dispatch(url)["workers"][0]
+                print(f"    volunteer after the warm-up: proven={w.get('proven')} calls={w.get('calls')}", flush=True)
+            for n in args.sessions:
+                # each case from the steady state: after a burst the dispatcher keeps its proven workers
+                # for the serve TTL (20 s); a lone session is measured once it is idle again
+                wait_until("an idle dispatcher", lambda u=url: dispatch(u)["load_state"] in ("idle", ""), procs, timeout=120)
+                before = dispatch(url)
+                tps, ms, ids = sessions(url, model_id, n, args.decode)
+                after = dispatch(url)
+                loc, rem = rows(before)
+                loc2, rem2 = rows(after)
+                case = {"case": mode, "sessions": n, "rtt_ms": 0, "tokens_per_s": round(tps, 2),
+                        "ms_per_token": round(ms, 2), "rows_local": loc2 - loc, "rows_remote": rem2 - rem,
+                        "rows_verified": verified_rows(after) - verified_rows(before)}
+                if mode == "local":
+                    ref[n] = ids
+                else:
+                    case["tokens_equal_local"] = ids == ref[n]
+                    d0, d1 = before.get("decisions", {}), after.get("decisions", {})
+                    case["decisions"] = {k: v - d0.get(k, 0) for k, v in d1.items() if v - d0.get(k, 0)}
+                    w = after["workers"][0]
+                    case["worker_latency_ewma_ms"], case["worker_p95_ms"] = w["latency_ewma_ms"], w.get("p95_ms")
+                    # the volunteer's own arrival-to-answer time: the rest of the coordinator's figure is
+                    # the wire and the coordinator's own loop
+                    case["volunteer_latency_ms"] = volunteer_latency(vol)
+                cases.append(case)
+                print(f"    {mode:8} sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
+                      f"rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)
+                if mode != "local":
+                    print(f"             decisions {case['decisions']}; worker latency EWMA "
+                          f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}; at the volunteer "
+                          f"{case['volunteer_latency_ms']:.2f} ms", flush=True)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    cases.append(bound(path, max(args.sessions)))
+    return {"benchmark": "offload", "model": model_id, "threads": "coordinator 1, volunteer 1", "cases": cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 and 4 sessions, 12 tokens")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--decode", type=int, default=32, help="tokens per session")
+    ap.add_argument("--verify-cases", action="store_true",
+                    help="also adaptive dispatch without verification (a second coordinator): its throughput cost")
+    args = ap.parse_args()
+    if args.quick:
+        args.sessions, args.decode = [1, 4], 12
+    result = run(args)
+    print(f"\noffload benchmark: {result['model']} (threads: {result['threads']})")
+    print(f"{'case':<9} {'sessions':>8} {'tokens/s':>9} {'ms/token':>9} {'local rows':>11} {'remote rows':>12}")
+    by = {(c["case"], c.get("sessions")): c for c in result["cases"]}
+    for c in result["cases"]:
+        if c["case"] in ("local", "adaptive", "adaptive_unverified"):
+            print(f"{c['case']:<9} {c['sessions']:>8} {c['tokens_per_s']:>9.2f} {c['ms_per_token']:>9.2f} "
+                  f"{c['rows_local']:>11} {c['rows_remote']:>12}" + (
+                      f"   x{c['tokens_per_s'] / by[('local', c['sessions'])]['tokens_per_s']:.2f}, tokens "
+                      f"{'equal' if c['tokens_equal_local'] else 'DIFFERENT'}" if c["case"] != "local" else ""))
+    b = by[("bound", max(args.sessions))]
+    print(f"one decode step at {b['sessions']} sessions (1 thread): dense {b['dense_ms']} ms, experts {b['experts_ms']} ms "
+          f"-> two equal workers at best x{b['ideal_gain']}")
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
