@@ -497,7 +497,7 @@ class GGUFModel:
             self.tensors[t.name] = QTensor(t.name, qtype, shape, raw)
         self.config = self._read_config()
         self.layers = [self._layer(i) for i in range(self.config.n_layer)]
-        self.token_embd = Embedding(self.tensor("token_embd.weight"))
+        self.token_embd = Embedding(self.tensor("token_embd.weight"), self.kernel)
         self.output_norm = self._dense("output_norm.weight")
         self.output = self._linear("output.weight" if "output.weight" in self.tensors else "token_embd.weight")
 

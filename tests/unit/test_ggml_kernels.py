@@ -447,3 +447,23 @@ def test_kernels_in_different_threads_use_their_own_pools():
         t.join()
     assert len({p[0] for p in seen}) == 3 and K._threadpool(1, 0) not in seen
     assert all(np.array_equal(o, ref) for o in outs)
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_get_rows_is_the_dequantised_rows(rng, t):
+    """The embedding lookup (ggml get_rows on the stored bytes) gives the torch dequantiser's bits
+    for every type; out-of-range ids are an error, not an abort."""
+    import torch
+
+    from swarm.model.gguf import QTensor
+    from swarm.model.kernels import KernelBackend
+    from swarm.model.kernels.dense import Embedding
+
+    rows, cols = 40, 256
+    raw = K.quantize((rng.standard_normal((rows, cols)) * 0.5).astype(np.float32), t).reshape(rows, -1)
+    table = QTensor("token_embd.weight", gguf.GGMLQuantizationType[t], (rows, cols), raw)
+    ids = torch.tensor([0, 39, 7, 7, 12])
+    a, b = Embedding(table, KernelBackend.GGML)(ids), Embedding(table, KernelBackend.TORCH)(ids)
+    assert np.array_equal(bits(a.numpy()), bits(b.numpy()))
+    with pytest.raises(K.KernelError, match="out of range"):
+        Embedding(table, KernelBackend.GGML)(torch.tensor([40]))

@@ -541,6 +541,7 @@ class Attention:
         self.scale = float(np.float32(scale)) if scale else float(np.float32(1.0) / np.sqrt(np.float32(head_dim_k)))
         self._plans: dict[tuple[tuple[tuple[int, int], ...], int, int, bool], tuple[_Plan, list[dict[str, Any]], _Ctx]] = {}
         self._lock = threading.Lock()
+        self._masks: dict[tuple[int, int, int, int, int], np.ndarray] = {}
 
     def n_kv(self, used: int, n_ctx: int) -> int:
         return min(n_ctx, -(-used // self.kv_pad) * self.kv_pad)
@@ -603,6 +604,25 @@ class Attention:
         self._plans[key] = p
         return p
 
+    def _mask(self, b: int, pos: int, used: int, n_kv: int, window: int) -> np.ndarray:
+        """The causal (and sliding-window) mask of rows ``pos .. used-1`` (padding rows repeat the
+        last one) over ``n_kv`` keys; every layer of a step asks for the same ones, so they are kept
+        (a few dozen, read-only)."""
+        key = (b, pos, used, n_kv, window)
+        m = self._masks.get(key)
+        if m is None:
+            qpos = np.minimum(pos + np.arange(b), used - 1)
+            kpos = np.arange(n_kv)[None, :]
+            masked = kpos > qpos[:, None]
+            if window > 0:
+                masked |= qpos[:, None] - kpos >= window
+            m = np.where(masked, -np.inf, 0.0).astype(np.float32)
+            m.flags.writeable = False
+            if len(self._masks) >= 64:
+                self._masks.clear()
+            self._masks[key] = m
+        return m
+
     def macs(self, n: int, n_kv: int) -> int:
         return n * n_kv * self.H * (self.hdk + self.hdv)
 
@@ -659,12 +679,7 @@ class Attention:
                 vt.nb[2] = self.hdv * n_ctx * es
                 vt.nb[3] = self.Hkv * self.hdv * n_ctx * es
                 v["q"][:n] = q
-                qpos = np.minimum(pos + np.arange(b), used - 1)  # padding rows repeat the last one
-                kpos = np.arange(n_kv)[None, :]
-                masked = kpos > qpos[:, None]
-                if window > 0:
-                    masked |= qpos[:, None] - kpos >= window
-                v["mask"][:] = np.where(masked, -np.inf, 0.0)
+                v["mask"][:] = self._mask(b, pos, used, n_kv, window)
                 if sk is not None:
                     v["sinks"][:] = sk
             plan.compute(n_threads)

@@ -747,6 +747,64 @@ class GgmlMatmul:
             self._wctx.free()
 
 
+class GgmlGetRows:
+    """Rows ``ids`` of a GGUF table ``[n_rows, n_cols]`` (an embedding) as float32, dequantised by
+    ggml's ``get_rows`` on the stored bytes (llama.cpp's embedding lookup; one graph per size
+    bucket)."""
+
+    def __init__(self, w: np.ndarray, qtype: str | int, n_rows: int, n_cols: int, *, max_rows: int = 512) -> None:
+        self.type = _type_id(qtype)
+        self.n_rows, self.n_cols, self.max_rows = int(n_rows), int(n_cols), int(max_rows)
+        self._raw = _as_raw(w, row_nbytes(self.type, n_cols) * n_rows, "table")
+        self._pool = _threadpool(1, 0)[0]
+        self._wctx = _Ctx(2 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
+        self._w = _weight_tensor(self._wctx, self.type, (n_cols, n_rows), self._raw, "table")
+        self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def _plan(self, b: int) -> tuple[_Plan, np.ndarray, np.ndarray]:
+        p = self._plans.get(b)
+        if p is not None:
+            return p
+        mem = 4 * b * (self.n_cols + 1) + 8 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_GRAPH_NODES, False) + 8 * 64
+        ctx = _Ctx(mem, no_alloc=False)
+        it = g.ggml_new_tensor_1d(ctx.ctx, g.GGML_TYPE_I32, b)
+        g.ggml_set_input(it)
+        y = g.ggml_get_rows(ctx.ctx, self._w, it)  # [n_cols, b]
+        g.ggml_set_output(y)
+        graph = g.ggml_new_graph_custom(ctx.ctx, _GRAPH_NODES, False)
+        g.ggml_build_forward_expand(graph, y)
+        plan = _Plan(ctx, graph, 1, self._pool)
+        iv, yv = _i32_view(it, (b,)), _f32_view(y, (b, self.n_cols))
+        iv[:] = 0
+        p = (plan, iv, yv)
+        self._plans[b] = p
+        return p
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_rows):
+            raise KernelError(f"row index out of range 0..{self.n_rows - 1}")
+        n = ids.size
+        out = np.empty((n, self.n_cols), dtype=np.float32)
+        with self._lock:
+            for s in range(0, n, self.max_rows):
+                e = min(n, s + self.max_rows)
+                m = e - s
+                plan, iv, yv = self._plan(_bucket(m, self.max_rows))
+                iv[:m] = ids[s:e]
+                plan.compute(1, 0)
+                out[s:e] = yv[:m]
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for plan, *_ in self._plans.values():
+                plan.ctx.free()
+            self._plans.clear()
+            self._wctx.free()
+
+
 # ----------------------------------------------------------------------------- quantiser (tests, tools)
 
 def quantize(a: np.ndarray, qtype: str | int) -> np.ndarray:
