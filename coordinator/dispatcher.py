@@ -967,6 +967,38 @@ class Dispatcher:
         return self._combine(int(topk_ids.shape[0]), jobs, (run.results[c] for c in run.combine.calls))
 
     # -- engine thread ------------------------------------------------------------------------------
+    def local_layer(self, layer: int, n_pairs: int) -> bool:
+        """``ExpertBackend.local_layer``: the engine may compute this layer whole, its MoE inside the
+        layer's graph (the bits of ``_all_here``), when the fast path below would take it anyway --
+        not serving, or ``n_pairs`` within the core's local-only bound -- and every range of the
+        layer is held here (decided before the routing is known: all of them, not only the routed)."""
+        if self.local_kernel != self._model_kernel or self.kernel is KernelBackend.TORCH:
+            return False  # a fake or the torch kernel computes local ranges: it must be the one called
+        if self._token is None:
+            return True
+        if n_pairs > self._engine_local[0]:
+            return False
+        m = self.map
+        return all(self.held(layer, r.lo, r.hi)
+                   for r in partition_layer(m.ranges_of(layer) if m is not None else [], self.cfg.n_expert))
+
+    def ran_here(self, layer: int, experts: np.ndarray, seconds: float) -> None:
+        """``ExpertBackend.ran_here``: a layer ``local_layer`` allowed was computed by the engine; the
+        core hears of it as of the fast path's layers."""
+        if self._token is None:
+            return
+        self._report_here(layer, self._works(layer, torch.from_numpy(experts)), self._engine_local[1], seconds)
+
+    def _report_here(self, layer: int, works: tuple[RangeWork, ...], reason: Reason, seconds: float) -> None:
+        token = self._token
+        assert token is not None
+        self._ran_here.append(LayerRanLocally(layer, works, reason, seconds))
+        # the core hears of the step's layers in one hand-off (each one wakes the trio thread)
+        if layer == self.cfg.n_moe_layer - 1 or len(self._ran_here) >= self.cfg.n_moe_layer:
+            evs, self._ran_here = self._ran_here, []
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._post_all, evs)
+
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         token = self._token
         if token is None:  # not serving: every expert here (the bits of any partition)
@@ -981,13 +1013,7 @@ class Dispatcher:
             if all(w.held for w in works):
                 t0 = time.perf_counter()
                 out = self._all_here(layer, x, topk_ids, topk_w)  # one kernel call, not one per range
-                dt = time.perf_counter() - t0
-                # the core hears of the step's layers in one hand-off (each one wakes the trio thread)
-                self._ran_here.append(LayerRanLocally(layer, works, reason, dt))
-                if layer == self.cfg.n_moe_layer - 1 or len(self._ran_here) >= self.cfg.n_moe_layer:
-                    evs, self._ran_here = self._ran_here, []
-                    with contextlib.suppress(trio.RunFinishedError):
-                        token.run_sync_soon(self._post_all, evs)
+                self._report_here(layer, works, reason, time.perf_counter() - t0)
                 return out
         if self._ran_here:  # the fast-path layers before this one first, in order
             evs, self._ran_here = self._ran_here, []

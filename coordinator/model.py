@@ -24,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,11 +37,13 @@ from swarm.model.kernels.block import (
     Attention,
     AttnIn,
     AttnOut,
+    AttnOutMoE,
     DenseWeight,
     Family,
     Head,
     HeadWeights,
     MlaIn,
+    RoutedExperts,
     SharedFFN,
 )
 from swarm.model.kernels.dense import Linear
@@ -49,6 +52,14 @@ __all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "
 
 
 class ExpertBackend(Protocol):
+    """Computes a layer's routed experts. Optionally (looked up with getattr) also:
+
+    - ``local_layer(layer, n_pairs) -> bool``: would it compute this whole layer of ``n_pairs``
+      routed pairs on this machine right now? Then the engine computes it itself, inside the
+      layer's AttnOut graph (``AttnOutMoE``: the same bits), and
+    - ``ran_here(layer, experts[n, k], seconds)`` hears of it afterwards (the dispatcher's report).
+    """
+
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Routed-expert output ``[T, d_model]`` for rows ``x[T, d_model]`` and their top-k choices."""
         ...
@@ -59,11 +70,16 @@ class LocalExperts:
 
     def __init__(self, model: GGUFModel, kernel: KernelBackend | None = None) -> None:
         self.model = model
+        self.backend = kernel or model.kernel
         self.kernels = [expert_kernel(model.expert_stack(i), kernel or model.kernel)
                         for i in range(model.config.n_moe_layer)]
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         return self.kernels[layer].combined(x, topk_ids, topk_w)
+
+    def local_layer(self, layer: int, n_pairs: int) -> bool:
+        """Every expert is here: the engine may compute a layer's MoE in its own graph (with ggml)."""
+        return self.backend is KernelBackend.GGML
 
 
 KV_TYPES: dict[str, torch.dtype] = {"f16": torch.float16, "f32": torch.float32}
@@ -161,6 +177,7 @@ def _attn_in(cfg: ModelConfig, L: LayerWeights, fam: Family) -> AttnIn | MlaIn:
 
 
 ATTN_BIG_WORK = 16_000_000  # attention multiply-accumulates from which it uses every thread (prefill)
+FUSED_MAX_ROWS = 16  # steps of up to this many rows compute a local layer's MoE inside its AttnOut graph
 KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama.cpp pads its view too)
 
 
@@ -180,6 +197,25 @@ class _GgmlDense:
                 shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
                 v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b),
                 softmax=cfg.spec.gating == "softmax", family=fam))
+        # decode-sized steps of a layer whose experts are all computed here: the routed MoE joins the
+        # AttnOut graph (AttnOutMoE), for the gates select_np computes (plain softmax, no groups)
+        self.attn_out_moe: list[AttnOutMoE | None] = [None] * cfg.n_layer
+        if cfg.spec.gating == "softmax" and cfg.n_expert_groups <= 1:
+            for li, L in enumerate(model.layers):
+                st = L.experts
+                if st is None or L.router is None or st.biases is not None or st.activation != "silu":
+                    continue
+                sh = L.shared
+                ex = RoutedExperts(
+                    gate=st.gate_t.raw, up=st.up_t.raw, down=st.down_t.raw,
+                    types=(int(st.gate_t.qtype), int(st.up_t.qtype), int(st.down_t.qtype)),
+                    n_expert=st.n_expert, width=st.d_expert, k=cfg.n_expert_used, norm_topk=cfg.norm_topk,
+                    scale=cfg.expert_weights_scale)
+                self.attn_out_moe[li] = AttnOutMoE(
+                    experts=ex, max_rows=FUSED_MAX_ROWS, wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dwo(L.router),
+                    eps=cfg.rms_eps, bo=_np(L.bo),
+                    shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
+                    v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b), softmax=True, family=fam)
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
@@ -360,6 +396,10 @@ class Transformer:
         # attention reads little (a decode row: ~0.1 MB of f16 cache per layer) through many small ops,
         # each a barrier for the threads: on 2 threads it measured 1-30x slower than on one (vCPU
         # steal makes the barriers erratic), so only prefill-sized work gets every thread
+        # the backend's say on computing a whole layer here (ExpertBackend's optional local_layer /
+        # ran_here): then its MoE runs inside the AttnOut graph
+        local_layer = getattr(self.experts, "local_layer", None)
+        ran_here = getattr(self.experts, "ran_here", None)
         att_threads = compute_threads(sum(gd.attn.macs(len(c.tokens), gd.attn.n_kv(c.pos + len(c.tokens), c.cache.n_ctx))
                                           for c in chunks), big=ATTN_BIG_WORK)
         for li in range(cfg.n_layer):
@@ -376,9 +416,17 @@ class Transformer:
             att = gd.attn.many(items, att_threads, zero_tail=False, sinks=_np(L.sinks),
                                window=cfg.n_swa if li in self._swa else 0)
             attn = att[0] if len(att) == 1 else np.concatenate(att)
+            moe_layer = self._moe_of[li]
+            fused = gd.attn_out_moe[li]
+            if fused is not None and moe_layer is not None and n_tok <= FUSED_MAX_ROWS and local_layer is not None \
+                    and local_layer(moe_layer, n_tok * cfg.n_expert_used):
+                t0 = time.perf_counter()
+                xn, ids_np = fused(attn, xn, compute_threads(n_tok * fused.macs))
+                if ran_here is not None:
+                    ran_here(moe_layer, ids_np, time.perf_counter() - t0)
+                continue
             blk_o = gd.attn_out[li]
             xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
-            moe_layer = self._moe_of[li]
             if moe_layer is None:  # a dense block: its FFN came out of the graph
                 assert shared is not None
                 xn = xn + shared

@@ -52,7 +52,7 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["Attention", "AttnIn", "AttnOut", "DenseWeight", "Head", "HeadWeights", "MlaIn", "SharedFFN"]
+__all__ = ["Attention", "AttnIn", "AttnOut", "AttnOutMoE", "DenseWeight", "Head", "HeadWeights", "MlaIn", "RoutedExperts", "SharedFFN"]
 
 _NODES = 64
 
@@ -96,6 +96,8 @@ class _Graphs:
     an object points the shared graphs' weight leaves at its own arrays (leaves, not views: ggml
     reads ``tensor->data`` at compute time), under the shared lock.
     """
+
+    nodes = _NODES  # graph nodes (and tensors) a graph of this class may have
 
     def __init__(self, max_rows: int = 256) -> None:
         self.max_rows = int(max_rows)
@@ -152,10 +154,11 @@ class _Graphs:
         p = self._plans.get(key)
         if p is not None:
             return p
-        ctx = _Ctx(self._mem(b) + 64 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_NODES, False) + 64 * 64,
-                   no_alloc=False)
+        nodes = self._builder.nodes
+        ctx = _Ctx(self._mem(b) + nodes * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(nodes, False)
+                   + nodes * 64, no_alloc=False)
         inputs, outputs = self._builder._build(ctx.ctx, b)
-        graph = g.ggml_new_graph_custom(ctx.ctx, _NODES, False)
+        graph = g.ggml_new_graph_custom(ctx.ctx, nodes, False)
         for t in outputs:
             g.ggml_set_output(t)
             g.ggml_build_forward_expand(graph, t)
@@ -487,6 +490,121 @@ class AttnOut(_Graphs):
         outs = self._run(a.shape[0], n_threads, fill, 2 + (self._wr is not None) + (self._sh is not None))
         probs = outs[2] if self._wr is not None else np.zeros((a.shape[0], 0), np.float32)
         return outs[0], outs[1], probs, (outs[-1] if self._sh is not None else None)
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A layer's routed experts for ``AttnOutMoE``: the raw GGUF bytes of ``ffn_{gate,up}_exps``
+    (``[n_expert, width, d]``) and ``ffn_down_exps`` (``[n_expert, d, width]``), their types, and the
+    gate as ``Transformer.select_np`` applies it (softmax probabilities, top ``k``, renormalised
+    where ``norm_topk``, times ``scale``)."""
+
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+    types: tuple[int, int, int]
+    n_expert: int
+    width: int
+    k: int
+    norm_topk: bool
+    scale: float = 1.0
+    activation: str = "silu"
+
+
+class AttnOutMoE(AttnOut):
+    """``AttnOut`` with the layer's routed MoE in the same graph, for a layer whose every expert is
+    computed here: ``x[n, d]`` (the residual) and ``a`` -> ``x + W_o a`` -> router probabilities ->
+    top-k, weights (renormalised as ``Transformer.select_np``: the sum in double, one float32
+    division; ``ggml_sum_rows`` accumulates in double) -> the experts (``mul_mat_id``, as
+    ``GgmlExpertKernel``) -> each output times its weight -> added into a zero row in ascending
+    expert order (the slots ordered by ``argsort`` of the experts' indices) -> (+ the shared expert)
+    -> the new residual (SiLU experts without biases: the gates and experts of gpt-oss keep the
+    separate path). The bits of ``AttnOut``, ``select_np``, ``ExpertKernel.combined`` and the
+    adds in ``Transformer``, in one graph: a decode step's layer costs two graph calls instead of
+    four and no Python in between. Returns ``(x_next, experts)``: each row's ``k`` experts,
+    ascending (for the dispatcher's report). Exact ties in the top-k may pick another of the tied
+    experts than numpy's stable sort (float32 probabilities: practically never)."""
+
+    def __init__(self, *, experts: RoutedExperts, max_rows: int = 16, **kw: Any) -> None:
+        kw["max_rows"] = max_rows
+        family = kw.pop("family", None)
+        super().__init__(family=None, **kw)
+        e = experts
+        if self._wr is None or self.n_expert != e.n_expert or self.softmax is False:
+            raise KernelError("a fused MoE block needs its softmax router over the layer's experts")
+        if e.activation != "silu" or not 0 < e.k <= e.n_expert:
+            raise KernelError(f"fused MoE: activation {e.activation!r}, k {e.k} of {e.n_expert}")
+        d, f, n = self.d, e.width, e.n_expert
+        self.ex = e
+        self._we = tuple(self._dense3(HeadWeights(raw, t, n, out, inn), name) for raw, t, out, inn, name in (
+            (e.gate, e.types[0], f, d, "gate_exps"), (e.up, e.types[1], f, d, "up_exps"), (e.down, e.types[2], d, f, "down_exps")))
+        self.macs += e.k * 3 * d * f
+        self.nodes = _NODES + 4 * e.k + 32
+        self._share(family, (self.eps, kw.get("bo") is not None, self.width,
+                             kw.get("shared") is not None and kw["shared"].gate_inp is not None, True, False,
+                             kw.get("router_b") is not None, True, e.k, e.norm_topk, float(e.scale)))
+
+    def _mem(self, b: int) -> int:
+        e = self.ex
+        return super()._mem(b) + 4 * b * (e.k * (4 * e.width + 4 * self.d + 8) + 2 * e.n_expert + 4 * self.d + 16)
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        inputs, outs = super()._build(ctx, b)
+        x2, h, probs = outs[0], outs[1], outs[2]
+        shared = outs[3] if self._sh is not None else None
+        e, d, n, k = self.ex, self.d, self.ex.n_expert, self.ex.k
+        ar = g.ggml_new_tensor_3d(ctx, g.GGML_TYPE_F32, 1, n, b)  # each row: 0, 1, .., n_expert-1
+        zero = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, d, b)
+        for t in (ar, zero):
+            g.ggml_set_input(t)
+        ids = g.ggml_top_k(ctx, probs, k)  # [k, b]
+        w = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, n, b), ids)  # [1, k, b]
+        if e.norm_topk:
+            w2 = g.ggml_reshape_2d(ctx, w, k, b)
+            w = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, w2, g.ggml_sum_rows(ctx, w2)), 1, k, b)
+        if e.scale != 1.0:
+            w = g.ggml_scale(ctx, w, ctypes.c_float(e.scale))
+        xp = g.ggml_reshape_3d(ctx, h, d, 1, b)
+        wg, wu, wd = self._we
+        gt = g.ggml_mul_mat_id(ctx, wg, xp, ids)  # [f, k, b]
+        ut = g.ggml_mul_mat_id(ctx, wu, xp, ids)
+        y = g.ggml_mul_mat_id(ctx, wd, g.ggml_swiglu_split(ctx, gt, ut), ids)  # [d, k, b]
+        yw = g.ggml_mul(ctx, y, w)
+        idxf = g.ggml_get_rows(ctx, ar, ids)  # [1, k, b]: the experts' indices as floats (exact)
+        order = g.ggml_argsort(ctx, g.ggml_reshape_2d(ctx, idxf, k, b), g.GGML_SORT_ORDER_ASC)  # [k, b]
+        ywa = g.ggml_get_rows(ctx, yw, order)  # [d, k, b], slots in ascending expert order
+        acc = zero
+        nb1, nb2 = ywa.contents.nb[1], ywa.contents.nb[2]
+        for j in range(k):
+            acc = g.ggml_add(ctx, acc, g.ggml_view_2d(ctx, ywa, d, b, nb2, j * nb1))
+        if shared is not None:  # llama.cpp: (routed + shared) + residual
+            acc = g.ggml_add(ctx, acc, shared)
+        xn = g.ggml_add(ctx, x2, acc)
+        sorted_ids = g.ggml_get_rows(ctx, idxf, order)  # [1, k, b]
+        inputs["ar"] = (ar, (b, n), "f32")
+        inputs["zero"] = (zero, (b, d), "f32")
+        return inputs, [xn, g.ggml_cont(ctx, sorted_ids)]
+
+    def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1  # type: ignore[override]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """``(x_next [n, d], experts [n, k] int64, ascending per row)``."""
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if a.ndim != 2 or a.shape[1] != self.a or x.shape != (a.shape[0], self.d):
+            raise KernelError(f"a must be [n, {self.a}] and x [n, {self.d}], got {a.shape} and {x.shape}")
+        ar = self._arange
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["a"][: e - s] = a[s:e]
+            v["x"][: e - s] = x[s:e]
+            v["ar"][:] = ar
+
+        xn, ids = self._run(a.shape[0], n_threads, fill, 2)
+        return xn, ids.astype(np.int64)
+
+    @property
+    def _arange(self) -> np.ndarray:
+        return np.arange(self.ex.n_expert, dtype=np.float32)
 
 
 class Head(_Graphs):
