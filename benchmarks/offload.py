@@ -163,7 +163,11 @@ def volunteer_latency(vol: Proc) -> float:
             found = re.findall(rb" latency ([0-9.]+)ms ", f.read())
         return float(found[-1]) if found else None
 
-    got: float = wait_until("a volunteer status line", after, [vol], timeout=30)
+    try:
+        got: float = wait_until("a volunteer status line", after, [vol], timeout=30)
+    except TimeoutError:
+        print("    (no volunteer status line within 30 s: its latency is not known)", flush=True)
+        return float("nan")
     return got
 
 
