@@ -23,13 +23,17 @@ The ``bound`` case measures one decode step in this process (8 sessions, one thr
 time D (attention, norms, router, head) and expert time E, and prints the gain two equal workers
 could reach by splitting the experts: (D + E) / (D + E / 2), round trips not counted.
 
-Not measured here (yet): added link latency (``--rtt-ms``) and the micro-batch overlap.
+``--rtt-ms 0 10 40`` runs every case at each round trip: for > 0 the coordinator reaches the
+volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem). Not built yet:
+the micro-batch overlap, so these cases measure what the split alone buys at that distance.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -37,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -102,6 +107,71 @@ def wait_until(what: str, cond: Any, procs: list[Proc], timeout: float = 600.0) 
             return v
         time.sleep(0.2)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+class DelayLink:
+    """``--rtt-ms``: a TCP relay on loopback between the coordinator and the volunteer that holds
+    every chunk for half the round trip in each direction (order kept; propagation delay, no
+    bandwidth limit). The dispatch map gives the coordinator the relay's address; the libp2p
+    session (Noise) runs end to end through it. ``tc netem`` would do this in the kernel, but this
+    machine's kernel has no netem (``CONFIG_NET_SCH_NETEM`` is not set). The relay is a trio loop on
+    a thread of this process (its CPU time shares the two cores)."""
+
+    def __init__(self, rtt_ms: float, target_port: int) -> None:
+        self.delay_s, self.target = rtt_ms / 2000.0, target_port
+        self.port = free_port()
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the delaying relay did not start")
+
+    async def _pump(self, src: trio.SocketStream, dst: trio.SocketStream) -> None:
+        send, recv = trio.open_memory_channel[tuple[float, bytes]](math.inf)
+
+        async def reader() -> None:
+            async with send:
+                while data := await src.receive_some(1 << 16):
+                    send.send_nowait((trio.current_time() + self.delay_s, data))
+
+        async def writer() -> None:
+            async with recv:
+                async for due, data in recv:
+                    await trio.sleep_until(due)
+                    await dst.send_all(data)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                await dst.send_eof()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(reader)
+            n.start_soon(writer)
+
+    async def _conn(self, client: trio.SocketStream) -> None:
+        with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            server = await trio.open_tcp_stream("127.0.0.1", self.target)
+            async with client, server, trio.open_nursery() as n:
+                n.start_soon(self._pump, client, server)
+                n.start_soon(self._pump, server, client)
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with trio.open_nursery() as n:
+            listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
+            n.start_soon(trio.serve_listeners, self._conn, listeners)
+            self._ready.set()
+            await self._stop.wait()
+            n.cancel_scope.cancel()
+
+    def addr(self) -> str:
+        return f"/ip4/127.0.0.1/tcp/{self.port}"
+
+    def close(self) -> None:
+        if self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(10)
 
 
 def write_map(path: Path, model_id: str, n_layer: int, n_expert: int, version: int, worker: dict[str, Any] | None) -> None:
@@ -233,6 +303,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"generating the bench model -> {path} (once)", flush=True)
         make_model(arch="qwen3moe", size="bench", seed=0, out=path)
     model_id = model_id_for(path)
+    cases: list[dict[str, Any]] = []
+    for rtt in args.rtt_ms:
+        cases += run_world(args, path, model_id, rtt)
+    cases.append(bound(path, max(args.sessions)))
+    return {"benchmark": "offload", "model": model_id, "threads": "coordinator 1, volunteer 1", "cases": cases}
+
+
+def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -> list[dict[str, Any]]:
+    """Every case at one round trip (0: plain loopback)."""
     work = CACHE / "offload"
     work.mkdir(parents=True, exist_ok=True)
     map_path = work / "dispatch-map.json"
@@ -241,6 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     procs: list[Proc] = []
     cases: list[dict[str, Any]] = []
+    link: DelayLink | None = None
     try:
         common = ["--model", str(path), "--threads", "1", "--slots", str(max(args.sessions)), "--ctx-size", "256"]
         coord = Proc("coordinator", cli("coordinator", *common, "--port", str(port),
@@ -279,6 +359,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         procs.append(vol)
         info = wait_until("the volunteer", lambda: json.loads((vdir / "volunteer.json").read_text())
                           if "volunteer ready" in vol.log.read_text(errors="replace") else None, procs, timeout=1800)
+        if rtt > 0:  # the map sends the coordinator through the delaying relay
+            vport = int(info["addrs"][0].rsplit("/", 1)[1])
+            link = DelayLink(rtt, vport)
+            info = {**info, "addrs": [link.addr()]}
+            print(f"    round trip {rtt:g} ms: the volunteer behind a delaying relay on {link.addr()}", flush=True)
 
         ref: dict[int, list[list[int]]] = {}
         version = 1
@@ -289,8 +374,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             want = 0 if mode == "local" else 1
             wait_until(f"the {mode} map", lambda v=version, w=want, u=url: dispatch(u)["map_version"] == v
                        and len(dispatch(u)["workers"]) == w, procs)
-            # warm-up: graphs for these sizes; in adaptive mode the load onset gives the volunteer its trial
-            sessions(url, model_id, max(args.sessions), 8)
+            # warm-up: graphs for every case's sizes (each mode gets the same, so the first measured is
+            # not the one that builds them); in adaptive mode the load onset gives the volunteer its trial
+            for n in sorted(set(args.sessions), reverse=True):
+                sessions(url, model_id, n, 8)
             if mode != "local":
                 w = dispatch(url)["workers"][0]
                 print(f"    volunteer after the warm-up: proven={w.get('proven')} calls={w.get('calls')}", flush=True)
@@ -303,7 +390,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 after = dispatch(url)
                 loc, rem = rows(before)
                 loc2, rem2 = rows(after)
-                case = {"case": mode, "sessions": n, "rtt_ms": 0, "tokens_per_s": round(tps, 2),
+                case = {"case": mode, "sessions": n, "rtt_ms": rtt, "tokens_per_s": round(tps, 2),
                         "ms_per_token": round(ms, 2), "rows_local": loc2 - loc, "rows_remote": rem2 - rem,
                         "rows_verified": verified_rows(after) - verified_rows(before)}
                 if mode == "local":
@@ -318,7 +405,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # the wire and the coordinator's own loop
                     case["volunteer_latency_ms"] = volunteer_latency(vol)
                 cases.append(case)
-                print(f"    {mode:8} sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
+                print(f"    {mode:8} rtt {rtt:g} ms sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
                       f"rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)
                 if mode != "local":
                     print(f"             decisions {case['decisions']}; worker latency EWMA "
@@ -327,8 +414,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for p in reversed(procs):
             p.stop()
-    cases.append(bound(path, max(args.sessions)))
-    return {"benchmark": "offload", "model": model_id, "threads": "coordinator 1, volunteer 1", "cases": cases}
+        if link is not None:
+            link.close()
+    return cases
 
 
 def main() -> None:
@@ -337,6 +425,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--decode", type=int, default=32, help="tokens per session")
+    ap.add_argument("--rtt-ms", type=float, nargs="+", default=[0.0],
+                    help="round trips to run at: 0 = plain loopback; > 0 = the volunteer behind a relay that delays "
+                         "each direction by half of it")
     ap.add_argument("--verify-cases", action="store_true",
                     help="also adaptive dispatch without verification (a second coordinator): its throughput cost")
     args = ap.parse_args()
@@ -344,15 +435,16 @@ def main() -> None:
         args.sessions, args.decode = [1, 4], 12
     result = run(args)
     print(f"\noffload benchmark: {result['model']} (threads: {result['threads']})")
-    print(f"{'case':<9} {'sessions':>8} {'tokens/s':>9} {'ms/token':>9} {'local rows':>11} {'remote rows':>12}")
-    by = {(c["case"], c.get("sessions")): c for c in result["cases"]}
+    print(f"{'case':<9} {'rtt ms':>6} {'sessions':>8} {'tokens/s':>9} {'ms/token':>9} {'local rows':>11} {'remote rows':>12}")
+    by = {(c["case"], c.get("rtt_ms"), c.get("sessions")): c for c in result["cases"]}
     for c in result["cases"]:
         if c["case"] in ("local", "adaptive", "adaptive_unverified"):
-            print(f"{c['case']:<9} {c['sessions']:>8} {c['tokens_per_s']:>9.2f} {c['ms_per_token']:>9.2f} "
+            ref = by[("local", c["rtt_ms"], c["sessions"])]
+            print(f"{c['case']:<9} {c['rtt_ms']:>6g} {c['sessions']:>8} {c['tokens_per_s']:>9.2f} {c['ms_per_token']:>9.2f} "
                   f"{c['rows_local']:>11} {c['rows_remote']:>12}" + (
-                      f"   x{c['tokens_per_s'] / by[('local', c['sessions'])]['tokens_per_s']:.2f}, tokens "
+                      f"   x{c['tokens_per_s'] / ref['tokens_per_s']:.2f}, tokens "
                       f"{'equal' if c['tokens_equal_local'] else 'DIFFERENT'}" if c["case"] != "local" else ""))
-    b = by[("bound", max(args.sessions))]
+    b = by[("bound", None, max(args.sessions))]
     print(f"one decode step at {b['sessions']} sessions (1 thread): dense {b['dense_ms']} ms, experts {b['experts_ms']} ms "
           f"-> two equal workers at best x{b['ideal_gain']}")
     write_json(args.json, result)

@@ -119,8 +119,25 @@ class _SliceWorker:
         assert p.result is not None
         return p.result
 
+    def warm(self) -> None:
+        """Before the first call (in a worker thread): every expert of the slice computed once on a
+        zero row, then calls of 1..8 pairs: the weights' pages are mapped and the kernel's graphs for
+        decode-sized calls are built. A cold slice answered its first calls (a coordinator's trial,
+        which sets its latency estimate) several times slower than a warm one."""
+        torch.set_grad_enabled(False)
+        st = self.sl.experts
+        x = torch.zeros(1, st.d_model)
+        n = st.n_expert
+        for k in sorted({n, *range(1, min(8, n) + 1)}):
+            self.kernel.pair_outputs(x, torch.zeros(k, dtype=torch.long), torch.arange(k), torch.zeros(k))
+
     async def run(self) -> None:
-        """The slice's compute loop (a task of ``ExpertServer.serve``)."""
+        """The slice's compute loop (a task of ``ExpertServer.serve``); warms the slice first (calls
+        that arrive meanwhile wait in the queue)."""
+        try:
+            await trio.to_thread.run_sync(self.warm, limiter=self.limiter)
+        except Exception:  # a failing slice fails its calls as before; the warm-up only logs
+            log.exception("warming slice %s failed", self.sl.key)
         carry: _Pending | None = None
         while True:
             if carry is not None:
