@@ -107,6 +107,8 @@ class _Graphs:
         self._plans: dict[tuple[int, int], tuple[_Plan, dict[str, np.ndarray]]] = {}
         self._lock = threading.Lock()
         self._builder: _Graphs = self
+        self._bound: _Graphs | None = None  # (on a family's builder) the member whose weights the leaves hold
+        self._binds: list[tuple[Any, int]] | None = None
 
     def _share(self, family: Family | None, params: tuple[Any, ...]) -> None:
         """Join ``family`` (call at the end of a subclass's ``__init__``)."""
@@ -174,26 +176,37 @@ class _Graphs:
         self._plans[key] = p
         return p
 
+    def _bind(self) -> None:
+        """Point the (possibly shared) graphs' weight leaves at this object's arrays; skipped when it
+        is the family's last bound member. The leaves' structs and the arrays' addresses are taken
+        once (ctypes builds a new object for every ``.contents`` and ``.ctypes``)."""
+        b = self._builder
+        if b._bound is self:
+            return
+        if self._binds is None:
+            self._binds = [(leaf.contents, arr.ctypes.data) for leaf, arr in zip(b._leaves, self._keep, strict=True)]
+        for st, ptr in self._binds:
+            st.data = ptr
+        b._bound = self
+
     def _run(self, n: int, n_threads: int, fill: Callable[[dict[str, np.ndarray], int, int], None],
              n_out: int) -> list[np.ndarray]:
         outs: list[np.ndarray] | None = None
         with self._lock:
-            if self._builder is not self:
-                for leaf, arr in zip(self._builder._leaves, self._keep, strict=True):
-                    leaf.contents.data = arr.ctypes.data
-            elif self._keep:  # the builder's own weights (another member may have computed last)
-                for leaf, arr in zip(self._leaves, self._keep, strict=True):
-                    leaf.contents.data = arr.ctypes.data
+            self._bind()
             for s in range(0, n, self.max_rows):
                 e = min(n, s + self.max_rows)
                 m = e - s
                 plan, views = self._plan(_bucket(m, self.max_rows), n_threads)
                 fill(views, s, e)
                 plan.compute(n_threads)
+                ov = [views[f"out{i}"] for i in range(n_out)]
                 if outs is None:
-                    outs = [np.empty((n, views[f"out{i}"].shape[1]), dtype=np.float32) for i in range(n_out)]
-                for i in range(n_out):
-                    outs[i][s:e] = views[f"out{i}"][:m]
+                    if m == n:  # one chunk: the outputs are copies of the graph's rows
+                        return [v[:m].copy() for v in ov]
+                    outs = [np.empty((n, v.shape[1]), dtype=np.float32) for v in ov]
+                for o, v in zip(outs, ov, strict=True):
+                    o[s:e] = v[:m]
         assert outs is not None
         return outs
 
@@ -689,7 +702,7 @@ class Attention:
         out = g.ggml_cont(c, g.ggml_permute(c, kqv, 0, 2, 1, 3))  # [hdv, H, b]
         g.ggml_set_output(out)
         views = {"q": _f32_view(q, (b, H * hdk)), "mask": _f32_view(mask, (b, n_kv)), "out": _f32_view(out, (b, H * hdv)),
-                 "k": k, "vt": vt, "es": es}
+                 "k": k.contents, "vt": vt.contents, "es": es}  # the leaves' structs, taken once
         if st is not None:
             views["sinks"] = _f32_view(st, (H,))
         return views, out
@@ -790,8 +803,8 @@ class Attention:
                 if zero_tail and n_kv > used:
                     kc[used:n_kv] = 0
                     vc[:, :, used:n_kv] = 0
-                v["k"].contents.data = kc.ctypes.data
-                vt = v["vt"].contents
+                v["k"].data = kc.ctypes.data
+                vt = v["vt"]
                 vt.data = vc.ctypes.data
                 vt.nb[1] = n_ctx * es
                 vt.nb[2] = self.hdv * n_ctx * es
