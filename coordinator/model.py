@@ -440,11 +440,11 @@ class Transformer:
             if shared is not None:  # llama.cpp: (routed + shared) + residual, float32 adds
                 moe = moe + shared
             xn = xn + moe  # float32, as llama.cpp's add
-        out: list[torch.Tensor] = []
-        for c, (s, e) in zip(chunks, bounds, strict=True):
-            xs = xn[s:e] if c.all_logits else xn[e - 1 : e]
-            out.append(torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs))))
-        return out
+        # the head once for every sequence's rows (its weights are read once per step, not per sequence)
+        rows = [xn[s:e] if c.all_logits else xn[e - 1 : e] for c, (s, e) in zip(chunks, bounds, strict=True)]
+        xs = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        logits = torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs)))
+        return list(torch.split(logits, [len(r) for r in rows])) if len(rows) > 1 else [logits]
 
     def _forward_torch(self, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
                        pos: torch.Tensor) -> list[torch.Tensor]:
