@@ -673,7 +673,69 @@ class GgmlExpertKernel:
 
 # ----------------------------------------------------------------------------- dense matmul
 
-class GgmlMatmul:
+class _OneWeight:
+    """One zero-copy weight leaf and one op over it, in graphs per row bucket, computed ``max_rows``
+    rows at a time (``GgmlMatmul``, ``GgmlGetRows``). An input row is ``n_in`` float32 values, or
+    one int32 index when ``n_in`` is 0; an output row is ``n_out`` float32 values."""
+
+    def __init__(self, raw: np.ndarray, tid: int, ne: tuple[int, int], name: str, *, n_in: int, n_out: int,
+                 n_threads: int, poll: int | None, max_rows: int) -> None:
+        self.n_threads, self.max_rows, self._n_in, self._n_out = int(n_threads), int(max_rows), n_in, n_out
+        self._raw = raw
+        self._pool, self._poll = _threadpool(self.n_threads, _POLL if poll is None else poll)[0], poll
+        self._wctx = _Ctx(2 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
+        self._w = _weight_tensor(self._wctx, tid, ne, raw, name)
+        self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def _op(self, ctx: Any, x: Any) -> Any:
+        raise NotImplementedError
+
+    def _plan(self, b: int) -> tuple[_Plan, np.ndarray, np.ndarray]:
+        p = self._plans.get(b)
+        if p is not None:
+            return p
+        k, m = max(1, self._n_in), self._n_out
+        mem = 4 * b * (k + m) + 8 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_GRAPH_NODES, False) + 8 * 64
+        ctx = _Ctx(mem, no_alloc=False)
+        if self._n_in:
+            xt = g.ggml_new_tensor_2d(ctx.ctx, g.GGML_TYPE_F32, k, b)
+        else:
+            xt = g.ggml_new_tensor_1d(ctx.ctx, g.GGML_TYPE_I32, b)
+        g.ggml_set_input(xt)
+        y = self._op(ctx.ctx, xt)  # [m, b]
+        g.ggml_set_output(y)
+        graph = g.ggml_new_graph_custom(ctx.ctx, _GRAPH_NODES, False)
+        g.ggml_build_forward_expand(graph, y)
+        plan = _Plan(ctx, graph, self.n_threads, self._pool)
+        xv = _f32_view(xt, (b, k)) if self._n_in else _i32_view(xt, (b,))
+        xv[:] = 0
+        p = (plan, xv, _f32_view(y, (b, m)))
+        self._plans[b] = p
+        return p
+
+    def _rows(self, x: np.ndarray) -> np.ndarray:
+        n = x.shape[0]
+        out = np.empty((n, self._n_out), dtype=np.float32)
+        with self._lock:
+            for s in range(0, n, self.max_rows):
+                e = min(n, s + self.max_rows)
+                m = e - s
+                plan, xv, yv = self._plan(_bucket(m, self.max_rows))
+                xv[:m] = x[s:e]
+                plan.compute(self.n_threads, self._poll)
+                out[s:e] = yv[:m]
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for plan, *_ in self._plans.values():
+                plan.ctx.free()
+            self._plans.clear()
+            self._wctx.free()
+
+
+class GgmlMatmul(_OneWeight):
     """``y = x @ W.T`` for a dense GGUF weight ``W`` ``[out_features, in_features]`` in its stored type."""
 
     def __init__(
@@ -692,33 +754,12 @@ class GgmlMatmul:
         if out_features <= 0 or max_rows <= 0:
             raise KernelError("out_features and max_rows must be positive")
         self.out_features, self.in_features = int(out_features), int(in_features)
-        self._raw = _as_raw(w, row_nbytes(self.type, in_features) * out_features, "W")
-        self.n_threads, self.max_rows = int(n_threads), int(max_rows)
-        self._pool, self._poll = _threadpool(self.n_threads, _POLL if poll is None else poll)[0], poll
-        self._wctx = _Ctx(2 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
-        self._w = _weight_tensor(self._wctx, self.type, (in_features, out_features), self._raw, "W")
-        self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray]] = {}
-        self._lock = threading.Lock()
+        raw = _as_raw(w, row_nbytes(self.type, in_features) * out_features, "W")
+        super().__init__(raw, self.type, (self.in_features, self.out_features), "W", n_in=self.in_features,
+                         n_out=self.out_features, n_threads=n_threads, poll=poll, max_rows=max_rows)
 
-    def _plan(self, b: int) -> tuple[_Plan, np.ndarray, np.ndarray]:
-        p = self._plans.get(b)
-        if p is not None:
-            return p
-        k, m = self.in_features, self.out_features
-        mem = 4 * b * (k + m) + 8 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_GRAPH_NODES, False) + 8 * 64
-        ctx = _Ctx(mem, no_alloc=False)
-        xt = g.ggml_new_tensor_2d(ctx.ctx, g.GGML_TYPE_F32, k, b)
-        g.ggml_set_input(xt)
-        y = g.ggml_mul_mat(ctx.ctx, self._w, xt)  # [m, b]
-        g.ggml_set_output(y)
-        graph = g.ggml_new_graph_custom(ctx.ctx, _GRAPH_NODES, False)
-        g.ggml_build_forward_expand(graph, y)
-        plan = _Plan(ctx, graph, self.n_threads, self._pool)
-        xv, yv = _f32_view(xt, (b, k)), _f32_view(y, (b, m))
-        xv[:] = 0
-        p = (plan, xv, yv)
-        self._plans[b] = p
-        return p
+    def _op(self, ctx: Any, x: Any) -> Any:
+        return g.ggml_mul_mat(ctx, self._w, x)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float32)
@@ -727,82 +768,29 @@ class GgmlMatmul:
             x = x[None]
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise KernelError(f"x must be [n, {self.in_features}] float32, got {x.shape}")
-        n = x.shape[0]
-        out = np.empty((n, self.out_features), dtype=np.float32)
-        with self._lock:
-            for s in range(0, n, self.max_rows):
-                e = min(n, s + self.max_rows)
-                m = e - s
-                plan, xv, yv = self._plan(_bucket(m, self.max_rows))
-                xv[:m] = x[s:e]
-                plan.compute(self.n_threads, self._poll)
-                out[s:e] = yv[:m]
+        out = self._rows(x)
         return out[0] if squeeze else out
 
-    def close(self) -> None:
-        with self._lock:
-            for plan, *_ in self._plans.values():
-                plan.ctx.free()
-            self._plans.clear()
-            self._wctx.free()
 
-
-class GgmlGetRows:
+class GgmlGetRows(_OneWeight):
     """Rows ``ids`` of a GGUF table ``[n_rows, n_cols]`` (an embedding) as float32, dequantised by
-    ggml's ``get_rows`` on the stored bytes (llama.cpp's embedding lookup; one graph per size
-    bucket)."""
+    ggml's ``get_rows`` on the stored bytes (llama.cpp's embedding lookup; one thread)."""
 
     def __init__(self, w: np.ndarray, qtype: str | int, n_rows: int, n_cols: int, *, max_rows: int = 512) -> None:
         self.type = _type_id(qtype)
-        self.n_rows, self.n_cols, self.max_rows = int(n_rows), int(n_cols), int(max_rows)
-        self._raw = _as_raw(w, row_nbytes(self.type, n_cols) * n_rows, "table")
-        self._pool = _threadpool(1, 0)[0]
-        self._wctx = _Ctx(2 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
-        self._w = _weight_tensor(self._wctx, self.type, (n_cols, n_rows), self._raw, "table")
-        self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray]] = {}
-        self._lock = threading.Lock()
+        self.n_rows, self.n_cols = int(n_rows), int(n_cols)
+        raw = _as_raw(w, row_nbytes(self.type, n_cols) * n_rows, "table")
+        super().__init__(raw, self.type, (self.n_cols, self.n_rows), "table", n_in=0, n_out=self.n_cols, n_threads=1,
+                         poll=0, max_rows=max_rows)
 
-    def _plan(self, b: int) -> tuple[_Plan, np.ndarray, np.ndarray]:
-        p = self._plans.get(b)
-        if p is not None:
-            return p
-        mem = 4 * b * (self.n_cols + 1) + 8 * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(_GRAPH_NODES, False) + 8 * 64
-        ctx = _Ctx(mem, no_alloc=False)
-        it = g.ggml_new_tensor_1d(ctx.ctx, g.GGML_TYPE_I32, b)
-        g.ggml_set_input(it)
-        y = g.ggml_get_rows(ctx.ctx, self._w, it)  # [n_cols, b]
-        g.ggml_set_output(y)
-        graph = g.ggml_new_graph_custom(ctx.ctx, _GRAPH_NODES, False)
-        g.ggml_build_forward_expand(graph, y)
-        plan = _Plan(ctx, graph, 1, self._pool)
-        iv, yv = _i32_view(it, (b,)), _f32_view(y, (b, self.n_cols))
-        iv[:] = 0
-        p = (plan, iv, yv)
-        self._plans[b] = p
-        return p
+    def _op(self, ctx: Any, x: Any) -> Any:
+        return g.ggml_get_rows(ctx, self._w, x)
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_rows):
             raise KernelError(f"row index out of range 0..{self.n_rows - 1}")
-        n = ids.size
-        out = np.empty((n, self.n_cols), dtype=np.float32)
-        with self._lock:
-            for s in range(0, n, self.max_rows):
-                e = min(n, s + self.max_rows)
-                m = e - s
-                plan, iv, yv = self._plan(_bucket(m, self.max_rows))
-                iv[:m] = ids[s:e]
-                plan.compute(1, 0)
-                out[s:e] = yv[:m]
-        return out
-
-    def close(self) -> None:
-        with self._lock:
-            for plan, *_ in self._plans.values():
-                plan.ctx.free()
-            self._plans.clear()
-            self._wctx.free()
+        return self._rows(ids)
 
 
 # ----------------------------------------------------------------------------- quantiser (tests, tools)
