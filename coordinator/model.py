@@ -176,6 +176,12 @@ def _attn_in(cfg: ModelConfig, L: LayerWeights, fam: Family) -> AttnIn | MlaIn:
         family=fam)
 
 
+def plain_softmax_gate(cfg: ModelConfig) -> bool:
+    """Top-k of the router's softmax without expert groups: the gate ``select_np`` and the fused MoE
+    graph compute (not gpt-oss's top-k-then-softmax, not DeepSeek's groups)."""
+    return cfg.spec.gating == "softmax" and cfg.n_expert_groups <= 1
+
+
 ATTN_BIG_WORK = 16_000_000  # attention multiply-accumulates from which it uses every thread (prefill)
 FUSED_MAX_ROWS = 16  # steps of up to this many rows compute a local layer's MoE inside its AttnOut graph
 KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama.cpp pads its view too)
@@ -200,7 +206,7 @@ class _GgmlDense:
         # decode-sized steps of a layer whose experts are all computed here: the routed MoE joins the
         # AttnOut graph (AttnOutMoE), for the gates select_np computes (plain softmax, no groups)
         self.attn_out_moe: list[AttnOutMoE | None] = [None] * cfg.n_layer
-        if cfg.spec.gating == "softmax" and cfg.n_expert_groups <= 1:
+        if plain_softmax_gate(cfg):
             for li, L in enumerate(model.layers):
                 st = L.experts
                 if st is None or L.router is None or st.biases is not None or st.activation != "silu":
@@ -244,7 +250,7 @@ class Transformer:
                            if r.ext_factor != 0.0 else (0.0, 0.0))
         # ggml: each layer's dense halves and the head are one graph each (llama.cpp's own ops)
         self._ggml = _GgmlDense(model) if model.kernel is KernelBackend.GGML else None
-        self._np_select = cfg.n_expert_groups <= 1 and cfg.spec.gating == "softmax"
+        self._np_select = plain_softmax_gate(cfg)
 
     # -- pieces -----------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -326,6 +332,16 @@ class Transformer:
         return self.select(torch.softmax(logits, dim=-1) if self.cfg.spec.gating == "softmax" else logits)
 
     def select(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts and their weights from router probabilities (logits for a "softmax_topk"
+        gate): ``select_np`` for the plain softmax gate (a decode step's handful of rows costs a few
+        microseconds in numpy against ~50 in torch's small ops), ``select_torch`` otherwise; the
+        two give the same bits (tested)."""
+        if self._np_select:
+            ids, w = self.select_np(probs.numpy())
+            return torch.from_numpy(ids), torch.from_numpy(w)
+        return self.select_torch(probs)
+
+    def select_torch(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of router probabilities (for a "softmax_topk" gate: of the logits, then a softmax
         over those k); renormalised as llama.cpp does (the sum in double, one float32 division)
         where the architecture asks for it, then scaled by the model's ``expert_weights_scale`` (a
@@ -350,10 +366,9 @@ class Transformer:
         return ids, w
 
     def select_np(self, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``select`` in numpy, for the common gate (softmax, no expert groups): a decode step's
-        handful of rows costs a few microseconds here against ~50 in torch's small ops. The same
-        numbers: top-k in descending order (ties to the lower index), the renormalisation's sum in
-        double over that order and one float32 division, the float32 scale."""
+        """``select_torch`` in numpy, for the plain softmax gate: the same numbers -- top-k in
+        descending order (ties to the lower index), the renormalisation's sum in double over that
+        order and one float32 division, the float32 scale."""
         cfg = self.cfg
         k = cfg.n_expert_used
         ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
@@ -431,11 +446,7 @@ class Transformer:
                 assert shared is not None
                 xn = xn + shared
                 continue
-            if self._np_select:
-                ids_np, w_np = self.select_np(probs)
-                ids, w = torch.from_numpy(ids_np), torch.from_numpy(w_np)
-            else:
-                ids, w = self.select(torch.from_numpy(probs))
+            ids, w = self.select(torch.from_numpy(probs))
             moe = self.experts.moe(moe_layer, torch.from_numpy(hn), ids, w).numpy()
             if shared is not None:  # llama.cpp: (routed + shared) + residual, float32 adds
                 moe = moe + shared

@@ -90,8 +90,9 @@ def test_the_torch_reference_does_not_reproduce_llamacpp_on_quantised_weights(na
 
 @pytest.mark.parametrize("name", ["qwen3moe-tiny-q8_0", "olmoe-tiny-q8_0", "qwen2moe-tiny-q8_0", "mixtral-spm-tiny-q8_0"])
 def test_numpy_select_is_torch_select(name: str) -> None:
-    """The decode path's numpy top-k (``select_np``) gives torch ``select``'s experts and weight bits,
-    across the renormalising and non-renormalising gates, on router probabilities of every shape."""
+    """The numpy top-k (``select_np``, what ``select`` uses for these gates) gives the torch
+    selection's experts and weight bits, across the renormalising and non-renormalising gates, on
+    router probabilities of every shape."""
     import numpy as np
 
     tr = Transformer(GGUFModel(FIXTURES / "golden" / f"{name}.gguf"))
@@ -101,7 +102,7 @@ def test_numpy_select_is_torch_select(name: str) -> None:
         for _ in range(50):
             logits = rng.standard_normal((n, tr.cfg.n_expert)).astype(np.float32) * 3
             p = torch.softmax(torch.from_numpy(logits), -1).numpy()
-            a_ids, a_w = tr.select(torch.from_numpy(p))
+            a_ids, a_w = tr.select_torch(torch.from_numpy(p))
             b_ids, b_w = tr.select_np(p)
             assert np.array_equal(a_ids.numpy(), b_ids)
             assert np.array_equal(a_w.numpy().view(np.uint32), b_w.view(np.uint32))

@@ -454,8 +454,10 @@ class AttnOut(_Graphs):
                         self._dense(shared.down, "shexp_down"), gi)
             self.width = w
             self.macs += 3 * self.d * w + (self.d if gi is not None else 0)
-        self._share(family, (self.eps, bo is not None, self.width, shared is not None and shared.gate_inp is not None,
-                             router is not None, v_b is not None, router_b is not None, self.softmax))
+        # what, beside the leaves' types and shapes, makes two blocks' graphs the same
+        self._sig: tuple[Any, ...] = (self.eps, bo is not None, self.width, shared is not None and shared.gate_inp is not None,
+                                      router is not None, v_b is not None, router_b is not None, self.softmax)
+        self._share(family, self._sig)
 
     def _mem(self, b: int) -> int:
         return 4 * b * (4 * self.a + 8 * self.d + 3 * self.n_expert + 4 * self.width + 8)
@@ -553,9 +555,8 @@ class AttnOutMoE(AttnOut):
             (e.gate, e.types[0], f, d, "gate_exps"), (e.up, e.types[1], f, d, "up_exps"), (e.down, e.types[2], d, f, "down_exps")))
         self.macs += e.k * 3 * d * f
         self.nodes = _NODES + 4 * e.k + 32
-        self._share(family, (self.eps, kw.get("bo") is not None, self.width,
-                             kw.get("shared") is not None and kw["shared"].gate_inp is not None, True, False,
-                             kw.get("router_b") is not None, True, e.k, e.norm_topk, float(e.scale)))
+        self._ar = np.arange(n, dtype=np.float32)  # the "ar" input of every row: 0 .. n_expert-1
+        self._share(family, (*self._sig, e.k, e.norm_topk, float(e.scale)))
 
     def _mem(self, b: int) -> int:
         e = self.ex
@@ -605,7 +606,7 @@ class AttnOutMoE(AttnOut):
         x = np.ascontiguousarray(x, dtype=np.float32)
         if a.ndim != 2 or a.shape[1] != self.a or x.shape != (a.shape[0], self.d):
             raise KernelError(f"a must be [n, {self.a}] and x [n, {self.d}], got {a.shape} and {x.shape}")
-        ar = self._arange
+        ar = self._ar
 
         def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
             v["a"][: e - s] = a[s:e]
@@ -614,10 +615,6 @@ class AttnOutMoE(AttnOut):
 
         xn, ids = self._run(a.shape[0], n_threads, fill, 2)
         return xn, ids.astype(np.int64)
-
-    @property
-    def _arange(self) -> np.ndarray:
-        return np.arange(self.ex.n_expert, dtype=np.float32)
 
 
 class Head(_Graphs):
