@@ -173,13 +173,19 @@ _POOL: dict[_PoolKey, list[GgmlExpertKernel]] = {}
 _POOL_LOCK = threading.Lock()
 
 
+def _pool_key(stack: ExpertStack, n_threads: int) -> _PoolKey:
+    """Which pooled ggml kernels can compute ``stack`` (the same types, shapes and activation)."""
+    types = (int(stack.gate_t.qtype), int(stack.up_t.qtype), int(stack.down_t.qtype))
+    return (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads, stack.activation, stack.biases is not None)
+
+
 @contextmanager
 def _pooled(stack: ExpertStack, n_threads: int = 1) -> Iterator[GgmlExpertKernel]:
     """A ggml kernel bound to ``stack``'s bytes, for the duration of one computation."""
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
-    types = (int(stack.gate_t.qtype), int(stack.up_t.qtype), int(stack.down_t.qtype))
-    key = (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads, stack.activation, stack.biases is not None)
+    key = _pool_key(stack, n_threads)
+    types = key[0]
     raws = tuple(np.ascontiguousarray(t.raw).reshape(-1) for t in (stack.gate_t, stack.up_t, stack.down_t))
     braws = None if stack.biases is None else (np.ascontiguousarray(stack.biases[0].raw).reshape(-1),
                                                np.ascontiguousarray(stack.biases[1].raw).reshape(-1),
