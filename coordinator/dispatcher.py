@@ -7,18 +7,24 @@ Rules:
   dispatch map's ranges, reports what happened as events, and executes the effects (expert calls
   in the nursery, the local kernel on the local runner, timers as sleeping tasks, cancellation by
   cancel scope). It runs on the trio thread only, so the core needs no lock.
-- ``dispatch_layer`` dispatches one MoE layer from a trio task; ``Dispatcher.moe`` is the engine's
-  ``ExpertBackend``: it runs in the engine thread and calls ``dispatch_layer`` through
-  ``trio.from_thread.run`` (DESIGN §5). Without a running loop (``serve`` not started) ``moe``
-  computes every range locally, in the same partition.
+- ``dispatch_layer`` dispatches one MoE layer from a trio task; ``Dispatcher`` is also the engine's
+  ``ExpertBackend`` (``moe``, or ``moe_begin`` then ``result``), called in the engine thread
+  (DESIGN §5): it groups the pairs by range there and hands the step to the trio thread
+  (``run_sync_soon``), where the core places the ranges and the remote calls go out; the ranges
+  placed here come back to the engine thread, which computes them itself while the calls are in
+  flight, and ``result`` waits for the core's ``Combine``. Between ``moe_begin`` and ``result`` the
+  engine may compute the other micro-batch (``overlap``). Without a running loop (``serve`` not
+  started) every range is computed locally, in the same partition.
 - Fast path: while the core says every held range of a layer this size would run here
   (``local_only_pairs``: idle, or under load when no worker could finish earlier and no trial is
   due), the engine thread computes a layer whose ranges are all held itself, with no trip to the
   trio thread, and reports it afterwards (``LayerRanLocally``, with its reason and kernel time); the
   bits are those of the same partition.
-- The local share computes while the remote calls are in flight: in production the local kernel
-  runs on one worker thread (``trio.to_thread.run_sync`` under a ``CapacityLimiter(1)``: the local
-  ranges queue, which is what the core's backlog estimate models); tests plug in an async runner.
+- The local share computes while the remote calls are in flight: on the engine thread for the
+  ranges of the core's first placement of an engine step; any later local work (a hedge's local
+  copy, a step from ``dispatch_layer``) on one worker thread (``trio.to_thread.run_sync`` under a
+  ``CapacityLimiter(1)``: the local ranges queue, which is what the core's backlog estimate
+  models). Tests under virtual time plug in an async runner (then the engine path is off).
 - A range's partial sum is computed by the same ``ExpertKernel`` on exactly the rows that have pairs
   in it, locally or on a volunteer; partial sums are added in ascending ``lo`` (DESIGN §3): the
   output does not depend on who won a hedge. The core's ``Cancel`` of a remote call (a hedge's
@@ -55,8 +61,10 @@ import dataclasses
 import functools
 import itertools
 import logging
+import queue
 import random
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -140,9 +148,17 @@ from swarm.protocol.coordinator import (
     ModeChange,
     WorkerReport,
 )
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, HoldChallenge, Pairs, RequestId, Status
+from swarm.protocol.expert import (
+    PROTOCOL_ID,
+    ExpertRequest,
+    HoldChallenge,
+    Pairs,
+    RequestId,
+    Status,
+    make_pairs,
+)
 from swarm.rpc.client import ExpertClient
-from swarm.rpc.tensors import pairs_from_tensors, pairs_to_tensors
+from swarm.rpc.tensors import pairs_to_tensors
 
 __all__ = [
     "DispatchCollector",
@@ -252,6 +268,34 @@ class _StepRun:
     results: dict[CallId, torch.Tensor] = field(default_factory=dict)
     combine: Combine | None = None
     fail: Fail | None = None
+    # a step the engine thread started (``moe_begin``): the local ranges of the core's first
+    # placement are handed to it (``placed``) instead of a worker thread, and it waits on ``ended``
+    engine: bool = False
+    step: StepId = StepId(0)
+    capture: list[tuple[CallId, int]] | None = None
+    placed: queue.SimpleQueue[list[tuple[CallId, int]]] = field(default_factory=queue.SimpleQueue)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+class _Done:
+    """A layer's MoE output that is already computed (``moe_begin`` on the fast path)."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+    def result(self) -> torch.Tensor:
+        return self.y
+
+
+class _Pending:
+    """A layer the engine thread started under load (``Dispatcher.moe_begin``)."""
+
+    def __init__(self, d: Dispatcher, run: _StepRun, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> None:
+        self.d, self.run, self.args = d, run, (x, topk_ids, topk_w)
+
+    def result(self) -> torch.Tensor:
+        """Wait for the remote share and combine (the engine thread)."""
+        return self.d._engine_result(self.run, *self.args)
 
 
 # remote call latency buckets for /metrics (seconds)
@@ -477,7 +521,11 @@ class Dispatcher:
                     else:
                         self._execute(eff)
                 for step, calls in local.items():
-                    self._start_local_group(step, calls)
+                    run = self._steps.get(step)
+                    if run is not None and run.capture is not None:  # the engine thread computes these
+                        run.capture.extend(calls)
+                    else:
+                        self._start_local_group(step, calls)
         finally:
             self._handling = False
             self._engine_local = self.core.local_only_pairs(self._last_now)
@@ -575,6 +623,7 @@ class Dispatcher:
                     else:
                         run.fail = eff
                     run.done.set()
+                    run.ended.set()
             case ModeChanged(state=state, reason=reason):
                 log.info("dispatch: %s (%s)", state.value, reason.value)
                 self._mode_changes.append(
@@ -694,15 +743,7 @@ class Dispatcher:
             for call, _ in calls:
                 self._events.append(LocalFailed(call, "the dispatcher is not serving"))
             return
-        jobs = [run.jobs[i].local for _, i in calls]
-        sizes = [int(j.x.shape[0]) for j in jobs]
-        n_pairs = [int(j.pair_rows.shape[0]) for j in jobs]
-        bases = torch.tensor([0, *sizes[:-1]]).cumsum(0)
-        merged = LocalJob(
-            jobs[0].layer, 0, self.cfg.n_expert, torch.cat([j.x for j in jobs]),
-            torch.cat([j.pair_rows + b for j, b in zip(jobs, bases.tolist(), strict=True)]),
-            torch.cat([j.pair_experts + j.lo for j in jobs]), torch.cat([j.pair_weights for j in jobs]),
-        )
+        merged, n_pairs = self._merged(run, calls)
         scopes = {call: trio.CancelScope() for call, _ in calls}
         self._calls.update(scopes)
         group = trio.CancelScope()
@@ -733,6 +774,21 @@ class Dispatcher:
                     self._post(ev)
 
         self._spawn(local, group)
+
+    def _merged(self, run: _StepRun, calls: list[tuple[CallId, int]]) -> tuple[LocalJob, list[int]]:
+        """One local job of the step's ranges ``calls`` (their pairs side by side) and each one's pair count."""
+        jobs = [run.jobs[i].local for _, i in calls]
+        n_pairs = [int(j.pair_rows.shape[0]) for j in jobs]
+        if len(jobs) == 1:
+            return jobs[0], n_pairs
+        sizes = [int(j.x.shape[0]) for j in jobs]
+        bases = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+        merged = LocalJob(
+            jobs[0].layer, 0, self.cfg.n_expert, torch.cat([j.x for j in jobs]),
+            torch.cat([j.pair_rows + b for j, b in zip(jobs, bases.tolist(), strict=True)]),
+            torch.cat([j.pair_experts + j.lo for j in jobs]), torch.cat([j.pair_weights for j in jobs]),
+        )
+        return merged, n_pairs
 
     def _model_kernel(self, job: LocalJob) -> torch.Tensor:
         assert isinstance(self.model, GGUFModel)
@@ -766,22 +822,22 @@ class Dispatcher:
     # -- one layer -------------------------------------------------------------------------------------
     def _jobs(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> list[_Job]:
         n_tok, k = topk_ids.shape
-        all_rows = torch.arange(n_tok).repeat_interleave(k)
-        all_e = topk_ids.reshape(-1)
-        all_w = topk_w.reshape(-1)
+        all_e = topk_ids.reshape(-1).numpy()
+        all_w = topk_w.reshape(-1).to(torch.float32).numpy()
+        all_rows = np.repeat(np.arange(n_tok, dtype=np.int64), k)
         m = self.map
         jobs: list[_Job] = []
         for r in partition_layer(m.ranges_of(layer) if m is not None else [], self.cfg.n_expert):
             sel = (all_e >= r.lo) & (all_e < r.hi)
-            if not bool(sel.any()):
+            if not sel.any():
                 continue
             pr = all_rows[sel]
-            rows = torch.unique(pr)
-            wire = pairs_from_tensors(torch.searchsorted(rows, pr), all_e[sel] - r.lo, all_w[sel])
+            rows = np.unique(pr)
+            wire = make_pairs(np.searchsorted(rows, pr), all_e[sel] - r.lo, all_w[sel])
             prs, pes, pws = pairs_to_tensors(wire)
-            local = LocalJob(layer, r.lo, r.hi, x.index_select(0, rows), prs, pes, pws)
-            replicas = self._replicas(layer, r)
-            jobs.append(_Job(r.lo, r.hi, replicas, rows, local, wire))
+            rows_t = torch.from_numpy(rows)
+            local = LocalJob(layer, r.lo, r.hi, x.index_select(0, rows_t), prs, pes, pws)
+            jobs.append(_Job(r.lo, r.hi, self._replicas(layer, r), rows_t, local, wire))
         return jobs
 
     def _combine(self, n_tok: int, jobs: list[_Job], results: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -930,26 +986,22 @@ class Dispatcher:
                 with trio.move_on_after(min(0.5, deadline - now)):
                     await changed.wait()
 
+    def _range_works(self, layer: int, jobs: list[_Job]) -> tuple[RangeWork, ...]:
+        return tuple(RangeWork(j.lo, j.hi, int(j.local.x.shape[0]), int(j.local.pair_rows.shape[0]), j.replicas,
+                               self.held(layer, j.lo, j.hi)) for j in jobs)
+
+    def _expert_pairs(self, topk_ids: torch.Tensor) -> tuple[int, ...]:
+        """Routed pairs per expert (for the hot-expert cache; empty without it)."""
+        if self.config.hot_experts <= 0:
+            return ()
+        return tuple(int(n) for n in torch.bincount(topk_ids.reshape(-1), minlength=self.cfg.n_expert))
+
     async def _dispatch_layer_once(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:
         jobs = self._jobs(layer, x, topk_ids, topk_w)
-        works = tuple(
-            RangeWork(
-                j.lo,
-                j.hi,
-                int(j.local.x.shape[0]),
-                int(j.local.pair_rows.shape[0]),
-                j.replicas,
-                self.held(layer, j.lo, j.hi),
-            )
-            for j in jobs
-        )
-        expert_pairs: tuple[int, ...] = ()
-        if self.config.hot_experts > 0:
-            expert_pairs = tuple(
-                int(n) for n in torch.bincount(topk_ids.reshape(-1), minlength=self.cfg.n_expert)
-            )
+        works = self._range_works(layer, jobs)
+        expert_pairs = self._expert_pairs(topk_ids)
         step = StepId(next(self._step_ids))
         run = _StepRun(layer, jobs)
         self._steps[step] = run
@@ -1000,26 +1052,121 @@ class Dispatcher:
                 token.run_sync_soon(self._post_all, evs)
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        return self.moe_begin(layer, x, topk_ids, topk_w).result()
+
+    def overlap(self, n_pairs: int) -> bool:
+        """``ExpertBackend.overlap``: may a layer of ``n_pairs`` routed pairs go (partly) remote now?
+        Then the engine alternates two micro-batches, so one computes while the other's remote
+        share is in flight."""
+        return self._token is not None and n_pairs > self._engine_local[0] and self._engine_path
+
+    @functools.cached_property
+    def _engine_path(self) -> bool:
+        """The engine thread computes the local share of the steps it starts (not with a test's runner)."""
+        return self._local_runner == self._thread_runner
+
+    def moe_begin(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> _Done | _Pending:
+        """``ExpertBackend.moe_begin``: start one MoE layer; ``.result()`` gives its output. Under load
+        the core places the ranges (on the trio thread); the remote calls go out there while this
+        thread computes the share placed here, then it returns: the engine may compute something
+        else (the other micro-batch) before it asks for the result."""
         token = self._token
         if token is None:  # not serving: every expert here (the bits of any partition)
-            return self._all_here(layer, x, topk_ids, topk_w)
+            return _Done(self._all_here(layer, x, topk_ids, topk_w))
         max_pairs, reason = self._engine_local
         if topk_ids.numel() <= max_pairs:
             # Fast path: the core would place every held range of this layer here (idle, or no worker
-            # could finish earlier). Computing them on this thread spares the trip to the trio thread
-            # and two thread hops per range (~1.6 ms a layer under load); the core is told afterwards,
-            # without waiting. A change of state reaches this thread one layer late at most.
+            # could finish earlier). Computing them on this thread spares the trip to the trio thread;
+            # the core is told afterwards, without waiting. A change of state reaches this thread one
+            # layer late at most.
             works = self._works(layer, topk_ids)
             if all(w.held for w in works):
                 t0 = time.perf_counter()
                 out = self._all_here(layer, x, topk_ids, topk_w)  # one kernel call, not one per range
                 self._report_here(layer, works, reason, time.perf_counter() - t0)
-                return out
+                return _Done(out)
         if self._ran_here:  # the fast-path layers before this one first, in order
             evs, self._ran_here = self._ran_here, []
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._post_all, evs)
-        return trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token)
+        if not self._engine_path:
+            return _Done(trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token))
+        jobs = self._jobs(layer, x, topk_ids, topk_w)
+        run = _StepRun(layer, jobs, engine=True)
+        try:
+            token.run_sync_soon(self._begin_engine_step, run, self._range_works(layer, jobs), self._expert_pairs(topk_ids))
+        except trio.RunFinishedError:
+            raise DispatchFailed("the dispatcher stopped") from None
+        calls = self._engine_placed(run)
+        if calls:
+            merged, n_pairs = self._merged(run, calls)
+            t0 = time.perf_counter()
+            try:
+                outs: list[torch.Tensor] | BaseException = list(torch.split(self._compute_in_thread(merged), n_pairs))
+            except Exception as exc:  # a bug or a kernel error: reported, the layer fails
+                log.exception("local experts failed (layer %d)", layer)
+                outs = exc
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._engine_local_done, run, calls, n_pairs, outs, time.perf_counter() - t0)
+        return _Pending(self, run, x, topk_ids, topk_w)
+
+    def _engine_placed(self, run: _StepRun) -> list[tuple[CallId, int]]:
+        """The engine thread's wait for the core's placement of ``run`` (failing once dispatch stops)."""
+        while True:
+            try:
+                return run.placed.get(timeout=0.5)
+            except queue.Empty:
+                if self._token is None:
+                    raise DispatchFailed("the dispatcher stopped") from None
+
+    def _begin_engine_step(self, run: _StepRun, works: tuple[RangeWork, ...], expert_pairs: tuple[int, ...]) -> None:
+        """Trio side of ``moe_begin``: the core places the ranges; those placed here go back to the
+        engine thread (any later local work -- a hedge -- runs on the worker thread as usual)."""
+        run.step = StepId(next(self._step_ids))
+        self._steps[run.step] = run
+        run.capture = []
+        try:
+            self._post(LayerReady(run.step, run.layer, works, expert_pairs))
+        finally:
+            calls, run.capture = run.capture, None
+            for call, _ in calls:  # a Cancel of one of them pops its scope: its answer is then dropped
+                self._calls[call] = trio.CancelScope()
+            run.placed.put(calls)
+
+    def _engine_local_done(self, run: _StepRun, calls: list[tuple[CallId, int]], n_pairs: list[int],
+                           outs: list[torch.Tensor] | BaseException, seconds: float) -> None:
+        total = max(1, sum(n_pairs))
+        for k, ((call, _), n) in enumerate(zip(calls, n_pairs, strict=True)):
+            sc = self._calls.get(call)
+            if sc is None or sc.cancel_called:
+                continue
+            del self._calls[call]
+            if isinstance(outs, BaseException):
+                self._post(LocalFailed(call, f"{type(outs).__name__}: {outs}"))
+                continue
+            y = outs[k]
+            run.results[call] = y
+            if call in self._keep:
+                self._kept[call] = y
+            self._post(LocalDone(call, seconds * n / total))
+
+    def _end_engine_step(self, step: StepId) -> None:
+        self._steps.pop(step, None)
+
+    def _engine_result(self, run: _StepRun, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        while not run.ended.wait(0.5):
+            if self._token is None:
+                raise DispatchFailed("the dispatcher stopped")
+        token = self._token
+        if token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._end_engine_step, run.step)
+        if run.fail is not None:
+            if run.fail.reason in _MISSING and token is not None:  # wait for coverage the usual way
+                return trio.from_thread.run(self.dispatch_layer, run.layer, x, topk_ids, topk_w, trio_token=token)
+            raise DispatchFailed(run.fail.message)
+        assert run.combine is not None
+        return self._combine(int(topk_ids.shape[0]), run.jobs, (run.results[c] for c in run.combine.calls))
 
     # -- NAT path migration ---------------------------------------------------------------------------
     @functools.cached_property

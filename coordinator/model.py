@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -57,7 +58,12 @@ class ExpertBackend(Protocol):
     - ``local_layer(layer, n_pairs) -> bool``: would it compute this whole layer of ``n_pairs``
       routed pairs on this machine right now? Then the engine computes it itself, inside the
       layer's AttnOut graph (``AttnOutMoE``: the same bits), and
-    - ``ran_here(layer, experts[n, k], seconds)`` hears of it afterwards (the dispatcher's report).
+    - ``ran_here(layer, experts[n, k], seconds)`` hears of it afterwards (the dispatcher's report);
+    - ``moe_begin(layer, x, ids, w) -> PendingMoe``: start the layer (its local share may compute
+      before it returns), ``.result()`` waits for the rest: what the engine computes in between
+      overlaps the remote calls;
+    - ``overlap(n_pairs) -> bool``: may a step of ``n_pairs`` routed pairs per layer go (partly)
+      remote now? Then the engine alternates two micro-batches of its sequences.
     """
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -225,6 +231,41 @@ class _GgmlDense:
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
+
+
+class PendingMoe(Protocol):
+    def result(self) -> torch.Tensor: ...
+
+
+class _Ready:
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+    def result(self) -> torch.Tensor:
+        return self.y
+
+
+@dataclass(eq=False)
+class _MicroBatch:
+    """Some of a step's sequences (contiguous), their rows' state and a started MoE layer."""
+
+    chunks: list[SeqChunk]
+    bounds: list[tuple[int, int]]  # rows of each chunk within ``xn``
+    xn: np.ndarray
+    pos: np.ndarray
+    pending: PendingMoe | None = None
+    shared: np.ndarray | None = None
+
+    def finish(self) -> None:
+        """The started layer's MoE into the residual (llama.cpp: (routed + shared) + residual, float32 adds)."""
+        if self.pending is None:
+            return
+        moe = self.pending.result().numpy()
+        self.pending = None
+        if self.shared is not None:
+            moe = moe + self.shared
+            self.shared = None
+        self.xn = self.xn + moe
 
 
 class Transformer:
@@ -400,62 +441,90 @@ class Transformer:
     def _forward_ggml(self, gd: _GgmlDense, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
                       pos: torch.Tensor) -> list[torch.Tensor]:
         """Each layer: one graph to q/k/v, the new rows into the caches, one attention graph for every
-        sequence, one graph to the router; the experts through ``self.experts``. numpy in between."""
+        sequence, one graph to the router; the experts through ``self.experts``. numpy in between.
+
+        When the backend may send a step's experts (partly) remote (its optional ``overlap``), the
+        sequences run as two micro-batches, alternating per layer: one's dense half computes while
+        the other's remote share is in flight (``moe_begin`` / ``result``). Every kernel is
+        batch-invariant, so the bits do not depend on the split."""
         cfg = self.cfg
         n_tok = x.shape[0]
-        Hkv, hdk, hdv = cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
         pos_np = pos.to(torch.int32).numpy()
         xn = x.numpy()
         for c in chunks:
             c.cache.begin(c.pos + len(c.tokens))
-        # attention reads little (a decode row: ~0.1 MB of f16 cache per layer) through many small ops,
-        # each a barrier for the threads: on 2 threads it measured 1-30x slower than on one (vCPU
-        # steal makes the barriers erratic), so only prefill-sized work gets every thread
-        # the backend's say on computing a whole layer here (ExpertBackend's optional local_layer /
-        # ran_here): then its MoE runs inside the AttnOut graph
-        local_layer = getattr(self.experts, "local_layer", None)
-        ran_here = getattr(self.experts, "ran_here", None)
-        att_threads = compute_threads(sum(gd.attn.macs(len(c.tokens), gd.attn.n_kv(c.pos + len(c.tokens), c.cache.n_ctx))
-                                          for c in chunks), big=ATTN_BIG_WORK)
+        overlap = getattr(self.experts, "overlap", None)
+        cuts = [0, len(chunks)]
+        if len(chunks) >= 2 and overlap is not None and overlap(n_tok * cfg.n_expert_used):
+            # two micro-batches of about equal rows
+            half = min(range(1, len(chunks)), key=lambda i: abs(2 * bounds[i][0] - n_tok))
+            cuts = [0, half, len(chunks)]
+        mbs: list[_MicroBatch] = []
+        for a, b in itertools.pairwise(cuts):
+            s0, e0 = bounds[a][0], bounds[b - 1][1]
+            mbs.append(_MicroBatch(chunks[a:b], [(s - s0, e - s0) for s, e in bounds[a:b]], xn[s0:e0], pos_np[s0:e0]))
         for li in range(cfg.n_layer):
-            blk = gd.attn_in[li]
-            qn, kn, vn = blk(xn, pos_np, compute_threads(n_tok * blk.macs))
-            items = []
-            for c, (s, e) in zip(chunks, bounds, strict=True):
-                n = e - s
-                kc, vc = c.cache.k_np[li], c.cache.v_np[li]
-                kc[c.pos : c.pos + n] = kn[s:e].reshape(n, Hkv, hdk)
-                vc[:, :, c.pos : c.pos + n] = vn[s:e].reshape(n, Hkv, hdv).transpose(1, 2, 0)
-                items.append((qn[s:e], kc, vc, c.pos))
-            L = self.model.layers[li]
-            att = gd.attn.many(items, att_threads, zero_tail=False, sinks=_np(L.sinks),
-                               window=cfg.n_swa if li in self._swa else 0)
-            attn = att[0] if len(att) == 1 else np.concatenate(att)
-            moe_layer = self._moe_of[li]
-            fused = gd.attn_out_moe[li]
-            if fused is not None and moe_layer is not None and n_tok <= FUSED_MAX_ROWS and local_layer is not None \
-                    and local_layer(moe_layer, n_tok * cfg.n_expert_used):
-                t0 = time.perf_counter()
-                xn, ids_np = fused(attn, xn, compute_threads(n_tok * fused.macs))
-                if ran_here is not None:
-                    ran_here(moe_layer, ids_np, time.perf_counter() - t0)
-                continue
-            blk_o = gd.attn_out[li]
-            xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
-            if moe_layer is None:  # a dense block: its FFN came out of the graph
-                assert shared is not None
-                xn = xn + shared
-                continue
-            ids, w = self.select(torch.from_numpy(probs))
-            moe = self.experts.moe(moe_layer, torch.from_numpy(hn), ids, w).numpy()
-            if shared is not None:  # llama.cpp: (routed + shared) + residual, float32 adds
-                moe = moe + shared
-            xn = xn + moe  # float32, as llama.cpp's add
+            for mb in mbs:
+                mb.finish()
+                self._layer_ggml(gd, li, mb)
+        for mb in mbs:
+            mb.finish()
+        xn = mbs[0].xn if len(mbs) == 1 else np.concatenate([mb.xn for mb in mbs])
         # the head once for every sequence's rows (its weights are read once per step, not per sequence)
         rows = [xn[s:e] if c.all_logits else xn[e - 1 : e] for c, (s, e) in zip(chunks, bounds, strict=True)]
         xs = rows[0] if len(rows) == 1 else np.concatenate(rows)
         logits = torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs)))
         return list(torch.split(logits, [len(r) for r in rows])) if len(rows) > 1 else [logits]
+
+    def _layer_ggml(self, gd: _GgmlDense, li: int, mb: _MicroBatch) -> None:
+        """Layer ``li`` of one micro-batch: its dense half, then its MoE computed (``mb.xn`` updated)
+        or started (``mb.pending``)."""
+        cfg = self.cfg
+        Hkv, hdk, hdv = cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
+        chunks, xn = mb.chunks, mb.xn
+        n_tok = xn.shape[0]
+        # attention reads little (a decode row: ~0.1 MB of f16 cache per layer) through many small ops,
+        # each a barrier for the threads: on 2 threads it measured 1-30x slower than on one (vCPU
+        # steal makes the barriers erratic), so only prefill-sized work gets every thread
+        att_threads = compute_threads(sum(gd.attn.macs(len(c.tokens), gd.attn.n_kv(c.pos + len(c.tokens), c.cache.n_ctx))
+                                          for c in chunks), big=ATTN_BIG_WORK)
+        blk = gd.attn_in[li]
+        qn, kn, vn = blk(xn, mb.pos, compute_threads(n_tok * blk.macs))
+        items = []
+        for c, (s, e) in zip(chunks, mb.bounds, strict=True):
+            n = e - s
+            kc, vc = c.cache.k_np[li], c.cache.v_np[li]
+            kc[c.pos : c.pos + n] = kn[s:e].reshape(n, Hkv, hdk)
+            vc[:, :, c.pos : c.pos + n] = vn[s:e].reshape(n, Hkv, hdv).transpose(1, 2, 0)
+            items.append((qn[s:e], kc, vc, c.pos))
+        L = self.model.layers[li]
+        att = gd.attn.many(items, att_threads, zero_tail=False, sinks=_np(L.sinks),
+                           window=cfg.n_swa if li in self._swa else 0)
+        attn = att[0] if len(att) == 1 else np.concatenate(att)
+        moe_layer = self._moe_of[li]
+        fused = gd.attn_out_moe[li]
+        # the backend's say on computing a whole layer here (ExpertBackend's optional local_layer /
+        # ran_here): then its MoE runs inside the AttnOut graph
+        local_layer = getattr(self.experts, "local_layer", None)
+        if fused is not None and moe_layer is not None and n_tok <= FUSED_MAX_ROWS and local_layer is not None \
+                and local_layer(moe_layer, n_tok * cfg.n_expert_used):
+            t0 = time.perf_counter()
+            mb.xn, ids_np = fused(attn, xn, compute_threads(n_tok * fused.macs))
+            ran_here = getattr(self.experts, "ran_here", None)
+            if ran_here is not None:
+                ran_here(moe_layer, ids_np, time.perf_counter() - t0)
+            return
+        blk_o = gd.attn_out[li]
+        xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
+        if moe_layer is None:  # a dense block: its FFN came out of the graph
+            assert shared is not None
+            mb.xn = xn + shared
+            return
+        ids, w = self.select(torch.from_numpy(probs))
+        begin = getattr(self.experts, "moe_begin", None)
+        h = torch.from_numpy(hn)
+        pending = begin(moe_layer, h, ids, w) if begin is not None else _Ready(self.experts.moe(moe_layer, h, ids, w))
+        mb.xn, mb.pending, mb.shared = xn, pending, shared
 
     def _forward_torch(self, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
                        pos: torch.Tensor) -> list[torch.Tensor]:

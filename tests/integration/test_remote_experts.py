@@ -341,3 +341,47 @@ async def test_coordinator_adaptive_by_default_stays_local_when_idle(
     line = f'moe_swarm_dispatch_decisions_total{{model="{golden_model.model_id}",reason="idle_local"}}'
     assert line in metrics
     assert f'moe_swarm_dispatch_loaded{{model="{golden_model.model_id}",state="idle"}} 1.0' in metrics
+
+
+async def test_micro_batches_overlap_remote_calls_with_the_same_bits(
+    nursery: trio.Nursery, golden_model: GGUFModel, coord_transport: Transport
+) -> None:
+    """Three sequences per step with half of every layer on a volunteer: the engine alternates two
+    micro-batches (one's dense half while the other's remote share is in flight; the engine thread
+    computes the local share itself), and every logit has the bits of the whole step computed here
+    in the same partition."""
+    a = await start_volunteer(nursery, golden_model, [(0, 0, 4), (1, 4, 8)])
+    m = dmap(golden_model, 1, {(0, 0, 4): [a], (1, 4, 8): [a]})
+    d = await make_dispatcher(nursery, golden_model, coord_transport)
+    d.set_map(m)
+    ref = await make_dispatcher(nursery, golden_model, None)  # the same partition, every range here
+    ref.set_map(m)
+    asked: list[bool] = []
+    overlap = d.overlap
+
+    def spy(n_pairs: int) -> bool:
+        asked.append(overlap(n_pairs))
+        return asked[-1]
+
+    d.overlap = spy  # type: ignore[method-assign]
+    prompts = [[(5 * i + 3 * j + 1) % 200 for j in range(3 + i)] for i in range(3)]
+
+    async def run(tr: Transformer) -> list[list[torch.Tensor]]:
+        caches = [KVCache(tr.cfg, 64) for _ in prompts]
+        out = [await run_forward(tr, [SeqChunk(c, p, 0, all_logits=True) for c, p in zip(caches, prompts, strict=True)])]
+        pos = [len(p) for p in prompts]
+        for _ in range(4):
+            toks = [int(lg[-1].argmax()) for lg in out[-1]]
+            out.append(await run_forward(tr, [SeqChunk(c, [t], q) for c, t, q in zip(caches, toks, pos, strict=True)]))
+            pos = [q + 1 for q in pos]
+        return out
+
+    got = await run(Transformer(golden_model, d))
+    want = await run(Transformer(golden_model, ref))
+    assert asked and all(asked)  # every step ran as two micro-batches
+    for x, y in zip(got, want, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
+    rep = report(d)
+    assert all(L["remote_rows"] > 0 and L["local_rows"] > 0 for L in rep["layers"])
+    # more calls than steps x layers: the micro-batches called apart (one may route nothing to a range)
+    assert a.server.stats.calls > 5 * 2
