@@ -24,8 +24,10 @@ time D (attention, norms, router, head) and expert time E, and prints the gain t
 could reach by splitting the experts: (D + E) / (D + E / 2), round trips not counted.
 
 ``--rtt-ms 0 10 40`` runs every case at each round trip: for > 0 the coordinator reaches the
-volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem). Not built yet:
-the micro-batch overlap, so these cases measure what the split alone buys at that distance.
+volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem). The engine's
+two alternating micro-batches apply only where it must wait for remote ranges (offload mode, or
+ranges the coordinator does not hold) with a round trip longer than the layer's compute
+(``DispatchCore.overlap_pays``); here every expert is held, so earliest-finish decides alone.
 """
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ from coordinator.core.dispatch import (
     Compared,
     DispatchConfig,
     DispatchCore,
+    DispatchMode,
     Effect,
     Event,
     Fail,
@@ -395,6 +396,7 @@ class Dispatcher:
         self._last_now = 0.0
         # read by the engine thread (one tuple, replaced whole: atomic)
         self._engine_local: tuple[float, Reason] = self.core.local_only_pairs(0.0)
+        self._not_held = False  # the map lists a range this coordinator does not hold
         self._ran_here: list[Event] = []  # engine thread only: fast-path layers not yet reported
         self._clients: dict[str, ExpertClient] = {}
         self._addrs: dict[str, list[str]] = {}
@@ -479,6 +481,7 @@ class Dispatcher:
         peers = m.peers()
         before = set(self.core.table.workers)
         self.map = m
+        self._not_held = any(not self.held(lr.layer, r.lo, r.hi) for lr in m.layers for r in lr.ranges)
         self._map_changed.set()
         self._map_changed = trio.Event()
         self._post(WorkersListed(frozenset(peers)))
@@ -1055,10 +1058,18 @@ class Dispatcher:
         return self.moe_begin(layer, x, topk_ids, topk_w).result()
 
     def overlap(self, n_pairs: int) -> bool:
-        """``ExpertBackend.overlap``: may a layer of ``n_pairs`` routed pairs go (partly) remote now?
-        Then the engine alternates two micro-batches, so one computes while the other's remote
-        share is in flight."""
-        return self._token is not None and n_pairs > self._engine_local[0] and self._engine_path
+        """``ExpertBackend.overlap``: would the engine wait for remote ranges of a step of ``n_pairs``
+        routed pairs per layer (``offload`` mode, or ranges this coordinator does not hold), with a
+        round trip longer than the layer's compute here (the core's ``overlap_pays``)? Then it
+        alternates two micro-batches, so one computes while the other's remote share is in flight."""
+        token = self._token
+        if token is None or not self._engine_path or not (self._not_held or self.config.mode is DispatchMode.OFFLOAD):
+            return False
+        try:  # the core lives on the trio thread: asked there (one hop per step, only in these modes)
+            return bool(trio.from_thread.run_sync(
+                lambda: self.core.overlap_pays(n_pairs, self._now(), not_held=self._not_held), trio_token=token))
+        except trio.RunFinishedError:
+            return False
 
     @functools.cached_property
     def _engine_path(self) -> bool:

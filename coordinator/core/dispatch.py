@@ -71,6 +71,18 @@ Rules:
   be placed here anyway -- idle (unbounded), or under load when no trial is due and even the
   fastest live proven worker's estimate (latency EWMA x (1 + calls in flight)) is no earlier than
   the local finish of the whole layer (``(backlog + pairs) x seconds per pair``; ties go local).
+- Micro-batches (``overlap_pays``): the engine alternates two micro-batches of a step only where
+  it would otherwise wait for remote ranges whatever their round trip -- ``offload`` mode, or (the
+  shell says) a map with ranges not held here -- and that round trip is long: the fastest live
+  worker's latency EWMA exceeds computing the whole layer here (``pairs x seconds per pair``).
+  Then one micro-batch's dense half computes while the other's remote share is in flight. Not
+  under earliest-finish: it sends a range remote only when that finishes before the local share
+  would, so there is little wait to fill, and two micro-batches cost more than one step (less
+  sharing of expert weights, twice the per-layer overhead). Measured on 2 cores
+  (``benchmarks/offload.py``, 8 sessions; scratch patches): with half of each layer forced remote,
+  micro-batches give 0.63x vs 0.76x of local-only at a 0 ms round trip, 0.61x vs 0.55x at 10 ms,
+  0.30x vs 0.28x at 40 ms; a coordinator holding half of the experts (the rest on the volunteer,
+  0 ms) 45.5 vs 47.5 tokens/s.
 - ``Combine(step, calls)`` once every range of the layer has a result: the winning call of each
   range, in ascending ``lo`` (DESIGN §3: the same kernel on the same rows wherever it ran, summed
   in the same order, whoever won).
@@ -999,6 +1011,15 @@ class DispatchCore:
         if best == math.inf:
             return math.inf, reason  # nobody to offload to
         return max(0.0, best / max(self.local_cost_s, 1e-12) - self.local_backlog_pairs), reason
+
+    def overlap_pays(self, n_pairs: int, now: float, *, not_held: bool = False) -> bool:
+        """Do two alternating micro-batches help a step of ``n_pairs`` routed pairs per layer now?
+        ``not_held``: the shell's map lists ranges this coordinator does not hold. (See the module rules.)"""
+        if not (not_held or self.config.mode is DispatchMode.OFFLOAD):
+            return False
+        rtts = [w.latency_ewma_ms / 1000.0 for p, w in self.table.workers.items()
+                if self.table.is_live(p, now) and w.latency_ewma_ms > 0]
+        return bool(rtts) and min(rtts) > n_pairs * self.local_cost_s
 
     def in_flight(self) -> int:
         return sum(1 for c in self._calls.values() if not c.done)
