@@ -276,6 +276,7 @@ class _StepRun:
     capture: list[tuple[CallId, int]] | None = None
     placed: queue.SimpleQueue[list[tuple[CallId, int]]] = field(default_factory=queue.SimpleQueue)
     ended: threading.Event = field(default_factory=threading.Event)
+    error: str = ""  # a bug on the trio side of an engine step: the layer fails, the loop goes on
 
 
 class _Done:
@@ -1138,6 +1139,8 @@ class Dispatcher:
         run.capture = []
         try:
             self._post(LayerReady(run.step, run.layer, works, expert_pairs))
+        except Exception as exc:  # a callback of the loop must not raise: the layer fails instead
+            self._engine_step_broke(run, exc)
         finally:
             calls, run.capture = run.capture, None
             for call, _ in calls:  # a Cancel of one of them pops its scope: its answer is then dropped
@@ -1147,19 +1150,27 @@ class Dispatcher:
     def _engine_local_done(self, run: _StepRun, calls: list[tuple[CallId, int]], n_pairs: list[int],
                            outs: list[torch.Tensor] | BaseException, seconds: float) -> None:
         total = max(1, sum(n_pairs))
-        for k, ((call, _), n) in enumerate(zip(calls, n_pairs, strict=True)):
-            sc = self._calls.get(call)
-            if sc is None or sc.cancel_called:
-                continue
-            del self._calls[call]
-            if isinstance(outs, BaseException):
-                self._post(LocalFailed(call, f"{type(outs).__name__}: {outs}"))
-                continue
-            y = outs[k]
-            run.results[call] = y
-            if call in self._keep:
-                self._kept[call] = y
-            self._post(LocalDone(call, seconds * n / total))
+        try:
+            for k, ((call, _), n) in enumerate(zip(calls, n_pairs, strict=True)):
+                sc = self._calls.get(call)
+                if sc is None or sc.cancel_called:
+                    continue
+                del self._calls[call]
+                if isinstance(outs, BaseException):
+                    self._post(LocalFailed(call, f"{type(outs).__name__}: {outs}"))
+                    continue
+                y = outs[k]
+                run.results[call] = y
+                if call in self._keep:
+                    self._kept[call] = y
+                self._post(LocalDone(call, seconds * n / total))
+        except Exception as exc:
+            self._engine_step_broke(run, exc)
+
+    def _engine_step_broke(self, run: _StepRun, exc: Exception) -> None:
+        log.exception("dispatch of layer %d failed", run.layer, exc_info=exc)
+        run.error = f"{type(exc).__name__}: {exc}"
+        run.ended.set()
 
     def _end_engine_step(self, step: StepId) -> None:
         self._steps.pop(step, None)
@@ -1172,6 +1183,8 @@ class Dispatcher:
         if token is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._end_engine_step, run.step)
+        if run.error:
+            raise DispatchFailed(run.error)
         if run.fail is not None:
             if run.fail.reason in _MISSING and token is not None:  # wait for coverage the usual way
                 return trio.from_thread.run(self.dispatch_layer, run.layer, x, topk_ids, topk_w, trio_token=token)

@@ -393,3 +393,36 @@ async def test_micro_batches_overlap_remote_calls_with_the_same_bits(
     assert all(L["remote_rows"] > 0 and L["local_rows"] > 0 for L in rep["layers"])
     # more calls than steps x layers: the micro-batches called apart (one may route nothing to a range)
     assert a.server.stats.calls > 5 * 2
+
+
+async def test_a_bug_in_an_engine_steps_dispatch_fails_the_layer_not_the_loop(
+    nursery: trio.Nursery, golden_model: GGUFModel, coord_transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread's step reaches the core in a callback of the trio loop: an exception there
+    fails that layer (``DispatchFailed``) and the dispatcher goes on serving the next one."""
+    from coordinator.core.dispatch import LayerReady
+    from swarm.errors import DispatchFailed
+
+    a = await start_volunteer(nursery, golden_model, [(0, 0, 4)])
+    d = await make_dispatcher(nursery, golden_model, coord_transport)
+    d.set_map(dmap(golden_model, 1, {(0, 0, 4): [a]}))
+    handle = d.core.handle
+    broken = [True]
+
+    def once(ev: Any, now: float) -> Any:
+        if isinstance(ev, LayerReady) and broken[0]:
+            broken[0] = False
+            raise RuntimeError("a bug")
+        return handle(ev, now)
+
+    monkeypatch.setattr(d.core, "handle", once)
+    x = torch.randn(2, golden_model.config.d_model)
+    ids = torch.tensor([[0, 5], [1, 2]])
+    w = torch.full((2, 2), 0.5)
+    with pytest.raises(DispatchFailed, match="a bug"):
+        await trio.to_thread.run_sync(d.moe, 0, x, ids, w)
+    got = await trio.to_thread.run_sync(d.moe, 0, x, ids, w)
+    ref = await make_dispatcher(nursery, golden_model, None)
+    ref.set_map(dmap(golden_model, 1, {(0, 0, 4): [a]}))
+    assert torch.equal(got, await trio.to_thread.run_sync(ref.moe, 0, x, ids, w))
+    assert a.server.stats.calls == 1
