@@ -269,8 +269,9 @@ class _StepRun:
     results: dict[CallId, torch.Tensor] = field(default_factory=dict)
     combine: Combine | None = None
     fail: Fail | None = None
-    # a step the engine thread started (``moe_begin``): the local ranges of the core's first
-    # placement are handed to it (``placed``) instead of a worker thread, and it waits on ``ended``
+    # a step the engine thread started (``moe_begin``) waits on ``ended``; with ``engine`` (it holds a
+    # range here) the local ranges of the core's first placement are handed to it (``placed``)
+    # instead of a worker thread
     engine: bool = False
     step: StepId = StepId(0)
     capture: list[tuple[CallId, int]] | None = None
@@ -1104,12 +1105,15 @@ class Dispatcher:
         if not self._engine_path:
             return _Done(trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token))
         jobs = self._jobs(layer, x, topk_ids, topk_w)
-        run = _StepRun(layer, jobs, engine=True)
+        works = self._range_works(layer, jobs)
+        # nothing held here (a backbone's layer): no local share to wait for -- any local work (a
+        # missing range from disk, a fallback) runs on the worker thread
+        run = _StepRun(layer, jobs, engine=any(w.held for w in works))
         try:
-            token.run_sync_soon(self._begin_engine_step, run, self._range_works(layer, jobs), self._expert_pairs(topk_ids))
+            token.run_sync_soon(self._begin_engine_step, run, works, self._expert_pairs(topk_ids))
         except trio.RunFinishedError:
             raise DispatchFailed("the dispatcher stopped") from None
-        calls = self._engine_placed(run)
+        calls = self._engine_placed(run) if run.engine else []
         if calls:
             merged, n_pairs = self._merged(run, calls)
             t0 = time.perf_counter()
@@ -1136,16 +1140,17 @@ class Dispatcher:
         engine thread (any later local work -- a hedge -- runs on the worker thread as usual)."""
         run.step = StepId(next(self._step_ids))
         self._steps[run.step] = run
-        run.capture = []
+        run.capture = [] if run.engine else None
         try:
             self._post(LayerReady(run.step, run.layer, works, expert_pairs))
         except Exception as exc:  # a callback of the loop must not raise: the layer fails instead
             self._engine_step_broke(run, exc)
         finally:
-            calls, run.capture = run.capture, None
-            for call, _ in calls:  # a Cancel of one of them pops its scope: its answer is then dropped
-                self._calls[call] = trio.CancelScope()
-            run.placed.put(calls)
+            if run.engine:
+                calls, run.capture = run.capture or [], None
+                for call, _ in calls:  # a Cancel of one of them pops its scope: its answer is then dropped
+                    self._calls[call] = trio.CancelScope()
+                run.placed.put(calls)
 
     def _engine_local_done(self, run: _StepRun, calls: list[tuple[CallId, int]], n_pairs: list[int],
                            outs: list[torch.Tensor] | BaseException, seconds: float) -> None:

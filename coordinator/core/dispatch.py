@@ -74,7 +74,8 @@ Rules:
 - Micro-batches (``overlap_pays``): the engine alternates two micro-batches of a step only where
   it would otherwise wait for remote ranges whatever their round trip -- ``offload`` mode, or (the
   shell says) a map with ranges not held here -- and that round trip is long: the fastest live
-  worker's latency EWMA exceeds computing the whole layer here (``pairs x seconds per pair``).
+  worker's latency EWMA is at least ``overlap_min_rtt_s`` (15 ms) and exceeds computing the whole
+  layer here (``pairs x seconds per pair``).
   Then one micro-batch's dense half computes while the other's remote share is in flight. Not
   under earliest-finish: it sends a range remote only when that finishes before the local share
   would, so there is little wait to fill, and two micro-batches cost more than one step (less
@@ -82,7 +83,8 @@ Rules:
   (``benchmarks/offload.py``, 8 sessions; scratch patches): with half of each layer forced remote,
   micro-batches give 0.63x vs 0.76x of local-only at a 0 ms round trip, 0.61x vs 0.55x at 10 ms,
   0.30x vs 0.28x at 40 ms; a coordinator holding half of the experts (the rest on the volunteer,
-  0 ms) 45.5 vs 47.5 tokens/s.
+  0 ms) 45.5 vs 47.5 tokens/s; a backbone coordinator (``benchmarks/capacity.py --quick``, loopback
+  round trips of a few ms) 148 vs 172 tokens/s at 4 sessions. Hence the floor.
 - ``Combine(step, calls)`` once every range of the layer has a result: the winning call of each
   range, in ascending ``lo`` (DESIGN §3: the same kernel on the same rows wherever it ran, summed
   in the same order, whoever won).
@@ -493,6 +495,9 @@ class DispatchConfig:
     hot_experts: int = 0  # the K most-routed experts of each layer always run locally
     hot_decay: float = 0.98  # per layer call: the routing counts' memory
     local_cost_prior_s: float = 20e-6  # seconds per (row, expert) pair before the first measurement
+    # micro-batches only from this round trip on (see the module rules: measured on one 2-core box,
+    # they cost more than they fill up to ~10 ms and paid from 10-20 ms)
+    overlap_min_rtt_s: float = 0.015
     ewma_alpha: float = 0.2
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -1019,7 +1024,7 @@ class DispatchCore:
             return False
         rtts = [w.latency_ewma_ms / 1000.0 for p, w in self.table.workers.items()
                 if self.table.is_live(p, now) and w.latency_ewma_ms > 0]
-        return bool(rtts) and min(rtts) > n_pairs * self.local_cost_s
+        return bool(rtts) and min(rtts) >= self.config.overlap_min_rtt_s and min(rtts) > n_pairs * self.local_cost_s
 
     def in_flight(self) -> int:
         return sum(1 for c in self._calls.values() if not c.done)

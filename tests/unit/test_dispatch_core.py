@@ -639,6 +639,7 @@ def test_the_fast_path_size_never_changes_a_placement(
     [
         ("offload p 30ms", 8, True),  # waits 30 ms for a layer computed here in 8 ms: fill the wait
         ("offload p 30ms", 40, False),  # the layer's compute (40 ms) is longer than the round trip
+        ("offload p 10ms", 8, False),  # below the 15 ms floor: two micro-batches cost more than they fill
         ("offload p", 8, False),  # no measured round trip yet
         ("offload", 8, False),  # nobody listed
         ("offload p 30ms down", 8, False),
@@ -650,8 +651,9 @@ def test_the_fast_path_size_never_changes_a_placement(
 def test_overlap_pays(setup: str, n_pairs: int, want: bool) -> None:
     words = setup.split()
     c = core(*(["p"] if "p" in words else []), mode=DispatchMode.OFFLOAD if "offload" in words else DispatchMode.ADAPTIVE)
-    if "30ms" in words:
-        prove(c, "p", 30 * MS)  # 1 ms per pair here (the fixture's prior)
+    for ms in (10, 30):
+        if f"{ms}ms" in words:
+            prove(c, "p", ms * MS)  # 1 ms per pair here (the fixture's prior)
     if "down" in words:
         c.table.failed("p", "x", 0.0)
     if "loaded" in words:
