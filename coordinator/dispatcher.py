@@ -121,6 +121,7 @@ from coordinator.core.dispatch import (
     WorkerTable,
 )
 from coordinator.core.holdings import HoldBook, Holding
+from coordinator.model import ReadyMoe
 from swarm.core.histogram import Histogram
 from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate
@@ -278,16 +279,6 @@ class _StepRun:
     placed: queue.SimpleQueue[list[tuple[CallId, int]]] = field(default_factory=queue.SimpleQueue)
     ended: threading.Event = field(default_factory=threading.Event)
     error: str = ""  # a bug on the trio side of an engine step: the layer fails, the loop goes on
-
-
-class _Done:
-    """A layer's MoE output that is already computed (``moe_begin`` on the fast path)."""
-
-    def __init__(self, y: torch.Tensor) -> None:
-        self.y = y
-
-    def result(self) -> torch.Tensor:
-        return self.y
 
 
 class _Pending:
@@ -1078,14 +1069,14 @@ class Dispatcher:
         """The engine thread computes the local share of the steps it starts (not with a test's runner)."""
         return self._local_runner == self._thread_runner
 
-    def moe_begin(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> _Done | _Pending:
+    def moe_begin(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> ReadyMoe | _Pending:
         """``ExpertBackend.moe_begin``: start one MoE layer; ``.result()`` gives its output. Under load
         the core places the ranges (on the trio thread); the remote calls go out there while this
         thread computes the share placed here, then it returns: the engine may compute something
         else (the other micro-batch) before it asks for the result."""
         token = self._token
         if token is None:  # not serving: every expert here (the bits of any partition)
-            return _Done(self._all_here(layer, x, topk_ids, topk_w))
+            return ReadyMoe(self._all_here(layer, x, topk_ids, topk_w))
         max_pairs, reason = self._engine_local
         if topk_ids.numel() <= max_pairs:
             # Fast path: the core would place every held range of this layer here (idle, or no worker
@@ -1097,13 +1088,13 @@ class Dispatcher:
                 t0 = time.perf_counter()
                 out = self._all_here(layer, x, topk_ids, topk_w)  # one kernel call, not one per range
                 self._report_here(layer, works, reason, time.perf_counter() - t0)
-                return _Done(out)
+                return ReadyMoe(out)
         if self._ran_here:  # the fast-path layers before this one first, in order
             evs, self._ran_here = self._ran_here, []
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._post_all, evs)
         if not self._engine_path:
-            return _Done(trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token))
+            return ReadyMoe(trio.from_thread.run(self.dispatch_layer, layer, x, topk_ids, topk_w, trio_token=token))
         jobs = self._jobs(layer, x, topk_ids, topk_w)
         works = self._range_works(layer, jobs)
         # nothing held here (a backbone's layer): no local share to wait for -- any local work (a

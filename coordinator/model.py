@@ -49,7 +49,7 @@ from swarm.model.kernels.block import (
 )
 from swarm.model.kernels.dense import Linear
 
-__all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
+__all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "PendingMoe", "ReadyMoe", "SeqChunk", "Transformer"]
 
 
 class ExpertBackend(Protocol):
@@ -237,7 +237,9 @@ class PendingMoe(Protocol):
     def result(self) -> torch.Tensor: ...
 
 
-class _Ready:
+class ReadyMoe:
+    """A layer's MoE output computed already (``moe_begin`` that did not need to wait)."""
+
     def __init__(self, y: torch.Tensor) -> None:
         self.y = y
 
@@ -523,7 +525,7 @@ class Transformer:
         ids, w = self.select(torch.from_numpy(probs))
         begin = getattr(self.experts, "moe_begin", None)
         h = torch.from_numpy(hn)
-        pending = begin(moe_layer, h, ids, w) if begin is not None else _Ready(self.experts.moe(moe_layer, h, ids, w))
+        pending = begin(moe_layer, h, ids, w) if begin is not None else ReadyMoe(self.experts.moe(moe_layer, h, ids, w))
         mb.xn, mb.pending, mb.shared = xn, pending, shared
 
     def _forward_torch(self, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
