@@ -9,7 +9,12 @@ one the volunteer's ``ExpertServer`` plugs into) and runs a raw TCP echo server.
 - ``local``: ``slice_partial_sum`` in this process (the coordinator's local path);
 - ``remote``: an ``ExpertClient`` call (request + rows out, per-pair outputs back, compute included);
 - ``tcp_floor``: echo of the same request/response byte counts over a plain TCP socket;
-- ``remote_concurrent8``: 8 concurrent callers at batch 8 over one pipelined stream (tokens/s).
+- ``remote_concurrent8``: 8 concurrent callers at batch 8 over one pipelined stream (tokens/s);
+- ``remote_null``: the same calls answered without computing (zeros, at once): the protocol's own
+  cost (framing, Noise, Yamux, both event loops, the worker-thread hop);
+- ``remote_sleep``: answered after the server's worker thread sleeps for the local median instead
+  of computing: what two otherwise idle processes pay to wake up after a wait of that length
+  (remote_sleep - local = the overhead a real call shows, with no compute in it).
 
 ``--via-relay`` starts ``moe-swarm relay`` as a third process; the server also reserves a slot on
 it, and the same remote cases run again through the circuit (client -> relay -> server, Noise +
@@ -17,7 +22,8 @@ Yamux end to end inside the relay's Yamux streams), named ``remote_relayed`` and
 ``remote_relayed_concurrent8``; the table then gives the relayed/direct ratio per case.
 
 Overhead = remote − local (medians). Target on loopback (issue 10, expert stream v2): <= 1.2 ms at
-batch 1 and <= 1.6 ms at batch 8.
+batch 1 and <= 1.6 ms at batch 8. The table also splits it: protocol = remote_null; wait = remote_sleep
+- local - remote_null (the idle wake-ups a call of that length costs on this machine).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from swarm.rpc.server import expert_stream_handler
 
 D_MODEL, WIDTH = 1024, 2816
 MODEL_ID = "bench-expert"
+NULL_MODEL_ID = "bench-null"  # answered with zeros at once (the protocol's own cost)
+SLEEP_MODEL_ID = "bench-sleep-"  # + microseconds: answered with zeros after the worker thread sleeps that long
 KERNEL_ID = f"torch-{torch.__version__.split('+')[0]}-dequant-f32-v1"  # slice_partial_sum: the torch reference
 
 
@@ -92,7 +100,15 @@ async def serve(threads: int, relay: str | None) -> None:
     w = OneExpert()
     limiter = trio.CapacityLimiter(threads)
 
+    def idle(rows: torch.Tensor, us: int) -> torch.Tensor:
+        time.sleep(us / 1e6)
+        return torch.zeros(rows.shape[0], D_MODEL)
+
     async def handler(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        if req.model_id == NULL_MODEL_ID:
+            return torch.zeros(rows.shape[0], D_MODEL)
+        if req.model_id.startswith(SLEEP_MODEL_ID):
+            return await trio.to_thread.run_sync(idle, rows, int(req.model_id[len(SLEEP_MODEL_ID):]), limiter=limiter)
         return await trio.to_thread.run_sync(compute, w, rows, limiter=limiter)
 
     async def echo(stream: trio.SocketStream) -> None:
@@ -130,22 +146,28 @@ async def serve(threads: int, relay: str | None) -> None:
 # -- client ---------------------------------------------------------------------------------------
 async def remote_cases(
     t: Libp2pTransport, peer_id: str, addrs: list[str], name: str, w: OneExpert, calls: int, batches: list[int],
-    request: Any,
+    request: Any, *, split: dict[int, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """``name`` at each batch, then ``name_concurrent8``: 8 callers at batch 8 over one stream."""
+    """``name`` at each batch, then ``name_concurrent8``: 8 callers at batch 8 over one stream.
+    ``split`` (the local medians by batch, seconds): also ``remote_null`` and ``remote_sleep``."""
     cases: list[dict[str, Any]] = []
     async with open_expert_client(t, peer_id, addrs, kernel_id=KERNEL_ID) as client:
         for batch in batches:
             x = torch.randn(batch, D_MODEL)
-            for _ in range(5):
-                await client.call(*call(request(batch), x), timeout=30)
-            samples = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                out = await client.call(*call(request(batch), x), timeout=30)
-                samples.append(time.perf_counter() - t0)
-            assert torch.equal(out, compute(w, x)), "remote result differs from local"
-            cases.append({"case": name, "batch": batch, **stats(samples, batch)})
+            variants = [(name, MODEL_ID)]
+            if split is not None:
+                variants += [("remote_null", NULL_MODEL_ID), ("remote_sleep", f"{SLEEP_MODEL_ID}{round(split[batch] * 1e6)}")]
+            for case, model_id in variants:
+                for _ in range(5):
+                    await client.call(*call(request(batch, model_id), x), timeout=30)
+                samples = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    out = await client.call(*call(request(batch, model_id), x), timeout=30)
+                    samples.append(time.perf_counter() - t0)
+                want = compute(w, x) if model_id == MODEL_ID else torch.zeros(batch, D_MODEL)
+                assert torch.equal(out, want), f"{case}: remote result differs from the expected one"
+                cases.append({"case": case, "batch": batch, **stats(samples, batch)})
 
         x8 = torch.randn(8, D_MODEL)
         per_caller = max(5, calls // 4)
@@ -188,8 +210,8 @@ async def measure(info: dict[str, Any], calls: int, batches: list[int]) -> list[
 
     pairs = {b: make_pairs(np.arange(b), np.zeros(b), np.ones(b)) for b in batches}  # built once, as the dispatcher does
 
-    def request(batch: int) -> tuple[ExpertRequest, Pairs]:
-        return ExpertRequest(request_id=RequestId(next(ids)), attempt=0, model_id=MODEL_ID, layer=0, lo=0, hi=1,
+    def request(batch: int, model_id: str = MODEL_ID) -> tuple[ExpertRequest, Pairs]:
+        return ExpertRequest(request_id=RequestId(next(ids)), attempt=0, model_id=model_id, layer=0, lo=0, hi=1,
                              n_rows=batch, d_model=D_MODEL, n_pairs=batch, dtype="float32"), pairs[batch]
 
     for batch in batches:
@@ -204,7 +226,8 @@ async def measure(info: dict[str, Any], calls: int, batches: list[int]) -> list[
         cases.append({"case": "local", "batch": batch, **stats(samples, batch)})
 
     async with open_libp2p_transport(key_path=None) as t:
-        cases += await remote_cases(t, info["peer_id"], info["addrs"], "remote", w, calls, batches, request)
+        local_s = {c["batch"]: c["median_ms"] / 1000 for c in cases if c["case"] == "local"}
+        cases += await remote_cases(t, info["peer_id"], info["addrs"], "remote", w, calls, batches, request, split=local_s)
     if info.get("circuit"):
         # a fresh host, so nothing but the circuit connects it to the server
         async with open_libp2p_transport(key_path=None) as t, open_nat(t, NatConfig(hole_punch=False)):
@@ -281,6 +304,12 @@ def main() -> None:
     local = {c["batch"]: c["median_ms"] for c in cases if c["case"] == "local"}
     print("overhead (remote - local median):",
           ", ".join(f"batch {c['batch']}: {c['median_ms'] - local[c['batch']]:.3f} ms" for c in cases if c["case"] == "remote"))
+    null = {c["batch"]: c["median_ms"] for c in cases if c["case"] == "remote_null"}
+    sleep = {c["batch"]: c["median_ms"] for c in cases if c["case"] == "remote_sleep"}
+    split = {b: {"protocol_ms": round(null[b], 3), "wait_ms": round(sleep[b] - local[b] - null[b], 3)} for b in null}
+    result["overhead_split"] = {str(b): v for b, v in split.items()}
+    print("of which (medians): protocol = remote_null, wait = remote_sleep - local - remote_null:",
+          ", ".join(f"batch {b}: protocol {v['protocol_ms']:.3f} ms, wait {v['wait_ms']:.3f} ms" for b, v in split.items()))
     write_json(args.json, result)
 
 
