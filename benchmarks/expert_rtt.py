@@ -147,17 +147,17 @@ async def serve(threads: int, relay: str | None) -> None:
 # -- client ---------------------------------------------------------------------------------------
 async def remote_cases(
     t: Libp2pTransport, peer_id: str, addrs: list[str], name: str, w: OneExpert, calls: int, batches: list[int],
-    request: Any, *, split: dict[int, float] | None = None,
+    request: Any, *, local_s: dict[int, float] | None = None,
 ) -> list[dict[str, Any]]:
     """``name`` at each batch, then ``name_concurrent8``: 8 callers at batch 8 over one stream.
-    ``split`` (the local medians by batch, seconds): also ``remote_null`` and ``remote_sleep``."""
+    ``local_s`` (the local medians by batch, seconds): also ``remote_null`` and ``remote_sleep``."""
     cases: list[dict[str, Any]] = []
     async with open_expert_client(t, peer_id, addrs, kernel_id=KERNEL_ID) as client:
         for batch in batches:
             x = torch.randn(batch, D_MODEL)
             variants = [(name, MODEL_ID)]
-            if split is not None:
-                variants += [("remote_null", NULL_MODEL_ID), ("remote_sleep", f"{SLEEP_MODEL_ID}{round(split[batch] * 1e6)}")]
+            if local_s is not None:
+                variants += [("remote_null", NULL_MODEL_ID), ("remote_sleep", f"{SLEEP_MODEL_ID}{round(local_s[batch] * 1e6)}")]
             for case, model_id in variants:
                 # warm-up: a new stream's first calls run ~2x slower (measured: a median of 2.4 ms over
                 # the first 200 back-to-back calls, 1.1 ms after 2,000), so warm for a second, not 5 calls
@@ -232,7 +232,7 @@ async def measure(info: dict[str, Any], calls: int, batches: list[int]) -> list[
 
     async with open_libp2p_transport(key_path=None) as t:
         local_s = {c["batch"]: c["median_ms"] / 1000 for c in cases if c["case"] == "local"}
-        cases += await remote_cases(t, info["peer_id"], info["addrs"], "remote", w, calls, batches, request, split=local_s)
+        cases += await remote_cases(t, info["peer_id"], info["addrs"], "remote", w, calls, batches, request, local_s=local_s)
     if info.get("circuit"):
         # a fresh host, so nothing but the circuit connects it to the server
         async with open_libp2p_transport(key_path=None) as t, open_nat(t, NatConfig(hole_punch=False)):
