@@ -113,6 +113,7 @@ from coordinator.core.dispatch import (
     SendRemote,
     Settle,
     Settled,
+    SplitChecked,
     StartTimer,
     StepId,
     Timer,
@@ -625,6 +626,12 @@ class Dispatcher:
                 self._mode_changes.append(
                     ModeChange(at_ms=_wall_ms(), state=state.value, reason=reason.value)
                 )
+            case SplitChecked(outcome=o, reason=reason):
+                detail = (f"split {o.split_rate:.0f} vs local {o.local_rate:.0f} routed pairs/s: "
+                          f"{o.arm.value} for {o.until - o.at:.0f} s")
+                log.info("dispatch: %s (%s)", reason.value, detail)
+                self._mode_changes.append(ModeChange(at_ms=_wall_ms(), state=self.core.state.value,
+                                                     reason=reason.value, detail=detail))
 
     def _spawn(self, fn: Callable[[trio.CancelScope], Awaitable[None]], scope: trio.CancelScope) -> bool:
         if self._nursery is None:
@@ -1337,6 +1344,10 @@ class Dispatcher:
             ],
             stale_answers=core.stale_answers,
             mode_changes=list(self._mode_changes),
+            split_arm=core.split.arm().value,
+            split_checking=core.split.checking,
+            split_rate=round(core.split.outcomes[-1].split_rate, 1) if core.split.outcomes else 0.0,
+            local_rate=round(core.split.outcomes[-1].local_rate, 1) if core.split.outcomes else 0.0,
             verify_rate=c.verify_rate,
             verify_probation_calls=c.verify_probation_calls,
             verifications=core.verifications,
@@ -1408,6 +1419,11 @@ class DispatchCollector(Collector):
         )
         state.add_metric([model, core.load_state(self.d._now()).value], 1.0)
         yield state
+        split = GaugeMetricFamily("moe_swarm_dispatch_split_arm",
+                                  "1 for the split check's arm in force (split: earliest finish; local: all held here)",
+                                  labels=["model", "arm"])
+        split.add_metric([model, core.split.arm().value], 1.0)
+        yield split
         now = self.d._now()
         holes = GaugeMetricFamily("moe_swarm_dispatch_holes",
                                   "Ranges not held here that no live volunteer serves now", labels=["model"])

@@ -43,6 +43,12 @@ Rules:
     otherwise the earliest estimated finish among local (its backlog of pairs plus these, at the
     measured seconds per pair) and each live proven replica (latency EWMA times one plus its calls
     in flight) wins: LOAD_EARLIEST_FINISH_LOCAL / _REMOTE. Ties go local;
+    A worker's estimate is only refreshed by its answers, so a stale one is **probed**: under load,
+    a live proven worker with nothing in flight and no latency sample (answer or lost hedge) for
+    ``probe_interval_s`` gets the first of the layer's ranges that earliest finish placed here
+    (PROBE): it is sent *and* computed here (the local copy is the result, reason VERIFY, the
+    answer is compared like a sampled call), so a cold start (one slow early answer) cannot keep a
+    worker idle for good, and the probe costs the step nothing but the call;
   - serve TTL: the same earliest-finish choice without trials, reason SERVE_TTL;
   - not held: remote only (NOT_HELD), proven replicas first; no live replica: ``Fail``
     (NO_REPLICA / ALL_DOWN; the shell may wait for coverage and retry the layer), or with
@@ -68,7 +74,7 @@ Rules:
   would have been (its ``reason``: IDLE_LOCAL, LOAD_EARLIEST_FINISH_LOCAL or SERVE_TTL), and its
   compute time feeds the local cost estimate. The shell may do so for a layer of at most
   ``local_only_pairs()`` routed pairs whose ranges are all held: below that size every range would
-  be placed here anyway -- idle (unbounded), or under load when no trial is due and even the
+  be placed here anyway -- idle (unbounded), or under load when no trial or probe is due and even the
   fastest live proven worker's estimate (latency EWMA x (1 + calls in flight)) is no earlier than
   the local finish of the whole layer (``(backlog + pairs) x seconds per pair``; ties go local).
 - Micro-batches (``overlap_pays``): the engine alternates two micro-batches of a step only where
@@ -98,6 +104,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NewType, Protocol
 
+from coordinator.core.split_check import SplitArm, SplitCheck, SplitOutcome
 from swarm.core.rng import Rng
 
 __all__ = [
@@ -124,6 +131,7 @@ __all__ = [
     "HoldRefuted",
     "Settle",
     "Settled",
+    "SplitChecked",
     "LayerRanLocally",
     "LayerReady",
     "LayerRowCounts",
@@ -205,6 +213,7 @@ class WorkerHealth:
     verified: int = 0  # answers that passed verification
     probation_left: int = 0  # verified answers still due at rate 1.0
     hedge_losses: int = 0  # hedges lost in a row
+    sampled_at: float | None = None  # when its latency was last sampled, or a probe of it sent (None: at attach)
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
 
@@ -304,7 +313,10 @@ class WorkerTable:
         if w is not None and w.in_flight > 0:
             w.in_flight -= 1
 
-    def succeeded(self, peer_id: str, *, rows: int, latency_s: float, wall_ms: int, pairs: int = 0) -> None:
+    def succeeded(self, peer_id: str, *, rows: int, latency_s: float, wall_ms: int, pairs: int = 0,
+                  restart: bool = False) -> None:
+        """An answer came after ``latency_s``; ``restart``: the estimate was stale (see the core's
+        probes), so this sample replaces the EWMA instead of joining it."""
         w = self.workers.get(peer_id)
         if w is None:
             return
@@ -315,6 +327,8 @@ class WorkerTable:
         w.calls += 1
         w.rows += rows
         w.pairs += pairs
+        if restart:
+            w.latency_ewma_ms = 0.0
         self._sample(w, latency_s)
         w.last_serve_ms = wall_ms
 
@@ -445,6 +459,10 @@ class Reason(StrEnum):
     LOAD_EARLIEST_FINISH_REMOTE = "load_earliest_finish_remote"
     SERVE_TTL = "serve_ttl"
     TRIAL_HEDGE = "trial_hedge"
+    SPLIT_CHECK = "split_check"  # RunLocal: under load, a local window of the split check (split_check.py)
+    SPLIT_SLOWER = "split_slower"  # RunLocal: under load, held here: the last check found the split no faster
+    SPLIT_FASTER = "split_faster"  # SplitChecked: the check found the split faster (earliest finish decides)
+    PROBE = "probe"  # SendRemote: a proven worker's latency estimate is stale; sampled (with the local copy)
     HOT_EXPERT = "hot_expert"
     OFFLOAD_REMOTE = "offload_remote"
     NOT_HELD = "not_held"
@@ -499,6 +517,14 @@ class DispatchConfig:
     # they cost more than they fill up to ~10 ms and paid from 10-20 ms)
     overlap_min_rtt_s: float = 0.015
     ewma_alpha: float = 0.2
+    # under load, a proven worker without a latency sample for this long is probed (0: never): an
+    # estimate is only refreshed by calls, so one slow early answer must not keep it idle for good
+    probe_interval_s: float = 2.0
+    # under load, measure whether remote shares pay here: windows local / split / local of this
+    # length, the winner held for split_hold_s; the split must win by split_margin (0: no check)
+    split_check_s: float = 2.0
+    split_hold_s: float = 30.0
+    split_margin: float = 0.05
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     max_errors: int = 32  # failures kept for /dispatch
@@ -798,6 +824,14 @@ class ModeChanged:
     reason: Reason
 
 
+@dataclass(frozen=True)
+class SplitChecked:
+    """A split check ended (``coordinator.core.split_check``): the arm kept, and why."""
+
+    outcome: SplitOutcome
+    reason: Reason  # SPLIT_FASTER / SPLIT_SLOWER
+
+
 Effect = (
     SendRemote
     | RunLocal
@@ -814,6 +848,7 @@ Effect = (
     | Combine
     | Fail
     | ModeChanged
+    | SplitChecked
 )
 
 
@@ -961,6 +996,8 @@ class DispatchCore:
         self.sample: _Sample | None = None
         self.load_ended_at: float | None = None
         self.state = LoadState.IDLE
+        self.split = SplitCheck(window_s=config.split_check_s, hold_s=config.split_hold_s,
+                                margin=config.split_margin)
         self._steps: dict[StepId, _Step] = {}
         self._calls: dict[CallId, _Call] = {}
         self._ids = 0
@@ -1003,7 +1040,9 @@ class DispatchCore:
             return 0.0, Reason.IDLE_LOCAL
         if self.state is LoadState.IDLE:
             return math.inf, Reason.IDLE_LOCAL
-        reason = Reason.SERVE_TTL if self.state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL
+        local_arm = self.split.arm() is SplitArm.LOCAL
+        reason = (self._split_reason() if local_arm else
+                  Reason.SERVE_TTL if self.state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL)
         best = math.inf
         for p, w in self.table.workers.items():
             if not self.table.is_live(p, now):
@@ -1012,10 +1051,30 @@ class DispatchCore:
                 if self.state is LoadState.LOADED and w.trial_due:
                     return 0.0, reason  # its trial is due: the shell must ask
                 continue
+            if self._probe_due(w, now):
+                return 0.0, reason  # its estimate is stale: the shell must ask
             best = min(best, self._remote_estimate(p, now))
-        if best == math.inf:
-            return math.inf, reason  # nobody to offload to
+        if best == math.inf or local_arm:
+            return math.inf, reason  # nobody to offload to, or the check keeps it all here
         return max(0.0, best / max(self.local_cost_s, 1e-12) - self.local_backlog_pairs), reason
+
+    def _split_reason(self) -> Reason:
+        return Reason.SPLIT_CHECK if self.split.checking else Reason.SPLIT_SLOWER
+
+    def _split_observe(self, pairs: int, now: float, out: list[Effect]) -> None:
+        if self.state is not LoadState.LOADED or self.config.mode is not DispatchMode.ADAPTIVE:
+            return
+        o = self.split.observe(pairs, now)
+        if o is not None:
+            out.append(SplitChecked(o, Reason.SPLIT_FASTER if o.arm is SplitArm.SPLIT else Reason.SPLIT_SLOWER))
+
+    def _probe_due(self, w: WorkerHealth, now: float) -> bool:
+        """Is this live proven worker due for a probe: loaded, nothing in flight to it, and no
+        latency sample (nor probe) for ``probe_interval_s``?"""
+        interval = self.config.probe_interval_s
+        last = w.attached_at if w.sampled_at is None else w.sampled_at
+        return (interval > 0 and self.state is LoadState.LOADED and w.proven and w.in_flight == 0
+                and now - last >= interval)
 
     def overlap_pays(self, n_pairs: int, now: float, *, not_held: bool = False) -> bool:
         """Do two alternating micro-batches help a step of ``n_pairs`` routed pairs per layer now?
@@ -1043,6 +1102,7 @@ class DispatchCore:
                 for rw in ranges:
                     self.routed[(layer, rw.lo, rw.hi)] += rw.rows
                 self._mode(now, out)
+                self._split_observe(sum(rw.pairs for rw in ranges), now, out)
                 self._layer_ready(event, now, out)
             case LayerRanLocally(layer=layer, ranges=ranges, reason=reason, compute_s=compute_s):
                 for rw in ranges:
@@ -1055,6 +1115,7 @@ class DispatchCore:
                     a = self.config.ewma_alpha
                     self.local_cost_s = (1 - a) * self.local_cost_s + a * compute_s / pairs
                 self._mode(now, out)
+                self._split_observe(pairs, now, out)
             case RemoteDone(call=cid, wall_ms=wall_ms):
                 self._remote_done(cid, wall_ms, now, out)
             case RemoteFailed(call=cid, kind=kind, message=message, wall_ms=wall_ms):
@@ -1082,7 +1143,7 @@ class DispatchCore:
                 self._mode(now, out)
         for e in out:
             r = getattr(e, "reason", None)
-            if isinstance(r, Reason) and not isinstance(e, ModeChanged):
+            if isinstance(r, Reason) and not isinstance(e, ModeChanged | SplitChecked):
                 self.decisions[r] += 1
         return out
 
@@ -1095,6 +1156,8 @@ class DispatchCore:
             LoadState.SERVE_TTL: Reason.LOAD_ENDED,
             LoadState.IDLE: Reason.TTL_EXPIRED if self.state is LoadState.SERVE_TTL else Reason.LOAD_ENDED,
         }[new]
+        if self.state is LoadState.LOADED:
+            self.split.abort()
         self.state = new
         out.append(ModeChanged(new, reason))
 
@@ -1122,6 +1185,8 @@ class DispatchCore:
         hot = self.hot_experts(ev.layer)
         state = self.state
         c = self.config
+        probes = {p for p in {p for w in ev.ranges for p in w.replicas}
+                  if self.table.is_live(p, now) and self._probe_due(self.table.workers[p], now)}
         for i, w in enumerate(ev.ranges):
             if st.step not in self._steps:
                 break  # an earlier range failed the step (not held, no replica): place nothing more
@@ -1160,9 +1225,11 @@ class DispatchCore:
                     self._send(st, i, trial, Reason.TRIAL_HEDGE, now, out, trial=True)  # + the local copy
                     continue
                 local_finish = (self.local_backlog_pairs + w.pairs) * self.local_cost_s
-                if proven:
+                local_arm = self.split.arm() is SplitArm.LOCAL
+                if proven and not local_arm:
                     peer, remote_finish = self._best_remote(proven, now)
                     if remote_finish < local_finish:
+                        probes.discard(peer)
                         self._send(
                             st,
                             i,
@@ -1174,10 +1241,16 @@ class DispatchCore:
                             out,
                         )
                         continue
+                probe = min((p for p in proven if p in probes), default=None)
+                if probe is not None:  # its estimate is stale: sampled now, the local copy is the result
+                    probes.discard(probe)
+                    self._send(st, i, probe, Reason.PROBE, now, out, probe=True)
+                    continue
                 self._local(
                     st,
                     i,
-                    Reason.SERVE_TTL if state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL,
+                    self._split_reason() if local_arm
+                    else Reason.SERVE_TTL if state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL,
                     now,
                     out,
                 )
@@ -1249,12 +1322,13 @@ class DispatchCore:
         out: list[Effect],
         *,
         trial: bool = False,
+        probe: bool = False,
         hedge_of: CallId | None = None,
         second_of: _Call | None = None,
     ) -> None:
         r = st.ranges[i]
         r.planned_local = r.planned_local and reason is Reason.TRIAL_HEDGE
-        verify = trial or (r.work.held and hedge_of is None and self._sampled(peer))
+        verify = trial or probe or (r.work.held and hedge_of is None and self._sampled(peer))
         second: str | None = None
         if (second_of is None and hedge_of is None and not trial and not r.work.held and r.cross is None
                 and self._sampled(peer)):  # not held here: checked on a second replica instead
@@ -1460,6 +1534,7 @@ class DispatchCore:
                 continue
             if o.peer is not None:
                 losses = self.table.lost_hedge(o.peer, now - o.started)
+                self._sampled_now(o.peer, now)
                 self._cancel(o, Reason.LOST_RACE, out)
                 if losses >= self.config.max_hedge_losses:
                     self._mark_down(
@@ -1546,7 +1621,12 @@ class DispatchCore:
         c.done = True
         del self._calls[cid]
         self.table.finished(c.peer)
-        self.table.succeeded(c.peer, rows=c.work.rows, latency_s=now - c.started, wall_ms=wall_ms, pairs=c.work.pairs)
+        w = self.table.workers.get(c.peer)
+        stale = (w is not None and self.config.probe_interval_s > 0
+                 and c.started - (w.attached_at if w.sampled_at is None else w.sampled_at) >= self.config.probe_interval_s)
+        self.table.succeeded(c.peer, rows=c.work.rows, latency_s=now - c.started, wall_ms=wall_ms,
+                             pairs=c.work.pairs, restart=stale)
+        self._sampled_now(c.peer, now)
         out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
         if not c.verify:
             out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
@@ -1556,6 +1636,11 @@ class DispatchCore:
         else:
             self._win(c, now, out)
         self._side(cid, "done", out)
+
+    def _sampled_now(self, peer: str, now: float) -> None:
+        w = self.table.workers.get(peer)
+        if w is not None:
+            w.sampled_at = now
 
     def _mark_down(
         self,

@@ -117,6 +117,7 @@ class ModeChange(msgspec.Struct, frozen=True, kw_only=True):
     at_ms: int
     state: str
     reason: str
+    detail: str = ""  # a split check's rates and the arm it keeps
 
 
 class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,7 +148,13 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     errors_total: int = 0
     errors: list[DispatchErrorReport] = []  # the last failures, oldest first
     stale_answers: int = 0  # answers of calls no longer waited for (ignored)
-    mode_changes: list[ModeChange] = []  # the last load-state switches, oldest first
+    mode_changes: list[ModeChange] = []  # the last load-state switches and split checks, oldest first
+    # under load: the split check's arm in force (split: earliest finish; local: every held range here),
+    # whether a check is running, and its last rates (routed pairs per second; 0: none yet)
+    split_arm: str = ""
+    split_checking: bool = False
+    split_rate: float = 0.0
+    local_rate: float = 0.0
     verify_rate: float = 0.0  # the sampled share of remote calls after probation
     verify_probation_calls: int = 0
     verifications: int = 0  # comparisons made

@@ -203,8 +203,9 @@ def worker(d: Dispatcher, peer: str) -> dict[str, object]:
     }
 
 
-# placement scenarios with every answer used after the trial (verification has its scenarios below)
-NO_SAMPLING = {"verify_rate": 0.0, "verify_probation_calls": 0}
+# placement scenarios with every answer used after the trial (verification has its scenarios below),
+# and earliest finish deciding alone (the split check has its scenarios below)
+NO_SAMPLING = {"verify_rate": 0.0, "verify_probation_calls": 0, "split_check_s": 0.0}
 
 
 async def settled(d: Dispatcher, within: float = 5.0) -> None:
@@ -293,7 +294,7 @@ async def test_worker_that_never_serves(clock: trio.testing.MockClock, nursery: 
     sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
     vol = await sw.volunteer("mute", hang)
     m = dmap({k: ["mute"] for k in HALVES})
-    async with sw.coordinator(load_probe=Load(busy=4), timeout_s=3.0) as d:
+    async with sw.coordinator(load_probe=Load(busy=4), timeout_s=3.0, config=DispatchConfig(split_check_s=0.0)) as d:
         d.set_map(m)
         await trio.sleep(0.01)  # the first sample
         # its trial: the local copy answers the step, the hanging call does not hold it up

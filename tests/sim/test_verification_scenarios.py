@@ -107,7 +107,9 @@ async def test_a_liar_is_quarantined_at_its_first_lie_and_no_output_differs(
     sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
     liar = Liar(lie)
     await start_worker(sw, "liar", liar, kid)
-    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH) as d:  # default: 0.05 after 50
+    # verification's defaults (0.05 after 50); earliest finish deciding alone (no split check)
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH,
+                              config=DispatchConfig(split_check_s=0.0)) as d:
         d.set_map(dmap({k: ["liar"] for k in HALVES}))
         await trio.sleep(0.01)  # the first load sample: loaded
         await run_steps(d, 80)
@@ -133,7 +135,7 @@ async def test_honest_workers_are_never_quarantined(clock: trio.testing.MockCloc
     exact, tol = Liar(lambda n, out: None), Liar(lambda n, out: None)
     await start_worker(sw, "exact", exact, OURS)
     await start_worker(sw, "tol", tol, "another-kernel")
-    cfg = DispatchConfig(verify_rate=1.0)
+    cfg = DispatchConfig(verify_rate=1.0, split_check_s=0.0)
     spec = {k: (["exact"] if k[1] == 0 else ["tol"]) for k in HALVES}
     async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg) as d:
         d.set_map(dmap(spec))
@@ -157,7 +159,7 @@ async def test_a_sleeper_is_caught_at_its_first_lie_at_rate_1(
     sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
     sleeper = Liar(lambda n, out: out * 1.5 if n >= 120 else None)
     await start_worker(sw, "sleeper", sleeper, OURS)
-    cfg = DispatchConfig(verify_rate=rate, verify_probation_calls=50)
+    cfg = DispatchConfig(verify_rate=rate, verify_probation_calls=50, split_check_s=0.0)
     async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg,
                               rng=random.Random(3)) as d:
         d.set_map(dmap({k: ["sleeper"] for k in HALVES}))
@@ -198,7 +200,7 @@ async def test_experts_not_held_here_are_checked_on_a_second_replica_and_dispute
     liar, honest = Liar(lie), Liar(lambda n, out: None)
     await start_worker(sw, "liar", liar, kid)
     await start_worker(sw, "honest", honest, OURS)
-    cfg = DispatchConfig(verify_rate=1.0)  # every call of a range not held here is cross-checked
+    cfg = DispatchConfig(verify_rate=1.0, split_check_s=0.0)  # every call of a range not held here is cross-checked
     async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg, **NOT_HELD) as d:
         d.set_map(dmap({k: ["liar", "honest"] for k in HALVES}))
         await trio.sleep(0.01)
@@ -228,7 +230,7 @@ async def test_a_not_held_range_with_one_replica_is_served_unchecked_and_counted
     only_one = Liar(lambda n, out: None)
     await start_worker(sw, "only", only_one, OURS)
     async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH,
-                              config=DispatchConfig(verify_rate=1.0), **NOT_HELD) as d:
+                              config=DispatchConfig(verify_rate=1.0, split_check_s=0.0), **NOT_HELD) as d:
         d.set_map(dmap({k: ["only"] for k in HALVES}))
         await trio.sleep(0.01)
         await run_steps(d, 10)

@@ -148,6 +148,7 @@ def core(*peers: str, rng: random.Random | None = None, **kw: object) -> Dispatc
     kw.setdefault("local_cost_prior_s", 1 * MS)  # 1 ms per pair: a range of 8 pairs = 8 ms here
     kw.setdefault("verify_rate", 0.0)  # placement tables: no sampling (verification has its own tests)
     kw.setdefault("verify_probation_calls", 0)
+    kw.setdefault("split_check_s", 0.0)  # earliest finish alone (the split check has its own tests)
     c = DispatchCore(DispatchConfig(**kw), n_layer=2, n_expert=8, rng=rng)  # type: ignore[arg-type]
     c.handle(WorkersListed(frozenset(peers)), 0.0)
     return c
@@ -323,6 +324,69 @@ def test_earliest_finish_counts_the_local_backlog_and_the_replica_queue() -> Non
         ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL),
         ("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE),
     ]
+
+
+@pytest.mark.parametrize(
+    ("setup", "at", "expect"),
+    [
+        # a proven worker whose one sample (120 ms, a cold start) says local is faster: once no sample
+        # has come for probe_interval_s (2 s), its first range is probed -- sent, and computed here too
+        ("loaded", 1.9, [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)] * 2),
+        ("loaded", 2.0, [("remote", "p", Reason.PROBE), ("local", None, Reason.VERIFY),
+                         ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]),
+        ("loaded busy", 5.0, [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)] * 2),  # a call in flight
+        ("loaded off", 5.0, [("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)] * 2),  # probe_interval_s=0
+        ("ttl", 5.0, [("local", None, Reason.SERVE_TTL)] * 2),  # only under load
+        ("idle", 5.0, [("local", None, Reason.IDLE_LOCAL)] * 2),
+    ],
+)
+def test_a_stale_estimate_is_probed(setup: str, at: float, expect: list[tuple[str, str | None, Reason]]) -> None:
+    c = core("p", probe_interval_s=0.0 if "off" in setup else 2.0)
+    prove(c, "p", 120 * MS)
+    if "busy" in setup:
+        c.table.started("p")
+    if "loaded" in setup:
+        loaded(c, at)
+    elif "ttl" in setup:
+        loaded(c, at - 1.0)
+        c.handle(LoadSample(0, 4), at)
+    max_pairs, _ = c.local_only_pairs(at)
+    eff = ready(c, at, rw(0, 4, "p"), rw(4, 8, "p"))
+    assert placements(eff) == expect
+    probed = any(r is Reason.PROBE for _, _, r in placements(eff))
+    assert (max_pairs == 0) == probed  # the shell's fast path asks the core exactly when a probe is due
+    if probed:  # kept: compared with the local copy, never cancelled by a hedge timer
+        assert only(eff, SendRemote)[0].keep
+        assert not any(isinstance(e, StartTimer) and e.timer.kind is TimerKind.HEDGE for e in eff)
+
+
+def test_a_probe_refreshes_the_estimate_and_the_next_layer_uses_it() -> None:
+    c = core("p")
+    prove(c, "p", 120 * MS)  # a cold first answer: 120 ms, against 8 ms of local work per range
+    loaded(c, 3.0)
+    eff = ready(c, 3.0, rw(0, 4, "p"), rw(4, 8, "p"))
+    probe = only(eff, SendRemote)[0]
+    assert probe.reason is Reason.PROBE
+    # another layer before the answer: the probe is in flight, no second one
+    assert c.local_only_pairs(3.001)[0] > 0
+    assert [r for _, _, r in placements(ready(c, 3.001, rw(0, 4, "p"), step=2, layer=1))] == [
+        Reason.LOAD_EARLIEST_FINISH_LOCAL]
+    c.handle(RemoteDone(probe.call, 1), 3.05)  # warmer now: 50 ms
+    for e in only(eff, RunLocal):
+        c.handle(LocalDone(e.call, 0.008), 3.06)
+    # the stale estimate is replaced, not blended (0.8 x 120 + 0.2 x 50 would hold on to the cold start)
+    assert c.table.workers["p"].latency_ewma_ms == pytest.approx(50.0)
+    # not due again for probe_interval_s from the answer
+    assert c.local_only_pairs(5.049)[0] > 0
+    assert c.local_only_pairs(5.05)[0] == 0
+    eff = ready(c, 5.05, rw(0, 4, "p"), step=3)
+    [probe] = only(eff, SendRemote)
+    assert probe.reason is Reason.PROBE
+    c.handle(RemoteDone(probe.call, 1), 5.052)  # 2 ms
+    assert c.table.workers["p"].latency_ewma_ms == pytest.approx(2.0)
+    # earliest finish now sends the range (no probe needed: it is sampled anyway)
+    eff = ready(c, 5.5, rw(0, 4, "p"), step=4)
+    assert placements(eff) == [("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)]
 
 
 def test_hot_experts_run_locally_and_keep_the_partition() -> None:

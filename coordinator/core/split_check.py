@@ -1,0 +1,113 @@
+"""Does sending shares of a layer to volunteers pay *here*? A measured check (pure: ``now`` is given).
+
+Earliest finish (``coordinator.core.dispatch``) compares estimates: the local backlog at the
+measured seconds per pair against a worker's latency EWMA. What it cannot see is what a remote
+share costs the rest of the step: the protocol work on the coordinator's threads, the combine,
+and -- when the volunteer shares the machine's cores, or its memory bandwidth -- a slower local
+share and a slower dense part. On one 2-core box (``benchmarks/offload.py``, 8 sessions) earliest
+finish with fresh estimates sent about a fifth of the ranges remote and served 0.77x of
+local-only. So under load the core does not trust the estimate alone; it measures:
+
+- **Windows.** At a load onset (and again once a decision's hold has passed) the check runs three
+  windows of ``window_s`` each: *local* (every held range here), *split* (earliest finish as
+  usual), *local* again. A window's rate is the routed pairs of the layers that started in it per
+  second (the load is the same in all three: the engine is saturated; the two local windows on
+  either side cancel a load that ramps up or down linearly).
+- **Decision.** Split is kept when its rate beats the mean of the two local rates by more than
+  ``margin`` (``SPLIT_FASTER``), else local (``SPLIT_SLOWER``); either holds for ``hold_s``, then
+  the next loaded layer starts a new check (a volunteer that got faster, a load that changed).
+- **Aborts.** A check that the load leaves before it ends decides nothing: the arm in force goes
+  back to the last decision (split before any: the dispatch as it was before this check existed).
+- ``window_s <= 0`` turns the check off: always split (earliest finish decides alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["SplitArm", "SplitCheck", "SplitOutcome", "SplitVerdict"]
+
+
+class SplitArm(StrEnum):
+    SPLIT = "split"  # earliest finish: ranges may go to proven workers
+    LOCAL = "local"  # every held range here (trials and probes still go out)
+
+
+class SplitVerdict(StrEnum):
+    SPLIT_FASTER = "split_faster"
+    SPLIT_SLOWER = "split_slower"
+
+
+@dataclass(frozen=True)
+class SplitOutcome:
+    """One finished check: the arm kept until ``until``, and the rates (routed pairs per second)."""
+
+    at: float
+    arm: SplitArm
+    verdict: SplitVerdict
+    split_rate: float
+    local_rate: float  # the mean of the two local windows
+    until: float
+
+
+_PLAN = (SplitArm.LOCAL, SplitArm.SPLIT, SplitArm.LOCAL)
+
+
+class SplitCheck:
+    def __init__(self, *, window_s: float = 2.0, hold_s: float = 30.0, margin: float = 0.05) -> None:
+        self.window_s = window_s
+        self.hold_s = hold_s
+        self.margin = margin
+        self.kept = SplitArm.SPLIT  # the last decision (split before any)
+        self.hold_until: float | None = None  # the last decision holds until then
+        self._plan: list[SplitArm] = []  # windows still to run in the check under way (first: running)
+        self._since = 0.0
+        self._pairs = 0
+        self._rates: list[tuple[SplitArm, float]] = []
+        self.outcomes: list[SplitOutcome] = []
+
+    @property
+    def checking(self) -> bool:
+        return bool(self._plan)
+
+    def arm(self) -> SplitArm:
+        """The arm in force: the running window's while checking, else the last decision."""
+        return self._plan[0] if self._plan else self.kept
+
+    def observe(self, pairs: int, now: float) -> SplitOutcome | None:
+        """A layer of ``pairs`` routed pairs starts under load at ``now`` (call before placing it:
+        it is placed by ``arm()`` afterwards, and counts in that arm's window); returns the outcome
+        of a check this ends."""
+        if self.window_s <= 0:
+            return None
+        out = None
+        if not self._plan:
+            if self.hold_until is not None and now < self.hold_until:
+                return None
+            self._plan = list(_PLAN)
+            self._since, self._pairs, self._rates = now, 0, []
+        elif now - self._since >= self.window_s:
+            self._rates.append((self._plan.pop(0), self._pairs / (now - self._since)))
+            self._since, self._pairs = now, 0
+            if not self._plan:
+                out = self._decide(now)
+        if self._plan:
+            self._pairs += pairs
+        return out
+
+    def _decide(self, now: float) -> SplitOutcome:
+        split = next(r for a, r in self._rates if a is SplitArm.SPLIT)
+        local_rates = [r for a, r in self._rates if a is SplitArm.LOCAL]
+        local = sum(local_rates) / len(local_rates)
+        faster = split > local * (1.0 + self.margin)
+        self.kept = SplitArm.SPLIT if faster else SplitArm.LOCAL
+        self.hold_until = now + self.hold_s
+        out = SplitOutcome(now, self.kept, SplitVerdict.SPLIT_FASTER if faster else SplitVerdict.SPLIT_SLOWER,
+                           split, local, self.hold_until)
+        self.outcomes = [*self.outcomes[-15:], out]
+        return out
+
+    def abort(self) -> None:
+        """The load left before the check ended: nothing decided (the last decision is in force)."""
+        self._plan = []
