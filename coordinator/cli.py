@@ -44,6 +44,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="busy slots from which the coordinator counts as under load")
     c.add_argument("--serve-ttl", type=float, default=20.0,
                    help="seconds proven volunteers keep their share after the load ends")
+    c.add_argument("--split-check", type=float, default=2.0, metavar="SECONDS",
+                   help="under load, windows local / split / local this long measure whether sending shares to "
+                        "volunteers pays here; the faster is kept for 30 s (0: earliest finish decides alone)")
     c.add_argument("--hedge-floor-ms", type=float, default=50.0,
                    help="a slow remote call is raced against another copy after max(this, its p95)")
     c.add_argument("--hot-experts", type=int, default=0,
@@ -94,6 +97,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "dispatch": ns.dispatch,
         "saturation_threshold": ns.saturation_threshold,
         "serve_ttl_s": ns.serve_ttl,
+        "split_check_s": ns.split_check,
         "hedge_floor_ms": ns.hedge_floor_ms,
         "hot_experts": ns.hot_experts,
         "verify_rate": ns.verify_rate,
@@ -105,7 +109,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "missing_wait_s": ns.missing_wait,
         "origins": tuple(ns.origin or ()),
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
-              "serve_ttl_s": "--serve-ttl", "origins": "--origin",
+              "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
               "verify_probation_calls": "--verify-probation", "hold_proof": "--no-hold-proof",
               "missing_wait_s": "--missing-wait"})
 

@@ -77,6 +77,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     serve_ttl_s: NonNegFloat = 20.0  # proven workers keep their share this long after the load ends
     hedge_floor_ms: NonNegFloat = 50.0  # a remote call is raced no earlier than this (else its p95)
     hot_experts: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0  # the K most-routed experts of a layer stay local
+    # under load, windows local / split / local of this many seconds measure whether remote shares pay here;
+    # the faster is kept for 30 s (coordinator.core.split_check); 0: earliest finish decides alone
+    split_check_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 2.0
     # verification (DESIGN §12): a volunteer's first answers, and as many after any failure, are all recomputed
     # here and compared; then this share of them
     verify_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
@@ -110,6 +113,7 @@ def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:
     return DispatchConfig(mode=DispatchMode(cfg.dispatch), saturation_threshold=cfg.saturation_threshold,
                           serve_ttl_s=cfg.serve_ttl_s, hedge_floor_s=cfg.hedge_floor_ms / 1000.0,
                           hot_experts=cfg.hot_experts, timeout_s=cfg.expert_timeout_s,
+                          split_check_s=cfg.split_check_s,
                           verify_rate=cfg.verify_rate, verify_probation_calls=cfg.verify_probation_calls,
                           missing_disk=cfg.on_missing == "disk")
 

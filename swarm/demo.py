@@ -11,7 +11,9 @@ What it does, in order, printing as it goes:
 5. one request at a time (the coordinator idle): its experts run locally -- the fastest path per
    token -- although volunteers hold them (load-adaptive dispatch, DESIGN §5);
 6. ramps the load (1 then 3 concurrent streams): the coordinator saturates, its dispatcher splits
-   each layer between itself and the proven volunteers (a new one gets a hedged trial first), the
+   each layer between itself and the proven volunteers by earliest finish (a new one gets a hedged
+   trial first) and measures whether that pays here (windows local / split / local: the faster is
+   kept for 30 s, the timeline prints the verdict with both rates), the
    market boosts the target, the idle volunteer is recruited and serves; the reference requests
    repeated under load give identical tokens; every switch of the dispatcher prints with its reason;
 7. the load stops: after the serve TTL the dispatcher is local again, the boost ends, the extra
@@ -197,7 +199,9 @@ class ModeLog:
             key = (int(c["at_ms"]), c["state"], c["reason"])
             if key not in self.seen:
                 self.seen.add(key)
-                print(f"    dispatcher -> {c['state']} ({c['reason']}) at t={(key[0] - self.t0_ms) / 1000:5.1f}s", flush=True)
+                detail = f": {c['detail']}" if c.get("detail") else ""
+                print(f"    dispatcher -> {c['state']} ({c['reason']}{detail}) at t={(key[0] - self.t0_ms) / 1000:5.1f}s",
+                      flush=True)
 
 
 def keep_running(market: str, client: openai.OpenAI, model_id: str, stream_worker: Any) -> None:
@@ -353,8 +357,8 @@ def main() -> None:
         print("    uses its own result; then 5% of its answers, drawn at random)")
         if rem < loc // 10:
             print("    (each volunteer answered its hedged trial and is proven; but a range of this tiny model computes here in")
-            print("    microseconds against a ~1-2 ms round trip, so earliest-finish keeps nearly all of it local -- on the bench")
-            print("    model the split is measured by benchmarks/offload.py)")
+            print("    microseconds against a ~1-2 ms round trip, so earliest-finish keeps nearly all of it local, and the split")
+            print("    check's verdict above says whether sending shares paid; on the bench model: benchmarks/offload.py)")
         assert under_load is not None
         same = under_load == local
         print(f"    tokens identical to the all-local run: {'YES' if same else 'NO'}")

@@ -138,7 +138,8 @@ class Swarm:
     async def coordinator(self, **kw: object) -> AsyncIterator[Dispatcher]:
         async with open_fake_transport(self.net, peer_id="coordinator") as t:
             kw.setdefault("probe_in_thread", False)
-            d = Dispatcher(FakeModel(), t, local_kernel=fake_kernel, local_runner=local_runner, **kw)  # type: ignore[arg-type]
+            kw.setdefault("local_runner", local_runner)
+            d = Dispatcher(FakeModel(), t, local_kernel=fake_kernel, **kw)  # type: ignore[arg-type]
             async with trio.open_nursery() as n:
                 await n.start(d.serve)
                 yield d
@@ -284,6 +285,95 @@ async def test_idle_then_load_then_idle(clock: trio.testing.MockClock, nursery: 
         assert states == ["loaded", "serve_ttl", "idle"]
         assert [c.reason for c in d.report().mode_changes] == ["load_onset", "load_ended", "ttl_expired"]
         assert d.report().errors == [] and worker(d, "w1")["failures"] == 0
+
+
+SPLIT_CHECK = {"verify_rate": 0.0, "verify_probation_calls": 0, "split_check_s": 0.2, "split_hold_s": 5.0,
+               "probe_interval_s": 0.0}
+
+
+async def run_until_checked(d: Dispatcher, m: DispatchMap, load: Load) -> tuple[dict[str, int], int]:
+    """Steps under load until the split check has decided; returns the decisions made meanwhile and
+    the number of steps (each asserts the all-local bits)."""
+    before, n = decisions(d), 0
+    while not any(c.reason in ("split_faster", "split_slower") for c in d.report().mode_changes):
+        await step(d, m, layer=n % 2, seed=100 + n)
+        n += 1
+        assert n < 500, "the split check never decided"
+    return delta(decisions(d), before), n
+
+
+async def test_the_split_check_keeps_remote_shares_that_pay(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    vol = await sw.volunteer("w1")
+    m = dmap({k: ["w1"] for k in HALVES})
+    load = Load(busy=4)
+    async with sw.coordinator(load_probe=load, config=DispatchConfig(**SPLIT_CHECK)) as d:
+        d.set_map(m)
+        await trio.sleep(0.01)  # the first sample: loaded
+        await step(d, m)  # the trial
+        await settled(d)
+        assert worker(d, "w1")["proven"] is True
+        got, _ = await run_until_checked(d, m, load)
+        # the local windows kept both halves here; the split window sent one half (8 ms a layer, not 16)
+        assert got[Reason.SPLIT_CHECK.value] > 0 and got[Reason.LOAD_EARLIEST_FINISH_REMOTE.value] > 0
+        [c] = [c for c in d.report().mode_changes if c.reason == "split_faster"]
+        assert c.state == "loaded" and "split for 5 s" in c.detail
+        rep = d.report()
+        assert (rep.split_arm, rep.split_checking) == ("split", False)
+        assert rep.split_rate == pytest.approx(2 * rep.local_rate, rel=0.1)
+        # kept: earliest finish splits every layer from now on
+        before, calls = decisions(d), len(vol.calls)
+        for i in range(4):
+            assert await step(d, m, layer=i % 2, seed=300 + i) < 8 * LOCAL_S_PER_PAIR + 1e-3
+        assert delta(decisions(d), before) == {Reason.LOAD_EARLIEST_FINISH_REMOTE.value: 4,
+                                               Reason.LOAD_EARLIEST_FINISH_LOCAL.value: 4}
+        assert len(vol.calls) == calls + 4
+
+
+async def test_the_split_check_keeps_work_here_when_remote_shares_slow_it(
+    clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A volunteer as fast as the coordinator (1 ms a pair) whose calls cost the coordinator's own kernel
+    half its speed while they are in flight (the protocol's work on its cores, or a volunteer on the
+    same machine). The estimates favour a split (9 ms remote against 16 ms for the second half here);
+    the measured rate shows it gains nothing."""
+    box: list[Dispatcher] = []
+
+    async def as_fast(req: ExpertRequest) -> float | None:  # on top of the volunteer's 0.5 ms a pair
+        return 0.5 * LOCAL_S_PER_PAIR * int(req.n_pairs)
+
+    async def shared_cores(job: LocalJob) -> torch.Tensor:
+        slow = 2.0 if box and box[0].core.table.workers["w1"].in_flight else 1.0
+        await trio.sleep(LOCAL_S_PER_PAIR * int(job.pair_rows.shape[0]) * slow)
+        return fake_kernel(job)
+
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    vol = await sw.volunteer("w1", as_fast)
+    m = dmap({k: ["w1"] for k in HALVES})
+    load = Load(busy=4)
+    async with sw.coordinator(load_probe=load, config=DispatchConfig(**SPLIT_CHECK), local_runner=shared_cores) as d:
+        box.append(d)
+        d.set_map(m)
+        await trio.sleep(0.01)
+        await step(d, m)  # the trial
+        await settled(d)
+        got, _ = await run_until_checked(d, m, load)
+        assert got[Reason.LOAD_EARLIEST_FINISH_REMOTE.value] > 0  # the split window did split
+        [c] = [c for c in d.report().mode_changes if c.reason == "split_slower"]
+        assert "local for 5 s" in c.detail and d.report().split_arm == "local"
+        # held: every range here, no calls, for the hold
+        before, calls = decisions(d), len(vol.calls)
+        for i in range(6):
+            assert await step(d, m, layer=i % 2, seed=400 + i) == pytest.approx(16 * LOCAL_S_PER_PAIR)
+        assert delta(decisions(d), before) == {Reason.SPLIT_SLOWER.value: 12}
+        assert len(vol.calls) == calls
+        # the hold passes: the next loaded layer starts a new check (its first window: local)
+        await trio.sleep(5.0)
+        before = decisions(d)
+        await step(d, m, seed=500)
+        assert delta(decisions(d), before) == {Reason.SPLIT_CHECK.value: 2}
 
 
 async def test_worker_that_never_serves(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
