@@ -406,6 +406,10 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
                     # the volunteer's own arrival-to-answer time: the rest of the coordinator's figure is
                     # the wire and the coordinator's own loop
                     case["volunteer_latency_ms"] = volunteer_latency(vol)
+                    # the split check's verdicts in this case (DESIGN §5: windows local / split / local)
+                    seen = {(c["at_ms"], c["reason"]) for c in before.get("mode_changes", [])}
+                    case["split_checks"] = [f"{c['reason']}: {c.get('detail', '')}" for c in after.get("mode_changes", [])
+                                            if c["reason"].startswith("split_") and (c["at_ms"], c["reason"]) not in seen]
                 cases.append(case)
                 print(f"    {mode:8} rtt {rtt:g} ms sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
                       f"rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)
@@ -413,6 +417,8 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
                     print(f"             decisions {case['decisions']}; worker latency EWMA "
                           f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}; at the volunteer "
                           f"{case['volunteer_latency_ms']:.2f} ms", flush=True)
+                    for v in case["split_checks"]:
+                        print(f"             split check: {v}", flush=True)
     finally:
         for p in reversed(procs):
             p.stop()

@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="busy slots from which the coordinator counts as under load")
     c.add_argument("--serve-ttl", type=float, default=20.0,
                    help="seconds proven volunteers keep their share after the load ends")
-    c.add_argument("--split-check", type=float, default=2.0, metavar="SECONDS",
+    c.add_argument("--split-check", type=float, default=3.0, metavar="SECONDS",
                    help="under load, windows local / split / local this long measure whether sending shares to "
                         "volunteers pays here; the faster is kept for 30 s (0: earliest finish decides alone)")
     c.add_argument("--hedge-floor-ms", type=float, default=50.0,

@@ -79,7 +79,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     hot_experts: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0  # the K most-routed experts of a layer stay local
     # under load, windows local / split / local of this many seconds measure whether remote shares pay here;
     # the faster is kept for 30 s (coordinator.core.split_check); 0: earliest finish decides alone
-    split_check_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 2.0
+    split_check_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 3.0
     # verification (DESIGN §12): a volunteer's first answers, and as many after any failure, are all recomputed
     # here and compared; then this share of them
     verify_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05

@@ -48,7 +48,11 @@ Rules:
     ``probe_interval_s`` gets the first of the layer's ranges that earliest finish placed here
     (PROBE): it is sent *and* computed here (the local copy is the result, reason VERIFY, the
     answer is compared like a sampled call), so a cold start (one slow early answer) cannot keep a
-    worker idle for good, and the probe costs the step nothing but the call;
+    worker idle for good, and the probe costs the step nothing but the call. A proven worker still
+    in **probation** (every answer verified, i.e. computed here too) is no candidate of earliest
+    finish -- a remote share would save nothing -- but is probed at every layer while it has
+    nothing in flight, so its probation passes in a few dozen layers without slowing them; the
+    split check (below) waits for it;
   - serve TTL: the same earliest-finish choice without trials, reason SERVE_TTL;
   - not held: remote only (NOT_HELD), proven replicas first; no live replica: ``Fail``
     (NO_REPLICA / ALL_DOWN; the shell may wait for coverage and retry the layer), or with
@@ -57,6 +61,12 @@ Rules:
     range's until both agree; a disagreement is settled by computing it here (DISPUTE, ``Settle``),
     which is then the result, and whoever differs is quarantined; with no second replica the call is
     served unchecked (``unverifiable``).
+- Split check (``coordinator.core.split_check``): under load the estimates alone do not decide.
+  Windows local / split / local of ``split_check_s`` measure routed pairs per second; the split is
+  kept for ``split_hold_s`` when it beats the local windows by ``split_margin``, else every held
+  range stays here (SPLIT_CHECK in a local window, SPLIT_SLOWER after such a verdict; trials and
+  probes still go out). The verdict is a ``SplitChecked`` effect. No check runs while a worker is
+  in probation; a load that ends mid-check aborts it (the last verdict stays, split before any).
 - Hedging: every remote call (not a trial) gets a hedge timer at ``max(hedge_floor_s, p95)`` of its
   worker's recent latencies (no history: half the timeout). If it fires before any result for the
   range, the range is raced against the local copy (held) or the next live replica (HEDGE_SLOW).
@@ -522,9 +532,9 @@ class DispatchConfig:
     probe_interval_s: float = 2.0
     # under load, measure whether remote shares pay here: windows local / split / local of this
     # length, the winner held for split_hold_s; the split must win by split_margin (0: no check)
-    split_check_s: float = 2.0
+    split_check_s: float = 3.0
     split_hold_s: float = 30.0
-    split_margin: float = 0.05
+    split_margin: float = 0.10  # the split must win clearly: 2 s windows are noisy on a shared machine
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     max_errors: int = 32  # failures kept for /dispatch
@@ -1052,7 +1062,9 @@ class DispatchCore:
                     return 0.0, reason  # its trial is due: the shell must ask
                 continue
             if self._probe_due(w, now):
-                return 0.0, reason  # its estimate is stale: the shell must ask
+                return 0.0, reason  # its estimate is stale, or it is in probation: the shell must ask
+            if w.probation_left > 0:
+                continue  # not a candidate yet (below)
             best = min(best, self._remote_estimate(p, now))
         if best == math.inf or local_arm:
             return math.inf, reason  # nobody to offload to, or the check keeps it all here
@@ -1064,17 +1076,27 @@ class DispatchCore:
     def _split_observe(self, pairs: int, now: float, out: list[Effect]) -> None:
         if self.state is not LoadState.LOADED or self.config.mode is not DispatchMode.ADAPTIVE:
             return
+        if self._in_probation(now):
+            return  # a split now would compute every remote range here too: nothing to measure yet
         o = self.split.observe(pairs, now)
         if o is not None:
             out.append(SplitChecked(o, Reason.SPLIT_FASTER if o.arm is SplitArm.SPLIT else Reason.SPLIT_SLOWER))
 
     def _probe_due(self, w: WorkerHealth, now: float) -> bool:
-        """Is this live proven worker due for a probe: loaded, nothing in flight to it, and no
-        latency sample (nor probe) for ``probe_interval_s``?"""
+        """Is this live proven worker due for a probe: loaded, nothing in flight to it, and in
+        probation or without a latency sample for ``probe_interval_s``?"""
+        if self.state is not LoadState.LOADED or not w.proven or w.in_flight > 0:
+            return False
+        if w.probation_left > 0:
+            return True
         interval = self.config.probe_interval_s
         last = w.attached_at if w.sampled_at is None else w.sampled_at
-        return (interval > 0 and self.state is LoadState.LOADED and w.proven and w.in_flight == 0
-                and now - last >= interval)
+        return interval > 0 and now - last >= interval
+
+    def _in_probation(self, now: float) -> bool:
+        """Is a live proven worker still in probation (every answer of it verified)?"""
+        return any(w.proven and w.probation_left > 0 and self.table.is_live(p, now)
+                   for p, w in self.table.workers.items())
 
     def overlap_pays(self, n_pairs: int, now: float, *, not_held: bool = False) -> bool:
         """Do two alternating micro-batches help a step of ``n_pairs`` routed pairs per layer now?
@@ -1226,8 +1248,10 @@ class DispatchCore:
                     continue
                 local_finish = (self.local_backlog_pairs + w.pairs) * self.local_cost_s
                 local_arm = self.split.arm() is SplitArm.LOCAL
-                if proven and not local_arm:
-                    peer, remote_finish = self._best_remote(proven, now)
+                # in probation every answer is verified (computed here too): no candidate, only probed
+                ready = [p for p in proven if self.table.workers[p].probation_left == 0]
+                if ready and not local_arm:
+                    peer, remote_finish = self._best_remote(ready, now)
                     if remote_finish < local_finish:
                         probes.discard(peer)
                         self._send(

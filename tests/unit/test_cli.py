@@ -105,7 +105,7 @@ def test_coordinator_dispatch_flags_reach_the_dispatch_core() -> None:
     assert default == DispatchConfig(timeout_s=3.0) and (default.verify_rate, default.verify_probation_calls) == (0.05, 50)
     v = dispatch_config(config("coordinator", "--model", "m.gguf", "--verify-rate", "1", "--verify-probation", "7"))  # type: ignore[arg-type]
     assert (v.verify_rate, v.verify_probation_calls) == (1.0, 7)
-    assert default.split_check_s == 2.0
+    assert default.split_check_s == 3.0
     assert dispatch_config(config("coordinator", "--model", "m.gguf", "--split-check", "0")).split_check_s == 0.0  # type: ignore[arg-type]
 
 

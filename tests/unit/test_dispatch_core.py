@@ -389,6 +389,37 @@ def test_a_probe_refreshes_the_estimate_and_the_next_layer_uses_it() -> None:
     assert placements(eff) == [("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)]
 
 
+def test_a_worker_in_probation_is_probed_not_given_shares() -> None:
+    """In probation every answer is computed here too, so a share sent to it saves nothing: it is no
+    candidate of earliest finish (2 ms here against 8 ms of local work), it is probed instead -- one
+    range a layer while it has nothing in flight -- and the split check waits until it is through."""
+    c = core("p", verify_probation_calls=2, split_check_s=1.0)
+    prove(c, "p", 2 * MS)
+    c.table.workers["p"].probation_left = 2
+    loaded(c)
+    assert c.local_only_pairs(0.0)[0] == 0  # a probe is due: the shell asks
+    eff = ready(c, 0.0, rw(0, 4, "p"), rw(4, 8, "p"))
+    assert placements(eff) == [("remote", "p", Reason.PROBE), ("local", None, Reason.VERIFY),
+                               ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)]
+    # its probe in flight: no candidate, no probe -> everything here, even on the fast path
+    assert c.local_only_pairs(0.001) == (math.inf, Reason.LOAD_EARLIEST_FINISH_LOCAL)
+    assert not c.split.checking  # nothing measured while it is in probation
+    for step in (2, 3):
+        [send] = only(eff, SendRemote)
+        c.handle(RemoteDone(send.call, 1), 0.002)
+        for e in only(eff, RunLocal):
+            out = c.handle(LocalDone(e.call, 0.008), 0.008)
+            for cmp in only(out, Compare):
+                c.handle(Compared(cmp.remote, True), 0.009)
+        if c.table.workers["p"].probation_left == 0:
+            break
+        eff = ready(c, 0.01, rw(0, 4, "p"), rw(4, 8, "p"), step=step)
+    assert c.table.workers["p"].probation_left == 0
+    # through: a candidate again, and the split check starts with the next layer
+    eff = ready(c, 0.02, rw(0, 4, "p"), step=9)
+    assert c.split.checking and placements(eff) == [("local", None, Reason.SPLIT_CHECK)]
+
+
 def test_hot_experts_run_locally_and_keep_the_partition() -> None:
     c = core("p", mode=DispatchMode.OFFLOAD, hot_experts=1)
     counts = (0, 1, 0, 0, 0, 9, 0, 0)

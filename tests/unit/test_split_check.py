@@ -71,6 +71,26 @@ def test_the_decision_holds_then_a_new_check_starts() -> None:
     assert o2 is not None and o2.arm is SplitArm.SPLIT and check.outcomes == [o, o2]
 
 
+def test_a_held_split_that_falls_behind_is_dropped_at_once() -> None:
+    check = SplitCheck(window_s=1.0, hold_s=10.0, margin=0.05)
+    _, o, t = run(check, (1000.0, 1500.0, 1000.0))
+    assert o is not None and o.arm is SplitArm.SPLIT
+    # held: windows at 1100 pairs/s (above the 1000 it beat) change nothing ...
+    for n in range(1, 31):
+        assert check.observe(110, round(t + n * 0.1, 9)) is None
+    assert check.arm() is SplitArm.SPLIT
+    # ... one at 900 ends the hold
+    t2 = round(t + 3.0, 9)
+    out = None
+    for n in range(1, 12):
+        out = out or check.observe(90, round(t2 + n * 0.1, 9))
+    assert out is not None and out.watched and (out.arm, out.verdict) == (SplitArm.LOCAL, SplitVerdict.SPLIT_SLOWER)
+    assert out.split_rate == pytest.approx(900, rel=0.15) and out.local_rate == pytest.approx(1000)
+    assert check.arm() is SplitArm.LOCAL and not check.checking and out.until == pytest.approx(out.at + 10.0)
+    # a held local is not watched: nothing changes until its hold ends
+    assert all(check.observe(1, out.at + 0.1 * n) is None for n in range(1, 99))
+
+
 def test_an_aborted_check_decides_nothing() -> None:
     check = SplitCheck(window_s=1.0)
     assert check.arm() is SplitArm.SPLIT  # before any check: earliest finish as it was

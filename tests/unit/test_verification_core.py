@@ -59,7 +59,8 @@ def test_probation_verifies_every_call_then_the_rate_takes_over() -> None:
     loaded(c)
     for step in range(1, 4):
         eff = remote_placement(c, 0.0, step)
-        assert placements(eff) == [("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE), ("local", None, Reason.VERIFY)]
+        # in probation: no candidate of earliest finish (its share would be computed here anyway), probed instead
+        assert placements(eff) == [("remote", "p", Reason.PROBE), ("local", None, Reason.VERIFY)]
         [send], [run] = only(eff, SendRemote), only(eff, RunLocal)
         assert send.keep and run.keep
         eff = c.handle(RemoteDone(send.call, 1), 0.001)
