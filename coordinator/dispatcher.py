@@ -627,9 +627,9 @@ class Dispatcher:
                     ModeChange(at_ms=_wall_ms(), state=state.value, reason=reason.value)
                 )
             case SplitChecked(outcome=o, reason=reason):
-                local = " / ".join(f"{r:.0f}" for r in o.local_rates) if o.local_rates else "the rate it beat"
+                windows = " / ".join(f"{r:.0f}" for r in o.local_rates) if o.local_rates else "the rate it beat"
                 detail = (f"{'held split fell behind: ' if o.watched else ''}split {o.split_rate:.0f} vs local "
-                          f"{o.local_rate:.0f} ({local}) routed pairs/s: {o.arm.value} for {o.until - o.at:.0f} s")
+                          f"{o.local_rate:.0f} ({windows}) routed pairs/s: {o.arm.value} for {o.until - o.at:.0f} s")
                 log.info("dispatch: %s (%s)", reason.value, detail)
                 self._mode_changes.append(ModeChange(at_ms=_wall_ms(), state=self.core.state.value,
                                                      reason=reason.value, detail=detail))
