@@ -355,10 +355,19 @@ def main() -> None:
               f"{after.get('verified_equal', 0)} equal, {after.get('quarantines', 0)} volunteers quarantined")
         print("    (a volunteer's hedged trial and its first 50 answers are all verified: the coordinator computes them too and")
         print("    uses its own result; then 5% of its answers, drawn at random)")
+        seen = {(c["at_ms"], c["reason"]) for c in before.get("mode_changes", [])}
+        verdicts = [c for c in after.get("mode_changes", [])
+                    if c["reason"].startswith("split_") and (c["at_ms"], c["reason"]) not in seen]
+        if verdicts:
+            for c in verdicts:
+                print(f"    split check: {c['reason']} ({c.get('detail', '')})")
+        else:
+            print("    split check: no verdict -- the load dipped below saturation before its three windows (local / split /")
+            print("    local) ended; until one does, earliest finish decides alone")
         if rem < loc // 10:
             print("    (each volunteer answered its hedged trial and is proven; but a range of this tiny model computes here in")
-            print("    microseconds against a ~1-2 ms round trip, so earliest-finish keeps nearly all of it local, and the split")
-            print("    check's verdict above says whether sending shares paid; on the bench model: benchmarks/offload.py)")
+            print("    microseconds against a ~1-2 ms round trip, so earliest-finish keeps nearly all of it local; on the bench")
+            print("    model the split is measured by benchmarks/offload.py)")
         assert under_load is not None
         same = under_load == local
         print(f"    tokens identical to the all-local run: {'YES' if same else 'NO'}")
