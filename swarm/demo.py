@@ -248,10 +248,11 @@ def main() -> None:
                                        "--poll-interval", "0.5", "--hold-s", "3", "--cooldown-s", "3",
                                        "--relay", relay_addr))
         wait_healthy(market, mp, "market")
-        say(f"starting the coordinator on {coord} (4 slots; saturated at 2 busy; serve TTL 5 s)")
+        say(f"starting the coordinator on {coord} (4 slots; saturated at 2 busy; serve TTL 5 s; split check windows 1 s)")
+        # the demo's load act is short (16 s): 1 s windows let the split check reach a verdict in it
         cp = procs.start("coordinator", cli("coordinator", "--model", str(model_path), "--port", str(cport), "--slots", "4",
                                             "--data-dir", str(DATA / "coordinator"), "--market", market, "--token", "demo",
-                                            "--saturation-threshold", "2", "--serve-ttl", "5"))
+                                            "--saturation-threshold", "2", "--serve-ttl", "5", "--split-check", "1"))
         wait_healthy(coord, cp, "coordinator")
         client = openai.OpenAI(base_url=coord + "/v1", api_key="demo", max_retries=0)
         print(f"    model id: {model_id}")

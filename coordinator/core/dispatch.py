@@ -66,7 +66,8 @@ Rules:
   kept for ``split_hold_s`` when it beats the local windows by ``split_margin``, else every held
   range stays here (SPLIT_CHECK in a local window, SPLIT_SLOWER after such a verdict; trials and
   probes still go out). The verdict is a ``SplitChecked`` effect. No check runs while a worker is
-  in probation; a load that ends mid-check aborts it (the last verdict stays, split before any).
+  in probation; a load that ends mid-check suspends it (the last verdict stays, split before any;
+  the window under way is re-run at the next loaded layer).
 - Hedging: every remote call (not a trial) gets a hedge timer at ``max(hedge_floor_s, p95)`` of its
   worker's recent latencies (no history: half the timeout). If it fires before any result for the
   range, the range is raced against the local copy (held) or the next live replica (HEDGE_SLOW).
@@ -1076,8 +1077,9 @@ class DispatchCore:
     def _split_observe(self, pairs: int, now: float, out: list[Effect]) -> None:
         if self.state is not LoadState.LOADED or self.config.mode is not DispatchMode.ADAPTIVE:
             return
-        if self._in_probation(now):
-            return  # a split now would compute every remote range here too: nothing to measure yet
+        if self._in_probation(now):  # a split now would compute every remote range here too
+            self.split.suspend(now)
+            return
         o = self.split.observe(pairs, now)
         if o is not None:
             out.append(SplitChecked(o, Reason.SPLIT_FASTER if o.arm is SplitArm.SPLIT else Reason.SPLIT_SLOWER))
@@ -1179,7 +1181,7 @@ class DispatchCore:
             LoadState.IDLE: Reason.TTL_EXPIRED if self.state is LoadState.SERVE_TTL else Reason.LOAD_ENDED,
         }[new]
         if self.state is LoadState.LOADED:
-            self.split.abort()
+            self.split.suspend(now)
         self.state = new
         out.append(ModeChanged(new, reason))
 

@@ -21,8 +21,13 @@ local-only. So under load the core does not trust the estimate alone; it measure
   check's split window is short, and what a split costs can grow after it (earliest finish sends
   more as the local kernel, slowed by the volunteer beside it, looks slower): measured on the
   2-core box, a split that won its window by 16 % served 0.88x of local-only over the next 30 s.
-- **Aborts.** A check that the load leaves before it ends decides nothing: the arm in force goes
-  back to the last decision (split before any: the dispatch as it was before this check existed).
+- **Suspension.** When the load leaves (serve TTL) the check is suspended: the window under way is
+  dropped (its rate would mix loaded and unloaded time), the finished ones are kept, and the arm
+  in force is the last decision (split before any: the dispatch as it was before this check
+  existed). The next loaded layer re-runs the dropped window -- unless the suspension lasted longer
+  than ``hold_s``, then the check starts over. A held split's watch window is dropped the same way.
+  (A load that dips below saturation every few seconds, as ``make demo``'s does, would otherwise
+  never let a check end.)
 - ``window_s <= 0`` turns the check off: always split (earliest finish decides alone).
 """
 
@@ -72,15 +77,17 @@ class SplitCheck:
         self._since = 0.0
         self._pairs = 0
         self._rates: list[tuple[SplitArm, float]] = []
+        self._suspended_at: float | None = None
         self.outcomes: list[SplitOutcome] = []
 
     @property
     def checking(self) -> bool:
-        return bool(self._plan)
+        """Is a check running (not suspended)?"""
+        return bool(self._plan) and self._suspended_at is None
 
     def arm(self) -> SplitArm:
         """The arm in force: the running window's while checking, else the last decision."""
-        return self._plan[0] if self._plan else self.kept
+        return self._plan[0] if self.checking else self.kept
 
     def observe(self, pairs: int, now: float) -> SplitOutcome | None:
         """A layer of ``pairs`` routed pairs starts under load at ``now`` (call before placing it:
@@ -89,6 +96,11 @@ class SplitCheck:
         if self.window_s <= 0:
             return None
         out = None
+        if self._suspended_at is not None:  # loaded again: the dropped window starts afresh
+            if self._plan and now - self._suspended_at > self.hold_s:
+                self._plan = []  # too long ago: the finished windows say little now
+            self._suspended_at = None
+            self._since, self._pairs = now, 0
         if not self._plan:
             if self.hold_until is not None and now < self.hold_until:
                 return self._watch(pairs, now) if self.kept is SplitArm.SPLIT else None
@@ -131,6 +143,6 @@ class SplitCheck:
         self.outcomes = [*self.outcomes[-15:], out]
         return out
 
-    def abort(self) -> None:
-        """The load left before the check ended: nothing decided (the last decision is in force)."""
-        self._plan = []
+    def suspend(self, now: float) -> None:
+        """The load left: the window under way is dropped (see the rules); the last decision is in force."""
+        self._suspended_at = now

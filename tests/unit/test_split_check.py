@@ -1,5 +1,5 @@
 """The split check (coordinator.core.split_check), table-driven, and its place in the dispatch core:
-windows local / split / local, the decision with its margin, the hold, aborts, the arm's placements."""
+windows local / split / local, the decision with its margin, the hold, the watch, suspensions, the arm's placements."""
 
 from __future__ import annotations
 
@@ -91,16 +91,46 @@ def test_a_held_split_that_falls_behind_is_dropped_at_once() -> None:
     assert all(check.observe(1, out.at + 0.1 * n) is None for n in range(1, 99))
 
 
-def test_an_aborted_check_decides_nothing() -> None:
-    check = SplitCheck(window_s=1.0)
+def test_a_suspended_check_drops_the_window_under_way_and_resumes() -> None:
+    check = SplitCheck(window_s=1.0, hold_s=10.0, margin=0.05)
     assert check.arm() is SplitArm.SPLIT  # before any check: earliest finish as it was
-    check.observe(100, 0.0)
-    check.observe(100, 1.0)  # into the split window
+    for n in range(11):  # the first local window at 1000 pairs/s, then into the split window
+        check.observe(100, n * 0.1)
     assert check.checking and check.arm() is SplitArm.SPLIT
-    check.abort()
+    check.observe(100, 1.1)
+    check.suspend(1.2)  # the load left
     assert not check.checking and check.arm() is SplitArm.SPLIT and check.outcomes == []
-    assert check.observe(100, 1.5) is None and check.checking  # the next loaded layer starts over
-    assert check.arm() is SplitArm.LOCAL
+    # loaded again 5 s later: the split window re-runs from scratch (at 2000 pairs/s), then local
+    t = 6.2
+    for n in range(11):
+        assert check.observe(200 if n < 10 else 100, round(t + n * 0.1, 9)) is None
+        assert check.arm() is (SplitArm.SPLIT if n < 10 else SplitArm.LOCAL)
+    out = None
+    for n in range(11, 22):
+        out = out or check.observe(100, round(t + n * 0.1, 9))
+    assert out is not None and out.arm is SplitArm.SPLIT
+    assert out.split_rate == pytest.approx(2000) and out.local_rates == pytest.approx((1000, 1000))
+
+
+def test_a_long_suspension_starts_the_check_over() -> None:
+    check = SplitCheck(window_s=1.0, hold_s=10.0)
+    for n in range(12):
+        check.observe(100, n * 0.1)
+    check.suspend(1.2)
+    check.observe(100, 11.3)  # more than hold_s later
+    assert check.checking and check.arm() is SplitArm.LOCAL  # the first window again
+
+
+def test_a_held_splits_watch_window_is_dropped_when_the_load_leaves() -> None:
+    check = SplitCheck(window_s=1.0, hold_s=30.0, margin=0.05)
+    _, o, t = run(check, (1000.0, 1500.0, 1000.0))
+    assert o is not None and o.arm is SplitArm.SPLIT
+    check.observe(110, t + 0.1)
+    check.suspend(t + 0.2)
+    # 5 s without load would read as a rate near 0 -- the window is dropped instead
+    for n in range(12):
+        assert check.observe(110, round(t + 5.2 + n * 0.1, 9)) is None
+    assert check.arm() is SplitArm.SPLIT
 
 
 def test_off() -> None:
@@ -175,12 +205,15 @@ def test_a_slower_split_keeps_everything_here_and_the_fast_path_reports_it() -> 
         ("RunLocal", Reason.SPLIT_SLOWER)]
 
 
-def test_the_load_ending_aborts_a_check() -> None:
+def test_the_load_ending_suspends_a_check() -> None:
     c = core()
     c.handle(LoadSample(4, 4), 0.0)
     c.handle(LayerReady(StepId(1), 0, (RangeWork(0, 4, 8, 8, ("p",), True),), ()), 0.0)
-    assert c.split.checking
+    assert c.split.checking and c.split.arm() is SplitArm.LOCAL
     c.handle(LoadSample(0, 4), 0.5)  # serve TTL
     assert not c.split.checking and c.split.arm() is SplitArm.SPLIT
     eff = c.handle(LayerReady(StepId(2), 0, (RangeWork(0, 4, 8, 8, ("p",), True),), ()), 0.6)
     assert [e.reason for e in eff if isinstance(e, SendRemote)] == [Reason.SERVE_TTL]
+    c.handle(LoadSample(4, 4), 2.0)  # loaded again: the check goes on where it was
+    eff = c.handle(LayerReady(StepId(3), 0, (RangeWork(0, 4, 8, 8, ("p",), True),), ()), 2.0)
+    assert c.split.checking and [e.reason for e in eff if isinstance(e, RunLocal)] == [Reason.SPLIT_CHECK]
