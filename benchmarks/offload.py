@@ -9,8 +9,9 @@ in static mode, serving every layer of the model in four ranges (its slices are 
 coordinator once and cached in ``benchmarks/.cache/offload-volunteer``). One coordinator process runs
 every case; its ``--dispatch-map`` file is rewritten between them: no replicas (``local``: every
 expert on the coordinator) or the volunteer for every range (``adaptive``: local while idle, split
-by earliest finish under load). Before the adaptive cases a load burst gives the volunteer its
-hedged trial, so it is proven; every case starts from an idle dispatcher (after the serve TTL). Requests go through the HTTP API (``/v1/completions``, streamed, the
+by earliest finish under load where the split check measures that it pays; its verdicts, with the
+rates of its windows, are each case's ``split_checks``). Before the adaptive cases a load burst
+gives the volunteer its hedged trial and probation (the probes), so it is proven; every case starts from an idle dispatcher (after the serve TTL). Requests go through the HTTP API (``/v1/completions``, streamed, the
 same token-id prompt per session index, ``ignore_eos``); the tokens of every adaptive case are
 checked against the local case's.
 
@@ -27,7 +28,8 @@ could reach by splitting the experts: (D + E) / (D + E / 2), round trips not cou
 volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem). The engine's
 two alternating micro-batches apply only where it must wait for remote ranges (offload mode, or
 ranges the coordinator does not hold) with a round trip longer than the layer's compute
-(``DispatchCore.overlap_pays``); here every expert is held, so earliest-finish decides alone.
+(``DispatchCore.overlap_pays``); here every expert is held, so earliest finish and the split check
+decide.
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ class WorkerHealth:
     verified: int = 0  # answers that passed verification
     probation_left: int = 0  # verified answers still due at rate 1.0
     hedge_losses: int = 0  # hedges lost in a row
-    sampled_at: float | None = None  # when its latency was last sampled, or a probe of it sent (None: at attach)
+    sampled_at: float | None = None  # its last latency sample: an answer or a lost hedge (None: none; counts from attach)
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
 
@@ -473,7 +473,7 @@ class Reason(StrEnum):
     SPLIT_CHECK = "split_check"  # RunLocal: under load, a local window of the split check (split_check.py)
     SPLIT_SLOWER = "split_slower"  # RunLocal: under load, held here: the last check found the split no faster
     SPLIT_FASTER = "split_faster"  # SplitChecked: the check found the split faster (earliest finish decides)
-    PROBE = "probe"  # SendRemote: a proven worker's latency estimate is stale; sampled (with the local copy)
+    PROBE = "probe"  # SendRemote: a proven worker's estimate is stale or it is in probation; kept, the local copy used
     HOT_EXPERT = "hot_expert"
     OFFLOAD_REMOTE = "offload_remote"
     NOT_HELD = "not_held"
@@ -535,7 +535,7 @@ class DispatchConfig:
     # length, the winner held for split_hold_s; the split must win by split_margin (0: no check)
     split_check_s: float = 3.0
     split_hold_s: float = 30.0
-    split_margin: float = 0.10  # the split must win clearly: 2 s windows are noisy on a shared machine
+    split_margin: float = 0.10  # must win clearly: windows of the same work differed by up to ~13 % on the 2-core VM
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     max_errors: int = 32  # failures kept for /dispatch
