@@ -535,7 +535,7 @@ class DispatchConfig:
     # length, the winner held for split_hold_s; the split must win by split_margin (0: no check)
     split_check_s: float = 3.0
     split_hold_s: float = 30.0
-    split_margin: float = 0.10  # must win clearly: windows of the same work differed by up to ~13 % on the 2-core VM
+    split_margin: float = 0.10  # must win clearly (windows of the same work differed by up to ~20 % on the 2-core VM; the watch backs it)
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     max_errors: int = 32  # failures kept for /dispatch
