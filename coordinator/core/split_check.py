@@ -16,8 +16,10 @@ local-only. So under load the core does not trust the estimate alone; it measure
 - **Decision.** Split is kept when its rate beats the mean of the two local rates by more than
   ``margin`` (``SPLIT_FASTER``), else local (``SPLIT_SLOWER``); either holds for ``hold_s``, then
   the next loaded layer starts a new check (a volunteer that got faster, a load that changed).
-- **Watch.** A held split keeps being measured, window by window: one whose rate falls below the
-  local rate it beat ends it at once (``SPLIT_SLOWER``, ``watched``; local for ``hold_s``). A
+- **Watch.** A held split keeps being measured, window by window: the first must beat the local
+  rate by the margin again (a confirmation: two windows of the same work differed by up to ~20 %
+  on the 2-core box, so one win may be noise), every later one must at least equal it; one that
+  falls short ends the split at once (``SPLIT_SLOWER``, ``watched``; local for ``hold_s``). A
   check's split window is short, and what a split costs can grow after it (earliest finish sends
   more as the local kernel, slowed by the volunteer beside it, looks slower): measured on the
   2-core box, a split that won its window by 16 % served 0.88x of local-only over the next 30 s.
@@ -78,6 +80,7 @@ class SplitCheck:
         self._pairs = 0
         self._rates: list[tuple[SplitArm, float]] = []
         self._suspended_at: float | None = None
+        self._confirmed = False  # a held split's first watch window beat the local rate by the margin too
         self.outcomes: list[SplitOutcome] = []
 
     @property
@@ -115,15 +118,18 @@ class SplitCheck:
         return out
 
     def _watch(self, pairs: int, now: float) -> SplitOutcome | None:
-        """While a split is held: each window's rate against the local rate it beat; one that falls
-        below it ends the hold (local, held in its turn)."""
+        """While a split is held: each window's rate against the local rate it beat -- the first by
+        the margin again (a confirmation), the others at least equal; one that falls short ends the
+        hold (local, held in its turn)."""
         if now - self._since < self.window_s:
             self._pairs += pairs
             return None
         rate = self._pairs / (now - self._since)
         self._since, self._pairs = now, pairs
         ref = self.outcomes[-1].local_rate if self.outcomes else 0.0
-        if rate >= ref:
+        bar = ref if self._confirmed else ref * (1.0 + self.margin)
+        if rate >= bar:
+            self._confirmed = True
             return None
         self.kept = SplitArm.LOCAL
         self.hold_until = now + self.hold_s
@@ -137,6 +143,7 @@ class SplitCheck:
         local = sum(local_rates) / len(local_rates)
         faster = split > local * (1.0 + self.margin)
         self.kept = SplitArm.SPLIT if faster else SplitArm.LOCAL
+        self._confirmed = False
         self.hold_until = now + self.hold_s
         out = SplitOutcome(now, self.kept, SplitVerdict.SPLIT_FASTER if faster else SplitVerdict.SPLIT_SLOWER,
                            split, local, self.hold_until, tuple(local_rates))

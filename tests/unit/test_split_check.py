@@ -91,6 +91,17 @@ def test_a_held_split_that_falls_behind_is_dropped_at_once() -> None:
     assert all(check.observe(1, out.at + 0.1 * n) is None for n in range(1, 99))
 
 
+def test_a_held_split_must_confirm_its_win_in_its_first_window() -> None:
+    check = SplitCheck(window_s=1.0, hold_s=10.0, margin=0.05)
+    _, o, t = run(check, (1000.0, 1500.0, 1000.0))  # one window's win: it may be noise
+    assert o is not None and o.arm is SplitArm.SPLIT
+    out = None
+    for n in range(1, 12):  # 1030 pairs/s: above the local rate, but not by the margin (1050)
+        out = out or check.observe(103, round(t + n * 0.1, 9))
+    assert out is not None and out.watched and out.arm is SplitArm.LOCAL
+    assert out.split_rate == pytest.approx(1030, rel=0.05)
+
+
 def test_a_suspended_check_drops_the_window_under_way_and_resumes() -> None:
     check = SplitCheck(window_s=1.0, hold_s=10.0, margin=0.05)
     assert check.arm() is SplitArm.SPLIT  # before any check: earliest finish as it was
