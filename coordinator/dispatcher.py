@@ -1112,18 +1112,46 @@ class Dispatcher:
             token.run_sync_soon(self._begin_engine_step, run, works, self._expert_pairs(topk_ids))
         except trio.RunFinishedError:
             raise DispatchFailed("the dispatcher stopped") from None
+        t0 = time.perf_counter()
+        early = self._early_share(run, works, max_pairs) if run.engine else {}
         calls = self._engine_placed(run) if run.engine else []
         if calls:
-            merged, n_pairs = self._merged(run, calls)
-            t0 = time.perf_counter()
+            n_pairs = [int(run.jobs[i].local.pair_rows.shape[0]) for _, i in calls]
+            todo = sorted({i for _, i in calls} - early.keys())
             try:
-                outs: list[torch.Tensor] | BaseException = list(torch.split(self._compute_in_thread(merged), n_pairs))
+                done = dict(early)
+                if todo:
+                    merged, sizes = self._merged(run, [(CallId(0), i) for i in todo])
+                    done.update(zip(todo, torch.split(self._compute_in_thread(merged), sizes), strict=True))
+                outs: list[torch.Tensor] | BaseException = [done[i] for _, i in calls]
             except Exception as exc:  # a bug or a kernel error: reported, the layer fails
                 log.exception("local experts failed (layer %d)", layer)
                 outs = exc
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._engine_local_done, run, calls, n_pairs, outs, time.perf_counter() - t0)
         return _Pending(self, run, x, topk_ids, topk_w)
+
+    def _early_share(self, run: _StepRun, works: tuple[RangeWork, ...], max_pairs: float) -> dict[int, torch.Tensor]:
+        """While the core places the layer: compute the leading held ranges that it places here for
+        sure -- together within ``local_only_pairs`` of the last snapshot, so that no worker could
+        finish any of them earlier (earliest finish, ties local) and no trial or probe is due. The
+        engine thread does not wait for the placement before it starts computing. Should the
+        snapshot be a layer old and one of them go remote after all, its result here goes unused
+        (the kernel is batch-invariant: the bits are the same either way). Keyed by job index."""
+        prefix, total = [], 0
+        for i, w in enumerate(works):
+            total += w.pairs
+            if not w.held or total > max_pairs:
+                break
+            prefix.append(i)
+        if not prefix:
+            return {}
+        merged, sizes = self._merged(run, [(CallId(0), i) for i in prefix])
+        try:
+            return dict(zip(prefix, torch.split(self._compute_in_thread(merged), sizes), strict=True))
+        except Exception:  # computed again below with the placed calls (and reported there, if it fails again)
+            log.exception("local experts failed (layer %d, before placement)", run.layer)
+            return {}
 
     def _engine_placed(self, run: _StepRun) -> list[tuple[CallId, int]]:
         """The engine thread's wait for the core's placement of ``run`` (failing once dispatch stops)."""

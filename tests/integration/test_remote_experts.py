@@ -429,3 +429,55 @@ async def test_a_bug_in_an_engine_steps_dispatch_fails_the_layer_not_the_loop(
     ref.set_map(dmap(golden_model, 1, {(0, 0, 4): [a]}))
     assert torch.equal(got, await trio.to_thread.run_sync(ref.moe, 0, x, ids, w))
     assert a.server.stats.calls == 1
+
+
+async def test_the_engine_computes_the_share_surely_placed_here_before_the_placement(
+    nursery: trio.Nursery, golden_model: GGUFModel, coord_transport: Transport
+) -> None:
+    """Under load, a layer too big for the engine's fast path: the leading ranges that no worker could
+    finish earlier (within the core's ``local_only_pairs`` bound) are computed on the engine thread
+    before it waits for the core's placement; the others as placed (here: two remote, one local);
+    the bits are those of every range computed here."""
+    quarters = [(0, lo, lo + 2) for lo in range(0, 8, 2)]
+    a = await start_volunteer(nursery, golden_model, quarters)
+    m = dmap(golden_model, 1, {k: [a] for k in quarters})
+    cfg = DispatchConfig(verify_rate=0.0, verify_probation_calls=0, split_check_s=0.0, probe_interval_s=0.0,
+                         hedge=False)
+    d = await make_dispatcher(nursery, golden_model, coord_transport, config=cfg, load_probe=lambda: (4, 4))
+    d.set_map(m)
+
+    async def attached() -> bool:
+        return d.core.load_state(trio.current_time()).value == "loaded" and a.peer_id in d.core.table.workers
+
+    await eventually(attached, within=10)
+    # proven, 2.5 ms; the local kernel 1 ms a pair: at most 2.5 pairs surely here
+    d.core.table.succeeded(a.peer_id, rows=1, latency_s=2.5e-3, wall_ms=1)
+    d.core.table.verified(a.peer_id, True)
+    d.core.local_cost_s = 1e-3
+    d._engine_local = d.core.local_only_pairs(trio.current_time())
+    assert d._engine_local[0] == pytest.approx(2.5)
+
+    order: list[object] = []
+    compute, placed = d._compute_in_thread, d._engine_placed
+
+    def spy_compute(job: Any) -> torch.Tensor:
+        order.append(sorted(set((job.pair_experts + job.lo).tolist())))
+        return compute(job)
+
+    def spy_placed(run: Any) -> Any:
+        order.append("placed")
+        return placed(run)
+
+    d._compute_in_thread = spy_compute  # type: ignore[method-assign]
+    d._engine_placed = spy_placed  # type: ignore[method-assign]
+    x = torch.randn(4, golden_model.config.d_model, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 2], [4, 6], [1, 3], [5, 7]])  # two pairs in each quarter
+    w = torch.full((4, 2), 0.5)
+    got = await trio.to_thread.run_sync(d.moe, 0, x, ids, w)
+    # quarter 0 (2 pairs <= 2.5) before the placement; then the core: 0 here (2 ms < 2.5), 1 remote
+    # (4 ms > 2.5), 2 here (4 < 5: one call in flight), 3 remote (6 > 5)
+    assert order == [[0, 1], "placed", [4, 5]]
+    assert a.server.stats.calls == 2
+    ref = await make_dispatcher(nursery, golden_model, None)
+    ref.set_map(m)
+    assert torch.equal(got, await trio.to_thread.run_sync(ref.moe, 0, x, ids, w))
