@@ -1114,10 +1114,12 @@ class Dispatcher:
             raise DispatchFailed("the dispatcher stopped") from None
         t0 = time.perf_counter()
         early = self._early_share(run, works, max_pairs) if run.engine else {}
+        spent = time.perf_counter() - t0  # compute time only (for the local cost), not the wait below
         calls = self._engine_placed(run) if run.engine else []
         if calls:
             n_pairs = [int(run.jobs[i].local.pair_rows.shape[0]) for _, i in calls]
             todo = sorted({i for _, i in calls} - early.keys())
+            t0 = time.perf_counter()
             try:
                 done = dict(early)
                 if todo:
@@ -1128,7 +1130,8 @@ class Dispatcher:
                 log.exception("local experts failed (layer %d)", layer)
                 outs = exc
             with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(self._engine_local_done, run, calls, n_pairs, outs, time.perf_counter() - t0)
+                token.run_sync_soon(self._engine_local_done, run, calls, n_pairs, outs,
+                                    spent + time.perf_counter() - t0)
         return _Pending(self, run, x, topk_ids, topk_w)
 
     def _early_share(self, run: _StepRun, works: tuple[RangeWork, ...], max_pairs: float) -> dict[int, torch.Tensor]:
