@@ -59,6 +59,7 @@ sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/mark
 
 from _results import write_json  # noqa: E402
 
+from swarm.demo import split_checks_since  # noqa: E402
 from swarm.model.gguf import model_id_for  # noqa: E402
 from swarm.tools.makemodel import make_model  # noqa: E402
 
@@ -409,9 +410,8 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
                     # the wire and the coordinator's own loop
                     case["volunteer_latency_ms"] = volunteer_latency(vol)
                     # the split check's verdicts in this case (DESIGN §5: windows local / split / local)
-                    seen = {(c["at_ms"], c["reason"]) for c in before.get("mode_changes", [])}
-                    case["split_checks"] = [f"{c['reason']}: {c.get('detail', '')}" for c in after.get("mode_changes", [])
-                                            if c["reason"].startswith("split_") and (c["at_ms"], c["reason"]) not in seen]
+                    case["split_checks"] = [f"{c['reason']}: {c.get('detail', '')}"
+                                            for c in split_checks_since(before, after)]
                 cases.append(case)
                 print(f"    {mode:8} rtt {rtt:g} ms sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
                       f"rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)

@@ -747,7 +747,7 @@ class Dispatcher:
             for call, _ in calls:
                 self._events.append(LocalFailed(call, "the dispatcher is not serving"))
             return
-        merged, n_pairs = self._merged(run, calls)
+        merged, n_pairs = self._merged(run, [i for _, i in calls])
         scopes = {call: trio.CancelScope() for call, _ in calls}
         self._calls.update(scopes)
         group = trio.CancelScope()
@@ -779,9 +779,9 @@ class Dispatcher:
 
         self._spawn(local, group)
 
-    def _merged(self, run: _StepRun, calls: list[tuple[CallId, int]]) -> tuple[LocalJob, list[int]]:
-        """One local job of the step's ranges ``calls`` (their pairs side by side) and each one's pair count."""
-        jobs = [run.jobs[i].local for _, i in calls]
+    def _merged(self, run: _StepRun, indices: list[int]) -> tuple[LocalJob, list[int]]:
+        """One local job of the step's ranges ``indices`` (their pairs side by side) and each one's pair count."""
+        jobs = [run.jobs[i].local for i in indices]
         n_pairs = [int(j.pair_rows.shape[0]) for j in jobs]
         if len(jobs) == 1:
             return jobs[0], n_pairs
@@ -1123,7 +1123,7 @@ class Dispatcher:
             try:
                 done = dict(early)
                 if todo:
-                    merged, sizes = self._merged(run, [(CallId(0), i) for i in todo])
+                    merged, sizes = self._merged(run, todo)
                     done.update(zip(todo, torch.split(self._compute_in_thread(merged), sizes), strict=True))
                 outs: list[torch.Tensor] | BaseException = [done[i] for _, i in calls]
             except Exception as exc:  # a bug or a kernel error: reported, the layer fails
@@ -1149,7 +1149,7 @@ class Dispatcher:
             prefix.append(i)
         if not prefix:
             return {}
-        merged, sizes = self._merged(run, [(CallId(0), i) for i in prefix])
+        merged, sizes = self._merged(run, prefix)
         try:
             return dict(zip(prefix, torch.split(self._compute_in_thread(merged), sizes), strict=True))
         except Exception:  # computed again below with the placed calls (and reported there, if it fails again)

@@ -187,6 +187,14 @@ def decisions_since(before: dict[str, Any], after: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(diff.items(), key=lambda kv: -kv[1])) or "none"
 
 
+def split_checks_since(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """The split check's verdicts (``/dispatch`` ``mode_changes`` with a ``split_*`` reason) in
+    ``after`` that ``before`` did not have yet."""
+    seen = {(c["at_ms"], c["reason"]) for c in before.get("mode_changes", [])}
+    return [c for c in after.get("mode_changes", [])
+            if c["reason"].startswith("split_") and (c["at_ms"], c["reason"]) not in seen]
+
+
 class ModeLog:
     """Prints the dispatcher's load-state switches (``/dispatch`` ``mode_changes``) once each."""
 
@@ -356,9 +364,7 @@ def main() -> None:
               f"{after.get('verified_equal', 0)} equal, {after.get('quarantines', 0)} volunteers quarantined")
         print("    (a volunteer's hedged trial and its first 50 answers are all verified: the coordinator computes them too and")
         print("    uses its own result; then 5% of its answers, drawn at random)")
-        seen = {(c["at_ms"], c["reason"]) for c in before.get("mode_changes", [])}
-        verdicts = [c for c in after.get("mode_changes", [])
-                    if c["reason"].startswith("split_") and (c["at_ms"], c["reason"]) not in seen]
+        verdicts = split_checks_since(before, after)
         if verdicts:
             for c in verdicts:
                 print(f"    split check: {c['reason']} ({c.get('detail', '')})")

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["SplitArm", "SplitCheck", "SplitOutcome", "SplitVerdict"]
+__all__ = ["SplitArm", "SplitCheck", "SplitOutcome"]
 
 
 class SplitArm(StrEnum):
@@ -46,18 +46,13 @@ class SplitArm(StrEnum):
     LOCAL = "local"  # every held range here (trials and probes still go out)
 
 
-class SplitVerdict(StrEnum):
-    SPLIT_FASTER = "split_faster"
-    SPLIT_SLOWER = "split_slower"
-
-
 @dataclass(frozen=True)
 class SplitOutcome:
-    """One finished check: the arm kept until ``until``, and the rates (routed pairs per second)."""
+    """One finished check: the arm kept until ``until`` (split: the split was faster), and the rates
+    (routed pairs per second)."""
 
     at: float
     arm: SplitArm
-    verdict: SplitVerdict
     split_rate: float
     local_rate: float  # the mean of the two local windows
     until: float
@@ -133,7 +128,7 @@ class SplitCheck:
             return None
         self.kept = SplitArm.LOCAL
         self.hold_until = now + self.hold_s
-        out = SplitOutcome(now, SplitArm.LOCAL, SplitVerdict.SPLIT_SLOWER, rate, ref, self.hold_until, (), watched=True)
+        out = SplitOutcome(now, SplitArm.LOCAL, rate, ref, self.hold_until, (), watched=True)
         self.outcomes = [*self.outcomes[-15:], out]
         return out
 
@@ -145,8 +140,7 @@ class SplitCheck:
         self.kept = SplitArm.SPLIT if faster else SplitArm.LOCAL
         self._confirmed = False
         self.hold_until = now + self.hold_s
-        out = SplitOutcome(now, self.kept, SplitVerdict.SPLIT_FASTER if faster else SplitVerdict.SPLIT_SLOWER,
-                           split, local, self.hold_until, tuple(local_rates))
+        out = SplitOutcome(now, self.kept, split, local, self.hold_until, tuple(local_rates))
         self.outcomes = [*self.outcomes[-15:], out]
         return out
 
