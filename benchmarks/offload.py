@@ -2,27 +2,44 @@
 one compute thread (the two cores), on the ``bench`` model: aggregate decode tokens/s and per-session
 ms/token at 1, 4 and 8 concurrent sessions, local-only vs load-adaptive dispatch (DESIGN §11 format).
 
-    python benchmarks/offload.py [--quick] [--json OUT] [--sessions 1 4 8] [--decode 32] [--verify-cases]
+    python benchmarks/offload.py [--quick] [--json OUT] [--sessions 1 4 8] [--decode 32] [--repeat N]
+                                 [--verify-cases] [--split-forced-case] [--rtt-ms 0 10 40]
 
 Real processes on loopback: ``moe-swarm coordinator --threads 1`` and ``moe-swarm volunteer --threads 1``
-in static mode, serving every layer of the model in four ranges (its slices are downloaded from the
-coordinator once and cached in ``benchmarks/.cache/offload-volunteer``). One coordinator process runs
-every case; its ``--dispatch-map`` file is rewritten between them: no replicas (``local``: every
-expert on the coordinator) or the volunteer for every range (``adaptive``: local while idle, split
-by earliest finish under load where the split check measures that it pays; its verdicts, with the
-rates of its windows, are each case's ``split_checks``). Before the adaptive cases a load burst
-gives the volunteer its hedged trial and probation (the probes), so it is proven; every case starts from an idle dispatcher (after the serve TTL). Requests go through the HTTP API (``/v1/completions``, streamed, the
-same token-id prompt per session index, ``ignore_eos``); the tokens of every adaptive case are
-checked against the local case's.
+in static mode, serving every layer of the model in four ranges (its slices are downloaded from a
+coordinator once and cached in ``benchmarks/.cache/offload-volunteer``). Each mode has its own
+coordinator process, idle while the others' cases run, so the cases interleave -- per repeat and
+session count: local, adaptive, ... -- and every ratio is taken between runs next to each other
+in time (this VM's speed drifts by tens of percent over minutes):
+
+- ``local``: its ``--dispatch-map`` lists no replica: every expert on the coordinator;
+- ``adaptive``: the volunteer for every range: local while idle, split by earliest finish under
+  load where the split check measures that it pays (its verdicts, with the rates of its windows,
+  are each case's ``split_checks``);
+- ``adaptive_unverified`` (``--verify-cases``): the same with ``--verify-rate 0 --verify-probation 0``:
+  its ratio to ``adaptive`` is verification's throughput cost;
+- ``split_forced`` (``--split-forced-case``): ``--split-check 0``: earliest finish alone decides, as
+  before the split check -- what a split costs or buys here, measured.
+
+A warm-up per coordinator (every session count, 32 tokens) builds its graphs, maps the experts'
+pages and, under load, gives the volunteer its hedged trial and probation (the probes), so it is
+proven; every case starts from an idle dispatcher (after the serve TTL). Requests go through the
+HTTP API (``/v1/completions``, streamed, the same token-id prompt per session index,
+``ignore_eos``); the tokens of every case are checked against the first local run's.
 
 Verification is at the coordinator's defaults (a volunteer's first 50 answers and then 5 % are
-recomputed here: ``rows_verified``). ``--verify-cases`` adds ``adaptive_unverified``: the same
-adaptive cases on a second coordinator process started with ``--verify-rate 0 --verify-probation 0``
-(idle during the other cases), whose ratio to ``adaptive`` is verification's throughput cost.
+recomputed here: ``rows_verified``).
 
-The ``bound`` case measures one decode step in this process (8 sessions, one thread): its dense
-time D (attention, norms, router, head) and expert time E, and prints the gain two equal workers
-could reach by splitting the experts: (D + E) / (D + E / 2), round trips not counted.
+The ``bound`` case measures one decode step in this process (the largest session count, one
+thread): its dense time D (attention, norms, router, head) and expert time E, and the gain two
+equal workers could reach by splitting the experts: (D + E) / (D + E / 2), round trips not
+counted. It measures D and E again while a second process computes expert layers of the same
+shape on the other core (what the volunteer does during a split; the windows alone and shared
+alternate), D' and E': ``shared_gain`` = (D + E) / (D' + E' / 2) is that bound on this machine,
+where the two workers share its memory and caches.
+
+The ``ratio`` cases give, per mode, round trip and session count, each run's tokens/s over the
+local run of the same repeat, and their median.
 
 ``--rtt-ms 0 10 40`` runs every case at each round trip: for > 0 the coordinator reaches the
 volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem). The engine's
@@ -260,7 +277,10 @@ def verified_rows(rep: dict[str, Any]) -> int:
 
 
 def bound(path: Path, sessions: int) -> dict[str, Any]:
-    """Dense and expert time of one decode step at ``sessions`` sequences, one thread, in process."""
+    """Dense and expert time of one decode step at ``sessions`` sequences, one thread, in process:
+    alone, and while a second process computes expert layers of the same shape on the other core
+    (what a volunteer on this machine does during a split; paused with SIGSTOP in the windows
+    alone, so the alone and shared windows alternate)."""
     import torch
 
     from coordinator.model import KVCache, LocalExperts, SeqChunk, Transformer
@@ -282,20 +302,73 @@ def bound(path: Path, sessions: int) -> dict[str, Any]:
     tr = Transformer(model, Timed())
     caches = [KVCache(tr.cfg, 256, torch.float16) for _ in range(sessions)]
     tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % 8000 for j in range(16)], 0) for i, c in enumerate(caches)])
-    toks, pos, steps = [5] * sessions, 16, []
-    for k in range(12):
-        spent[0] = 0.0
-        t = time.perf_counter()
-        out = tr.forward([SeqChunk(c, [toks[i]], pos) for i, c in enumerate(caches)])
-        dt = time.perf_counter() - t
-        toks = [int(o[-1].argmax()) for o in out]
-        pos += 1
-        if k >= 2:
-            steps.append((dt - spent[0], spent[0]))
-    d = statistics.median(s[0] for s in steps) * 1000
-    e = statistics.median(s[1] for s in steps) * 1000
+    toks, pos = [5] * sessions, 16
+
+    def steps(n: int) -> list[tuple[float, float]]:
+        nonlocal toks, pos
+        got = []
+        for _ in range(n):
+            if pos >= 250:  # the context's end: start the sequences over (same cost per step, about)
+                for c in caches:
+                    c.begin(0)
+                pos = 0
+            spent[0] = 0.0
+            t = time.perf_counter()
+            out = tr.forward([SeqChunk(c, [toks[i]], pos) for i, c in enumerate(caches)])
+            dt = time.perf_counter() - t
+            toks = [int(o[-1].argmax()) for o in out]
+            pos += 1
+            got.append((dt - spent[0], spent[0]))
+        return got
+
+    steps(2)
+    alone: list[tuple[float, float]] = []
+    shared: list[tuple[float, float]] = []
+    other = subprocess.Popen([sys.executable, __file__, "--expert-loop", str(path), "--sessions", str(sessions)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None
+        other.stdout.readline()  # "ready": its model is loaded and it computes
+        for _ in range(3):
+            other.send_signal(signal.SIGSTOP)
+            time.sleep(0.2)
+            alone += steps(10)
+            other.send_signal(signal.SIGCONT)
+            time.sleep(0.2)
+            shared += steps(10)
+    finally:
+        other.send_signal(signal.SIGCONT)
+        other.terminate()
+        other.wait(10)
+    d, e = (statistics.median(s[k] for s in alone) * 1000 for k in (0, 1))
+    d2, e2 = (statistics.median(s[k] for s in shared) * 1000 for k in (0, 1))
     return {"case": "bound", "sessions": sessions, "dense_ms": round(d, 2), "experts_ms": round(e, 2),
-            "ideal_gain": round((d + e) / (d + e / 2), 3)}
+            "ideal_gain": round((d + e) / (d + e / 2), 3),
+            "shared_dense_ms": round(d2, 2), "shared_experts_ms": round(e2, 2),
+            "shared_gain": round((d + e) / (d2 + e2 / 2), 3)}
+
+
+def expert_loop(path: Path, sessions: int) -> None:
+    """``--expert-loop``: compute the expert layers of ``sessions`` decode rows (random routing),
+    one thread, until killed (the second worker of ``bound``)."""
+    import torch
+
+    from coordinator.model import LocalExperts
+    from swarm.model.gguf import GGUFModel
+    from swarm.model.kernels import KernelBackend, configure_threads
+
+    configure_threads(1, KernelBackend.GGML)
+    model = GGUFModel(path)
+    local = LocalExperts(model)
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sessions, cfg.d_model, generator=g)
+    w = torch.full((sessions, cfg.n_expert_used), 1.0 / cfg.n_expert_used)
+    print("ready", flush=True)
+    while True:
+        ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[: cfg.n_expert_used] for _ in range(sessions)])
+        for layer in range(cfg.n_moe_layer):
+            local.moe(layer, x, ids, w)
 
 
 def sessions(url: str, model_id: str, n: int, n_decode: int) -> tuple[float, float, list[list[int]]]:
@@ -315,40 +388,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "offload", "model": model_id, "threads": "coordinator 1, volunteer 1", "cases": cases}
 
 
+# the coordinator processes of one world: each case runs on its own, idle during the others (so
+# cases can interleave without a map change: a worker that detached would start over unproven)
+MODES: dict[str, list[str]] = {
+    "local": [],  # its map lists no replica: every expert here
+    "adaptive": [],  # the defaults (verification, the split check)
+    "adaptive_unverified": ["--verify-rate", "0", "--verify-probation", "0"],  # --verify-cases
+    "split_forced": ["--split-check", "0"],  # --split-forced-case: earliest finish alone decides
+}
+
+
 def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -> list[dict[str, Any]]:
-    """Every case at one round trip (0: plain loopback)."""
+    """Every case at one round trip (0: plain loopback), ``--repeat`` times, interleaved."""
     work = CACHE / "offload"
     work.mkdir(parents=True, exist_ok=True)
-    map_path = work / "dispatch-map.json"
-    write_map(map_path, model_id, 0, 0, 1, None)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    modes = ["local", "adaptive"]
+    if getattr(args, "verify_cases", False):
+        modes.append("adaptive_unverified")
+    if getattr(args, "split_forced_case", False):
+        modes.append("split_forced")
     procs: list[Proc] = []
     cases: list[dict[str, Any]] = []
     link: DelayLink | None = None
+    urls: dict[str, str] = {}
+    maps: dict[str, Path] = {}
     try:
         common = ["--model", str(path), "--threads", "1", "--slots", str(max(args.sessions)), "--ctx-size", "256"]
-        coord = Proc("coordinator", cli("coordinator", *common, "--port", str(port),
-                                        "--data-dir", str(work / "coordinator"), "--dispatch-map", str(map_path)),
-                     work / "coordinator.log")
-        procs.append(coord)
-        wait_until("the coordinator", lambda: httpx.get(url + "/health", timeout=2).status_code == 200, procs)
-        modes = ["local", "adaptive"]
-        urls = {"local": url, "adaptive": url}
-        maps = {"local": map_path, "adaptive": map_path}
-        if getattr(args, "verify_cases", False):
-            # the same adaptive dispatch without verification: a second coordinator (verification is a
-            # start-time setting), idle except in its own case
-            port2 = free_port()
-            url2 = f"http://127.0.0.1:{port2}"
-            map2 = work / "dispatch-map-unverified.json"
-            write_map(map2, model_id, 0, 0, 1, None)
-            procs.append(Proc("coordinator-unverified", cli("coordinator", *common, "--port", str(port2), "--verify-rate", "0",
-                                                            "--verify-probation", "0", "--data-dir", str(work / "coordinator2"),
-                                                            "--dispatch-map", str(map2)), work / "coordinator-unverified.log"))
-            wait_until("the second coordinator", lambda: httpx.get(url2 + "/health", timeout=2).status_code == 200, procs)
-            modes.append("adaptive_unverified")
-            urls["adaptive_unverified"], maps["adaptive_unverified"] = url2, map2
+        for mode in modes:
+            port = free_port()
+            urls[mode], maps[mode] = f"http://127.0.0.1:{port}", work / f"dispatch-map-{mode}.json"
+            write_map(maps[mode], model_id, 0, 0, 1, None)
+            procs.append(Proc(f"coordinator-{mode}", cli("coordinator", *common, *MODES[mode], "--port", str(port),
+                                                         "--data-dir", str(work / f"coordinator-{mode}"),
+                                                         "--dispatch-map", str(maps[mode])),
+                              work / f"coordinator-{mode}.log"))
+            wait_until(f"the {mode} coordinator", lambda u=urls[mode]: httpx.get(u + "/health", timeout=2).status_code == 200,
+                       procs)
+        url = urls["adaptive"]
         cfg = dispatch(url)
         n_layer = len(cfg["layers"])
         manifest = httpx.get(f"{url}/v1/models/{model_id}/manifest", timeout=10).json()
@@ -357,70 +433,39 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
         slices = [a for L in range(n_layer) for lo in range(0, n_expert, step) for a in ("--slice", f"{L}:{lo}-{lo + step}")]
         vdir = CACHE / "offload-volunteer"
         print(f"starting the volunteer ({n_layer} layers x {N_RANGES} ranges; slices cached in {vdir})", flush=True)
-        # the volunteer answers its --coordinator; the second coordinator, if any, by --allow-peer
-        allow = [a for u in urls.values() if u != url for a in ("--allow-peer", httpx.get(u + "/health", timeout=5).json()["peer_id"])]
+        # the volunteer answers its --coordinator; the other coordinators by --allow-peer
+        allow = [a for m, u in urls.items() if m not in ("local", "adaptive")
+                 for a in ("--allow-peer", httpx.get(u + "/health", timeout=5).json()["peer_id"])]
         vol = Proc("volunteer", cli("volunteer", "--coordinator", url, *slices, "--threads", "1", "--data-dir", str(vdir),
                                     "--no-progress", "--listen", "/ip4/127.0.0.1/tcp/0", *sorted(set(allow))), work / "volunteer.log")
         procs.append(vol)
         info = wait_until("the volunteer", lambda: json.loads((vdir / "volunteer.json").read_text())
                           if "volunteer ready" in vol.log.read_text(errors="replace") else None, procs, timeout=1800)
-        if rtt > 0:  # the map sends the coordinator through the delaying relay
+        if rtt > 0:  # the maps send the coordinators through the delaying relay
             vport = int(info["addrs"][0].rsplit("/", 1)[1])
             link = DelayLink(rtt, vport)
             info = {**info, "addrs": [link.addr()]}
             print(f"    round trip {rtt:g} ms: the volunteer behind a delaying relay on {link.addr()}", flush=True)
-
-        ref: dict[int, list[list[int]]] = {}
-        version = 1
         for mode in modes:
-            version += 1
-            url = urls[mode]
-            write_map(maps[mode], model_id, n_layer, n_expert, version, info if mode != "local" else None)
+            u = urls[mode]
+            write_map(maps[mode], model_id, n_layer, n_expert, 2, info if mode != "local" else None)
             want = 0 if mode == "local" else 1
-            wait_until(f"the {mode} map", lambda v=version, w=want, u=url: dispatch(u)["map_version"] == v
+            wait_until(f"the {mode} map", lambda w=want, u=u: dispatch(u)["map_version"] == 2
                        and len(dispatch(u)["workers"]) == w, procs)
             # warm-up: graphs for every case's sizes (each mode gets the same, so the first measured is
-            # not the one that builds them); in adaptive mode the load onset gives the volunteer its trial
+            # not the one that builds them); with a worker, the load onset gives it its trial and probation
+            # (32 tokens: a process's first pass over the experts also maps their pages -- with 8, a
+            # mode's first measured case was up to a third slower than the same case run again)
             for n in sorted(set(args.sessions), reverse=True):
-                sessions(url, model_id, n, 8)
+                sessions(u, model_id, n, min(32, args.decode))
             if mode != "local":
-                w = dispatch(url)["workers"][0]
-                print(f"    volunteer after the warm-up: proven={w.get('proven')} calls={w.get('calls')}", flush=True)
+                w = dispatch(u)["workers"][0]
+                print(f"    {mode}: volunteer after the warm-up: proven={w.get('proven')} calls={w.get('calls')}", flush=True)
+        ref: dict[int, list[list[int]]] = {}
+        for rep in range(args.repeat):
             for n in args.sessions:
-                # each case from the steady state: after a burst the dispatcher keeps its proven workers
-                # for the serve TTL (20 s); a lone session is measured once it is idle again
-                wait_until("an idle dispatcher", lambda u=url: dispatch(u)["load_state"] in ("idle", ""), procs, timeout=120)
-                before = dispatch(url)
-                tps, ms, ids = sessions(url, model_id, n, args.decode)
-                after = dispatch(url)
-                loc, rem = rows(before)
-                loc2, rem2 = rows(after)
-                case = {"case": mode, "sessions": n, "rtt_ms": rtt, "tokens_per_s": round(tps, 2),
-                        "ms_per_token": round(ms, 2), "rows_local": loc2 - loc, "rows_remote": rem2 - rem,
-                        "rows_verified": verified_rows(after) - verified_rows(before)}
-                if mode == "local":
-                    ref[n] = ids
-                else:
-                    case["tokens_equal_local"] = ids == ref[n]
-                    d0, d1 = before.get("decisions", {}), after.get("decisions", {})
-                    case["decisions"] = {k: v - d0.get(k, 0) for k, v in d1.items() if v - d0.get(k, 0)}
-                    w = after["workers"][0]
-                    case["worker_latency_ewma_ms"], case["worker_p95_ms"] = w["latency_ewma_ms"], w.get("p95_ms")
-                    # the volunteer's own arrival-to-answer time: the rest of the coordinator's figure is
-                    # the wire and the coordinator's own loop
-                    case["volunteer_latency_ms"] = volunteer_latency(vol)
-                    # the split check's verdicts in this case (DESIGN §5: windows local / split / local)
-                    case["split_checks"] = [f"{c['reason']}: {c.get('detail', '')}"
-                                            for c in split_checks_since(before, after)]
-                cases.append(case)
-                print(f"    {mode:8} rtt {rtt:g} ms sessions {n}: {tps:7.2f} tokens/s, {ms:6.2f} ms/token per session, "
-                      f"rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)
-                if mode != "local":
-                    print(f"             decisions {case['decisions']}; worker latency EWMA "
-                          f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}; at the volunteer "
-                          f"{case['volunteer_latency_ms']:.2f} ms", flush=True)
-                    for v in case["split_checks"]:
-                        print(f"             split check: {v}", flush=True)
+                for mode in modes:
+                    cases.append(one_case(urls[mode], mode, model_id, n, rtt, rep, args, vol, procs, ref))
     finally:
         for p in reversed(procs):
             p.stop()
@@ -429,34 +474,104 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
     return cases
 
 
+def one_case(url: str, mode: str, model_id: str, n: int, rtt: float, rep: int, args: argparse.Namespace, vol: Proc,
+             procs: list[Proc], ref: dict[int, list[list[int]]]) -> dict[str, Any]:
+    """One measured case, from the steady state: after a burst the dispatcher keeps its proven workers
+    for the serve TTL (20 s); every case starts from an idle dispatcher."""
+    wait_until("an idle dispatcher", lambda: dispatch(url)["load_state"] in ("idle", ""), procs, timeout=120)
+    before = dispatch(url)
+    tps, ms, ids = sessions(url, model_id, n, args.decode)
+    after = dispatch(url)
+    loc, rem = rows(before)
+    loc2, rem2 = rows(after)
+    case: dict[str, Any] = {"case": mode, "sessions": n, "rtt_ms": rtt, "repeat": rep, "tokens_per_s": round(tps, 2),
+                            "ms_per_token": round(ms, 2), "rows_local": loc2 - loc, "rows_remote": rem2 - rem,
+                            "rows_verified": verified_rows(after) - verified_rows(before)}
+    if mode == "local":
+        ref.setdefault(n, ids)
+        case["tokens_equal_local"] = ids == ref[n]
+    else:
+        case["tokens_equal_local"] = ids == ref[n]
+        d0, d1 = before.get("decisions", {}), after.get("decisions", {})
+        case["decisions"] = {k: v - d0.get(k, 0) for k, v in d1.items() if v - d0.get(k, 0)}
+        w = after["workers"][0]
+        case["worker_latency_ewma_ms"], case["worker_p95_ms"] = w["latency_ewma_ms"], w.get("p95_ms")
+        calls = int(w.get("calls", 0)) - int(before["workers"][0].get("calls", 0))
+        case["remote_calls"] = calls
+        if rep == 0 and calls > 0:
+            # the volunteer's own arrival-to-answer time (its status line every 10 s): the rest of the
+            # coordinator's figure is the wire and the coordinator's own loop
+            case["volunteer_latency_ms"] = volunteer_latency(vol)
+        # the split check's verdicts in this case (DESIGN §5: windows local / split / local)
+        case["split_checks"] = [f"{c['reason']}: {c.get('detail', '')}" for c in split_checks_since(before, after)]
+    print(f"    {mode:8} rtt {rtt:g} ms sessions {n} (run {rep + 1}): {tps:7.2f} tokens/s, {ms:6.2f} ms/token per "
+          f"session, rows local {loc2 - loc} remote {rem2 - rem} verified {case['rows_verified']}", flush=True)
+    if mode != "local":
+        lat = case.get("volunteer_latency_ms")
+        print(f"             decisions {case['decisions']}; {case['remote_calls']} calls, worker latency EWMA "
+              f"{case['worker_latency_ewma_ms']:.2f} ms, p95 {case['worker_p95_ms']}"
+              + (f"; at the volunteer {lat:.2f} ms" if lat is not None else ""), flush=True)
+        for v in case["split_checks"]:
+            print(f"             split check: {v}", flush=True)
+    return case
+
+
+def ratios(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode, round trip and sessions: each run's tokens/s over the local run of the same repeat
+    (adjacent in time), and their median."""
+    local = {(c["rtt_ms"], c["sessions"], c["repeat"]): c["tokens_per_s"] for c in cases if c["case"] == "local"}
+    groups: dict[tuple[str, float, int], list[float]] = {}
+    for c in cases:
+        if c["case"] in MODES and c["case"] != "local":
+            ref = local[(c["rtt_ms"], c["sessions"], c["repeat"])]
+            groups.setdefault((c["case"], c["rtt_ms"], c["sessions"]), []).append(round(c["tokens_per_s"] / ref, 3))
+    return [{"case": "ratio", "mode": m, "rtt_ms": rtt, "sessions": n, "ratios": r, "median": round(statistics.median(r), 3)}
+            for (m, rtt, n), r in groups.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 and 4 sessions, 12 tokens")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--decode", type=int, default=32, help="tokens per session")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every case, interleaved (local, adaptive, ... per sessions); ratios per run")
     ap.add_argument("--rtt-ms", type=float, nargs="+", default=[0.0],
                     help="round trips to run at: 0 = plain loopback; > 0 = the volunteer behind a relay that delays "
                          "each direction by half of it")
     ap.add_argument("--verify-cases", action="store_true",
-                    help="also adaptive dispatch without verification (a second coordinator): its throughput cost")
+                    help="also adaptive dispatch without verification (its own coordinator): its throughput cost")
+    ap.add_argument("--split-forced-case", action="store_true",
+                    help="also adaptive dispatch without the split check (its own coordinator): earliest finish alone")
+    ap.add_argument("--expert-loop", default=None, help=argparse.SUPPRESS)  # bound's second worker (a model path)
     args = ap.parse_args()
+    if args.expert_loop:
+        expert_loop(Path(args.expert_loop), max(args.sessions))
+        return
     if args.quick:
         args.sessions, args.decode = [1, 4], 12
     result = run(args)
+    result["cases"] += ratios(result["cases"])
     print(f"\noffload benchmark: {result['model']} (threads: {result['threads']})")
-    print(f"{'case':<9} {'rtt ms':>6} {'sessions':>8} {'tokens/s':>9} {'ms/token':>9} {'local rows':>11} {'remote rows':>12}")
-    by = {(c["case"], c.get("rtt_ms"), c.get("sessions")): c for c in result["cases"]}
+    print(f"{'case':<19} {'rtt ms':>6} {'sessions':>8} {'run':>3} {'tokens/s':>9} {'ms/token':>9} {'local rows':>11} "
+          f"{'remote rows':>12}")
+    by = {(c["case"], c.get("rtt_ms"), c.get("sessions"), c.get("repeat")): c for c in result["cases"]}
     for c in result["cases"]:
-        if c["case"] in ("local", "adaptive", "adaptive_unverified"):
-            ref = by[("local", c["rtt_ms"], c["sessions"])]
-            print(f"{c['case']:<9} {c['rtt_ms']:>6g} {c['sessions']:>8} {c['tokens_per_s']:>9.2f} {c['ms_per_token']:>9.2f} "
-                  f"{c['rows_local']:>11} {c['rows_remote']:>12}" + (
-                      f"   x{c['tokens_per_s'] / ref['tokens_per_s']:.2f}, tokens "
-                      f"{'equal' if c['tokens_equal_local'] else 'DIFFERENT'}" if c["case"] != "local" else ""))
-    b = by[("bound", None, max(args.sessions))]
+        if c["case"] in MODES:
+            ref = by[("local", c["rtt_ms"], c["sessions"], c["repeat"])]
+            print(f"{c['case']:<19} {c['rtt_ms']:>6g} {c['sessions']:>8} {c['repeat'] + 1:>3} {c['tokens_per_s']:>9.2f} "
+                  f"{c['ms_per_token']:>9.2f} {c['rows_local']:>11} {c['rows_remote']:>12}" + (
+                      f"   x{c['tokens_per_s'] / ref['tokens_per_s']:.2f}" if c["case"] != "local" else "")
+                  + f", tokens {'equal' if c['tokens_equal_local'] else 'DIFFERENT'}")
+    for r in result["cases"]:
+        if r["case"] == "ratio":
+            print(f"{r['mode']:<19} {r['rtt_ms']:>6g} {r['sessions']:>8}: x{r['median']:.2f} of local-only "
+                  f"(median of {len(r['ratios'])}: {', '.join(f'{x:.2f}' for x in r['ratios'])})")
+    b = next(c for c in result["cases"] if c["case"] == "bound")
     print(f"one decode step at {b['sessions']} sessions (1 thread): dense {b['dense_ms']} ms, experts {b['experts_ms']} ms "
-          f"-> two equal workers at best x{b['ideal_gain']}")
+          f"-> two equal workers at best x{b['ideal_gain']}; with the second worker's experts on the other core: "
+          f"dense {b['shared_dense_ms']} ms, experts {b['shared_experts_ms']} ms -> x{b['shared_gain']} on this machine")
     write_json(args.json, result)
 
 
