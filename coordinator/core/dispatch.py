@@ -41,8 +41,13 @@ Rules:
   - loaded: a live unproven replica due for its trial gets the range *and* the local copy computes
     it (TRIAL_HEDGE; first result wins, the remote call still runs to its end to prove the worker);
     otherwise the earliest estimated finish among local (its backlog of pairs plus these, at the
-    measured seconds per pair) and each live proven replica (latency EWMA times one plus its calls
-    in flight) wins: LOAD_EARLIEST_FINISH_LOCAL / _REMOTE. Ties go local;
+    measured seconds per pair) and each live proven replica wins: LOAD_EARLIEST_FINISH_LOCAL /
+    _REMOTE. Ties go local. A replica's finish is its estimate for a call of the range's size plus
+    one usual-size call per call in flight. The estimate is size-aware once its sizes vary: the
+    latency EWMA moved along the worker's per-pair slope (least squares over its last 64
+    (pairs, latency) samples, fitted from 8 on when the largest is at least twice the smallest)
+    from the EWMA's own call size to the range's -- so a prefill-sized range is not sent on the
+    strength of decode-sized answers -- and size-blind (the EWMA) before that;
     A worker's estimate is only refreshed by its answers, so a stale one is **probed**: under load,
     a live proven worker with nothing in flight and no latency sample (answer or lost hedge) for
     ``probe_interval_s`` gets the first of the layer's ranges that earliest finish placed here
@@ -86,8 +91,9 @@ Rules:
   compute time feeds the local cost estimate. The shell may do so for a layer of at most
   ``local_only_pairs()`` routed pairs whose ranges are all held: below that size every range would
   be placed here anyway -- idle (unbounded), or under load when no trial or probe is due and even the
-  fastest live proven worker's estimate (latency EWMA x (1 + calls in flight)) is no earlier than
-  the local finish of the whole layer (``(backlog + pairs) x seconds per pair``; ties go local).
+  fastest live proven worker's estimate for the smallest call (its latency EWMA with the per-pair
+  part taken out, once known; plus its calls in flight) is no earlier than the local finish of the
+  whole layer (``(backlog + pairs) x seconds per pair``; ties go local).
 - Micro-batches (``overlap_pays``): the engine alternates two micro-batches of a step only where
   it would otherwise wait for remote ranges whatever their round trip -- ``offload`` mode, or (the
   shell says) a map with ranges not held here -- and that round trip is long: the fastest live
@@ -201,6 +207,7 @@ class Choice:
 
 
 LATENCY_WINDOW = 64  # recent latencies kept per worker for its p95
+MIN_SIZED = 8  # (pairs, latency) samples before a worker's per-pair slope is fitted
 
 
 @dataclass
@@ -226,6 +233,8 @@ class WorkerHealth:
     hedge_losses: int = 0  # hedges lost in a row
     sampled_at: float | None = None  # its last latency sample: an answer or a lost hedge (None: none; counts from attach)
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    pairs_ewma: float = 0.0  # the routed pairs of its sampled calls (the EWMA's call size)
+    sized: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))  # (pairs, seconds)
 
 
 @dataclass(frozen=True)
@@ -246,6 +255,7 @@ class WorkerView:
     probation_left: int = 0
     quarantine: str = ""  # the evidence, when quarantined
     pairs: int = 0
+    per_pair_ms: float | None = None  # its fitted per-pair slope (None: size-blind so far)
 
 
 def p95(samples: deque[float] | list[float]) -> float | None:
@@ -340,26 +350,59 @@ class WorkerTable:
         w.pairs += pairs
         if restart:
             w.latency_ewma_ms = 0.0
-        self._sample(w, latency_s)
+            w.sized.clear()
+        self._sample(w, latency_s, pairs)
         w.last_serve_ms = wall_ms
 
-    def _sample(self, w: WorkerHealth, latency_s: float) -> None:
+    def _sample(self, w: WorkerHealth, latency_s: float, pairs: int) -> None:
         ms = latency_s * 1000.0
-        w.latency_ewma_ms = (
-            ms
-            if w.latency_ewma_ms == 0.0
-            else (1 - self.ewma_alpha) * w.latency_ewma_ms + self.ewma_alpha * ms
-        )
+        first = w.latency_ewma_ms == 0.0
+        a = self.ewma_alpha
+        w.latency_ewma_ms = ms if first else (1 - a) * w.latency_ewma_ms + a * ms
+        w.pairs_ewma = float(pairs) if first else (1 - a) * w.pairs_ewma + a * pairs
         w.latencies_s.append(latency_s)
+        if pairs > 0:
+            w.sized.append((pairs, latency_s))
 
-    def lost_hedge(self, peer_id: str, elapsed_s: float) -> int:
-        """A call of this worker lost a hedge after ``elapsed_s`` (a lower bound of its latency,
-        recorded as a sample so its estimates rise); returns the losses in a row."""
+    def per_pair_s(self, peer_id: str) -> float | None:
+        """A worker's marginal seconds per routed pair: the least-squares slope of its recent
+        (pairs, latency) samples, or None while they are too few (< ``MIN_SIZED``) or too alike in
+        size (largest < twice the smallest) to tell a per-pair cost from the per-call overhead."""
+        w = self.workers.get(peer_id)
+        if w is None or len(w.sized) < MIN_SIZED:
+            return None
+        ps = [p for p, _ in w.sized]
+        if max(ps) < 2 * min(ps):
+            return None
+        mp = sum(ps) / len(ps)
+        ml = sum(lat for _, lat in w.sized) / len(w.sized)
+        var = sum((p - mp) ** 2 for p in ps)
+        cov = sum((p - mp) * (lat - ml) for p, lat in w.sized)
+        return max(0.0, cov / var)
+
+    def call_estimate_s(self, peer_id: str, pairs: float | None, default_s: float) -> float:
+        """Seconds a call of ``pairs`` routed pairs to this worker is expected to take, queue
+        excluded: its latency EWMA, moved along its per-pair slope from the EWMA's call size to
+        ``pairs`` (size-blind while the slope is unknown, or for ``pairs=None``), never below the
+        slope's share alone; ``default_s`` without any sample."""
+        w = self.workers.get(peer_id)
+        if w is None or w.latency_ewma_ms <= 0:
+            return default_s
+        lat = w.latency_ewma_ms / 1000.0
+        b = self.per_pair_s(peer_id) if pairs is not None else None
+        if b is None or pairs is None:
+            return lat
+        return max(lat + b * (pairs - w.pairs_ewma), b * pairs)
+
+    def lost_hedge(self, peer_id: str, elapsed_s: float, pairs: int = 0) -> int:
+        """A call of this worker (of ``pairs`` routed pairs) lost a hedge after ``elapsed_s`` (a
+        lower bound of its latency, recorded as a sample so its estimates rise); returns the losses
+        in a row."""
         w = self.workers.get(peer_id)
         if w is None:
             return 0
         w.hedge_losses += 1
-        self._sample(w, elapsed_s)
+        self._sample(w, elapsed_s, pairs)
         return w.hedge_losses
 
     def failed(self, peer_id: str, reason: str, now: float) -> float:
@@ -402,6 +445,7 @@ class WorkerTable:
                     probation_left=w.probation_left,
                     quarantine=self.quarantined.get(w.peer_id, ""),
                     pairs=w.pairs,
+                    per_pair_ms=round(b * 1000.0, 4) if (b := self.per_pair_s(w.peer_id)) is not None else None,
                 )
             )
         return out
@@ -1066,7 +1110,7 @@ class DispatchCore:
                 return 0.0, reason  # its estimate is stale, or it is in probation: the shell must ask
             if w.probation_left > 0:
                 continue  # not a candidate yet (below)
-            best = min(best, self._remote_estimate(p, now))
+            best = min(best, self._remote_estimate(p, now, 0))  # the smallest call's: every range here for sure
         if best == math.inf or local_arm:
             return math.inf, reason  # nobody to offload to, or the check keeps it all here
         return max(0.0, best / max(self.local_cost_s, 1e-12) - self.local_backlog_pairs), reason
@@ -1233,7 +1277,7 @@ class DispatchCore:
                     self._fail(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
             elif not w.held:
                 if live:
-                    self._send(st, i, self._best_remote(proven or live, now)[0], Reason.NOT_HELD, now, out)
+                    self._send(st, i, self._best_remote(proven or live, now, w.pairs)[0], Reason.NOT_HELD, now, out)
                 elif c.missing_disk:
                     self._local(st, i, Reason.MISSING_DISK, now, out)
                 else:
@@ -1253,7 +1297,7 @@ class DispatchCore:
                 # in probation every answer is verified (computed here too): no candidate, only probed
                 ready = [p for p in proven if self.table.workers[p].probation_left == 0]
                 if ready and not local_arm:
-                    peer, remote_finish = self._best_remote(ready, now)
+                    peer, remote_finish = self._best_remote(ready, now, w.pairs)
                     if remote_finish < local_finish:
                         probes.discard(peer)
                         self._send(
@@ -1286,15 +1330,19 @@ class DispatchCore:
                 counts[e] = counts[e] * c.hot_decay + n
         self._maybe_combine(st, out)
 
-    def _remote_estimate(self, peer: str, now: float) -> float:
+    def _remote_estimate(self, peer: str, now: float, pairs: float | None = None) -> float:
+        """When a call of ``pairs`` routed pairs (None: of the worker's usual size) sent now would
+        finish: its own estimate after the calls in flight (each at the usual size)."""
         w = self.table.workers[peer]
-        lat = w.latency_ewma_ms / 1000.0 if w.latency_ewma_ms > 0 else self.config.timeout_s / 2
-        return lat * (1 + w.in_flight)
+        default = self.config.timeout_s / 2
+        return (self.table.call_estimate_s(peer, pairs, default)
+                + w.in_flight * self.table.call_estimate_s(peer, None, default))
 
-    def _best_remote(self, peers: list[str], now: float) -> tuple[str, float]:
-        """The peer with the earliest estimated finish (the map's order breaks ties)."""
-        best = min(peers, key=lambda p: self._remote_estimate(p, now))
-        return best, self._remote_estimate(best, now)
+    def _best_remote(self, peers: list[str], now: float, pairs: float | None = None) -> tuple[str, float]:
+        """The peer with the earliest estimated finish of a call of ``pairs`` (the map's order
+        breaks ties)."""
+        best = min(peers, key=lambda p: self._remote_estimate(p, now, pairs))
+        return best, self._remote_estimate(best, now, pairs)
 
     def _hedge_after(self, peer: str) -> float:
         w = self.table.workers.get(peer)
@@ -1396,7 +1444,7 @@ class DispatchCore:
         if not others:
             return None
         proven = [p for p in others if self.table.is_proven(p)]
-        return self._best_remote(proven or others, now)[0]
+        return self._best_remote(proven or others, now, r.work.pairs)[0]
 
     def _cross_side(self, cross: _Cross, c: _Call, outcome: str, now: float, out: list[Effect]) -> None:
         """One replica of a cross-check ended (``done`` or ``gone``). Both answered: ``Compare`` them.
@@ -1559,7 +1607,7 @@ class DispatchCore:
             if o.verify:  # a kept call runs to its end: its answer is compared
                 continue
             if o.peer is not None:
-                losses = self.table.lost_hedge(o.peer, now - o.started)
+                losses = self.table.lost_hedge(o.peer, now - o.started, o.work.pairs)
                 self._sampled_now(o.peer, now)
                 self._cancel(o, Reason.LOST_RACE, out)
                 if losses >= self.config.max_hedge_losses:
@@ -1733,7 +1781,7 @@ class DispatchCore:
             peer = (
                 self.balanced.choose(untried, self.table, now).candidates[0]
                 if self.config.mode is DispatchMode.OFFLOAD
-                else self._best_remote(untried, now)[0]
+                else self._best_remote(untried, now, w.pairs)[0]
             )
             self._send(st, i, peer, Reason.RETRY_NEXT, now, out)
         elif w.held:
@@ -1824,7 +1872,7 @@ class DispatchCore:
             self._send(
                 st,
                 c.index,
-                self._best_remote(proven or others, now)[0],
+                self._best_remote(proven or others, now, w.pairs)[0],
                 Reason.HEDGE_SLOW,
                 now,
                 out,

@@ -86,6 +86,9 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     holdings_proven: int | None = None
     holdings_pending: int | None = None
     pairs: int = 0  # (row, expert) pairs it answered (the work the market credits it for)
+    # the per-pair slope of its call latencies (ms per routed pair) earliest finish sizes calls with;
+    # None while its calls' sizes are too few or too alike (its estimate is the latency EWMA alone)
+    per_pair_ms: float | None = None
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):

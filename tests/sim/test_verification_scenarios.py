@@ -179,8 +179,8 @@ async def test_a_sleeper_is_caught_at_its_first_lie_at_rate_1(
         assert rep.quarantines == 1  # caught, at the latest by a sample
         if caught_at_first:
             # its first lie quarantines it; the other half of that layer may be in flight beside it (also
-            # verified, so never used either)
-            assert differing == 0 and sleeper.lies in ([120], [120, 121])
+            # verified, so never used either; the two calls may reach it in either order)
+            assert differing == 0 and sorted(sleeper.lies) in ([120], [120, 121])
         else:  # the lies before the sampled one went into the outputs
             assert 1 <= differing <= len(sleeper.lies) - 1
         assert rep.decisions.get(Reason.VERIFY.value, 0) >= 50

@@ -313,6 +313,69 @@ def test_placement(setup: str, work: RangeWork, expect: list[tuple[str, str | No
     assert sum(c.decisions.values()) == len(expect)
 
 
+def answered(c: DispatchCore, peer: str, *samples: tuple[int, float]) -> None:
+    """``peer`` answered calls of (pairs, latency_s) and passed verification."""
+    for pairs, lat in samples:
+        c.table.succeeded(peer, rows=pairs, latency_s=lat, wall_ms=1, pairs=pairs)
+    c.table.verified(peer, True)
+
+
+LINE = [(p, (2 + 1.5 * p) * MS) for p in (2, 8) * 4]  # 2 ms a call + 1.5 ms a pair, 8 samples of 2 sizes
+
+
+@pytest.mark.parametrize(
+    ("samples", "slope_ms", "estimates_ms"),
+    [
+        ([], None, {None: 500.0, 32: 500.0}),  # no sample: the default (half the timeout)
+        ([(8, 5 * MS)] * 8, None, {None: 5.0, 2: 5.0, 64: 5.0}),  # one size: size-blind
+        ([(8, 5 * MS), (10, 6 * MS)] * 4, None, {None: None, 64: None}),  # sizes too alike to fit: the EWMA
+        (LINE[:7], None, {32: None}),  # fewer than 8: size-blind (the EWMA, whatever it is)
+        (LINE, 1.5, {32: 2 + 1.5 * 32, 0: None, 1000: 2 + 1.5 * 1000}),  # the line, from the EWMA's size
+        ([(p, (9 - p) * MS) for p in (2, 8) * 4], 0.0, {64: None}),  # a negative slope: 0 (bigger is never cheaper)
+    ],
+)
+def test_the_estimate_is_size_aware_once_the_sizes_vary(
+    samples: list[tuple[int, float]], slope_ms: float | None, estimates_ms: dict[int | None, float | None]
+) -> None:
+    t = table("p")
+    for pairs, lat in samples:
+        t.succeeded("p", rows=pairs, latency_s=lat, wall_ms=1, pairs=pairs)
+    b = t.per_pair_s("p")
+    assert (b is None) if slope_ms is None else b == pytest.approx(slope_ms * MS)
+    [view] = t.views(0.0)  # what /dispatch reports of it
+    assert (view.per_pair_ms is None) if b is None else view.per_pair_ms == pytest.approx(b * 1000, abs=1e-4)
+    ewma = t.workers["p"].latency_ewma_ms * MS
+    for pairs, want in estimates_ms.items():
+        got = t.call_estimate_s("p", pairs, 0.5)
+        if want is not None:
+            assert got == pytest.approx(want * MS)
+        elif pairs is not None and b is not None:  # the EWMA moved along the slope, floored at the slope's share
+            assert got == pytest.approx(max(ewma + b * (pairs - t.workers["p"].pairs_ewma), b * pairs))
+        else:
+            assert got == pytest.approx(ewma)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "size_aware", "expect"),
+    [
+        # a worker slower per pair than here (1.5 vs 1 ms): its decode-sized answers (EWMA ~10 ms) would
+        # win a 32-pair range (32 ms here); sized, the call takes ~50 ms: local
+        (32, True, ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)),
+        (32, False, ("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)),
+        # a 2-pair range: 2 ms here against 5 ms there, either way
+        (2, True, ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)),
+        # 12 pairs: 12 ms here, 20 ms sized -- but size-blind the EWMA (~10 ms) sends it
+        (12, True, ("local", None, Reason.LOAD_EARLIEST_FINISH_LOCAL)),
+        (12, False, ("remote", "p", Reason.LOAD_EARLIEST_FINISH_REMOTE)),
+    ],
+)
+def test_earliest_finish_sizes_the_call(pairs: int, size_aware: bool, expect: tuple[str, str | None, Reason]) -> None:
+    c = core("p")
+    answered(c, "p", *(LINE if size_aware else [(8, 10 * MS)] * 8))
+    loaded(c)
+    assert placements(ready(c, 0.0, rw(0, 4, "p", pairs=pairs))) == [expect]
+
+
 def test_earliest_finish_counts_the_local_backlog_and_the_replica_queue() -> None:
     c = core("p")
     prove(c, "p", 5 * MS)
@@ -706,11 +769,14 @@ def test_the_fast_path_size_never_changes_a_placement(
     workers: list[tuple[bool, bool, bool, float, int]], backlog: int, state: str, pairs: list[int]
 ) -> None:
     """Whenever a layer is within ``local_only_pairs()``, placing it with the core gives only local
-    placements of the reported reason: the shell's shortcut decides what the core would."""
+    placements of the reported reason: the shell's shortcut decides what the core would (with
+    size-blind estimates, and size-aware ones: a worker whose answers came in two sizes)."""
     names = [f"w{i}" for i in range(len(workers))]
     c = core(*names)
-    for n, (proven, due, down, ms, in_flight) in zip(names, workers, strict=True):
-        if proven:
+    for k, (n, (proven, due, down, ms, in_flight)) in enumerate(zip(names, workers, strict=True)):
+        if proven and k % 2:
+            answered(c, n, *[(p, (ms + 0.5 * p) * MS) for p in (1, 6) * 4])
+        elif proven:
             prove(c, n, ms * MS)
         c.table.workers[n].trial_due = due and not proven
         c.table.workers[n].in_flight = in_flight
