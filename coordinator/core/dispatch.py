@@ -235,6 +235,7 @@ class WorkerHealth:
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
     pairs_ewma: float = 0.0  # the routed pairs of its sampled calls (the EWMA's call size)
     sized: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))  # (pairs, seconds)
+    per_pair_s: float | None = None  # the slope fitted to ``sized`` (``fit_per_pair``), refitted per sample
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,22 @@ class WorkerView:
     quarantine: str = ""  # the evidence, when quarantined
     pairs: int = 0
     per_pair_ms: float | None = None  # its fitted per-pair slope (None: size-blind so far)
+
+
+def fit_per_pair(sized: deque[tuple[int, float]]) -> float | None:
+    """The least-squares slope (seconds per routed pair, floored at 0) of (pairs, latency) samples,
+    or None while they are too few (< ``MIN_SIZED``) or too alike in size (largest < twice the
+    smallest) to tell a per-pair cost from the per-call overhead."""
+    if len(sized) < MIN_SIZED:
+        return None
+    ps = [p for p, _ in sized]
+    if max(ps) < 2 * min(ps):
+        return None
+    mp = sum(ps) / len(ps)
+    ml = sum(lat for _, lat in sized) / len(sized)
+    var = sum((p - mp) ** 2 for p in ps)
+    cov = sum((p - mp) * (lat - ml) for p, lat in sized)
+    return max(0.0, cov / var)
 
 
 def p95(samples: deque[float] | list[float]) -> float | None:
@@ -351,6 +368,7 @@ class WorkerTable:
         if restart:
             w.latency_ewma_ms = 0.0
             w.sized.clear()
+            w.per_pair_s = None
         self._sample(w, latency_s, pairs)
         w.last_serve_ms = wall_ms
 
@@ -363,22 +381,12 @@ class WorkerTable:
         w.latencies_s.append(latency_s)
         if pairs > 0:
             w.sized.append((pairs, latency_s))
+            w.per_pair_s = fit_per_pair(w.sized)  # once per answer, not per placement
 
     def per_pair_s(self, peer_id: str) -> float | None:
-        """A worker's marginal seconds per routed pair: the least-squares slope of its recent
-        (pairs, latency) samples, or None while they are too few (< ``MIN_SIZED``) or too alike in
-        size (largest < twice the smallest) to tell a per-pair cost from the per-call overhead."""
+        """A worker's marginal seconds per routed pair (``fit_per_pair`` of its recent samples)."""
         w = self.workers.get(peer_id)
-        if w is None or len(w.sized) < MIN_SIZED:
-            return None
-        ps = [p for p, _ in w.sized]
-        if max(ps) < 2 * min(ps):
-            return None
-        mp = sum(ps) / len(ps)
-        ml = sum(lat for _, lat in w.sized) / len(w.sized)
-        var = sum((p - mp) ** 2 for p in ps)
-        cov = sum((p - mp) * (lat - ml) for p, lat in w.sized)
-        return max(0.0, cov / var)
+        return w.per_pair_s if w is not None else None
 
     def call_estimate_s(self, peer_id: str, pairs: float | None, default_s: float) -> float:
         """Seconds a call of ``pairs`` routed pairs to this worker is expected to take, queue
@@ -389,12 +397,12 @@ class WorkerTable:
         if w is None or w.latency_ewma_ms <= 0:
             return default_s
         lat = w.latency_ewma_ms / 1000.0
-        b = self.per_pair_s(peer_id) if pairs is not None else None
+        b = w.per_pair_s
         if b is None or pairs is None:
             return lat
         return max(lat + b * (pairs - w.pairs_ewma), b * pairs)
 
-    def lost_hedge(self, peer_id: str, elapsed_s: float, pairs: int = 0) -> int:
+    def lost_hedge(self, peer_id: str, elapsed_s: float, pairs: int) -> int:
         """A call of this worker (of ``pairs`` routed pairs) lost a hedge after ``elapsed_s`` (a
         lower bound of its latency, recorded as a sample so its estimates rise); returns the losses
         in a row."""
@@ -445,7 +453,7 @@ class WorkerTable:
                     probation_left=w.probation_left,
                     quarantine=self.quarantined.get(w.peer_id, ""),
                     pairs=w.pairs,
-                    per_pair_ms=round(b * 1000.0, 4) if (b := self.per_pair_s(w.peer_id)) is not None else None,
+                    per_pair_ms=round(w.per_pair_s * 1000.0, 4) if w.per_pair_s is not None else None,
                 )
             )
         return out
