@@ -38,7 +38,7 @@ sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/mark
 from _results import write_json  # noqa: E402
 
 from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
-from coordinator.runtime import EngineRuntime  # noqa: E402
+from coordinator.engine.runtime import EngineRuntime  # noqa: E402
 from swarm.config import physical_cores  # noqa: E402
 from swarm.model.gguf import GGUFModel  # noqa: E402
 from swarm.model.kernels import KernelBackend, configure_threads  # noqa: E402

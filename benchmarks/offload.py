@@ -283,7 +283,7 @@ def bound(path: Path, sessions: int) -> dict[str, Any]:
     alone, so the alone and shared windows alternate)."""
     import torch
 
-    from coordinator.model import KVCache, LocalExperts, SeqChunk, Transformer
+    from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
     from swarm.model.gguf import GGUFModel
     from swarm.model.kernels import KernelBackend, configure_threads
 
@@ -349,7 +349,7 @@ def expert_loop(path: Path, sessions: int) -> None:
     one thread, until killed (the second worker of ``bound``)."""
     import torch
 
-    from coordinator.model import LocalExperts
+    from coordinator.engine.model import LocalExperts
     from swarm.model.gguf import GGUFModel
     from swarm.model.kernels import KernelBackend, configure_threads
 

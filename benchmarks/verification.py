@@ -51,8 +51,8 @@ sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/mark
 from _results import write_json  # noqa: E402
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode  # noqa: E402
-from coordinator.dispatcher import Dispatcher  # noqa: E402
-from coordinator.model import KVCache, SeqChunk, Transformer  # noqa: E402
+from coordinator.dispatch.dispatcher import Dispatcher  # noqa: E402
+from coordinator.engine.model import KVCache, SeqChunk, Transformer  # noqa: E402
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica  # noqa: E402
 from swarm.model.gguf import GGUFModel  # noqa: E402
 from swarm.model.kernels import KernelBackend, configure_threads  # noqa: E402

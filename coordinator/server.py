@@ -24,13 +24,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from coordinator.api import build_app
+from coordinator.api.app import build_app
+from coordinator.api.slices import slice_routes
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.core.local_experts import parse_local_experts
-from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
-from coordinator.market_link import MarketLink
-from coordinator.runtime import EngineRuntime
-from coordinator.slices_http import slice_routes
+from coordinator.dispatch.dispatcher import Dispatcher, watch_dispatch_map_file
+from coordinator.dispatch.market_link import MarketLink
+from coordinator.engine.runtime import EngineRuntime
 from swarm.config import HttpUrl, Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, physical_cores
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, configure_threads

@@ -57,11 +57,11 @@ async def eventually(check: Any, *, within: float = 10.0, interval: float = 0.02
 
 
 def greedy_tokens(tr: Any, prompt: list[int], n: int, *, n_ctx: int = 256, kv_dtype: Any = None) -> list[int]:
-    """``n`` greedy tokens after ``prompt`` from a ``coordinator.model.Transformer``: one prefill, then
+    """``n`` greedy tokens after ``prompt`` from a ``coordinator.engine.model.Transformer``: one prefill, then
     one decode step a token, with a KV cache of ``n_ctx`` rows (F32 unless ``kv_dtype``)."""
     import torch
 
-    from coordinator.model import KVCache, SeqChunk
+    from coordinator.engine.model import KVCache, SeqChunk
 
     cache = KVCache(tr.cfg, n_ctx, dtype=kv_dtype if kv_dtype is not None else torch.float32)
     lg = tr.forward([SeqChunk(cache, list(prompt), 0)])[0][-1]

@@ -1,7 +1,7 @@
 """Load-adaptive expert dispatch (pure core: no I/O, no clock; ``now`` is given, DESIGN §5 "layer 1").
 
 Events in, effects out: ``DispatchCore.handle(event, now) -> list[Effect]``. The shell
-(``coordinator.dispatcher``) reports what happened (a layer's routed pairs are ready, a remote
+(``coordinator.dispatch.dispatcher``) reports what happened (a layer's routed pairs are ready, a remote
 call answered or failed, a local computation finished, a timer fired, a load sample came in or
 timed out) and does what the effects ask (send a call, run the local kernel, cancel a loser,
 start or cancel a timer, combine a layer). Every placement carries a ``Reason``; the core counts

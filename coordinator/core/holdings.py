@@ -3,7 +3,7 @@
 DESIGN §12 "the volunteer proved it holds it": a worker the market lists for a slice gets no work
 for that slice until it answered a ``HoldChallenge`` for it with the right digest (random windows
 of the slice's tensor data under a random nonce, checked against the coordinator's own GGUF). The
-shell (``coordinator.dispatcher``) asks ``due`` what to challenge, sends the challenges and reports
+shell (``coordinator.dispatch.dispatcher``) asks ``due`` what to challenge, sends the challenges and reports
 each outcome here; the dispatcher's range work lists only ``held`` replicas.
 
 Rules:

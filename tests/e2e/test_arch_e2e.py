@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from coordinator.model import Transformer
+from coordinator.engine.model import Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.text.tokenizer import Tokenizer
 from tests.conftest import FIXTURES, eventually, greedy_tokens

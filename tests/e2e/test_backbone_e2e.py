@@ -20,8 +20,8 @@ import httpx
 import pytest
 import trio
 
-from coordinator.dispatcher import Dispatcher
-from coordinator.model import Transformer
+from coordinator.dispatch.dispatcher import Dispatcher
+from coordinator.engine.model import Transformer
 from swarm.model.gguf import GGUFModel
 from tests.conftest import GOLDEN_GGUF, eventually
 from tests.e2e.test_process_e2e import Proc, cli, procs, stream_with_fault, wait_for_line  # noqa: F401 - fixture

@@ -1,4 +1,4 @@
-"""The coordinator's HTTP bodies are exactly their ``coordinator.schemas`` Structs: every response
+"""The coordinator's HTTP bodies are exactly their ``coordinator.api.schemas`` Structs: every response
 kind, taken from a real HTTP response, decodes strictly to its Struct and re-encodes to the same
 bytes, and the official ``openai`` types read back every key and value we sent."""
 
@@ -17,9 +17,8 @@ import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from coordinator.api import build_app
-from coordinator.runtime import EngineRuntime
-from coordinator.schemas import (
+from coordinator.api.app import build_app
+from coordinator.api.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
@@ -28,6 +27,7 @@ from coordinator.schemas import (
     CompletionChunk,
     ModelList,
 )
+from coordinator.engine.runtime import EngineRuntime
 from swarm.model.gguf import GGUFModel
 from swarm.protocol.coordinator import Health, SlotInfo
 from swarm.protocol.http import ErrorBody

@@ -14,7 +14,7 @@ import pytest
 import torch
 import trio
 
-from coordinator.model import Transformer
+from coordinator.engine.model import Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.p2p.libp2p import open_libp2p_transport
 from tests.conftest import FIXTURES

@@ -20,11 +20,11 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from coordinator.api.slices import slice_routes
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
-from coordinator.dispatcher import Dispatcher
-from coordinator.market_link import MarketLink
-from coordinator.model import Transformer
-from coordinator.slices_http import slice_routes
+from coordinator.dispatch.dispatcher import Dispatcher
+from coordinator.dispatch.market_link import MarketLink
+from coordinator.engine.model import Transformer
 from market.policy import MarketPolicy
 from market.server import MarketConfig, serve_market
 from swarm.model.gguf import GGUFModel

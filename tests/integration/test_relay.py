@@ -17,8 +17,8 @@ import torch
 import trio
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
-from coordinator.dispatcher import Dispatcher
-from coordinator.model import Transformer
+from coordinator.dispatch.dispatcher import Dispatcher
+from coordinator.engine.model import Transformer
 from relay.service import RelayConfig, RelayHealth, RelayService, RelayStatus, open_relay
 from swarm.core.paths import Reachability
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica

@@ -18,8 +18,8 @@ import torch
 import trio
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
-from coordinator.dispatcher import Dispatcher, watch_dispatch_map_file
-from coordinator.model import KVCache, SeqChunk, Transformer
+from coordinator.dispatch.dispatcher import Dispatcher, watch_dispatch_map_file
+from coordinator.engine.model import KVCache, SeqChunk, Transformer
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import kernel_id

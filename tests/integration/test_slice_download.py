@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
-from coordinator.slices_http import slice_routes
+from coordinator.api.slices import slice_routes
 from swarm.errors import SliceError
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import SliceCache, SlicePlan, build_manifest, cut_slice, plan_slice

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.slices_http import ByteRange, RangeVerdict, etag_matches, plan_range, slice_routes
+from coordinator.api.slices import ByteRange, RangeVerdict, etag_matches, plan_range, slice_routes
 from swarm.errors import SliceError
 from swarm.model.fetch import fetch_slice
 from swarm.model.gguf import GGUFModel

@@ -13,8 +13,8 @@ import torch
 import trio
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
-from coordinator.dispatcher import VERIFY_RTOL, verify_outputs
-from coordinator.model import Transformer
+from coordinator.dispatch.dispatcher import VERIFY_RTOL, verify_outputs
+from coordinator.engine.model import Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
 from swarm.p2p.transport import Transport

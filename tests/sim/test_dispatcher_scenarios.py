@@ -1,4 +1,4 @@
-"""The dispatcher end to end under virtual time: the real shell (``coordinator.dispatcher``) and core,
+"""The dispatcher end to end under virtual time: the real shell (``coordinator.dispatch.dispatcher``) and core,
 the real expert stream client and server (``swarm.rpc``) on the in-memory fake network, a
 synchronous fake kernel on both sides (the same function, so hedges must not change bits), and
 local and remote compute that take virtual time (``trio.sleep``), so the assertions on virtual
@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from coordinator.core.dispatch import DispatchConfig, Reason
-from coordinator.dispatcher import Dispatcher, LocalJob
+from coordinator.dispatch.dispatcher import Dispatcher, LocalJob
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
 from swarm.p2p.memory import FakeNetwork, open_fake_transport
 from swarm.p2p.transport import Stream

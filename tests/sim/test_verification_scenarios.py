@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from coordinator.core.dispatch import DispatchConfig, Reason
-from coordinator.dispatcher import Dispatcher
+from coordinator.dispatch.dispatcher import Dispatcher
 from swarm.model.kernels import KernelBackend, kernel_id
 from swarm.p2p.memory import FakeNetwork, open_fake_transport
 from swarm.protocol.expert import ExpertRequest, Pairs, make_hello

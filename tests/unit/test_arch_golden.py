@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.model import KVCache, SeqChunk, Transformer
+from coordinator.engine.model import KVCache, SeqChunk, Transformer
 from swarm.model.gguf import ARCHITECTURES, GGUFModel
 from swarm.model.kernels import KernelBackend
 from swarm.text.tokenizer import Tokenizer

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.schemas import decode_chat, decode_completion
+from coordinator.api.schemas import decode_chat, decode_completion
 from market.api import _decode as market_decode
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.model import KVCache, SeqChunk, Transformer
+from coordinator.engine.model import KVCache, SeqChunk, Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
 from tests.conftest import FIXTURES

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.model import KVCache, SeqChunk, Transformer
+from coordinator.engine.model import KVCache, SeqChunk, Transformer
 from swarm.model.gguf import GGUFModel, model_id_for
 from swarm.model.kernels import KernelBackend
 from tests.conftest import GOLDEN_GGUF

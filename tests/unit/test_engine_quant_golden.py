@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.model import KVCache, SeqChunk, Transformer
+from coordinator.engine.model import KVCache, SeqChunk, Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
 from tests.conftest import FIXTURES

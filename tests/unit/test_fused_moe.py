@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.model import FUSED_MAX_ROWS, KVCache, LocalExperts, SeqChunk, Transformer
+from coordinator.engine.model import FUSED_MAX_ROWS, KVCache, LocalExperts, SeqChunk, Transformer
 from swarm.model.gguf import GGUFModel
 from tests.conftest import FIXTURES
 

@@ -1,4 +1,4 @@
-"""The ggml graphs of a layer's dense halves, the head and attention (``swarm.model.kernels.block``):
+"""The ggml graphs of a layer's dense halves, the head and attention (``coordinator.engine.block``):
 they agree with a float64 reference of the same math, every row's result is independent of the other
 rows in the call (batch invariance, n in {1, 2, 3, 8, 64}) and of the thread count, and stale cache
 rows past a sequence's end never leak into its attention."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from coordinator.engine.block import Attention, AttnIn, AttnOut, DenseWeight, Head
 from swarm.errors import KernelError
-from swarm.model.kernels.block import Attention, AttnIn, AttnOut, DenseWeight, Head
 from swarm.model.kernels.ggml import _type_id, quantize
 
 D, H, HKV, HD, NE = 256, 8, 2, 32, 16

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from coordinator.core.scheduler import Emit, Finish, FinishReason, GenParams
-from coordinator.runtime import EngineRuntime
+from coordinator.engine.runtime import EngineRuntime
 from swarm.model.gguf import GGUFModel
 from swarm.text.chat import render_chat
 from swarm.text.tokenizer import Tokenizer

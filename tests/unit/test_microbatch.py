@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.model import KVCache, LocalExperts, SeqChunk, Transformer
+from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
 from swarm.model.gguf import GGUFModel
 from tests.conftest import FIXTURES
 

@@ -8,8 +8,8 @@ import torch
 import trio
 
 from coordinator.core.scheduler import Emit, Finish, GenParams
-from coordinator.model import LocalExperts
-from coordinator.runtime import EngineFailed, EngineRuntime
+from coordinator.engine.model import LocalExperts
+from coordinator.engine.runtime import EngineFailed, EngineRuntime
 from swarm.model.gguf import GGUFModel
 from swarm.text.tokenizer import Tokenizer
 
@@ -77,7 +77,7 @@ async def test_text_equals_decode_at_every_cut(golden_model: GGUFModel, golden: 
 
 
 async def test_incomplete_utf8_tail_is_flushed_at_max_tokens(golden_model: GGUFModel, monkeypatch: Any) -> None:
-    import coordinator.runtime as runtime_mod
+    import coordinator.engine.runtime as runtime_mod
 
     tok = Tokenizer.from_gguf_fields(golden_model.fields)
     lead = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\xe4")  # starts a 3-byte character

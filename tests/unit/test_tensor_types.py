@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.model import KVCache, SeqChunk, Transformer
+from coordinator.engine.model import KVCache, SeqChunk, Transformer
 from swarm.errors import UnsupportedTensorType
 from swarm.model.gguf import SUPPORTED_TYPES, GGUFModel
 from swarm.model.kernels import KernelBackend

@@ -35,8 +35,8 @@ from coordinator.core.scheduler import (
     SlotView,
     StepEntry,
 )
-from coordinator.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
-from coordinator.sampling import make_generator, sample
+from coordinator.engine.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
+from coordinator.engine.sampling import make_generator, sample
 from swarm.errors import DispatchFailed, RequestError
 from swarm.model.gguf import GGUFModel
 from swarm.text.tokenizer import StreamDecoder, Tokenizer

@@ -776,7 +776,7 @@ class Attention:
              zero_tail: bool = True, sinks: np.ndarray | None = None, window: int = 0) -> list[np.ndarray]:
         """Several sequences' attention in one graph: ``items`` = ``(q, k_cache, v_cache, pos)`` as in
         ``__call__`` (all caches of one type). ``zero_tail=False``: the caller guarantees that cache
-        rows past each sequence's end are zero (``coordinator.model.KVCache`` does). ``sinks``: one
+        rows past each sequence's end are zero (``coordinator.engine.model.KVCache`` does). ``sinks``: one
         logit per head joining each softmax (gpt-oss); ``window`` > 0: a query at position p sees
         the keys at p - window + 1 .. p only (llama.cpp's standard sliding window)."""
         tids = {self._check(q, kc, vc, pos) for q, kc, vc, pos in items}

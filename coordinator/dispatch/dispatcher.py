@@ -122,7 +122,7 @@ from coordinator.core.dispatch import (
     WorkerTable,
 )
 from coordinator.core.holdings import HoldBook, Holding
-from coordinator.model import ReadyMoe
+from coordinator.engine.model import ReadyMoe
 from swarm.core.histogram import Histogram
 from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate

@@ -7,7 +7,7 @@ Rules:
 - The routed experts of a layer are computed by one replaceable object, ``ExpertBackend.moe``: the
   local backend calls each layer's ``swarm.model.kernels.ExpertKernel``; a dispatcher may send rows to volunteers.
 - With the ggml kernels (the default) each layer's dense halves are one ggml graph each
-  (``swarm.model.kernels.block``: norm, q/k/v, q/k norms and RoPE; output projection, residual, norm,
+  (``coordinator.engine.block``: norm, q/k/v, q/k norms and RoPE; output projection, residual, norm,
   router softmax), attention is ggml's on in-place views of the KV cache (V kept transposed, the view
   padded to ``KV_PAD`` rows as llama.cpp pads its own) and the head is one graph: llama.cpp's own ops, so its
   numbers (tests: within 1.6e-6 of llama.cpp on Q8_0, Q4_0 and Q4_K_M files). The torch path (the
@@ -32,9 +32,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from swarm.model.gguf import GGUFModel, LayerWeights, ModelConfig, QTensor, SharedExpert
-from swarm.model.kernels import KernelBackend, compute_threads, expert_kernel
-from swarm.model.kernels.block import (
+from coordinator.engine.block import (
     Attention,
     AttnIn,
     AttnOut,
@@ -47,6 +45,8 @@ from swarm.model.kernels.block import (
     RoutedExperts,
     SharedFFN,
 )
+from swarm.model.gguf import GGUFModel, LayerWeights, ModelConfig, QTensor, SharedExpert
+from swarm.model.kernels import KernelBackend, compute_threads, expert_kernel
 from swarm.model.kernels.dense import Linear
 
 __all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "PendingMoe", "ReadyMoe", "SeqChunk", "Transformer"]
@@ -194,7 +194,7 @@ KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama
 
 
 class _GgmlDense:
-    """The ggml graphs of every layer's dense halves and the head (``swarm.model.kernels.block``)."""
+    """The ggml graphs of every layer's dense halves and the head (``coordinator.engine.block``)."""
 
     def __init__(self, model: GGUFModel) -> None:
         cfg = model.config

@@ -27,7 +27,7 @@ import msgspec
 import trio
 
 from coordinator.core.dispatch import Quarantine
-from coordinator.dispatcher import Dispatcher
+from coordinator.dispatch.dispatcher import Dispatcher
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
 from swarm.protocol.coordinator import MarketLinkStatus

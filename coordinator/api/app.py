@@ -6,7 +6,7 @@ Rules:
 - A client that disconnects (streamed or not) has its request cancelled, which frees its slot
   before the engine plans its next step.
 - Past the bounded queue: 503 with ``Retry-After``.
-- Every body is a ``coordinator.schemas`` Struct (errors: ``swarm.protocol.http``'s), encoded by
+- Every body is a ``coordinator.api.schemas`` Struct (errors: ``swarm.protocol.http``'s), encoded by
   this module's one encoder.
 """
 
@@ -29,9 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from coordinator.core.scheduler import Emit, Finish, FinishReason
-from coordinator.runtime import EngineFailed, EngineRuntime, RequestHandle
-from coordinator.schemas import (
+from coordinator.api.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -52,6 +50,8 @@ from coordinator.schemas import (
     decode_completion,
     gen_params,
 )
+from coordinator.core.scheduler import Emit, Finish, FinishReason
+from coordinator.engine.runtime import EngineFailed, EngineRuntime, RequestHandle
 from swarm.errors import RequestError, SwarmError
 from swarm.http_io import close_if_unread, read_body
 from swarm.protocol.coordinator import Health, MarketLinkStatus, SlotInfo
