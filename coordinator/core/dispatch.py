@@ -7,65 +7,33 @@ timed out) and does what the effects ask (send a call, run the local kernel, can
 start or cancel a timer, combine a layer). Every placement carries a ``Reason``; the core counts
 them (``decisions``), and keeps the last failures (``errors``) for ``/dispatch``.
 
-Rules:
-- Workers (``WorkerTable``): a worker is ``up`` until a call to it fails (error, timeout, wrong
-  shape, NaN, or ``max_hedge_losses`` hedges lost in a row); then it is ``down`` with exponential
-  backoff (``backoff_base_s * 2**(k-1)``, capped) and gets no work until the backoff passes.
-  A worker is **proven** once one of its answers passed verification since it attached; that is
-  sticky until it detaches or fails. Each attach makes it due for one **trial**.
-- Verification (DESIGN §12): a remote call of a held range is *sampled* -- rate 1.0 while the worker
-  is in probation (its first ``verify_probation_calls`` verified answers after it attached, and as
-  many again after any failure), else ``verify_rate``, drawn from the ``rng`` the shell hands in
-  (seeded at random), so a worker cannot tell sampled calls from others. A sampled call (and every trial) is *kept*
-  (``SendRemote.keep``) and the range is computed here too (``RunLocal(keep=True)``, reason VERIFY
-  beside a placement, TRIAL_HEDGE for a trial): the range's result is always the local one, the
-  remote call runs to its end and is never cancelled as a loser, so the step does not wait for it.
-  Once both sides ended the core asks the shell to ``Compare`` them (both answered) or to ``Forget``
-  them (one failed or was cancelled): a kept result is held exactly until then. The shell answers
-  ``Compared(equal)``: equal counts a verified call (the trial's proves the worker, ``MarkProven``);
-  unequal **quarantines** the worker at once (``Quarantine`` with the evidence): never live again in
-  this process, not even after a re-listing; its calls in flight are abandoned and their ranges
-  recovered (next proven replica, else local). Not-held ranges are checked on a second replica
-  (placement rules below). A wrong hold digest (``HoldRefuted``) quarantines the same way.
-- Load: ``LoadSample(busy, n_slots)`` every ``sample_interval_s`` (the shell bounds the sample in
-  time; a sample that hangs or fails is ``LoadSampleTimeout`` and changes nothing). ``busy >=
-  saturation_threshold`` is *loaded*. A sample older than ``sample_max_age_s`` has aged out and
-  says nothing. After the load ends (an idle sample, or the loaded one aged out) the state is
-  ``serve_ttl`` for ``serve_ttl_s``, then ``idle``: hysteresis, so a flapping load does not thrash.
-- Placement of a layer's ranges (``LayerReady``), in ascending ``lo``:
-  - a range holding one of the layer's ``hot_experts`` most-routed experts runs locally (HOT_EXPERT)
-    when the coordinator holds it; the partition is never changed, so the bits are not either;
-  - ``offload`` mode (the pre-adaptive behaviour): a live replica gets it (OFFLOAD_REMOTE, replicas in
-    ``BalancedPolicy`` order), else local (NO_REPLICA / ALL_DOWN);
-  - idle: held ranges run locally (IDLE_LOCAL);
-  - loaded: a live unproven replica due for its trial gets the range *and* the local copy computes
-    it (TRIAL_HEDGE; first result wins, the remote call still runs to its end to prove the worker);
-    otherwise the earliest estimated finish among local (its backlog of pairs plus these, at the
-    measured seconds per pair) and each live proven replica wins: LOAD_EARLIEST_FINISH_LOCAL /
-    _REMOTE. Ties go local. A replica's finish is its estimate for a call of the range's size plus
-    one usual-size call per call in flight. The estimate is size-aware once its sizes vary: the
-    latency EWMA moved along the worker's per-pair slope (least squares over its last 64
-    (pairs, latency) samples, fitted from 8 on when the largest is at least twice the smallest)
-    from the EWMA's own call size to the range's -- so a prefill-sized range is not sent on the
-    strength of decode-sized answers -- and size-blind (the EWMA) before that;
-    A worker's estimate is only refreshed by its answers, so a stale one is **probed**: under load,
-    a live proven worker with nothing in flight and no latency sample (answer or lost hedge) for
-    ``probe_interval_s`` gets the first of the layer's ranges that earliest finish placed here
-    (PROBE): it is sent *and* computed here (the local copy is the result, reason VERIFY, the
-    answer is compared like a sampled call), so a cold start (one slow early answer) cannot keep a
-    worker idle for good, and the probe costs the step nothing but the call. A proven worker still
-    in **probation** (every answer verified, i.e. computed here too) is no candidate of earliest
-    finish -- a remote share would save nothing -- but is probed at every layer while it has
-    nothing in flight, so its probation passes in a few dozen layers without slowing them; the
-    split check (below) waits for it;
-  - serve TTL: the same earliest-finish choice without trials, reason SERVE_TTL;
-  - not held: remote only (NOT_HELD), proven replicas first; no live replica: ``Fail``
-    (NO_REPLICA / ALL_DOWN; the shell may wait for coverage and retry the layer), or with
-    ``missing_disk`` the coordinator computes it from its GGUF anyway (MISSING_DISK). A sampled call
-    of such a range is checked on a second live replica (VERIFY_SECOND): neither answer is the
-    range's until both agree; a disagreement is settled by computing it here (DISPUTE, ``Settle``),
-    which is then the result, and whoever differs is quarantined; with no second replica the call is
-    served unchecked (``unverifiable``).
+The core owns small machines, each with its own rules and tests: the worker table and its
+estimates (``coordinator.core.workers``), the load state (``coordinator.core.load``), the placement
+of one range (``coordinator.core.placement``, with the hot-expert counts), the verification ledger
+(``coordinator.core.ledger``) and the split check (``coordinator.core.split_check``); its vocabulary
+is ``coordinator.core.events``, its in-flight records ``coordinator.core.records``. This module ties
+them together: steps, calls, winners, hedges, retries, deadlines, cross-checks.
+
+Rules (the machines' own rules are in their modules):
+- Workers: up, down with backoff, quarantined; proven, trial, probation (``coordinator.core.workers``).
+- Load: idle / loaded / serve TTL from the shell's samples (``coordinator.core.load``).
+- Placement of a layer's ranges (``LayerReady``), in ascending ``lo``, one ``Place`` each
+  (``coordinator.core.placement``): hot expert, offload, not held, idle, trial, earliest finish,
+  probe, local. The core applies it: a trial's worker is no longer due; a worker probed or given a
+  share is no longer a probe candidate at this layer; a failed range fails the whole layer
+  (``Fail``: the shell may wait for coverage and retry it) and nothing more of it is placed.
+- Verification (DESIGN §12; the ledger, ``coordinator.core.ledger``): a sampled call (and every
+  trial and probe) is *kept* (``SendRemote.keep``) and the range is computed here too
+  (``RunLocal(keep=True)``, reason VERIFY, TRIAL_HEDGE for a trial): the range's result is always the
+  local one, the remote call runs to its end and is never cancelled as a loser, so the step does not
+  wait for it. ``Compared(equal)``: equal counts a verified call (the first proves the worker,
+  ``MarkProven``); unequal **quarantines** the worker at once (``Quarantine`` with the evidence): its
+  calls in flight are abandoned and their ranges recovered (next proven replica, else local). A
+  wrong hold digest (``HoldRefuted``) quarantines the same way. A sampled call of a range not held
+  here is checked on a second live replica (VERIFY_SECOND): neither answer is the range's until both
+  agree; a disagreement is settled by computing it here (DISPUTE, ``Settle``), which is then the
+  result, and whoever differs is quarantined; with no second replica the call is served unchecked
+  (``unverifiable``).
 - Split check (``coordinator.core.split_check``): under load the estimates alone do not decide.
   Windows local / split / local of ``split_check_s`` measure routed pairs per second; the split is
   kept for ``split_hold_s`` when it beats the local windows by ``split_margin``, else every held
@@ -117,11 +85,69 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import NewType, Protocol
 
-from coordinator.core.split_check import SplitArm, SplitCheck, SplitOutcome
+from coordinator.core.events import (
+    CallId,
+    Cancel,
+    CancelTimer,
+    Combine,
+    Compare,
+    Compared,
+    DispatchConfig,
+    DispatchMode,
+    Effect,
+    ErrorRecord,
+    Event,
+    Fail,
+    FailureKind,
+    Forget,
+    Hedge,
+    HoldRefuted,
+    LayerRanLocally,
+    LayerReady,
+    LayerRowCounts,
+    LoadSample,
+    LoadSampleTimeout,
+    LoadState,
+    LocalDone,
+    LocalFailed,
+    MarkDown,
+    MarkProven,
+    ModeChanged,
+    Quarantine,
+    RangeWork,
+    Reason,
+    RemoteDone,
+    RemoteFailed,
+    RunLocal,
+    SendRemote,
+    Settle,
+    Settled,
+    SplitChecked,
+    StartTimer,
+    StepId,
+    Timer,
+    TimerFired,
+    TimerKind,
+    WorkersListed,
+)
+from coordinator.core.ledger import Ledger
+from coordinator.core.load import LoadSampleRecord, LoadTracker
+from coordinator.core.placement import HotExperts, PlaceKind, Placement, PlacementView
+from coordinator.core.records import CallRecord, Cross, RangeRecord, StepRecord, VerifyPair
+from coordinator.core.split_check import SplitArm, SplitCheck
+from coordinator.core.workers import (
+    BalancedPolicy,
+    Choice,
+    ChoiceReason,
+    DispatchPolicy,
+    StaticPolicy,
+    WorkerHealth,
+    WorkerState,
+    WorkerTable,
+    WorkerView,
+    p95,
+)
 from swarm.core.rng import Rng
 
 __all__ = [
@@ -142,13 +168,10 @@ __all__ = [
     "ErrorRecord",
     "Event",
     "Fail",
-    "Forget",
     "FailureKind",
+    "Forget",
     "Hedge",
     "HoldRefuted",
-    "Settle",
-    "Settled",
-    "SplitChecked",
     "LayerRanLocally",
     "LayerReady",
     "LayerRowCounts",
@@ -167,6 +190,9 @@ __all__ = [
     "RemoteFailed",
     "RunLocal",
     "SendRemote",
+    "Settle",
+    "Settled",
+    "SplitChecked",
     "StartTimer",
     "StaticPolicy",
     "StepId",
@@ -181,843 +207,13 @@ __all__ = [
     "p95",
 ]
 
-CallId = NewType("CallId", int)
-StepId = NewType("StepId", int)
-
-
-# -- worker health -------------------------------------------------------------------------------
-
-
-class WorkerState(StrEnum):
-    UP = "up"
-    DOWN = "down"
-    QUARANTINED = "quarantined"  # an answer failed verification: no more work, in this process
-
-
-class ChoiceReason(StrEnum):
-    REMOTE = "remote"  # at least one live replica
-    NO_REPLICA = "no_replica"  # the map lists none for this range
-    ALL_DOWN = "all_down"  # replicas listed, all in backoff
-
-
-@dataclass(frozen=True)
-class Choice:
-    candidates: tuple[str, ...]
-    reason: ChoiceReason
-
-
-LATENCY_WINDOW = 64  # recent latencies kept per worker for its p95
-MIN_SIZED = 8  # (pairs, latency) samples before a worker's per-pair slope is fitted
-
-
-@dataclass
-class WorkerHealth:
-    peer_id: str
-    attached_at: float
-    state: WorkerState = WorkerState.UP
-    calls: int = 0
-    rows: int = 0
-    pairs: int = 0  # (row, expert) pairs answered: the work its credit counts
-    failures: int = 0
-    consecutive_failures: int = 0
-    down_until: float = 0.0
-    latency_ewma_ms: float = 0.0
-    last_serve_ms: int = 0  # Unix ms of the last successful call; 0 = never served
-    last_error: str = ""
-    in_flight: int = 0
-    picks: int = 0  # times chosen first (round-robin tie-break)
-    proven: bool = False  # an answer passed verification since it attached (sticky until detached or failed)
-    trial_due: bool = True  # one hedged trial at the first loaded dispatch after it attached
-    verified: int = 0  # answers that passed verification
-    probation_left: int = 0  # verified answers still due at rate 1.0
-    hedge_losses: int = 0  # hedges lost in a row
-    sampled_at: float | None = None  # its last latency sample: an answer or a lost hedge (None: none; counts from attach)
-    latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
-    pairs_ewma: float = 0.0  # the routed pairs of its sampled calls (the EWMA's call size)
-    sized: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))  # (pairs, seconds)
-    per_pair_s: float | None = None  # the slope fitted to ``sized`` (``fit_per_pair``), refitted per sample
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    peer_id: str
-    state: str
-    calls: int
-    rows: int
-    failures: int
-    latency_ewma_ms: float
-    last_serve_ms: int
-    last_error: str
-    retry_in_s: float
-    proven: bool = False
-    p95_ms: float = 0.0
-    in_flight: int = 0
-    verified: int = 0
-    probation_left: int = 0
-    quarantine: str = ""  # the evidence, when quarantined
-    pairs: int = 0
-    per_pair_ms: float | None = None  # its fitted per-pair slope (None: size-blind so far)
-
-
-def fit_per_pair(sized: deque[tuple[int, float]]) -> float | None:
-    """The least-squares slope (seconds per routed pair, floored at 0) of (pairs, latency) samples,
-    or None while they are too few (< ``MIN_SIZED``) or too alike in size (largest < twice the
-    smallest) to tell a per-pair cost from the per-call overhead."""
-    if len(sized) < MIN_SIZED:
-        return None
-    ps = [p for p, _ in sized]
-    if max(ps) < 2 * min(ps):
-        return None
-    mp = sum(ps) / len(ps)
-    ml = sum(lat for _, lat in sized) / len(sized)
-    var = sum((p - mp) ** 2 for p in ps)
-    cov = sum((p - mp) * (lat - ml) for p, lat in sized)
-    return max(0.0, cov / var)
-
-
-def p95(samples: deque[float] | list[float]) -> float | None:
-    """The 95th percentile (nearest rank) of ``samples``; with fewer than 8, twice their maximum
-    (too few to tell a tail from the bulk); None without any."""
-    if not samples:
-        return None
-    if len(samples) < 8:
-        return 2.0 * max(samples)
-    s = sorted(samples)
-    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)]
-
-
-class WorkerTable:
-    def __init__(
-        self,
-        *,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        ewma_alpha: float = 0.2,
-        probation_calls: int = 0,
-    ) -> None:
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.ewma_alpha = ewma_alpha
-        self.probation_calls = probation_calls
-        self.workers: dict[str, WorkerHealth] = {}
-        self.quarantined: dict[str, str] = {}  # peer -> evidence; outlives detaching
-
-    def sync(self, peer_ids: set[str], now: float) -> tuple[set[str], set[str]]:
-        """Attach workers newly listed, detach those no longer listed; returns (added, removed)."""
-        added = peer_ids - self.workers.keys()
-        removed = self.workers.keys() - peer_ids
-        for p in added:
-            w = WorkerHealth(p, attached_at=now, probation_left=self.probation_calls)
-            if p in self.quarantined:
-                w.state, w.trial_due, w.last_error = WorkerState.QUARANTINED, False, self.quarantined[p]
-            self.workers[p] = w
-        for p in removed:
-            del self.workers[p]
-        return added, removed
-
-    def is_live(self, peer_id: str, now: float) -> bool:
-        w = self.workers.get(peer_id)
-        return w is not None and (
-            w.state is WorkerState.UP or (w.state is WorkerState.DOWN and now >= w.down_until)
-        )
-
-    def verified(self, peer_id: str, equal: bool, evidence: str = "") -> None:
-        """One of the worker's answers was compared with the coordinator's: equal counts (and proves
-        it); unequal quarantines it for good."""
-        w = self.workers.get(peer_id)
-        if not equal:
-            self.quarantined[peer_id] = evidence
-            if w is not None:
-                w.state, w.proven, w.trial_due, w.last_error = WorkerState.QUARANTINED, False, False, evidence
-            return
-        if w is None or w.state is WorkerState.QUARANTINED:
-            return
-        w.verified += 1
-        w.probation_left = max(0, w.probation_left - 1)
-        w.proven = True
-        w.trial_due = False
-
-    def is_proven(self, peer_id: str) -> bool:
-        w = self.workers.get(peer_id)
-        return w is not None and w.proven
-
-    def started(self, peer_id: str) -> None:
-        w = self.workers.get(peer_id)
-        if w is not None:
-            w.in_flight += 1
-
-    def finished(self, peer_id: str) -> None:
-        w = self.workers.get(peer_id)
-        if w is not None and w.in_flight > 0:
-            w.in_flight -= 1
-
-    def succeeded(self, peer_id: str, *, rows: int, latency_s: float, wall_ms: int, pairs: int = 0,
-                  restart: bool = False) -> None:
-        """An answer came after ``latency_s``; ``restart``: the estimate was stale (see the core's
-        probes), so this sample replaces the EWMA instead of joining it."""
-        w = self.workers.get(peer_id)
-        if w is None:
-            return
-        if w.state is not WorkerState.QUARANTINED:
-            w.state = WorkerState.UP
-        w.consecutive_failures = 0
-        w.hedge_losses = 0
-        w.calls += 1
-        w.rows += rows
-        w.pairs += pairs
-        if restart:
-            w.latency_ewma_ms = 0.0
-            w.sized.clear()
-            w.per_pair_s = None
-        self._sample(w, latency_s, pairs)
-        w.last_serve_ms = wall_ms
-
-    def _sample(self, w: WorkerHealth, latency_s: float, pairs: int) -> None:
-        ms = latency_s * 1000.0
-        first = w.latency_ewma_ms == 0.0
-        a = self.ewma_alpha
-        w.latency_ewma_ms = ms if first else (1 - a) * w.latency_ewma_ms + a * ms
-        w.pairs_ewma = float(pairs) if first else (1 - a) * w.pairs_ewma + a * pairs
-        w.latencies_s.append(latency_s)
-        if pairs > 0:
-            w.sized.append((pairs, latency_s))
-            w.per_pair_s = fit_per_pair(w.sized)  # once per answer, not per placement
-
-    def per_pair_s(self, peer_id: str) -> float | None:
-        """A worker's marginal seconds per routed pair (``fit_per_pair`` of its recent samples)."""
-        w = self.workers.get(peer_id)
-        return w.per_pair_s if w is not None else None
-
-    def call_estimate_s(self, peer_id: str, pairs: float | None, default_s: float) -> float:
-        """Seconds a call of ``pairs`` routed pairs to this worker is expected to take, queue
-        excluded: its latency EWMA, moved along its per-pair slope from the EWMA's call size to
-        ``pairs`` (size-blind while the slope is unknown, or for ``pairs=None``), never below the
-        slope's share alone; ``default_s`` without any sample."""
-        w = self.workers.get(peer_id)
-        if w is None or w.latency_ewma_ms <= 0:
-            return default_s
-        lat = w.latency_ewma_ms / 1000.0
-        b = w.per_pair_s
-        if b is None or pairs is None:
-            return lat
-        return max(lat + b * (pairs - w.pairs_ewma), b * pairs)
-
-    def lost_hedge(self, peer_id: str, elapsed_s: float, pairs: int) -> int:
-        """A call of this worker (of ``pairs`` routed pairs) lost a hedge after ``elapsed_s`` (a
-        lower bound of its latency, recorded as a sample so its estimates rise); returns the losses
-        in a row."""
-        w = self.workers.get(peer_id)
-        if w is None:
-            return 0
-        w.hedge_losses += 1
-        self._sample(w, elapsed_s, pairs)
-        return w.hedge_losses
-
-    def failed(self, peer_id: str, reason: str, now: float) -> float:
-        """Mark down with backoff; returns when it is live again (``now`` if unknown)."""
-        w = self.workers.get(peer_id)
-        if w is None:
-            return now
-        w.failures += 1
-        w.consecutive_failures += 1
-        w.hedge_losses = 0
-        w.probation_left = self.probation_calls  # verified at rate 1.0 again
-        if w.state is WorkerState.QUARANTINED:
-            return now
-        w.state = WorkerState.DOWN
-        w.proven = False
-        w.trial_due = True  # it proves itself again with a trial, once its backoff passes
-        w.down_until = now + min(self.backoff_max_s, self.backoff_base_s * 2 ** (w.consecutive_failures - 1))
-        w.last_error = reason
-        return w.down_until
-
-    def views(self, now: float) -> list[WorkerView]:
-        out = []
-        for w in sorted(self.workers.values(), key=lambda w: w.peer_id):
-            q = p95(w.latencies_s)
-            out.append(
-                WorkerView(
-                    peer_id=w.peer_id,
-                    state=w.state.value,
-                    calls=w.calls,
-                    rows=w.rows,
-                    failures=w.failures,
-                    latency_ewma_ms=round(w.latency_ewma_ms, 3),
-                    last_serve_ms=w.last_serve_ms,
-                    last_error=w.last_error,
-                    retry_in_s=round(max(0.0, w.down_until - now), 3) if w.state is WorkerState.DOWN else 0.0,
-                    proven=w.proven,
-                    p95_ms=round(q * 1000.0, 3) if q is not None else 0.0,
-                    in_flight=w.in_flight,
-                    verified=w.verified,
-                    probation_left=w.probation_left,
-                    quarantine=self.quarantined.get(w.peer_id, ""),
-                    pairs=w.pairs,
-                    per_pair_ms=round(w.per_pair_s * 1000.0, 4) if w.per_pair_s is not None else None,
-                )
-            )
-        return out
-
-
-class DispatchPolicy(Protocol):
-    def choose(self, replicas: list[str], table: WorkerTable, now: float) -> Choice: ...
-
-
-class StaticPolicy:
-    """Remote whenever a live replica is listed (map order), local otherwise."""
-
-    def choose(self, replicas: list[str], table: WorkerTable, now: float) -> Choice:
-        if not replicas:
-            return Choice((), ChoiceReason.NO_REPLICA)
-        live = tuple(p for p in replicas if table.is_live(p, now))
-        return Choice(live, ChoiceReason.REMOTE if live else ChoiceReason.ALL_DOWN)
-
-
-class BalancedPolicy:
-    """Remote whenever a live replica is listed; calls spread over the live replicas.
-
-    Order: a worker that has never served gets the first trial (a newly attached replica proves
-    itself at once instead of idling behind a proven one); then fewest calls in flight, then
-    lowest latency EWMA, then least often picked (round robin among equals); the map's order
-    breaks what is left. The rest follow as fallbacks in the same order.
-    """
-
-    def choose(self, replicas: list[str], table: WorkerTable, now: float) -> Choice:
-        if not replicas:
-            return Choice((), ChoiceReason.NO_REPLICA)
-        live = [p for p in replicas if table.is_live(p, now)]
-        if not live:
-            return Choice((), ChoiceReason.ALL_DOWN)
-        rank = {p: i for i, p in enumerate(replicas)}
-
-        def key(p: str) -> tuple[int, int, float, int, int]:
-            w = table.workers[p]
-            untried = 0 if (w.calls == 0 and w.in_flight == 0) else 1
-            return (untried, w.in_flight, round(w.latency_ewma_ms, 1), w.picks, rank[p])
-
-        order = tuple(sorted(live, key=key))
-        table.workers[order[0]].picks += 1
-        return Choice(order, ChoiceReason.REMOTE)
-
-
-# -- configuration, reasons ----------------------------------------------------------------------
-
-
-class DispatchMode(StrEnum):
-    ADAPTIVE = "adaptive"  # DESIGN §5 layer 1: local when idle, earliest finish under load
-    OFFLOAD = "offload"  # every range with a live replica goes remote (the pre-adaptive behaviour)
-
-
-class LoadState(StrEnum):
-    IDLE = "idle"
-    LOADED = "loaded"
-    SERVE_TTL = "serve_ttl"
-
-
-class Reason(StrEnum):
-    """Why a range went where it went (or why a call was cancelled, a worker marked down)."""
-
-    IDLE_LOCAL = "idle_local"
-    LOAD_EARLIEST_FINISH_LOCAL = "load_earliest_finish_local"
-    LOAD_EARLIEST_FINISH_REMOTE = "load_earliest_finish_remote"
-    SERVE_TTL = "serve_ttl"
-    TRIAL_HEDGE = "trial_hedge"
-    SPLIT_CHECK = "split_check"  # RunLocal: under load, a local window of the split check (split_check.py)
-    SPLIT_SLOWER = "split_slower"  # RunLocal: under load, held here: the last check found the split no faster
-    SPLIT_FASTER = "split_faster"  # SplitChecked: the check found the split faster (earliest finish decides)
-    PROBE = "probe"  # SendRemote: a proven worker's estimate is stale or it is in probation; kept, the local copy used
-    HOT_EXPERT = "hot_expert"
-    OFFLOAD_REMOTE = "offload_remote"
-    NOT_HELD = "not_held"
-    NO_REPLICA = "no_replica"
-    ALL_DOWN = "all_down"
-    HEDGE_SLOW = "hedge_slow"
-    RETRY_NEXT = "retry_next"
-    FALLBACK_LOCAL = "fallback_local"
-    ALL_FAILED = "all_failed"
-    VERIFY = "verify"  # RunLocal: the coordinator's copy of a sampled remote call (its result is used)
-    VERIFY_SECOND = "verify_second"  # SendRemote: a second replica of a sampled call of a range not held here
-    DISPUTE = "dispute"  # RunLocal: two replicas disagreed; the coordinator computes it from its GGUF
-    LOCAL_FAILED = "local_failed"  # Fail: the coordinator's own kernel failed on a range
-    MISSING_DISK = "missing_disk"  # RunLocal: not held, nobody serves it: computed from the GGUF (--on-missing disk)
-    QUARANTINED = "quarantined"  # Cancel: the worker failed verification
-    LOST_RACE = "lost_race"  # Cancel: another call of the range answered first
-    DEADLINE = "deadline"  # Cancel: no answer within the timeout
-    LOAD_ONSET = "load_onset"  # ModeChanged
-    LOAD_ENDED = "load_ended"
-    TTL_EXPIRED = "ttl_expired"
-
-
-class FailureKind(StrEnum):
-    TIMEOUT = "timeout"
-    BROKEN = "broken"  # the stream or connection died under the call
-    DIAL = "dial_failed"
-    CLOSED = "closed"
-    REFUSED = "refused"  # draining, slice not held
-    PROTOCOL = "protocol"  # error answer, wrong shape, NaN, bad frame
-    SLOW = "slow"  # lost ``max_hedge_losses`` hedges in a row
-    LOCAL = "local"  # the coordinator's own kernel failed
-    WRONG_ANSWER = "wrong_answer"  # failed verification: quarantined
-    OTHER = "other"
-
-
-@dataclass(frozen=True)
-class DispatchConfig:
-    mode: DispatchMode = DispatchMode.ADAPTIVE
-    saturation_threshold: int = 2  # busy slots from which the coordinator is under load
-    serve_ttl_s: float = 20.0
-    sample_interval_s: float = 2.0
-    sample_timeout_s: float = 1.0  # the shell's bound on one load sample
-    sample_max_age_s: float = 6.0  # a sample older than this says nothing
-    timeout_s: float = 3.0  # deadline of one remote call
-    hedge: bool = True
-    hedge_floor_s: float = 0.05
-    max_hedge_losses: int = 3  # lost hedges in a row that mark a worker down
-    hot_experts: int = 0  # the K most-routed experts of each layer always run locally
-    hot_decay: float = 0.98  # per layer call: the routing counts' memory
-    local_cost_prior_s: float = 20e-6  # seconds per (row, expert) pair before the first measurement
-    # micro-batches only from this round trip on (see the module rules: measured on one 2-core box,
-    # they cost more than they fill up to ~10 ms and paid from 10-20 ms)
-    overlap_min_rtt_s: float = 0.015
-    ewma_alpha: float = 0.2
-    # under load, a proven worker without a latency sample for this long is probed (0: never): an
-    # estimate is only refreshed by calls, so one slow early answer must not keep it idle for good
-    probe_interval_s: float = 2.0
-    # under load, measure whether remote shares pay here: windows local / split / local of this
-    # length, the winner held for split_hold_s; the split must win by split_margin (0: no check)
-    split_check_s: float = 3.0
-    split_hold_s: float = 30.0
-    split_margin: float = 0.10  # must win clearly (windows of the same work differed by up to ~20 % on the 2-core VM; the watch backs it)
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 30.0
-    max_errors: int = 32  # failures kept for /dispatch
-    verify_rate: float = 0.05  # sampled share of a held range's remote calls after probation
-    verify_probation_calls: int = 50  # verified answers at rate 1.0 after an attach and after any failure
-    # a range not held here with no live replica (or all failed): "fail" the layer (the shell may wait and
-    # retry it: --on-missing wait) or compute it here from the GGUF on disk anyway ("disk": slow but exact)
-    missing_disk: bool = False
-
-
-# -- events ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RangeWork:
-    """One range of a layer with routed pairs: what the shell grouped, what the map lists."""
-
-    lo: int
-    hi: int
-    rows: int
-    pairs: int
-    replicas: tuple[str, ...] = ()  # preference order (the map's)
-    held: bool = True  # the coordinator holds these experts
-
-
-@dataclass(frozen=True)
-class WorkersListed:
-    """The dispatch map changed: these workers are listed now (new ones attach, missing detach)."""
-
-    peers: frozenset[str]
-
-
-@dataclass(frozen=True)
-class LayerReady:
-    step: StepId
-    layer: int
-    ranges: tuple[RangeWork, ...]  # ascending lo, only ranges with pairs
-    expert_pairs: tuple[int, ...] = ()  # routed pairs per expert of the layer (hot-expert counts)
-
-
-@dataclass(frozen=True)
-class LayerRanLocally:
-    """The shell computed a whole layer here without asking (its fast path: every range held, at most
-    ``local_only_pairs()`` pairs): counted as ``reason`` placements; ``compute_s`` > 0 is the kernel time."""
-
-    layer: int
-    ranges: tuple[RangeWork, ...]
-    reason: Reason = Reason.IDLE_LOCAL
-    compute_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class RemoteDone:
-    call: CallId
-    wall_ms: int  # Unix ms (for last_serve_ms only)
-
-
-@dataclass(frozen=True)
-class RemoteFailed:
-    call: CallId
-    kind: FailureKind
-    message: str
-    wall_ms: int = 0
-
-
-@dataclass(frozen=True)
-class LocalDone:
-    call: CallId
-    compute_s: float  # time the kernel ran (not the wait for the local runner)
-
-
-@dataclass(frozen=True)
-class LocalFailed:
-    call: CallId
-    message: str
-
-
-@dataclass(frozen=True)
-class Compared:
-    """The shell's answer to ``Compare``: were the remote call's outputs the coordinator's?"""
-
-    remote: CallId
-    equal: bool
-    detail: str = ""  # what differed (the evidence), or how close it was
-
-
-@dataclass(frozen=True)
-class Settled:
-    """The shell's answer to ``Settle``: did each replica's answer equal the coordinator's?"""
-
-    a: CallId
-    a_equal: bool
-    b_equal: bool
-    detail_a: str = ""
-    detail_b: str = ""
-
-
-@dataclass(frozen=True)
-class HoldRefuted:
-    """The shell's hold challenge (DESIGN §12 "proved it holds it") got a wrong digest from ``peer``
-    for slice ``layer:lo-hi``: the worker does not hold what it claims, so it is quarantined like a
-    wrong answer (a failed or unanswered challenge is not this: the shell just tries again later)."""
-
-    peer: str
-    layer: int
-    lo: int
-    hi: int
-    detail: str
-
-
-class TimerKind(StrEnum):
-    HEDGE = "hedge"
-    DEADLINE = "deadline"
-
-
-@dataclass(frozen=True)
-class Timer:
-    kind: TimerKind
-    call: CallId
-
-
-@dataclass(frozen=True)
-class TimerFired:
-    timer: Timer
-
-
-@dataclass(frozen=True)
-class LoadSample:
-    busy: int
-    n_slots: int
-
-
-@dataclass(frozen=True)
-class LoadSampleTimeout:
-    message: str = "load sample timed out"
-
-
-Event = (
-    WorkersListed
-    | LayerReady
-    | LayerRanLocally
-    | RemoteDone
-    | RemoteFailed
-    | LocalDone
-    | LocalFailed
-    | Compared
-    | Settled
-    | HoldRefuted
-    | TimerFired
-    | LoadSample
-    | LoadSampleTimeout
-)
-
-
-# -- effects ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SendRemote:
-    call: CallId
-    step: StepId
-    layer: int
-    index: int  # the range's position in LayerReady.ranges
-    lo: int
-    hi: int
-    peer: str
-    request_id: int
-    attempt: int
-    reason: Reason
-    keep: bool = False  # keep the answer until a Compare or Forget names this call
-
-
-@dataclass(frozen=True)
-class RunLocal:
-    call: CallId
-    step: StepId
-    layer: int
-    index: int
-    lo: int
-    hi: int
-    reason: Reason
-    keep: bool = False
-
-
-@dataclass(frozen=True)
-class Hedge:
-    """Race a slow call: compute the range locally (``peer is None``) or on ``peer``."""
-
-    call: CallId
-    step: StepId
-    layer: int
-    index: int
-    lo: int
-    hi: int
-    peer: str | None
-    request_id: int
-    attempt: int
-    reason: Reason
-    slow_call: CallId
-
-
-@dataclass(frozen=True)
-class Cancel:
-    call: CallId
-    reason: Reason
-
-
-@dataclass(frozen=True)
-class StartTimer:
-    timer: Timer
-    at: float
-
-
-@dataclass(frozen=True)
-class CancelTimer:
-    timer: Timer
-
-
-@dataclass(frozen=True)
-class MarkDown:
-    peer: str
-    kind: FailureKind
-    message: str
-    retry_at: float
-
-
-@dataclass(frozen=True)
-class MarkProven:
-    peer: str
-
-
-@dataclass(frozen=True)
-class Compare:
-    """Compare the kept answers of ``remote`` (on ``peer``) and ``local``, then drop both; answer
-    with ``Compared``."""
-
-    remote: CallId
-    local: CallId
-    peer: str
-    layer: int
-    lo: int
-    hi: int
-    peer_b: str | None = None  # ``local`` is a second replica's call (a range not held here): keep both if unequal
-
-
-@dataclass(frozen=True)
-class Settle:
-    """Two replicas disagreed on a range not held here: compare each kept answer with the coordinator's
-    own (``local``, computed from its GGUF), then drop all three; answer with ``Settled``."""
-
-    a: CallId
-    b: CallId
-    local: CallId
-    peer_a: str
-    peer_b: str
-    layer: int
-    lo: int
-    hi: int
-
-
-@dataclass(frozen=True)
-class Forget:
-    """Drop the kept answers of these calls (one side of a verification did not answer)."""
-
-    calls: tuple[CallId, ...]
-
-
-@dataclass(frozen=True)
-class Quarantine:
-    peer: str
-    layer: int
-    lo: int
-    hi: int
-    evidence: str
-
-
-@dataclass(frozen=True)
-class Combine:
-    step: StepId
-    layer: int
-    calls: tuple[CallId, ...]  # the winner of each range, ascending lo
-
-
-@dataclass(frozen=True)
-class Fail:
-    step: StepId
-    layer: int
-    lo: int
-    hi: int
-    reason: Reason
-    message: str
-
-
-@dataclass(frozen=True)
-class ModeChanged:
-    state: LoadState
-    reason: Reason
-
-
-@dataclass(frozen=True)
-class SplitChecked:
-    """A split check ended (``coordinator.core.split_check``): the arm kept, and why."""
-
-    outcome: SplitOutcome
-    reason: Reason  # SPLIT_FASTER / SPLIT_SLOWER
-
-
-Effect = (
-    SendRemote
-    | RunLocal
-    | Hedge
-    | Cancel
-    | StartTimer
-    | CancelTimer
-    | MarkDown
-    | MarkProven
-    | Compare
-    | Settle
-    | Forget
-    | Quarantine
-    | Combine
-    | Fail
-    | ModeChanged
-    | SplitChecked
-)
-
-
-# -- state -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ErrorRecord:
-    at: float  # core time
-    wall_ms: int
-    peer: str
-    layer: int
-    lo: int
-    hi: int
-    attempt: int
-    kind: FailureKind
-    message: str
-
-
-@dataclass
-class LayerRowCounts:
-    local_rows: int = 0  # placed local and computed there
-    remote_rows: int = 0  # answered by a worker
-    fallback_rows: int = 0  # placed remote, computed locally (failure, hedge or trial won locally)
-    verified_rows: int = 0  # placed remote and sampled: computed here too, the coordinator's result used
-
-
-@dataclass
-class _Call:
-    call: CallId
-    step: StepId
-    layer: int
-    index: int
-    work: RangeWork
-    peer: str | None  # None: local
-    attempt: int
-    started: float
-    trial: bool = False
-    verify: bool = False  # kept for a comparison: runs to its end, never wins (remote) / must win (local)
-    done: bool = False
-
-
-@dataclass
-class _Range:
-    work: RangeWork
-    request_id: int
-    planned_local: bool
-    pending: set[CallId] = field(default_factory=set)
-    tried: set[str] = field(default_factory=set)
-    attempts: int = 0
-    winner: CallId | None = None
-    failed: bool = False
-    trusted_only: bool = False  # verified: only a local call's result may be the range's
-    verified: bool = False  # placed remote, sampled (row counts)
-    cross: _Cross | None = None  # not held here and sampled: checked against a second replica
-
-
-@dataclass
-class _Cross:
-    """A sampled call of a range not held here and its copy on a second replica; each side pending,
-    done or gone. Neither answer is the range's until they agree (or one side is gone); a disagreement
-    is settled by the coordinator's own copy (``dispute``)."""
-
-    a: _Call
-    b: _Call
-    a_side: str = "pending"
-    b_side: str = "pending"
-    dispute: CallId | None = None  # the local call settling a disagreement
-    over: bool = False  # decided: agreed, one side won alone, or settled
-
-
-@dataclass
-class _Pair:
-    """A verification: the remote call and the local copy; each side pending, done or gone."""
-
-    remote: CallId
-    local: CallId
-    peer: str
-    layer: int
-    lo: int
-    hi: int
-    trial: bool
-    remote_side: str = "pending"
-    local_side: str = "pending"
-
-
-@dataclass
-class _Step:
-    step: StepId
-    layer: int
-    ranges: list[_Range]
-
-
-@dataclass(frozen=True)
-class _Sample:
-    busy: int
-    n_slots: int
-    at: float
-
 
 class DispatchCore:
     """The dispatch state machine; ``handle`` is the only way in (queries are read-only)."""
 
     def __init__(
         self,
-        config: DispatchConfig = DispatchConfig(),
+        config: DispatchConfig | None = None,
         *,
         n_layer: int = 0,
         n_expert: int = 0,
@@ -1025,6 +221,7 @@ class DispatchCore:
     ) -> None:
         """``rng`` draws the verification samples (a seeded ``random.Random``; the shell seeds it at
         random); it may be omitted only when the rate is 0 or 1."""
+        config = config if config is not None else DispatchConfig()
         if rng is None and 0.0 < config.verify_rate < 1.0:
             raise ValueError("a verify rate strictly between 0 and 1 needs an rng")
         self.config = config
@@ -1035,65 +232,87 @@ class DispatchCore:
             probation_calls=config.verify_probation_calls,
         )
         self.rng = rng
-        self._pairs: dict[CallId, _Pair] = {}  # by remote call and by local call
-        self._cross: dict[CallId, _Cross] = {}  # by either replica's call and by the dispute's local call
-        self.cross_checks = 0  # second-replica comparisons asked for
-        self.disputes = 0  # second-replica comparisons that disagreed (settled here)
-        self.unverifiable = 0  # sampled calls of ranges not held here with no second live replica
-        self._comparing: dict[CallId, _Pair] = {}  # Compare sent, Compared not yet in (by remote call)
-        self.verifications = 0  # comparisons asked for
-        self.verified_equal = 0
-        self.quarantines = 0
-        self.balanced = BalancedPolicy()
+        self.ledger = Ledger(config, self.table, rng)
+        self.load = LoadTracker(config)
+        self.hot = HotExperts(config.hot_experts, config.hot_decay)
+        self.placement = Placement(config, self.table, lambda peers, pairs: self._best_remote(peers, self._last_now, pairs))
+        self.balanced = self.placement.balanced
         self.n_expert = n_expert
         self.decisions: Counter[Reason] = Counter()
         self.errors: deque[ErrorRecord] = deque(maxlen=config.max_errors)
         self.errors_total = 0
         self.errors_by_kind: Counter[FailureKind] = Counter()
         self.stale_answers = 0
-        self.samples_failed = 0
         self.rows = [LayerRowCounts() for _ in range(n_layer)]
         self.routed: Counter[tuple[int, int, int]] = Counter()  # (layer, lo, hi) -> rows routed to it, wherever run
         self.local_cost_s = config.local_cost_prior_s  # per (row, expert) pair, EWMA
         self.local_backlog_pairs = 0
-        self.sample: _Sample | None = None
-        self.load_ended_at: float | None = None
-        self.state = LoadState.IDLE
         self.split = SplitCheck(window_s=config.split_check_s, hold_s=config.split_hold_s,
                                 margin=config.split_margin)
-        self._steps: dict[StepId, _Step] = {}
-        self._calls: dict[CallId, _Call] = {}
+        self._steps: dict[StepId, StepRecord] = {}
+        self._calls: dict[CallId, CallRecord] = {}
         self._ids = 0
         self._request_ids = 0
-        self._hot: dict[int, list[float]] = {}
         self._winners: dict[CallId, bool] = {}  # winning call -> answered remotely (until its layer combines)
         self._last_now = 0.0  # the time of the event being handled (for cancels deep in a decision)
 
+    # -- the machines' state, as the shell's report reads it ------------------------------------------
+    @property
+    def state(self) -> LoadState:
+        return self.load.state
+
+    @property
+    def sample(self) -> LoadSampleRecord | None:
+        return self.load.sample
+
+    @property
+    def samples_failed(self) -> int:
+        return self.load.samples_failed
+
+    @property
+    def verifications(self) -> int:
+        return self.ledger.verifications
+
+    @property
+    def verified_equal(self) -> int:
+        return self.ledger.verified_equal
+
+    @property
+    def quarantines(self) -> int:
+        return self.ledger.quarantines
+
+    @property
+    def cross_checks(self) -> int:
+        return self.ledger.cross_checks
+
+    @property
+    def disputes(self) -> int:
+        return self.ledger.disputes
+
+    @property
+    def unverifiable(self) -> int:
+        return self.ledger.unverifiable
+
+    @property
+    def _pairs(self) -> dict[CallId, VerifyPair]:
+        return self.ledger.pairs
+
+    @property
+    def _comparing(self) -> dict[CallId, VerifyPair]:
+        return self.ledger.comparing
+
+    @property
+    def _cross(self) -> dict[CallId, Cross]:
+        return self.ledger.cross
+
     # -- queries ---------------------------------------------------------------------------------
     def load_state(self, now: float) -> LoadState:
-        """idle / loaded / serve_ttl at ``now`` (see the module rules)."""
-        c = self.config
-        s = self.sample
-        ended: float | None
-        if s is not None and s.busy >= c.saturation_threshold:
-            if now - s.at <= c.sample_max_age_s:
-                return LoadState.LOADED
-            end = s.at + c.sample_max_age_s  # aged out: the load is not known to go on
-            ended = end if self.load_ended_at is None else max(end, self.load_ended_at)
-        else:
-            ended = self.load_ended_at
-        if ended is not None and now - ended < c.serve_ttl_s:
-            return LoadState.SERVE_TTL
-        return LoadState.IDLE
+        """idle / loaded / serve_ttl at ``now`` (``coordinator.core.load``)."""
+        return self.load.load_state(now)
 
     def hot_experts(self, layer: int) -> frozenset[int]:
         """The layer's ``hot_experts`` most-routed experts so far (ties: the lower index)."""
-        k = self.config.hot_experts
-        counts = self._hot.get(layer)
-        if k <= 0 or not counts:
-            return frozenset()
-        order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
-        return frozenset(e for e in order[:k] if counts[e] > 0)
+        return self.hot.of(layer)
 
     def local_only_pairs(self, now: float) -> tuple[float, Reason]:
         """The largest layer (in routed pairs) whose held ranges would all be placed here now without
@@ -1209,13 +428,10 @@ class DispatchCore:
             case TimerFired(timer=timer):
                 self._timer(timer, now, out)
             case LoadSample(busy=busy, n_slots=n_slots):
-                prev, thr = self.sample, self.config.saturation_threshold
-                if prev is not None and prev.busy >= thr and busy < thr:
-                    self.load_ended_at = min(now, prev.at + self.config.sample_max_age_s)
-                self.sample = _Sample(busy, n_slots, now)
+                self.load.sampled(busy, n_slots, now)
                 self._mode(now, out)
             case LoadSampleTimeout():
-                self.samples_failed += 1
+                self.load.timed_out()
                 self._mode(now, out)
         for e in out:
             r = getattr(e, "reason", None)
@@ -1224,118 +440,51 @@ class DispatchCore:
         return out
 
     def _mode(self, now: float, out: list[Effect]) -> None:
-        new = self.load_state(now)
-        if new is self.state:
+        was = self.load.state
+        changed = self.load.update(now)
+        if changed is None:
             return
-        reason = {
-            LoadState.LOADED: Reason.LOAD_ONSET,
-            LoadState.SERVE_TTL: Reason.LOAD_ENDED,
-            LoadState.IDLE: Reason.TTL_EXPIRED if self.state is LoadState.SERVE_TTL else Reason.LOAD_ENDED,
-        }[new]
-        if self.state is LoadState.LOADED:
+        if was is LoadState.LOADED:
             self.split.suspend(now)
-        self.state = new
-        out.append(ModeChanged(new, reason))
+        out.append(changed)
 
     def _new_call(
-        self, st: _Step, index: int, peer: str | None, attempt: int, now: float, *, trial: bool = False
-    ) -> _Call:
+        self, st: StepRecord, index: int, peer: str | None, attempt: int, now: float, *, trial: bool = False
+    ) -> CallRecord:
         self._ids += 1
-        c = _Call(
-            CallId(self._ids),
-            st.step,
-            st.layer,
-            index,
-            st.ranges[index].work,
-            peer,
-            attempt,
-            now,
-            trial=trial,
-        )
+        c = CallRecord(CallId(self._ids), st.step, st.layer, index, st.ranges[index].work, peer, attempt, now,
+                       trial=trial)
         self._calls[c.call] = c
         return c
 
     def _layer_ready(self, ev: LayerReady, now: float, out: list[Effect]) -> None:
-        st = _Step(ev.step, ev.layer, [])
+        st = StepRecord(ev.step, ev.layer, [])
         self._steps[ev.step] = st
-        hot = self.hot_experts(ev.layer)
-        state = self.state
-        c = self.config
         probes = {p for p in {p for w in ev.ranges for p in w.replicas}
                   if self.table.is_live(p, now) and self._probe_due(self.table.workers[p], now)}
+        local_arm = self.split.arm() is SplitArm.LOCAL
+        hot, split_reason = self.hot.of(ev.layer), self._split_reason()
         for i, w in enumerate(ev.ranges):
             if st.step not in self._steps:
                 break  # an earlier range failed the step (not held, no replica): place nothing more
             self._request_ids += 1
-            r = _Range(w, self._request_ids, planned_local=True)
-            st.ranges.append(r)
-            live = [p for p in w.replicas if self.table.is_live(p, now)]
-            proven = [p for p in live if self.table.is_proven(p)]
-            if w.held and any(w.lo <= e < w.hi for e in hot):
-                self._local(st, i, Reason.HOT_EXPERT, now, out)
-            elif c.mode is DispatchMode.OFFLOAD:
-                if live:
-                    order = self.balanced.choose(list(w.replicas), self.table, now).candidates
-                    self._send(st, i, order[0], Reason.OFFLOAD_REMOTE, now, out)
-                elif w.held:
-                    self._local(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
-                elif c.missing_disk:
-                    self._local(st, i, Reason.MISSING_DISK, now, out)
-                else:
-                    self._fail(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
-            elif not w.held:
-                if live:
-                    self._send(st, i, self._best_remote(proven or live, now, w.pairs)[0], Reason.NOT_HELD, now, out)
-                elif c.missing_disk:
-                    self._local(st, i, Reason.MISSING_DISK, now, out)
-                else:
-                    self._fail(st, i, Reason.ALL_DOWN if w.replicas else Reason.NO_REPLICA, now, out)
-            elif state is LoadState.IDLE:
-                self._local(st, i, Reason.IDLE_LOCAL, now, out)
+            st.ranges.append(RangeRecord(w, self._request_ids, planned_local=True))
+            # the local backlog grows with every range placed here
+            p = self.placement.place(w, PlacementView(
+                now=now, state=self.state, hot=hot, local_cost_s=self.local_cost_s,
+                local_backlog_pairs=self.local_backlog_pairs, local_arm=local_arm, split_reason=split_reason,
+                probes=probes))
+            if p.kind is PlaceKind.FAIL:
+                self._fail(st, i, p.reason, now, out)
+            elif p.kind is PlaceKind.LOCAL:
+                self._local(st, i, p.reason, now, out)
             else:
-                trial = next(
-                    (p for p in live if not self.table.is_proven(p) and self.table.workers[p].trial_due), None
-                )
-                if state is LoadState.LOADED and trial is not None:
-                    self.table.workers[trial].trial_due = False
-                    self._send(st, i, trial, Reason.TRIAL_HEDGE, now, out, trial=True)  # + the local copy
-                    continue
-                local_finish = (self.local_backlog_pairs + w.pairs) * self.local_cost_s
-                local_arm = self.split.arm() is SplitArm.LOCAL
-                # in probation every answer is verified (computed here too): no candidate, only probed
-                ready = [p for p in proven if self.table.workers[p].probation_left == 0]
-                if ready and not local_arm:
-                    peer, remote_finish = self._best_remote(ready, now, w.pairs)
-                    if remote_finish < local_finish:
-                        probes.discard(peer)
-                        self._send(
-                            st,
-                            i,
-                            peer,
-                            Reason.SERVE_TTL
-                            if state is LoadState.SERVE_TTL
-                            else Reason.LOAD_EARLIEST_FINISH_REMOTE,
-                            now,
-                            out,
-                        )
-                        continue
-                probe = min((p for p in proven if p in probes), default=None)
-                if probe is not None:  # its estimate is stale: sampled now, the local copy is the result
-                    probes.discard(probe)
-                    self._send(st, i, probe, Reason.PROBE, now, out, probe=True)
-                    continue
-                self._local(
-                    st,
-                    i,
-                    self._split_reason() if local_arm
-                    else Reason.SERVE_TTL if state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL,
-                    now,
-                    out,
-                )
-        if ev.expert_pairs and c.hot_experts > 0:
-            counts = self._hot.setdefault(ev.layer, [0.0] * len(ev.expert_pairs))
-            for e, n in enumerate(ev.expert_pairs):
-                counts[e] = counts[e] * c.hot_decay + n
+                assert p.peer is not None
+                if p.trial:
+                    self.table.workers[p.peer].trial_due = False
+                probes.discard(p.peer)
+                self._send(st, i, p.peer, p.reason, now, out, trial=p.trial, probe=p.probe)
+        self.hot.routed(ev.layer, ev.expert_pairs)
         self._maybe_combine(st, out)
 
     def _remote_estimate(self, peer: str, now: float, pairs: float | None = None) -> float:
@@ -1359,7 +508,7 @@ class DispatchCore:
 
     def _local(
         self,
-        st: _Step,
+        st: StepRecord,
         i: int,
         reason: Reason,
         now: float,
@@ -1367,7 +516,7 @@ class DispatchCore:
         *,
         hedge_of: CallId | None = None,
         keep: bool = False,
-    ) -> _Call:
+    ) -> CallRecord:
         r = st.ranges[i]
         call = self._new_call(st, i, None, -1, now)
         call.verify = keep
@@ -1382,21 +531,9 @@ class DispatchCore:
             out.append(RunLocal(call.call, st.step, st.layer, i, w.lo, w.hi, reason, keep))
         return call
 
-    def _sampled(self, peer: str) -> bool:
-        """Is this remote call verified? Always in probation, else at ``verify_rate``."""
-        w = self.table.workers.get(peer)
-        if w is None:
-            return False
-        if w.probation_left > 0:
-            return True
-        rate = self.config.verify_rate
-        if rate >= 1.0:
-            return True
-        return rate > 0 and self.rng is not None and self.rng.uniform(0.0, 1.0) < rate
-
     def _send(
         self,
-        st: _Step,
+        st: StepRecord,
         i: int,
         peer: str,
         reason: Reason,
@@ -1406,17 +543,18 @@ class DispatchCore:
         trial: bool = False,
         probe: bool = False,
         hedge_of: CallId | None = None,
-        second_of: _Call | None = None,
+        second_of: CallRecord | None = None,
     ) -> None:
         r = st.ranges[i]
+        led = self.ledger
         r.planned_local = r.planned_local and reason is Reason.TRIAL_HEDGE
-        verify = trial or probe or (r.work.held and hedge_of is None and self._sampled(peer))
+        verify = trial or probe or (r.work.held and hedge_of is None and led.sampled(peer))
         second: str | None = None
         if (second_of is None and hedge_of is None and not trial and not r.work.held and r.cross is None
-                and self._sampled(peer)):  # not held here: checked on a second replica instead
+                and led.sampled(peer)):  # not held here: checked on a second replica instead
             second = self._second_replica(r, peer, now)
             if second is None:
-                self.unverifiable += 1
+                led.unverifiable += 1
         keep = verify or second is not None or second_of is not None
         call = self._new_call(st, i, peer, r.attempts, now, trial=trial)
         call.verify = keep
@@ -1431,9 +569,9 @@ class DispatchCore:
         if self.config.hedge and not keep:
             out.append(StartTimer(Timer(TimerKind.HEDGE, call.call), now + self._hedge_after(peer)))
         if second_of is not None:
-            cross = _Cross(second_of, call)
+            cross = Cross(second_of, call)
             r.cross = cross
-            self._cross[second_of.call] = self._cross[call.call] = cross
+            led.link(cross)
         if second is not None:
             self._send(st, i, second, Reason.VERIFY_SECOND, now, out, second_of=call)
         if verify:  # the range's result will be the coordinator's own copy
@@ -1442,10 +580,9 @@ class DispatchCore:
             local = self._local(
                 st, i, Reason.TRIAL_HEDGE if trial else Reason.VERIFY, now, out, keep=True
             )
-            pair = _Pair(call.call, local.call, peer, st.layer, w.lo, w.hi, trial)
-            self._pairs[call.call] = self._pairs[local.call] = pair
+            led.pair(VerifyPair(call.call, local.call, peer, st.layer, w.lo, w.hi, trial))
 
-    def _second_replica(self, r: _Range, peer: str, now: float) -> str | None:
+    def _second_replica(self, r: RangeRecord, peer: str, now: float) -> str | None:
         """Another live replica of the range for a cross-check (proven ones first, then the earliest
         estimated finish), or None."""
         others = [p for p in r.work.replicas if p != peer and p not in r.tried and self.table.is_live(p, now)]
@@ -1454,7 +591,7 @@ class DispatchCore:
         proven = [p for p in others if self.table.is_proven(p)]
         return self._best_remote(proven or others, now, r.work.pairs)[0]
 
-    def _cross_side(self, cross: _Cross, c: _Call, outcome: str, now: float, out: list[Effect]) -> None:
+    def _cross_side(self, cross: Cross, c: CallRecord, outcome: str, now: float, out: list[Effect]) -> None:
         """One replica of a cross-check ended (``done`` or ``gone``). Both answered: ``Compare`` them.
         One gone: the other's answer is the range's like any unchecked call (now, or when it comes)."""
         if c is cross.a:
@@ -1466,7 +603,7 @@ class DispatchCore:
             st.ranges[c.index].pending.discard(c.call)  # ended: no longer a call that may still answer
         sides = (cross.a_side, cross.b_side)
         if sides == ("done", "done"):
-            self.cross_checks += 1
+            self.ledger.cross_checks += 1
             w = c.work
             out.append(Compare(cross.a.call, cross.b.call, cross.a.peer or "", c.layer, w.lo, w.hi,
                                peer_b=cross.b.peer))
@@ -1474,56 +611,51 @@ class DispatchCore:
         if "pending" in sides and outcome == "done":
             return  # wait for the other replica: not the range's result yet
         cross.over = True
-        self._drop_cross(cross)
+        self.ledger.drop(cross)
         out.append(Forget((cross.a.call, cross.b.call)))
         if "done" in sides:
             self._win(cross.a if cross.a_side == "done" else cross.b, now, out)
 
-    def _dispute_gone(self, cross: _Cross, out: list[Effect]) -> None:
+    def _dispute_gone(self, cross: Cross, out: list[Effect]) -> None:
         """The local copy settling a dispute failed or was cancelled: nothing to settle with, drop the answers."""
         cross.over = True
-        self._drop_cross(cross)
+        self.ledger.drop(cross)
         out.append(Forget((cross.a.call, cross.b.call, *((cross.dispute,) if cross.dispute is not None else ()))))
 
-    def _drop_cross(self, cross: _Cross) -> None:
-        for cid in (cross.a.call, cross.b.call, cross.dispute):
-            if cid is not None and self._cross.get(cid) is cross:
-                del self._cross[cid]
-
-    def _cross_compared(self, cross: _Cross, equal: bool, detail: str, now: float, out: list[Effect]) -> None:
+    def _cross_compared(self, cross: Cross, equal: bool, detail: str, now: float, out: list[Effect]) -> None:
         a, b = cross.a, cross.b
         assert a.peer is not None and b.peer is not None
         if equal:
-            self.verified_equal += 1
+            self.ledger.verified_equal += 1
             for peer in (a.peer, b.peer):
                 was = self.table.is_proven(peer)
                 self.table.verified(peer, True)
                 if not was and self.table.is_proven(peer):
                     out.append(MarkProven(peer))
             cross.over = True
-            self._drop_cross(cross)
+            self.ledger.drop(cross)
             self._win(a, now, out)
             return
-        self.disputes += 1
+        self.ledger.disputes += 1
         st = self._steps.get(a.step)
         if st is None:  # the step ended meanwhile (another range failed): nothing to settle it for
             cross.over = True
-            self._drop_cross(cross)
+            self.ledger.drop(cross)
             out.append(Forget((a.call, b.call)))
             return
         r = st.ranges[a.index]
         r.trusted_only = True  # from now on only the coordinator's copy may be the range's result
         local = self._local(st, a.index, Reason.DISPUTE, now, out, keep=True)
         cross.dispute = local.call
-        self._cross[local.call] = cross
+        self.ledger.cross[local.call] = cross
 
     def _settled(self, cid: CallId, ev: Settled, now: float, out: list[Effect]) -> None:
-        cross = self._cross.get(cid)
+        cross = self.ledger.cross.get(cid)
         if cross is None or cross.dispute is None:
             self.stale_answers += 1
             return
         cross.over = True
-        self._drop_cross(cross)
+        self.ledger.drop(cross)
         w = cross.a.work
         for call, equal, detail in ((cross.a, ev.a_equal, ev.detail_a), (cross.b, ev.b_equal, ev.detail_b)):
             assert call.peer is not None
@@ -1535,7 +667,7 @@ class DispatchCore:
                 self._quarantine(call.peer, call.layer, w.lo, w.hi, evidence, now, out)
 
     def _fail(
-        self, st: _Step, i: int, reason: Reason, now: float, out: list[Effect], message: str = ""
+        self, st: StepRecord, i: int, reason: Reason, now: float, out: list[Effect], message: str = ""
     ) -> None:
         r = st.ranges[i]
         r.failed = True
@@ -1549,7 +681,7 @@ class DispatchCore:
         )
         self._end_step(st, out, cancel_reason=Reason.ALL_FAILED)
 
-    def _end_step(self, st: _Step, out: list[Effect], *, cancel_reason: Reason) -> None:
+    def _end_step(self, st: StepRecord, out: list[Effect], *, cancel_reason: Reason) -> None:
         """Forget the step; cancel what is still pending (a trial's remote call runs on: it proves)."""
         for r in st.ranges:
             for cid in sorted(r.pending):
@@ -1560,14 +692,14 @@ class DispatchCore:
             r.pending.clear()
         self._steps.pop(st.step, None)
 
-    def _cancel(self, c: _Call, reason: Reason, out: list[Effect]) -> None:
+    def _cancel(self, c: CallRecord, reason: Reason, out: list[Effect]) -> None:
         if c.done:
             return
         c.done = True
         self._calls.pop(c.call, None)
         out.append(Cancel(c.call, reason))
         self._side(c.call, "gone", out)
-        cross = self._cross.get(c.call)
+        cross = self.ledger.cross.get(c.call)
         if cross is not None and not cross.over:
             if c.peer is not None:
                 self._cross_side(cross, c, "gone", self._last_now, out)
@@ -1580,7 +712,7 @@ class DispatchCore:
             out.append(CancelTimer(Timer(TimerKind.DEADLINE, c.call)))
             out.append(CancelTimer(Timer(TimerKind.HEDGE, c.call)))
 
-    def _maybe_combine(self, st: _Step, out: list[Effect]) -> None:
+    def _maybe_combine(self, st: StepRecord, out: list[Effect]) -> None:
         if st.step not in self._steps or any(r.winner is None for r in st.ranges):
             return
         counts = self.rows[st.layer] if st.layer < len(self.rows) else LayerRowCounts()
@@ -1597,7 +729,7 @@ class DispatchCore:
         out.append(Combine(st.step, st.layer, tuple(r.winner for r in st.ranges if r.winner is not None)))
         self._end_step(st, out, cancel_reason=Reason.LOST_RACE)
 
-    def _win(self, c: _Call, now: float, out: list[Effect]) -> None:
+    def _win(self, c: CallRecord, now: float, out: list[Effect]) -> None:
         """``c`` answered: the range's result unless another call won first; losers are cancelled."""
         st = self._steps.get(c.step)
         if st is None:
@@ -1627,44 +759,28 @@ class DispatchCore:
         r.pending = {p for p in r.pending if p in self._calls and self._calls[p].verify}
         self._maybe_combine(st, out)
 
-    def _can_win(self, r: _Range, cid: CallId) -> bool:
+    def _can_win(self, r: RangeRecord, cid: CallId) -> bool:
         """May this pending call still give the range its result?"""
         c = self._calls.get(cid)
         return c is not None and not c.done and (c.peer is None or not r.trusted_only)
 
     def _side(self, cid: CallId, outcome: str, out: list[Effect]) -> None:
-        """One side of a verification ended (``done``: answered, ``gone``: failed or cancelled); once
-        both have: ``Compare`` or ``Forget``."""
-        pair = self._pairs.get(cid)
-        if pair is None:
-            return
-        if cid == pair.remote:
-            pair.remote_side = outcome
-        else:
-            pair.local_side = outcome
-        if "pending" in (pair.remote_side, pair.local_side):
-            return
-        self._pairs.pop(pair.remote, None)
-        self._pairs.pop(pair.local, None)
-        if pair.remote_side == pair.local_side == "done":
-            self._comparing[pair.remote] = pair
-            self.verifications += 1
-            out.append(Compare(pair.remote, pair.local, pair.peer, pair.layer, pair.lo, pair.hi))
-        else:
-            out.append(Forget((pair.remote, pair.local)))
+        eff = self.ledger.side(cid, outcome)
+        if eff is not None:
+            out.append(eff)
 
     def _compared(self, cid: CallId, equal: bool, detail: str, now: float, out: list[Effect]) -> None:
-        cross = self._cross.get(cid)
+        cross = self.ledger.cross.get(cid)
         if cross is not None and cid == cross.a.call and not cross.over and cross.dispute is None:
             self._cross_compared(cross, equal, detail, now, out)
             return
-        pair = self._comparing.pop(cid, None)
+        pair = self.ledger.comparing.pop(cid, None)
         if pair is None:
             self.stale_answers += 1
             return
         peer = pair.peer
         if equal:
-            self.verified_equal += 1
+            self.ledger.verified_equal += 1
             was = self.table.is_proven(peer)
             self.table.verified(peer, True)
             if not was and self.table.is_proven(peer):
@@ -1679,7 +795,7 @@ class DispatchCore:
         its calls in flight are abandoned and their ranges recovered."""
         if peer in self.table.quarantined:
             return
-        self.quarantines += 1
+        self.ledger.quarantines += 1
         self.table.verified(peer, False, evidence)
         self.errors.append(ErrorRecord(now, 0, peer, layer, lo, hi, -1, FailureKind.WRONG_ANSWER, evidence))
         self.errors_total += 1
@@ -1712,7 +828,7 @@ class DispatchCore:
         out.append(CancelTimer(Timer(TimerKind.DEADLINE, cid)))
         if not c.verify:
             out.append(CancelTimer(Timer(TimerKind.HEDGE, cid)))
-        cross = self._cross.get(cid)
+        cross = self.ledger.cross.get(cid)
         if cross is not None and not cross.over:
             self._cross_side(cross, c, "done", now, out)
         else:
@@ -1726,7 +842,7 @@ class DispatchCore:
 
     def _mark_down(
         self,
-        c: _Call,
+        c: CallRecord,
         kind: FailureKind,
         message: str,
         wall_ms: int,
@@ -1741,7 +857,7 @@ class DispatchCore:
         if record:
             self._record(c, kind, message, wall_ms, now)
 
-    def _record(self, c: _Call, kind: FailureKind, message: str, wall_ms: int, now: float) -> None:
+    def _record(self, c: CallRecord, kind: FailureKind, message: str, wall_ms: int, now: float) -> None:
         self.errors.append(
             ErrorRecord(
                 now, wall_ms, c.peer or "local", c.layer, c.work.lo, c.work.hi, c.attempt, kind, message
@@ -1766,7 +882,7 @@ class DispatchCore:
         self._record(c, kind, message, wall_ms, now)
         self._mark_down(c, kind, message, wall_ms, now, out, record=False)
         self._side(cid, "gone", out)
-        cross = self._cross.get(cid)
+        cross = self.ledger.cross.get(cid)
         if cross is not None and not cross.over:
             self._cross_side(cross, c, "gone", now, out)
         st = self._steps.get(c.step)
@@ -1778,7 +894,7 @@ class DispatchCore:
             return  # another call (a hedge, the verified range's local copy) still runs for it
         self._recover(st, c.index, now, out)
 
-    def _recover(self, st: _Step, i: int, now: float, out: list[Effect]) -> None:
+    def _recover(self, st: StepRecord, i: int, now: float, out: list[Effect]) -> None:
         """A range lost its last call: the next live replica not tried yet, else local, else fail."""
         r = st.ranges[i]
         w = r.work
@@ -1814,7 +930,7 @@ class DispatchCore:
             self.local_cost_s = (1 - a) * self.local_cost_s + a * compute_s / w.pairs
         self._win(c, now, out)
         self._side(cid, "done", out)
-        cross = self._cross.get(cid)
+        cross = self.ledger.cross.get(cid)
         if cross is not None and cross.dispute == cid:
             assert cross.a.peer is not None and cross.b.peer is not None
             out.append(Settle(cross.a.call, cross.b.call, cid, cross.a.peer, cross.b.peer, c.layer, w.lo, w.hi))
@@ -1828,7 +944,7 @@ class DispatchCore:
         self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
         self._record(c, FailureKind.LOCAL, message, 0, now)
         self._side(cid, "gone", out)
-        cross = self._cross.get(cid)
+        cross = self.ledger.cross.get(cid)
         if cross is not None and cross.dispute == cid:
             self._dispute_gone(cross, out)
         st = self._steps.get(c.step)
