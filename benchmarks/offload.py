@@ -52,9 +52,7 @@ decide.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import re
 import signal
@@ -62,7 +60,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -74,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
 
+from _delay import DelayLink  # noqa: E402
 from _results import write_json  # noqa: E402
 
 from swarm.demo import split_checks_since  # noqa: E402
@@ -129,71 +127,6 @@ def wait_until(what: str, cond: Any, procs: list[Proc], timeout: float = 600.0) 
             return v
         time.sleep(0.2)
     raise TimeoutError(f"timed out waiting for {what}")
-
-
-class DelayLink:
-    """``--rtt-ms``: a TCP relay on loopback between the coordinator and the volunteer that holds
-    every chunk for half the round trip in each direction (order kept; propagation delay, no
-    bandwidth limit). The dispatch map gives the coordinator the relay's address; the libp2p
-    session (Noise) runs end to end through it. ``tc netem`` would do this in the kernel, but this
-    machine's kernel has no netem (``CONFIG_NET_SCH_NETEM`` is not set). The relay is a trio loop on
-    a thread of this process (its CPU time shares the two cores)."""
-
-    def __init__(self, rtt_ms: float, target_port: int) -> None:
-        self.delay_s, self.target = rtt_ms / 2000.0, target_port
-        self.port = free_port()
-        self._ready = threading.Event()
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("the delaying relay did not start")
-
-    async def _pump(self, src: trio.SocketStream, dst: trio.SocketStream) -> None:
-        send, recv = trio.open_memory_channel[tuple[float, bytes]](math.inf)
-
-        async def reader() -> None:
-            async with send:
-                while data := await src.receive_some(1 << 16):
-                    send.send_nowait((trio.current_time() + self.delay_s, data))
-
-        async def writer() -> None:
-            async with recv:
-                async for due, data in recv:
-                    await trio.sleep_until(due)
-                    await dst.send_all(data)
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                await dst.send_eof()
-
-        async with trio.open_nursery() as n:
-            n.start_soon(reader)
-            n.start_soon(writer)
-
-    async def _conn(self, client: trio.SocketStream) -> None:
-        with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-            server = await trio.open_tcp_stream("127.0.0.1", self.target)
-            async with client, server, trio.open_nursery() as n:
-                n.start_soon(self._pump, client, server)
-                n.start_soon(self._pump, server, client)
-
-    async def _main(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        self._stop = trio.Event()
-        async with trio.open_nursery() as n:
-            listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
-            n.start_soon(trio.serve_listeners, self._conn, listeners)
-            self._ready.set()
-            await self._stop.wait()
-            n.cancel_scope.cancel()
-
-    def addr(self) -> str:
-        return f"/ip4/127.0.0.1/tcp/{self.port}"
-
-    def close(self) -> None:
-        if self._token is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(10)
 
 
 def write_map(path: Path, model_id: str, n_layer: int, n_expert: int, version: int, worker: dict[str, Any] | None) -> None:

@@ -28,7 +28,8 @@ from coordinator.api.app import build_app
 from coordinator.api.slices import slice_routes
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.core.local_experts import parse_local_experts
-from coordinator.dispatch.dispatcher import Dispatcher, watch_dispatch_map_file
+from coordinator.dispatch.dispatcher import Dispatcher
+from coordinator.dispatch.mapfile import watch_dispatch_map_file
 from coordinator.dispatch.market_link import MarketLink
 from coordinator.engine.runtime import EngineRuntime
 from swarm.config import HttpUrl, Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, physical_cores

@@ -44,10 +44,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v.add_argument("--slice", action="append", dest="slices", default=None, metavar="LAYER:LO-HI",
                    help="static mode: experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
     v.add_argument("--listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
+    v.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                   help="pull mode: the address coordinators should dial instead of the listen addresses "
+                        "(a port forward or a proxy in front of this machine; repeatable)")
     v.add_argument("--data-dir", default=None,
                    help="identity key, restart epoch and slice cache (default ~/.local/share/moe-swarm/volunteer)")
     v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
-    v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads")
+    v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads of one computation (ggml's, as llama.cpp's -t)")
     v.add_argument("--no-progress", action="store_true", help="no download progress bar")
     v.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
                    help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
@@ -83,6 +86,7 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
         max_memory = 2 << 30
     return build_config(PullVolunteerConfig, {
         "market": ns.market, "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
+        "announce": tuple(ns.announce or ()),
         "max_memory": max_memory, "max_experts": ns.max_experts, "max_slices": ns.max_slices,
         "share_slices": not ns.no_share, "share_rate_bytes_per_s": float(ns.share_rate), "models": tuple(ns.models or ()),
         "display_name": ns.display_name,
@@ -132,8 +136,11 @@ def run(ns: argparse.Namespace) -> int:
         return print_status(ns)
     import torch
 
-    # parallelism comes from --threads compute threads; one intra-op thread each keeps them from
-    # oversubscribing the cores (OpenMP threads spin while idle)
+    from swarm.model.kernels import KernelBackend, configure_threads
+
+    # --threads are the ggml threads of one computation (as llama.cpp's -t): the volunteer computes one
+    # call at a time with all of them (the expert server's one lane); torch keeps one intra-op thread
+    configure_threads(ns.threads, KernelBackend.GGML)
     torch.set_num_threads(1)
     if ns.market:
         from volunteer.daemon import serve_pull_volunteer

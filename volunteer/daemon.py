@@ -52,7 +52,7 @@ from swarm.model.sources import fetch_slice_from
 from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_body, sign_request
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
 from swarm.p2p.transport import Transport
-from swarm.protocol.expert import SUPPORTED_VERSIONS, make_hello
+from swarm.protocol.expert import SUPPORTED_VERSIONS
 from swarm.protocol.manifest import ModelManifest
 from swarm.protocol.market import (
     Assignment,
@@ -86,6 +86,9 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     market: HttpUrl
     data_dir: str
     listen: tuple[Multiaddr, ...] = ("/ip4/127.0.0.1/tcp/0",)  # empty: reachable only through relays
+    # the addresses coordinators should dial instead of what this host sees of itself (a port forward,
+    # a proxy in front of it): announced as they are
+    announce: tuple[Multiaddr, ...] = ()
     relays: tuple[Multiaddr, ...] = ()  # empty: the relays the market offers
     hole_punch: bool = True
     kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml or the torch reference
@@ -155,6 +158,7 @@ class PullVolunteer:
         self.key_pair = key_pair
         self.peer_id = peer_id
         self.nat = nat
+        self.announce = cfg.announce
         self.server = server
         self.client = client
         self.nursery = nursery
@@ -209,8 +213,9 @@ class PullVolunteer:
 
     @property
     def addrs(self) -> list[str]:
-        """What coordinators should dial: direct and/or ``/p2p-circuit`` addresses, as of now."""
-        return list(self.nat.advertised)
+        """What coordinators should dial: ``--announce`` if given, else the direct and/or
+        ``/p2p-circuit`` addresses, as of now."""
+        return list(self.announce) if self.announce else list(self.nat.advertised)
 
     async def _poll_at(self, at: float) -> None:
         await trio.sleep_until(at)
@@ -514,7 +519,7 @@ async def serve_pull_volunteer(
                                 server=server, client=client, nursery=nursery, budget=budget, max_bytes=max_bytes,
                                 transport=transport, slice_server=slice_server)
             # only the coordinators the market names for what we hold may use our experts
-            set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
+            set_expert_handlers(transport, server.handle_timed, hello=server.hello(),
                                 authorize=vol.authorize, prove=server.prove, budget=budget)
             if plan is None:
                 await nursery.start(server.serve)

@@ -2,11 +2,19 @@
 
 Rules:
 - A request is served by the held slice that contains its ``[lo, hi)`` (local indices shift by
-  the slice's ``lo``); anything else is answered ``slice_not_held`` and the server keeps serving.
-- Compute runs on at most ``threads`` worker threads (a trio ``CapacityLimiter``), never on the
-  event loop. Requests for the same slice that queue up while a computation runs are merged into
-  one batch (rows concatenated), so concurrent callers share the expert weights' dequantisation;
-  a request that finds the slice idle runs alone, exactly as the coordinator would compute it.
+  the slice's ``lo``), or -- ``FEATURE_MULTI_RANGE``, one call per coordinator per layer -- by held
+  slices of its layer that tile ``[lo, hi)`` side by side: its pairs split by slice, computed on
+  each, and put back in the request's order. Anything else is answered ``slice_not_held`` and the
+  server keeps serving.
+- Compute runs on one lane at a time (``lanes``, default 1, a trio ``CapacityLimiter``), each
+  computation with the process's ggml threads for big calls (``--threads``, as llama.cpp's ``-t``),
+  never on the event loop. A request that finds its slice idle is computed at once from its own
+  task (one hop to the compute thread and back); requests for a slice that queue up while it
+  computes are merged into one batch (rows concatenated), so concurrent callers share the expert
+  weights' reads. A small call (``inline_macs``) on an idle slice is computed on the event loop itself.
+  The answer says how long the computation took (``compute_us``).
+- ``sum_rows`` (``FEATURE_ROW_SUMS``): the answer is each row's sum over its pairs, added in
+  ascending expert order from zero -- the bits the coordinator's combine would give them.
 - The kernel computes straight from the request's pair arrays (``Pairs``): a batch concatenates
   them with numpy, shifting rows and experts; nothing per row is built in Python.
 - A request whose caller cancelled it (``Cancel``, or the stream died) while it was queued is
@@ -28,12 +36,25 @@ import torch
 import trio
 
 from swarm.errors import Draining, RemoteProtocolError, SliceNotHeld
-from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, expert_kernel, kernel_id
+from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, add_in_expert_order, expert_kernel, kernel_id
 from swarm.model.slices import LoadedSlice, hold_digest
-from swarm.protocol.expert import ExpertRequest, HoldChallenge, Pairs
+from swarm.protocol.expert import (
+    FEATURE_MULTI_RANGE,
+    FEATURE_ROW_SUMS,
+    ExpertRequest,
+    Hello,
+    HoldChallenge,
+    Pairs,
+    make_hello,
+)
+from swarm.rpc.server import Computed
 from swarm.rpc.tensors import pairs_to_tensors
 
-__all__ = ["ExpertServer", "ServeStats", "shielded_until_cancelled"]
+__all__ = ["INLINE_MACS", "ExpertServer", "ServeStats", "shielded_until_cancelled"]
+
+# An idle slice computes calls up to this size on the event loop: below it, the hop to a compute thread
+# and back (~0.3 ms measured on the 2-core VM) costs more than the call (a few hundred microseconds)
+INLINE_MACS = 8_000_000
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +109,18 @@ class _Pending:
     result: torch.Tensor | None = None
     error: BaseException | None = None
     abandoned: bool = False  # the caller stopped waiting: skip it if it is still queued
+    compute_s: float = 0.0  # the batch's computation it was part of
 
 
 class _SliceWorker:
     """Serialises one slice's computations and merges requests that queue up meanwhile."""
 
     def __init__(self, sl: LoadedSlice, limiter: trio.CapacityLimiter, max_batch_rows: int,
-                 kernel: KernelBackend = DEFAULT_BACKEND) -> None:
+                 kernel: KernelBackend = DEFAULT_BACKEND, inline_macs: int = 0) -> None:
         self.sl = sl
+        st = sl.experts
+        self.macs_per_pair = 3 * st.d_model * st.d_expert
+        self.inline_macs = inline_macs
         self.kernel = expert_kernel(sl.experts, kernel)
         self.limiter = limiter
         self.max_batch_rows = max_batch_rows
@@ -103,17 +128,26 @@ class _SliceWorker:
         self.batches = 0
         self.skipped = 0  # cancelled requests never computed
         self.last_serve_ms = 0
+        self.running = False  # a computation of this slice is under way (direct or batched)
+        self.warm_done = False
+        self._free = trio.Event()  # set when a computation ends
 
     async def submit(self, p: _Pending) -> torch.Tensor:
-        try:
+        if not self.running and self.warm_done and self.recv.statistics().current_buffer_used == 0:
+            # idle: computed from the caller's task, no hop through the loop -- a small call on the
+            # event loop itself (a hop to a thread and back costs more than computing it)
+            small = len(p.pairs) * self.macs_per_pair <= self.inline_macs and self.limiter.borrowed_tokens == 0
+            await (self._run_inline(p) if small else self._run([p]))
+        else:
             try:
-                self.send.send_nowait(p)  # the queue has room: no scheduler trip before waiting
-            except trio.WouldBlock:
-                await self.send.send(p)
-            await p.done.wait()
-        finally:
-            if not p.done.is_set():
-                p.abandoned = True
+                try:
+                    self.send.send_nowait(p)  # the queue has room: no scheduler trip before waiting
+                except trio.WouldBlock:
+                    await self.send.send(p)
+                await p.done.wait()
+            finally:
+                if not p.done.is_set():
+                    p.abandoned = True
         if p.error is not None:
             raise p.error
         assert p.result is not None
@@ -138,6 +172,7 @@ class _SliceWorker:
             await trio.to_thread.run_sync(self.warm, limiter=self.limiter)
         except Exception:  # a failing slice fails its calls as before; the warm-up only logs
             log.exception("warming slice %s failed", self.sl.key)
+        self.warm_done = True
         carry: _Pending | None = None
         while True:
             if carry is not None:
@@ -152,6 +187,8 @@ class _SliceWorker:
                 self.skipped += 1
                 first.done.set()
                 continue
+            while self.running:  # a direct computation is under way: batch what queued behind it
+                await self._free.wait()
             batch, n = [first], int(first.rows.shape[0])
             while True:
                 try:
@@ -171,17 +208,38 @@ class _SliceWorker:
 
     async def _run(self, batch: list[_Pending]) -> None:
         self.batches += 1
+        self.running = True
         try:
-            outs = await trio.to_thread.run_sync(self._compute, batch, limiter=self.limiter)
+            outs, dt = await trio.to_thread.run_sync(self._timed, batch, limiter=self.limiter)
             for p, o in zip(batch, outs, strict=True):
-                p.result = o
+                p.result, p.compute_s = o, dt
             self.last_serve_ms = int(time.time() * 1000)
         except Exception as exc:  # handed to each waiting request (never a Cancelled: that one is ours)
             for p in batch:
                 p.error = exc
         finally:
+            self.running = False
+            self._free.set()
+            self._free = trio.Event()
             for p in batch:
                 p.done.set()
+
+    async def _run_inline(self, p: _Pending) -> None:
+        self.batches += 1
+        try:
+            outs, dt = self._timed([p])
+            p.result, p.compute_s = outs[0], dt
+            self.last_serve_ms = int(time.time() * 1000)
+        except Exception as exc:
+            p.error = exc
+        finally:
+            p.done.set()
+        await trio.lowlevel.checkpoint()
+
+    def _timed(self, batch: list[_Pending]) -> tuple[list[torch.Tensor], float]:
+        t0 = time.perf_counter()
+        outs = self._compute(batch)
+        return outs, time.perf_counter() - t0
 
     def _compute(self, batch: list[_Pending]) -> list[torch.Tensor]:
         torch.set_grad_enabled(False)
@@ -201,14 +259,19 @@ class _SliceWorker:
 
 
 class ExpertServer:
-    def __init__(self, slices: list[LoadedSlice], *, threads: int = 2, max_batch_rows: int = 4096,
-                 kernel: KernelBackend = DEFAULT_BACKEND) -> None:
-        self.limiter = trio.CapacityLimiter(max(1, threads))
+    def __init__(self, slices: list[LoadedSlice], *, threads: int = 1, lanes: int = 1, max_batch_rows: int = 4096,
+                 kernel: KernelBackend = DEFAULT_BACKEND, inline_macs: int = INLINE_MACS) -> None:
+        """``threads``: the ggml threads the process gives big calls (``set_compute_threads``, set by the
+        daemon); ``lanes``: computations at once; ``inline_macs``: an idle slice computes a call of at
+        most this many multiply-accumulates on the event loop (0: never)."""
+        self.threads = threads
+        self.inline_macs = inline_macs
+        self.limiter = trio.CapacityLimiter(max(1, lanes))
         self.max_batch_rows = max_batch_rows
         self.kernel = kernel
         self.kernel_id = kernel_id(kernel)  # what this server's Hello announces
         self._nursery: trio.Nursery | None = None
-        self.workers = [_SliceWorker(s, self.limiter, max_batch_rows, kernel) for s in slices]
+        self.workers = [_SliceWorker(s, self.limiter, max_batch_rows, kernel, inline_macs) for s in slices]
         self.stats = ServeStats()
         self.draining = False
         self._idle = trio.Event()
@@ -229,7 +292,7 @@ class ExpertServer:
         """Start serving ``sl`` (inside ``serve``)."""
         if self._nursery is None:
             raise RuntimeError("the expert server is not running")
-        w = _SliceWorker(sl, self.limiter, self.max_batch_rows, self.kernel)
+        w = _SliceWorker(sl, self.limiter, self.max_batch_rows, self.kernel, self.inline_macs)
         self.workers.append(w)
         self._nursery.start_soon(w.run)
 
@@ -262,14 +325,62 @@ class ExpertServer:
                 return w, lo - k.lo
         return None
 
-    def _find(self, req: ExpertRequest) -> tuple[_SliceWorker, int]:
+    def hello(self, agent: str = "moe-swarm/0.2 volunteer") -> Hello:
+        """This server's Hello: its kernel id, and that it answers requests spanning several slices
+        and per-row sums."""
+        return make_hello(agent=agent, kernel_id=self.kernel_id, features=[FEATURE_MULTI_RANGE, FEATURE_ROW_SUMS])
+
+    def _tiling(self, model_id: str, layer: int, lo: int, hi: int) -> list[tuple[_SliceWorker, int, int, int]]:
+        """Held slices of the layer that tile ``[lo, hi)`` side by side: (worker, offset of the part's
+        first expert in it, part lo, part hi), ascending; [] if they do not."""
+        parts = []
+        at = lo
+        while at < hi:
+            w = next((w for w in self.workers if w.sl.key.model_id == model_id and w.sl.key.layer == layer
+                      and w.sl.key.lo <= at < w.sl.key.hi), None)
+            if w is None:
+                return []
+            end = min(hi, w.sl.key.hi)
+            parts.append((w, at - w.sl.key.lo, at, end))
+            at = end
+        return parts
+
+    def _find(self, req: ExpertRequest) -> list[tuple[_SliceWorker, int, int, int]]:
         found = self._containing(req.model_id, req.layer, req.lo, req.hi)
         if found is not None:
-            return found
+            return [(found[0], found[1], req.lo, req.hi)]
+        parts = self._tiling(req.model_id, req.layer, req.lo, req.hi) if req.hi > req.lo else []
+        if parts:
+            return parts
         held = ", ".join(str(w.sl.key) for w in self.workers) or "none"
         raise SliceNotHeld(
             f"slice {req.layer}:{req.lo}-{req.hi} of {req.model_id} is not held here (held: {held})"
         )
+
+    async def _compute_parts(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs,
+                             parts: list[tuple[_SliceWorker, int, int, int]]) -> tuple[torch.Tensor, float]:
+        """A request over several slices: its pairs split by slice (each part keeps the request's rows,
+        experts relative to the part), computed side by side, put back in the request's order."""
+        exps = pairs.experts.astype(np.int64) + req.lo
+        out = torch.empty(len(pairs), rows.shape[1])
+        spent = 0.0
+        async with trio.open_nursery() as nursery:
+            for w, offset, plo, phi in parts:
+                sel = np.flatnonzero((exps >= plo) & (exps < phi))
+                if sel.size == 0:
+                    continue
+                sub = Pairs(np.ascontiguousarray(pairs.rows[sel]), np.ascontiguousarray((exps[sel] - plo).astype("<u4")),
+                            np.ascontiguousarray(pairs.weights[sel]))
+
+                async def one(w: _SliceWorker = w, offset: int = offset, sel: np.ndarray = sel, sub: Pairs = sub) -> None:
+                    nonlocal spent
+                    p = _Pending(req, rows, sub, offset)
+                    y = await w.submit(p)
+                    out[torch.from_numpy(sel)] = y
+                    spent += p.compute_s
+
+                nursery.start_soon(one)
+        return out, spent
 
     async def prove(self, ch: HoldChallenge) -> bytes:
         """The ``Prove`` plugged into ``set_expert_handlers``: the hold digest of the slice asked for,
@@ -284,18 +395,28 @@ class ExpertServer:
         raise SliceNotHeld(f"slice {ch.layer}:{ch.lo}-{ch.hi} of {ch.model_id} is not held here")
 
     async def handle(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
-        """The ``ExpertHandler`` plugged into ``set_expert_handlers``."""
+        """An ``ExpertHandler``: the answer alone (tests and tools wrap this one)."""
+        return (await self.handle_timed(req, rows, pairs)).out
+
+    async def handle_timed(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> Computed:
+        """The ``ExpertHandler`` the daemons plug into ``set_expert_handlers``: the answer and how long
+        it computed (the response's ``compute_us``)."""
         if self.draining:
             raise Draining("volunteer is shutting down")
-        worker, offset = self._find(req)
-        if rows.shape[1] != worker.sl.experts.d_model:
-            raise RemoteProtocolError(f"d_model {rows.shape[1]} != slice d_model {worker.sl.experts.d_model}", code="bad_shape")
+        parts = self._find(req)
+        d_model = parts[0][0].sl.experts.d_model
+        if rows.shape[1] != d_model:
+            raise RemoteProtocolError(f"d_model {rows.shape[1]} != slice d_model {d_model}", code="bad_shape")
         s = self.stats
         s.in_flight += 1
         self._idle = trio.Event() if s.in_flight == 1 else self._idle
         t0 = time.monotonic()
         try:
-            out = await worker.submit(_Pending(req, rows, pairs, offset))
+            if len(parts) == 1:
+                p = _Pending(req, rows, pairs, parts[0][1])
+                out, spent = await parts[0][0].submit(p), p.compute_s
+            else:
+                out, spent = await self._compute_parts(req, rows, pairs, parts)
         except RemoteProtocolError:
             s.errors += 1
             raise
@@ -316,7 +437,10 @@ class ExpertServer:
         s.batches = sum(w.batches for w in self.workers)
         s.last_call_at = time.monotonic()
         s.last_serve_ms = int(time.time() * 1000)
-        return out
+        if req.sum_rows:  # each row's pairs added in ascending expert order from zero: the layer's sum for it
+            acc = np.zeros((req.n_rows, out.shape[1]), dtype=np.float32)
+            out = torch.from_numpy(add_in_expert_order(acc, pairs.rows, pairs.experts, out.numpy(), error=RemoteProtocolError))
+        return Computed(out, spent)
 
     async def drain(self, timeout_s: float = 10.0) -> bool:
         """Refuse new requests and wait for accepted ones; True if all finished in time."""

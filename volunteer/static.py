@@ -35,7 +35,6 @@ from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
-from swarm.protocol.expert import make_hello
 from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import set_expert_handlers
 from volunteer.server import ExpertServer, shielded_until_cancelled
@@ -125,7 +124,7 @@ async def serve_static_volunteer(
     async with shielded_until_cancelled() as stop, \
             open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
         # only the coordinator (and --allow-peer ids) may use our experts: anyone else gets not_authorized
-        set_expert_handlers(transport, server.handle, hello=make_hello(agent="moe-swarm/0.2 volunteer", kernel_id=server.kernel_id),
+        set_expert_handlers(transport, server.handle_timed, hello=server.hello(),
                             authorize=allowed.__contains__, prove=server.prove)
         log.info("answering expert calls from %s", ", ".join(sorted(allowed)))
         info = VolunteerInfo(peer_id=transport.peer_id, addrs=list(nat.advertised), reachability=nat.reachability.value,

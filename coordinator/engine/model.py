@@ -32,6 +32,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from coordinator.core.pipeline import group_cuts
+from coordinator.dispatch.dispatcher import Dispatcher
+from coordinator.dispatch.layer import LayerCall, ThreadWaker, Waker
 from coordinator.engine.block import (
     Attention,
     AttnIn,
@@ -46,46 +49,49 @@ from coordinator.engine.block import (
     SharedFFN,
 )
 from swarm.model.gguf import GGUFModel, LayerWeights, ModelConfig, QTensor, SharedExpert
-from swarm.model.kernels import KernelBackend, compute_threads, expert_kernel
+from swarm.model.kernels import KernelBackend, compute_threads
 from swarm.model.kernels.dense import Linear
 
-__all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "PendingMoe", "ReadyMoe", "SeqChunk", "Transformer"]
+__all__ = ["KV_TYPES", "ExpertBackend", "KVCache", "LocalExperts", "SeqChunk", "Transformer"]
 
 
 class ExpertBackend(Protocol):
-    """Computes a layer's routed experts. Optionally (looked up with getattr) also:
+    """Computes a layer's routed experts, through the one layer path of ``coordinator.dispatch.layer``
+    (``coordinator.dispatch.dispatcher.Dispatcher`` is the implementation; ``LocalExperts`` is one
+    that is not serving: every expert computed here):
 
-    - ``local_layer(layer, n_pairs) -> bool``: would it compute this whole layer of ``n_pairs``
-      routed pairs on this machine right now? Then the engine computes it itself, inside the
-      layer's AttnOut graph (``AttnOutMoE``: the same bits), and
-    - ``ran_here(layer, experts[n, k], seconds)`` hears of it afterwards (the dispatcher's report);
-    - ``moe_begin(layer, x, ids, w) -> PendingMoe``: start the layer (its local share may compute
-      before it returns), ``.result()`` waits for the rest: what the engine computes in between
-      overlaps the remote calls;
-    - ``overlap(n_pairs) -> bool``: may a step of ``n_pairs`` routed pairs per layer go (partly)
-      remote now? Then the engine alternates two micro-batches of its sequences.
+    - ``whole_layer_here(layer, n_pairs)``: would it compute this whole layer of ``n_pairs`` routed
+      pairs on this machine right now? Then the engine computes it itself, inside the layer's
+      AttnOut graph (``AttnOutMoE``: the same bits), and ``ran_here`` hears of it afterwards;
+    - ``begin`` starts a layer (its placement is known when it returns), ``service`` computes the
+      local work placed here on the calling thread (True once the layer has ended), ``result``
+      waits and combines: what the engine computes in between overlaps the remote calls;
+    - ``groups(n_seqs, n_pairs)``: into how many groups of sessions the engine splits a step, each
+      advancing through the layers on its own (one's dense half while another's experts are remote).
     """
 
-    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """Routed-expert output ``[T, d_model]`` for rows ``x[T, d_model]`` and their top-k choices."""
-        ...
+    def whole_layer_here(self, layer: int, n_pairs: int) -> bool: ...
+
+    def ran_here(self, layer: int, ids: np.ndarray, seconds: float) -> None: ...
+
+    def begin(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, waker: Waker | None = None
+              ) -> LayerCall: ...
+
+    def service(self, call: LayerCall) -> bool: ...
+
+    def result(self, call: LayerCall) -> np.ndarray: ...
+
+    def moe(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray: ...
+
+    def groups(self, n_seqs: int, n_pairs: int) -> int: ...
 
 
-class LocalExperts:
-    """All experts of every expert layer computed on this machine, as one slice per layer."""
+class LocalExperts(Dispatcher):
+    """All experts of every expert layer computed on this machine: a dispatcher that is not serving
+    (the same layer path, every range placed here)."""
 
     def __init__(self, model: GGUFModel, kernel: KernelBackend | None = None) -> None:
-        self.model = model
-        self.backend = kernel or model.kernel
-        self.kernels = [expert_kernel(model.expert_stack(i), kernel or model.kernel)
-                        for i in range(model.config.n_moe_layer)]
-
-    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        return self.kernels[layer].combined(x, topk_ids, topk_w)
-
-    def local_layer(self, layer: int, n_pairs: int) -> bool:
-        """Every expert is here: the engine may compute a layer's MoE in its own graph (with ggml)."""
-        return self.backend is KernelBackend.GGML
+        super().__init__(model, None, kernel=kernel or model.kernel)
 
 
 KV_TYPES: dict[str, torch.dtype] = {"f16": torch.float16, "f32": torch.float32}
@@ -233,36 +239,24 @@ class _GgmlDense:
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
 
 
-class PendingMoe(Protocol):
-    def result(self) -> torch.Tensor: ...
-
-
-class ReadyMoe:
-    """A layer's MoE output computed already (``moe_begin`` that did not need to wait)."""
-
-    def __init__(self, y: torch.Tensor) -> None:
-        self.y = y
-
-    def result(self) -> torch.Tensor:
-        return self.y
-
-
 @dataclass(eq=False)
-class _MicroBatch:
-    """Some of a step's sequences (contiguous), their rows' state and a started MoE layer."""
+class _Group:
+    """Some of a step's sequences (contiguous) advancing through the layers on their own: their rows'
+    state, the next layer to run and the MoE layer in flight."""
 
     chunks: list[SeqChunk]
     bounds: list[tuple[int, int]]  # rows of each chunk within ``xn``
     xn: np.ndarray
     pos: np.ndarray
-    pending: PendingMoe | None = None
+    layer: int = 0  # the next layer whose dense half runs
+    pending: LayerCall | None = None
     shared: np.ndarray | None = None
 
-    def finish(self) -> None:
+    def finish(self, experts: ExpertBackend) -> None:
         """The started layer's MoE into the residual (llama.cpp: (routed + shared) + residual, float32 adds)."""
         if self.pending is None:
             return
-        moe = self.pending.result().numpy()
+        moe = experts.result(self.pending)
         self.pending = None
         if self.shared is not None:
             moe = moe + self.shared
@@ -384,6 +378,13 @@ class Transformer:
             return torch.from_numpy(ids), torch.from_numpy(w)
         return self.select_torch(probs)
 
+    def select_arrays(self, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``select`` from and to numpy (the ggml path): ``select_np`` for the plain softmax gate."""
+        if self._np_select:
+            return self.select_np(probs)
+        ids, w = self.select_torch(torch.from_numpy(probs))
+        return ids.numpy(), w.numpy()
+
     def select_torch(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of router probabilities (for a "softmax_topk" gate: of the logits, then a softmax
         over those k); renormalised as llama.cpp does (the sum in double, one float32 division)
@@ -445,42 +446,66 @@ class Transformer:
         """Each layer: one graph to q/k/v, the new rows into the caches, one attention graph for every
         sequence, one graph to the router; the experts through ``self.experts``. numpy in between.
 
-        When the backend may send a step's experts (partly) remote (its optional ``overlap``), the
-        sequences run as two micro-batches, alternating per layer: one's dense half computes while
-        the other's remote share is in flight (``moe_begin`` / ``result``). Every kernel is
-        batch-invariant, so the bits do not depend on the split."""
+        The sequences run as ``experts.groups(...)`` groups (contiguous, about equal rows), each
+        advancing through the layers on its own: while one group's experts are remote, another's dense
+        half computes (``_run_groups``). Every kernel is batch-invariant, so the bits do not depend
+        on the grouping."""
         cfg = self.cfg
         n_tok = x.shape[0]
         pos_np = pos.to(torch.int32).numpy()
         xn = x.numpy()
         for c in chunks:
             c.cache.begin(c.pos + len(c.tokens))
-        overlap = getattr(self.experts, "overlap", None)
-        cuts = [0, len(chunks)]
-        if len(chunks) >= 2 and overlap is not None and overlap(n_tok * cfg.n_expert_used):
-            # two micro-batches of about equal rows
-            half = min(range(1, len(chunks)), key=lambda i: abs(2 * bounds[i][0] - n_tok))
-            cuts = [0, half, len(chunks)]
-        mbs: list[_MicroBatch] = []
+        n_groups = min(len(chunks), max(1, self.experts.groups(len(chunks), n_tok * cfg.n_expert_used)))
+        cuts = group_cuts([e - s for s, e in bounds], n_groups)
+        groups: list[_Group] = []
         for a, b in itertools.pairwise(cuts):
             s0, e0 = bounds[a][0], bounds[b - 1][1]
-            mbs.append(_MicroBatch(chunks[a:b], [(s - s0, e - s0) for s, e in bounds[a:b]], xn[s0:e0], pos_np[s0:e0]))
-        for li in range(cfg.n_layer):
-            for mb in mbs:
-                mb.finish()
-                self._layer_ggml(gd, li, mb)
-        for mb in mbs:
-            mb.finish()
-        xn = mbs[0].xn if len(mbs) == 1 else np.concatenate([mb.xn for mb in mbs])
+            groups.append(_Group(chunks[a:b], [(s - s0, e - s0) for s, e in bounds[a:b]], xn[s0:e0], pos_np[s0:e0]))
+        if len(groups) == 1:
+            one = groups[0]
+            for li in range(cfg.n_layer):
+                self._layer_ggml(gd, li, one, None)
+                one.finish(self.experts)
+        else:
+            self._run_groups(gd, groups)
+        xn = groups[0].xn if len(groups) == 1 else np.concatenate([g.xn for g in groups])
         # the head once for every sequence's rows (its weights are read once per step, not per sequence)
         rows = [xn[s:e] if c.all_logits else xn[e - 1 : e] for c, (s, e) in zip(chunks, bounds, strict=True)]
         xs = rows[0] if len(rows) == 1 else np.concatenate(rows)
         logits = torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs)))
         return list(torch.split(logits, [len(r) for r in rows])) if len(rows) > 1 else [logits]
 
-    def _layer_ggml(self, gd: _GgmlDense, li: int, mb: _MicroBatch) -> None:
-        """Layer ``li`` of one micro-batch: its dense half, then its MoE computed (``mb.xn`` updated)
-        or started (``mb.pending``)."""
+    def _run_groups(self, gd: _GgmlDense, groups: list[_Group]) -> None:
+        """Advance every group through the layers, each on its own: a group whose layer is in flight
+        waits while the others compute; one waker tells this thread when any has news (local work
+        or its end), in whatever order their experts answer."""
+        n_layer = self.cfg.n_layer
+        waker = ThreadWaker()
+        ready = list(groups)
+        waiting: list[_Group] = []
+        while ready or waiting:
+            while ready:
+                g = ready.pop(0)
+                g.finish(self.experts)
+                if g.layer == n_layer:
+                    continue
+                self._layer_ggml(gd, g.layer, g, waker)
+                g.layer += 1
+                (waiting if g.pending is not None else ready).append(g)
+            while waiting and not ready:
+                for g in list(waiting):
+                    assert g.pending is not None
+                    if self.experts.service(g.pending):
+                        waiting.remove(g)
+                        ready.append(g)
+                if not ready:
+                    waker.wait(1.0)
+
+    def _layer_ggml(self, gd: _GgmlDense, li: int, mb: _Group, waker: Waker | None) -> None:
+        """Layer ``li`` of one group: its dense half, then its MoE computed (``mb.xn`` updated) or
+        begun (``mb.pending``; its local share computed here before this returns)."""
+        t0 = time.perf_counter()
         cfg = self.cfg
         Hkv, hdk, hdv = cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v
         chunks, xn = mb.chunks, mb.xn
@@ -505,16 +530,11 @@ class Transformer:
         attn = att[0] if len(att) == 1 else np.concatenate(att)
         moe_layer = self._moe_of[li]
         fused = gd.attn_out_moe[li]
-        # the backend's say on computing a whole layer here (ExpertBackend's optional local_layer /
-        # ran_here): then its MoE runs inside the AttnOut graph
-        local_layer = getattr(self.experts, "local_layer", None)
-        if fused is not None and moe_layer is not None and n_tok <= FUSED_MAX_ROWS and local_layer is not None \
-                and local_layer(moe_layer, n_tok * cfg.n_expert_used):
-            t0 = time.perf_counter()
+        if fused is not None and moe_layer is not None and n_tok <= FUSED_MAX_ROWS \
+                and self.experts.whole_layer_here(moe_layer, n_tok * cfg.n_expert_used):
+            t1 = time.perf_counter()
             mb.xn, ids_np = fused(attn, xn, compute_threads(n_tok * fused.macs))
-            ran_here = getattr(self.experts, "ran_here", None)
-            if ran_here is not None:
-                ran_here(moe_layer, ids_np, time.perf_counter() - t0)
+            self.experts.ran_here(moe_layer, ids_np, time.perf_counter() - t1)
             return
         blk_o = gd.attn_out[li]
         xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
@@ -522,11 +542,12 @@ class Transformer:
             assert shared is not None
             mb.xn = xn + shared
             return
-        ids, w = self.select(torch.from_numpy(probs))
-        begin = getattr(self.experts, "moe_begin", None)
-        h = torch.from_numpy(hn)
-        pending = begin(moe_layer, h, ids, w) if begin is not None else ReadyMoe(self.experts.moe(moe_layer, h, ids, w))
-        mb.xn, mb.pending, mb.shared = xn, pending, shared
+        ids, w = self.select_arrays(probs)
+        dense_s = time.perf_counter() - t0
+        call = self.experts.begin(moe_layer, hn, ids, w, waker=waker)
+        call.timing.dense_s = dense_s
+        self.experts.service(call)  # the local share, while the remote calls are in flight
+        mb.xn, mb.pending, mb.shared = xn, call, shared
 
     def _forward_torch(self, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
                        pos: torch.Tensor) -> list[torch.Tensor]:
@@ -581,7 +602,7 @@ class Transformer:
                 x = x + shared_ffn(L.shared, h)
                 continue
             ids, w = self.route(li, h)
-            moe = self.experts.moe(moe_layer, h, ids, w)
+            moe = torch.from_numpy(self.experts.moe(moe_layer, h.numpy(), ids.numpy(), w.numpy()))
             if L.shared is not None:
                 moe = moe + shared_ffn(L.shared, h)
             x = x + moe

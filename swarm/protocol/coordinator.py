@@ -14,6 +14,7 @@ import msgspec
 from swarm.core.paths import Path
 
 __all__ = [
+    "LayerPath",
     "DispatchErrorReport",
     "DispatchReport",
     "Health",
@@ -123,6 +124,34 @@ class ModeChange(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""  # a split check's rates and the arm it keeps
 
 
+class LayerPath(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the time of a remote layer goes: means over the last ``layers`` layers with a remote call
+    (milliseconds). ``dense`` is the engine's dense half before the layer; ``group`` grouping the
+    routed pairs by range; ``place`` the core's placement; ``encode`` building the wire requests and
+    handing them over; ``to_trio`` until the trio thread sent them; ``wire`` the round trip less the
+    volunteer's own time (framing, Noise, Yamux, both event loops, decoding the answer); ``queue`` and
+    ``compute`` the volunteer's time waiting and computing; ``core`` from the answer to the core's
+    combine; ``wake`` until the driver saw it; ``combine`` the driver's combine; ``local`` the driver's
+    own expert compute; ``total`` from begin to the combined output. ``crossings`` is the mean of
+    thread crossings per layer (hand-offs to the trio thread and wakes of the driver from it)."""
+
+    layers: int = 0
+    dense: float = 0.0
+    group: float = 0.0
+    place: float = 0.0
+    encode: float = 0.0
+    to_trio: float = 0.0
+    wire: float = 0.0
+    queue: float = 0.0
+    compute: float = 0.0
+    core: float = 0.0
+    wake: float = 0.0
+    combine: float = 0.0
+    local: float = 0.0
+    total: float = 0.0
+    crossings: float = 0.0
+
+
 class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     """``GET /dispatch``: the map followed, its workers, and per-layer row counts."""
 
@@ -173,6 +202,7 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
     holes: int = 0
     missing_waits: int = 0
     missing_failed: int = 0
+    layer_path: LayerPath = LayerPath()  # where a remote layer's time goes (newer coordinators)
 
 
 slots_decoder = msgspec.json.Decoder(list[SlotInfo])

@@ -104,6 +104,9 @@ __all__ = [
     "FrameDecoder",
     "FrameReader",
     "FEATURE_HOLD_PROOF",
+    "FEATURE_MULTI_RANGE",
+    "FEATURE_ROW_SUMS",
+    "answer_rows",
     "Hello",
     "HoldChallenge",
     "HoldProof",
@@ -239,6 +242,7 @@ class ExpertRequest(
     tag="expert_request",
     tag_field="type",
     forbid_unknown_fields=True,
+    omit_defaults=True,  # a field at its default is not sent: older servers, which forbid unknown fields, read it
 ):
     """Compute, per row, the weighted sum of its paired experts of slice ``(model_id, layer, lo, hi)``.
 
@@ -255,6 +259,15 @@ class ExpertRequest(
     d_model: PosU32
     n_pairs: PosU32
     dtype: str
+    # answer each row's sum over its pairs (ascending expert, from zero: DESIGN §3) instead of the
+    # per-pair outputs; only to a server whose Hello offers ``FEATURE_ROW_SUMS``, and only when the
+    # request carries every routed pair of its rows (then the sum is the layer's output for them)
+    sum_rows: bool = False
+
+
+def answer_rows(req: ExpertRequest) -> int:
+    """Rows of the answer to ``req``: one per pair, or one per row with ``sum_rows``."""
+    return req.n_rows if req.sum_rows else req.n_pairs
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field="type"):
@@ -268,7 +281,7 @@ class ExpertResponse(msgspec.Struct, frozen=True, kw_only=True, tag="expert_resp
     """The one answer to a request. ``status`` is ``"ok"``, ``"cancelled"`` or an error code.
 
     Payload on ``"ok"``: the weighted per-pair outputs ``[n_pairs, d_model]`` in ``dtype``, in the
-    request's pair order; otherwise none. ``n_rows``/``n_pairs``/``d_model`` echo the request's.
+    request's pair order (with ``sum_rows``: the rows' sums ``[n_rows, d_model]``); otherwise none. ``n_rows``/``n_pairs``/``d_model`` echo the request's.
     """
 
     request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
@@ -279,6 +292,10 @@ class ExpertResponse(msgspec.Struct, frozen=True, kw_only=True, tag="expert_resp
     n_rows: NonNegInt = 0
     n_pairs: NonNegInt = 0
     d_model: NonNegInt = 0
+    # how the server spent the call (facts for the caller's breakdown, never trusted for a decision):
+    # microseconds from the request's arrival to its answer, and of those computing
+    served_us: NonNegInt = 0
+    compute_us: NonNegInt = 0
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="type"):
@@ -297,6 +314,11 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_fie
 
 
 FEATURE_HOLD_PROOF: Final = "hold_proof"  # a Hello's ``features``: this server answers ``HoldChallenge``
+# a Hello's ``features``: this server answers ``sum_rows`` requests (per-row sums instead of per-pair outputs)
+FEATURE_ROW_SUMS: Final = "row_sums"
+# a Hello's ``features``: this server answers a request whose ``[lo, hi)`` spans several slices it holds
+# side by side (a coordinator sends one call per peer per layer instead of one per range)
+FEATURE_MULTI_RANGE: Final = "multi_range"
 MAX_HOLD_WINDOWS: Final = 16
 MAX_HOLD_WINDOW_BYTES: Final = 1 << 20
 
@@ -856,8 +878,9 @@ def make_hello(
     kernel_id: str,
     agent: str = DEFAULT_AGENT,
     dtypes: Sequence[str] = SUPPORTED_DTYPES,
+    features: Sequence[str] = (),
 ) -> Hello:
-    """The Hello advertising ``limits``, ``dtypes`` and the expert kernel ``kernel_id``."""
+    """The Hello advertising ``limits``, ``dtypes``, the expert kernel ``kernel_id`` and ``features``."""
     return Hello(
         protocol_version=PROTOCOL_VERSION,
         kernel_id=kernel_id,
@@ -866,6 +889,7 @@ def make_hello(
         max_rows=limits.max_rows,
         max_in_flight=limits.max_in_flight,
         agent=agent,
+        features=list(features),
     )
 
 

@@ -8,7 +8,8 @@ Rules:
 - One stream per peer, opened lazily under the first caller's deadline and re-opened by the next
   call after it breaks. A reader task routes answers to waiting callers by
   ``(request_id, attempt)``; an answer nobody waits for (late, expired, duplicate) is dropped.
-  A writer task sends frames whole, so a caller's cancellation never cuts a frame in half; a
+  A writer task sends frames whole, so a caller's cancellation never cuts a frame in half (a call
+  that finds nothing being written or queued writes its frame itself, shielded: one hop less); a
   frame whose caller gave up before it was sent is not sent at all; a call abandoned after its
   frame left (the caller's cancel scope -- a hedge's loser -- or its timeout) sends a ``Cancel``
   for it, best effort (dropped if the send queue is full), and the ``cancelled`` answer is dropped.
@@ -36,6 +37,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
 import trio
 
@@ -75,6 +77,7 @@ from swarm.protocol.expert import (
     RequestKey,
     Status,
     WireLimits,
+    answer_rows,
     check_pairs,
     choose_dtype,
     encode_frame,
@@ -85,7 +88,7 @@ from swarm.protocol.expert import (
     validate_request,
     version_mismatch_message,
 )
-from swarm.rpc.tensors import all_finite, payload_to_tensor, tensor_to_payload
+from swarm.rpc.tensors import payload_to_array, rows_to_payload
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,7 @@ class _Session:
         self.send_channel, self.receive_channel = trio.open_memory_channel[_Outgoing](queue_size)
         self.dead: SwarmError | None = None
         self.cancel_scope = trio.CancelScope()
+        self.writing = False  # a frame is being written (by the writer task or a caller)
 
     def kill(self, error: SwarmError) -> None:
         """Mark dead, fail every waiting caller with its own copy of ``error``, stop the tasks."""
@@ -162,7 +166,29 @@ class _Session:
                 if self.pending.get(item.key) is not item.waiter:
                     continue  # the caller gave up before the frame left: do not send it
                 item.waiter.sent = True
-            await self.stream.write(item.frame)
+            self.writing = True  # set before the first checkpoint: a caller never writes in between
+            try:
+                await self.stream.write(item.frame)
+            finally:
+                self.writing = False
+
+    def can_write_now(self) -> bool:
+        """No frame is being written or waiting: a caller may write its own frame at once."""
+        return (not self.writing and self.dead is None
+                and self.receive_channel.statistics().current_buffer_used == 0)
+
+    async def write_now(self, waiter: _Waiter, frame: bytes) -> None:
+        """Write one frame from the caller's task (shielded: a frame is never cut in half); a
+        broken stream kills the session like the writer's failure would."""
+        self.writing = True
+        waiter.sent = True
+        try:
+            with trio.CancelScope(shield=True):
+                await self.stream.write(frame)
+        except SwarmError as exc:
+            self.kill(exc)
+        finally:
+            self.writing = False
 
     def cancel_nowait(self, key: RequestKey) -> bool:
         """Queue a ``Cancel`` for ``key`` (best effort: False if the stream is dead or the queue full)."""
@@ -265,7 +291,7 @@ class ExpertClient:
     # The deadline is part of the call's contract (expiry raises TransportTimeout, a TransportError the
     # dispatcher handles like any other failure), hence a parameter rather than the caller's cancel scope.
     async def call(
-        self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, *, timeout: float  # noqa: ASYNC109
+        self, req: ExpertRequest, rows: torch.Tensor | np.ndarray, pairs: Pairs, *, timeout: float  # noqa: ASYNC109
     ) -> torch.Tensor:
         """The weighted per-pair outputs ``[n_pairs, d_model]`` (float32, in ``pairs``' order) for
         ``req`` over ``rows`` and ``pairs`` (``req.n_pairs`` of them, in wire order: ``make_pairs``
@@ -275,7 +301,16 @@ class ExpertClient:
         bandwidth); the one actually used is the best both peers support. Abandoning the call
         (cancellation, timeout) after its frame left sends a ``Cancel``.
         """
-        if rows.dim() != 2 or tuple(rows.shape) != (req.n_rows, req.d_model):
+        y, _ = await self.call_np(req, rows, pairs, timeout=timeout)
+        return torch.from_numpy(y)
+
+    # The deadline is part of the call's contract (expiry raises TransportTimeout, a TransportError the
+    # dispatcher handles like any other failure), hence a parameter rather than the caller's cancel scope.
+    async def call_np(
+        self, req: ExpertRequest, rows: torch.Tensor | np.ndarray, pairs: Pairs, *, timeout: float  # noqa: ASYNC109
+    ) -> tuple[np.ndarray, ExpertResponse]:
+        """``call``'s outputs as a numpy array, with the answer's header (the server's own times)."""
+        if rows.ndim != 2 or tuple(rows.shape) != (req.n_rows, req.d_model):
             raise LocalProtocolError(
                 f"rows of shape {tuple(rows.shape)} for a request of [{req.n_rows}, {req.d_model}]"
             )
@@ -287,7 +322,8 @@ class ExpertClient:
             f"no answer from {self.peer_id} to request {req.request_id}/{req.attempt} within {timeout}s"
         )
 
-    async def _call(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+    async def _call(self, req: ExpertRequest, rows: torch.Tensor | np.ndarray, pairs: Pairs
+                    ) -> tuple[np.ndarray, ExpertResponse]:
         session = self._session
         if session is None or session.dead is not None or self._closed:
             session = await self._get_session()
@@ -298,12 +334,12 @@ class ExpertClient:
                 req = msgspec.structs.replace(req, dtype=dtype)
             validate_request(req, request_payload_len(req), limits=peer_limits, dtypes=session.hello.dtypes)
             check_pairs(req, pairs)
-            payload = encode_request_payload(req, tensor_to_payload(rows, dtype), pairs)
+            payload = encode_request_payload(req, rows_to_payload(rows, dtype), pairs)
         except WireError as exc:
             raise LocalProtocolError(exc.message, code=exc.code) from exc
         frame = encode_frame(req, payload, max_frame_bytes=session.hello.max_frame_bytes)
         waiter = await self._exchange(session, (req.request_id, req.attempt), frame,
-                                      req.n_pairs * req.d_model * itemsize(dtype))
+                                      answer_rows(req) * req.d_model * itemsize(dtype))
         return self._result(req, waiter)
 
     async def _exchange(self, session: _Session, key: RequestKey, frame: bytes, expected: int) -> _Waiter:
@@ -317,15 +353,20 @@ class ExpertClient:
         session.pending[key] = waiter
         session.expected[key] = expected
         try:
-            try:
-                item = _Outgoing(key, waiter, frame)
+            if session.can_write_now():  # nothing ahead of it: written from this task, no hop to the writer
+                await session.write_now(waiter, frame)
+                if session.dead is not None and not waiter.event.is_set():
+                    raise _copy(session.dead)
+            else:
                 try:
-                    session.send_channel.send_nowait(item)  # no scheduler trip while the queue has room
-                except trio.WouldBlock:
-                    await session.send_channel.send(item)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                if not waiter.event.is_set():
-                    raise _copy(session.dead or BrokenError(f"stream to {self.peer_id} broke")) from None
+                    item = _Outgoing(key, waiter, frame)
+                    try:
+                        session.send_channel.send_nowait(item)  # no scheduler trip while the queue has room
+                    except trio.WouldBlock:
+                        await session.send_channel.send(item)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    if not waiter.event.is_set():
+                        raise _copy(session.dead or BrokenError(f"stream to {self.peer_id} broke")) from None
             await waiter.event.wait()
         finally:
             if session.pending.get(key) is waiter:
@@ -362,7 +403,7 @@ class ExpertClient:
             return resp
         raise TransportTimeout(f"no answer from {self.peer_id} to hold challenge {ch.request_id} within {timeout}s")
 
-    def _result(self, req: ExpertRequest, waiter: _Waiter) -> torch.Tensor:
+    def _result(self, req: ExpertRequest, waiter: _Waiter) -> tuple[np.ndarray, ExpertResponse]:
         if waiter.error is not None:
             raise waiter.error
         resp = waiter.response
@@ -382,10 +423,10 @@ class ExpertClient:
                 code="bad_shape",
             )
         payload = waiter.payload if waiter.payload is not None else bytearray()
-        out = payload_to_tensor(payload, resp.dtype, resp.n_pairs, resp.d_model)
-        if not all_finite(out):
+        out = payload_to_array(payload, resp.dtype, answer_rows(req), resp.d_model)
+        if not bool(np.isfinite(out).all()):
             raise NonFinite(f"{self.peer_id} answered request {req.request_id}/{req.attempt} with NaN/inf")
-        return out
+        return out, resp
 
     def _peer_limits(self, hello: Hello) -> WireLimits:
         return WireLimits(

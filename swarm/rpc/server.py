@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -74,6 +75,7 @@ from swarm.protocol.expert import (
     RequestKey,
     Status,
     WireLimits,
+    answer_rows,
     decode_pairs,
     encode_frame,
     make_hello,
@@ -88,6 +90,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Authorize",
     "ExpertHandler",
+    "Computed",
     "Prove",
     "expert_stream_handler",
     "refuse_v1_stream",
@@ -95,7 +98,15 @@ __all__ = [
     "set_expert_handlers",
 ]
 
-ExpertHandler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable[torch.Tensor]]
+@dataclass(frozen=True)
+class Computed:
+    """A handler's answer with how long it computed (the answer's ``compute_us``; a bare tensor says 0)."""
+
+    out: torch.Tensor
+    compute_s: float
+
+
+ExpertHandler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable["torch.Tensor | Computed"]]
 Authorize = Callable[[str], bool]  # peer id -> may it use our experts
 Prove = Callable[[HoldChallenge], Awaitable[bytes]]  # the digest (``swarm.model.slices.hold_digest``); SwarmError to refuse
 
@@ -426,19 +437,24 @@ async def _compute(
             request_id=req.request_id, attempt=req.attempt, status=code, message=message
         ), b""
 
+    arrived = trio.current_time()
+    compute_s = 0.0
     try:
-        out = await handler(req, rows, pairs)
+        answer = await handler(req, rows, pairs)
+        if isinstance(answer, Computed):
+            out, compute_s = answer.out, answer.compute_s
+        else:
+            out = answer
     except SwarmError as exc:
         return failure(exc.code, exc.message)
     except Exception as exc:
         log.exception("expert handler failed on request %s/%s from %s", req.request_id, req.attempt, peer)
         return failure(Status.INTERNAL_ERROR, f"expert computation failed: {type(exc).__name__}")
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (req.n_pairs, req.d_model):
+    want = (answer_rows(req), req.d_model)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        log.error("expert handler returned %s for request of shape %s", got, (req.n_pairs, req.d_model))
-        return failure(
-            Status.INTERNAL_ERROR, f"expert computation returned {got}, expected {(req.n_pairs, req.d_model)}"
-        )
+        log.error("expert handler returned %s for request of shape %s", got, want)
+        return failure(Status.INTERNAL_ERROR, f"expert computation returned {got}, expected {want}")
     if not out.is_floating_point() or not all_finite(out):
         return failure(NonFinite.code, "expert computation produced non-finite values")
     payload = tensor_to_payload(out, req.dtype)
@@ -450,6 +466,8 @@ async def _compute(
         n_rows=req.n_rows,
         n_pairs=req.n_pairs,
         d_model=req.d_model,
+        served_us=max(0, int((trio.current_time() - arrived) * 1e6)),
+        compute_us=max(0, int(compute_s * 1e6)),
     )
     return response, payload
 

@@ -17,7 +17,8 @@ import torch
 from swarm.errors import BadShape
 from swarm.protocol.expert import Pairs, itemsize, make_pairs
 
-__all__ = ["all_finite", "pairs_from_tensors", "pairs_to_tensors", "payload_to_tensor", "tensor_to_payload"]
+__all__ = ["all_finite", "pairs_from_tensors", "pairs_to_tensors", "payload_to_array", "payload_to_tensor",
+           "rows_to_payload", "tensor_to_payload"]
 
 _NUMPY_FLOATS: Final = (torch.float32, torch.float64, torch.float16)
 
@@ -46,6 +47,29 @@ def tensor_to_payload(t: torch.Tensor, dtype: str) -> memoryview:
     else:
         arr = src.to(torch.bfloat16).contiguous().view(torch.int16).numpy().astype("<i2", copy=False)
     return arr.data.cast("B")
+
+
+def rows_to_payload(rows: torch.Tensor | np.ndarray, dtype: str) -> memoryview:
+    """``tensor_to_payload`` for a tensor or a numpy array (float32 rows share memory)."""
+    if isinstance(rows, torch.Tensor):
+        return tensor_to_payload(rows, dtype)
+    itemsize(dtype)  # raises UnsupportedDtype
+    if dtype == "float32":
+        return np.ascontiguousarray(rows, dtype="<f4").data.cast("B")
+    return tensor_to_payload(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)), dtype)
+
+
+def payload_to_array(buf: bytearray | memoryview, dtype: str, n_rows: int, d_model: int) -> np.ndarray:
+    """``payload_to_tensor`` as a numpy array (float32 payloads share memory with ``buf``)."""
+    size = itemsize(dtype)
+    view = memoryview(buf)
+    if view.nbytes != n_rows * d_model * size:
+        raise BadShape(f"payload of {view.nbytes} bytes, expected {n_rows * d_model * size}")
+    if view.nbytes == 0:
+        return np.zeros((n_rows, d_model), dtype=np.float32)
+    if dtype == "float32":
+        return np.frombuffer(view, dtype="<f4").astype(np.float32, copy=False).reshape(n_rows, d_model)
+    return payload_to_tensor(buf, dtype, n_rows, d_model).numpy()
 
 
 def payload_to_tensor(buf: bytearray | memoryview, dtype: str, n_rows: int, d_model: int) -> torch.Tensor:

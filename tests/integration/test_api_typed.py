@@ -9,10 +9,10 @@ from typing import Any, TypeVar
 
 import httpx
 import msgspec
+import numpy as np
 import openai.types
 import openai.types.chat
 import pytest
-import torch
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
@@ -27,6 +27,8 @@ from coordinator.api.schemas import (
     CompletionChunk,
     ModelList,
 )
+from coordinator.dispatch.layer import LayerCall
+from coordinator.engine.model import LocalExperts
 from coordinator.engine.runtime import EngineRuntime
 from swarm.model.gguf import GGUFModel
 from swarm.protocol.coordinator import Health, SlotInfo
@@ -168,14 +170,17 @@ async def test_streamed_completion_chunks(coordinator_url: str) -> None:
     assert usage.choices == () and usage.usage == plain.usage
 
 
-class Exploding:
-    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+class Exploding(LocalExperts):
+    def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
+        return False
+
+    def result(self, call: LayerCall) -> np.ndarray:
         raise RuntimeError("expert backend exploded")
 
 
 async def test_engine_failure_bodies(nursery: trio.Nursery, golden_model: GGUFModel) -> None:
     """An engine failure is the shared error body: a 500 when whole, an SSE event after the role chunk when streamed."""
-    rt = EngineRuntime(golden_model, Tokenizer.from_gguf_fields(golden_model.fields), n_slots=1, experts=Exploding())
+    rt = EngineRuntime(golden_model, Tokenizer.from_gguf_fields(golden_model.fields), n_slots=1, experts=Exploding(golden_model))
     hc = HyperConfig()
     hc.bind = ["127.0.0.1:0"]
     hc.accesslog = None

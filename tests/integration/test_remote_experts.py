@@ -13,12 +13,14 @@ from typing import Any
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
 import torch
 import trio
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
-from coordinator.dispatch.dispatcher import Dispatcher, watch_dispatch_map_file
+from coordinator.dispatch.dispatcher import Dispatcher
+from coordinator.dispatch.mapfile import watch_dispatch_map_file
 from coordinator.engine.model import KVCache, SeqChunk, Transformer
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica
 from swarm.model.gguf import GGUFModel
@@ -345,14 +347,14 @@ async def test_coordinator_adaptive_by_default_stays_local_when_idle(
 
 
 @pytest.mark.parametrize("case", ["offload", "not-held"])
-async def test_micro_batches_overlap_remote_calls_with_the_same_bits(
+async def test_session_groups_overlap_remote_calls_with_the_same_bits(
     nursery: trio.Nursery, golden_model: GGUFModel, coord_transport: Transport, case: str
 ) -> None:
     """Three sequences per step with half of every layer on a volunteer -- sent there by ``offload``
-    mode, or in adaptive mode because this coordinator does not hold it: the engine alternates two
-    micro-batches (one's dense half while the other's remote share is in flight; the engine thread
-    computes the local share itself), and every logit has the bits of the whole step computed here
-    in the same partition."""
+    mode, or in adaptive mode because this coordinator does not hold it: the engine runs two session
+    groups (one's dense half while the other's remote share is in flight; the engine thread computes
+    the local share itself), and every logit has the bits of the whole step computed here in the
+    same partition."""
     a = await start_volunteer(nursery, golden_model, [(0, 0, 4), (1, 4, 8)])
     m = dmap(golden_model, 1, {(0, 0, 4): [a], (1, 4, 8): [a]})
     # loopback round trips of ~1 ms: the floor of real deployments (15 ms) would keep one batch
@@ -365,14 +367,14 @@ async def test_micro_batches_overlap_remote_calls_with_the_same_bits(
     d.set_map(m)
     ref = await make_dispatcher(nursery, golden_model, None)  # the same partition, every range here
     ref.set_map(m)
-    asked: list[bool] = []
-    overlap = d.overlap
+    asked: list[int] = []
+    groups = d.groups
 
-    def spy(n_pairs: int) -> bool:
-        asked.append(overlap(n_pairs))
+    def spy(n_seqs: int, n_pairs: int) -> int:
+        asked.append(groups(n_seqs, n_pairs))
         return asked[-1]
 
-    d.overlap = spy  # type: ignore[method-assign]
+    d.groups = spy  # type: ignore[method-assign]
     prompts = [[(5 * i + 3 * j + 1) % 200 for j in range(3 + i)] for i in range(3)]
 
     async def run(tr: Transformer) -> list[list[torch.Tensor]]:
@@ -387,9 +389,9 @@ async def test_micro_batches_overlap_remote_calls_with_the_same_bits(
 
     got = await run(Transformer(golden_model, d))
     want = await run(Transformer(golden_model, ref))
-    # the prefill went as one batch (no round trip measured yet); every decode step, whose layer
-    # computes here in less than the worker's round trip, as two micro-batches
-    assert asked == [False, True, True, True, True]
+    # the prefill went as one group (no round trip measured yet); every decode step, whose layer
+    # computes here in less than the worker's round trip, as two groups
+    assert asked == [1, 2, 2, 2, 2]
     for x, y in zip(got, want, strict=True):
         assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
     rep = report(d)
@@ -401,7 +403,7 @@ async def test_micro_batches_overlap_remote_calls_with_the_same_bits(
 async def test_a_bug_in_an_engine_steps_dispatch_fails_the_layer_not_the_loop(
     nursery: trio.Nursery, golden_model: GGUFModel, coord_transport: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine thread's step reaches the core in a callback of the trio loop: an exception there
+    """The engine thread's layer reaches the core under the dispatcher's lock: an exception there
     fails that layer (``DispatchFailed``) and the dispatcher goes on serving the next one."""
     from coordinator.core.dispatch import LayerReady
     from swarm.errors import DispatchFailed
@@ -419,25 +421,25 @@ async def test_a_bug_in_an_engine_steps_dispatch_fails_the_layer_not_the_loop(
         return handle(ev, now)
 
     monkeypatch.setattr(d.core, "handle", once)
-    x = torch.randn(2, golden_model.config.d_model)
-    ids = torch.tensor([[0, 5], [1, 2]])
-    w = torch.full((2, 2), 0.5)
+    x = torch.randn(2, golden_model.config.d_model).numpy()
+    ids = np.array([[0, 5], [1, 2]])
+    w = np.full((2, 2), 0.5, dtype=np.float32)
     with pytest.raises(DispatchFailed, match="a bug"):
         await trio.to_thread.run_sync(d.moe, 0, x, ids, w)
     got = await trio.to_thread.run_sync(d.moe, 0, x, ids, w)
     ref = await make_dispatcher(nursery, golden_model, None)
     ref.set_map(dmap(golden_model, 1, {(0, 0, 4): [a]}))
-    assert torch.equal(got, await trio.to_thread.run_sync(ref.moe, 0, x, ids, w))
+    assert np.array_equal(got, await trio.to_thread.run_sync(ref.moe, 0, x, ids, w))
     assert a.server.stats.calls == 1
 
 
-async def test_the_engine_computes_the_share_surely_placed_here_before_the_placement(
+async def test_the_placement_is_known_at_begin_and_the_local_share_is_one_kernel_call(
     nursery: trio.Nursery, golden_model: GGUFModel, coord_transport: Transport
 ) -> None:
-    """Under load, a layer too big for the engine's fast path: the leading ranges that no worker could
-    finish earlier (within the core's ``local_only_pairs`` bound) are computed on the engine thread
-    before it waits for the core's placement; the others as placed (here: two remote, one local);
-    the bits are those of every range computed here."""
+    """Under load, a layer too big for the engine's whole-layer path: ``begin`` returns with the core's
+    placement made (here: two ranges remote, two here), the two remote calls on their way, and the
+    ranges placed here computed by the driver in one kernel call before it waits; the bits are those
+    of every range computed here."""
     quarters = [(0, lo, lo + 2) for lo in range(0, 8, 2)]
     a = await start_volunteer(nursery, golden_model, quarters)
     m = dmap(golden_model, 1, {k: [a] for k in quarters})
@@ -450,34 +452,33 @@ async def test_the_engine_computes_the_share_surely_placed_here_before_the_place
         return d.core.load_state(trio.current_time()).value == "loaded" and a.peer_id in d.core.table.workers
 
     await eventually(attached, within=10)
-    # proven, 2.5 ms; the local kernel 1 ms a pair: at most 2.5 pairs surely here
+    # proven, 2.5 ms; the local kernel 1 ms a pair
     d.core.table.succeeded(a.peer_id, rows=1, latency_s=2.5e-3, wall_ms=1)
     d.core.table.verified(a.peer_id, True)
     d.core.local_cost_s = 1e-3
-    d._engine_local = d.core.local_only_pairs(trio.current_time())
-    assert d._engine_local[0] == pytest.approx(2.5)
 
-    order: list[object] = []
-    compute, placed = d._compute_in_thread, d._engine_placed
+    computed: list[list[int]] = []
+    kernel = d.local_kernel
 
-    def spy_compute(job: Any) -> torch.Tensor:
-        order.append(sorted(set((job.pair_experts + job.lo).tolist())))
-        return compute(job)
+    def spy(job: Any) -> Any:
+        computed.append(sorted(set((job.pair_experts + job.lo).tolist())))
+        return kernel(job)
 
-    def spy_placed(run: Any) -> Any:
-        order.append("placed")
-        return placed(run)
+    d.local_kernel = spy
+    x = torch.randn(4, golden_model.config.d_model, generator=torch.Generator().manual_seed(1)).numpy()
+    ids = np.array([[0, 2], [4, 6], [1, 3], [5, 7]])  # two pairs in each quarter
+    w = np.full((4, 2), 0.5, dtype=np.float32)
 
-    d._compute_in_thread = spy_compute  # type: ignore[method-assign]
-    d._engine_placed = spy_placed  # type: ignore[method-assign]
-    x = torch.randn(4, golden_model.config.d_model, generator=torch.Generator().manual_seed(1))
-    ids = torch.tensor([[0, 2], [4, 6], [1, 3], [5, 7]])  # two pairs in each quarter
-    w = torch.full((4, 2), 0.5)
-    got = await trio.to_thread.run_sync(d.moe, 0, x, ids, w)
-    # quarter 0 (2 pairs <= 2.5) before the placement; then the core: 0 here (2 ms < 2.5), 1 remote
-    # (4 ms > 2.5), 2 here (4 < 5: one call in flight), 3 remote (6 > 5)
-    assert order == [[0, 1], "placed", [4, 5]]
+    def drive() -> tuple[list[int], np.ndarray]:
+        call = d.begin(0, x, ids, w)
+        placed = sorted(i for _, i in call.work)  # known when begin returns: no wait for the trio side
+        return placed, d.result(call)
+
+    placed, got = await trio.to_thread.run_sync(drive)
+    # the core: 0 here (2 ms < 2.5), 1 remote (4 ms > 2.5), 2 here (4 < 5: one call in flight), 3 remote (6 > 5)
+    assert placed == [0, 2]
+    assert computed == [[0, 1, 4, 5]]  # one kernel call for both
     assert a.server.stats.calls == 2
     ref = await make_dispatcher(nursery, golden_model, None)
     ref.set_map(m)
-    assert torch.equal(got, await trio.to_thread.run_sync(ref.moe, 0, x, ids, w))
+    assert np.array_equal(got, await trio.to_thread.run_sync(ref.moe, 0, x, ids, w))

@@ -13,7 +13,7 @@ import torch
 import trio
 
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
-from coordinator.dispatch.dispatcher import VERIFY_RTOL, verify_outputs
+from coordinator.dispatch.verify import VERIFY_RTOL, verify_outputs
 from coordinator.engine.model import Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend

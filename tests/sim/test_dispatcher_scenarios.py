@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 import trio
@@ -64,11 +65,12 @@ def partial_sum(
     return out
 
 
-def fake_kernel(job: LocalJob) -> torch.Tensor:
-    return partial_sum(job.layer, job.lo, job.x, job.pair_rows, job.pair_experts, job.pair_weights)
+def fake_kernel(job: LocalJob) -> np.ndarray:
+    return partial_sum(job.layer, job.lo, torch.from_numpy(job.x), torch.from_numpy(job.pair_rows),
+                       torch.from_numpy(job.pair_experts), torch.from_numpy(job.pair_weights)).numpy()
 
 
-async def local_runner(job: LocalJob) -> torch.Tensor:
+async def local_runner(job: LocalJob) -> np.ndarray:
     await trio.sleep(LOCAL_S_PER_PAIR * int(job.pair_rows.shape[0]))
     return fake_kernel(job)
 
@@ -162,7 +164,7 @@ def reference(
     """Every range computed here (a dispatcher that is not serving), in the same partition."""
     d = Dispatcher(FakeModel(), None, local_kernel=fake_kernel)
     d.set_map(m)
-    return d.moe(layer, x, ids, w)
+    return torch.from_numpy(d.moe(layer, x.numpy(), ids.numpy(), w.numpy()))
 
 
 class Load:
@@ -178,7 +180,7 @@ async def step(d: Dispatcher, m: DispatchMap, layer: int = 0, seed: int = 0, n_t
     """One layer dispatched; asserts its bits equal the all-local ones; returns its virtual duration."""
     x, ids, w = routing(n_tok, seed)
     t0 = trio.current_time()
-    out = await d.dispatch_layer(layer, x, ids, w)
+    out = torch.from_numpy(await d.dispatch_layer(layer, x.numpy(), ids.numpy(), w.numpy()))
     elapsed = trio.current_time() - t0
     assert torch.equal(out, reference(m, layer, x, ids, w))
     return elapsed
@@ -212,7 +214,7 @@ NO_SAMPLING = {"verify_rate": 0.0, "verify_probation_calls": 0, "split_check_s":
 async def settled(d: Dispatcher, within: float = 5.0) -> None:
     """Wait (virtual time) until every remote call has ended and its comparison, if any, is in."""
     async def idle() -> bool:
-        return not (d.core.in_flight() or d.core._comparing or d._kept)
+        return not (d.core.in_flight() or d.core._comparing or d.executor.kept)
 
     await eventually(idle, within=within, interval=0.001)
 
@@ -344,7 +346,7 @@ async def test_the_split_check_keeps_work_here_when_remote_shares_slow_it(
     async def as_fast(req: ExpertRequest) -> float | None:  # on top of the volunteer's 0.5 ms a pair
         return 0.5 * LOCAL_S_PER_PAIR * int(req.n_pairs)
 
-    async def shared_cores(job: LocalJob) -> torch.Tensor:
+    async def shared_cores(job: LocalJob) -> np.ndarray:
         slow = 2.0 if box and box[0].core.table.workers["w1"].in_flight else 1.0
         await trio.sleep(LOCAL_S_PER_PAIR * int(job.pair_rows.shape[0]) * slow)
         return fake_kernel(job)
@@ -538,7 +540,7 @@ async def test_a_hedges_loser_is_cancelled_on_the_volunteer(
         await trio.sleep(1.0)
         assert a.answered == 0
         assert d.report().errors == [] and worker(d, "a")["failures"] == 0
-        assert d._clients["a"].cancels_sent == 1
+        assert d.peers.clients["a"].cancels_sent == 1
         assert [(r.lo, r.attempt) for r in b.calls] == [(4, 0), (0, 1)]  # 4-7, then the hedge of 0-3
 
 
@@ -588,7 +590,7 @@ async def test_not_held_without_replica_fails(clock: trio.testing.MockClock, nur
         d.set_map(dmap({(0, 4, 8): []}))
         x, ids, w = routing()
         with pytest.raises(DispatchFailed, match="layer 0 experts 0-4"):
-            await d.dispatch_layer(0, x, ids, w)
+            await d.dispatch_layer(0, x.numpy(), ids.numpy(), w.numpy())
         assert decisions(d)[Reason.NO_REPLICA.value] == 1
 
 

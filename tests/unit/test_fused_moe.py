@@ -1,5 +1,5 @@
 """A local layer's routed MoE inside its AttnOut graph (``AttnOutMoE``): the same bits as the
-separate path (AttnOut graph, numpy top-k, ``ExpertKernel.combined``, the residual add), on every
+separate path (AttnOut graph, numpy top-k, the layer path of ``coordinator.dispatch``, the residual add), on every
 architecture whose gate it computes, for decode steps of 1-16 rows; each row's result does not
 depend on the other rows; the engine uses it only when the expert backend says the layer is
 computed here whole."""
@@ -20,14 +20,11 @@ FUSING = ["qwen3moe-tiny-q8_0", "qwen3moe-small-w224-q4_k_m", "qwen3moe-tiny-q4_
           "qwen2moe-tiny-mxfp4_moe", "mixtral-spm-tiny-q8_0", "deepseek2-tiny-q8_0", "qwen3moe-tiny-f32"]
 
 
-class Unfused:
-    """The same local experts without ``local_layer``: the engine takes the separate path."""
+class Unfused(LocalExperts):
+    """The same local experts never computing a layer whole: the engine takes the separate path."""
 
-    def __init__(self, model: GGUFModel) -> None:
-        self.local = LocalExperts(model)
-
-    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.local.moe(layer, x, ids, w)
+    def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
+        return False
 
 
 class Counting(LocalExperts):
@@ -35,7 +32,7 @@ class Counting(LocalExperts):
         super().__init__(model)
         self.allow, self.asked, self.ran = allow, 0, []
 
-    def local_layer(self, layer: int, n_pairs: int) -> bool:
+    def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
         self.asked += 1
         return self.allow
 
@@ -86,7 +83,7 @@ def test_a_fused_rows_result_does_not_depend_on_the_other_rows() -> None:
 
 @pytest.mark.parametrize("allow", [True, False])
 def test_the_backend_decides_and_hears(allow: bool) -> None:
-    """Fused only where ``local_layer`` allows; ``ran_here`` gets each fused layer's experts, which are
+    """Fused only where ``whole_layer_here`` allows; ``ran_here`` gets each fused layer's experts, which are
     the separate path's top-k."""
     model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
     be = Counting(model, allow)

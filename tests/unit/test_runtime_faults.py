@@ -4,28 +4,32 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+import numpy as np
 import trio
 
 from coordinator.core.scheduler import Emit, Finish, GenParams
+from coordinator.dispatch.layer import LayerCall
 from coordinator.engine.model import LocalExperts
 from coordinator.engine.runtime import EngineFailed, EngineRuntime
 from swarm.model.gguf import GGUFModel
 from swarm.text.tokenizer import Tokenizer
 
 
-class Flaky:
-    """Local experts, except while ``mode`` says to raise or to return inf."""
+class Flaky(LocalExperts):
+    """Local experts (never a fused layer), except while ``mode`` says to raise or to return inf."""
 
     def __init__(self, model: GGUFModel) -> None:
-        self.local = LocalExperts(model)
+        super().__init__(model)
         self.mode = "ok"
 
-    def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
+        return False
+
+    def result(self, call: LayerCall) -> np.ndarray:
         if self.mode == "raise":
             raise RuntimeError("expert backend exploded")
-        out = self.local.moe(layer, x, ids, w)
-        return torch.full_like(out, float("inf")) if self.mode == "inf" else out
+        out = super().result(call)
+        return np.full_like(out, float("inf")) if self.mode == "inf" else out
 
 
 async def run(rt: EngineRuntime, prompt: list[int], **kw: Any) -> tuple[list[int], str, object]:

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from swarm.model.gguf import ExpertStack
     from swarm.model.kernels.ggml import GgmlExpertKernel
 
-__all__ = ["BIG_WORK", "DEFAULT_BACKEND", "EXPERT_ACTIVATIONS", "ExpertKernel", "KernelBackend", "combine_pairs", "compute_threads",
+__all__ = ["BIG_WORK", "DEFAULT_BACKEND", "EXPERT_ACTIVATIONS", "ExpertKernel", "KernelBackend", "add_in_expert_order",
+           "combine_pairs", "compute_threads",
            "configure_threads",
            "expert_kernel", "kernel_id", "set_compute_threads"]
 
@@ -119,6 +120,15 @@ class ExpertKernel(Protocol):
         ``combine_pairs`` over ``pair_outputs`` (so of any partition of the slice), in one call."""
         ...
 
+    def pair_outputs_np(self, x: np.ndarray, pair_rows: np.ndarray, pair_experts: np.ndarray,
+                        pair_weights: np.ndarray) -> np.ndarray:
+        """``pair_outputs`` on numpy arrays (the dispatch path: no torch in between)."""
+        ...
+
+    def combined_np(self, x: np.ndarray, topk_ids: np.ndarray, topk_w: np.ndarray) -> np.ndarray:
+        """``combined`` on numpy arrays."""
+        ...
+
 
 def combine_pairs(n_rows: int, pair_rows: Any, pair_experts: Any, y: Any) -> torch.Tensor:
     """The MoE sum of a layer from its pairs' weighted outputs: per row, ``acc = 0`` then ``acc += y_p``
@@ -166,6 +176,18 @@ class TorchExpertKernel:
         n, k = topk_ids.shape
         rows = torch.arange(n).repeat_interleave(k)
         return self.partial_sum(x, rows, topk_ids.reshape(-1), topk_w.reshape(-1))
+
+    def pair_outputs_np(self, x: np.ndarray, pair_rows: np.ndarray, pair_experts: np.ndarray,
+                        pair_weights: np.ndarray) -> np.ndarray:
+        return self.pair_outputs(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+                                 torch.from_numpy(np.asarray(pair_rows, dtype=np.int64)),
+                                 torch.from_numpy(np.asarray(pair_experts, dtype=np.int64)),
+                                 torch.from_numpy(np.array(pair_weights, dtype=np.float32))).numpy()
+
+    def combined_np(self, x: np.ndarray, topk_ids: np.ndarray, topk_w: np.ndarray) -> np.ndarray:
+        return self.combined(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+                             torch.from_numpy(np.asarray(topk_ids, dtype=np.int64)),
+                             torch.from_numpy(np.array(topk_w, dtype=np.float32))).numpy()
 
 
 _PoolKey = tuple[tuple[int, int, int], int, int, int, int, str, bool]
@@ -224,22 +246,31 @@ class GgmlKernel:
     def pair_outputs(
         self, x: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor, pair_weights: torch.Tensor
     ) -> torch.Tensor:
-        xs = x.detach().to(torch.float32).contiguous().numpy()
-        w = pair_weights.detach().to(torch.float32).numpy().reshape(-1)
-        work = int(pair_rows.numel()) * 3 * self.stack.d_model * self.stack.d_expert
-        with _pooled(self.stack, compute_threads(work)) as k:
-            y = k.expert_outputs(xs, pair_rows.numpy(), pair_experts.numpy())
-        if w.shape[0] != y.shape[0]:
-            raise ValueError("pair_weights differs in length from pair_rows")
-        y *= w[:, None]  # float32 product, rounded (no FMA), as in GgmlExpertKernel.compute
-        return torch.from_numpy(y)
+        return torch.from_numpy(self.pair_outputs_np(x.detach().to(torch.float32).contiguous().numpy(),
+                                                     pair_rows.numpy(), pair_experts.numpy(),
+                                                     pair_weights.detach().to(torch.float32).numpy()))
 
     def combined(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         xs = x.detach().to(torch.float32).contiguous().numpy()
-        work = int(topk_ids.numel()) * 3 * self.stack.d_model * self.stack.d_expert
+        return torch.from_numpy(self.combined_np(xs, topk_ids.numpy(), topk_w.detach().to(torch.float32).numpy()))
+
+    def pair_outputs_np(self, x: np.ndarray, pair_rows: np.ndarray, pair_experts: np.ndarray,
+                        pair_weights: np.ndarray) -> np.ndarray:
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        w = np.asarray(pair_weights, dtype=np.float32).reshape(-1)
+        work = int(pair_rows.size) * 3 * self.stack.d_model * self.stack.d_expert
         with _pooled(self.stack, compute_threads(work)) as k:
-            out = k.combined(xs, topk_ids.numpy(), topk_w.detach().to(torch.float32).numpy())
-        return torch.from_numpy(out)
+            y = k.expert_outputs(xs, pair_rows, pair_experts)
+        if w.shape[0] != y.shape[0]:
+            raise ValueError("pair_weights differs in length from pair_rows")
+        y *= w[:, None]  # float32 product, rounded (no FMA), as in GgmlExpertKernel.compute
+        return y
+
+    def combined_np(self, x: np.ndarray, topk_ids: np.ndarray, topk_w: np.ndarray) -> np.ndarray:
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        work = int(topk_ids.size) * 3 * self.stack.d_model * self.stack.d_expert
+        with _pooled(self.stack, compute_threads(work)) as k:
+            return k.combined(xs, np.asarray(topk_ids), np.asarray(topk_w, dtype=np.float32))
 
 
 def expert_kernel(stack: ExpertStack, backend: KernelBackend = DEFAULT_BACKEND) -> ExpertKernel:

@@ -1,0 +1,462 @@
+"""The dispatch core's effects, executed (shell).
+
+``Executor.split(effects)`` runs under the dispatcher's lock, on whichever thread handled the event
+(the driver's or the trio thread), and sorts each effect by where it must run:
+
+- **bookkeeping, at once, under the lock**: local work for a layer (``RunLocal``, a local
+  ``Hedge``) goes to the layer's call for its driver; ``Combine`` / ``Fail`` end the call;
+  ``Forget`` drops kept answers; a ``Cancel`` of local work not started yet removes it;
+- **inline, outside the lock, on the same thread**: comparisons (``Compare``, ``Settle``: numpy on
+  the kept answers; they answer with events) and the log lines (``MarkDown``, ``MarkProven``,
+  ``ModeChanged``, ``SplitChecked``);
+- **the trio thread**: remote calls (``SendRemote``, a remote ``Hedge``), cancelling them
+  (``Cancel``), timers, ``Quarantine``'s hooks. A driver hands these over in one batch per handling
+  (one thread crossing), with the remote calls already encoded.
+
+Remote calls: the ``SendRemote``s of one handling that go to the same peer for adjacent ranges are
+one wire request (``WireCall``; when the peer's Hello offers ``multi_range``): one call per peer per
+layer. Its answer is split back into each range's per-pair outputs; a failure fails each range's
+call; cancelling one range's call only drops its share (the request is cancelled once all are).
+
+Timers: one trio task sleeps until the earliest of them (a heap; a cancelled timer is skipped when
+it comes up), so a remote call costs no task per timer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from coordinator.core.events import (
+    CallId,
+    Cancel,
+    CancelTimer,
+    Combine,
+    Compare,
+    Compared,
+    Effect,
+    Event,
+    Fail,
+    FailureKind,
+    Forget,
+    Hedge,
+    MarkDown,
+    MarkProven,
+    ModeChanged,
+    Quarantine,
+    Reason,
+    RemoteDone,
+    RemoteFailed,
+    RunLocal,
+    SendRemote,
+    Settle,
+    Settled,
+    SplitChecked,
+    StartTimer,
+    StepId,
+    Timer,
+    TimerFired,
+)
+from coordinator.dispatch.layer import LayerCall
+from coordinator.dispatch.peers import Peers
+from coordinator.dispatch.verify import verify_outputs
+from swarm.core.histogram import Histogram
+from swarm.errors import (
+    BrokenError,
+    ClosedError,
+    DialError,
+    ProtocolError,
+    Refused,
+    SwarmError,
+    TransportTimeout,
+)
+from swarm.protocol.coordinator import ModeChange
+from swarm.protocol.expert import (
+    FEATURE_MULTI_RANGE,
+    FEATURE_ROW_SUMS,
+    ExpertRequest,
+    Pairs,
+    RequestId,
+    make_pairs,
+)
+
+__all__ = ["LATENCY_BOUNDS", "Executor", "WireCall"]
+
+log = logging.getLogger(__name__)
+
+# remote call latency buckets for /metrics (seconds)
+LATENCY_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+_MISSING = frozenset({Reason.NO_REPLICA, Reason.ALL_DOWN, Reason.ALL_FAILED})
+
+
+def failure_kind(exc: SwarmError) -> FailureKind:
+    match exc:
+        case TransportTimeout():
+            return FailureKind.TIMEOUT
+        case DialError():
+            return FailureKind.DIAL
+        case BrokenError():
+            return FailureKind.BROKEN
+        case ClosedError():
+            return FailureKind.CLOSED
+        case Refused():
+            return FailureKind.REFUSED
+        case ProtocolError():
+            return FailureKind.PROTOCOL
+    return FailureKind.OTHER
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(eq=False)
+class WireCall:
+    """One wire request: the core calls (one per range, ascending ``lo``) it answers for."""
+
+    peer: str
+    layer: int
+    calls: list[CallId]
+    req: ExpertRequest
+    x: np.ndarray
+    pairs: Pairs
+    spans: list[tuple[int, int]]  # each call's share of the answer: indices into the pairs (merged: a gather)
+    gather: list[np.ndarray] | None = None  # merged: each call's pair positions in the request's order
+    call: LayerCall | None = None
+    dropped: set[CallId] = field(default_factory=set)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+@dataclass
+class _Split:
+    trio: list[Effect] = field(default_factory=list)
+    inline: list[Effect] = field(default_factory=list)
+
+
+class Executor:
+    def __init__(self, *, peers: Peers, model_id: str, d_model: int, wire_dtype: str, timeout_s: float,
+                 our_kernel: str, handle: Callable[[list[Event], bool], None], lock: threading.Lock) -> None:
+        self.lock = lock
+        self.peers = peers
+        self.model_id = model_id
+        self.d_model = d_model
+        self.wire_dtype = wire_dtype
+        self.timeout_s = timeout_s
+        self.our_kernel = our_kernel
+        self._handle = handle  # the dispatcher's: events into the core, on the trio thread (True) or not
+        self.calls: dict[StepId, LayerCall] = {}  # layers in flight
+        self.keep: set[CallId] = set()  # calls whose answers the core will compare
+        self.kept: dict[CallId, np.ndarray] = {}
+        self.wires: dict[CallId, WireCall] = {}  # a remote call -> its wire request
+        self.local_calls: set[CallId] = set()  # local work handed to a driver, not reported yet
+        self.on_quarantine: list[Callable[[Quarantine], None]] = []
+        self.mode_changes: deque[ModeChange] = deque(maxlen=16)
+        self.state_of: Callable[[], str] = lambda: ""
+        self.latency_hist = Histogram(LATENCY_BOUNDS)
+        self._nursery: trio.Nursery | None = None
+        self._timers: list[tuple[float, int, Timer]] = []
+        self._timer_live: dict[Timer, int] = {}
+        self._timer_seq = 0
+        self._timer_wake = trio.Event()
+
+    # -- lifetime (trio) ---------------------------------------------------------------------------
+    async def run(self, nursery: trio.Nursery, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """The timer task; remote calls run in ``nursery`` (from ``started`` on)."""
+        self._nursery = nursery
+        task_status.started()
+        try:
+            while True:
+                self._timer_wake = trio.Event()
+                at = self._timers[0][0] if self._timers else None
+                with trio.move_on_at(at if at is not None else trio.current_time() + 3600):
+                    await self._timer_wake.wait()
+                fired: list[Event] = []
+                now = trio.current_time()
+                while self._timers and self._timers[0][0] <= now:
+                    _, seq, t = heapq.heappop(self._timers)
+                    if self._timer_live.get(t) == seq:
+                        del self._timer_live[t]
+                        fired.append(TimerFired(t))
+                if fired:
+                    self._handle(fired, True)
+        finally:
+            self._nursery = None
+
+    @property
+    def serving(self) -> bool:
+        return self._nursery is not None
+
+    # -- sorting effects (under the lock) --------------------------------------------------------------
+    def split(self, effects: list[Effect]) -> _Split:
+        out = _Split()
+        for eff in effects:
+            match eff:
+                case RunLocal(call=cid, step=step, index=index, keep=keep):
+                    if keep:
+                        self.keep.add(cid)
+                    self._local_work(step, cid, index)
+                case Hedge(call=cid, step=step, index=index, peer=None):
+                    self._local_work(step, cid, index)
+                case Combine(step=step, calls=calls):
+                    call = self.calls.pop(step, None)
+                    if call is not None:
+                        call.timing.ended = time.perf_counter()
+                        call.end(winners=calls)
+                case Fail(step=step, reason=reason):
+                    call = self.calls.pop(step, None)
+                    if call is not None:
+                        call.timing.ended = time.perf_counter()
+                        call.end(fail=eff, missing=reason in _MISSING)
+                case Forget(calls=calls):
+                    for c in calls:
+                        self.keep.discard(c)
+                        self.kept.pop(c, None)
+                case Cancel(call=cid) if cid in self.local_calls:
+                    self.local_calls.discard(cid)
+                    self._drop_local(cid)
+                case SendRemote(keep=True, call=cid):
+                    self.keep.add(cid)
+                    out.trio.append(eff)
+                case Compare() | Settle() | MarkDown() | MarkProven() | ModeChanged() | SplitChecked():
+                    out.inline.append(eff)
+                case _:
+                    out.trio.append(eff)
+        return out
+
+    def _local_work(self, step: StepId, cid: CallId, index: int) -> None:
+        call = self.calls.get(step)
+        if call is None:  # the layer ended meanwhile: nobody to compute it (the core expects nothing)
+            return
+        self.local_calls.add(cid)
+        call.add_work([(cid, index)])
+
+    def _drop_local(self, cid: CallId) -> None:
+        for call in self.calls.values():
+            if any(c == cid for c, _ in call.work):
+                call.work = [(c, i) for c, i in call.work if c != cid]
+                return
+
+    def local_result(self, call: LayerCall, cid: CallId, y: np.ndarray) -> bool:
+        """Under the lock: a driver computed ``cid``; False if the core no longer wants it."""
+        if cid not in self.local_calls:
+            return False
+        self.local_calls.discard(cid)
+        call.results[cid] = y
+        if cid in self.keep:
+            self.kept[cid] = y
+        return True
+
+    # -- inline effects (outside the lock, any thread) --------------------------------------------------
+    def run_inline(self, effects: list[Effect]) -> list[Event]:
+        events: list[Event] = []
+        for eff in effects:
+            match eff:
+                case Compare(remote=remote, local=local, peer=peer, peer_b=peer_b):
+                    a, b = self.kept.pop(remote, None), self.kept.pop(local, None)
+                    self.keep.discard(remote)
+                    self.keep.discard(local)
+                    if a is None or b is None:  # cannot happen: the core asks only once both answered
+                        equal, detail = False, "an answer to compare is missing"
+                        log.error("verification of %s: %s", peer, detail)
+                    else:
+                        theirs = self.peers.kernel_of(peer_b) if peer_b is not None else self.our_kernel
+                        exact = self.wire_dtype == "float32" and self.peers.kernel_of(peer) == theirs
+                        equal, detail = verify_outputs(a, b, exact=exact)
+                        if peer_b is not None and not equal:  # two replicas disagree: kept until settled here
+                            self.kept[remote], self.kept[local] = a, b
+                            self.keep.update((remote, local))
+                            log.warning("replicas %s and %s disagree on layer %d experts %d-%d (%s): computing it "
+                                        "here", peer, peer_b, eff.layer, eff.lo, eff.hi, detail)
+                    events.append(Compared(remote, equal, detail))
+                case Settle(a=ca, b=cb, local=cl, peer_a=pa, peer_b=pb):
+                    ours = self.kept.pop(cl, None)
+                    verdicts = []
+                    for call, peer in ((ca, pa), (cb, pb)):
+                        theirs_t = self.kept.pop(call, None)
+                        if ours is None or theirs_t is None:
+                            verdicts.append((True, "an answer to settle with is missing"))  # no evidence: no quarantine
+                            continue
+                        exact = self.wire_dtype == "float32" and self.peers.kernel_of(peer) == self.our_kernel
+                        verdicts.append(verify_outputs(theirs_t, ours, exact=exact))
+                    self.keep.difference_update((ca, cb, cl))
+                    (ea, da), (eb, db) = verdicts
+                    events.append(Settled(ca, ea, eb, da, db))
+                case MarkDown(peer=peer, kind=kind, message=message, retry_at=retry_at):
+                    log.warning("worker %s marked down (%s: %s), retry at +%.1fs", peer, kind.value, message,
+                                max(0.0, retry_at - self._now_guess()))
+                case MarkProven(peer=peer):
+                    log.info("worker %s proven", peer)
+                case ModeChanged(state=state, reason=reason):
+                    log.info("dispatch: %s (%s)", state.value, reason.value)
+                    self.mode_changes.append(ModeChange(at_ms=wall_ms(), state=state.value, reason=reason.value))
+                case SplitChecked(outcome=o, reason=reason):
+                    windows = " / ".join(f"{r:.0f}" for r in o.local_rates) if o.local_rates else "the rate it beat"
+                    detail = (f"{'held split fell behind: ' if o.watched else ''}split {o.split_rate:.0f} vs local "
+                              f"{o.local_rate:.0f} ({windows}) routed pairs/s: {o.arm.value} for {o.until - o.at:.0f} s")
+                    log.info("dispatch: %s (%s)", reason.value, detail)
+                    self.mode_changes.append(ModeChange(at_ms=wall_ms(), state=self.state_of(), reason=reason.value,
+                                                        detail=detail))
+        return events
+
+    def _now_guess(self) -> float:
+        try:
+            return trio.current_time()
+        except RuntimeError:
+            return 0.0
+
+    # -- wire calls (built on the handling thread, outside the lock) -----------------------------------
+    def wires_for(self, sends: list[SendRemote | Hedge], calls: dict[StepId, LayerCall]) -> list[WireCall]:
+        """The wire requests of one handling's remote calls: adjacent ranges of one layer to the same
+        peer (that offers ``multi_range``) merged, each request built once from the call's arrays."""
+        groups: list[list[SendRemote | Hedge]] = []
+        for s in sends:
+            g = groups[-1] if groups else None
+            if (g is not None and g[-1].peer == s.peer and g[-1].step == s.step and g[-1].hi == s.lo
+                    and isinstance(s, SendRemote) and isinstance(g[-1], SendRemote)
+                    and FEATURE_MULTI_RANGE in self.peers.features_of(s.peer or "")):
+                g.append(s)
+            else:
+                groups.append([s])
+        out = []
+        for g in groups:
+            call = calls.get(g[0].step)
+            if call is None:
+                continue
+            out.append(self._wire(g, call))
+        return out
+
+    def _wire(self, g: list[SendRemote | Hedge], call: LayerCall) -> WireCall:
+        first = g[0]
+        assert first.peer is not None
+        jobs = [call.jobs[s.index] for s in g]
+        if len(g) == 1:
+            j = jobs[0]
+            x, pairs = j.x, j.pairs
+            spans, gather = [(0, j.n_pairs)], None
+        else:  # rows of every range, once; pairs re-indexed and in wire order; each range's share remembered
+            rows = np.unique(np.concatenate([j.rows for j in jobs]))
+            x = np.ascontiguousarray(call.x[rows])
+            pr = np.concatenate([np.searchsorted(rows, j.rows[j.pairs.rows]) for j in jobs])
+            pe = np.concatenate([j.pairs.experts.astype(np.int64) + (j.lo - first.lo) for j in jobs])
+            pw = np.concatenate([j.pairs.weights for j in jobs])
+            order = np.lexsort((pe, pr))
+            pairs = make_pairs(pr[order], pe[order], pw[order])
+            pos = np.empty_like(order)
+            pos[order] = np.arange(order.shape[0])
+            gather, at = [], 0
+            for j in jobs:
+                gather.append(pos[at:at + j.n_pairs])
+                at += j.n_pairs
+            spans = [(0, 0)] * len(g)
+        # the request carries every pair of the layer (so of its rows) and its answer is used as it is
+        # (not kept for a comparison with per-pair outputs): the volunteer may add them up itself
+        summed = (len(g) == len(call.jobs) == 1 and g[0].call not in self.keep
+                  and FEATURE_ROW_SUMS in self.peers.features_of(first.peer))
+        req = ExpertRequest(request_id=RequestId(first.request_id), attempt=first.attempt, model_id=self.model_id,
+                            layer=call.layer, lo=first.lo, hi=g[-1].hi, n_rows=int(x.shape[0]), d_model=self.d_model,
+                            n_pairs=len(pairs), dtype=self.wire_dtype, sum_rows=summed)
+        return WireCall(first.peer, call.layer, [s.call for s in g], req, x, pairs, spans, gather, call)
+
+    # -- trio effects ------------------------------------------------------------------------------------
+    def run_trio(self, effects: list[Effect], wires: list[WireCall] | None = None) -> list[Event]:
+        """On the trio thread: start, cancel and time what the effects ask; events raised at once are
+        returned (a call that cannot even start fails)."""
+        events: list[Event] = []
+        sends = [e for e in effects if isinstance(e, SendRemote | Hedge) and e.peer is not None]
+        if wires is None:
+            wires = self.wires_for(sends, self.calls)
+        for w in wires:
+            if self._nursery is None or self.peers.transport is None:
+                events.extend(RemoteFailed(c, FailureKind.CLOSED, "the dispatcher is not serving") for c in w.calls)
+                continue
+            for c in w.calls:
+                self.wires[c] = w
+            self._nursery.start_soon(self._remote, w)
+        started = {c for w in wires for c in w.calls}
+        for s in sends:
+            if s.call not in started:  # its layer ended before the call could be built
+                events.append(RemoteFailed(s.call, FailureKind.CLOSED, "the layer ended"))
+        for eff in effects:
+            match eff:
+                case Cancel(call=cid):
+                    wc = self.wires.get(cid)
+                    if wc is not None:
+                        wc.dropped.add(cid)
+                        del self.wires[cid]
+                        if all(c in wc.dropped for c in wc.calls):
+                            wc.scope.cancel()
+                case StartTimer(timer=timer, at=at):
+                    self._timer_seq += 1
+                    self._timer_live[timer] = self._timer_seq
+                    heapq.heappush(self._timers, (at, self._timer_seq, timer))
+                    if self._timers[0][2] is timer:
+                        self._timer_wake.set()
+                case CancelTimer(timer=timer):
+                    self._timer_live.pop(timer, None)
+                case Quarantine(peer=peer, evidence=evidence):
+                    log.error("worker %s quarantined: %s", peer, evidence)
+                    for hook in self.on_quarantine:
+                        try:
+                            hook(eff)
+                        except Exception:  # a reporting hook must not stop dispatch
+                            log.exception("quarantine hook failed")
+        return events
+
+    async def _remote(self, w: WireCall) -> None:
+        started = trio.current_time()
+        events: list[Event] = []
+        results: list[tuple[CallId, np.ndarray]] = []
+        with w.scope:
+            try:
+                y, resp = await self.peers.client(w.peer).call_np(w.req, w.x, w.pairs, timeout=self.timeout_s)
+            except SwarmError as exc:
+                msg = f"{type(exc).__name__}[{exc.code}]: {exc.message}"
+                log.info("expert call to %s failed (layer %d %d-%d): %s", w.peer, w.layer, w.req.lo, w.req.hi, msg)
+                events = [RemoteFailed(c, failure_kind(exc), msg, wall_ms()) for c in w.calls]
+            else:
+                for k, c in enumerate(w.calls):
+                    results.append((c, y if w.gather is None else y[w.gather[k]]))
+                self.peers.note_session(w.peer, started)
+                self.latency_hist.observe(trio.current_time() - started)
+                ms = wall_ms()
+                events = [RemoteDone(c, ms) for c in w.calls]
+                if w.call is not None:
+                    t = w.call.timing
+                    t.answered = time.perf_counter()
+                    t.calls += 1
+                    t.volunteer_s = max(t.volunteer_s, resp.served_us / 1e6)
+                    t.compute_s = max(t.compute_s, resp.compute_us / 1e6)
+        for c in w.calls:
+            if self.wires.get(c) is w:
+                del self.wires[c]
+        if w.scope.cancelled_caught:
+            return
+        keep = [(c, y) for c, y in results if c not in w.dropped]
+        if w.req.sum_rows and w.call is not None:  # the layer's one range: its rows' sums, as they are
+            w.call.summed.update(c for c, _ in keep)
+        evs = [e for e in events if getattr(e, "call", None) not in w.dropped]
+        if keep:
+            self.store(keep, w)
+        if evs:
+            self._handle(evs, True)
+
+    def store(self, results: list[tuple[CallId, np.ndarray]], w: WireCall) -> None:
+        """Remote answers kept for their layer and for verification (before the core hears of them:
+        a driver reads a layer's results only once the core combined it)."""
+        with self.lock:
+            for c, y in results:
+                if w.call is not None:
+                    w.call.results[c] = y
+                if c in self.keep:
+                    self.kept[c] = y
+
