@@ -43,10 +43,9 @@ local run of the same repeat, and their median.
 
 ``--rtt-ms 0 10 40`` runs every case at each round trip: for > 0 the coordinator reaches the
 volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem). The engine's
-two alternating micro-batches apply only where it must wait for remote ranges (offload mode, or
-ranges the coordinator does not hold) with a round trip longer than the layer's compute
-(``DispatchCore.overlap_pays``); here every expert is held, so earliest finish and the split check
-decide.
+session groups apply only where it must wait for remote ranges (offload mode, or ranges the
+coordinator does not hold: ``coordinator.core.pipeline``); here every expert is held, so earliest
+finish and the split check decide.
 """
 
 from __future__ import annotations

@@ -130,6 +130,7 @@ class _SliceWorker:
         self.last_serve_ms = 0
         self.running = False  # a computation of this slice is under way (direct or batched)
         self.warm_done = False
+        self.warmed = trio.Event()  # set once the warm-up ended (calls then compute at once when idle)
         self._free = trio.Event()  # set when a computation ends
 
     async def submit(self, p: _Pending) -> torch.Tensor:
@@ -173,6 +174,7 @@ class _SliceWorker:
         except Exception:  # a failing slice fails its calls as before; the warm-up only logs
             log.exception("warming slice %s failed", self.sl.key)
         self.warm_done = True
+        self.warmed.set()
         carry: _Pending | None = None
         while True:
             if carry is not None:

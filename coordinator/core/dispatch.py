@@ -62,20 +62,6 @@ Rules (the machines' own rules are in their modules):
   fastest live proven worker's estimate for the smallest call (its latency EWMA with the per-pair
   part taken out, once known; plus its calls in flight) is no earlier than the local finish of the
   whole layer (``(backlog + pairs) x seconds per pair``; ties go local).
-- Micro-batches (``overlap_pays``): the engine alternates two micro-batches of a step only where
-  it would otherwise wait for remote ranges whatever their round trip -- ``offload`` mode, or (the
-  shell says) a map with ranges not held here -- and that round trip is long: the fastest live
-  worker's latency EWMA is at least ``overlap_min_rtt_s`` (15 ms) and exceeds computing the whole
-  layer here (``pairs x seconds per pair``).
-  Then one micro-batch's dense half computes while the other's remote share is in flight. Not
-  under earliest-finish: it sends a range remote only when that finishes before the local share
-  would, so there is little wait to fill, and two micro-batches cost more than one step (less
-  sharing of expert weights, twice the per-layer overhead). Measured on 2 cores
-  (``benchmarks/offload.py``, 8 sessions; scratch patches): with half of each layer forced remote,
-  micro-batches give 0.63x vs 0.76x of local-only at a 0 ms round trip, 0.61x vs 0.55x at 10 ms,
-  0.30x vs 0.28x at 40 ms; a coordinator holding half of the experts (the rest on the volunteer,
-  0 ms) 45.5 vs 47.5 tokens/s; a backbone coordinator (``benchmarks/capacity.py --quick``, loopback
-  round trips of a few ms) 148 vs 172 tokens/s at 4 sessions. Hence the floor.
 - ``Combine(step, calls)`` once every range of the layer has a result: the winning call of each
   range, in ascending ``lo`` (DESIGN §3: the same kernel on the same rows wherever it ran, summed
   in the same order, whoever won).
@@ -370,15 +356,6 @@ class DispatchCore:
         """Is a live proven worker still in probation (every answer of it verified)?"""
         return any(w.proven and w.probation_left > 0 and self.table.is_live(p, now)
                    for p, w in self.table.workers.items())
-
-    def overlap_pays(self, n_pairs: int, now: float, *, not_held: bool = False) -> bool:
-        """Do two alternating micro-batches help a step of ``n_pairs`` routed pairs per layer now?
-        ``not_held``: the shell's map lists ranges this coordinator does not hold. (See the module rules.)"""
-        if not (not_held or self.config.mode is DispatchMode.OFFLOAD):
-            return False
-        rtts = [w.latency_ewma_ms / 1000.0 for p, w in self.table.workers.items()
-                if self.table.is_live(p, now) and w.latency_ewma_ms > 0]
-        return bool(rtts) and min(rtts) >= self.config.overlap_min_rtt_s and min(rtts) > n_pairs * self.local_cost_s
 
     def in_flight(self) -> int:
         return sum(1 for c in self._calls.values() if not c.done)

@@ -136,9 +136,6 @@ class DispatchConfig:
     hot_experts: int = 0  # the K most-routed experts of each layer always run locally
     hot_decay: float = 0.98  # per layer call: the routing counts' memory
     local_cost_prior_s: float = 20e-6  # seconds per (row, expert) pair before the first measurement
-    # micro-batches only from this round trip on (see the module rules: measured on one 2-core box,
-    # they cost more than they fill up to ~10 ms and paid from 10-20 ms)
-    overlap_min_rtt_s: float = 0.015
     ewma_alpha: float = 0.2
     # under load, a proven worker without a latency sample for this long is probed (0: never): an
     # estimate is only refreshed by calls, so one slow early answer must not keep it idle for good

@@ -70,6 +70,7 @@ from coordinator.core.dispatch import (
     WorkerTable,
 )
 from coordinator.core.holdings import HoldBook, Holding
+from coordinator.core.pipeline import PipelineModel
 from coordinator.dispatch import report as reports
 from coordinator.dispatch.executor import Executor, WireCall
 from coordinator.dispatch.layer import (
@@ -191,7 +192,8 @@ class Dispatcher:
         self._not_held = False  # the map lists a range this coordinator does not hold
         self._ran_here: list[Event] = []  # engine thread only: whole layers not yet reported
         self.missing_wait_s = missing_wait_s
-        self.timings: deque[LayerTiming] = deque(maxlen=512)  # the last remote layers' stages (/dispatch)
+        self.timings: deque[LayerTiming] = deque(maxlen=256)  # the last remote layers' stages (/dispatch)
+        self.pipeline = PipelineModel()  # the session groups' costs, learnt from the remote layers
         self._map_changed = threading.Event()  # for a driver thread
         self._map_event = trio.Event()  # for a trio driver (replaced at each change)
         self.missing_waits = 0  # layers that waited for coverage
@@ -535,6 +537,9 @@ class Dispatcher:
         t.combined = time.perf_counter()
         if t.calls:
             self.timings.append(t)
+            if t.handed and t.answered:  # what the session groups are chosen by
+                self.pipeline.sample(call.n_tok, t.dense_s, t.volunteer_s,
+                                     (t.woken - t.placed) - t.volunteer_s)
         return out
 
     def _combine(self, call: LayerCall) -> np.ndarray:
@@ -669,13 +674,14 @@ class Dispatcher:
             evs, self._ran_here = self._ran_here, []
             self._handle(evs, self._on_trio())
 
-    def groups(self, n_seqs: int, n_pairs: int) -> int:
+    def groups(self, n_seqs: int, n_rows: int) -> int:
         """How many groups of sessions the engine advances independently through a step of ``n_seqs``
-        sequences and ``n_pairs`` routed pairs per layer (1: all together)."""
+        sequences and ``n_rows`` rows (1: all together): where the layers wait for remote ranges
+        whatever the load (``offload`` mode, or ranges this coordinator does not hold), as many as
+        the measured round trip, dense and remote costs make fastest (``coordinator.core.pipeline``)."""
         if self._token is None or n_seqs < 2 or not (self._not_held or self.config.mode is DispatchMode.OFFLOAD):
             return 1
-        with self.lock:
-            return 2 if self.core.overlap_pays(n_pairs, self._now(), not_held=self._not_held) else 1
+        return self.pipeline.groups(n_seqs, n_rows)
 
     # -- reports -----------------------------------------------------------------------------------------
     def holes(self, now: float) -> int:

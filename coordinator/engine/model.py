@@ -66,7 +66,7 @@ class ExpertBackend(Protocol):
     - ``begin`` starts a layer (its placement is known when it returns), ``service`` computes the
       local work placed here on the calling thread (True once the layer has ended), ``result``
       waits and combines: what the engine computes in between overlaps the remote calls;
-    - ``groups(n_seqs, n_pairs)``: into how many groups of sessions the engine splits a step, each
+    - ``groups(n_seqs, n_rows)``: into how many groups of sessions the engine splits a step, each
       advancing through the layers on its own (one's dense half while another's experts are remote).
     """
 
@@ -83,7 +83,7 @@ class ExpertBackend(Protocol):
 
     def moe(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray: ...
 
-    def groups(self, n_seqs: int, n_pairs: int) -> int: ...
+    def groups(self, n_seqs: int, n_rows: int) -> int: ...
 
 
 class LocalExperts(Dispatcher):
@@ -456,7 +456,7 @@ class Transformer:
         xn = x.numpy()
         for c in chunks:
             c.cache.begin(c.pos + len(c.tokens))
-        n_groups = min(len(chunks), max(1, self.experts.groups(len(chunks), n_tok * cfg.n_expert_used)))
+        n_groups = min(len(chunks), max(1, self.experts.groups(len(chunks), n_tok)))
         cuts = group_cuts([e - s for s, e in bounds], n_groups)
         groups: list[_Group] = []
         for a, b in itertools.pairwise(cuts):

@@ -25,7 +25,7 @@ from coordinator.engine.model import Transformer
 from swarm.model.gguf import GGUFModel
 from tests.conftest import GOLDEN_GGUF, eventually
 from tests.e2e.test_process_e2e import Proc, cli, procs, stream_with_fault, wait_for_line  # noqa: F401 - fixture
-from tests.integration.test_remote_experts import greedy
+from tests.integration.support import greedy
 from tests.integration.test_slice_download import file_app, serve_app
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from coordinator.engine.model import Transformer
 from swarm.model.gguf import GGUFModel
 from swarm.p2p.libp2p import open_libp2p_transport
 from tests.conftest import FIXTURES
-from tests.integration.test_remote_experts import dmap, greedy, make_dispatcher, report, start_volunteer
+from tests.integration.support import dmap, greedy, make_dispatcher, report, start_volunteer
 
 FILES = ["qwen2moe-tiny-f32", "qwen2moe-tiny-q8_0", "qwen2moe-tiny-mxfp4_moe", "olmoe-tiny-f32", "olmoe-tiny-q8_0",
          "gpt-oss-tiny-f32", "gpt-oss-tiny-mxfp4_moe",

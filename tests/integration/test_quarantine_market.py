@@ -35,7 +35,7 @@ from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
 from swarm.protocol.market import CoverageHeartbeat, HeldSlice, HeldState
 from swarm.rpc.server import set_expert_handlers
 from tests.conftest import eventually
-from tests.integration.test_remote_experts import greedy
+from tests.integration.support import greedy
 from volunteer.server import ExpertServer
 
 TOKEN = "t0k"

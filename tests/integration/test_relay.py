@@ -30,7 +30,7 @@ from swarm.p2p.nat import Nat, NatConfig, open_listener_host, open_nat
 from swarm.p2p.transport import Stream
 from swarm.protocol.expert import make_hello
 from swarm.rpc.server import set_expert_handlers
-from tests.integration.test_remote_experts import HALVES, greedy
+from tests.integration.support import HALVES, greedy
 from volunteer.server import ExpertServer
 
 # the remote path whatever the load (the relay carries every call), no hedging

@@ -19,7 +19,7 @@ from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
 from swarm.p2p.transport import Transport
 from tests.conftest import FIXTURES, eventually
-from tests.integration.test_remote_experts import (
+from tests.integration.support import (
     HALVES,
     Handler,
     assert_greedy_as_all_local,

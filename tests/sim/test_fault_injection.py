@@ -19,7 +19,7 @@ import trio.testing
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from swarm.p2p.memory import FakeNetwork
 from swarm.protocol.expert import ExpertRequest
-from tests.sim.test_dispatcher_scenarios import HALVES, LATENCY_S, Load, Swarm, dmap, step
+from tests.sim.support import HALVES, LATENCY_S, Load, Swarm, dmap, step
 
 NAMES = ("w1", "w2", "w3")
 

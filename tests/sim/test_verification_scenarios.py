@@ -21,7 +21,7 @@ from swarm.p2p.memory import FakeNetwork, open_fake_transport
 from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
 from swarm.rpc.server import set_expert_handlers
 from swarm.rpc.tensors import pairs_to_tensors
-from tests.sim.test_dispatcher_scenarios import (
+from tests.sim.support import (
     HALVES,
     LATENCY_S,
     REMOTE_S_PER_PAIR,

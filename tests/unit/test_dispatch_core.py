@@ -792,31 +792,3 @@ def test_the_fast_path_size_never_changes_a_placement(
     ranges = tuple(rw(4 * i, 4 * i + 4, *names, pairs=p) for i, p in enumerate(pairs))
     got = placements(c.handle(LayerReady(StepId(1), 0, ranges), 0.6))
     assert got == [("local", None, reason)] * len(pairs)
-
-
-
-@pytest.mark.parametrize(
-    ("setup", "n_pairs", "want"),
-    [
-        ("offload p 30ms", 8, True),  # waits 30 ms for a layer computed here in 8 ms: fill the wait
-        ("offload p 30ms", 40, False),  # the layer's compute (40 ms) is longer than the round trip
-        ("offload p 10ms", 8, False),  # below the 15 ms floor: two micro-batches cost more than they fill
-        ("offload p", 8, False),  # no measured round trip yet
-        ("offload", 8, False),  # nobody listed
-        ("offload p 30ms down", 8, False),
-        ("adaptive p 30ms not-held", 8, True),  # ranges not held here wait for the worker too
-        ("adaptive p 30ms", 8, False),  # earliest finish: little wait to fill
-        ("adaptive p 30ms loaded", 8, False),
-    ],
-)
-def test_overlap_pays(setup: str, n_pairs: int, want: bool) -> None:
-    words = setup.split()
-    c = core(*(["p"] if "p" in words else []), mode=DispatchMode.OFFLOAD if "offload" in words else DispatchMode.ADAPTIVE)
-    for ms in (10, 30):
-        if f"{ms}ms" in words:
-            prove(c, "p", ms * MS)  # 1 ms per pair here (the fixture's prior)
-    if "down" in words:
-        c.table.failed("p", "x", 0.0)
-    if "loaded" in words:
-        loaded(c)
-    assert c.overlap_pays(n_pairs, 0.1, not_held="not-held" in words) is want

@@ -1,0 +1,74 @@
+"""Session groups (``coordinator.core.pipeline``): the cuts, the cost model and the choice of how many
+groups, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.core.pipeline import Affine, PipelineModel, choose_groups, cycle_s, group_cuts
+
+MS = 1e-3
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "cuts"),
+    [
+        ([1, 1, 1, 1], 2, [0, 2, 4]),
+        ([1, 1, 1, 1, 1], 2, [0, 2, 5]),  # 2 + 3 (the nearer of 2.5 first)
+        ([1, 1, 1, 1, 1, 1, 1, 1], 8, list(range(9))),
+        ([1, 1, 1], 5, [0, 1, 2, 3]),  # at most one group a sequence
+        ([1, 1, 1], 0, [0, 3]),  # at least one group
+        ([10, 1, 1, 1], 2, [0, 1, 4]),  # rows, not sequences: a prefill chunk is its own group
+        ([1, 1, 1, 10], 2, [0, 3, 4]),
+        ([5], 3, [0, 1]),
+    ],
+)
+def test_group_cuts(rows: list[int], n: int, cuts: list[int]) -> None:
+    assert group_cuts(rows, n) == cuts
+
+
+DENSE = Affine(0.5 * MS, 0.5 * MS)  # the 30b-a3b shape's dense half here: ~0.5 ms a call + 0.5 ms a row
+REMOTE = Affine(1.0 * MS, 1.2 * MS)  # a volunteer's experts: ~1 ms a call + 1.2 ms a row
+
+
+@pytest.mark.parametrize(
+    ("n_seqs", "latency_ms", "want"),
+    [
+        (1, 20.0, 1),  # one session: computed as without groups
+        (8, 20.0, 8),  # a 20 ms round trip: every session its own group, the cores are far from busy
+        (8, 50.0, 8),
+        (8, 2.0, 2),  # loopback: two groups fill the short wait, more would add calls than wait saved
+        # no round trip, but the volunteer's 5.8 ms and the coordinator's 2.5 ms run side by side with two
+        # groups (on machines of their own): 6.8 ms a layer instead of 8.5
+        (4, 0.2, 2),
+        (2, 20.0, 1),  # two sessions share one 20 ms round trip anyway: two groups save 7 %, below the margin
+    ],
+)
+def test_the_groups_follow_the_round_trip(n_seqs: int, latency_ms: float, want: int) -> None:
+    assert choose_groups(n_seqs, n_seqs, latency_ms * MS, DENSE, REMOTE) == want
+
+
+def test_the_choice_is_the_fastest_cycle_and_must_clearly_win() -> None:
+    lat = 2.0 * MS
+    cycles = {g: cycle_s(g, 8, lat, DENSE, REMOTE) for g in range(1, 9)}
+    best = min(cycles, key=cycles.__getitem__)
+    assert choose_groups(8, 8, lat, DENSE, REMOTE, min_gain=0.0) == best
+    # a gain below the margin is noise: one group
+    gain = cycles[1] / cycles[best] - 1
+    assert choose_groups(8, 8, lat, DENSE, REMOTE, min_gain=gain + 0.01) == 1
+    # the shared resources bound it: with a volunteer four times slower, fewer groups are best
+    slow = Affine(4.0 * MS, 4.8 * MS)
+    assert choose_groups(8, 8, 20 * MS, DENSE, slow) < 8
+
+
+def test_the_model_learns_from_remote_layers_and_says_one_group_before() -> None:
+    m = PipelineModel()
+    assert m.groups(8, 8) == 1  # nothing measured yet
+    for rows in (1, 2, 4, 8, 1, 2, 4, 8):
+        m.sample(rows, DENSE(rows), REMOTE(rows), 20 * MS)
+    assert m.latency_s == pytest.approx(20 * MS)
+    assert m.groups(8, 8) == 8
+    assert m.groups(1, 1) == 1
+    for _ in range(200):  # the round trip falls (a closer volunteer): the EWMA follows, fewer groups
+        m.sample(4, DENSE(4), REMOTE(4), 0.1 * MS)
+    assert m.groups(4, 4) == 1
