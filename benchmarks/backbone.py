@@ -18,7 +18,10 @@ Real processes on loopback:
   total over their number). With ``--rtt-ms`` > 0 each volunteer listens on a port of its own and
   announces (``--announce``) a delaying TCP relay in front of it (``_delay.DelayLink``: half the
   round trip each way; this kernel has no netem), so every coordinator-volunteer round trip pays it.
-  The same completions, and ``tokens_identical`` against the reference.
+  The same completions, and ``tokens_identical`` against the reference. Each case names its drafter
+  (the request's ``draft``): ``none``, ``ngram``, ``model`` (``make-model --draft-of``: the same
+  random model with its experts in Q4_0, all-local on the coordinator; not for 30b-a3b, whose
+  experts are random blocks), ``self`` (the model's own blocks without the experts it does not hold).
 
 For the small shape both coordinators run at once (the idle one costs nothing) and each backbone
 case is preceded by the all-local case of the same sessions: ratios between adjacent runs. The
@@ -193,6 +196,18 @@ def dispatch(url: str) -> dict[str, Any]:
     return d
 
 
+def draft_counts(url: str, drafter: str) -> tuple[float, float]:
+    """(proposed, accepted) drafted tokens of ``drafter`` so far, from the coordinator's ``/metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    got = {"proposed": 0.0, "accepted": 0.0}
+    for line in text.splitlines():
+        if line.startswith("moe_swarm_draft_tokens_total{") and f'drafter="{drafter}"' in line:
+            for outcome in got:
+                if f'outcome="{outcome}"' in line:
+                    got[outcome] = float(line.rsplit(" ", 1)[1])
+    return got["proposed"], got["accepted"]
+
+
 def n_experts(model: Path) -> int:
     from swarm.model.gguf import GGUFModel
 
@@ -204,7 +219,8 @@ class Backbone:
     """A market, the backbone coordinator and its volunteers (each behind a delaying relay when
     ``rtt_ms`` > 0)."""
 
-    def __init__(self, work: Path, model: Path, rtt_ms: float, n_vol: int, max_sessions: int) -> None:
+    def __init__(self, work: Path, model: Path, rtt_ms: float, n_vol: int, max_sessions: int,
+                 draft_model: Path | None = None) -> None:
         self.procs = Procs(work, f"bb{rtt_ms:g}")
         self.links: list[DelayLink] = []
         self.rtt_ms = rtt_ms
@@ -214,8 +230,9 @@ class Backbone:
             self.procs.start("market", "market", "--db", str(work / f"bb{rtt_ms:g}-market.db"), "--port", str(mport),
                              "--token", "bench", "--poll-interval", "0.5", "--remote-base-target", "1")
             wait_for("the market", lambda: httpx.get(f"{market}/health", timeout=5).status_code == 200, self.procs, 60)
+            extra_c = ["--draft-model", str(draft_model)] if draft_model is not None else []
             self.url = start_coordinator(self.procs, "coordinator", model, max_sessions, "--local-experts", "none",
-                                         "--market", market, "--token", "bench")
+                                         "--market", market, "--token", "bench", "--draft", "none", *extra_c)
             wait_for("the coordinator to register",
                      lambda: httpx.get(f"{self.url}/health", timeout=5).json().get("market", {}).get("registered"),
                      self.procs, 600)
@@ -249,6 +266,7 @@ class Backbone:
 def run_case(url: str, model_id: str, kind: str, rtt: float, sessions: int, draft: str, n_tokens: int,
              ref: dict[int, list[list[int]]] | None) -> tuple[dict[str, Any], list[list[int]]]:
     before = dispatch(url) if kind == "backbone" else None
+    drafted = draft_counts(url, draft) if draft != "none" else None
     r = decode(url, model_id, sessions, n_tokens, draft)
     case: dict[str, Any] = {"case": kind, "rtt_ms": rtt, "sessions": sessions, "draft": draft,
                             "tokens_per_s": round(r["tokens_per_s"], 2), "ms_per_token": round(r["ms_per_token"], 2),
@@ -261,6 +279,10 @@ def run_case(url: str, model_id: str, kind: str, rtt: float, sessions: int, draf
         calls = sum(w["calls"] for w in after["workers"]) - sum(w["calls"] for w in before["workers"])
         case["round_trips_per_token"] = round(calls / (sessions * n_tokens), 2)
         case["layer_breakdown_ms"] = after.get("layer_path")
+    if drafted is not None:
+        proposed, accepted = draft_counts(url, draft)
+        dp, da = proposed - drafted[0], accepted - drafted[1]
+        case["acceptance"] = round(da / dp, 3) if dp else 0.0
     return case, r["ids"]
 
 
@@ -302,9 +324,9 @@ def main() -> None:
     if a.smoke:
         size, rtts, sess, drafts, n_tokens = "tiny", [0.0], [1], ["none"], 6
     elif a.quick:
-        size, rtts, sess, drafts, n_tokens = "small", [0.0, 20.0], [1, 4], ["none"], 64
+        size, rtts, sess, drafts, n_tokens = "small", [0.0, 20.0], [1, 4], list(DRAFTS), 64
     else:
-        size, rtts, sess, drafts, n_tokens = "30b-a3b", [0.0, 20.0, 50.0], [1, 4, 8], ["none"], 16
+        size, rtts, sess, drafts, n_tokens = "30b-a3b", [0.0, 20.0, 50.0], [1, 4, 8], list(DRAFTS), 16
     size = a.size or size
     rtts = a.rtt_ms or rtts
     sess = a.sessions or sess
@@ -321,6 +343,20 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--size", size, "--out", str(model)], check=True,
                        cwd=ROOT, stdout=subprocess.DEVNULL)
         print(f"make-model --size {size}: {model.stat().st_size / (1 << 30):.2f} GiB in {time.monotonic() - t0:.0f} s")
+    # the "model" drafter: the same random model with its experts in Q4_0 (make-model --draft-of; a size whose
+    # experts are random blocks has no such draft: the case is left out and the table says so)
+    draft_model: Path | None = None
+    if "model" in drafts:
+        cand = work / f"{size}-draft-q4_0.gguf"
+        if not cand.exists():
+            r = subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--draft-of", str(model), "--out",
+                                str(cand)], cwd=ROOT, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"  no draft model for {size}: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
+        if cand.exists():
+            draft_model = cand
+        else:
+            drafts = [d for d in drafts if d != "model"]
     interleave = size != "30b-a3b"
     cases: list[dict[str, Any]] = []
     ref_procs = Procs(work, "ref")
@@ -338,7 +374,7 @@ def main() -> None:
         if not interleave:
             ref_procs.stop_all()
         for rtt in rtts:
-            world = Backbone(work, model, rtt, n_vol, max(sess))
+            world = Backbone(work, model, rtt, n_vol, max(sess), draft_model)
             try:
                 decode(world.url, world.model_id, max(sess), 4)  # warm-up: connections, hold proofs, graphs
                 for n in sess:

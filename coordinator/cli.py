@@ -67,6 +67,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--origin", action="append", default=None, metavar="URL",
                    help="an http(s) URL serving this GGUF file with Range requests (a mirror; repeatable): "
                         "volunteers download their slices from it, checked against the manifest's expert hashes")
+    c.add_argument("--draft", choices=["none", "ngram", "model", "self"], default="ngram",
+                   help="speculative decoding: the drafter of requests that name none (a request's 'draft' field "
+                        "chooses its own): ngram = prompt lookup (free), model = --draft-model, self = this model's "
+                        "own blocks with only the experts held here; none = off. The output is the same either way")
+    c.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a smaller GGUF with this model's vocabulary, run here, for the 'model' drafter")
+    c.add_argument("--draft-max", type=int, default=8, help="the most tokens one step drafts (default 8)")
     c.add_argument("--no-hold-proof", action="store_true",
                    help="give listed volunteers work without first checking they hold their slices (hold challenge)")
     c.set_defaults(func=run)
@@ -108,6 +115,9 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "on_missing": ns.on_missing,
         "missing_wait_s": ns.missing_wait,
         "origins": tuple(ns.origin or ()),
+        "draft": ns.draft,
+        "draft_model": ns.draft_model,
+        "draft_max": ns.draft_max,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
               "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
               "verify_probation_calls": "--verify-probation", "hold_proof": "--no-hold-proof",

@@ -31,8 +31,11 @@ from coordinator.core.local_experts import parse_local_experts
 from coordinator.dispatch.dispatcher import Dispatcher
 from coordinator.dispatch.mapfile import watch_dispatch_map_file
 from coordinator.dispatch.market_link import MarketLink
+from coordinator.engine.drafters import Drafter, HeldOnlyExperts, ModelDrafter, NgramDrafter, check_vocabulary
+from coordinator.engine.model import LocalExperts, Transformer
 from coordinator.engine.runtime import EngineRuntime
 from swarm.config import HttpUrl, Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, physical_cores
+from swarm.errors import ConfigError
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, configure_threads
 from swarm.model.slices import SliceCache, build_manifest
@@ -95,6 +98,11 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # missing_wait_s, then 503), compute them from the GGUF on disk, or fail at once
     on_missing: Literal["wait", "disk", "fail"] = "wait"
     missing_wait_s: NonNegFloat = 30.0
+    # speculative decoding (coordinator.core.speculation): the drafter of requests that name none ("none": off),
+    # a draft GGUF sharing the model's vocabulary (the "model" drafter), the most tokens a step drafts
+    draft: Literal["none", "ngram", "model", "self"] = "ngram"
+    draft_model: str | None = None
+    draft_max: Annotated[int, msgspec.Meta(ge=1, le=32)] = 8
     # plain HTTP(S) mirrors of the GGUF file (``--origin``, repeatable): volunteers read their slices from
     # them with Range requests at the manifest's tensor offsets, checked against its expert hashes
     origins: Annotated[tuple[HttpUrl, ...], msgspec.Meta(max_length=MAX_ORIGINS)] = ()
@@ -105,8 +113,24 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
     configure_threads(threads, cfg.kernel)
     model = GGUFModel(Path(cfg.model), kernel=cfg.kernel)
     tok = Tokenizer.from_gguf_fields(model.fields)
+    n_ctx = min(cfg.ctx_size, model.config.n_ctx_train) if cfg.ctx_size else model.config.n_ctx_train
+    local = parse_local_experts(cfg.local_experts, model.config.n_moe_layer, model.config.n_expert)
+    held: dict[int, list[tuple[int, int]]] = {}
+    for layer, lo, hi in local.ranges():
+        held.setdefault(layer, []).append((lo, hi))
+    drafters: dict[str, Drafter] = {
+        "ngram": NgramDrafter(),
+        "self": ModelDrafter("self", Transformer(model, HeldOnlyExperts(model, held)), cfg.slots, n_ctx),
+    }
+    if cfg.draft_model is not None:
+        dm = GGUFModel(Path(cfg.draft_model), kernel=cfg.kernel)
+        check_vocabulary(model, dm)
+        drafters["model"] = ModelDrafter("model", Transformer(dm, LocalExperts(dm)), cfg.slots, n_ctx)
+    elif cfg.draft == "model":
+        raise ConfigError("--draft model needs --draft-model PATH (a GGUF with the model's vocabulary)",
+                          code="bad_draft_model")
     return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue,
-                         kv_type=cfg.kv_type)
+                         kv_type=cfg.kv_type, drafters=drafters, draft=cfg.draft, draft_max=cfg.draft_max)
 
 
 def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:

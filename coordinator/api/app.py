@@ -97,6 +97,24 @@ class _EngineCollector(Collector):
         yield gauge("moe_swarm_queue_depth", "Requests waiting for a slot", self.rt.queue_depth())
         yield gauge("moe_swarm_busy_slots", "Slots processing a request", self.rt.busy())
         yield gauge("moe_swarm_slots", "Slots", self.rt.n_slots)
+        steps = CounterMetricFamily("moe_swarm_draft_steps", "Decode steps that carried drafted tokens, by drafter",
+                                    labels=["model", "drafter"])
+        toks = CounterMetricFamily("moe_swarm_draft_tokens", "Drafted tokens by drafter and outcome (proposed, "
+                                   "accepted; emitted: every token those steps emitted)", labels=["model", "drafter", "outcome"])
+        rate = GaugeMetricFamily("moe_swarm_draft_acceptance", "Accepted / proposed drafted tokens, by drafter",
+                                 labels=["model", "drafter"])
+        per = GaugeMetricFamily("moe_swarm_draft_tokens_per_step", "Tokens emitted per verify step, by drafter",
+                                labels=["model", "drafter"])
+        for name, d in sorted(self.rt.drafts.items()):
+            steps.add_metric([self.model_id, name], d.steps)
+            for outcome, n in (("proposed", d.proposed), ("accepted", d.accepted), ("emitted", d.emitted)):
+                toks.add_metric([self.model_id, name, outcome], n)
+            rate.add_metric([self.model_id, name], d.acceptance or 0.0)
+            per.add_metric([self.model_id, name], d.tokens_per_step or 0.0)
+        yield steps
+        yield toks
+        yield rate
+        yield per
 
 
 _encoder = msgspec.json.Encoder()
@@ -160,19 +178,13 @@ def build_app(
                             peer_id=peer_id, market=market, coverage_holes=holes))
 
     async def slots(_: Request) -> Response:
-        return _json(
-            [
-                SlotInfo(
-                    id=s.id,
-                    is_processing=s.is_processing,
-                    n_ctx=s.n_ctx,
-                    n_prompt=s.n_prompt,
-                    n_decoded=s.n_decoded,
-                    tps_ewma=round(s.tps_ewma, 3),
-                )
-                for s in rt.slots()
-            ]
-        )
+        out = []
+        for s in rt.slots():
+            draft, acceptance, length = rt.draft_of(s.req_id)
+            out.append(SlotInfo(id=s.id, is_processing=s.is_processing, n_ctx=s.n_ctx, n_prompt=s.n_prompt,
+                                n_decoded=s.n_decoded, tps_ewma=round(s.tps_ewma, 3), draft=draft,
+                                draft_acceptance=acceptance, draft_length=length))
+        return _json(out)
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -77,6 +77,8 @@ class _Common(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False
     ignore_eos: bool = False
     user: str | None = None
+    # speculative decoding's drafter for this request (an extension): none, ngram, model, self; default: the server's
+    draft: Literal["none", "ngram", "model", "self"] | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -272,4 +274,5 @@ def gen_params(req: _Common, *, default_max_tokens: int, max_tokens_override: in
         seed=req.seed,
         stop=stops,
         ignore_eos=req.ignore_eos,
+        draft=req.draft,
     )

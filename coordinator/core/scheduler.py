@@ -48,6 +48,7 @@ class GenParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    draft: str | None = None  # speculative decoding's drafter (None: the coordinator's default)
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,10 @@ class Scheduler:
             s.t_prompt_done = now
 
     # -- tokens ------------------------------------------------------------------------------------
-    def token(self, slot_id: int, req_id: int, token: int, piece: str, now: float) -> list[Effect]:
-        """A token was sampled for ``slot_id``; ``piece`` is its newly complete decoded text."""
+    def token(self, slot_id: int, req_id: int, token: int, piece: str, now: float, *, fed: bool = False
+              ) -> list[Effect]:
+        """A token was sampled for ``slot_id``; ``piece`` is its newly complete decoded text; ``fed``:
+        it is in the KV cache already (an accepted draft), so nothing is pending after it."""
         s = self.slots[slot_id]
         if s.req is None or s.req.id != req_id:
             return []
@@ -248,8 +251,19 @@ class Scheduler:
             s.held_ids = []
         if s.n_decoded >= p.max_tokens or s.n_past >= self.n_ctx:  # no room to feed this token
             return out + self._finish(s, FinishReason.LENGTH, now, flush=True)
-        s.pending = [token]
+        if fed:  # an accepted draft: its row is in the cache already (the rejected drafts' rows are not
+            s.n_past += 1  # the sequence's: the next step overwrites them)
+        else:
+            s.pending = [token]
         return out
+
+    def draft_room(self, slot_id: int) -> int:
+        """How many tokens a decoding slot may draft after its pending one: what its request may still
+        emit beyond the next token, and what its context still holds."""
+        s = self.slots[slot_id]
+        if s.req is None or s.t_prompt_done is None:
+            return 0
+        return max(0, min(s.req.params.max_tokens - s.n_decoded - 1, self.n_ctx - s.n_past - 1))
 
     def last_token_due(self, slot_id: int) -> bool:
         """Whether the next token sampled for this slot ends its request by length (max_tokens or

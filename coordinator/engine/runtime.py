@@ -8,6 +8,12 @@ Rules:
   threads touch it; it is never held during a forward pass.
 - Events reach trio through ``TrioToken.run_sync_soon`` (never blocks the engine thread).
 - A cancelled request frees its slot before the next step is planned.
+- Speculative decoding (``coordinator.core.speculation``, drafters in ``coordinator.engine.drafters``):
+  a decoding session whose drafter proposes tokens feeds them after its pending token in the same
+  step, with logits at every position; ``verify`` samples the target at each position in order (one
+  draw per emitted token, as plain decoding draws) and keeps the drafts that match. The accepted
+  drafts' rows stay in the KV cache, the others are overwritten by the next step. Each session's
+  draft length follows its acceptance (``DraftLength``); the counters per drafter are ``drafts``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -35,6 +41,8 @@ from coordinator.core.scheduler import (
     SlotView,
     StepEntry,
 )
+from coordinator.core.speculation import DraftLength, DraftStats, verify
+from coordinator.engine.drafters import Drafter
 from coordinator.engine.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
 from coordinator.engine.sampling import make_generator, sample
 from swarm.errors import DispatchFailed, RequestError
@@ -84,7 +92,11 @@ class _ReqState:
     generator: torch.Generator
     decoder: StreamDecoder
     params: GenParams
+    history: list[int]  # the prompt and every token emitted (what an n-gram drafter looks up)
+    draft: str = "none"  # its drafter
+    length: DraftLength = field(default_factory=DraftLength)
     t_first: float | None = None
+    slot: int | None = None
 
 
 class EngineRuntime:
@@ -99,7 +111,12 @@ class EngineRuntime:
         max_queue: int = 64,
         experts: ExpertBackend | None = None,
         kv_type: str = "f16",
+        drafters: dict[str, Drafter] | None = None,
+        draft: str = "none",
+        draft_max: int = 8,
     ) -> None:
+        """``drafters`` by name, ``draft`` the default of a request that names none (``none``: no
+        speculation), ``draft_max`` the most tokens a step drafts."""
         self.model = model
         self.tokenizer = tokenizer
         train_ctx = model.config.n_ctx_train
@@ -116,6 +133,12 @@ class EngineRuntime:
         self._ids = itertools.count(1)
         self._reqs: dict[int, _ReqState] = {}
         self._token: trio.lowlevel.TrioToken | None = None
+        self.drafters: dict[str, Drafter] = dict(drafters or {})
+        if draft != "none" and draft not in self.drafters:
+            raise ValueError(f"no drafter {draft!r}")
+        self.default_draft = draft
+        self.draft_max = draft_max
+        self.drafts: dict[str, DraftStats] = {name: DraftStats() for name in self.drafters}
 
     @property
     def n_slots(self) -> int:
@@ -150,10 +173,16 @@ class EngineRuntime:
         for t in prompt:
             if not 0 <= t < self.model.config.n_vocab:
                 raise RequestError(f"token id {t} is out of range [0, {self.model.config.n_vocab})", code="invalid_token")
+        draft = params.draft if params.draft is not None else self.default_draft
+        if draft != "none" and draft not in self.drafters:
+            names = ", ".join(["none", *self.drafters])
+            raise RequestError(f"'draft' {draft!r} is not available here (this coordinator drafts with: {names})",
+                               code="invalid_parameter", param="draft")
         req_id = next(self._ids)
         send, recv = trio.open_memory_channel[Event](math.inf)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer, continuation=continuation), params)
+        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer, continuation=continuation), params,
+                          list(prompt), draft, DraftLength(k_max=self.draft_max))
         now = time.monotonic()
         with self._lock:
             self._reqs[req_id] = state
@@ -184,6 +213,15 @@ class EngineRuntime:
     def slots(self) -> list[SlotView]:
         with self._lock:
             return self.sched.views()
+
+    def draft_of(self, req_id: int | None) -> tuple[str | None, float | None, int | None]:
+        """A running request's drafter, its acceptance so far and the length it drafts at now."""
+        with self._lock:
+            st = self._reqs.get(req_id) if req_id is not None else None
+            if st is None or st.draft == "none":
+                return None, None, None
+            a = st.length.acceptance
+            return st.draft, (round(a, 3) if a is not None else None), st.length.length()
 
     def queue_depth(self) -> int:
         with self._lock:
@@ -247,8 +285,33 @@ class EngineRuntime:
                     failed.append(EngineFailed(e.req_id, message, code, status))
         self._post(failed)
 
+    def _propose(self, plan: list[StepEntry]) -> dict[int, tuple[str, list[int]]]:
+        """Drafts for the step's decoding sessions whose drafter proposes any (plan index -> drafter, tokens)."""
+        out: dict[int, tuple[str, list[int]]] = {}
+        for i, e in enumerate(plan):
+            if e.prefill or not e.sample:
+                continue
+            with self._lock:
+                st = self._reqs.get(e.req_id)
+                room = self.sched.draft_room(e.slot)
+            if st is None or st.draft == "none":
+                continue
+            drafter = self.drafters[st.draft]
+            if st.slot != e.slot:  # the request's first decode step in this slot: the drafter starts over
+                st.slot = e.slot
+                drafter.reset(e.slot)
+            k = st.length.next_k(room)
+            if k <= 0:
+                continue
+            toks = drafter.propose(e.slot, st.history, k)[:k]
+            if toks:
+                out[i] = (st.draft, toks)
+        return out
+
     def _step(self, plan: list[StepEntry]) -> None:
-        chunks = [SeqChunk(self.caches[e.slot], list(e.tokens), e.pos) for e in plan]
+        drafts = self._propose(plan) if self.drafters else {}
+        chunks = [SeqChunk(self.caches[e.slot], [*e.tokens, *drafts[i][1]] if i in drafts else list(e.tokens), e.pos,
+                           all_logits=i in drafts) for i, e in enumerate(plan)]
         t0 = time.monotonic()
         logits = self.transformer.forward(chunks)
         now = time.monotonic()
@@ -257,7 +320,7 @@ class EngineRuntime:
         n_gen = 0
         n_prompt = 0
         with self._lock:
-            for e, lg in zip(plan, logits, strict=True):
+            for i, (e, lg) in enumerate(zip(plan, logits, strict=True)):
                 self.sched.fed(e, now)
                 st = self._reqs.get(e.req_id)
                 if st is None or self.sched.slot_of(e.req_id) != e.slot:
@@ -266,19 +329,43 @@ class EngineRuntime:
                     n_prompt += len(e.tokens)
                 if not e.sample:
                     continue
-                last = lg[-1]
-                if not bool(torch.isfinite(last).all()):
+                name, proposed = drafts.get(i, ("none", []))
+                # the drafted positions' logits follow the pending token's: sampled in order, as plain decoding would
+                rows = lg[-1 - len(proposed):] if proposed else lg[-1:]
+                broken = False
+
+                def target(j: int, rows: torch.Tensor = rows, st: _ReqState = st) -> int:
+                    nonlocal broken
+                    row = rows[j]
+                    if not bool(torch.isfinite(row).all()):
+                        broken = True
+                        return -1
+                    return sample(row, temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
+
+                emitted = verify(proposed, target)
+                if broken:
                     # never sample from (or keep decoding) a sequence whose numbers broke
                     self.sched.cancel(e.req_id, now)
                     out.append(EngineFailed(e.req_id, "engine error: non-finite logits"))
                     continue
-                tok = sample(last, temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
-                piece = "" if tok in self.tokenizer.eot_ids and not st.params.ignore_eos else st.decoder.push(tok)
-                if self.sched.last_token_due(e.slot):
-                    piece += st.decoder.flush()  # an incomplete UTF-8 tail ends as U+FFFD, not lost
-                effs = self.sched.token(e.slot, e.req_id, tok, piece, now)
-                n_gen += 1
-                out.extend(x for x in effs if isinstance(x, Emit | Finish))
+                if proposed:
+                    stats = self.drafts[name]
+                    stats.steps += 1
+                    stats.proposed += len(proposed)
+                    stats.accepted += len(emitted) - 1
+                    stats.emitted += len(emitted)
+                    st.length.observe(len(proposed), len(emitted) - 1)
+                for j, tok in enumerate(emitted):
+                    last = j == len(emitted) - 1
+                    piece = "" if tok in self.tokenizer.eot_ids and not st.params.ignore_eos else st.decoder.push(tok)
+                    if self.sched.last_token_due(e.slot):
+                        piece += st.decoder.flush()  # an incomplete UTF-8 tail ends as U+FFFD, not lost
+                    effs = self.sched.token(e.slot, e.req_id, tok, piece, now, fed=not last)
+                    st.history.append(tok)
+                    n_gen += 1
+                    out.extend(x for x in effs if isinstance(x, Emit | Finish))
+                    if self.sched.slot_of(e.req_id) != e.slot:  # finished (EOS, stop, length): the rest is not its
+                        break
             self._account(n_gen, n_prompt, dt)
         self._post(out)
 

@@ -38,6 +38,9 @@ class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
     n_prompt: int = 0
     n_decoded: int = 0
     tps_ewma: float = 0.0
+    draft: str | None = None  # speculative decoding: the running request's drafter (None: none)
+    draft_acceptance: float | None = None  # its accepted / proposed drafts so far (EWMA)
+    draft_length: int | None = None  # the tokens its next step will draft
 
 
 class MarketLinkStatus(msgspec.Struct, frozen=True, kw_only=True):

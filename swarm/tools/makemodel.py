@@ -570,6 +570,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--router-skew", type=float, default=0.0, metavar="S",
                         help="make low-index experts hot: router rows scaled by (1+S)^(1-2e/(n-1)) (default 0: uniform)")
+    parser.add_argument("--draft-of", type=Path, default=None, metavar="TARGET",
+                        help="write a draft model for speculative decoding of TARGET (a make-model file): the same "
+                             "weights -- embedding, head, attention, router -- with its experts stored in --qtype "
+                             "(default Q4_0), a smaller file with the same vocabulary")
 
 
 def add_make_model_parser(
@@ -587,8 +591,37 @@ def add_make_model_parser(
     return parser
 
 
+def draft_spec(target: Path) -> tuple[str, str, int, str, float]:
+    """(arch, size, seed, vocab, router skew) of a make-model file (``--draft-of``), from its metadata."""
+    try:
+        reader = gguf.GGUFReader(target)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--draft-of {target}: not a readable GGUF file ({exc})") from exc
+
+    def field(name: str) -> object:
+        f = reader.fields.get(name)
+        return None if f is None else f.contents()
+
+    name = str(field("general.name") or "")
+    parts = name.split("-")
+    if len(parts) < 5 or parts[:2] != ["moe", "swarm"] or not parts[-1].startswith("seed"):
+        raise ConfigError(f"--draft-of {target}: not a make-model file (general.name {name!r})")
+    arch, size, seed = parts[2], "-".join(parts[3:-1]), int(parts[-1][4:])
+    if arch not in ARCHITECTURES or size not in SIZES:
+        raise ConfigError(f"--draft-of {target}: unknown arch or size in {name!r}")
+    vocab = "spm" if field("tokenizer.ggml.model") == "llama" else "bpe"
+    skew = float(field("moe_swarm.router_skew") or 0.0)  # type: ignore[arg-type]
+    return arch, size, seed, vocab, skew
+
+
 def run_make_model(args: argparse.Namespace) -> int:
     """Run a parsed ``make-model`` command; errors propagate as ``SwarmError``."""
+    if args.draft_of is not None:
+        args.arch, args.size, args.seed, args.vocab, args.router_skew = draft_spec(args.draft_of)
+        args.qtype = args.qtype or "Q4_0"
+        if SIZES[args.size].random_expert_blocks:
+            raise ConfigError(f"--draft-of: size {args.size!r} stores random expert blocks, not quantised weights: "
+                              "a draft in another type would not be the same model")
     path = make_model(arch=args.arch, size=args.size, seed=args.seed, out=args.out, qtype=args.qtype,
                       router_skew=args.router_skew, vocab=args.vocab)
     expert_type = _parse_qtype(args.qtype, args.size)

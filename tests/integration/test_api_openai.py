@@ -228,9 +228,12 @@ async def test_health_slots_metrics(coordinator_url: str) -> None:
         assert health["status"] == "ok" and health["slots_idle"] == 4
         slots = (await h.get("/slots")).json()
         assert [s["id"] for s in slots] == [0, 1, 2, 3]
-        assert set(slots[0]) == {"id", "is_processing", "n_ctx", "n_prompt", "n_decoded", "tps_ewma"}
+        assert set(slots[0]) == {"id", "is_processing", "n_ctx", "n_prompt", "n_decoded", "tps_ewma", "draft",
+                                 "draft_acceptance", "draft_length"}
+        assert slots[0]["draft"] is None  # an idle slot drafts nothing
         m = (await h.get("/metrics")).text
         assert "moe_swarm_generated_tokens_total" in m and "moe_swarm_busy_slots" in m
+        assert "moe_swarm_draft_tokens_total" in m and "moe_swarm_draft_acceptance" in m
         gen = [ln for ln in m.splitlines() if ln.startswith("moe_swarm_generated_tokens_total")]
         assert float(gen[0].split()[-1]) >= 3
 
