@@ -674,6 +674,11 @@ class Dispatcher:
             evs, self._ran_here = self._ran_here, []
             self._handle(evs, self._on_trio())
 
+    def may_go_remote(self, layer: int) -> bool:
+        """Could a range of the layer go to a worker now: serving, and a listed replica for it."""
+        m = self.map
+        return self._token is not None and m is not None and any(r.replicas for r in m.ranges_of(layer))
+
     def groups(self, n_seqs: int, n_rows: int) -> int:
         """How many groups of sessions the engine advances independently through a step of ``n_seqs``
         sequences and ``n_rows`` rows (1: all together): where the layers wait for remote ranges

@@ -52,7 +52,8 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["Attention", "AttnIn", "AttnOut", "AttnOutMoE", "DenseWeight", "Head", "HeadWeights", "MlaIn", "RoutedExperts", "SharedFFN"]
+__all__ = ["Attention", "AttnIn", "AttnOut", "AttnOutMoE", "DenseWeight", "Head", "HeadWeights", "MlaIn", "RoutedExperts",
+           "SharedFFN", "SharedOut"]
 
 _NODES = 64
 
@@ -411,6 +412,60 @@ class SharedFFN:
     gate_inp: np.ndarray | None = None
 
 
+def _shared_ffn(ctx: Any, sh: tuple[Any, Any, Any, Any | None], h: Any) -> Any:
+    """A shared expert on ``h``: ``down(silu(gate h) * up h)``, times ``sigmoid(gate_inp . h)`` where gated."""
+    wg, wu, wd, gi = sh
+    act = g.ggml_mul(ctx, g.ggml_silu(ctx, g.ggml_mul_mat(ctx, wg, h)), g.ggml_mul_mat(ctx, wu, h))
+    out = g.ggml_mul_mat(ctx, wd, act)
+    if gi is not None:
+        z = g.ggml_mul_mat(ctx, gi, h)  # [1, b]
+        out = g.ggml_mul(ctx, out, g.ggml_div(ctx, g.ggml_silu(ctx, z), z))
+    return out
+
+
+def _shared_leaves(gr: _Graphs, shared: SharedFFN, d: int) -> tuple[tuple[Any, Any, Any, Any | None], int]:
+    w = shared.gate.out_features
+    if (shared.gate.in_features, shared.up.out_features, shared.up.in_features, shared.down.out_features,
+            shared.down.in_features) != (d, w, d, d, w):
+        raise KernelError("shared expert shapes do not match")
+    gi = None
+    if shared.gate_inp is not None:
+        arr = _f32(shared.gate_inp, d, "shexp_gate_inp")
+        gi = gr._dense(DenseWeight(arr.view(np.uint8), int(g.GGML_TYPE_F32), 1, d), "shexp_gate_inp")
+    return (gr._dense(shared.gate, "shexp_gate"), gr._dense(shared.up, "shexp_up"), gr._dense(shared.down, "shexp_down"),
+            gi), w
+
+
+class SharedOut(_Graphs):
+    """A shared expert alone: ``h[n, d]`` -> its output ``[n, d]`` (the ops ``AttnOut`` computes it with,
+    so the same bits), for the engine to compute while a layer's routed experts are remote."""
+
+    def __init__(self, *, shared: SharedFFN, d: int, max_rows: int = 256, family: Family | None = None) -> None:
+        super().__init__(max_rows)
+        self.d = d
+        self._sh, self.width = _shared_leaves(self, shared, d)
+        self.macs = 3 * d * self.width + (d if self._sh[3] is not None else 0)
+        self._share(family, ("shared", self.width, self._sh[3] is not None))
+
+    def _mem(self, b: int) -> int:
+        return 4 * b * (4 * self.d + 4 * self.width + 8)
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        h = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
+        g.ggml_set_input(h)
+        return {"h": (h, (b, self.d), "f32")}, [_shared_ffn(ctx, self._sh, h)]
+
+    def __call__(self, h: np.ndarray, n_threads: int = 1) -> np.ndarray:
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        if h.ndim != 2 or h.shape[1] != self.d:
+            raise KernelError(f"h must be [n, {self.d}], got {h.shape}")
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["h"][: e - s] = h[s:e]
+
+        return self._run(h.shape[0], n_threads, fill, 1)[0]
+
+
 class AttnOut(_Graphs):
     """Attention output ``a[n, H*hdv]``, residual ``x[n, d]`` -> ``x2 = x + W_o a (+ b_o)``, ``h = RMSNorm(x2)
     * ffn_norm``, router probabilities ``softmax(W_r h)`` ``[n, n_expert]``, and with ``shared`` the
@@ -442,18 +497,8 @@ class AttnOut(_Graphs):
         self.width = 0
         self._sh: tuple[Any, Any, Any, Any | None] | None = None
         if shared is not None:
-            w = shared.gate.out_features
-            if (shared.gate.in_features, shared.up.out_features, shared.up.in_features, shared.down.out_features,
-                    shared.down.in_features) != (self.d, w, self.d, self.d, w):
-                raise KernelError("shared expert shapes do not match")
-            gi = None
-            if shared.gate_inp is not None:
-                arr = _f32(shared.gate_inp, self.d, "shexp_gate_inp")
-                gi = self._dense(DenseWeight(arr.view(np.uint8), int(g.GGML_TYPE_F32), 1, self.d), "shexp_gate_inp")
-            self._sh = (self._dense(shared.gate, "shexp_gate"), self._dense(shared.up, "shexp_up"),
-                        self._dense(shared.down, "shexp_down"), gi)
-            self.width = w
-            self.macs += 3 * self.d * w + (self.d if gi is not None else 0)
+            self._sh, self.width = _shared_leaves(self, shared, self.d)
+            self.macs += 3 * self.d * self.width + (self.d if self._sh[3] is not None else 0)
         # what, beside the leaves' types and shapes, makes two blocks' graphs the same
         self._sig: tuple[Any, ...] = (self.eps, bo is not None, self.width, shared is not None and shared.gate_inp is not None,
                                       router is not None, v_b is not None, router_b is not None, self.softmax)
@@ -480,13 +525,7 @@ class AttnOut(_Graphs):
             logits = _biased(ctx, g.ggml_mul_mat(ctx, self._wr, h), self._br)
             outs.append(g.ggml_soft_max(ctx, logits) if self.softmax else logits)
         if self._sh is not None:
-            wg, wu, wd, gi = self._sh
-            act = g.ggml_mul(ctx, g.ggml_silu(ctx, g.ggml_mul_mat(ctx, wg, h)), g.ggml_mul_mat(ctx, wu, h))
-            sh = g.ggml_mul_mat(ctx, wd, act)
-            if gi is not None:
-                z = g.ggml_mul_mat(ctx, gi, h)  # [1, b]
-                sh = g.ggml_mul(ctx, sh, g.ggml_div(ctx, g.ggml_silu(ctx, z), z))
-            outs.append(sh)
+            outs.append(_shared_ffn(ctx, self._sh, h))
         return {"a": (a, (b, self.a), "f32"), "x": (x, (b, self.d), "f32")}, outs
 
     def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1

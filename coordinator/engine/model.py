@@ -47,6 +47,7 @@ from coordinator.engine.block import (
     MlaIn,
     RoutedExperts,
     SharedFFN,
+    SharedOut,
 )
 from swarm.model.gguf import GGUFModel, LayerWeights, ModelConfig, QTensor, SharedExpert
 from swarm.model.kernels import KernelBackend, compute_threads
@@ -66,6 +67,8 @@ class ExpertBackend(Protocol):
     - ``begin`` starts a layer (its placement is known when it returns), ``service`` computes the
       local work placed here on the calling thread (True once the layer has ended), ``result``
       waits and combines: what the engine computes in between overlaps the remote calls;
+    - ``may_go_remote(layer)``: could any of the layer's routed experts be computed elsewhere now
+      (then the engine computes a shared expert while they are in flight);
     - ``groups(n_seqs, n_rows)``: into how many groups of sessions the engine splits a step, each
       advancing through the layers on its own (one's dense half while another's experts are remote).
     """
@@ -84,6 +87,8 @@ class ExpertBackend(Protocol):
     def moe(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray: ...
 
     def groups(self, n_seqs: int, n_rows: int) -> int: ...
+
+    def may_go_remote(self, layer: int) -> bool: ...
 
 
 class LocalExperts(Dispatcher):
@@ -234,6 +239,20 @@ class _GgmlDense:
                     eps=cfg.rms_eps, bo=_np(L.bo),
                     shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
                     v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b), softmax=True, family=fam)
+        # layers with a shared expert: their AttnOut without it, and the shared expert alone, computed while
+        # the routed experts are remote (the same ops: the same bits)
+        self.attn_out_routed: list[AttnOut | None] = [None] * cfg.n_layer
+        self.shared_out: list[SharedOut | None] = [None] * cfg.n_layer
+        for li, L in enumerate(model.layers):
+            sh = L.shared
+            if sh is None or L.router is None or L.experts is None:
+                continue
+            self.attn_out_routed[li] = AttnOut(
+                wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dwo(L.router), eps=cfg.rms_eps, bo=_np(L.bo),
+                shared=None, v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b),
+                softmax=cfg.spec.gating == "softmax", family=fam)
+            self.shared_out[li] = SharedOut(shared=SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
+                                            d=cfg.d_model, family=fam)
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
@@ -536,7 +555,10 @@ class Transformer:
             mb.xn, ids_np = fused(attn, xn, compute_threads(n_tok * fused.macs))
             self.experts.ran_here(moe_layer, ids_np, time.perf_counter() - t1)
             return
-        blk_o = gd.attn_out[li]
+        # a shared expert waits for the routed call where that may go remote: computed during its wait
+        later = gd.shared_out[li] if moe_layer is not None and self.experts.may_go_remote(moe_layer) else None
+        blk_o = gd.attn_out_routed[li] if later is not None else gd.attn_out[li]
+        assert blk_o is not None
         xn, hn, probs, shared = blk_o(attn, xn, compute_threads(n_tok * blk_o.macs))
         if moe_layer is None:  # a dense block: its FFN came out of the graph
             assert shared is not None
@@ -547,6 +569,8 @@ class Transformer:
         call = self.experts.begin(moe_layer, hn, ids, w, waker=waker)
         call.timing.dense_s = dense_s
         self.experts.service(call)  # the local share, while the remote calls are in flight
+        if later is not None:
+            shared = later(hn, compute_threads(n_tok * later.macs))
         mb.xn, mb.pending, mb.shared = xn, call, shared
 
     def _forward_torch(self, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
