@@ -9,6 +9,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import tempfile
 from functools import partial
@@ -168,8 +169,12 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
             manifest = await trio.to_thread.run_sync(partial(build_manifest, model, origins=cfg.origins,
                                                              cache_dir=data_dir / "manifests"))
 
-            async def dispatch_report(_: Request) -> Response:
-                return Response(msgspec.json.encode(dispatcher.report()), media_type="application/json")
+            async def dispatch_report(request: Request) -> Response:
+                # volunteers' addresses only to the operator (DESIGN §12: no IP address on a public page)
+                rep = dispatcher.report()
+                if not _operator(request, cfg.token):
+                    rep = msgspec.structs.replace(rep, workers=[msgspec.structs.replace(w, addrs=[]) for w in rep.workers])
+                return Response(msgspec.json.encode(rep), media_type="application/json")
 
             links: list[MarketLink] = []
 
@@ -199,6 +204,14 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                     links.append(link)
                     await nursery.start(link.serve)
                 task_status.started(url)
+
+
+def _operator(request: Request, token: str | None) -> bool:
+    """Does the request carry this coordinator's operator token (``Authorization: Bearer``)?"""
+    if not token:
+        return False
+    got = request.headers.get("authorization", "")
+    return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
 
 
 async def _serve_http(

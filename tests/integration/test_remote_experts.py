@@ -189,7 +189,7 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
     path.write_bytes(msgspec.json.encode(dmap(golden_model, 3, {k: [a] for k in HALVES})))
     url = await nursery.start(serve_coordinator, CoordinatorConfig(model=str(golden_model.path), port=0,
                                                                   data_dir=str(tmp_path / "c"), dispatch_map=str(path),
-                                                                  dispatch="offload"))
+                                                                  dispatch="offload", token="op-secret"))
     g = golden["greedy"][0]
     async with httpx.AsyncClient(base_url=url, timeout=30) as h:
         async def proved() -> bool:  # the volunteer answers the hold challenge of each of its slices first
@@ -199,6 +199,11 @@ async def test_coordinator_serves_dispatch_report_and_uses_map(nursery: trio.Nur
         r = await h.post("/v1/completions", json={"model": golden_model.model_id, "prompt": g["prompt_ids"],
                                                   "max_tokens": 24, "temperature": 0, "return_token_ids": True})
         assert r.json()["choices"][0]["token_ids"] == g["greedy_ids"]
+        # volunteers' addresses only to the operator (DESIGN §12): not to a stranger, nor to a wrong token
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "op-secret"}):
+            assert [w["addrs"] for w in (await h.get("/dispatch", headers=headers)).json()["workers"]] == [[]]
+        authed = (await h.get("/dispatch", headers={"Authorization": "Bearer op-secret"})).json()
+        assert [w["addrs"] for w in authed["workers"]] == [a.addrs]
         body = (await h.get("/dispatch")).content
         health = health_decoder.decode((await h.get("/health")).content)
     typed = dispatch_decoder.decode(body)  # the one definition of /dispatch decodes what is served
