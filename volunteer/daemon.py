@@ -22,6 +22,8 @@ Rules:
 - Every decision (when to poll, what to report, when to drop a slice) is the pure lifecycle core;
   this shell only performs its effects: HTTP to the market, slice downloads, loading/unloading
   slices into the ``ExpertServer``, signed heartbeats.
+- A stuck request budget (requests refused ``busy`` while none is answered: ``volunteer.core.health``)
+  is reported: the slices go ``draining`` until it moves again (the market dispatches others).
 - Ctrl-C: report the slice ``draining``, answer calls in flight, deregister (empty heartbeat), exit.
 - One status line (stderr) for a person watching.
 """
@@ -67,6 +69,7 @@ from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import ByteBudget, set_expert_handlers
 from swarm.rpc.slice_client import sources_from_assignment
 from swarm.rpc.slice_server import SliceServer, SliceShareConfig, market_lease_check, set_slice_handler
+from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.core.memory import MemoryPlan
 from volunteer.server import ExpertServer, shielded_until_cancelled
@@ -173,6 +176,7 @@ class PullVolunteer:
         self._fetch_scopes: dict[Offer, trio.CancelScope] = {}
         self.deregistered = trio.Event()
         self.budget = budget
+        self.budget_watch = BudgetWatch()
         self.started_at = time.monotonic()
         self.calls_per_s = 0.0
         self._rate_mark = (time.monotonic(), 0)
@@ -437,6 +441,21 @@ class PullVolunteer:
                 pass
             await trio.sleep(interval_s)
 
+    def _watch_budget(self, now: float) -> None:
+        """A request budget that refuses while nothing comes back is reported (slices ``draining``), not hidden."""
+        b = self.budget
+        if b is None:
+            return
+        stuck = self.budget_watch.observe(now, held=b.held, refused=b.refused, given=b.given)
+        if stuck != self.core.stuck:
+            if stuck:
+                log.error("the request budget is stuck (%d bytes held, requests refused, none answered for %.0f s): "
+                          "reporting our slices draining", b.held, self.budget_watch.window_s)
+                self.status = "request budget stuck: reported draining"
+            else:
+                log.warning("the request budget moves again: serving")
+            self.apply(self.core.budget_stuck(stuck, now))
+
     async def run(self) -> None:
         self.apply(self.core.start(trio.current_time()))
         self.nursery.start_soon(self._credit_loop)
@@ -447,6 +466,7 @@ class PullVolunteer:
                 await trio.sleep(0.2)
                 now = trio.current_time()
                 self.apply(self.core.tick(now))
+                self._watch_budget(now)
                 self._update_rate()
                 if live is not None:
                     if self.core.phase is not Phase.FETCHING:  # the download draws its own progress bar then
