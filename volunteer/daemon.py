@@ -12,6 +12,9 @@ Rules:
   answers out); what is left is the slice budget, filled with up to ``--max-slices`` slices (their
   mapped pages are what the process grows by as it serves). A ``--max-memory`` below baseline plus
   reserve is refused at start with a clear error.
+- Paths: a slice's file is ``DATA_DIR/slices/<model_id>/<layer>-<lo>-<hi>.safetensors``, made by
+  ``swarm.safe_paths.slice_file`` only (the market's strings are checked twice: at decoding and where
+  the path is made; a refused one creates nothing).
 - Downloads: from the sources the market ranks in the assignment (volunteers holding the slice over
   ``/moe-swarm/slice/1``, HTTP mirrors of the GGUF, the coordinator), every expert checked against
   the market's manifest (``swarm.model.sources``); a market or manifest without expert hashes
@@ -69,6 +72,7 @@ from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import ByteBudget, set_expert_handlers
 from swarm.rpc.slice_client import sources_from_assignment
 from swarm.rpc.slice_server import SliceServer, SliceShareConfig, market_lease_check, set_slice_handler
+from swarm.safe_paths import slice_file
 from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.core.memory import MemoryPlan
@@ -252,10 +256,12 @@ class PullVolunteer:
                 self.apply(self.core.nothing_needed(ans.retry_after_s, now, reason=ans.reason))
 
     async def _fetch(self, offer: Offer) -> None:
-        dest = self.data_dir / "slices" / offer.model_id / f"{offer.layer}-{offer.lo}-{offer.hi}.safetensors"
         with trio.CancelScope() as scope:
             self._fetch_scopes[offer] = scope
             try:
+                # the market's strings never make a path unchecked (swarm.safe_paths): refused before anything is created
+                dest = await trio.to_thread.run_sync(slice_file, self.data_dir, offer.model_id, offer.layer, offer.lo,
+                                                     offer.hi)
                 path = await self._download(offer, dest)
                 sl = await trio.to_thread.run_sync(load_slice, path)
                 k = sl.key

@@ -60,12 +60,16 @@ __all__ = [
 
 ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$", max_length=2048)]
+Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+\Z", max_length=2048)]  # \Z: "$" passes a final newline
 Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Layer = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Expert = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")]
+LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e7)]
+ShortText = Annotated[str, msgspec.Meta(max_length=2048)]
 
 
 class HeldState(enum.StrEnum):
@@ -237,10 +241,10 @@ class DownloadSource(msgspec.Struct, frozen=True, kw_only=True):
     string on the wire: a volunteer skips kinds it does not know (a newer market's), where a tagged
     union would make the whole assignment undecodable."""
 
-    kind: str
-    url: str = ""  # origin, coordinator
-    peer_id: str = ""  # peer
-    addrs: list[str] = []  # peer
+    kind: Annotated[str, msgspec.Meta(max_length=32)]
+    url: Annotated[str, msgspec.Meta(max_length=2048)] = ""  # origin, coordinator
+    peer_id: Annotated[str, msgspec.Meta(max_length=128)] = ""  # peer
+    addrs: Annotated[list[Addr], msgspec.Meta(max_length=16)] = []  # peer
 
 
 class LeaseView(msgspec.Struct, frozen=True, kw_only=True):
@@ -262,29 +266,36 @@ class Assignment(msgspec.Struct, tag="assignment", tag_field="kind"):
     """The slice to serve. Download it (sha256-check it), report it ``loading`` then ``serving`` in
     heartbeats before the lease lapses (``lease_expires_in_s``: the market's clock need not match
     yours). ``sources``: where to download from, best first (peers holding it, the GGUF's mirrors,
-    then the coordinators; a market that predates them sends none: use ``url``)."""
+    then the coordinators; a market that predates them sends none: use ``url``).
 
-    model_id: str
-    layer: int
-    lo: int
-    hi: int
-    slice: str  # "LAYER:LO-HI"
-    url: str
-    size: int
-    sha256: str
-    lease_id: str
-    lease_expires_in_s: float
+    Constrained like a request body: the volunteer builds a file path from ``model_id`` and the range
+    (``swarm.safe_paths``), so a hostile market's answer is refused at decoding."""
+
+    model_id: ModelId
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    slice: Annotated[str, msgspec.Meta(max_length=64)]  # "LAYER:LO-HI"
+    url: Url
+    size: Annotated[int, msgspec.Meta(gt=0, le=1 << 44)]
+    sha256: Sha256Hex
+    lease_id: LeaseId
+    lease_expires_in_s: Seconds
     scarcity: float
-    relays: list[str]  # reserve a slot on one of these when you cannot be dialled
-    heartbeat_s: float  # send coverage at least this often
-    coordinator: str
-    sources: list[DownloadSource] = []
+    relays: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=16)]  # reserve a slot on one of these when you cannot be dialled
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]  # send coverage at least this often
+    coordinator: Annotated[str, msgspec.Meta(max_length=2048)]
+    sources: Annotated[list[DownloadSource], msgspec.Meta(max_length=64)] = []
+
+    def __post_init__(self) -> None:
+        if self.hi <= self.lo:  # raised as a ValidationError by the decoder
+            raise ValueError(f"an assignment of the empty range {self.lo}-{self.hi}")
 
 
 class NothingNeeded(msgspec.Struct, tag="nothing_needed", tag_field="kind"):
-    reason: str  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable | quarantined | address_cap
-    retry_after_s: float
-    message: str = ""
+    reason: Annotated[str, msgspec.Meta(max_length=64)]  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable | quarantined | address_cap
+    retry_after_s: Seconds
+    message: ShortText = ""
 
 
 VolunteerAnswer = Assignment | NothingNeeded
