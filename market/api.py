@@ -396,7 +396,7 @@ def build_market_app(api: MarketApi) -> Starlette:
             return nothing(res.reason.value, res.retry_after_s)
         found = await describe(res)
         if found is None:
-            m.cancel_lease(res.lease.lease_id)
+            m.cancel_lease(res.lease.lease_id, api.clock())
             return nothing(
                 NoOfferReason.COORDINATOR_UNREACHABLE.value,
                 _UNREACHABLE_RETRY_S,

@@ -71,6 +71,7 @@ class LiveVolunteer:
     last_serve_ms: dict[SliceRef, int] = field(default_factory=dict)
     display_name: str = ""  # volunteer-chosen (stranger text), control characters removed
     share_slices: bool = False  # it serves its slices to downloading volunteers (its last heartbeat said so)
+    stored: bool = True  # its row is in the store (False: an identity that never held anything, memory only)
 
 
 @dataclass
@@ -341,6 +342,14 @@ class Indexes:
                     row[e] += share
         self._heat_version[model_id] = self._heat_version.get(model_id, 0) + 1
         self.touch(model_id)
+
+    def restore_heat(self, old: Indexes) -> None:
+        """Take ``old``'s routed-row heat (runtime) for the models still registered."""
+        for mid in self.models:
+            if mid in old.heat:
+                self.heat[mid] = old.heat[mid]
+                self._heat_at[mid] = old._heat_at.get(mid, 0.0)
+                self._heat_version[mid] = old._heat_version.get(mid, 0)
 
     def live_volunteers(self) -> int:
         return len(self.coverage)

@@ -17,7 +17,11 @@ Rules:
 - Restart: everything durable is loaded; volunteers holding coverage are treated as just seen
   (one heartbeat TTL of grace), so the published map stays valid until they heartbeat again or
   expire; a model that was recruiting keeps recruiting until ``hold_s`` without saturation.
-- A rejected request (``RequestError``) changes nothing.
+- A rejected request (``RequestError``) changes nothing. A request whose batch the store refuses
+  (``StoreError``: a full disk, say; the API answers 503 ``store_error``) changes nothing either:
+  memory and store change together or not at all. The durable facts are reloaded from the store
+  (which applied none of the batch), the runtime ones (polls, heartbeat times, loads, the sequence
+  marks) are kept, and the call's events are dropped (``_restore``).
 - The dispatch map of a model is rebuilt by ``tick`` when something it depends on changed; its
   ``version`` grows exactly when its content changes, and keeps growing across restarts.
 - Age-out: while the target falls, surplus holdings get ``retiring_since = now`` (out of the map at
@@ -34,6 +38,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter, deque
@@ -78,7 +83,7 @@ from market.store import Change, Delete, Put, Store
 from market.views import demand_view, dispatch_map, map_version, recruitment_view
 from swarm.core.rng import Rng
 from swarm.dispatch_map import DispatchMap
-from swarm.errors import RequestError
+from swarm.errors import RequestError, StoreError
 from swarm.protocol.expert import PROTOCOL_VERSION as EXPERT_PROTOCOL_VERSION
 from swarm.protocol.market import (
     CoordinatorReport,
@@ -184,13 +189,55 @@ class Market:
         self._history_at = -math.inf
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
         self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
+        self._call_mark = 0
         dropped = self.ix.load(store.load(), now)
         if dropped:
             store.apply(dropped)
 
-    def _commit(self, changes: list[Change]) -> None:
-        if changes:
+    def _begin(self) -> None:
+        """The start of a call that may commit: what ``_restore`` rolls the event log back to."""
+        self._call_mark = self._event_seq
+
+    def _commit(self, changes: list[Change], now: float) -> None:
+        if not changes:
+            return
+        try:
             self.store.apply(changes)
+        except StoreError:
+            self._restore(now)
+            raise
+
+    def _restore(self, now: float) -> None:
+        """After the store refused a batch (and so applied none of it): memory as the store has it, plus
+        the runtime facts the store never holds (module rules)."""
+        old = self.ix
+        ix = Indexes(self.policy)
+        ix.load(self.store.load(), now)  # its "dropped" rows were dropped at start already
+        for url, p in old.polls.items():
+            if url in ix.coordinators:
+                ix.polls[url] = p
+        for peer, o in old.volunteers.items():
+            lv = ix.volunteers.get(peer)
+            if lv is None:
+                if not o.stored:  # in memory only (it holds nothing): runtime, kept as it was
+                    ix.volunteers[peer] = o
+                continue
+            mark = max((lv.row.epoch, lv.row.sequence), (o.row.epoch, o.row.sequence))  # replays stay refused
+            row = msgspec.structs.replace(lv.row, epoch=mark[0], sequence=mark[1])
+            ix.volunteers[peer] = LiveVolunteer(row, o.last_seen, o.load, row != lv.row, o.last_serve_ms,
+                                                o.display_name, share_slices=o.share_slices, stored=True)
+        for mid, st in old.recruit.items():
+            if mid in ix.models:
+                ix.recruit[mid] = dataclasses.replace(st, recruiting=ix.recruiting(mid))
+        ix.served, ix.reported = old.served, old.reported
+        ix.routed = {mid: r for mid, r in old.routed.items() if mid in ix.models}
+        ix.restore_heat(old)
+        self.ix = ix
+        self._lease_address = {k: a for k, a in self._lease_address.items() if k in ix.leases}
+        while self._events and self._events[-1].seq > self._call_mark:
+            self._events.pop()
+        self.counters["store_failures"] += 1
+        log.error("the store refused a batch: memory rolled back to it")
 
     def download_sources(self, model_id: str) -> list[str]:
         """Coordinators hosting ``model_id``, best first (``market.core.sources``)."""
@@ -236,6 +283,7 @@ class Market:
     def register(self, req: RegisterModels, now: float) -> RegisterAck:
         """``POST /api/models``. Errors: ``bad_manifest`` (400), ``stale_registration`` and
         ``manifest_conflict`` (409). The URL is kept without a trailing slash."""
+        self._begin()
         req = msgspec.structs.replace(req, url=req.url.rstrip("/"))
         seen: set[str] = set()
         for m in req.models:
@@ -287,7 +335,7 @@ class Market:
         self.ix.coordinators_changed()
         self.ix.polls.setdefault(req.url, PollRecord())
         changes.append(Put(crow))
-        self._commit(changes)
+        self._commit(changes, now)
         for mid in {*ids, *(stored.model_ids if stored else [])}:
             if mid in self.ix.models:
                 self.ix.touch(mid)
@@ -314,6 +362,7 @@ class Market:
         sequence)``, when given, must be newer than the volunteer's last poll or heartbeat (409
         ``replayed_sequence`` / ``stale_epoch``); ``address`` (the client's IP) holds at most
         ``max_leases_per_address`` open leases."""
+        self._begin()
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
         if req.epoch is not None and req.sequence is not None:
@@ -345,13 +394,13 @@ class Market:
             header_allowance=self.policy.header_allowance,
         )
         if isinstance(res, NoOfferReason):
-            self._commit(changes)
+            self._commit(changes, now)
             self.counters[f"no_offer_{res.value}"] += 1
             return NoOffer(res, jittered(self.rng, self.policy.retry_after_s))
         if address:
             self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}  # open ones
             if sum(a == address for a in self._lease_address.values()) >= self.policy.max_leases_per_address:
-                self._commit(changes)
+                self._commit(changes, now)
                 self.counters["no_offer_address_cap"] += 1
                 return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
@@ -361,17 +410,18 @@ class Market:
         self.ix.index_lease(lease)
         self.ix.dirty_ageout.add(res.slice.model_id)
         changes.append(Put(lease))
-        self._commit(changes)
+        self._commit(changes, now)
         self.counters["offers"] += 1
         return self._offer(lease, now, res.scarcity, res.est_bytes)
 
-    def cancel_lease(self, lease_id: str) -> None:
+    def cancel_lease(self, lease_id: str, now: float) -> None:
         """Undo a lease the shell could not complete (no coordinator described the slice file)."""
+        self._begin()
         lease = self.ix.leases.get(lease_id)
         if lease is not None:
             changes: list[Change] = []
             self.ix.del_lease(lease, changes)
-            self._commit(changes)
+            self._commit(changes, now)
 
     # -- volunteers: coverage heartbeats ---------------------------------------------------------
 
@@ -380,6 +430,7 @@ class Market:
 
         Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400).
         """
+        self._begin()
         q = self.quarantine_of(hb.peer_id, now)
         if q is not None:
             self.counters["heartbeats_quarantined"] += 1
@@ -452,7 +503,7 @@ class Market:
         if addrs_changed or load_bucket(hb.load) != old_bucket:
             for s in reported:
                 self.ix.dirty_maps.add(s.model_id)
-        self._commit(changes)
+        self._commit(changes, now)
         self.counters["heartbeats_accepted"] += 1
         return CoverageAck(
             hb.peer_id,
@@ -496,6 +547,7 @@ class Market:
         """``POST /api/coordinator-report`` (operator token checked by the shell): served and verified
         counts per volunteer; a quarantine drops the volunteer's coverage and lease and refuses it for
         ``quarantine_s`` (persisted). Errors: ``unknown_coordinator`` (404)."""
+        self._begin()
         url = rep.url.rstrip("/")
         if url not in self.ix.coordinators:
             raise _http_error(f"coordinator {url[:200]!r} is not registered", "unknown_coordinator", status=404, param="url")
@@ -551,7 +603,7 @@ class Market:
             if k in routed or len(routed) < 65536:
                 routed[k] = routed.get(k, 0) + rr.rows
         self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, rr.rows) for rr in rep.ranges], now)
-        self._commit(changes)
+        self._commit(changes, now)
         self.counters["reports"] += 1
         return ReportAck(len(rep.workers), newly)
 
@@ -599,6 +651,7 @@ class Market:
 
     def tick(self, now: float) -> TickReport:
         """Expire silent volunteers and lapsed leases, step recruitment, age out, rebuild maps."""
+        self._begin()
         rep = TickReport()
         changes: list[Change] = []
         ttl = self.policy.heartbeat_ttl_s
@@ -651,14 +704,15 @@ class Market:
         self.ix.dirty_maps.clear()
         if now - self._last_flush >= self.policy.flush_s:
             self._flush(changes, now)
-        self._commit(changes)
+        self._commit(changes, now)
         return rep
 
     def flush(self, now: float) -> None:
         """Write every volunteer's latest sequence number (periodically, and before closing)."""
+        self._begin()
         changes: list[Change] = []
         self._flush(changes, now)
-        self._commit(changes)
+        self._commit(changes, now)
 
     def _flush(self, changes: list[Change], now: float) -> None:
         for v in self.ix.volunteers.values():
