@@ -75,7 +75,9 @@ Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with stable 
 ``bad_parameter``, ``bad_peer_id``, ``bad_manifest``, ``bad_url``, ``duplicate_slice`` (400);
 ``bad_signature``, ``unauthorized`` (401); ``unknown_model``, ``unknown_lease``, ``not_found`` (404);
 ``method_not_allowed`` (405); ``stale_epoch``, ``replayed_sequence``, ``stale_registration``,
-``manifest_conflict`` (409); ``body_too_large`` (413); ``store_error`` (503).
+``manifest_conflict`` (409); ``body_too_large`` (413); ``too_many_identities`` (429: a new identity
+at an address that speaks for ``max_identities_per_address`` already); ``store_error`` (503: the
+request changed nothing, in memory or on disk).
 Bad input never takes the market down.
 """
 
@@ -451,7 +453,7 @@ def build_market_app(api: MarketApi) -> Starlette:
         if not check_signed(request, raw, hb.peer_id, hb.sent_at_ms):
             verify_body(hb.peer_id, hb, hb.signature)  # the body-signature scheme, accepted for one release
             m.counters["heartbeats_legacy_signature"] += 1
-        ack = m.heartbeat(hb, api.clock())
+        ack = m.heartbeat(hb, api.clock(), address=request.client.host if request.client is not None else "")
         return _json(msgspec.structs.replace(ack, relays=list(api.relays)))
 
     @_guarded

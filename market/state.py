@@ -69,6 +69,7 @@ from market.core.records import (
 from market.core.recruit import Holding, PollView, RecruitState, observe, plan_ageout, step
 from market.core.registry import (
     ACCEPTED,
+    address_key,
     check_heartbeat,
     diff_coverage,
     epoch_bound_ms,
@@ -181,7 +182,13 @@ class Market:
         # (peer, slice) -> when a serving holding not yet proved loses its place (runtime: a restart
         # gives every holding a fresh grace, so coverage from before proofs ruled is not a hole at once)
         self._proof_due: dict[tuple[str, SliceRef], float] = {}
-        self._unproven: dict[tuple[str, SliceRef], float] = {}  # dropped for want of proof (the refusal's reason)
+        # peer -> slice -> (why, when) the market dropped its holding: the refusal's reason when it lists it
+        # again, and no new lease for it for ``dropped_penalty_s`` (runtime, bounded)
+        self._dropped: dict[str, dict[SliceRef, tuple[Reason, float]]] = {}
+        self._n_dropped = 0
+        self._addr_peers: dict[str, dict[str, float]] = {}  # IP address -> identities seen there -> when (runtime)
+        self._peer_addr: dict[str, str] = {}  # identity -> the address it last spoke from (runtime)
+        self._last_gc = -math.inf
         self._events: deque[MarketEvent] = deque(maxlen=1000)  # the dashboard's event log (runtime)
         self._event_seq = 0
         self._saturated_was: dict[str, bool] = {}
@@ -365,6 +372,9 @@ class Market:
         self._begin()
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
+        if address and not self._note_address(req.peer_id, address, now):
+            self.counters["no_offer_identity_cap"] += 1
+            return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         if req.epoch is not None and req.sequence is not None:
             self._accept_counter(req.peer_id, req.epoch, req.sequence)
         q = self.quarantine_of(req.peer_id, now)
@@ -385,7 +395,8 @@ class Market:
             for mid, row in self.ix.models.items()
             if (wanted is None or mid in wanted) and self.ix.hosts_of(mid)
         ]
-        held = list(self.ix.coverage.get(req.peer_id, {}))
+        # what it holds, and what it was dropped from lately (it squatted a download, or never proved it)
+        held = [*self.ix.coverage.get(req.peer_id, {}), *self._penalised(req.peer_id, now)]
         res = choose_slice(
             supplies,
             Budget(req.max_bytes, req.max_experts),
@@ -397,12 +408,10 @@ class Market:
             self._commit(changes, now)
             self.counters[f"no_offer_{res.value}"] += 1
             return NoOffer(res, jittered(self.rng, self.policy.retry_after_s))
-        if address:
-            self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}  # open ones
-            if sum(a == address for a in self._lease_address.values()) >= self.policy.max_leases_per_address:
-                self._commit(changes, now)
-                self.counters["no_offer_address_cap"] += 1
-                return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
+        if address and self._address_holdings(address) >= self.policy.max_leases_per_address:
+            self._commit(changes, now)
+            self.counters["no_offer_address_cap"] += 1
+            return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
         self._event("assigned", now, peer_id=req.peer_id, s=res.slice, detail=f"scarcity {res.scarcity:.2f}")
         if address:
@@ -413,6 +422,64 @@ class Market:
         self._commit(changes, now)
         self.counters["offers"] += 1
         return self._offer(lease, now, res.scarcity, res.est_bytes)
+
+    # -- addresses and identities (runtime) ----------------------------------------------------
+
+    def _note_address(self, peer: str, address: str, now: float) -> bool:
+        """Record that ``peer`` spoke from ``address``; False (and nothing recorded) for a new identity at
+        an address that already has ``max_identities_per_address`` live ones."""
+        peers = self._addr_peers.get(address, {})
+        if peer not in peers and (len(peers) >= self.policy.max_identities_per_address
+                                  or (peer not in self._peer_addr and len(self._peer_addr) >= self.policy.max_identities)):
+            return False
+        self._addr_peers[address] = peers
+        old = self._peer_addr.get(peer)
+        if old is not None and old != address:
+            gone = self._addr_peers.get(old, {})
+            gone.pop(peer, None)
+            if not gone:
+                self._addr_peers.pop(old, None)
+        self._peer_addr[peer] = address
+        peers[peer] = now
+        return True
+
+    def _address_holdings(self, address: str) -> int:
+        """Slices held or leased from ``address``: coverage of the identities last seen there, and open
+        leases taken from it (DESIGN §12: the per-address cap counts holdings, not only open leases)."""
+        self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}  # open ones
+        held = sum(len(self.ix.coverage.get(p, {})) for p in self._addr_peers.get(address, {}))
+        return held + sum(a == address for a in self._lease_address.values())
+
+    def _forget_idle_identities(self, now: float) -> None:
+        """Address marks of identities that hold nothing age out after ``identity_idle_s`` of silence (as
+        identities that never held anything do: the tick), and so do old drop marks."""
+        idle = self.policy.identity_idle_s
+        for address, peers in list(self._addr_peers.items()):
+            for peer, at in list(peers.items()):
+                if now - at > idle and peer not in self.ix.coverage and peer not in self.ix.lease_of:
+                    del peers[peer]
+                    if self._peer_addr.get(peer) == address:
+                        del self._peer_addr[peer]
+            if not peers:
+                del self._addr_peers[address]
+        for peer, marks in list(self._dropped.items()):
+            for sl, (_, at) in list(marks.items()):
+                if now - at > self.policy.dropped_penalty_s:
+                    del marks[sl]
+            if not marks:
+                del self._dropped[peer]
+
+    def _penalised(self, peer: str, now: float) -> list[SliceRef]:
+        """The slices ``peer`` was dropped from within ``dropped_penalty_s``: not offered to it again yet."""
+        return [sl for sl, (_, at) in self._dropped.get(peer, {}).items() if now - at <= self.policy.dropped_penalty_s]
+
+    def _mark_dropped(self, peer: str, sl: SliceRef, reason: Reason, now: float) -> None:
+        self._dropped.setdefault(peer, {})[sl] = (reason, now)
+        self._n_dropped += 1
+        if self._n_dropped > 100_000:  # bounded: the oldest marks go
+            self._n_dropped = 0
+            for p in list(self._dropped)[: max(1, len(self._dropped) // 10)]:
+                del self._dropped[p]
 
     def cancel_lease(self, lease_id: str, now: float) -> None:
         """Undo a lease the shell could not complete (no coordinator described the slice file)."""
@@ -425,12 +492,20 @@ class Market:
 
     # -- volunteers: coverage heartbeats ---------------------------------------------------------
 
-    def heartbeat(self, hb: CoverageHeartbeat, now: float) -> CoverageAck:
-        """``POST /api/expert-coverage`` (signature already verified by the shell).
+    def heartbeat(self, hb: CoverageHeartbeat, now: float, *, address: str = "") -> CoverageAck:
+        """``POST /api/expert-coverage`` (signature already verified by the shell). ``address``: the
+        client's IP. An identity is stored once it holds something; until then it lives in memory only
+        and is forgotten after ``identity_idle_s`` of silence.
 
-        Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400).
+        Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400),
+        ``too_many_identities`` (429: a new identity at an address with ``max_identities_per_address``).
         """
         self._begin()
+        address = address_key(address)
+        if address and not self._note_address(hb.peer_id, address, now):
+            self.counters["heartbeats_identity_cap"] += 1
+            raise _http_error(f"this address already speaks for {self.policy.max_identities_per_address} identities",
+                              "too_many_identities", status=429)
         q = self.quarantine_of(hb.peer_id, now)
         if q is not None:
             self.counters["heartbeats_quarantined"] += 1
@@ -461,7 +536,8 @@ class Market:
             listed.add(s)
             problem = self.ix.slice_problem(s)
             if problem is None and self.policy.coverage_requires_lease and not self._assigned(hb.peer_id, s):
-                problem = Reason.UNPROVEN if (hb.peer_id, s) in self._unproven else Reason.NOT_ASSIGNED
+                mark = self._dropped.get(hb.peer_id, {}).get(s)
+                problem = mark[0] if mark is not None else Reason.NOT_ASSIGNED
             if problem is not None:
                 refused.append(_slice_directive(h, directive(None, now, self.policy.cooldown_s, problem)))
                 self.counters[f"slices_refused_{problem.value}"] += 1
@@ -473,15 +549,12 @@ class Market:
                            sorted(set(hb.protocols)))
         # a changed address or protocol list changes the map (wiring leaves out who cannot serve)
         addrs_changed = v is None or v.row.addrs != row.addrs or v.row.protocols != row.protocols
-        if v is None or v.row.epoch != hb.epoch or addrs_changed or v.row.max_bytes != hb.max_bytes:
-            changes.append(Put(row))
-            dirty = False
-        else:
-            dirty = True
+        changed = v is None or v.row.epoch != hb.epoch or addrs_changed or v.row.max_bytes != hb.max_bytes
+        was_stored = v is not None and v.stored
         old_bucket = load_bucket(v.load) if v else 0
-        v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, dirty, serves,
+        v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, False, serves,
                                                            "".join(ch for ch in hb.display_name if ch.isprintable()),
-                                                           share_slices=hb.share_slices)
+                                                           share_slices=hb.share_slices, stored=was_stored)
         rows = dict(self.ix.coverage.get(hb.peer_id, {}))
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
@@ -503,6 +576,13 @@ class Market:
         if addrs_changed or load_bucket(hb.load) != old_bucket:
             for s in reported:
                 self.ix.dirty_maps.add(s.model_id)
+        # the identity row is stored once it holds something (then its epoch mark outlives a restart); a
+        # throwaway identity's heartbeats cost memory for ``identity_idle_s``, never a row
+        if (was_stored and changed) or (not was_stored and hb.peer_id in self.ix.coverage):
+            changes.append(Put(row))
+            v.stored = True
+        elif was_stored:
+            v.dirty = True  # a newer sequence only: flushed every flush_s
         self._commit(changes, now)
         self.counters["heartbeats_accepted"] += 1
         return CoverageAck(
@@ -667,9 +747,10 @@ class Market:
                 rep.expired_volunteers.append(peer)
                 self._event("expired", now, peer_id=peer, detail=f"silent {now - v.last_seen:.0f} s")
                 self.counters["volunteers_expired"] += 1
-            elif now - v.last_seen > self.policy.volunteer_gc_s:
-                del self.ix.volunteers[peer]
-                changes.append(Delete(Table.VOLUNTEERS, peer))
+            elif now - v.last_seen > (self.policy.volunteer_gc_s if v.stored else self.policy.identity_idle_s):
+                del self.ix.volunteers[peer]  # one that never held anything goes far sooner (it has no row)
+                if v.stored:
+                    changes.append(Delete(Table.VOLUNTEERS, peer))
         for lease in list(self.ix.leases.values()):
             if lease.expires_at <= now:
                 self.ix.del_lease(lease, changes)
@@ -677,7 +758,10 @@ class Market:
                 rep.expired_leases += 1
                 self._event("lease_expired", now, peer_id=lease.peer_id, s=lease.slice)
                 self.counters["leases_expired"] += 1
-        self._drop_unproven(now, changes)
+        self._drop_unprovable(now, changes)
+        if now - self._last_gc >= 10.0:
+            self._last_gc = now
+            self._forget_idle_identities(now)
         if now - self._history_at >= HISTORY_EVERY_S:
             self._history_at = now
             self._sample_history(now)
@@ -716,7 +800,7 @@ class Market:
 
     def _flush(self, changes: list[Change], now: float) -> None:
         for v in self.ix.volunteers.values():
-            if v.dirty:
+            if v.dirty and v.stored:
                 changes.append(Put(v.row))
                 v.dirty = False
         self._last_flush = now
@@ -735,36 +819,49 @@ class Market:
                 return True
         return False
 
-    def _drop_unproven(self, now: float, changes: list[Change]) -> None:
-        """A serving holding that no coordinator reported proved (hold challenge or verified answers)
-        within ``proof_grace_s`` of starting to serve stops counting: its row goes (the volunteer's next
-        heartbeat is told ``release``, reason ``unproven``) and its experts are recruited again."""
+    def _drop_unprovable(self, now: float, changes: list[Change]) -> None:
+        """A holding counts only while it can be proven (DESIGN §12). Its row goes (the volunteer's next
+        heartbeat listing it is told ``release`` with the reason; it gets no new lease for that slice for
+        ``dropped_penalty_s``) and its experts are recruited again, when
+        - it is ``loading`` past its download deadline: ``since`` + ``download_grace_s`` + the slice's
+          bytes at ``download_floor_bytes_per_s`` (``download_overdue``): reporting ``loading`` for ever
+          is squatting, not downloading;
+        - it is ``serving`` and no coordinator reported it proved (hold challenge or verified answers)
+          within ``proof_grace_s`` of starting to serve (``unproven``; 0 = off)."""
         grace = self.policy.proof_grace_s
-        if grace <= 0:
-            return
         due = self._proof_due
         live: set[tuple[str, SliceRef]] = set()
         for peer, rows in list(self.ix.coverage.items()):
             for s, row in list(rows.items()):
-                if row.state is not HeldState.SERVING or row.proved:
-                    continue
-                k = (peer, s)
-                live.add(k)
-                if now < due.setdefault(k, now + grace):
+                if row.state is HeldState.LOADING:
+                    if now < row.since + self._download_allowance(s):
+                        continue
+                    reason, detail = Reason.OVERDUE, f"still loading {now - row.since:.0f} s after it was leased"
+                elif row.state is HeldState.SERVING and not row.proved and grace > 0:
+                    k = (peer, s)
+                    live.add(k)
+                    if now < due.setdefault(k, now + grace):
+                        continue
+                    reason, detail = Reason.UNPROVEN, f"no proof of holding within {grace:.0f} s"
+                else:
                     continue
                 self.ix.del_cov(row, changes)
                 self.ix.dirty_maps.add(s.model_id)
                 self.ix.dirty_ageout.add(s.model_id)
-                self._unproven[k] = now
-                self.counters["coverage_unproven"] += 1
-                self._event("unproven", now, peer_id=peer, s=s, detail=f"no proof of holding within {grace:.0f} s")
-                log.info("volunteer %s: %s not proved within %.0f s of serving; dropped", peer, s, grace)
+                self._mark_dropped(peer, s, reason, now)
+                self.counters[f"coverage_{reason.value}"] += 1
+                self._event(reason.value, now, peer_id=peer, s=s, detail=detail)
+                log.info("volunteer %s: %s dropped (%s: %s)", peer, s, reason.value, detail)
         for k in list(due):
             if k not in live:
                 del due[k]
-        if len(self._unproven) > 100_000:  # bounded: the oldest go
-            for k in list(self._unproven)[:10_000]:
-                del self._unproven[k]
+
+    def _download_allowance(self, s: SliceRef) -> float:
+        """How long a slice may stay ``loading``: a fixed grace plus its bytes at a generous floor rate."""
+        m = self.ix.models.get(s.model_id)
+        size = (s.hi - s.lo) * m.manifest.bytes_per_expert[s.layer] if m is not None else 0
+        p = self.policy
+        return p.download_grace_s + (size + p.header_allowance) / p.download_floor_bytes_per_s
 
     def _age_out(self, model_id: str, now: float, changes: list[Change], rep: TickReport) -> None:
         m = self.ix.models[model_id].manifest

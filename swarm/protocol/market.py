@@ -61,7 +61,7 @@ __all__ = [
 ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+\Z", max_length=2048)]  # \Z: "$" passes a final newline
-Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]  # a circuit multiaddr with two peer ids is ~150
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Layer = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
@@ -425,8 +425,9 @@ class VolunteerCredit(msgspec.Struct):
 
 class MarketEvent(msgspec.Struct):
     """One entry of the market's event log (``GET /api/events``): ``kind`` is one of assigned,
-    loading, serving, draining, restored, released, expired, lease_expired, unproven, quarantined,
-    recruiting, recruiting_ended, saturated, unsaturated."""
+    loading, serving, draining, restored, released, expired, lease_expired, unproven, download_overdue,
+    quarantined, recruiting, recruiting_ended, saturated, unsaturated, host_down, host_up,
+    coordinator_gone, model_dropped."""
 
     seq: int
     at_ms: int

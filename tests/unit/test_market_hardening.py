@@ -12,13 +12,14 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import pytest
 
 from market.core.records import HeldState, ModelManifest, SliceRef
 from market.policy import MarketPolicy
 from market.state import Market, Offer
 from market.store import Change, InMemoryStore, MemoryBacking
-from swarm.errors import StoreError
+from swarm.errors import RequestError, StoreError
 from swarm.protocol.market import (
     CoordinatorReport,
     CoverageHeartbeat,
@@ -144,3 +145,142 @@ def test_a_refused_registration_is_not_hosted_and_the_volunteer_counter_survives
         m.heartbeat(hb("a", 7), 4.0)
     m.heartbeat(hb("a", 8, (s.layer, s.lo, s.hi, SERVING)), 4.0)
     assert list(m.ix.coverage["a"]) == [s]
+
+
+# -- item 2: a holding counts only while it can be proven ----------------------------------------------------
+
+ONE_CHUNK = manifest(n_layer=1, n_expert=4)  # one slice of 4 experts: whoever holds it holds all there is
+SQUAT = msgspec.structs.replace(POLICY, heartbeat_ttl_s=30.0, download_grace_s=60.0,
+                                download_floor_bytes_per_s=1000.0, dropped_penalty_s=300.0)
+
+
+def test_a_squatter_heartbeating_loading_stops_counting_at_its_download_deadline_and_an_honest_one_gets_it() -> None:
+    """The deadline is the grace plus the slice's bytes at the floor rate: 60 s + 4 x 1000 B / 1000 B/s."""
+    m = market(SQUAT)
+    m.register(RegisterModels(URL, [ONE_CHUNK], epoch=10), 0.0)
+    s = leased(m, "squatter", 1.0)
+    t, seq = 2.0, 1
+    while t < 65.0:  # heartbeats "loading" and never downloads
+        ack = m.heartbeat(hb("squatter", seq, (s.layer, s.lo, s.hi, LOADING)), t)
+        assert [d.action for d in ack.slices] == ["keep"]
+        m.tick(t + 0.01)
+        assert m.ix.counts[MID].pending[0] == [1, 1, 1, 1], t  # on its way (it says): nobody else is sent for it
+        t, seq = t + 5.0, seq + 1
+    assert m.volunteer(VolunteerRequest("honest", max_experts=4), 65.5).reason.value == "nothing_scarce"  # type: ignore[union-attr]
+    m.tick(66.5)  # past 2 + 64 s: dropped
+    assert "squatter" not in m.ix.coverage and m.ix.counts[MID].pending[0] == [0, 0, 0, 0]
+    assert m.ix.counts == m.ix.recount()
+    assert [e.kind for e in m.events().events][-1] == "download_overdue"
+    # its next heartbeat is told why; its next poll does not get the same slice again (a while)
+    ack = m.heartbeat(hb("squatter", seq, (s.layer, s.lo, s.hi, LOADING)), 67.0)
+    assert [(d.action, d.reason) for d in ack.slices] == [("release", "download_overdue")]
+    again = m.volunteer(VolunteerRequest("squatter", max_experts=4), 67.5)
+    assert not isinstance(again, Offer)
+    assert leased(m, "honest", 68.0) == s  # re-offered
+    assert not isinstance(m.volunteer(VolunteerRequest("squatter", max_experts=4), 67.5 + 301.0), Offer)  # taken now
+
+
+def test_a_slice_that_loads_in_time_and_serves_is_not_dropped() -> None:
+    m = market(SQUAT)
+    m.register(RegisterModels(URL, [ONE_CHUNK], epoch=10), 0.0)
+    s = leased(m, "v", 1.0)
+    m.heartbeat(hb("v", 1, (s.layer, s.lo, s.hi, LOADING)), 2.0)
+    m.heartbeat(hb("v", 2, (s.layer, s.lo, s.hi, SERVING)), 60.0)
+    for t in range(61, 200, 5):
+        m.heartbeat(hb("v", t, (s.layer, s.lo, s.hi, SERVING)), float(t))
+        m.tick(t + 0.5)
+    assert list(m.ix.coverage["v"]) == [s] and m.ix.counts[MID].replicas[0] == [1, 1, 1, 1]
+
+
+def test_the_deadline_grows_with_the_slice() -> None:
+    m = market(SQUAT)
+    big = manifest(model_id="big-0123456789ab", n_layer=1, n_expert=4, bpe=1_000_000)  # 4 MB at 1000 B/s
+    m.register(RegisterModels(URL, [big], epoch=10), 0.0)
+    got = m.volunteer(VolunteerRequest("v", max_experts=4), 1.0)
+    assert isinstance(got, Offer)
+    s = got.lease.slice
+    body = CoverageHeartbeat("v", 1, 1, [], [HeldSlice(s.model_id, s.layer, s.lo, s.hi, LOADING)], protocols=[2])
+    m.heartbeat(body, 2.0)
+    for t in range(10, 4000, 10):  # heartbeats keep it alive; 60 + 4000 s allowed
+        m.heartbeat(msgspec.structs.replace(body, sequence=t), float(t))
+        m.tick(t + 0.5)
+    assert "v" in m.ix.coverage
+    for t in range(4000, 4100, 10):
+        m.heartbeat(msgspec.structs.replace(body, sequence=t), float(t))
+        m.tick(t + 0.5)
+    assert "v" not in m.ix.coverage
+
+
+def test_one_address_holds_at_most_the_cap_through_lease_to_coverage_conversion() -> None:
+    """Each identity takes a lease and converts it into coverage at once: the cap counts holdings."""
+    policy = msgspec.structs.replace(POLICY, max_leases_per_address=3, heartbeat_ttl_s=60.0)
+    m = market(policy)
+    m.register(RegisterModels(URL, [manifest(n_layer=8, n_expert=8)], epoch=10), 0.0)
+    held = 0
+    for i in range(10):
+        peer = f"sybil-{i}"
+        got = m.volunteer(VolunteerRequest(peer, max_experts=4), 1.0 + i, address="10.9.9.9")
+        if isinstance(got, Offer):
+            s = got.lease.slice
+            m.heartbeat(hb(peer, 1, (s.layer, s.lo, s.hi, SERVING)), 1.5 + i, address="10.9.9.9")
+            held += 1
+        else:
+            assert got.reason.value == "address_cap"
+    assert held == 3 and sum(len(r) for r in m.ix.coverage.values()) == 3
+    # one identity polling again and again is held to the same cap
+    m2 = market(policy)
+    m2.register(RegisterModels(URL, [manifest(n_layer=8, n_expert=8)], epoch=10), 0.0)
+    slices = []
+    for i in range(10):
+        got = m2.volunteer(VolunteerRequest("greedy", max_experts=4), 1.0 + i, address="10.9.9.9")
+        if isinstance(got, Offer):
+            slices.append(got.lease.slice)
+            m2.heartbeat(hb("greedy", 1 + i, *((x.layer, x.lo, x.hi, SERVING) for x in slices)), 1.5 + i,
+                         address="10.9.9.9")
+    assert len(slices) == 3 and len(m2.ix.coverage["greedy"]) == 3
+    # another address is not affected
+    assert isinstance(m2.volunteer(VolunteerRequest("other", max_experts=4), 20.0, address="10.1.1.1"), Offer)
+
+
+# -- item 5: throwaway identities cost no rows, and not for long ---------------------------------------------
+
+
+def test_throwaway_identities_store_no_row_and_are_forgotten_soon() -> None:
+    store = InMemoryStore()
+    m = market(msgspec.structs.replace(POLICY, identity_idle_s=600.0), store=store)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    rows_before = {t: len(r) for t, r in store.backing.tables.items()}
+    for i in range(3000):  # one heartbeat each, claiming a slice nobody leased to them: refused
+        ack = m.heartbeat(hb(f"throwaway-{i}", 1, (0, 0, 4, SERVING)), 1.0 + i * 0.01, address=f"10.{i // 250}.{i % 250}.1")
+        assert [d.reason for d in ack.slices] == ["not_assigned"]
+    assert {t: len(r) for t, r in store.backing.tables.items()} == rows_before  # not a row more
+    assert len(m.ix.volunteers) == 3000
+    m.tick(1.0 + 3000 * 0.01 + 601.0)
+    assert len(m.ix.volunteers) == 0 and m._peer_addr == {}  # type: ignore[attr-defined]
+    # an identity that gets something to hold is stored from then on, and outlives a restart
+    s = leased(m, "real", 700.0, address="10.200.0.1")
+    m.heartbeat(hb("real", 1, (s.layer, s.lo, s.hi, LOADING)), 701.0, address="10.200.0.1")
+    assert set(store.backing.tables["volunteers"]) == {"real"}
+    assert "real" in market(store=InMemoryStore(store.backing)).ix.volunteers
+
+
+def test_one_address_speaks_for_a_bounded_number_of_identities() -> None:
+    m = market(msgspec.structs.replace(POLICY, max_identities_per_address=8))
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    for i in range(8):
+        m.heartbeat(hb(f"p{i}", 1), 1.0, address="10.0.0.7")
+    with pytest.raises(RequestError) as e:
+        m.heartbeat(hb("p8", 1), 1.0, address="10.0.0.7")
+    assert (e.value.status, e.value.code) == (429, "too_many_identities")
+    assert m.volunteer(VolunteerRequest("p9", max_experts=4), 1.0, address="10.0.0.7").reason.value == "address_cap"  # type: ignore[union-attr]
+    m.heartbeat(hb("p0", 2), 2.0, address="10.0.0.7")  # a known one still is
+    m.heartbeat(hb("q0", 1), 2.0, address="10.0.0.8")  # and another address
+    # IPv6: one host picks from a whole /64, so the /64 is what counts
+    for i in range(8):
+        m.heartbeat(hb(f"v6-{i}", 1), 3.0, address=f"2001:db8::{i + 1:x}")
+    with pytest.raises(RequestError):
+        m.heartbeat(hb("v6-8", 1), 3.0, address="2001:db8::ffff:1")
+    m.heartbeat(hb("v6-9", 1), 3.0, address="2001:db8:0:1::1")  # the next /64
+    # ... until they fall silent
+    m.tick(2.0 + 601.0)
+    m.heartbeat(hb("p8", 1), 604.0, address="10.0.0.7")
