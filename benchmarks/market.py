@@ -80,7 +80,8 @@ def start_market(db: str) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-c", RUNNER, "market", "--db", db, "--port", "0", "--token", "bench", "--seed", "1",
-         "--heartbeat-ttl-s", "600", "--lease-s", "600", "--max-leases-per-address", "100000"],  # all on loopback
+         "--heartbeat-ttl-s", "600", "--lease-s", "600", "--max-leases-per-address", "100000",  # all on loopback
+         "--max-identities-per-address", "100000"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )
     assert proc.stdout is not None

@@ -65,6 +65,17 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_identities_per_address: Annotated[int, msgspec.Meta(ge=1)] = 64
     max_identities: Annotated[int, msgspec.Meta(ge=1)] = 200_000  # identities with an address mark, in all
     identity_idle_s: PosFloat = 600.0
+    # coordinators: one whose /slots polls have all failed for host_down_s stops counting as hosting (its
+    # models are not offered on its account; a model no live coordinator hosts has no demand); after
+    # coordinator_gc_s its registration goes; a model no registered coordinator lists goes model_gc_s after
+    host_down_s: PosFloat = 30.0
+    coordinator_gc_s: PosFloat = 3600.0
+    model_gc_s: PosFloat = 600.0
+    max_models: Annotated[int, msgspec.Meta(ge=1)] = 256  # registered models in all (16 per registration: the wire)
+    max_epoch_ahead_s: PosFloat = 600.0  # a registration epoch (start time in ms) at most this far ahead of the clock
+    # a coordinator report credits at most this many pairs (and counts as many calls, rows, verified answers)
+    # per worker; more is clamped (counted in moe_swarm_market_events{event="report_clamped"})
+    max_report_pairs: Annotated[int, msgspec.Meta(ge=1, le=2**62)] = 1 << 30
 
     @property
     def heartbeat_s(self) -> float:

@@ -98,6 +98,7 @@ from swarm.protocol.market import (
     LeaseView,
     MarketEvent,
     ModelHistory,
+    QuarantineEvidence,
     RecruitmentView,
     RegisterAck,
     RegisterModels,
@@ -112,6 +113,7 @@ __all__ = ["Market", "NoOffer", "Offer", "TickReport"]
 log = logging.getLogger(__name__)
 
 
+_INT64_MAX: Final = 2**63 - 1
 HISTORY_S: Final = 15 * 60.0  # what the dashboard's charts show
 HISTORY_EVERY_S: Final = 5.0
 
@@ -189,6 +191,7 @@ class Market:
         self._addr_peers: dict[str, dict[str, float]] = {}  # IP address -> identities seen there -> when (runtime)
         self._peer_addr: dict[str, str] = {}  # identity -> the address it last spoke from (runtime)
         self._last_gc = -math.inf
+        self._unlisted_since: dict[str, float] = {}  # model -> since when no coordinator lists it (runtime)
         self._events: deque[MarketEvent] = deque(maxlen=1000)  # the dashboard's event log (runtime)
         self._event_seq = 0
         self._saturated_was: dict[str, bool] = {}
@@ -288,8 +291,9 @@ class Market:
     # -- coordinators ---------------------------------------------------------------------------
 
     def register(self, req: RegisterModels, now: float) -> RegisterAck:
-        """``POST /api/models``. Errors: ``bad_manifest`` (400), ``stale_registration`` and
-        ``manifest_conflict`` (409). The URL is kept without a trailing slash."""
+        """``POST /api/models``. Errors: ``bad_manifest``, ``bad_epoch`` (400: more than ``max_epoch_ahead_s``
+        ahead), ``stale_registration``, ``manifest_conflict`` and ``too_many_models`` (409: past ``max_models``).
+        The URL is kept without a trailing slash."""
         self._begin()
         req = msgspec.structs.replace(req, url=req.url.rstrip("/"))
         seen: set[str] = set()
@@ -312,9 +316,13 @@ class Market:
                     old.manifest.expert_sha256 != m.expert_sha256 or old.manifest.tensor_offsets != m.tensor_offsets):
                 raise _http_error(f"model {m.model_id!r} is already registered with other expert hashes or offsets",
                                   "manifest_conflict", status=409)
-        if req.epoch > epoch_bound_ms(now):
-            raise _http_error(f"registration epoch {req.epoch} lies in the future (a start time in ms is expected)",
-                              "bad_epoch", param="epoch")
+        if req.epoch > epoch_bound_ms(now, self.policy.max_epoch_ahead_s):
+            raise _http_error(f"registration epoch {req.epoch} lies more than {self.policy.max_epoch_ahead_s:.0f} s "
+                              f"in the future (a start time in ms is expected)", "bad_epoch", param="epoch")
+        new_models = seen - self.ix.models.keys()
+        if len(self.ix.models) + len(new_models) > self.policy.max_models:
+            raise _http_error(f"the market holds {len(self.ix.models)} models; {len(new_models)} more would pass its "
+                              f"limit of {self.policy.max_models}", "too_many_models", status=409, param="models")
         stored = self.ix.coordinators.get(req.url)
         if registration_is_stale(stored.epoch if stored else None, req.epoch):
             raise _http_error(
@@ -340,7 +348,7 @@ class Market:
         crow = CoordinatorRow(req.url, ids, req.epoch, now, req.peer_id, local, origins)
         self.ix.coordinators[req.url] = crow
         self.ix.coordinators_changed()
-        self.ix.polls.setdefault(req.url, PollRecord())
+        self.ix.polls.setdefault(req.url, PollRecord(since=now))
         changes.append(Put(crow))
         self._commit(changes, now)
         for mid in {*ids, *(stored.model_ids if stored else [])}:
@@ -351,16 +359,65 @@ class Market:
 
     def record_poll(self, url: str, busy: int, slots: int, now: float, *, tps: float = 0.0) -> None:
         if url in self.ix.coordinators:
-            p = self.ix.polls.setdefault(url, PollRecord())
+            p = self.ix.polls.setdefault(url, PollRecord(since=now))
             p.ok, p.at, p.error, p.last_ok = True, now, None, PollView(busy, slots, now)
             p.tps = tps if math.isfinite(tps) and tps >= 0 else 0.0
+            if p.down:
+                p.down = False
+                self._host_changed(url, now, "host_up", "answers its /slots polls again")
             self.counters["polls_ok"] += 1
 
     def record_poll_failure(self, url: str, error: str, now: float) -> None:
+        """A failed ``/slots`` poll; a coordinator whose polls have all failed for ``host_down_s`` (since it
+        last answered, or since the market learnt of it) stops counting as hosting."""
         if url in self.ix.coordinators:
-            p = self.ix.polls.setdefault(url, PollRecord())
+            p = self.ix.polls.setdefault(url, PollRecord(since=now))
             p.ok, p.at, p.error = False, now, error
+            if not p.down and now - p.good_at() >= self.policy.host_down_s:
+                p.down = True
+                self._host_changed(url, now, "host_down", f"no /slots answer for {now - p.good_at():.0f} s: {error[:200]}")
             self.counters["polls_failed"] += 1
+
+    def _host_changed(self, url: str, now: float, kind: str, detail: str) -> None:
+        c = self.ix.coordinators[url]
+        for mid in c.model_ids:
+            if mid in self.ix.models:
+                self.ix.touch(mid)
+        self.counters[kind] += 1
+        self._event(kind, now, detail=f"{url[:200]}: {detail}")
+        log.log(logging.WARNING if kind == "host_down" else logging.INFO, "coordinator %s: %s", url, detail)
+
+    def _forget_gone(self, now: float, changes: list[Change]) -> None:
+        """A coordinator down for ``coordinator_gc_s`` is deregistered; a model no registered coordinator
+        lists is dropped ``model_gc_s`` after it stopped being listed (its volunteers are told ``release``
+        / ``unknown_model`` at their next heartbeat; a coordinator registering it again starts afresh)."""
+        gc = self.policy.coordinator_gc_s
+        for url, p in list(self.ix.polls.items()):
+            if url in self.ix.coordinators and p.down and now - p.good_at() >= gc:
+                c = self.ix.coordinators.pop(url)
+                del self.ix.polls[url]
+                self.ix.coordinators_changed()
+                changes.append(Delete(Table.COORDINATORS, url))
+                for mid in c.model_ids:
+                    if mid in self.ix.models:
+                        self.ix.touch(mid)
+                self.counters["coordinators_gone"] += 1
+                self._event("coordinator_gone", now, detail=f"{url[:200]}: no /slots answer for {now - p.good_at():.0f} s")
+                log.warning("coordinator %s deregistered: no /slots answer for %.0f s", url, now - p.good_at())
+        listed = {mid for c in self.ix.coordinators.values() for mid in c.model_ids}
+        for mid in list(self.ix.models):
+            if mid in listed:
+                self._unlisted_since.pop(mid, None)
+                continue
+            since = self._unlisted_since.setdefault(mid, now)
+            if now - since >= self.policy.model_gc_s:
+                del self._unlisted_since[mid]
+                self.ix.drop_model(mid, changes)
+                self._history.pop(mid, None)
+                self.counters["models_dropped"] += 1
+                self._event("model_dropped", now, model_id=mid,
+                            detail=f"no coordinator lists it for {self.policy.model_gc_s:.0f} s")
+                log.warning("model %s dropped: no coordinator lists it", mid)
 
     # -- volunteers: pull -----------------------------------------------------------------------
 
@@ -624,68 +681,128 @@ class Market:
         return q if q is not None and q.until > now else None
 
     def report(self, rep: CoordinatorReport, now: float) -> ReportAck:
-        """``POST /api/coordinator-report`` (operator token checked by the shell): served and verified
-        counts per volunteer; a quarantine drops the volunteer's coverage and lease and refuses it for
-        ``quarantine_s`` (persisted). Errors: ``unknown_coordinator`` (404)."""
+        """``POST /api/coordinator-report`` (operator token checked by the shell). What an operator token
+        may do here is bounded (DESIGN §12):
+        - Only workers that hold a slice of the reported model (a coverage row or a lease of it) count:
+          calls, rows and verified answers (the views), credit (their pairs), proofs of holding (``held``);
+          any other entry changes nothing and is named in the answer's ``ignored``.
+        - Per worker and report at most ``max_report_pairs`` of each count (more is clamped); every
+          count is within int64 (the wire).
+        - A quarantine must carry ``evidence`` (``QuarantineEvidence``: the call's slice, its input's
+          hash, both outputs' hashes, the method), for a slice of the model, with differing output hashes;
+          the report is refused otherwise, before anything changes. It drops the worker's coverage and
+          lease and refuses it for ``quarantine_s``; the evidence is kept with the quarantine (persisted)
+          -- if the worker holds that range of the model (else ``ignored``).
+        Errors: ``unknown_coordinator``, ``unknown_model`` (404), ``missing_evidence``, ``bad_evidence`` (400)."""
         self._begin()
         url = rep.url.rstrip("/")
         if url not in self.ix.coordinators:
             raise _http_error(f"coordinator {url[:200]!r} is not registered", "unknown_coordinator", status=404, param="url")
-        if rep.model_id not in self.ix.coordinators[url].model_ids:
+        m = self.ix.models.get(rep.model_id)
+        if rep.model_id not in self.ix.coordinators[url].model_ids or m is None:
             raise _http_error(f"coordinator {url[:200]!r} does not host {rep.model_id!r}", "unknown_model", status=404,
                               param="model_id")
-        m = self.ix.models.get(rep.model_id)
-        per_pair = flops_per_pair(m.manifest.d_model, m.manifest.d_expert) if m is not None else 0.0
+        for w in rep.workers:  # refused as a whole, before anything changes
+            if not w.quarantined:
+                continue
+            if w.evidence is None:
+                raise _http_error(f"the quarantine of {w.peer_id[:128]!r} carries no evidence (QuarantineEvidence: the "
+                                  f"slice, the input's and both outputs' sha256, the method)", "missing_evidence",
+                                  param="workers")
+            problem = _evidence_problem(w.evidence, m.manifest)
+            if problem:
+                raise _http_error(f"the quarantine evidence of {w.peer_id[:128]!r}: {problem}", "bad_evidence",
+                                  param="workers")
+        per_pair = flops_per_pair(m.manifest.d_model, m.manifest.d_expert)
+        cap = self.policy.max_report_pairs
         changes: list[Change] = []
         newly: list[str] = []
+        ignored: list[str] = []
         for w in rep.workers:
+            if not self._holds_model(w.peer_id, rep.model_id):
+                ignored.append(w.peer_id)  # never volunteered for this coordinator's model: nothing to credit or refuse
+                self.counters["report_workers_ignored"] += 1
+                continue
+            calls, rows, verified, pairs = (min(cap, x) for x in (w.calls, w.rows, w.verified, w.pairs))
+            if max(w.calls, w.rows, w.verified, w.pairs) > cap:
+                self.counters["report_clamped"] += 1
             c, r, v = self.ix.served.get(w.peer_id, (0, 0, 0))
-            self.ix.served[w.peer_id] = (c + w.calls, r + w.rows, v + w.verified)
+            self.ix.served[w.peer_id] = (min(_INT64_MAX, c + calls), min(_INT64_MAX, r + rows),
+                                         min(_INT64_MAX, v + verified))
             self.ix.reported[w.peer_id] = (w.path, w.latency_ms)
-            if w.pairs and w.quarantine is None and self.quarantine_of(w.peer_id, now) is None:
-                credit = credit_row(self.ix.credit.get(w.peer_id), w.peer_id, flops=w.pairs * per_pair, pairs=w.pairs,
-                                    verified=w.verified, now=now)
+            if w.quarantined:
+                ev = w.evidence
+                if ev is None:  # cannot happen: refused above
+                    continue
+                if not self._holds_range(w.peer_id, rep.model_id, ev.layer, ev.lo, ev.hi):
+                    ignored.append(w.peer_id)
+                    self.counters["quarantines_ignored"] += 1
+                    continue
+                if self.quarantine_of(w.peer_id, now) is None:
+                    self._quarantine(w.peer_id, w.quarantine or ev.detail or ev.method.value, ev, url, rep.model_id, now,
+                                     changes)
+                    newly.append(w.peer_id)
+                continue
+            if pairs and self.quarantine_of(w.peer_id, now) is None:
+                credit = credit_row(self.ix.credit.get(w.peer_id), w.peer_id, flops=pairs * per_pair, pairs=pairs,
+                                    verified=verified, now=now)
                 self.ix.credit[w.peer_id] = credit
                 changes.append(Put(credit))
-                self.counters["credited_pairs"] += w.pairs
-            if w.verified > 0 and w.quarantine is None:  # a coordinator checked its answers: served
+                self.counters["credited_pairs"] += pairs
+            mine = self.ix.coverage.get(w.peer_id, {})
+            if verified > 0:  # a coordinator checked its answers: its holdings of that model are served
                 self._served_peers.add(w.peer_id)
-                for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
-                    if not cov.served:
+                for cov in list(mine.values()):
+                    if cov.slice.model_id == rep.model_id and not cov.served:
                         self.ix.put_cov(msgspec.structs.replace(cov, served=True), changes)
                         self.ix.dirty_maps.add(cov.slice.model_id)
-            if w.quarantine is None:  # slices it proved it holds (the coordinator's hold challenge)
-                mine = self.ix.coverage.get(w.peer_id, {})
-                for h in w.held:
-                    got = mine.get(SliceRef(rep.model_id, h.layer, h.lo, h.hi))
-                    if got is not None and not got.held:
-                        self.ix.put_cov(msgspec.structs.replace(got, held=True), changes)
-                        self.ix.dirty_maps.add(rep.model_id)
-                        self.counters["holdings_proved"] += 1
-            if w.quarantine is None or self.quarantine_of(w.peer_id, now) is not None:
-                continue
-            row = QuarantineRow(w.peer_id, now + self.policy.quarantine_s, w.quarantine, url, now)
-            self.ix.quarantined[w.peer_id] = row
-            changes.append(Put(row))
-            for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
-                self.ix.del_cov(cov, changes)
-                self.ix.dirty_maps.add(cov.slice.model_id)
-                self.ix.dirty_ageout.add(cov.slice.model_id)
-            lease_id = self.ix.lease_of.get(w.peer_id)
-            if lease_id is not None:
-                self.ix.del_lease(self.ix.leases[lease_id], changes)
-            newly.append(w.peer_id)
-            self.counters["quarantines"] += 1
-            self._event("quarantined", now, model_id=rep.model_id, peer_id=w.peer_id, detail=w.quarantine)
+            for h in w.held:  # slices it proved it holds (the coordinator's hold challenge)
+                got = mine.get(SliceRef(rep.model_id, h.layer, h.lo, h.hi))
+                if got is not None and not got.held:
+                    self.ix.put_cov(msgspec.structs.replace(got, held=True), changes)
+                    self.ix.dirty_maps.add(rep.model_id)
+                    self.counters["holdings_proved"] += 1
         routed = self.ix.routed.setdefault(rep.model_id, {})
         for rr in rep.ranges:  # rows routed per range: hot experts' extra replicas, the dashboard
             k = (rr.layer, rr.lo, rr.hi)
             if k in routed or len(routed) < 65536:
-                routed[k] = routed.get(k, 0) + rr.rows
-        self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, rr.rows) for rr in rep.ranges], now)
+                routed[k] = min(_INT64_MAX, routed.get(k, 0) + rr.rows)
+        self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, min(cap, rr.rows)) for rr in rep.ranges], now)
         self._commit(changes, now)
         self.counters["reports"] += 1
-        return ReportAck(len(rep.workers), newly)
+        return ReportAck(len(rep.workers), newly, ignored)
+
+    def _holds_model(self, peer: str, model_id: str) -> bool:
+        """Does ``peer`` hold (a coverage row) or have leased a slice of ``model_id``?"""
+        if any(s.model_id == model_id for s in self.ix.coverage.get(peer, {})):
+            return True
+        lease_id = self.ix.lease_of.get(peer)
+        return lease_id is not None and self.ix.leases[lease_id].slice.model_id == model_id
+
+    def _holds_range(self, peer: str, model_id: str, layer: int, lo: int, hi: int) -> bool:
+        """Does ``peer`` hold or have leased a slice of ``model_id`` overlapping ``layer:lo-hi``?"""
+        s = SliceRef(model_id, layer, lo, hi)
+        if any(x.overlaps(s) for x in self.ix.coverage.get(peer, {})):
+            return True
+        lease_id = self.ix.lease_of.get(peer)
+        return lease_id is not None and self.ix.leases[lease_id].slice.overlaps(s)
+
+    def _quarantine(self, peer: str, reason: str, ev: QuarantineEvidence, url: str, model_id: str, now: float,
+                    changes: list[Change]) -> None:
+        row = QuarantineRow(peer, now + self.policy.quarantine_s, reason, url, now, ev)
+        self.ix.quarantined[peer] = row
+        changes.append(Put(row))
+        for cov in list(self.ix.coverage.get(peer, {}).values()):
+            self.ix.del_cov(cov, changes)
+            self.ix.dirty_maps.add(cov.slice.model_id)
+            self.ix.dirty_ageout.add(cov.slice.model_id)
+        lease_id = self.ix.lease_of.get(peer)
+        if lease_id is not None:
+            self.ix.del_lease(self.ix.leases[lease_id], changes)
+        self.counters["quarantines"] += 1
+        self._event("quarantined", now, model_id=model_id, peer_id=peer,
+                    detail=f"{ev.method.value} {ev.layer}:{ev.lo}-{ev.hi} input {ev.input_sha256[:12]} remote "
+                           f"{ev.remote_sha256[:12]} local {ev.local_sha256[:12]}: {reason}")
 
     def coordinator_peers(self, model_ids: set[str]) -> list[str]:
         """The libp2p ids of the registered coordinators hosting any of ``model_ids``."""
@@ -762,6 +879,7 @@ class Market:
         if now - self._last_gc >= 10.0:
             self._last_gc = now
             self._forget_idle_identities(now)
+            self._forget_gone(now, changes)
         if now - self._history_at >= HISTORY_EVERY_S:
             self._history_at = now
             self._sample_history(now)
@@ -939,16 +1057,25 @@ class Market:
             raise _http_error(f"no volunteer {peer_id[:128]!r} is known here", "unknown_volunteer", status=404)
         q = self.quarantine_of(peer_id, now)
         slices = sorted(str(s) for s in self.ix.coverage.get(peer_id, {}))
+        until = int(q.until * 1000) if q is not None else None
+        reason, proof = (q.evidence[:300], q.proof) if q is not None else ("", None)
         if row is None:
-            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None,
-                                   int(q.until * 1000) if q is not None else None, slices)
+            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None, until, slices, reason, proof)
         return VolunteerCredit(peer_id, row.total_flops, rac_now(row, now), row.pairs, row.verified,
-                               int(row.first_at * 1000), int(row.last_at * 1000),
-                               int(q.until * 1000) if q is not None else None, slices)
+                               int(row.first_at * 1000), int(row.last_at * 1000), until, slices, reason, proof)
 
     def credit_board(self, now: float, limit: int = 100) -> CreditBoard:
         peers = sorted(self.ix.credit, key=lambda p: (-rac_now(self.ix.credit[p], now), p))[: max(0, limit)]
         return CreditBoard([self.volunteer_credit(p, now) for p in peers])
+
+
+def _evidence_problem(ev: QuarantineEvidence, m: ModelManifest) -> str:
+    """What makes quarantine evidence unusable against model ``m`` ("" when it is fine)."""
+    if not (ev.layer < m.n_layer and ev.lo < ev.hi <= m.n_expert):
+        return f"slice {ev.layer}:{ev.lo}-{ev.hi} is not one of a {m.n_layer} x {m.n_expert} model"
+    if ev.remote_sha256 == ev.local_sha256:
+        return "the worker's output and the coordinator's have the same sha256: no divergence"
+    return ""
 
 
 def _shape(m: ModelManifest) -> tuple[int, int, Sequence[int]]:

@@ -79,10 +79,11 @@ def is_expired(last_seen: float, now: float, ttl_s: float) -> bool:
     return now - last_seen > ttl_s
 
 
-def epoch_bound_ms(now: float) -> int:
-    """The largest registration epoch accepted at ``now`` (s): a start time in ms, a day of clock skew
-    allowed. A larger one (2^63 - 1, say) would lock the coordinator's URL out for good."""
-    return int((now + 86_400.0) * 1000)
+def epoch_bound_ms(now: float, ahead_s: float = 600.0) -> int:
+    """The largest registration epoch accepted at ``now`` (s): a start time in ms, ``ahead_s`` of clock
+    skew allowed (minutes). A larger one would lock the coordinator's URL out until the clock reaches it
+    (2^63 - 1: for good; a day ahead: for a day)."""
+    return int((now + ahead_s) * 1000)
 
 
 def registration_is_stale(stored_epoch: int | None, epoch: int) -> bool:

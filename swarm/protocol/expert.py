@@ -556,7 +556,8 @@ class FrameReader:
     of ``n > 0`` bytes (``False`` discards it and raises ``ReceiverBusy``). The bytes a ``screen``
     passed or ``admit`` accepted are owed back by the caller (``take_admitted``), counted from the
     moment they were admitted: a frame that never completes (the stream ended, broke or was
-    cancelled mid-payload) is owed back too.
+    cancelled mid-payload) is owed back too. Without ``screen`` or ``admit`` no header is decoded before
+    its frame is complete (``receive_frame`` then serves other protocols' frames too: the slice stream).
     """
 
     def __init__(
@@ -570,7 +571,10 @@ class FrameReader:
     ) -> None:
         self._stream = stream
         self._limits = limits
-        self._decoder = FrameDecoder(limits, on_header=self._on_header)
+        # headers are judged before their payloads only when someone judges them (``receive_frame`` alone --
+        # the slice protocol's frames -- decodes nothing)
+        self._judging = admit is not None or screen is not None
+        self._decoder = FrameDecoder(limits, on_header=self._on_header if self._judging else None)
         self._admit = admit
         self._screen = screen
         self._admitted = 0  # bytes admitted (the frame in progress and returned ones), not yet claimed
@@ -644,6 +648,8 @@ class FrameReader:
             raise frame.refusal
         msg = self._head if self._head is not None else decode_message(frame.header)
         self._head = None
+        if not self._judging and isinstance(msg, ExpertRequest | ExpertResponse) and msg.n_rows > self._limits.max_rows:
+            raise _attributed(TooManyRows, f"{msg.n_rows} rows exceed the limit of {self._limits.max_rows}", msg)
         if frame.payload is None:
             raise FrameTooLarge(
                 f"frame of {len(frame.header) + frame.payload_len} bytes exceeds the limit of "

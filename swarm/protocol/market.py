@@ -32,7 +32,9 @@ __all__ = [
     "HistorySample",
     "ModelHistory",
     "EventLog",
+    "EvidenceMethod",
     "MarketEvent",
+    "QuarantineEvidence",
     "DemandView",
     "HeldSlice",
     "ModelDemand",
@@ -111,14 +113,14 @@ class RegisterModels(msgspec.Struct, forbid_unknown_fields=True):
     """
 
     url: Url
-    models: Annotated[list[ModelManifest], msgspec.Meta(max_length=64)]
+    models: Annotated[list[ModelManifest], msgspec.Meta(max_length=16)]
     epoch: Epoch = 0
     # the coordinator's libp2p peer id: volunteers holding its models answer expert calls from it only
     peer_id: PeerId | None = None
     # the routed experts it computes itself, per model (``--local-experts``; DESIGN §11: holdings travel per
     # coordinator, never in the manifest); a model not named here: all of them (what older coordinators do)
     local_experts: Annotated[dict[ModelId, Annotated[list[ProvenSlice], msgspec.Meta(max_length=65536)]],
-                             msgspec.Meta(max_length=64)] = {}
+                             msgspec.Meta(max_length=16)] = {}
 
 
 class VolunteerRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -183,19 +185,58 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
 
 
 
+class EvidenceMethod(enum.StrEnum):
+    """How a coordinator caught a wrong answer (``QuarantineEvidence.method``)."""
+
+    BIT_EXACT = "bit_exact"  # equal kernel ids and a float32 wire: the answer's bits differ from the coordinator's
+    TOLERANCE = "tolerance"  # other kernel ids: the answer is beyond the stated tolerance of the coordinator's
+    DISK = "disk"  # the coordinator recomputed the experts from its own GGUF on disk (it holds none in memory)
+    HOLD_DIGEST = "hold_digest"  # a hold challenge's digest differs from the one computed from the coordinator's copy
+    SECOND_REPLICA = "second_replica"  # a second replica disagreed and the coordinator's own computation settled it
+
+
+class QuarantineEvidence(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a quarantine report must carry (DESIGN §12): enough for anyone holding the model to check
+    it -- the call's slice, the sha256 of its input (the request payload as sent: rows, padding and
+    pair arrays; for ``hold_digest``, the challenge's nonce and windows as msgpack), of the worker's
+    answer (the response payload; the digest) and of the coordinator's own result in the same layout.
+    The two output hashes differ (equal ones prove nothing). The market keeps it with the quarantine."""
+
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    input_sha256: Sha256Hex
+    remote_sha256: Sha256Hex
+    local_sha256: Sha256Hex
+    method: EvidenceMethod
+    detail: Annotated[str, msgspec.Meta(max_length=2048)] = ""  # for people: e.g. the error against the tolerance
+
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # within int64 (what the store and SQLite keep)
+
+
 class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
-    """One volunteer as a coordinator saw it since its last report."""
+    """One volunteer as a coordinator saw it since its last report.
+
+    A quarantine (``quarantine``, the reason for people, and/or ``evidence``) must carry ``evidence``:
+    a report with a quarantine without it is refused (400 ``missing_evidence``); older coordinators'
+    reports without quarantines still decode (``evidence`` defaults to None)."""
 
     peer_id: PeerId
-    calls: NonNeg = 0  # answered calls since the last report
-    rows: NonNeg = 0
-    verified: NonNeg = 0  # answers that passed verification since the last report
-    pairs: NonNeg = 0  # (row, expert) pairs answered since the last report: its credit (6 d_model d_expert FLOPs each)
+    calls: Count = 0  # answered calls since the last report
+    rows: Count = 0
+    verified: Count = 0  # answers that passed verification since the last report
+    pairs: Count = 0  # (row, expert) pairs answered since the last report: its credit (6 d_model d_expert FLOPs each)
     latency_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] | None = None  # its latency EWMA now
     path: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # direct | relayed | hole-punched
-    quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # the evidence, when it failed verification
+    quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # why, when it failed verification
     # slices it proved it holds (answered this coordinator's hold challenge: DESIGN §12)
     held: Annotated[list[ProvenSlice], msgspec.Meta(max_length=65536)] = []
+    evidence: QuarantineEvidence | None = None  # required with a quarantine (added in issue 31)
+
+    @property
+    def quarantined(self) -> bool:
+        return self.quarantine is not None or self.evidence is not None
 
 
 class RoutedRange(msgspec.Struct, forbid_unknown_fields=True):
@@ -218,6 +259,9 @@ class CoordinatorReport(msgspec.Struct, forbid_unknown_fields=True):
 class ReportAck(msgspec.Struct):
     workers: int
     quarantined: list[str]  # peer ids newly refused by this report
+    # peer ids whose entries changed nothing: they hold no slice (coverage or lease) of the reported model, so
+    # no credit, no proof and no quarantine came of them
+    ignored: list[str] = []
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -359,6 +403,7 @@ class CoordinatorView(msgspec.Struct):
     saturated: bool
     last_poll_age_s: float | None
     error: str | None = None
+    hosting: bool = True  # False: its polls have failed too long; its models are not offered on its account
 
 
 class WorkerSliceView(msgspec.Struct):
@@ -421,6 +466,9 @@ class VolunteerCredit(msgspec.Struct):
     last_credit_ms: int | None
     quarantined_until_ms: int | None = None
     slices: list[str] = []  # what it holds now, as the market counts it
+    # while quarantined: the coordinator's reason (for people) and its evidence (``QuarantineEvidence``)
+    quarantine_reason: str = ""
+    quarantine_evidence: QuarantineEvidence | None = None
 
 
 class MarketEvent(msgspec.Struct):

@@ -2,6 +2,12 @@
 state level (``market.state.Market`` over an in-memory store, no event loop):
 
 - a store that refuses a batch leaves memory as the store has it (item 8);
+- a holding counts only while it can be proven: ``loading`` has a download deadline, the per-address cap
+  counts holdings (item 2);
+- throwaway identities cost no rows and are forgotten soon; identities per address are bounded (item 5);
+- a dead coordinator's model stops attracting volunteers, and goes (item 7);
+- an operator token's reports are bounded: credit for holders only, within caps, quarantines with
+  evidence; epochs and models bounded (item 9).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from swarm.errors import RequestError, StoreError
 from swarm.protocol.market import (
     CoordinatorReport,
     CoverageHeartbeat,
+    EvidenceMethod,
     HeldSlice,
+    QuarantineEvidence,
     RegisterModels,
     ReportedWorker,
     VolunteerRequest,
@@ -284,3 +292,147 @@ def test_one_address_speaks_for_a_bounded_number_of_identities() -> None:
     # ... until they fall silent
     m.tick(2.0 + 601.0)
     m.heartbeat(hb("p8", 1), 604.0, address="10.0.0.7")
+
+
+# -- item 7: a dead coordinator's model stops attracting volunteers -----------------------------------------
+
+GONE = msgspec.structs.replace(POLICY, host_down_s=30.0, coordinator_gc_s=600.0, model_gc_s=300.0)
+
+
+def test_a_coordinator_whose_polls_fail_stops_hosting_then_is_deregistered_and_its_model_dropped() -> None:
+    m = market(GONE)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    m.record_poll(URL, 0, 4, 1.0)
+    for t in range(2, 31):  # failing since 1 s: still hosting until 31 s
+        m.record_poll_failure(URL, "poll_failed: connection refused", float(t))
+    assert m.ix.hosts_of(MID) == [URL] and m.demand(30.0).models[0].hosted
+    m.record_poll_failure(URL, "poll_failed: connection refused", 31.0)
+    assert m.ix.hosts_of(MID) == []
+    assert not m.demand(31.0).models[0].hosted
+    assert m.volunteer(VolunteerRequest("v", max_experts=4), 31.5).reason.value == "no_models"  # type: ignore[union-attr]
+    [c] = m.recruitment(31.5).models[0].coordinators
+    assert (c.url, c.hosting, c.ok) == (URL, False, False)  # shown, marked
+    assert [e.kind for e in m.events().events][-1] == "host_down"
+    # it answers again: hosting again
+    m.record_poll(URL, 0, 4, 40.0)
+    assert m.ix.hosts_of(MID) == [URL] and isinstance(m.volunteer(VolunteerRequest("v", max_experts=4), 40.5), Offer)
+    # silent for good: down after 30 s, deregistered 600 s after its last answer, its model 300 s after that
+    for t in range(41, 700, 5):
+        m.record_poll_failure(URL, "timeout", float(t))
+        m.tick(t + 0.1)
+    assert URL not in m.ix.coordinators and MID in m.ix.models  # gone at 40 + 600 s (+ the 10 s gc rhythm)
+    for t in range(700, 1000, 5):
+        m.tick(float(t))  # the model: 300 s after its last coordinator went
+    assert MID not in m.ix.models and m.ix.leases == {} and m.ix.coverage == {}
+    assert m.ix.counts == m.ix.recount()
+    restarted = market(GONE, store=InMemoryStore(m.store.backing))  # type: ignore[attr-defined]
+    assert restarted.ix.models == {} and restarted.ix.coordinators == {}
+
+
+def test_a_live_second_coordinator_keeps_the_model_hosted() -> None:
+    m = market(GONE)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    m.register(RegisterModels("http://c2.test", [manifest()], epoch=10), 0.0)
+    for t in range(1, 60):
+        m.record_poll_failure(URL, "timeout", float(t))
+        m.record_poll("http://c2.test", 0, 4, float(t))
+    assert m.ix.hosts_of(MID) == ["http://c2.test"] and m.download_sources(MID) == ["http://c2.test"]
+    assert m.demand(60.0).models[0].hosted
+
+
+def test_a_model_left_out_of_a_registration_is_dropped_after_model_gc_s() -> None:
+    m = market(GONE)
+    m.register(RegisterModels(URL, [manifest(), manifest("two-0123456789ab")], epoch=10), 0.0)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 1.0)
+    m.tick(1.0)
+    m.tick(250.0)
+    assert "two-0123456789ab" in m.ix.models
+    m.tick(320.0)
+    assert set(m.ix.models) == {MID}
+
+
+# -- item 9: what an operator token may do ----------------------------------------------------------------
+
+def evidence(layer: int = 0, lo: int = 0, hi: int = 4, *, remote: str = "b" * 64) -> QuarantineEvidence:
+    return QuarantineEvidence(layer=layer, lo=lo, hi=hi, input_sha256="a" * 64, remote_sha256=remote,
+                              local_sha256="c" * 64, method=EvidenceMethod.BIT_EXACT, detail="8 of 8 rows differ")
+
+
+def _two_volunteers() -> tuple[Market, SliceRef, SliceRef]:
+    m = market()
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    a = leased(m, "a", 1.0)
+    m.heartbeat(hb("a", 1, (a.layer, a.lo, a.hi, SERVING)), 1.5)
+    b = leased(m, "b", 2.0)  # leased, not reported yet: holds it by the market's word
+    return m, a, b
+
+
+def test_credit_goes_only_to_workers_holding_the_coordinators_model_within_a_per_report_cap() -> None:
+    m, a, b = _two_volunteers()
+    huge = 2**62
+    ack = m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
+        ReportedWorker(peer_id="a", calls=3, rows=3, verified=3, pairs=huge),
+        ReportedWorker(peer_id="b", calls=1, rows=1, pairs=10),
+        ReportedWorker(peer_id="never-volunteered", calls=9, rows=9, verified=9, pairs=1000)]), 3.0)
+    assert ack.ignored == ["never-volunteered"]
+    assert m.volunteer_credit("a", 3.0).pairs == POLICY.max_report_pairs  # clamped
+    assert m.volunteer_credit("b", 3.0).pairs == 10
+    assert "never-volunteered" not in m.ix.credit and "never-volunteered" not in m.ix.served
+    for _ in range(4):  # totals stay within int64 however many reports
+        m.report(CoordinatorReport(url=URL, model_id=MID, workers=[ReportedWorker(peer_id="a", pairs=huge)]), 4.0)
+    assert m.ix.credit["a"].pairs <= 2**63 - 1
+    # the wire refuses counts past int64
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"peer_id": "a", "pairs": 9223372036854775808}', type=ReportedWorker)
+
+
+def test_a_quarantine_without_evidence_is_refused_whole_and_one_with_evidence_is_kept_and_shown() -> None:
+    m, a, b = _two_volunteers()
+    before = durable(m)
+    for w, code in ((ReportedWorker(peer_id="a", quarantine="trust me"), "400 missing_evidence"),
+                    (ReportedWorker(peer_id="a", quarantine="x", evidence=evidence(remote="c" * 64)), "400 bad_evidence"),
+                    (ReportedWorker(peer_id="a", evidence=evidence(5, 0, 4)), "400 bad_evidence")):
+        with pytest.raises(RequestError) as e:
+            m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
+                ReportedWorker(peer_id="b", pairs=10, verified=1), w]), 3.0)
+        assert f"{e.value.status} {e.value.code}" == code
+        assert durable(m) == before  # refused whole: b got no credit either
+    with pytest.raises(msgspec.ValidationError):  # a method the market does not know
+        msgspec.json.decode(msgspec.json.encode({**msgspec.to_builtins(evidence()), "method": "vibes"}),
+                            type=QuarantineEvidence)
+    # evidence for a range the worker does not hold: nothing happens to it
+    other = (a.layer + 1) % 2
+    ack = m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
+        ReportedWorker(peer_id="a", quarantine="x", evidence=evidence(other, 0, 8))]), 3.0)
+    assert ack.quarantined == [] and ack.ignored == ["a"] and "a" in m.ix.coverage
+    ev = evidence(a.layer, a.lo, a.hi)
+    ack = m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
+        ReportedWorker(peer_id="a", quarantine="layer 1: 8 of 8 differ", evidence=ev)]), 4.0)
+    assert ack.quarantined == ["a"] and "a" not in m.ix.coverage
+    c = m.volunteer_credit("a", 5.0)
+    assert c.quarantine_evidence == ev and c.quarantine_reason == "layer 1: 8 of 8 differ"
+    assert "bit_exact" in m.events().events[-1].detail
+    restarted = market(store=InMemoryStore(m.store.backing))  # type: ignore[attr-defined]
+    assert restarted.volunteer_credit("a", 5.0).quarantine_evidence == ev
+    # an older coordinator's report without quarantines still decodes and counts
+    old = msgspec.json.decode(b'{"url": "http://c1.test", "model_id": "hard-0123456789ab", "workers": '
+                              b'[{"peer_id": "b", "calls": 1, "rows": 1, "verified": 1, "pairs": 2}]}',
+                              type=CoordinatorReport)
+    assert m.report(old, 6.0).ignored == []
+
+
+def test_registration_epochs_models_per_registration_and_in_all_are_bounded() -> None:
+    m = market(msgspec.structs.replace(POLICY, max_models=20))
+    now = 1_000_000.0
+    m.register(RegisterModels(URL, [manifest()], epoch=int((now + 540) * 1000)), now)  # 9 min ahead: clock skew
+    with pytest.raises(RequestError) as e:
+        m.register(RegisterModels("http://c2.test", [manifest()], epoch=int((now + 660) * 1000)), now)
+    assert e.value.code == "bad_epoch"
+    with pytest.raises(msgspec.ValidationError):  # 16 models a registration, on the wire
+        msgspec.json.decode(msgspec.json.encode(RegisterModels(URL, [manifest(f"m{i}-0123") for i in range(17)])),
+                            type=RegisterModels)
+    m.register(RegisterModels("http://c3.test", [manifest(f"m{i}-0123") for i in range(16)], epoch=1), now)
+    with pytest.raises(RequestError) as e:
+        m.register(RegisterModels("http://c4.test", [manifest(f"n{i}-0123") for i in range(4)], epoch=1), now)
+    assert (e.value.status, e.value.code) == (409, "too_many_models")
+    assert len(m.ix.models) == 17
