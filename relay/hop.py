@@ -50,7 +50,9 @@ _STATUS_FOR_REFUSAL = {
 class HopService:
     """The hop handler of one relay host; ``announce()`` gives the relay's public addresses."""
 
-    def __init__(self, host: Any, cfg: RelayConfig, ledger: RelayLedger, announce: Callable[[], list[str]]) -> None:
+    def __init__(self, host: Any, cfg: RelayConfig, ledger: RelayLedger, announce: Callable[[], list[str]], *,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.on_change = on_change  # told after every reservation asked for (granted or not)
         self.host = host
         self.cfg = cfg
         self.ledger = ledger
@@ -97,6 +99,7 @@ class HopService:
         now = trio.current_time()
         remote = stream.get_remote_address()  # (host, port) of the connection the request came on
         verdict = self.ledger.reserve(peer, now, norm_ip(str(remote[0])) if remote else None)
+        self.on_change()
         if isinstance(verdict, Refused):
             log.info("reservation of %s refused: %s", peer, verdict.reason.value)
             await self._status(stream, _STATUS_FOR_REFUSAL[verdict.reason])

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from enum import StrEnum
 from pathlib import Path
@@ -121,7 +121,8 @@ class RelayService:
         self.host = transport.host
         self.cfg = cfg
         self.ledger = RelayLedger(cfg.limits())
-        self.hop = HopService(self.host, cfg, self.ledger, self.announce_addrs)
+        self._ledger_changed = trio.Event()  # set and replaced whenever the ledger may have changed
+        self.hop = HopService(self.host, cfg, self.ledger, self.announce_addrs, on_change=lambda: self._changed())
         self.autonat = AutoNatServer(self.host, timeout_s=cfg.timeout_s, max_dialbacks=cfg.max_dialbacks)
         self.metrics_url: str | None = None
 
@@ -163,6 +164,17 @@ class RelayService:
         live = [c for c in self.host.get_network().get_connections(peer_of(peer)) if not c.is_closed]
         if not live and self.ledger.peer_disconnected(peer):
             log.info("reservation of %s ended: disconnected", peer)
+        self._changed()  # every disconnect: the last of a peer's connections may be the next one
+
+    def _changed(self) -> None:
+        self._ledger_changed.set()
+        self._ledger_changed = trio.Event()
+
+    async def wait_reservations(self, ready: Callable[[int], bool]) -> None:
+        """Wait until ``ready(reservations held)``, looked at again whenever the ledger may have changed
+        (a reservation asked for, a connection closed)."""
+        while not ready(self.ledger.stats().reservations):
+            await self._ledger_changed.wait()
 
     async def drain(self) -> None:
         """Refuse everything new, end live circuits gracefully, then reset what is left."""

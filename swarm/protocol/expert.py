@@ -414,8 +414,8 @@ class Frame:
 
 
 # asked once a frame's header is in, before any of its payload is buffered: None buffers the payload
-# (the hook may have reserved ``payload_len`` bytes for it), a ``WireError`` discards the payload as it
-# arrives and comes out as the frame's ``refusal``
+# (the hook may have reserved ``payload_len`` bytes for it); a ``WireError`` is the frame's ``refusal``,
+# out at once, and its payload is discarded as it arrives
 OnHeader = Callable[[bytes, int], WireError | None]
 
 
@@ -434,11 +434,11 @@ class FrameDecoder:
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS, *, on_header: OnHeader | None = None) -> None:
         """``on_header(header, payload_len)``, if given, is asked once a frame's header is in and
         before any of its payload is buffered (frames within the size limit only): ``None`` buffers
-        the payload, a ``WireError`` discards it as it arrives (the frame comes out with that
-        ``refusal``)."""
+        the payload; a ``WireError`` makes the frame come out at once with that ``refusal`` (no
+        payload), and its payload is discarded as it arrives."""
         self._limits = limits
         self._on_header = on_header
-        self._refusal: WireError | None = None
+        self._skip_silently = False  # the frame being skipped was refused and already came out
         self._buf = bytearray()
         self._state = self._PREFIX_STATE
         self._header_len = 0
@@ -496,9 +496,12 @@ class FrameDecoder:
                     self._state = self._SKIP_STATE
                     self._filled = 0
                 elif self._on_header is not None and (refusal := self._on_header(self._header, self._payload_len)):
+                    # refused: out at once (the sender learns now, not after its payload), the payload
+                    # skipped as it arrives by the next calls
                     self._state = self._SKIP_STATE
                     self._filled = 0
-                    self._refusal = refusal
+                    self._skip_silently = True
+                    return Frame(self._header, None, self._payload_len, refusal=refusal)
                 else:
                     self._state = self._PAYLOAD_STATE
                     self._payload = bytearray()  # grows with the bytes received, never by the declared length
@@ -514,14 +517,17 @@ class FrameDecoder:
                 frame = Frame(self._header, self._payload, self._payload_len)
                 self._reset_frame()
                 return frame
-            else:  # skipping an oversized payload
+            else:  # skipping an oversized or refused payload
                 take = min(len(self._buf), self._payload_len - self._filled)
                 del self._buf[:take]
                 self._filled += take
                 if self._filled < self._payload_len:
                     return self._need_more()
-                frame = Frame(self._header, None, self._payload_len, refusal=self._refusal)
-                self._refusal = None
+                if self._skip_silently:  # its frame came out when the header was refused
+                    self._skip_silently = False
+                    self._reset_frame()
+                    continue
+                frame = Frame(self._header, None, self._payload_len)
                 self._reset_frame()
                 return frame
 
@@ -552,7 +558,7 @@ class FrameReader:
     Each frame's header is decoded as soon as it is in, before any of its payload is buffered; then
     (frames within the size limit) the row limit is checked, ``screen(message, payload_len)`` is
     asked (the server's authorisation and byte budget: ``None`` buffers the payload, a ``WireError``
-    discards it unbuffered and is raised once the frame has passed), then ``admit(n)`` for a payload
+    is raised at once and the payload is discarded unbuffered as it arrives), then ``admit(n)`` for a payload
     of ``n > 0`` bytes (``False`` discards it and raises ``ReceiverBusy``). The bytes a ``screen``
     passed or ``admit`` accepted are owed back by the caller (``take_admitted``), counted from the
     moment they were admitted: a frame that never completes (the stream ended, broke or was
@@ -638,7 +644,8 @@ class FrameReader:
         A payload beyond the limit raises ``FrameTooLarge`` and a request or answer with more than
         ``max_rows`` rows ``TooManyRows``, both attributed to the request and not fatal; an
         undecodable header raises ``MalformedHeader`` (not fatal); a frame ``screen`` or ``admit``
-        refused raises its refusal. Each after the frame's payload has passed, unbuffered.
+        refused raises its refusal as soon as its header is in (its payload is skipped by the next calls,
+    unbuffered); the others once the frame's payload has passed, unbuffered.
         """
         frame = await self.receive_frame()
         if frame is None:
