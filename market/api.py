@@ -6,11 +6,16 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   ``{url, models: [manifest...], epoch}`` -> ``RegisterAck``. Several coordinators may host one
   model; a coordinator's list replaces its previous one; an older ``epoch`` is refused (409).
 - ``POST /api/coordinator-report`` (operator token) ``CoordinatorReport {url, model_id, workers:
-  [{peer_id, calls, rows, verified, path, quarantine}], ranges}`` -> ``ReportAck``: a worker with
-  ``quarantine`` evidence loses its coverage and lease and is refused (pull: ``nothing_needed``
-  ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``; one with ``verified``
-  answers is *served* (its coverage rows' ``served``: preferred in maps and at age-out); the slices a worker
-  proved it holds (``held``: a hold challenge passed) are marked ``held``; per-range routed rows are kept.
+  [{peer_id, calls, rows, verified, pairs, path, quarantine, evidence, held}], ranges}`` -> ``ReportAck
+  {workers, quarantined, ignored}``. Only workers holding (coverage or lease) a slice of ``model_id``
+  count; the others are listed in ``ignored`` and change nothing. Counts within int64, at most
+  ``max_report_pairs`` a worker and report. A quarantine needs ``evidence`` (``QuarantineEvidence {layer,
+  lo, hi, input_sha256, remote_sha256, local_sha256, method, detail}``; 400 ``missing_evidence`` /
+  ``bad_evidence`` refuse the whole report): the worker loses its coverage and lease and is refused
+  (pull: ``nothing_needed`` ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``, the
+  evidence kept and shown (``GET /api/volunteers/{peer_id}``). One with ``verified`` answers is *served*
+  (its coverage rows of that model: preferred in maps and at age-out); the slices a worker proved it
+  holds (``held``: a hold challenge passed) are marked ``held``; per-range routed rows are kept.
 - Volunteer requests (polls and heartbeats) are signed: ``X-Moe-Signature`` (``swarm.p2p.identity.
   sign_request``), ``sent_at_ms`` within 120 s, one ``(epoch, sequence)`` counter; heartbeats with
   only the older body signature are accepted for one release. A heartbeat's new slice counts only
@@ -50,7 +55,9 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
 - ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /api/volunteers/{peer_id}`` ->
   ``VolunteerCredit`` (404 ``unknown_volunteer``); ``GET /api/volunteers?limit=N`` -> ``CreditBoard``
   (by recent average credit); ``GET /metrics`` (Prometheus);
-  ``GET /health`` (also lists the relays offered to volunteers).
+  ``GET /health`` (also lists the relays offered to volunteers). ``/metrics`` is bounded: per-model
+  series for the first 64 models (by id), 1,024 per-layer series in all, regenerated at most every 5 s
+  by a refresh that yields to the event loop after every model.
 
 The release / age-out protocol (what a volunteer does with ``CoverageAck.slices``):
 
@@ -480,10 +487,12 @@ def build_market_app(api: MarketApi) -> Starlette:
         s = res.lease.slice
         others = [b.rstrip("/") + s.http_path for b in res.sources]
         sources = [
-            *(DownloadSource(kind=SourceKind.PEER, peer_id=p.peer_id, addrs=list(p.addrs)) for p in res.peers),
+            *(DownloadSource(kind=SourceKind.PEER, peer_id=p.peer_id, addrs=list(p.addrs)[:16]) for p in res.peers),
             *(DownloadSource(kind=SourceKind.ORIGIN, url=u) for u in res.origins),
             *(DownloadSource(kind=SourceKind.COORDINATOR, url=u) for u in [url, *(o for o in others if o != url)]),
         ]
+        # within what a volunteer decodes (swarm.protocol.market.Assignment's limits): a longer answer is refused whole
+        sources = [x for x in sources if len(x.url) <= 2048][:64]
         return _json(
             Assignment(
                 model_id=s.model_id,
@@ -497,7 +506,7 @@ def build_market_app(api: MarketApi) -> Starlette:
                 lease_id=res.lease.lease_id,
                 lease_expires_in_s=round(max(0.0, res.lease.expires_at - api.clock()), 3),
                 scarcity=res.scarcity,
-                relays=list(api.relays),
+                relays=list(api.relays)[:16],
                 heartbeat_s=m.policy.heartbeat_s,
                 coordinator=url[: len(url) - len(s.http_path)],
                 sources=sources,
