@@ -15,12 +15,18 @@ Rules:
   exactly one answer: a ``Cancel`` for a request in flight cancels its task (the handler stops
   waiting; a computation already running in a thread finishes and is dropped) and the answer is
   ``cancelled``; a ``Cancel`` for anything else is ignored.
+- A frame is judged from its header before any of its payload is buffered (``_Screen``): a request
+  or hold challenge from a peer ``authorize`` refuses is answered ``not_authorized`` at once and its
+  payload discarded as it arrives, nothing reserved (the trust issue's "only registered coordinators
+  use volunteers"; the stream stays open, so a coordinator that registers later is served without
+  reconnecting); so is a request whose header fails ``validate_request`` against its declared length,
+  or a payload on a message that carries none; a payload before the Hello ends the stream.
 - Request bytes held at once are bounded per peer and in all (``ByteBudget``, shared by a server's
   streams; default 256 MiB a peer, 1 GiB in all): a payload past either bound is discarded as it
-  arrives and answered ``busy`` (a refusal: the coordinator computes the range itself).
-- ``authorize(peer_id)``, if given, is asked per request: ``False`` answers ``not_authorized``
-  (the trust issue's "only registered coordinators use volunteers"; the stream stays open, so a
-  coordinator that registers later is served without reconnecting).
+  arrives and answered ``busy`` (a refusal: the coordinator computes the range itself). Every byte
+  taken is given back on every way a stream can end: each stream takes through its own
+  ``BudgetAccount``, closed when the stream ends (cut off mid-payload, reset, cancelled, lost
+  framing); inside a frame, a read that brings nothing for ``stall_timeout_s`` (30 s) ends the stream.
 - Bad input never takes the server down: a request that fails validation (header or pair
   arrays), an undecodable header or an oversized frame is answered with an error and the next
   frame is served; only lost framing (a header length beyond the limit) ends the stream, after a
