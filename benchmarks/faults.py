@@ -2,7 +2,9 @@
 partitions of three volunteers while a loaded coordinator dispatches (``tests/sim/test_fault_injection``,
 virtual time on the fake network). Every layer must complete once with the all-local bits.
 
-    python benchmarks/faults.py [--quick] [--json OUT] [--seeds N] [--steps N]
+    python benchmarks/faults.py [--quick | --smoke] [--json OUT] [--seeds N] [--steps N]
+
+``--smoke`` (``make test``: ``tests/benchmarks``): 2 seeds of 10 layers per mode, a few seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.sim.test_fault_injection import run_seed  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10 seeds")
+    ap.add_argument("--smoke", action="store_true", help="2 seeds of 10 layers (make test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--seeds", type=int, default=100)
     ap.add_argument("--steps", type=int, default=60, help="layers dispatched per seed")
@@ -37,6 +40,8 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)  # the dispatcher's per-failure warnings: thousands of them here
     if args.quick:
         args.seeds = 10
+    if args.smoke:
+        args.seeds, args.steps = 2, 10
     cases: list[dict[str, Any]] = []
     for mode in (DispatchMode.ADAPTIVE, DispatchMode.OFFLOAD):
         t0 = time.perf_counter()

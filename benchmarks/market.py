@@ -1,7 +1,9 @@
 """Market API throughput with 1,000 simulated volunteers: requests/s and latency of
 ``POST /api/expert-volunteer`` and ``POST /api/expert-coverage`` (DESIGN §11 benchmark format).
 
-    python benchmarks/market.py [--quick] [--json OUT] [--volunteers N] [--concurrency C]
+    python benchmarks/market.py [--quick | --smoke] [--json OUT] [--volunteers N] [--concurrency C]
+
+``--smoke`` (``make test``: ``tests/benchmarks``): 20 volunteers, 4 connections, 2 rounds, no demo topology.
 
 The market runs as its own process (``moe-swarm market`` via ``market.cli``) on loopback, with a
 SQLite database in a temporary directory (and once more with ``--db :memory:`` for comparison);
@@ -80,7 +82,8 @@ def start_market(db: str) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-c", RUNNER, "market", "--db", db, "--port", "0", "--token", "bench", "--seed", "1",
-         "--heartbeat-ttl-s", "600", "--lease-s", "600", "--max-leases-per-address", "100000"],  # all on loopback
+         "--heartbeat-ttl-s", "600", "--lease-s", "600", "--max-leases-per-address", "100000",  # all on loopback
+         "--max-identities-per-address", "100000"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )
     assert proc.stdout is not None
@@ -278,8 +281,8 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    n = args.volunteers or (200 if args.quick else 1000)
-    rounds = 2 if args.quick else 4
+    n = args.volunteers or (20 if args.smoke else 200 if args.quick else 1000)
+    rounds = 2 if args.quick or args.smoke else 4
     cases: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="moe-swarm-bench-market-") as tmp:
         cases += await run_store("sqlite", str(Path(tmp) / "market.db"), n, args.concurrency, rounds)
@@ -291,11 +294,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="20 volunteers, 4 connections, no topology (make test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--volunteers", type=int, default=None, help="simulated volunteers (default 1000; 200 quick)")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent client connections")
     ap.add_argument("--no-topology", action="store_true", help="skip the recruitment timings in the demo topology")
     args = ap.parse_args()
+    if args.smoke:
+        args.concurrency, args.no_topology = 4, True
     result = trio.run(main_async, args)
     timings: list[dict[str, Any]] = []
     if not args.no_topology:

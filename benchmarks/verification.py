@@ -1,7 +1,10 @@
 """Can a lying volunteer change the output? Verification against liars and honest workers (DESIGN §12;
 DESIGN §11 JSON).
 
-    python benchmarks/verification.py [--quick] [--json OUT] [--honest-calls N] [--no-throughput]
+    python benchmarks/verification.py [--quick | --smoke] [--json OUT] [--honest-calls N] [--no-throughput]
+
+``--smoke`` (``make test``: ``tests/benchmarks``): seconds, not minutes -- the ``zeros`` liar, ``squatter-liar``,
+``budget-jam`` and 50 honest calls; no sleeper, no throughput.
 
 In one process, on real py-libp2p hosts on loopback: a coordinator's dispatcher with the engine
 (``Transformer``) on the Q8_0 golden model (``tests/fixtures/golden/qwen3moe-tiny-q8_0.gguf``: 2 layers,
@@ -18,6 +21,20 @@ differ from the all-local run's. Cases:
   quarantined it), ``completions_differing`` and ``false_quarantines`` (the honest replica);
 - ``sleeper``: honest for its first 1,000 calls, then x1.5, at the default rate and at rate 1:
   ``calls_to_quarantine`` counts from its first lie;
+- ``squatter-liar`` (the market's side of it): a backbone coordinator (no expert of its own; each
+  range wanted twice, ``--remote-base-target`` 2) whose market, a real ``market.state.Market`` on
+  virtual time, has a lying volunteer (x1.5) serving every range and a squatter that took the other
+  lease of each and heartbeats ``loading`` for ever. Before issue 31 the squatter counted as the second
+  replica for good: no honest one was recruited and every answer of the liar went unchecked. Now the
+  squatter's holdings go at their download deadline and an honest newcomer gets them:
+  ``recruit_wait_s`` (market seconds until the honest one held every range) and ``squatter_counted_s``
+  (how long the squatter's holdings counted), then the coordinator dispatches by the market's map:
+  ``calls_to_quarantine``, ``completions_differing``, ``false_quarantines``;
+- ``budget-jam``: a volunteer answering only its coordinator, with a 64 MiB request budget (32 MiB a
+  peer), jammed first by 4 throwaway identities x 2 streams declaring 16 MiB payloads and then closing
+  or going silent (issue 31: that took a 128 MiB budget for good): ``budget_held_bytes`` after the
+  attack (0), ``busy_refusals`` of the coordinator's calls (0), ``remote_calls`` it served and
+  ``completions_differing`` (0);
 - ``honest``: two honest volunteers (one with our kernel id: bit-exact comparisons; one with the torch
   reference kernel: tolerance comparisons), every answer compared (rate 1), ``--honest-calls`` calls
   (10^4; 10^3 with ``--quick``): ``false_quarantines``; ``offload_throughput_cost_pct``, the cost of
@@ -34,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -53,13 +72,38 @@ from _results import write_json  # noqa: E402
 from coordinator.core.dispatch import DispatchConfig, DispatchMode  # noqa: E402
 from coordinator.dispatch.dispatcher import Dispatcher  # noqa: E402
 from coordinator.engine.model import KVCache, SeqChunk, Transformer  # noqa: E402
+from market.policy import MarketPolicy  # noqa: E402
+from market.state import Market  # noqa: E402
+from market.state import Offer as MarketOffer  # noqa: E402
+from market.store import InMemoryStore  # noqa: E402
 from swarm.dispatch_map import DispatchMap, LayerRanges, RangeReplicas, Replica  # noqa: E402
 from swarm.model.gguf import GGUFModel  # noqa: E402
 from swarm.model.kernels import KernelBackend, configure_threads  # noqa: E402
-from swarm.model.slices import cut_slice, load_slice  # noqa: E402
+from swarm.model.slices import build_manifest, cut_slice, load_slice  # noqa: E402
 from swarm.p2p.libp2p import open_libp2p_transport  # noqa: E402
-from swarm.protocol.expert import ExpertRequest, Pairs, make_hello  # noqa: E402
-from swarm.rpc.server import set_expert_handlers  # noqa: E402
+from swarm.protocol.expert import (  # noqa: E402
+    PROTOCOL_ID,
+    ExpertRequest,
+    ExpertResponse,
+    FrameReader,
+    Pairs,
+    RequestId,
+    encode_frame,
+    encode_message,
+    make_hello,
+    request_payload_len,
+)
+from swarm.protocol.market import (  # noqa: E402
+    CoordinatorReport,
+    CoverageHeartbeat,
+    HeldSlice,
+    HeldState,
+    ProvenSlice,
+    RegisterModels,
+    ReportedWorker,
+    VolunteerRequest,
+)
+from swarm.rpc.server import ByteBudget, set_expert_handlers  # noqa: E402
 from volunteer.server import ExpertServer  # noqa: E402
 
 MODEL = ROOT / "tests" / "fixtures" / "golden" / "qwen3moe-tiny-q8_0.gguf"
@@ -85,9 +129,12 @@ class Worker:
     """A volunteer's expert server on its own libp2p host, optionally lying."""
 
     def __init__(self, model: GGUFModel, *, lie: Lie | None = None, kernel: KernelBackend = KernelBackend.GGML,
-                 announce: str | None = None) -> None:
+                 announce: str | None = None, authorize: Callable[[str], bool] | None = None,
+                 budget: ByteBudget | None = None) -> None:
         self.server = ExpertServer([load_slice(cut_slice(model, L, lo, hi)) for L, lo, hi in RANGES], threads=1, kernel=kernel)
         self.lie = lie
+        self.authorize = authorize
+        self.budget = budget
         self.announce = announce or self.server.kernel_id
         self.calls = 0
         self.first_lie: int | None = None
@@ -108,7 +155,8 @@ class Worker:
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
             await n.start(self.server.serve)
-            set_expert_handlers(t, self.handle, hello=make_hello(kernel_id=self.announce))
+            set_expert_handlers(t, self.handle, hello=make_hello(kernel_id=self.announce), authorize=self.authorize,
+                                budget=self.budget)
             self.peer_id, self.addrs = t.peer_id, t.listen_addrs
             task_status.started()
             await trio.sleep_forever()
@@ -165,6 +213,136 @@ async def liar_case(model: GGUFModel, prompts: list[list[int]], ref: list[list[i
             "false_quarantines": len(q - {liar.peer_id}), "liar_calls": liar.calls, "seconds": round(time.perf_counter() - t0, 1)}
     print(f"  {name:<13} rate {cfg.verify_rate:<5} calls to quarantine {case['calls_to_quarantine']}, completions "
           f"differing {differing}/{done}, false quarantines {case['false_quarantines']}", flush=True)
+    return case
+
+
+def _hb(peer: str, seq: int, addrs: list[str], held: list[tuple[int, int, int]], state: HeldState, mid: str) -> CoverageHeartbeat:
+    return CoverageHeartbeat(peer, 1, seq, addrs, [HeldSlice(mid, L, lo, hi, state) for L, lo, hi in held], protocols=[2])
+
+
+async def squatter_liar_case(model: GGUFModel, prompts: list[list[int]], ref: list[list[int]],
+                             max_completions: int) -> dict[str, Any]:
+    """The market's side of a squatter beside a liar (module docstring)."""
+    policy = MarketPolicy(remote_base_target=2, base_target=1, boost=0, heartbeat_ttl_s=60.0, lease_s=30.0,
+                          download_grace_s=60.0, proof_grace_s=120.0, header_allowance=0)
+    market = Market(InMemoryStore(), policy, now=0.0, rng=random.Random(0))
+    manifest = build_manifest(model)
+    url = "http://backbone.bench"
+    market.register(RegisterModels(url, [manifest], epoch=1, local_experts={manifest.model_id: []}), 0.0)
+    mid = manifest.model_id
+    liar, honest = Worker(model, lie=lambda n, y: y * 1.5), Worker(model)
+    seqs: dict[str, int] = {}
+
+    def take_all(peer: str, now: float, addrs: list[str], state: HeldState) -> list[tuple[int, int, int]]:
+        """Poll, lease and report until the market offers nothing more: every range it gets, in ``state``."""
+        held: list[tuple[int, int, int]] = []
+        while True:
+            seqs[peer] = seqs.get(peer, 0) + 1
+            got = market.volunteer(VolunteerRequest(peer, max_experts=4, epoch=1, sequence=seqs[peer]), now)
+            if not isinstance(got, MarketOffer):
+                return held
+            s = got.lease.slice
+            held.append((s.layer, s.lo, s.hi))
+            seqs[peer] += 1
+            market.heartbeat(_hb(peer, seqs[peer], addrs, held, state, mid), now)
+
+    async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
+        for w in (liar, honest):
+            await n.start(w.run)
+        liar_held = take_all(liar.peer_id, 1.0, liar.addrs, HeldState.SERVING)
+        squatter = "12D3KooWSquatterSquatterSquatterSquatterSquatter1"
+        squat = take_all(squatter, 2.0, [], HeldState.LOADING)  # takes the other lease of each, never downloads
+        market.report(CoordinatorReport(url=url, model_id=mid, workers=[
+            ReportedWorker(peer_id=liar.peer_id, held=[ProvenSlice(*h) for h in liar_held])]), 3.0)
+        now, recruited_at, squat_gone_at = 3.0, None, None
+        while now < 600.0 and recruited_at is None:  # the market's clock: heartbeats every 5 s, the honest one polls
+            now += 5.0
+            for peer, addrs, held, state in ((liar.peer_id, liar.addrs, liar_held, HeldState.SERVING),
+                                             (squatter, [], squat, HeldState.LOADING)):
+                seqs[peer] += 1
+                market.heartbeat(_hb(peer, seqs[peer], addrs, held, state, mid), now)
+            market.tick(now)
+            if squat_gone_at is None and squatter not in market.ix.coverage:
+                squat_gone_at = now
+            got = take_all(honest.peer_id, now, honest.addrs, HeldState.SERVING)
+            if got:
+                market.report(CoordinatorReport(url=url, model_id=mid, workers=[
+                    ReportedWorker(peer_id=honest.peer_id, held=[ProvenSlice(*h) for h in got])]), now)
+                recruited_at = now
+        market.tick(now + 0.5)
+        dm = market.dispatch_map(mid)
+        d = Dispatcher(model, t, config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False),
+                       held=lambda layer, lo, hi: False)
+        await n.start(d.serve)
+        d.set_map(dm)
+        tr = Transformer(model, d)
+        differing = done = 0
+        t0 = time.perf_counter()
+        while done < max_completions and not d.core.quarantines and recruited_at is not None:
+            i = done % len(prompts)
+            differing += (await complete(tr, prompts[i])) != ref[i]
+            done += 1
+        await trio.sleep(0.2)  # comparisons still in flight
+        q = {w.peer_id for w in d.report().workers if w.state == "quarantined"}
+        n.cancel_scope.cancel()
+    mapped = {r.peer_id for L in dm.layers for rr in L.ranges for r in rr.replicas}
+    case = {"case": "squatter-liar", "verify_rate": DispatchConfig().verify_rate, "completions": done,
+            "squatter_counted_s": None if squat_gone_at is None else round(squat_gone_at - 2.0, 1),
+            "recruit_wait_s": None if recruited_at is None else round(recruited_at - 2.0, 1),
+            "honest_mapped": honest.peer_id in mapped, "squatter_mapped": squatter in mapped,
+            "calls_to_quarantine": liar.calls if liar.peer_id in q else None, "completions_differing": differing,
+            "false_quarantines": len(q - {liar.peer_id}), "liar_calls": liar.calls,
+            "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"  squatter-liar the squatter counted {case['squatter_counted_s']} s, an honest replica after "
+          f"{case['recruit_wait_s']} s; calls to quarantine {case['calls_to_quarantine']}, completions differing "
+          f"{differing}/{done}", flush=True)
+    return case
+
+
+async def budget_jam_case(model: GGUFModel, prompts: list[list[int]], ref: list[list[int]],
+                          n_completions: int) -> dict[str, Any]:
+    """Strangers declare 16 MiB payloads and leave or fall silent; the coordinator is served after (module docstring)."""
+    budget = ByteBudget(per_peer=32 << 20, total=64 << 20)
+    coordinator_peer: list[str] = []
+    vol = Worker(model, authorize=lambda p: p in coordinator_peer, budget=budget)
+    big = ExpertRequest(request_id=RequestId(1), attempt=0, model_id=model.model_id, layer=0, lo=0, hi=4, n_rows=1024,
+                        d_model=4096, n_pairs=1024, dtype="float32")
+    header = encode_message(big)
+    declared = struct.pack("<II", len(header), request_payload_len(big)) + header + b"\0" * 1000
+    async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
+        coordinator_peer.append(t.peer_id)
+        await n.start(vol.run)
+        refused = 0
+        for _ in range(4):
+            async with open_libp2p_transport(key_path=None) as stranger:
+                for j in range(2):
+                    s = await stranger.open_stream(vol.peer_id, vol.addrs, PROTOCOL_ID)
+                    await s.write(encode_frame(make_hello(kernel_id="x")) + declared)
+                    reader = FrameReader(s)
+                    with trio.fail_after(30):  # the volunteer's Hello, then its answer to the header
+                        got = [await reader.receive_message(), await reader.receive_message()]
+                    refused += isinstance(got[1] and got[1][0], ExpertResponse) and got[1][0].status == "not_authorized"  # type: ignore[union-attr]
+                    if j == 0:
+                        await s.aclose()  # the second stays open, silent, until the stranger leaves
+        held_after = budget.held
+        d = Dispatcher(model, t, config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False))
+        await n.start(d.serve)
+        d.set_map(dmap(model, [vol]))
+        tr = Transformer(model, d)
+        refused_before = budget.refused
+        differing = 0
+        t0 = time.perf_counter()
+        for i in range(n_completions):
+            differing += (await complete(tr, prompts[i % len(prompts)])) != ref[i % len(prompts)]
+        n.cancel_scope.cancel()
+    case = {"case": "budget-jam", "verify_rate": DispatchConfig().verify_rate, "completions": n_completions,
+            "calls_to_quarantine": None, "completions_differing": differing, "false_quarantines": 0,
+            "declared_bytes": 8 * request_payload_len(big), "headers_refused_at_once": refused,
+            "budget_held_bytes": held_after, "busy_refusals": budget.refused - refused_before,
+            "remote_calls": vol.calls, "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"  budget-jam    {case['declared_bytes'] >> 20} MiB declared by 8 strangers' streams: {held_after} bytes held "
+          f"after; the coordinator's {vol.calls} calls, {case['busy_refusals']} refused busy, completions differing "
+          f"{differing}/{n_completions}", flush=True)
     return case
 
 
@@ -236,13 +414,20 @@ async def _transport(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORE
         await trio.sleep_forever()
 
 
+def offload_namespace(quick: bool) -> argparse.Namespace:
+    """What ``offload.run`` reads of its command line: every option ``offload.py`` defines, as its own
+    defaults would set it, with the sessions and tokens this case measures (not ``offload``'s parser,
+    which lives in its ``main``; ``tests/benchmarks`` checks this covers every option it has)."""
+    return argparse.Namespace(quick=quick, json=None, sessions=[4], decode=12 if quick else 32, repeat=1,
+                              rtt_ms=[0.0], verify_cases=True, split_forced_case=False, expert_loop=None)
+
+
 def throughput_cost(quick: bool) -> dict[str, Any]:
     """offload.py's setup at 4 sessions: adaptive with default verification vs verification off."""
     sys.path.append(str(ROOT / "benchmarks"))
     import offload
 
-    ns = argparse.Namespace(sessions=[4], decode=12 if quick else 32, verify_cases=True, skip_local=True)
-    res = offload.run(ns)
+    res = offload.run(offload_namespace(quick))
     by = {c["case"]: c for c in res["cases"] if c.get("sessions") == 4}
     v, u = by["adaptive"], by["adaptive_unverified"]
     return {"tokens_per_s_verified": v["tokens_per_s"], "tokens_per_s_unverified": u["tokens_per_s"],
@@ -266,21 +451,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "noise": (lambda n, y: noise(y), "another-kernel"),
         "intermittent": (lambda n, y: y * 1.5 if n % 20 == 19 else None, None),
     }
+    smoke = getattr(args, "smoke", False)
     for name, (lie, announce) in liars.items():
+        if smoke and name != "zeros":
+            continue
         liar = Worker(model, lie=lie, announce=announce)
         cases.append(await liar_case(model, prompts, ref, name, [liar, Worker(model)], liar, default, 60))
-    # a backbone coordinator (holds no expert): the liar's answers are checked against a second replica
-    liar = Worker(model, lie=lambda n, y: y * 1.5)
-    cases.append(await liar_case(model, prompts, ref, "backbone-scaled", [liar, Worker(model)], liar, default, 60,
-                                 backbone=True))
-    for rate in (default.verify_rate, 1.0):
-        sleeper = Worker(model, lie=lambda n, y: y * 1.5 if n >= 1000 else None)
-        cfg = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=rate)
-        cases.append(await liar_case(model, prompts, ref, "sleeper", [sleeper], sleeper, cfg, 600, from_first_lie=True))
+    if not smoke:
+        # a backbone coordinator (holds no expert): the liar's answers are checked against a second replica
+        liar = Worker(model, lie=lambda n, y: y * 1.5)
+        cases.append(await liar_case(model, prompts, ref, "backbone-scaled", [liar, Worker(model)], liar, default, 60,
+                                     backbone=True))
+    cases.append(await squatter_liar_case(model, prompts, ref, 6 if smoke else 60))
+    cases.append(await budget_jam_case(model, prompts, ref, 2 if smoke else 6))
+    if not smoke:
+        for rate in (default.verify_rate, 1.0):
+            sleeper = Worker(model, lie=lambda n, y: y * 1.5 if n >= 1000 else None)
+            cfg = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=rate)
+            cases.append(await liar_case(model, prompts, ref, "sleeper", [sleeper], sleeper, cfg, 600, from_first_lie=True))
     honest = await honest_case(model, prompts, ref, args.honest_calls)
-    honest.update(await offload_throughput(model, prompts, 3 if args.quick else 7))
-    print(f"  offload mode, every range remote: {honest['offload_tokens_per_s_verified']} tokens/s verified vs "
-          f"{honest['offload_tokens_per_s_unverified']} unverified ({honest['offload_throughput_cost_pct']} %)", flush=True)
+    if not smoke:
+        honest.update(await offload_throughput(model, prompts, 3 if args.quick else 7))
+        print(f"  offload mode, every range remote: {honest['offload_tokens_per_s_verified']} tokens/s verified vs "
+              f"{honest['offload_tokens_per_s_unverified']} unverified ({honest['offload_throughput_cost_pct']} %)",
+              flush=True)
     cases.append(honest)
     return {"benchmark": "verification", "model": model.model_id, "threads": "coordinator 1 (ggml), volunteers 1 each",
             "cases": cases}
@@ -289,12 +483,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10^3 honest calls, 12-token throughput sessions")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: the zeros liar, squatter-liar, budget-jam, 50 honest calls, no throughput (make test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--honest-calls", type=int, default=None)
     ap.add_argument("--no-throughput", action="store_true", help="skip the offload.py throughput cost")
     args = ap.parse_args()
+    if args.smoke:
+        args.no_throughput = True
     if args.honest_calls is None:
-        args.honest_calls = 1000 if args.quick else 10_000
+        args.honest_calls = 50 if args.smoke else 1000 if args.quick else 10_000
     result = trio.run(run, args)
     honest = next(c for c in result["cases"] if c["case"] == "honest")
     if not args.no_throughput:

@@ -6,11 +6,16 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   ``{url, models: [manifest...], epoch}`` -> ``RegisterAck``. Several coordinators may host one
   model; a coordinator's list replaces its previous one; an older ``epoch`` is refused (409).
 - ``POST /api/coordinator-report`` (operator token) ``CoordinatorReport {url, model_id, workers:
-  [{peer_id, calls, rows, verified, path, quarantine}], ranges}`` -> ``ReportAck``: a worker with
-  ``quarantine`` evidence loses its coverage and lease and is refused (pull: ``nothing_needed``
-  ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``; one with ``verified``
-  answers is *served* (its coverage rows' ``served``: preferred in maps and at age-out); the slices a worker
-  proved it holds (``held``: a hold challenge passed) are marked ``held``; per-range routed rows are kept.
+  [{peer_id, calls, rows, verified, pairs, path, quarantine, evidence, held}], ranges}`` -> ``ReportAck
+  {workers, quarantined, ignored}``. Only workers holding (coverage or lease) a slice of ``model_id``
+  count; the others are listed in ``ignored`` and change nothing. Counts within int64, at most
+  ``max_report_pairs`` a worker and report. A quarantine needs ``evidence`` (``QuarantineEvidence {layer,
+  lo, hi, input_sha256, remote_sha256, local_sha256, method, detail}``; 400 ``missing_evidence`` /
+  ``bad_evidence`` refuse the whole report): the worker loses its coverage and lease and is refused
+  (pull: ``nothing_needed`` ``quarantined``; heartbeat: 403 ``quarantined``) for ``quarantine_s``, the
+  evidence kept and shown (``GET /api/volunteers/{peer_id}``). One with ``verified`` answers is *served*
+  (its coverage rows of that model: preferred in maps and at age-out); the slices a worker proved it
+  holds (``held``: a hold challenge passed) are marked ``held``; per-range routed rows are kept.
 - Volunteer requests (polls and heartbeats) are signed: ``X-Moe-Signature`` (``swarm.p2p.identity.
   sign_request``), ``sent_at_ms`` within 120 s, one ``(epoch, sequence)`` counter; heartbeats with
   only the older body signature are accepted for one release. A heartbeat's new slice counts only
@@ -50,7 +55,9 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
 - ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /api/volunteers/{peer_id}`` ->
   ``VolunteerCredit`` (404 ``unknown_volunteer``); ``GET /api/volunteers?limit=N`` -> ``CreditBoard``
   (by recent average credit); ``GET /metrics`` (Prometheus);
-  ``GET /health`` (also lists the relays offered to volunteers).
+  ``GET /health`` (also lists the relays offered to volunteers). ``/metrics`` is bounded: per-model
+  series for the first 64 models (by id), 1,024 per-layer series in all, regenerated at most every 5 s
+  by a refresh that yields to the event loop after every model.
 
 The release / age-out protocol (what a volunteer does with ``CoverageAck.slices``):
 
@@ -75,7 +82,9 @@ Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with stable 
 ``bad_parameter``, ``bad_peer_id``, ``bad_manifest``, ``bad_url``, ``duplicate_slice`` (400);
 ``bad_signature``, ``unauthorized`` (401); ``unknown_model``, ``unknown_lease``, ``not_found`` (404);
 ``method_not_allowed`` (405); ``stale_epoch``, ``replayed_sequence``, ``stale_registration``,
-``manifest_conflict`` (409); ``body_too_large`` (413); ``store_error`` (503).
+``manifest_conflict`` (409); ``body_too_large`` (413); ``too_many_identities`` (429: a new identity
+at an address that speaks for ``max_identities_per_address`` already); ``store_error`` (503: the
+request changed nothing, in memory or on disk).
 Bad input never takes the market down.
 """
 
@@ -84,6 +93,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -105,8 +115,9 @@ from starlette.routing import Route
 from market.core.assign import NoOfferReason
 from market.loops import Clock, MapWatch
 from market.state import Market, NoOffer, Offer
+from market.views import remote_and_holes
 from swarm.core.histogram import Histogram
-from swarm.errors import RequestError, SwarmError
+from swarm.errors import ConfigError, RequestError, SwarmError
 from swarm.http_io import close_if_unread, read_body
 from swarm.p2p.identity import SIGNATURE_HEADER, check_peer_id, verify_body, verify_request
 from swarm.protocol.http import encode_error
@@ -246,14 +257,54 @@ def _guarded(fn: Handler) -> Handler:
     return run
 
 
+METRICS_MAX_MODELS: Final = 64  # per-model series for the first this many models (by id); the rest are counted
+METRICS_MAX_LAYER_SERIES: Final = 1024  # per-layer series in all
+METRICS_TTL_S: Final = 5.0  # a scrape within this long of the last one gets its text again
+
+
+@dataclass
+class _ModelGauges:
+    model_id: str
+    recruiting: bool
+    saturated: bool
+    target: int
+    replicas_min: int
+    map_version: int
+    holes: int
+
+
 class _MarketCollector(Collector):
+    """The market's series, bounded (``METRICS_MAX_MODELS`` models, ``METRICS_MAX_LAYER_SERIES`` layer
+    series: a registration of many models cannot make ``/metrics`` megabytes). The per-model part is
+    computed by ``refresh`` -- a task that yields to the event loop after every model -- and read from
+    its snapshot by ``collect``; so is the rest, which costs no more than a few hundred series."""
+
     def __init__(self, api: MarketApi, stats: _RequestStats) -> None:
         self.api = api
         self.stats = stats
+        self.models: list[_ModelGauges] = []
+        self.layers: list[tuple[str, int, int]] = []  # (model, layer, fewest replicas)
+        self.omitted = 0
+
+    async def refresh(self) -> None:
+        m = self.api.market
+        models: list[_ModelGauges] = []
+        layers: list[tuple[str, int, int]] = []
+        ids = sorted(m.ix.models)
+        for mid in ids[:METRICS_MAX_MODELS]:
+            if mid in m.ix.models:  # a checkpoint ago it was
+                now = self.api.clock()
+                _, holes = remote_and_holes(m.ix, mid)
+                counts = m.ix.counts[mid]
+                models.append(_ModelGauges(mid, m.ix.recruiting(mid), m.ix.saturated(mid, now), m.ix.target(mid),
+                                           counts.min_replicas(), m.map_version(mid), holes))
+                for layer, row in enumerate(counts.replicas[: max(0, METRICS_MAX_LAYER_SERIES - len(layers))]):
+                    layers.append((mid, layer, min(row, default=0)))
+            await trio.lowlevel.checkpoint()  # one model at a time: the loop keeps serving
+        self.models, self.layers, self.omitted = models, layers, max(0, len(ids) - METRICS_MAX_MODELS)
 
     def collect(self) -> Iterable[Metric]:
         m = self.api.market
-        now = self.api.clock()
         c = CounterMetricFamily("moe_swarm_market_events", "Market events by kind", labels=["event"])
         for k, v in sorted(m.counters.items()):
             c.add_metric([k], v)
@@ -267,32 +318,35 @@ class _MarketCollector(Collector):
         g = GaugeMetricFamily("moe_swarm_market_coordinators", "Registered coordinators")
         g.add_metric([], len(m.ix.coordinators))
         yield g
+        g = GaugeMetricFamily("moe_swarm_market_models", "Registered models")
+        g.add_metric([], len(m.ix.models))
+        yield g
+        g = GaugeMetricFamily("moe_swarm_market_models_omitted",
+                              f"Models without per-model series (only the first {METRICS_MAX_MODELS} by id have them)")
+        g.add_metric([], self.omitted)
+        yield g
         per_model = {
             "recruiting": ("moe_swarm_market_recruiting", "1 while the model's target is boosted"),
             "saturated": ("moe_swarm_market_saturated", "1 while a coordinator of the model is saturated"),
             "target": ("moe_swarm_market_effective_target", "Replicas wanted per expert"),
             "min": ("moe_swarm_market_replicas_min", "Fewest live replicas of any expert"),
             "version": ("moe_swarm_market_map_version", "Dispatch map version"),
+            "holes": ("moe_swarm_market_holes",
+                      "Experts nobody can compute now (no replica, not held by every hosting coordinator)"),
         }
         fams = {k: GaugeMetricFamily(n, d, labels=["model"]) for k, (n, d) in per_model.items()}
-        for mid in sorted(m.ix.models):
-            fams["recruiting"].add_metric([mid], float(m.ix.recruiting(mid)))
-            fams["saturated"].add_metric([mid], float(m.ix.saturated(mid, now)))
-            fams["target"].add_metric([mid], m.ix.target(mid))
-            fams["min"].add_metric([mid], m.ix.counts[mid].min_replicas())
-            fams["version"].add_metric([mid], m.map_version(mid))
+        for x in self.models:
+            fams["recruiting"].add_metric([x.model_id], float(x.recruiting))
+            fams["saturated"].add_metric([x.model_id], float(x.saturated))
+            fams["target"].add_metric([x.model_id], x.target)
+            fams["min"].add_metric([x.model_id], x.replicas_min)
+            fams["version"].add_metric([x.model_id], x.map_version)
+            fams["holes"].add_metric([x.model_id], x.holes)
         yield from fams.values()
-        holes = GaugeMetricFamily("moe_swarm_market_holes",
-                                  "Experts nobody can compute now (no replica, not held by every hosting coordinator)",
-                                  labels=["model"])
         layer_min = GaugeMetricFamily("moe_swarm_market_layer_replicas_min", "Fewest live replicas of an expert, per layer",
                                       labels=["model", "layer"])
-        for mid in sorted(m.ix.models):
-            d = m.demand(now, [mid]).models[0]
-            holes.add_metric([mid], d.holes)
-            for layer, row in enumerate(m.ix.counts[mid].replicas):
-                layer_min.add_metric([mid, str(layer)], min(row, default=0))
-        yield holes
+        for mid, layer, n in self.layers:
+            layer_min.add_metric([mid, str(layer)], n)
         yield layer_min
         credit = CounterMetricFamily("moe_swarm_market_credit_flops", "Credit granted to volunteers, in FLOPs")
         credit.add_metric([], sum(r.total_flops for r in m.ix.credit.values()))
@@ -309,11 +363,38 @@ class _MarketCollector(Collector):
         yield lat
 
 
+class _MetricsPage:
+    """``/metrics``' text, regenerated at most every ``METRICS_TTL_S`` by one scrape at a time (the
+    others get the last text): what unauthenticated scrapers cost is bounded."""
+
+    def __init__(self, collector: _MarketCollector, registry: CollectorRegistry) -> None:
+        self.collector = collector
+        self.registry = registry
+        self.text = b""
+        self.at = -math.inf
+        self._lock = trio.Lock()
+
+    async def get(self) -> bytes:
+        if self.text and trio.current_time() - self.at < METRICS_TTL_S:
+            return self.text
+        async with self._lock:
+            if not (self.text and trio.current_time() - self.at < METRICS_TTL_S):
+                await self.collector.refresh()
+                self.text = generate_latest(self.registry)
+                self.at = trio.current_time()
+        return self.text
+
+
 def build_market_app(api: MarketApi) -> Starlette:
     m = api.market
     registry = CollectorRegistry()
     stats = _RequestStats()
-    registry.register(_MarketCollector(api, stats))
+    collector = _MarketCollector(api, stats)
+    registry.register(collector)
+    metrics_page = _MetricsPage(collector, registry)
+
+    if api.token is not None and not api.token.strip():
+        raise ConfigError("an empty operator token would let any bearer in: give a real one or none", code="token_required")
 
     def check_token(request: Request) -> None:
         if api.token is None:
@@ -396,7 +477,7 @@ def build_market_app(api: MarketApi) -> Starlette:
             return nothing(res.reason.value, res.retry_after_s)
         found = await describe(res)
         if found is None:
-            m.cancel_lease(res.lease.lease_id)
+            m.cancel_lease(res.lease.lease_id, api.clock())
             return nothing(
                 NoOfferReason.COORDINATOR_UNREACHABLE.value,
                 _UNREACHABLE_RETRY_S,
@@ -406,10 +487,12 @@ def build_market_app(api: MarketApi) -> Starlette:
         s = res.lease.slice
         others = [b.rstrip("/") + s.http_path for b in res.sources]
         sources = [
-            *(DownloadSource(kind=SourceKind.PEER, peer_id=p.peer_id, addrs=list(p.addrs)) for p in res.peers),
+            *(DownloadSource(kind=SourceKind.PEER, peer_id=p.peer_id, addrs=list(p.addrs)[:16]) for p in res.peers),
             *(DownloadSource(kind=SourceKind.ORIGIN, url=u) for u in res.origins),
             *(DownloadSource(kind=SourceKind.COORDINATOR, url=u) for u in [url, *(o for o in others if o != url)]),
         ]
+        # within what a volunteer decodes (swarm.protocol.market.Assignment's limits): a longer answer is refused whole
+        sources = [x for x in sources if len(x.url) <= 2048][:64]
         return _json(
             Assignment(
                 model_id=s.model_id,
@@ -423,7 +506,7 @@ def build_market_app(api: MarketApi) -> Starlette:
                 lease_id=res.lease.lease_id,
                 lease_expires_in_s=round(max(0.0, res.lease.expires_at - api.clock()), 3),
                 scarcity=res.scarcity,
-                relays=list(api.relays),
+                relays=list(api.relays)[:16],
                 heartbeat_s=m.policy.heartbeat_s,
                 coordinator=url[: len(url) - len(s.http_path)],
                 sources=sources,
@@ -451,7 +534,7 @@ def build_market_app(api: MarketApi) -> Starlette:
         if not check_signed(request, raw, hb.peer_id, hb.sent_at_ms):
             verify_body(hb.peer_id, hb, hb.signature)  # the body-signature scheme, accepted for one release
             m.counters["heartbeats_legacy_signature"] += 1
-        ack = m.heartbeat(hb, api.clock())
+        ack = m.heartbeat(hb, api.clock(), address=request.client.host if request.client is not None else "")
         return _json(msgspec.structs.replace(ack, relays=list(api.relays)))
 
     @_guarded
@@ -500,7 +583,7 @@ def build_market_app(api: MarketApi) -> Starlette:
         return _json(m.credit_board(api.clock(), 100 if limit is None else max(0, min(limit, 1000))))
 
     async def metrics(_: Request) -> Response:
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await metrics_page.get(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(_: Request) -> Response:
         return _json({"status": "ok", "models": len(m.ix.models), "volunteers": m.ix.live_volunteers(),

@@ -68,6 +68,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "stops counting after this long; 0 = no proof needed")
     p.add_argument("--quarantine-s", type=float, default=d.quarantine_s,
                    help="how long a volunteer a coordinator caught answering wrongly is refused")
+    p.add_argument("--download-grace-s", type=float, default=d.download_grace_s,
+                   help="a slice reported loading counts only until this grace plus its bytes at --download-floor-rate")
+    p.add_argument("--download-floor-rate", type=float, default=d.download_floor_bytes_per_s, metavar="BYTES_PER_S",
+                   help="the slowest download the deadline allows for (generous: 1 MiB/s)")
+    p.add_argument("--max-identities-per-address", type=int, default=d.max_identities_per_address,
+                   help="live volunteer identities one IP address (an IPv6 /64) may speak for")
+    p.add_argument("--identity-idle-s", type=float, default=d.identity_idle_s,
+                   help="an identity that never held anything is forgotten after this long without a word")
+    p.add_argument("--host-down-s", type=float, default=d.host_down_s,
+                   help="a coordinator whose /slots polls all failed this long stops counting as hosting")
+    p.add_argument("--coordinator-gc-s", type=float, default=d.coordinator_gc_s,
+                   help="... and is deregistered after this long")
+    p.add_argument("--model-gc-s", type=float, default=d.model_gc_s,
+                   help="a model no registered coordinator lists is dropped after this long")
+    p.add_argument("--max-models", type=int, default=d.max_models, help="registered models in all")
     p.add_argument("--seed", type=int, default=None, help="RNG seed (reproducible tie-breaks and lease ids)")
     p.set_defaults(func=run)
     return p
@@ -103,10 +118,19 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "remote_base_target": ns.remote_base_target,
             "hot_extra_max": ns.hot_extra_max,
             "hot_half_life_s": ns.hot_half_life_s,
+            "download_grace_s": ns.download_grace_s,
+            "download_floor_bytes_per_s": ns.download_floor_rate,
+            "max_identities_per_address": ns.max_identities_per_address,
+            "identity_idle_s": ns.identity_idle_s,
+            "host_down_s": ns.host_down_s,
+            "coordinator_gc_s": ns.coordinator_gc_s,
+            "model_gc_s": ns.model_gc_s,
+            "max_models": ns.max_models,
         },
     }
     return build_config(MarketConfig, raw, flags={"relays": "--relay", "poll_interval_s": "--poll-interval",
-                                                 "poll_timeout_s": "--poll-timeout"})
+                                                 "poll_timeout_s": "--poll-timeout",
+                                                 "download_floor_bytes_per_s": "--download-floor-rate"})
 
 
 def run(ns: argparse.Namespace) -> int:

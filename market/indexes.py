@@ -71,6 +71,7 @@ class LiveVolunteer:
     last_serve_ms: dict[SliceRef, int] = field(default_factory=dict)
     display_name: str = ""  # volunteer-chosen (stranger text), control characters removed
     share_slices: bool = False  # it serves its slices to downloading volunteers (its last heartbeat said so)
+    stored: bool = True  # its row is in the store (False: an identity that never held anything, memory only)
 
 
 @dataclass
@@ -82,6 +83,12 @@ class PollRecord:
     error: str | None = None
     last_ok: PollView | None = None
     tps: float = 0.0  # decode tokens/s of its busy slots at the last successful poll
+    since: float = 0.0  # when the market learnt of it (registration, or the market's start)
+    down: bool = False  # every poll failed for host_down_s: it does not count as hosting
+
+    def good_at(self) -> float:
+        """When it last answered a poll (or, never having, when the market learnt of it)."""
+        return self.last_ok.at if self.last_ok is not None else self.since
 
 
 class Indexes:
@@ -125,10 +132,10 @@ class Indexes:
         for m in snap.models:
             self.add_model(m)
         for c in snap.coordinators:
-            if c.epoch > epoch_bound_ms(now):  # written before epochs were bounded: would lock the URL out
+            if c.epoch > epoch_bound_ms(now, self.policy.max_epoch_ahead_s):  # written before epochs were bounded
                 c = msgspec.structs.replace(c, epoch=int(now * 1000))
             self.coordinators[c.url] = c
-            self.polls[c.url] = PollRecord()
+            self.polls[c.url] = PollRecord(since=now)
         for v in snap.volunteers:
             self.volunteers[v.peer_id] = LiveVolunteer(v, last_seen=now)
         for q in snap.quarantine:
@@ -240,7 +247,27 @@ class Indexes:
     # -- queries --------------------------------------------------------------------------------
 
     def hosts_of(self, model_id: str) -> list[str]:
+        """The coordinators that count as hosting ``model_id``: registered with it, and not down."""
+        return [url for url, c in self.coordinators.items()
+                if model_id in c.model_ids and not (url in self.polls and self.polls[url].down)]
+
+    def registered_hosts_of(self, model_id: str) -> list[str]:
+        """Every registered coordinator listing ``model_id``, down ones too (views, age-out)."""
         return [url for url, c in self.coordinators.items() if model_id in c.model_ids]
+
+    def drop_model(self, model_id: str, changes: list[Change]) -> None:
+        """Forget a model no coordinator lists any more: its row, coverage, leases, map and boost."""
+        for (_, _), row in list(self.by_model.get(model_id, {}).items()):
+            self.del_cov(row, changes)
+        for lease in [x for x in self.leases.values() if x.slice.model_id == model_id]:
+            self.del_lease(lease, changes)
+        for table in (Table.MODELS, Table.MAPS, Table.RECRUITMENT):
+            changes.append(Delete(table, model_id))
+        for d in (self.models, self.counts, self.by_model, self.maps, self.recruit, self.routed, self.heat,
+                  self._heat_at, self._heat_version, self._targets):
+            d.pop(model_id, None)
+        self.dirty_maps.discard(model_id)
+        self.dirty_ageout.discard(model_id)
 
     def poll_views(self, model_id: str) -> list[PollView | None]:
         return [self.polls[u].last_ok if u in self.polls else None for u in self.hosts_of(model_id)]
@@ -341,6 +368,14 @@ class Indexes:
                     row[e] += share
         self._heat_version[model_id] = self._heat_version.get(model_id, 0) + 1
         self.touch(model_id)
+
+    def restore_heat(self, old: Indexes) -> None:
+        """Take ``old``'s routed-row heat (runtime) for the models still registered."""
+        for mid in self.models:
+            if mid in old.heat:
+                self.heat[mid] = old.heat[mid]
+                self._heat_at[mid] = old._heat_at.get(mid, 0.0)
+                self._heat_version[mid] = old._heat_version.get(mid, 0)
 
     def live_volunteers(self) -> int:
         return len(self.coverage)

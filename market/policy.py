@@ -45,13 +45,37 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     header_allowance: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024  # slice header + slack, in bytes
     volunteer_gc_s: PosFloat = 7 * 24 * 3600.0  # forget silent volunteers without coverage after this
     quarantine_s: PosFloat = 7 * 24 * 3600.0  # a volunteer caught answering wrongly is refused this long
-    max_leases_per_address: Annotated[int, msgspec.Meta(ge=1)] = 16  # open leases one IP address may hold
+    # slices one IP address may hold or have leased at once (holdings of the identities seen there plus
+    # open leases taken from it; the flag keeps its old name)
+    max_leases_per_address: Annotated[int, msgspec.Meta(ge=1)] = 16
     # coverage comes from assignment (DESIGN §12): a heartbeat's new slice counts only with this
     # volunteer's open lease for it; False accepts any reported slice (the behaviour before leases ruled)
     coverage_requires_lease: bool = True
     # ... and keeps counting only once a coordinator reports it proved (a hold challenge or verified
     # answers) within this long of serving; 0 = no proof needed
     proof_grace_s: NonNegFloat = 120.0
+    # ... and a ``loading`` holding counts (as pending) only until its download deadline: this grace plus the
+    # slice's bytes at this floor rate (generous: a slow home link does better), then it is dropped and re-offered
+    download_grace_s: NonNegFloat = 120.0
+    download_floor_bytes_per_s: PosFloat = float(1 << 20)
+    # a volunteer dropped from a slice (download overdue, unproven) gets no new lease for it this long
+    dropped_penalty_s: NonNegFloat = 600.0
+    # identities: at most this many live ones per IP address (a new one past it is refused), and one that
+    # never held anything (kept in memory only, never stored) is forgotten after this long without a word
+    max_identities_per_address: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_identities: Annotated[int, msgspec.Meta(ge=1)] = 200_000  # identities with an address mark, in all
+    identity_idle_s: PosFloat = 600.0
+    # coordinators: one whose /slots polls have all failed for host_down_s stops counting as hosting (its
+    # models are not offered on its account; a model no live coordinator hosts has no demand); after
+    # coordinator_gc_s its registration goes; a model no registered coordinator lists goes model_gc_s after
+    host_down_s: PosFloat = 30.0
+    coordinator_gc_s: PosFloat = 3600.0
+    model_gc_s: PosFloat = 600.0
+    max_models: Annotated[int, msgspec.Meta(ge=1)] = 256  # registered models in all (16 per registration: the wire)
+    max_epoch_ahead_s: PosFloat = 600.0  # a registration epoch (start time in ms) at most this far ahead of the clock
+    # a coordinator report credits at most this many pairs (and counts as many calls, rows, verified answers)
+    # per worker; more is clamped (counted in moe_swarm_market_events{event="report_clamped"})
+    max_report_pairs: Annotated[int, msgspec.Meta(ge=1, le=2**62)] = 1 << 30
 
     @property
     def heartbeat_s(self) -> float:

@@ -20,6 +20,7 @@ import re
 import time
 from collections import OrderedDict
 from functools import partial
+from typing import Annotated
 
 import httpx
 import msgspec
@@ -48,7 +49,9 @@ class MarketConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     db: str  # SQLite file, or ":memory:" for a volatile in-process store
     host: str = "127.0.0.1"
     port: Port = 8090
-    token: str | None = None  # operator token (POST /api/models); required unless insecure_no_token
+    # operator token (POST /api/models, reports, dispatch maps); required unless insecure_no_token; never
+    # empty or blank, nor with blanks around it (a bearer value is compared stripped)
+    token: Annotated[str, msgspec.Meta(min_length=1, max_length=4096, pattern=r"^\S(.*\S)?\Z")] | None = None
     insecure_no_token: bool = False  # run without a token: anyone may register (said in the log and /health)
     relays: tuple[Multiaddr, ...] = ()  # relay multiaddrs offered to volunteers that cannot be dialled
     poll_interval_s: PosFloat = 2.0
@@ -115,6 +118,8 @@ def make_slice_describer(client: httpx.AsyncClient, cache_size: int = 4096) -> S
 
 
 async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    if cfg.token is not None and not cfg.token.strip():  # a config built in code, past the constraints
+        raise ConfigError("the operator token is empty: give a real one (--token or MOE_SWARM_TOKEN)", code="token_required")
     if cfg.token is None and not cfg.insecure_no_token:
         raise ConfigError(
             "the market needs an operator token (--token or MOE_SWARM_TOKEN): without one anyone may register "

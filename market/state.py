@@ -17,7 +17,11 @@ Rules:
 - Restart: everything durable is loaded; volunteers holding coverage are treated as just seen
   (one heartbeat TTL of grace), so the published map stays valid until they heartbeat again or
   expire; a model that was recruiting keeps recruiting until ``hold_s`` without saturation.
-- A rejected request (``RequestError``) changes nothing.
+- A rejected request (``RequestError``) changes nothing. A request whose batch the store refuses
+  (``StoreError``: a full disk, say; the API answers 503 ``store_error``) changes nothing either:
+  memory and store change together or not at all. The durable facts are reloaded from the store
+  (which applied none of the batch), the runtime ones (polls, heartbeat times, loads, the sequence
+  marks) are kept, and the call's events are dropped (``_restore``).
 - The dispatch map of a model is rebuilt by ``tick`` when something it depends on changed; its
   ``version`` grows exactly when its content changes, and keeps growing across restarts.
 - Age-out: while the target falls, surplus holdings get ``retiring_since = now`` (out of the map at
@@ -34,6 +38,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter, deque
@@ -64,6 +69,7 @@ from market.core.records import (
 from market.core.recruit import Holding, PollView, RecruitState, observe, plan_ageout, step
 from market.core.registry import (
     ACCEPTED,
+    address_key,
     check_heartbeat,
     diff_coverage,
     epoch_bound_ms,
@@ -78,7 +84,7 @@ from market.store import Change, Delete, Put, Store
 from market.views import demand_view, dispatch_map, map_version, recruitment_view
 from swarm.core.rng import Rng
 from swarm.dispatch_map import DispatchMap
-from swarm.errors import RequestError
+from swarm.errors import RequestError, StoreError
 from swarm.protocol.expert import PROTOCOL_VERSION as EXPERT_PROTOCOL_VERSION
 from swarm.protocol.market import (
     CoordinatorReport,
@@ -92,6 +98,7 @@ from swarm.protocol.market import (
     LeaseView,
     MarketEvent,
     ModelHistory,
+    QuarantineEvidence,
     RecruitmentView,
     RegisterAck,
     RegisterModels,
@@ -106,6 +113,7 @@ __all__ = ["Market", "NoOffer", "Offer", "TickReport"]
 log = logging.getLogger(__name__)
 
 
+_INT64_MAX: Final = 2**63 - 1
 HISTORY_S: Final = 15 * 60.0  # what the dashboard's charts show
 HISTORY_EVERY_S: Final = 5.0
 
@@ -176,7 +184,14 @@ class Market:
         # (peer, slice) -> when a serving holding not yet proved loses its place (runtime: a restart
         # gives every holding a fresh grace, so coverage from before proofs ruled is not a hole at once)
         self._proof_due: dict[tuple[str, SliceRef], float] = {}
-        self._unproven: dict[tuple[str, SliceRef], float] = {}  # dropped for want of proof (the refusal's reason)
+        # peer -> slice -> (why, when) the market dropped its holding: the refusal's reason when it lists it
+        # again, and no new lease for it for ``dropped_penalty_s`` (runtime, bounded)
+        self._dropped: dict[str, dict[SliceRef, tuple[Reason, float]]] = {}
+        self._n_dropped = 0
+        self._addr_peers: dict[str, dict[str, float]] = {}  # IP address -> identities seen there -> when (runtime)
+        self._peer_addr: dict[str, str] = {}  # identity -> the address it last spoke from (runtime)
+        self._last_gc = -math.inf
+        self._unlisted_since: dict[str, float] = {}  # model -> since when no coordinator lists it (runtime)
         self._events: deque[MarketEvent] = deque(maxlen=1000)  # the dashboard's event log (runtime)
         self._event_seq = 0
         self._saturated_was: dict[str, bool] = {}
@@ -184,13 +199,55 @@ class Market:
         self._history_at = -math.inf
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
         self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
+        self._call_mark = 0
         dropped = self.ix.load(store.load(), now)
         if dropped:
             store.apply(dropped)
 
-    def _commit(self, changes: list[Change]) -> None:
-        if changes:
+    def _begin(self) -> None:
+        """The start of a call that may commit: what ``_restore`` rolls the event log back to."""
+        self._call_mark = self._event_seq
+
+    def _commit(self, changes: list[Change], now: float) -> None:
+        if not changes:
+            return
+        try:
             self.store.apply(changes)
+        except StoreError:
+            self._restore(now)
+            raise
+
+    def _restore(self, now: float) -> None:
+        """After the store refused a batch (and so applied none of it): memory as the store has it, plus
+        the runtime facts the store never holds (module rules)."""
+        old = self.ix
+        ix = Indexes(self.policy)
+        ix.load(self.store.load(), now)  # its "dropped" rows were dropped at start already
+        for url, p in old.polls.items():
+            if url in ix.coordinators:
+                ix.polls[url] = p
+        for peer, o in old.volunteers.items():
+            lv = ix.volunteers.get(peer)
+            if lv is None:
+                if not o.stored:  # in memory only (it holds nothing): runtime, kept as it was
+                    ix.volunteers[peer] = o
+                continue
+            mark = max((lv.row.epoch, lv.row.sequence), (o.row.epoch, o.row.sequence))  # replays stay refused
+            row = msgspec.structs.replace(lv.row, epoch=mark[0], sequence=mark[1])
+            ix.volunteers[peer] = LiveVolunteer(row, o.last_seen, o.load, row != lv.row, o.last_serve_ms,
+                                                o.display_name, share_slices=o.share_slices, stored=True)
+        for mid, st in old.recruit.items():
+            if mid in ix.models:
+                ix.recruit[mid] = dataclasses.replace(st, recruiting=ix.recruiting(mid))
+        ix.served, ix.reported = old.served, old.reported
+        ix.routed = {mid: r for mid, r in old.routed.items() if mid in ix.models}
+        ix.restore_heat(old)
+        self.ix = ix
+        self._lease_address = {k: a for k, a in self._lease_address.items() if k in ix.leases}
+        while self._events and self._events[-1].seq > self._call_mark:
+            self._events.pop()
+        self.counters["store_failures"] += 1
+        log.error("the store refused a batch: memory rolled back to it")
 
     def download_sources(self, model_id: str) -> list[str]:
         """Coordinators hosting ``model_id``, best first (``market.core.sources``)."""
@@ -234,8 +291,10 @@ class Market:
     # -- coordinators ---------------------------------------------------------------------------
 
     def register(self, req: RegisterModels, now: float) -> RegisterAck:
-        """``POST /api/models``. Errors: ``bad_manifest`` (400), ``stale_registration`` and
-        ``manifest_conflict`` (409). The URL is kept without a trailing slash."""
+        """``POST /api/models``. Errors: ``bad_manifest``, ``bad_epoch`` (400: more than ``max_epoch_ahead_s``
+        ahead), ``stale_registration``, ``manifest_conflict`` and ``too_many_models`` (409: past ``max_models``).
+        The URL is kept without a trailing slash."""
+        self._begin()
         req = msgspec.structs.replace(req, url=req.url.rstrip("/"))
         seen: set[str] = set()
         for m in req.models:
@@ -257,9 +316,13 @@ class Market:
                     old.manifest.expert_sha256 != m.expert_sha256 or old.manifest.tensor_offsets != m.tensor_offsets):
                 raise _http_error(f"model {m.model_id!r} is already registered with other expert hashes or offsets",
                                   "manifest_conflict", status=409)
-        if req.epoch > epoch_bound_ms(now):
-            raise _http_error(f"registration epoch {req.epoch} lies in the future (a start time in ms is expected)",
-                              "bad_epoch", param="epoch")
+        if req.epoch > epoch_bound_ms(now, self.policy.max_epoch_ahead_s):
+            raise _http_error(f"registration epoch {req.epoch} lies more than {self.policy.max_epoch_ahead_s:.0f} s "
+                              f"in the future (a start time in ms is expected)", "bad_epoch", param="epoch")
+        new_models = seen - self.ix.models.keys()
+        if len(self.ix.models) + len(new_models) > self.policy.max_models:
+            raise _http_error(f"the market holds {len(self.ix.models)} models; {len(new_models)} more would pass its "
+                              f"limit of {self.policy.max_models}", "too_many_models", status=409, param="models")
         stored = self.ix.coordinators.get(req.url)
         if registration_is_stale(stored.epoch if stored else None, req.epoch):
             raise _http_error(
@@ -285,9 +348,9 @@ class Market:
         crow = CoordinatorRow(req.url, ids, req.epoch, now, req.peer_id, local, origins)
         self.ix.coordinators[req.url] = crow
         self.ix.coordinators_changed()
-        self.ix.polls.setdefault(req.url, PollRecord())
+        self.ix.polls.setdefault(req.url, PollRecord(since=now))
         changes.append(Put(crow))
-        self._commit(changes)
+        self._commit(changes, now)
         for mid in {*ids, *(stored.model_ids if stored else [])}:
             if mid in self.ix.models:
                 self.ix.touch(mid)
@@ -296,16 +359,65 @@ class Market:
 
     def record_poll(self, url: str, busy: int, slots: int, now: float, *, tps: float = 0.0) -> None:
         if url in self.ix.coordinators:
-            p = self.ix.polls.setdefault(url, PollRecord())
+            p = self.ix.polls.setdefault(url, PollRecord(since=now))
             p.ok, p.at, p.error, p.last_ok = True, now, None, PollView(busy, slots, now)
             p.tps = tps if math.isfinite(tps) and tps >= 0 else 0.0
+            if p.down:
+                p.down = False
+                self._host_changed(url, now, "host_up", "answers its /slots polls again")
             self.counters["polls_ok"] += 1
 
     def record_poll_failure(self, url: str, error: str, now: float) -> None:
+        """A failed ``/slots`` poll; a coordinator whose polls have all failed for ``host_down_s`` (since it
+        last answered, or since the market learnt of it) stops counting as hosting."""
         if url in self.ix.coordinators:
-            p = self.ix.polls.setdefault(url, PollRecord())
+            p = self.ix.polls.setdefault(url, PollRecord(since=now))
             p.ok, p.at, p.error = False, now, error
+            if not p.down and now - p.good_at() >= self.policy.host_down_s:
+                p.down = True
+                self._host_changed(url, now, "host_down", f"no /slots answer for {now - p.good_at():.0f} s: {error[:200]}")
             self.counters["polls_failed"] += 1
+
+    def _host_changed(self, url: str, now: float, kind: str, detail: str) -> None:
+        c = self.ix.coordinators[url]
+        for mid in c.model_ids:
+            if mid in self.ix.models:
+                self.ix.touch(mid)
+        self.counters[kind] += 1
+        self._event(kind, now, detail=f"{url[:200]}: {detail}")
+        log.log(logging.WARNING if kind == "host_down" else logging.INFO, "coordinator %s: %s", url, detail)
+
+    def _forget_gone(self, now: float, changes: list[Change]) -> None:
+        """A coordinator down for ``coordinator_gc_s`` is deregistered; a model no registered coordinator
+        lists is dropped ``model_gc_s`` after it stopped being listed (its volunteers are told ``release``
+        / ``unknown_model`` at their next heartbeat; a coordinator registering it again starts afresh)."""
+        gc = self.policy.coordinator_gc_s
+        for url, p in list(self.ix.polls.items()):
+            if url in self.ix.coordinators and p.down and now - p.good_at() >= gc:
+                c = self.ix.coordinators.pop(url)
+                del self.ix.polls[url]
+                self.ix.coordinators_changed()
+                changes.append(Delete(Table.COORDINATORS, url))
+                for mid in c.model_ids:
+                    if mid in self.ix.models:
+                        self.ix.touch(mid)
+                self.counters["coordinators_gone"] += 1
+                self._event("coordinator_gone", now, detail=f"{url[:200]}: no /slots answer for {now - p.good_at():.0f} s")
+                log.warning("coordinator %s deregistered: no /slots answer for %.0f s", url, now - p.good_at())
+        listed = {mid for c in self.ix.coordinators.values() for mid in c.model_ids}
+        for mid in list(self.ix.models):
+            if mid in listed:
+                self._unlisted_since.pop(mid, None)
+                continue
+            since = self._unlisted_since.setdefault(mid, now)
+            if now - since >= self.policy.model_gc_s:
+                del self._unlisted_since[mid]
+                self.ix.drop_model(mid, changes)
+                self._history.pop(mid, None)
+                self.counters["models_dropped"] += 1
+                self._event("model_dropped", now, model_id=mid,
+                            detail=f"no coordinator lists it for {self.policy.model_gc_s:.0f} s")
+                log.warning("model %s dropped: no coordinator lists it", mid)
 
     # -- volunteers: pull -----------------------------------------------------------------------
 
@@ -314,8 +426,12 @@ class Market:
         sequence)``, when given, must be newer than the volunteer's last poll or heartbeat (409
         ``replayed_sequence`` / ``stale_epoch``); ``address`` (the client's IP) holds at most
         ``max_leases_per_address`` open leases."""
+        self._begin()
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
+        if address and not self._note_address(req.peer_id, address, now):
+            self.counters["no_offer_identity_cap"] += 1
+            return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         if req.epoch is not None and req.sequence is not None:
             self._accept_counter(req.peer_id, req.epoch, req.sequence)
         q = self.quarantine_of(req.peer_id, now)
@@ -336,7 +452,8 @@ class Market:
             for mid, row in self.ix.models.items()
             if (wanted is None or mid in wanted) and self.ix.hosts_of(mid)
         ]
-        held = list(self.ix.coverage.get(req.peer_id, {}))
+        # what it holds, and what it was dropped from lately (it squatted a download, or never proved it)
+        held = [*self.ix.coverage.get(req.peer_id, {}), *self._penalised(req.peer_id, now)]
         res = choose_slice(
             supplies,
             Budget(req.max_bytes, req.max_experts),
@@ -345,15 +462,13 @@ class Market:
             header_allowance=self.policy.header_allowance,
         )
         if isinstance(res, NoOfferReason):
-            self._commit(changes)
+            self._commit(changes, now)
             self.counters[f"no_offer_{res.value}"] += 1
             return NoOffer(res, jittered(self.rng, self.policy.retry_after_s))
-        if address:
-            self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}  # open ones
-            if sum(a == address for a in self._lease_address.values()) >= self.policy.max_leases_per_address:
-                self._commit(changes)
-                self.counters["no_offer_address_cap"] += 1
-                return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
+        if address and self._address_holdings(address) >= self.policy.max_leases_per_address:
+            self._commit(changes, now)
+            self.counters["no_offer_address_cap"] += 1
+            return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
         self._event("assigned", now, peer_id=req.peer_id, s=res.slice, detail=f"scarcity {res.scarcity:.2f}")
         if address:
@@ -361,25 +476,93 @@ class Market:
         self.ix.index_lease(lease)
         self.ix.dirty_ageout.add(res.slice.model_id)
         changes.append(Put(lease))
-        self._commit(changes)
+        self._commit(changes, now)
         self.counters["offers"] += 1
         return self._offer(lease, now, res.scarcity, res.est_bytes)
 
-    def cancel_lease(self, lease_id: str) -> None:
+    # -- addresses and identities (runtime) ----------------------------------------------------
+
+    def _note_address(self, peer: str, address: str, now: float) -> bool:
+        """Record that ``peer`` spoke from ``address``; False (and nothing recorded) for a new identity at
+        an address that already has ``max_identities_per_address`` live ones."""
+        peers = self._addr_peers.get(address, {})
+        if peer not in peers and (len(peers) >= self.policy.max_identities_per_address
+                                  or (peer not in self._peer_addr and len(self._peer_addr) >= self.policy.max_identities)):
+            return False
+        self._addr_peers[address] = peers
+        old = self._peer_addr.get(peer)
+        if old is not None and old != address:
+            gone = self._addr_peers.get(old, {})
+            gone.pop(peer, None)
+            if not gone:
+                self._addr_peers.pop(old, None)
+        self._peer_addr[peer] = address
+        peers[peer] = now
+        return True
+
+    def _address_holdings(self, address: str) -> int:
+        """Slices held or leased from ``address``: coverage of the identities last seen there, and open
+        leases taken from it (DESIGN §12: the per-address cap counts holdings, not only open leases)."""
+        self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}  # open ones
+        held = sum(len(self.ix.coverage.get(p, {})) for p in self._addr_peers.get(address, {}))
+        return held + sum(a == address for a in self._lease_address.values())
+
+    def _forget_idle_identities(self, now: float) -> None:
+        """Address marks of identities that hold nothing age out after ``identity_idle_s`` of silence (as
+        identities that never held anything do: the tick), and so do old drop marks."""
+        idle = self.policy.identity_idle_s
+        for address, peers in list(self._addr_peers.items()):
+            for peer, at in list(peers.items()):
+                if now - at > idle and peer not in self.ix.coverage and peer not in self.ix.lease_of:
+                    del peers[peer]
+                    if self._peer_addr.get(peer) == address:
+                        del self._peer_addr[peer]
+            if not peers:
+                del self._addr_peers[address]
+        for peer, marks in list(self._dropped.items()):
+            for sl, (_, at) in list(marks.items()):
+                if now - at > self.policy.dropped_penalty_s:
+                    del marks[sl]
+            if not marks:
+                del self._dropped[peer]
+
+    def _penalised(self, peer: str, now: float) -> list[SliceRef]:
+        """The slices ``peer`` was dropped from within ``dropped_penalty_s``: not offered to it again yet."""
+        return [sl for sl, (_, at) in self._dropped.get(peer, {}).items() if now - at <= self.policy.dropped_penalty_s]
+
+    def _mark_dropped(self, peer: str, sl: SliceRef, reason: Reason, now: float) -> None:
+        self._dropped.setdefault(peer, {})[sl] = (reason, now)
+        self._n_dropped += 1
+        if self._n_dropped > 100_000:  # bounded: the oldest marks go
+            self._n_dropped = 0
+            for p in list(self._dropped)[: max(1, len(self._dropped) // 10)]:
+                del self._dropped[p]
+
+    def cancel_lease(self, lease_id: str, now: float) -> None:
         """Undo a lease the shell could not complete (no coordinator described the slice file)."""
+        self._begin()
         lease = self.ix.leases.get(lease_id)
         if lease is not None:
             changes: list[Change] = []
             self.ix.del_lease(lease, changes)
-            self._commit(changes)
+            self._commit(changes, now)
 
     # -- volunteers: coverage heartbeats ---------------------------------------------------------
 
-    def heartbeat(self, hb: CoverageHeartbeat, now: float) -> CoverageAck:
-        """``POST /api/expert-coverage`` (signature already verified by the shell).
+    def heartbeat(self, hb: CoverageHeartbeat, now: float, *, address: str = "") -> CoverageAck:
+        """``POST /api/expert-coverage`` (signature already verified by the shell). ``address``: the
+        client's IP. An identity is stored once it holds something; until then it lives in memory only
+        and is forgotten after ``identity_idle_s`` of silence.
 
-        Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400).
+        Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400),
+        ``too_many_identities`` (429: a new identity at an address with ``max_identities_per_address``).
         """
+        self._begin()
+        address = address_key(address)
+        if address and not self._note_address(hb.peer_id, address, now):
+            self.counters["heartbeats_identity_cap"] += 1
+            raise _http_error(f"this address already speaks for {self.policy.max_identities_per_address} identities",
+                              "too_many_identities", status=429)
         q = self.quarantine_of(hb.peer_id, now)
         if q is not None:
             self.counters["heartbeats_quarantined"] += 1
@@ -410,7 +593,8 @@ class Market:
             listed.add(s)
             problem = self.ix.slice_problem(s)
             if problem is None and self.policy.coverage_requires_lease and not self._assigned(hb.peer_id, s):
-                problem = Reason.UNPROVEN if (hb.peer_id, s) in self._unproven else Reason.NOT_ASSIGNED
+                mark = self._dropped.get(hb.peer_id, {}).get(s)
+                problem = mark[0] if mark is not None else Reason.NOT_ASSIGNED
             if problem is not None:
                 refused.append(_slice_directive(h, directive(None, now, self.policy.cooldown_s, problem)))
                 self.counters[f"slices_refused_{problem.value}"] += 1
@@ -422,15 +606,12 @@ class Market:
                            sorted(set(hb.protocols)))
         # a changed address or protocol list changes the map (wiring leaves out who cannot serve)
         addrs_changed = v is None or v.row.addrs != row.addrs or v.row.protocols != row.protocols
-        if v is None or v.row.epoch != hb.epoch or addrs_changed or v.row.max_bytes != hb.max_bytes:
-            changes.append(Put(row))
-            dirty = False
-        else:
-            dirty = True
+        changed = v is None or v.row.epoch != hb.epoch or addrs_changed or v.row.max_bytes != hb.max_bytes
+        was_stored = v is not None and v.stored
         old_bucket = load_bucket(v.load) if v else 0
-        v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, dirty, serves,
+        v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, False, serves,
                                                            "".join(ch for ch in hb.display_name if ch.isprintable()),
-                                                           share_slices=hb.share_slices)
+                                                           share_slices=hb.share_slices, stored=was_stored)
         rows = dict(self.ix.coverage.get(hb.peer_id, {}))
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
@@ -452,7 +633,14 @@ class Market:
         if addrs_changed or load_bucket(hb.load) != old_bucket:
             for s in reported:
                 self.ix.dirty_maps.add(s.model_id)
-        self._commit(changes)
+        # the identity row is stored once it holds something (then its epoch mark outlives a restart); a
+        # throwaway identity's heartbeats cost memory for ``identity_idle_s``, never a row
+        if (was_stored and changed) or (not was_stored and hb.peer_id in self.ix.coverage):
+            changes.append(Put(row))
+            v.stored = True
+        elif was_stored:
+            v.dirty = True  # a newer sequence only: flushed every flush_s
+        self._commit(changes, now)
         self.counters["heartbeats_accepted"] += 1
         return CoverageAck(
             hb.peer_id,
@@ -493,67 +681,128 @@ class Market:
         return q if q is not None and q.until > now else None
 
     def report(self, rep: CoordinatorReport, now: float) -> ReportAck:
-        """``POST /api/coordinator-report`` (operator token checked by the shell): served and verified
-        counts per volunteer; a quarantine drops the volunteer's coverage and lease and refuses it for
-        ``quarantine_s`` (persisted). Errors: ``unknown_coordinator`` (404)."""
+        """``POST /api/coordinator-report`` (operator token checked by the shell). What an operator token
+        may do here is bounded (DESIGN §12):
+        - Only workers that hold a slice of the reported model (a coverage row or a lease of it) count:
+          calls, rows and verified answers (the views), credit (their pairs), proofs of holding (``held``);
+          any other entry changes nothing and is named in the answer's ``ignored``.
+        - Per worker and report at most ``max_report_pairs`` of each count (more is clamped); every
+          count is within int64 (the wire).
+        - A quarantine must carry ``evidence`` (``QuarantineEvidence``: the call's slice, its input's
+          hash, both outputs' hashes, the method), for a slice of the model, with differing output hashes;
+          the report is refused otherwise, before anything changes. It drops the worker's coverage and
+          lease and refuses it for ``quarantine_s``; the evidence is kept with the quarantine (persisted)
+          -- if the worker holds that range of the model (else ``ignored``).
+        Errors: ``unknown_coordinator``, ``unknown_model`` (404), ``missing_evidence``, ``bad_evidence`` (400)."""
+        self._begin()
         url = rep.url.rstrip("/")
         if url not in self.ix.coordinators:
             raise _http_error(f"coordinator {url[:200]!r} is not registered", "unknown_coordinator", status=404, param="url")
-        if rep.model_id not in self.ix.coordinators[url].model_ids:
+        m = self.ix.models.get(rep.model_id)
+        if rep.model_id not in self.ix.coordinators[url].model_ids or m is None:
             raise _http_error(f"coordinator {url[:200]!r} does not host {rep.model_id!r}", "unknown_model", status=404,
                               param="model_id")
-        m = self.ix.models.get(rep.model_id)
-        per_pair = flops_per_pair(m.manifest.d_model, m.manifest.d_expert) if m is not None else 0.0
+        for w in rep.workers:  # refused as a whole, before anything changes
+            if not w.quarantined:
+                continue
+            if w.evidence is None:
+                raise _http_error(f"the quarantine of {w.peer_id[:128]!r} carries no evidence (QuarantineEvidence: the "
+                                  f"slice, the input's and both outputs' sha256, the method)", "missing_evidence",
+                                  param="workers")
+            problem = _evidence_problem(w.evidence, m.manifest)
+            if problem:
+                raise _http_error(f"the quarantine evidence of {w.peer_id[:128]!r}: {problem}", "bad_evidence",
+                                  param="workers")
+        per_pair = flops_per_pair(m.manifest.d_model, m.manifest.d_expert)
+        cap = self.policy.max_report_pairs
         changes: list[Change] = []
         newly: list[str] = []
+        ignored: list[str] = []
         for w in rep.workers:
+            if not self._holds_model(w.peer_id, rep.model_id):
+                ignored.append(w.peer_id)  # never volunteered for this coordinator's model: nothing to credit or refuse
+                self.counters["report_workers_ignored"] += 1
+                continue
+            calls, rows, verified, pairs = (min(cap, x) for x in (w.calls, w.rows, w.verified, w.pairs))
+            if max(w.calls, w.rows, w.verified, w.pairs) > cap:
+                self.counters["report_clamped"] += 1
             c, r, v = self.ix.served.get(w.peer_id, (0, 0, 0))
-            self.ix.served[w.peer_id] = (c + w.calls, r + w.rows, v + w.verified)
+            self.ix.served[w.peer_id] = (min(_INT64_MAX, c + calls), min(_INT64_MAX, r + rows),
+                                         min(_INT64_MAX, v + verified))
             self.ix.reported[w.peer_id] = (w.path, w.latency_ms)
-            if w.pairs and w.quarantine is None and self.quarantine_of(w.peer_id, now) is None:
-                credit = credit_row(self.ix.credit.get(w.peer_id), w.peer_id, flops=w.pairs * per_pair, pairs=w.pairs,
-                                    verified=w.verified, now=now)
+            if w.quarantined:
+                ev = w.evidence
+                if ev is None:  # cannot happen: refused above
+                    continue
+                if not self._holds_range(w.peer_id, rep.model_id, ev.layer, ev.lo, ev.hi):
+                    ignored.append(w.peer_id)
+                    self.counters["quarantines_ignored"] += 1
+                    continue
+                if self.quarantine_of(w.peer_id, now) is None:
+                    self._quarantine(w.peer_id, w.quarantine or ev.detail or ev.method.value, ev, url, rep.model_id, now,
+                                     changes)
+                    newly.append(w.peer_id)
+                continue
+            if pairs and self.quarantine_of(w.peer_id, now) is None:
+                credit = credit_row(self.ix.credit.get(w.peer_id), w.peer_id, flops=pairs * per_pair, pairs=pairs,
+                                    verified=verified, now=now)
                 self.ix.credit[w.peer_id] = credit
                 changes.append(Put(credit))
-                self.counters["credited_pairs"] += w.pairs
-            if w.verified > 0 and w.quarantine is None:  # a coordinator checked its answers: served
+                self.counters["credited_pairs"] += pairs
+            mine = self.ix.coverage.get(w.peer_id, {})
+            if verified > 0:  # a coordinator checked its answers: its holdings of that model are served
                 self._served_peers.add(w.peer_id)
-                for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
-                    if not cov.served:
+                for cov in list(mine.values()):
+                    if cov.slice.model_id == rep.model_id and not cov.served:
                         self.ix.put_cov(msgspec.structs.replace(cov, served=True), changes)
                         self.ix.dirty_maps.add(cov.slice.model_id)
-            if w.quarantine is None:  # slices it proved it holds (the coordinator's hold challenge)
-                mine = self.ix.coverage.get(w.peer_id, {})
-                for h in w.held:
-                    got = mine.get(SliceRef(rep.model_id, h.layer, h.lo, h.hi))
-                    if got is not None and not got.held:
-                        self.ix.put_cov(msgspec.structs.replace(got, held=True), changes)
-                        self.ix.dirty_maps.add(rep.model_id)
-                        self.counters["holdings_proved"] += 1
-            if w.quarantine is None or self.quarantine_of(w.peer_id, now) is not None:
-                continue
-            row = QuarantineRow(w.peer_id, now + self.policy.quarantine_s, w.quarantine, url, now)
-            self.ix.quarantined[w.peer_id] = row
-            changes.append(Put(row))
-            for cov in list(self.ix.coverage.get(w.peer_id, {}).values()):
-                self.ix.del_cov(cov, changes)
-                self.ix.dirty_maps.add(cov.slice.model_id)
-                self.ix.dirty_ageout.add(cov.slice.model_id)
-            lease_id = self.ix.lease_of.get(w.peer_id)
-            if lease_id is not None:
-                self.ix.del_lease(self.ix.leases[lease_id], changes)
-            newly.append(w.peer_id)
-            self.counters["quarantines"] += 1
-            self._event("quarantined", now, model_id=rep.model_id, peer_id=w.peer_id, detail=w.quarantine)
+            for h in w.held:  # slices it proved it holds (the coordinator's hold challenge)
+                got = mine.get(SliceRef(rep.model_id, h.layer, h.lo, h.hi))
+                if got is not None and not got.held:
+                    self.ix.put_cov(msgspec.structs.replace(got, held=True), changes)
+                    self.ix.dirty_maps.add(rep.model_id)
+                    self.counters["holdings_proved"] += 1
         routed = self.ix.routed.setdefault(rep.model_id, {})
         for rr in rep.ranges:  # rows routed per range: hot experts' extra replicas, the dashboard
             k = (rr.layer, rr.lo, rr.hi)
             if k in routed or len(routed) < 65536:
-                routed[k] = routed.get(k, 0) + rr.rows
-        self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, rr.rows) for rr in rep.ranges], now)
-        self._commit(changes)
+                routed[k] = min(_INT64_MAX, routed.get(k, 0) + rr.rows)
+        self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, min(cap, rr.rows)) for rr in rep.ranges], now)
+        self._commit(changes, now)
         self.counters["reports"] += 1
-        return ReportAck(len(rep.workers), newly)
+        return ReportAck(len(rep.workers), newly, ignored)
+
+    def _holds_model(self, peer: str, model_id: str) -> bool:
+        """Does ``peer`` hold (a coverage row) or have leased a slice of ``model_id``?"""
+        if any(s.model_id == model_id for s in self.ix.coverage.get(peer, {})):
+            return True
+        lease_id = self.ix.lease_of.get(peer)
+        return lease_id is not None and self.ix.leases[lease_id].slice.model_id == model_id
+
+    def _holds_range(self, peer: str, model_id: str, layer: int, lo: int, hi: int) -> bool:
+        """Does ``peer`` hold or have leased a slice of ``model_id`` overlapping ``layer:lo-hi``?"""
+        s = SliceRef(model_id, layer, lo, hi)
+        if any(x.overlaps(s) for x in self.ix.coverage.get(peer, {})):
+            return True
+        lease_id = self.ix.lease_of.get(peer)
+        return lease_id is not None and self.ix.leases[lease_id].slice.overlaps(s)
+
+    def _quarantine(self, peer: str, reason: str, ev: QuarantineEvidence, url: str, model_id: str, now: float,
+                    changes: list[Change]) -> None:
+        row = QuarantineRow(peer, now + self.policy.quarantine_s, reason, url, now, ev)
+        self.ix.quarantined[peer] = row
+        changes.append(Put(row))
+        for cov in list(self.ix.coverage.get(peer, {}).values()):
+            self.ix.del_cov(cov, changes)
+            self.ix.dirty_maps.add(cov.slice.model_id)
+            self.ix.dirty_ageout.add(cov.slice.model_id)
+        lease_id = self.ix.lease_of.get(peer)
+        if lease_id is not None:
+            self.ix.del_lease(self.ix.leases[lease_id], changes)
+        self.counters["quarantines"] += 1
+        self._event("quarantined", now, model_id=model_id, peer_id=peer,
+                    detail=f"{ev.method.value} {ev.layer}:{ev.lo}-{ev.hi} input {ev.input_sha256[:12]} remote "
+                           f"{ev.remote_sha256[:12]} local {ev.local_sha256[:12]}: {reason}")
 
     def coordinator_peers(self, model_ids: set[str]) -> list[str]:
         """The libp2p ids of the registered coordinators hosting any of ``model_ids``."""
@@ -599,6 +848,7 @@ class Market:
 
     def tick(self, now: float) -> TickReport:
         """Expire silent volunteers and lapsed leases, step recruitment, age out, rebuild maps."""
+        self._begin()
         rep = TickReport()
         changes: list[Change] = []
         ttl = self.policy.heartbeat_ttl_s
@@ -614,9 +864,10 @@ class Market:
                 rep.expired_volunteers.append(peer)
                 self._event("expired", now, peer_id=peer, detail=f"silent {now - v.last_seen:.0f} s")
                 self.counters["volunteers_expired"] += 1
-            elif now - v.last_seen > self.policy.volunteer_gc_s:
-                del self.ix.volunteers[peer]
-                changes.append(Delete(Table.VOLUNTEERS, peer))
+            elif now - v.last_seen > (self.policy.volunteer_gc_s if v.stored else self.policy.identity_idle_s):
+                del self.ix.volunteers[peer]  # one that never held anything goes far sooner (it has no row)
+                if v.stored:
+                    changes.append(Delete(Table.VOLUNTEERS, peer))
         for lease in list(self.ix.leases.values()):
             if lease.expires_at <= now:
                 self.ix.del_lease(lease, changes)
@@ -624,7 +875,11 @@ class Market:
                 rep.expired_leases += 1
                 self._event("lease_expired", now, peer_id=lease.peer_id, s=lease.slice)
                 self.counters["leases_expired"] += 1
-        self._drop_unproven(now, changes)
+        self._drop_unprovable(now, changes)
+        if now - self._last_gc >= 10.0:
+            self._last_gc = now
+            self._forget_idle_identities(now)
+            self._forget_gone(now, changes)
         if now - self._history_at >= HISTORY_EVERY_S:
             self._history_at = now
             self._sample_history(now)
@@ -651,18 +906,19 @@ class Market:
         self.ix.dirty_maps.clear()
         if now - self._last_flush >= self.policy.flush_s:
             self._flush(changes, now)
-        self._commit(changes)
+        self._commit(changes, now)
         return rep
 
     def flush(self, now: float) -> None:
         """Write every volunteer's latest sequence number (periodically, and before closing)."""
+        self._begin()
         changes: list[Change] = []
         self._flush(changes, now)
-        self._commit(changes)
+        self._commit(changes, now)
 
     def _flush(self, changes: list[Change], now: float) -> None:
         for v in self.ix.volunteers.values():
-            if v.dirty:
+            if v.dirty and v.stored:
                 changes.append(Put(v.row))
                 v.dirty = False
         self._last_flush = now
@@ -681,36 +937,49 @@ class Market:
                 return True
         return False
 
-    def _drop_unproven(self, now: float, changes: list[Change]) -> None:
-        """A serving holding that no coordinator reported proved (hold challenge or verified answers)
-        within ``proof_grace_s`` of starting to serve stops counting: its row goes (the volunteer's next
-        heartbeat is told ``release``, reason ``unproven``) and its experts are recruited again."""
+    def _drop_unprovable(self, now: float, changes: list[Change]) -> None:
+        """A holding counts only while it can be proven (DESIGN §12). Its row goes (the volunteer's next
+        heartbeat listing it is told ``release`` with the reason; it gets no new lease for that slice for
+        ``dropped_penalty_s``) and its experts are recruited again, when
+        - it is ``loading`` past its download deadline: ``since`` + ``download_grace_s`` + the slice's
+          bytes at ``download_floor_bytes_per_s`` (``download_overdue``): reporting ``loading`` for ever
+          is squatting, not downloading;
+        - it is ``serving`` and no coordinator reported it proved (hold challenge or verified answers)
+          within ``proof_grace_s`` of starting to serve (``unproven``; 0 = off)."""
         grace = self.policy.proof_grace_s
-        if grace <= 0:
-            return
         due = self._proof_due
         live: set[tuple[str, SliceRef]] = set()
         for peer, rows in list(self.ix.coverage.items()):
             for s, row in list(rows.items()):
-                if row.state is not HeldState.SERVING or row.proved:
-                    continue
-                k = (peer, s)
-                live.add(k)
-                if now < due.setdefault(k, now + grace):
+                if row.state is HeldState.LOADING:
+                    if now < row.since + self._download_allowance(s):
+                        continue
+                    reason, detail = Reason.OVERDUE, f"still loading {now - row.since:.0f} s after it was leased"
+                elif row.state is HeldState.SERVING and not row.proved and grace > 0:
+                    k = (peer, s)
+                    live.add(k)
+                    if now < due.setdefault(k, now + grace):
+                        continue
+                    reason, detail = Reason.UNPROVEN, f"no proof of holding within {grace:.0f} s"
+                else:
                     continue
                 self.ix.del_cov(row, changes)
                 self.ix.dirty_maps.add(s.model_id)
                 self.ix.dirty_ageout.add(s.model_id)
-                self._unproven[k] = now
-                self.counters["coverage_unproven"] += 1
-                self._event("unproven", now, peer_id=peer, s=s, detail=f"no proof of holding within {grace:.0f} s")
-                log.info("volunteer %s: %s not proved within %.0f s of serving; dropped", peer, s, grace)
+                self._mark_dropped(peer, s, reason, now)
+                self.counters[f"coverage_{reason.value}"] += 1
+                self._event(reason.value, now, peer_id=peer, s=s, detail=detail)
+                log.info("volunteer %s: %s dropped (%s: %s)", peer, s, reason.value, detail)
         for k in list(due):
             if k not in live:
                 del due[k]
-        if len(self._unproven) > 100_000:  # bounded: the oldest go
-            for k in list(self._unproven)[:10_000]:
-                del self._unproven[k]
+
+    def _download_allowance(self, s: SliceRef) -> float:
+        """How long a slice may stay ``loading``: a fixed grace plus its bytes at a generous floor rate."""
+        m = self.ix.models.get(s.model_id)
+        size = (s.hi - s.lo) * m.manifest.bytes_per_expert[s.layer] if m is not None else 0
+        p = self.policy
+        return p.download_grace_s + (size + p.header_allowance) / p.download_floor_bytes_per_s
 
     def _age_out(self, model_id: str, now: float, changes: list[Change], rep: TickReport) -> None:
         m = self.ix.models[model_id].manifest
@@ -788,16 +1057,25 @@ class Market:
             raise _http_error(f"no volunteer {peer_id[:128]!r} is known here", "unknown_volunteer", status=404)
         q = self.quarantine_of(peer_id, now)
         slices = sorted(str(s) for s in self.ix.coverage.get(peer_id, {}))
+        until = int(q.until * 1000) if q is not None else None
+        reason, proof = (q.evidence[:300], q.proof) if q is not None else ("", None)
         if row is None:
-            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None,
-                                   int(q.until * 1000) if q is not None else None, slices)
+            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None, until, slices, reason, proof)
         return VolunteerCredit(peer_id, row.total_flops, rac_now(row, now), row.pairs, row.verified,
-                               int(row.first_at * 1000), int(row.last_at * 1000),
-                               int(q.until * 1000) if q is not None else None, slices)
+                               int(row.first_at * 1000), int(row.last_at * 1000), until, slices, reason, proof)
 
     def credit_board(self, now: float, limit: int = 100) -> CreditBoard:
         peers = sorted(self.ix.credit, key=lambda p: (-rac_now(self.ix.credit[p], now), p))[: max(0, limit)]
         return CreditBoard([self.volunteer_credit(p, now) for p in peers])
+
+
+def _evidence_problem(ev: QuarantineEvidence, m: ModelManifest) -> str:
+    """What makes quarantine evidence unusable against model ``m`` ("" when it is fine)."""
+    if not (ev.layer < m.n_layer and ev.lo < ev.hi <= m.n_expert):
+        return f"slice {ev.layer}:{ev.lo}-{ev.hi} is not one of a {m.n_layer} x {m.n_expert} model"
+    if ev.remote_sha256 == ev.local_sha256:
+        return "the worker's output and the coordinator's have the same sha256: no divergence"
+    return ""
 
 
 def _shape(m: ModelManifest) -> tuple[int, int, Sequence[int]]:

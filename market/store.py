@@ -208,7 +208,8 @@ class SqliteStore:
                         conn.execute(f"INSERT OR REPLACE INTO {table.value} (key, body) VALUES (?, ?)", (key, body))
                 conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:  # SQLite rolls back by itself on some errors (SQLITE_FULL)
+                    conn.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
             raise StoreError(f"cannot write {self.path}: {exc}") from exc

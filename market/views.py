@@ -4,6 +4,8 @@ Pure reads over ``market.indexes.Indexes`` (no I/O, no clock: ``now`` is given; 
 written, no randomness).
 
 Rules:
+- ``hosted`` and the sources count only coordinators that are not down (``Indexes.hosts_of``); the
+  recruitment view lists down ones too, with ``hosting: false``.
 - A view asked about a model that is not registered raises ``RequestError`` ``unknown_model``
   (404, ``param="model"``).
 - Views decide nothing of their own: saturation is ``market.core.recruit``'s
@@ -34,7 +36,7 @@ from swarm.protocol.market import (
     WorkerView,
 )
 
-__all__ = ["demand_view", "dispatch_map", "map_version", "recruitment_view", "state_name"]
+__all__ = ["demand_view", "dispatch_map", "map_version", "recruitment_view", "remote_and_holes", "state_name"]
 
 
 def _unknown_model(model_id: str) -> RequestError:
@@ -60,7 +62,7 @@ def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None)
             raise _unknown_model(mid)
         target = ix.target(mid)
         c = ix.counts[mid]
-        remote, holes = _remote_and_holes(ix, mid)
+        remote, holes = remote_and_holes(ix, mid)
         out.append(
             ModelDemand(
                 mid,
@@ -83,10 +85,10 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
     for mid in sorted(ix.models):
         coords: list[CoordinatorView] = []
         busy = slots = 0
-        for url in ix.hosts_of(mid):
+        for url in ix.registered_hosts_of(mid):  # down ones too, marked: what is wrong is shown
             p = ix.polls.get(url, PollRecord())
             last = p.last_ok
-            if last is not None:
+            if last is not None and not p.down:
                 busy += last.busy
                 slots += last.slots
             coords.append(
@@ -98,10 +100,11 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                     coordinator_saturated(last, now, ix.recruit_policy),
                     None if p.at is None else round(now - p.at, 3),
                     p.error,
+                    hosting=not p.down,
                 )
             )
         st = ix.recruit.get(mid, RecruitState())
-        remote, holes = _remote_and_holes(ix, mid)
+        remote, holes = remote_and_holes(ix, mid)
         out.append(
             ModelRecruitment(
                 mid,
@@ -125,7 +128,7 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
     return RecruitmentView(any(m.recruiting for m in out), out)
 
 
-def _remote_and_holes(ix: Indexes, model_id: str) -> tuple[int | None, int]:
+def remote_and_holes(ix: Indexes, model_id: str) -> tuple[int | None, int]:
     """The remote experts' effective target (None: every hosting coordinator computes every expert) and
     the number of experts no one can compute now (no replica, not held by every hosting coordinator)."""
     held = ix.held_by_all(model_id)

@@ -25,6 +25,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="identity key, so the relay's peer id stays the same across restarts "
                         "(default ~/.local/share/moe-swarm/relay)")
     r.add_argument("--max-reservations", type=int, default=128, help="volunteers that can reserve a slot")
+    r.add_argument("--max-reservations-per-address", type=int, default=16,
+                   help="... of which from one IP address (an IPv6 /64)")
+    r.add_argument("--max-reservations-per-prefix", type=int, default=64,
+                   help="... and from one network (an IPv4 /24, an IPv6 /48)")
     r.add_argument("--max-circuits", type=int, default=1024, help="open circuits in total")
     r.add_argument("--max-circuits-per-peer", type=int, default=16, help="open circuits per volunteer and per dialer")
     r.add_argument("--reservation-ttl", type=int, default=3600, help="seconds a reservation lasts without a refresh")
@@ -44,6 +48,8 @@ def config_from_args(ns: argparse.Namespace) -> RelayConfig:
         "port": ns.port,
         "data_dir": data_dir_for("relay", ns.data_dir),
         "max_reservations": ns.max_reservations,
+        "max_reservations_per_address": ns.max_reservations_per_address,
+        "max_reservations_per_prefix": ns.max_reservations_per_prefix,
         "max_circuits": ns.max_circuits,
         "max_circuits_per_peer": ns.max_circuits_per_peer,
         "reservation_ttl_s": ns.reservation_ttl,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from relay.core.ledger import Admitted, Direction, Refusal, Refused, RelayLedger
-from relay.streams import close_stream, over_relay, peer_of, reset_stream
+from relay.streams import close_stream, norm_ip, over_relay, peer_of, reset_stream
 from swarm.p2p.nat import STOP_PROTOCOL
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ _CHUNK = 1 << 16
 
 _STATUS_FOR_REFUSAL = {
     Refusal.RESERVATION_LIMIT: "RESERVATION_REFUSED",
+    Refusal.ADDRESS_LIMIT: "RESERVATION_REFUSED",
     Refusal.DRAINING: "RESERVATION_REFUSED",
     Refusal.NO_RESERVATION: "NO_RESERVATION",
     Refusal.CIRCUIT_LIMIT: "RESOURCE_LIMIT_EXCEEDED",
@@ -49,7 +50,9 @@ _STATUS_FOR_REFUSAL = {
 class HopService:
     """The hop handler of one relay host; ``announce()`` gives the relay's public addresses."""
 
-    def __init__(self, host: Any, cfg: RelayConfig, ledger: RelayLedger, announce: Callable[[], list[str]]) -> None:
+    def __init__(self, host: Any, cfg: RelayConfig, ledger: RelayLedger, announce: Callable[[], list[str]], *,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.on_change = on_change  # told after every reservation asked for (granted or not)
         self.host = host
         self.cfg = cfg
         self.ledger = ledger
@@ -94,7 +97,9 @@ class HopService:
         from multiaddr import Multiaddr
 
         now = trio.current_time()
-        verdict = self.ledger.reserve(peer, now)
+        remote = stream.get_remote_address()  # (host, port) of the connection the request came on
+        verdict = self.ledger.reserve(peer, now, norm_ip(str(remote[0])) if remote else None)
+        self.on_change()
         if isinstance(verdict, Refused):
             log.info("reservation of %s refused: %s", peer, verdict.reason.value)
             await self._status(stream, _STATUS_FOR_REFUSAL[verdict.reason])

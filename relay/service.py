@@ -10,7 +10,8 @@ host: ``relay.hop`` (RESERVE, CONNECT, the splice), ``relay.autonat`` (dial-back
 
 Rules:
 - Defaults suit long-lived, high-volume expert circuits: no per-circuit byte or duration cap
-  (the limit field is omitted, which the spec defines as "unlimited"), 128 reservations,
+  (the limit field is omitted, which the spec defines as "unlimited"), 128 reservations (16 from one
+  IP address, 64 from one /24: ``relay.core.ledger``),
   16 circuits per peer, reservations valid 1 h and refreshed by their holders.
 - Each circuit is two tasks copying bytes between two streams, in its own cancel scope; its end
   (EOF is forwarded as a half-close, an error as a reset) touches no other circuit.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from enum import StrEnum
 from pathlib import Path
@@ -68,6 +69,8 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     port: Port = 9090
     data_dir: str | None = None  # identity key; None = a fresh identity per run
     max_reservations: NonNegInt = 128
+    max_reservations_per_address: NonNegInt = 16  # from one IP address (an IPv6 /64)
+    max_reservations_per_prefix: NonNegInt = 64  # from one IPv4 /24 or IPv6 /48
     max_circuits: NonNegInt = 1024
     max_circuits_per_peer: NonNegInt = 16
     reservation_ttl_s: PosInt = 3600
@@ -86,6 +89,8 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 max_reservations=self.max_reservations, max_circuits=self.max_circuits,
                 max_circuits_per_peer=self.max_circuits_per_peer, reservation_ttl_s=self.reservation_ttl_s,
                 circuit_max_bytes=self.circuit_max_bytes, circuit_max_duration_s=self.circuit_max_duration_s,
+                max_reservations_per_address=self.max_reservations_per_address,
+                max_reservations_per_prefix=self.max_reservations_per_prefix,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
@@ -116,7 +121,8 @@ class RelayService:
         self.host = transport.host
         self.cfg = cfg
         self.ledger = RelayLedger(cfg.limits())
-        self.hop = HopService(self.host, cfg, self.ledger, self.announce_addrs)
+        self._ledger_changed = trio.Event()  # set and replaced whenever the ledger may have changed
+        self.hop = HopService(self.host, cfg, self.ledger, self.announce_addrs, on_change=lambda: self._changed())
         self.autonat = AutoNatServer(self.host, timeout_s=cfg.timeout_s, max_dialbacks=cfg.max_dialbacks)
         self.metrics_url: str | None = None
 
@@ -158,6 +164,17 @@ class RelayService:
         live = [c for c in self.host.get_network().get_connections(peer_of(peer)) if not c.is_closed]
         if not live and self.ledger.peer_disconnected(peer):
             log.info("reservation of %s ended: disconnected", peer)
+        self._changed()  # every disconnect: the last of a peer's connections may be the next one
+
+    def _changed(self) -> None:
+        self._ledger_changed.set()
+        self._ledger_changed = trio.Event()
+
+    async def wait_reservations(self, ready: Callable[[int], bool]) -> None:
+        """Wait until ``ready(reservations held)``, looked at again whenever the ledger may have changed
+        (a reservation asked for, a connection closed)."""
+        while not ready(self.ledger.stats().reservations):
+            await self._ledger_changed.wait()
 
     async def drain(self) -> None:
         """Refuse everything new, end live circuits gracefully, then reset what is left."""

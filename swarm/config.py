@@ -70,10 +70,13 @@ def build_config(cls: type[T], values: Mapping[str, Any], *, flags: Mapping[str,
 
 
 def env_token(given: str | None) -> str | None:
-    """The operator token: the flag, else ``MOE_SWARM_TOKEN``, else None (read at the edge only)."""
-    if given is not None:
-        return given
-    return os.environ.get(TOKEN_ENV) or None
+    """The operator token: the flag, else ``MOE_SWARM_TOKEN``, else None (read at the edge only). An
+    empty or blank one (``--token ""``, an unset variable expanded by a script) is no token: None, so a
+    role that needs one refuses to start as it does without (an empty bearer would match anyone's)."""
+    for candidate in (given, os.environ.get(TOKEN_ENV)):
+        if candidate is not None:
+            return candidate if candidate.strip() else None
+    return None
 
 
 def data_dir_for(role: str, given: str | None = None) -> str:

@@ -22,6 +22,7 @@ Hierarchy::
     │   └── KernelError             bad arguments to a native kernel (checked before ggml asserts)
     ├── TokenizerError
     ├── SliceError                  a slice that cannot be cut, fetched or verified
+    ├── UnsafePath                  a path built from a peer's string that would leave its directory
     ├── StoreError                  the market's durable store cannot be used
     ├── DispatchFailed              a layer's experts could not be computed anywhere (no replica, not held)
     ├── ProtocolError
@@ -84,6 +85,7 @@ __all__ = [
     "UnsupportedArchitecture",
     "UnsupportedDtype",
     "UnsupportedTensorType",
+    "UnsafePath",
     "VersionMismatch",
     "WireError",
     "remote_error",
@@ -133,6 +135,13 @@ class TokenizerError(SwarmError):
 
 class SliceError(SwarmError):
     code = "slice_error"
+
+
+class UnsafePath(SwarmError):
+    """A file name from the network (a model id, a slice) that is not a plain name, or a path built
+    from one that would resolve outside its data directory: refused before anything is created."""
+
+    code = "unsafe_path"
 
 
 class StoreError(SwarmError):

@@ -12,6 +12,9 @@ Rules:
   answers out); what is left is the slice budget, filled with up to ``--max-slices`` slices (their
   mapped pages are what the process grows by as it serves). A ``--max-memory`` below baseline plus
   reserve is refused at start with a clear error.
+- Paths: a slice's file is ``DATA_DIR/slices/<model_id>/<layer>-<lo>-<hi>.safetensors``, made by
+  ``swarm.safe_paths.slice_file`` only (the market's strings are checked twice: at decoding and where
+  the path is made; a refused one creates nothing).
 - Downloads: from the sources the market ranks in the assignment (volunteers holding the slice over
   ``/moe-swarm/slice/1``, HTTP mirrors of the GGUF, the coordinator), every expert checked against
   the market's manifest (``swarm.model.sources``); a market or manifest without expert hashes
@@ -22,6 +25,8 @@ Rules:
 - Every decision (when to poll, what to report, when to drop a slice) is the pure lifecycle core;
   this shell only performs its effects: HTTP to the market, slice downloads, loading/unloading
   slices into the ``ExpertServer``, signed heartbeats.
+- A stuck request budget (requests refused ``busy`` while none is answered: ``volunteer.core.health``)
+  is reported: the slices go ``draining`` until it moves again (the market dispatches others).
 - Ctrl-C: report the slice ``draining``, answer calls in flight, deregister (empty heartbeat), exit.
 - One status line (stderr) for a person watching.
 """
@@ -67,6 +72,8 @@ from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import ByteBudget, set_expert_handlers
 from swarm.rpc.slice_client import sources_from_assignment
 from swarm.rpc.slice_server import SliceServer, SliceShareConfig, market_lease_check, set_slice_handler
+from swarm.safe_paths import slice_file
+from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.core.memory import MemoryPlan
 from volunteer.server import ExpertServer, shielded_until_cancelled
@@ -177,6 +184,7 @@ class PullVolunteer:
         self._fetch_scopes: dict[Offer, trio.CancelScope] = {}
         self.deregistered = trio.Event()
         self.budget = budget
+        self.budget_watch = BudgetWatch()
         self.started_at = time.monotonic()
         self.calls_per_s = 0.0
         self._rate_mark = (time.monotonic(), 0)
@@ -253,10 +261,12 @@ class PullVolunteer:
                 self.apply(self.core.nothing_needed(ans.retry_after_s, now, reason=ans.reason))
 
     async def _fetch(self, offer: Offer) -> None:
-        dest = self.data_dir / "slices" / offer.model_id / f"{offer.layer}-{offer.lo}-{offer.hi}.safetensors"
         with trio.CancelScope() as scope:
             self._fetch_scopes[offer] = scope
             try:
+                # the market's strings never make a path unchecked (swarm.safe_paths): refused before anything is created
+                dest = await trio.to_thread.run_sync(slice_file, self.data_dir, offer.model_id, offer.layer, offer.lo,
+                                                     offer.hi)
                 path = await self._download(offer, dest)
                 sl = await trio.to_thread.run_sync(load_slice, path)
                 k = sl.key
@@ -442,6 +452,21 @@ class PullVolunteer:
                 pass
             await trio.sleep(interval_s)
 
+    def _watch_budget(self, now: float) -> None:
+        """A request budget that refuses while nothing comes back is reported (slices ``draining``), not hidden."""
+        b = self.budget
+        if b is None:
+            return
+        stuck = self.budget_watch.observe(now, held=b.held, refused=b.refused, given=b.given)
+        if stuck != self.core.stuck:
+            if stuck:
+                log.error("the request budget is stuck (%d bytes held, requests refused, none answered for %.0f s): "
+                          "reporting our slices draining", b.held, self.budget_watch.window_s)
+                self.status = "request budget stuck: reported draining"
+            else:
+                log.warning("the request budget moves again: serving")
+            self.apply(self.core.budget_stuck(stuck, now))
+
     async def run(self) -> None:
         self.apply(self.core.start(trio.current_time()))
         self.nursery.start_soon(self._credit_loop)
@@ -452,6 +477,7 @@ class PullVolunteer:
                 await trio.sleep(0.2)
                 now = trio.current_time()
                 self.apply(self.core.tick(now))
+                self._watch_budget(now)
                 self._update_rate()
                 if live is not None:
                     if self.core.phase is not Phase.FETCHING:  # the download draws its own progress bar then

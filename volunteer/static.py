@@ -30,13 +30,14 @@ import msgspec
 import trio
 
 from swarm.config import HttpUrl, Multiaddr, PosFloat
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, UnsafePath
 from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
 from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import set_expert_handlers
+from swarm.safe_paths import slice_file
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
 __all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]
@@ -99,7 +100,10 @@ async def fetch_and_load(
     loaded = []
     for arg in slice_args:
         layer, lo, hi = parse_slice_arg(arg)
-        dest = data_dir / "slices" / model_id / f"{layer}-{lo}-{hi}.safetensors"
+        try:
+            dest = slice_file(data_dir, model_id, layer, lo, hi)  # the coordinator's model id is a string from the network
+        except UnsafePath as exc:
+            raise ConfigError(f"the coordinator's model id cannot name a file: {exc.message}") from exc
         url = f"{base}/v1/slices/{model_id}/{layer}/{lo}-{hi}"
         path = await fetch_slice(client, url, dest, progress=progress)
         sl = await trio.to_thread.run_sync(load_slice, path)

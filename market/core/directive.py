@@ -38,6 +38,7 @@ class Reason(enum.StrEnum):
     BAD_SLICE_RANGE = "bad_slice_range"  # empty range, or outside the model's layers / experts
     NOT_ASSIGNED = "not_assigned"  # no lease of the market gave this volunteer the slice (DESIGN §12)
     UNPROVEN = "unproven"  # served for a grace period without any coordinator seeing proof that it holds it
+    OVERDUE = "download_overdue"  # reported loading past its download deadline (the slice's size at a floor rate)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import msgspec
 from swarm.dispatch_map import LayerRanges
 from swarm.ids import SliceKey
 from swarm.protocol.manifest import MODEL_ID_PATTERN, ModelManifest
-from swarm.protocol.market import HeldState
+from swarm.protocol.market import HeldState, QuarantineEvidence
 
 __all__ = [
     "MODEL_ID_PATTERN",
@@ -171,9 +171,10 @@ class QuarantineRow(msgspec.Struct, frozen=True, tag=True):
 
     peer_id: str
     until: float
-    evidence: str
+    evidence: str  # the coordinator's reason, for people
     reported_by: str  # the coordinator's URL
     at: float
+    proof: QuarantineEvidence | None = None  # what it checked (required of reports since issue 31; None in older rows)
 
 
 class CreditRow(msgspec.Struct, frozen=True, tag=True):

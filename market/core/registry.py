@@ -10,6 +10,8 @@ Rules (DESIGN §6, §11):
   identity row, with the epoch high-water mark, is kept so old heartbeats stay rejected).
 - A coordinator registration carries an ``epoch`` too (its start time): a registration older than
   the stored one never replaces it; an equal epoch is a retry and is accepted.
+- Per-address limits count an IPv4 address as itself and an IPv6 one by its /64 (one host is
+  given a whole /64 to pick from) (``address_key``); a string that is no IP address counts as itself.
 - A heartbeat's slice list is the volunteer's whole holding: ``diff_coverage`` says which rows to
   add, which to change and which to drop (a slice no longer listed was released).
 """
@@ -17,6 +19,7 @@ Rules (DESIGN §6, §11):
 from __future__ import annotations
 
 import enum
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -25,6 +28,7 @@ from market.core.records import CoverageRow, HeldState, SliceRef
 __all__ = [
     "ACCEPTED",
     "CoverageDiff",
+    "address_key",
     "HeartbeatVerdict",
     "check_heartbeat",
     "diff_coverage",
@@ -57,14 +61,29 @@ def check_heartbeat(known: tuple[int, int] | None, epoch: int, sequence: int) ->
     return HeartbeatVerdict.NEXT if sequence > k_seq else HeartbeatVerdict.REPLAYED_SEQUENCE
 
 
+def address_key(address: str) -> str:
+    """What per-address limits count ``address`` as: an IPv4 address (IPv4-mapped ones included) itself,
+    an IPv6 address its /64 network, anything else itself (bounded in length)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address[:256]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 def is_expired(last_seen: float, now: float, ttl_s: float) -> bool:
     return now - last_seen > ttl_s
 
 
-def epoch_bound_ms(now: float) -> int:
-    """The largest registration epoch accepted at ``now`` (s): a start time in ms, a day of clock skew
-    allowed. A larger one (2^63 - 1, say) would lock the coordinator's URL out for good."""
-    return int((now + 86_400.0) * 1000)
+def epoch_bound_ms(now: float, ahead_s: float = 600.0) -> int:
+    """The largest registration epoch accepted at ``now`` (s): a start time in ms, ``ahead_s`` of clock
+    skew allowed (minutes). A larger one would lock the coordinator's URL out until the clock reaches it
+    (2^63 - 1: for good; a day ahead: for a day)."""
+    return int((now + ahead_s) * 1000)
 
 
 def registration_is_stale(stored_epoch: int | None, epoch: int) -> bool:

@@ -5,8 +5,12 @@ circuit, and reports every byte it forwards and every circuit it ends.
 
 Rules:
 - A reservation belongs to a peer and lasts ``reservation_ttl_s`` from its last (re)grant; a
-  RESERVE from a peer that holds one extends it. Reservations are refused beyond
-  ``max_reservations``. A reservation is valid only while its peer is connected to the relay
+  RESERVE from a peer that holds one extends it (one reservation per identity). Reservations are
+  refused beyond ``max_reservations`` in all, beyond ``max_reservations_per_address`` from one IP
+  address (an IPv6 /64 counts as one) and beyond ``max_reservations_per_prefix`` from one network
+  (IPv4 /24, IPv6 /48): throwaway identities from one machine or network cannot take every slot,
+  and peers elsewhere still get theirs. A peer renewing from another address moves there (if that
+  address has room). A reservation is valid only while its peer is connected to the relay
   (circuit relay v2 spec): when the peer's last connection closes, the slot is freed at once
   instead of lingering until expiry.
 - A circuit needs a live reservation of its destination. Each circuit has its own id; ending
@@ -21,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -34,6 +39,7 @@ __all__ = [
     "RelayLimits",
     "RelayStats",
     "Reserved",
+    "address_keys",
 ]
 
 
@@ -45,9 +51,12 @@ class RelayLimits:
     reservation_ttl_s: int = 3600
     circuit_max_bytes: int = 0  # per direction; 0 = unlimited
     circuit_max_duration_s: int = 0  # 0 = unlimited
+    max_reservations_per_address: int = 16  # from one IP address (an IPv6 /64)
+    max_reservations_per_prefix: int = 64  # from one IPv4 /24 or IPv6 /48
 
     def __post_init__(self) -> None:
-        if min(self.max_reservations, self.max_circuits, self.max_circuits_per_peer, self.reservation_ttl_s) < 1:
+        if min(self.max_reservations, self.max_circuits, self.max_circuits_per_peer, self.reservation_ttl_s,
+               self.max_reservations_per_address, self.max_reservations_per_prefix) < 1:
             raise ValueError(f"relay limits must be >= 1: {self}")
         if self.circuit_max_bytes < 0 or self.circuit_max_duration_s < 0:
             raise ValueError(f"circuit caps must be >= 0 (0 = unlimited): {self}")
@@ -55,6 +64,7 @@ class RelayLimits:
 
 class Refusal(StrEnum):
     RESERVATION_LIMIT = "reservation_limit"  # every reservation slot is taken
+    ADDRESS_LIMIT = "address_limit"  # the peer's IP address (or its network) holds its share of the slots
     NO_RESERVATION = "no_reservation"  # the destination holds no live reservation
     CIRCUIT_LIMIT = "circuit_limit"  # the relay carries max_circuits
     PEER_CIRCUIT_LIMIT = "peer_circuit_limit"  # the source or destination has max_circuits_per_peer
@@ -104,11 +114,31 @@ class RelayStats:
     refusals: dict[str, int]
 
 
+def address_keys(address: str | None) -> tuple[str, str]:
+    """What the per-address and per-network limits count ``address`` as: ``(address key, prefix key)``
+    -- an IPv4 address and its /24, an IPv6 address's /64 and its /48 (IPv4-mapped ones as IPv4);
+    ``("", "")`` for no address or a string that is no IP address (counted under none)."""
+    if not address:
+        return ("", "")
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return ("", "")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv4Address):
+        return (str(ip), str(ipaddress.IPv4Network((ip, 24), strict=False)))
+    return (str(ipaddress.IPv6Network((ip, 64), strict=False)), str(ipaddress.IPv6Network((ip, 48), strict=False)))
+
+
 class RelayLedger:
     def __init__(self, limits: RelayLimits) -> None:
         self.limits = limits
         self.draining = False
         self._reservations: dict[str, float] = {}  # peer -> expires_at
+        self._where: dict[str, tuple[str, str]] = {}  # peer -> (address key, prefix key) of its reservation
+        self._per_address: Counter[str] = Counter()
+        self._per_prefix: Counter[str] = Counter()
         self._circuits: dict[int, _Circuit] = {}
         self._next_id = 1
         self._per_peer: Counter[str] = Counter()
@@ -118,17 +148,43 @@ class RelayLedger:
         self._refusals: Counter[Refusal] = Counter()
 
     # -- reservations ------------------------------------------------------------------------------
-    def reserve(self, peer: str, now: float) -> Reserved | Refused:
+    def reserve(self, peer: str, now: float, address: str | None = None) -> Reserved | Refused:
+        """Grant or refresh ``peer``'s reservation; ``address``: the IP its connection comes from (None:
+        unknown, counted under no address)."""
         if self.draining:
             return self._refuse(Refusal.DRAINING)
         self.expire(now)
         renewed = peer in self._reservations
         if not renewed and len(self._reservations) >= self.limits.max_reservations:
             return self._refuse(Refusal.RESERVATION_LIMIT)
+        where = address_keys(address)
+        if where != self._where.get(peer):
+            a, p = where
+            if a and (self._per_address[a] >= self.limits.max_reservations_per_address
+                      or self._per_prefix[p] >= self.limits.max_reservations_per_prefix):
+                return self._refuse(Refusal.ADDRESS_LIMIT)
+            self._unplace(peer)
+            if a:
+                self._where[peer] = where
+                self._per_address[a] += 1
+                self._per_prefix[p] += 1
         expires_at = now + self.limits.reservation_ttl_s
         self._reservations[peer] = expires_at
         self._granted_total += 1
         return Reserved(expires_at, renewed)
+
+    def _unplace(self, peer: str) -> None:
+        where = self._where.pop(peer, None)
+        if where is None:
+            return
+        a, p = where
+        for counter, key in ((self._per_address, a), (self._per_prefix, p)):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]
+
+    def reservations_from(self, address: str) -> int:
+        return self._per_address.get(address_keys(address)[0], 0)
 
     def has_reservation(self, peer: str, now: float) -> bool:
         exp = self._reservations.get(peer)
@@ -136,12 +192,14 @@ class RelayLedger:
 
     def peer_disconnected(self, peer: str) -> bool:
         """The peer's last connection to the relay closed: its reservation ends. True if it had one."""
+        self._unplace(peer)
         return self._reservations.pop(peer, None) is not None
 
     def expire(self, now: float) -> list[str]:
         gone = [p for p, exp in self._reservations.items() if now >= exp]
         for p in gone:
             del self._reservations[p]
+            self._unplace(p)
         return gone
 
     # -- circuits ----------------------------------------------------------------------------------

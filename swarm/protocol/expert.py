@@ -49,7 +49,9 @@ Rules:
 - Hard limits (``WireLimits``) are checked before memory is committed: a header length beyond
   ``max_header_bytes`` is fatal (nothing of it is read); a frame beyond ``max_frame_bytes`` has
   its payload read and discarded in bounded chunks, so the stream stays usable. A payload buffer
-  grows with the bytes received, never by the declared length.
+  grows with the bytes received, never by the declared length. A frame's header is decoded and
+  judged (``FrameReader``'s ``screen``: authorisation, the header's own validity, a byte budget)
+  before any of its payload is buffered; a refused payload is discarded as it arrives.
 - Schema evolution: new fields get defaults. ``Hello``, ``Cancel`` and the answers tolerate
   unknown fields (a newer peer's Hello must still decode so that versions can be compared; extra
   facts in an answer are safe to ignore). ``ExpertRequest`` forbids them: a field we do not know
@@ -113,9 +115,11 @@ __all__ = [
     "MAX_HOLD_WINDOWS",
     "MAX_HOLD_WINDOW_BYTES",
     "Message",
+    "OnHeader",
     "Pairs",
     "RequestId",
     "RequestKey",
+    "Screen",
     "Status",
     "WireLimits",
     "check_pairs",
@@ -422,12 +426,19 @@ def encode_frame(
 @dataclass(frozen=True, slots=True)
 class Frame:
     """One received frame. ``payload`` is ``None`` when it exceeded the limit and was discarded, or
-    (``busy``) when the decoder's ``admit`` refused its bytes."""
+    when the decoder's ``on_header`` refused it (``refusal``: the error to raise about the frame,
+    its payload discarded unbuffered)."""
 
     header: bytes
     payload: bytearray | None
     payload_len: int
-    busy: bool = False
+    refusal: WireError | None = None
+
+
+# asked once a frame's header is in, before any of its payload is buffered: None buffers the payload
+# (the hook may have reserved ``payload_len`` bytes for it); a ``WireError`` is the frame's ``refusal``,
+# out at once, and its payload is discarded as it arrives
+OnHeader = Callable[[bytes, int], WireError | None]
 
 
 class FrameDecoder:
@@ -442,12 +453,14 @@ class FrameDecoder:
     _PAYLOAD_STATE = 2
     _SKIP_STATE = 3
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, *, admit: Callable[[int], bool] | None = None) -> None:
-        """``admit(payload_len)``, if given, is asked before a payload is buffered: False discards it
-        as it arrives (the frame comes out ``busy``); True means the caller now owes that many bytes back."""
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS, *, on_header: OnHeader | None = None) -> None:
+        """``on_header(header, payload_len)``, if given, is asked once a frame's header is in and
+        before any of its payload is buffered (frames within the size limit only): ``None`` buffers
+        the payload; a ``WireError`` makes the frame come out at once with that ``refusal`` (no
+        payload), and its payload is discarded as it arrives."""
         self._limits = limits
-        self._admit = admit
-        self._busy = False
+        self._on_header = on_header
+        self._skip_silently = False  # the frame being skipped was refused and already came out
         self._buf = bytearray()
         self._state = self._PREFIX_STATE
         self._header_len = 0
@@ -500,13 +513,17 @@ class FrameDecoder:
                     return self._need_more()
                 self._header = bytes(self._buf[: self._header_len])
                 del self._buf[: self._header_len]
+                refusal = None
                 if self._header_len + self._payload_len > self._limits.max_frame_bytes:
                     self._state = self._SKIP_STATE
                     self._filled = 0
-                elif self._admit is not None and self._payload_len and not self._admit(self._payload_len):
+                elif self._on_header is not None and (refusal := self._on_header(self._header, self._payload_len)):
+                    # refused: out at once (the sender learns now, not after its payload), the payload
+                    # skipped as it arrives by the next calls
                     self._state = self._SKIP_STATE
                     self._filled = 0
-                    self._busy = True
+                    self._skip_silently = True
+                    return Frame(self._header, None, self._payload_len, refusal=refusal)
                 else:
                     self._state = self._PAYLOAD_STATE
                     self._payload = bytearray()  # grows with the bytes received, never by the declared length
@@ -522,14 +539,17 @@ class FrameDecoder:
                 frame = Frame(self._header, self._payload, self._payload_len)
                 self._reset_frame()
                 return frame
-            else:  # skipping an oversized payload
+            else:  # skipping an oversized or refused payload
                 take = min(len(self._buf), self._payload_len - self._filled)
                 del self._buf[:take]
                 self._filled += take
                 if self._filled < self._payload_len:
                     return self._need_more()
-                frame = Frame(self._header, None, self._payload_len, busy=self._busy)
-                self._busy = False
+                if self._skip_silently:  # its frame came out when the header was refused
+                    self._skip_silently = False
+                    self._reset_frame()
+                    continue
+                frame = Frame(self._header, None, self._payload_len)
                 self._reset_frame()
                 return frame
 
@@ -549,8 +569,24 @@ class _Readable(Protocol):
     async def read(self, max_bytes: int) -> bytes: ...
 
 
+# a server's check of a request before its payload is buffered (authorisation, byte budget): None buffers it
+# (and, for a payload, means the caller now owes ``payload_len`` bytes back), a ``WireError`` discards it
+Screen = Callable[[Message, int], WireError | None]
+
+
 class FrameReader:
-    """Reads frames and messages from a stream (anything with ``async read(max_bytes)``)."""
+    """Reads frames and messages from a stream (anything with ``async read(max_bytes)``).
+
+    Each frame's header is decoded as soon as it is in, before any of its payload is buffered; then
+    (frames within the size limit) the row limit is checked, ``screen(message, payload_len)`` is
+    asked (the server's authorisation and byte budget: ``None`` buffers the payload, a ``WireError``
+    is raised at once and the payload is discarded unbuffered as it arrives), then ``admit(n)`` for a payload
+    of ``n > 0`` bytes (``False`` discards it and raises ``ReceiverBusy``). The bytes a ``screen``
+    passed or ``admit`` accepted are owed back by the caller (``take_admitted``), counted from the
+    moment they were admitted: a frame that never completes (the stream ended, broke or was
+    cancelled mid-payload) is owed back too. Without ``screen`` or ``admit`` no header is decoded before
+    its frame is complete (``receive_frame`` then serves other protocols' frames too: the slice stream).
+    """
 
     def __init__(
         self,
@@ -559,14 +595,49 @@ class FrameReader:
         *,
         read_size: int = 1 << 16,
         admit: Callable[[int], bool] | None = None,
+        screen: Screen | None = None,
     ) -> None:
         self._stream = stream
         self._limits = limits
-        self._decoder = FrameDecoder(limits, admit=admit)
-        self._admitting = admit is not None
-        self._admitted = 0  # bytes ``admit`` took for the last frame, not yet claimed by the caller
+        # headers are judged before their payloads only when someone judges them (``receive_frame`` alone --
+        # the slice protocol's frames -- decodes nothing)
+        self._judging = admit is not None or screen is not None
+        self._decoder = FrameDecoder(limits, on_header=self._on_header if self._judging else None)
+        self._admit = admit
+        self._screen = screen
+        self._admitted = 0  # bytes admitted (the frame in progress and returned ones), not yet claimed
+        self._head: Message | None = None  # the decoded header of the frame in progress
         self._read_size = read_size
         self._eof = False
+
+    def _on_header(self, header: bytes, payload_len: int) -> WireError | None:
+        self._head = None
+        try:
+            msg = decode_message(header)
+        except WireError as exc:  # undecodable: nothing to attribute or reserve; raised once the payload passed
+            return exc
+        self._head = msg
+        if isinstance(msg, ExpertRequest | ExpertResponse) and msg.n_rows > self._limits.max_rows:
+            return _attributed(TooManyRows, f"{msg.n_rows} rows exceed the limit of {self._limits.max_rows}", msg)
+        if self._screen is not None:
+            refusal = self._screen(msg, payload_len)
+            if refusal is not None:
+                return refusal
+            self._admitted += payload_len
+        if self._admit is not None and payload_len:
+            if not self._admit(payload_len):
+                return ReceiverBusy(
+                    f"{payload_len} payload bytes are more than this receiver accepts now; retry later",
+                    request_id=getattr(msg, "request_id", None),
+                    attempt=getattr(msg, "attempt", None),
+                )
+            self._admitted += payload_len
+        return None
+
+    @property
+    def mid_frame(self) -> bool:
+        """Part of a frame has arrived and the rest has not."""
+        return not self._decoder.at_frame_boundary
 
     async def receive_frame(self) -> Frame | None:
         """The next frame; None at a clean end of stream. Errors: ``WireError``, ``TransportError``."""
@@ -584,8 +655,8 @@ class FrameReader:
                 self._decoder.feed_eof()
 
     def take_admitted(self) -> int:
-        """The payload bytes ``admit`` accepted for the last frame (returned or raised about), once:
-        the caller owes them back when it is done with the payload."""
+        """The payload bytes admitted since the last call (``screen``/``admit``), once: the caller owes
+        them back when it is done with the payload (or with the stream)."""
         n, self._admitted = self._admitted, 0
         return n
 
@@ -594,33 +665,26 @@ class FrameReader:
 
         A payload beyond the limit raises ``FrameTooLarge`` and a request or answer with more than
         ``max_rows`` rows ``TooManyRows``, both attributed to the request and not fatal; an
-        undecodable header raises ``MalformedHeader`` (not fatal).
+        undecodable header raises ``MalformedHeader`` (not fatal); a frame ``screen`` or ``admit``
+        refused raises its refusal as soon as its header is in (its payload is skipped by the next calls,
+    unbuffered); the others once the frame's payload has passed, unbuffered.
         """
         frame = await self.receive_frame()
         if frame is None:
             return None
-        if self._admitting and frame.payload is not None and frame.payload_len:
-            self._admitted += frame.payload_len
-        msg = decode_message(frame.header)
-        if isinstance(msg, ExpertRequest | ExpertResponse) and msg.n_rows > self._limits.max_rows:
-            raise _attributed(
-                TooManyRows, f"{msg.n_rows} rows exceed the limit of {self._limits.max_rows}", msg
-            )
-        if frame.payload is None and frame.busy:
-            request_id = getattr(msg, "request_id", None)
-            raise ReceiverBusy(
-                f"{frame.payload_len} payload bytes are more than this receiver accepts now; retry later",
-                request_id=request_id,
-                attempt=getattr(msg, "attempt", None),
-            )
+        if frame.refusal is not None:
+            self._head = None
+            raise frame.refusal
+        msg = self._head if self._head is not None else decode_message(frame.header)
+        self._head = None
+        if not self._judging and isinstance(msg, ExpertRequest | ExpertResponse) and msg.n_rows > self._limits.max_rows:
+            raise _attributed(TooManyRows, f"{msg.n_rows} rows exceed the limit of {self._limits.max_rows}", msg)
         if frame.payload is None:
-            request_id = getattr(msg, "request_id", None)
-            attempt = getattr(msg, "attempt", None)
             raise FrameTooLarge(
                 f"frame of {len(frame.header) + frame.payload_len} bytes exceeds the limit of "
                 f"{self._limits.max_frame_bytes}; payload discarded",
-                request_id=request_id,
-                attempt=attempt,
+                request_id=getattr(msg, "request_id", None),
+                attempt=getattr(msg, "attempt", None),
             )
         return msg, frame.payload
 

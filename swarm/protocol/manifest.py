@@ -35,7 +35,8 @@ import msgspec
 __all__ = ["BIAS_KINDS", "DEFAULT_ACTIVATION", "EXPERT_KINDS", "MAX_ORIGINS", "MODEL_ID_PATTERN", "SLICE_FORMAT",
            "SLICE_FORMAT_ACTIVATION", "ModelId", "ModelManifest", "slice_kinds"]
 
-MODEL_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+# ``\Z``, not ``$``: ``$`` also matches before a final newline ("abc\n" would pass)
+MODEL_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z"
 _MODEL_ID = re.compile(MODEL_ID_PATTERN)
 SLICE_FORMAT: Final = 1  # version of the slice file layout (``swarm.model.slices``)
 # a slice whose experts use another activation than SiLU-gated (SwiGLU) says so, in format 2: a

@@ -32,7 +32,9 @@ __all__ = [
     "HistorySample",
     "ModelHistory",
     "EventLog",
+    "EvidenceMethod",
     "MarketEvent",
+    "QuarantineEvidence",
     "DemandView",
     "HeldSlice",
     "ModelDemand",
@@ -60,12 +62,16 @@ __all__ = [
 
 ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$", max_length=2048)]
-Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+\Z", max_length=2048)]  # \Z: "$" passes a final newline
+Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]  # a circuit multiaddr with two peer ids is ~150
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Layer = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Expert = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")]
+LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e7)]
+ShortText = Annotated[str, msgspec.Meta(max_length=2048)]
 
 
 class HeldState(enum.StrEnum):
@@ -107,14 +113,14 @@ class RegisterModels(msgspec.Struct, forbid_unknown_fields=True):
     """
 
     url: Url
-    models: Annotated[list[ModelManifest], msgspec.Meta(max_length=64)]
+    models: Annotated[list[ModelManifest], msgspec.Meta(max_length=16)]
     epoch: Epoch = 0
     # the coordinator's libp2p peer id: volunteers holding its models answer expert calls from it only
     peer_id: PeerId | None = None
     # the routed experts it computes itself, per model (``--local-experts``; DESIGN §11: holdings travel per
     # coordinator, never in the manifest); a model not named here: all of them (what older coordinators do)
     local_experts: Annotated[dict[ModelId, Annotated[list[ProvenSlice], msgspec.Meta(max_length=65536)]],
-                             msgspec.Meta(max_length=64)] = {}
+                             msgspec.Meta(max_length=16)] = {}
 
 
 class VolunteerRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -179,19 +185,58 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
 
 
 
+class EvidenceMethod(enum.StrEnum):
+    """How a coordinator caught a wrong answer (``QuarantineEvidence.method``)."""
+
+    BIT_EXACT = "bit_exact"  # equal kernel ids and a float32 wire: the answer's bits differ from the coordinator's
+    TOLERANCE = "tolerance"  # other kernel ids: the answer is beyond the stated tolerance of the coordinator's
+    DISK = "disk"  # the coordinator recomputed the experts from its own GGUF on disk (it holds none in memory)
+    HOLD_DIGEST = "hold_digest"  # a hold challenge's digest differs from the one computed from the coordinator's copy
+    SECOND_REPLICA = "second_replica"  # a second replica disagreed and the coordinator's own computation settled it
+
+
+class QuarantineEvidence(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a quarantine report must carry (DESIGN §12): enough for anyone holding the model to check
+    it -- the call's slice, the sha256 of its input (the request payload as sent: rows, padding and
+    pair arrays; for ``hold_digest``, the challenge's nonce and windows as msgpack), of the worker's
+    answer (the response payload; the digest) and of the coordinator's own result in the same layout.
+    The two output hashes differ (equal ones prove nothing). The market keeps it with the quarantine."""
+
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    input_sha256: Sha256Hex
+    remote_sha256: Sha256Hex
+    local_sha256: Sha256Hex
+    method: EvidenceMethod
+    detail: Annotated[str, msgspec.Meta(max_length=2048)] = ""  # for people: e.g. the error against the tolerance
+
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # within int64 (what the store and SQLite keep)
+
+
 class ReportedWorker(msgspec.Struct, forbid_unknown_fields=True):
-    """One volunteer as a coordinator saw it since its last report."""
+    """One volunteer as a coordinator saw it since its last report.
+
+    A quarantine (``quarantine``, the reason for people, and/or ``evidence``) must carry ``evidence``:
+    a report with a quarantine without it is refused (400 ``missing_evidence``); older coordinators'
+    reports without quarantines still decode (``evidence`` defaults to None)."""
 
     peer_id: PeerId
-    calls: NonNeg = 0  # answered calls since the last report
-    rows: NonNeg = 0
-    verified: NonNeg = 0  # answers that passed verification since the last report
-    pairs: NonNeg = 0  # (row, expert) pairs answered since the last report: its credit (6 d_model d_expert FLOPs each)
+    calls: Count = 0  # answered calls since the last report
+    rows: Count = 0
+    verified: Count = 0  # answers that passed verification since the last report
+    pairs: Count = 0  # (row, expert) pairs answered since the last report: its credit (6 d_model d_expert FLOPs each)
     latency_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] | None = None  # its latency EWMA now
     path: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # direct | relayed | hole-punched
-    quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # the evidence, when it failed verification
+    quarantine: Annotated[str, msgspec.Meta(max_length=2048)] | None = None  # why, when it failed verification
     # slices it proved it holds (answered this coordinator's hold challenge: DESIGN §12)
     held: Annotated[list[ProvenSlice], msgspec.Meta(max_length=65536)] = []
+    evidence: QuarantineEvidence | None = None  # required with a quarantine (added in issue 31)
+
+    @property
+    def quarantined(self) -> bool:
+        return self.quarantine is not None or self.evidence is not None
 
 
 class RoutedRange(msgspec.Struct, forbid_unknown_fields=True):
@@ -214,6 +259,9 @@ class CoordinatorReport(msgspec.Struct, forbid_unknown_fields=True):
 class ReportAck(msgspec.Struct):
     workers: int
     quarantined: list[str]  # peer ids newly refused by this report
+    # peer ids whose entries changed nothing: they hold no slice (coverage or lease) of the reported model, so
+    # no credit, no proof and no quarantine came of them
+    ignored: list[str] = []
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -237,10 +285,10 @@ class DownloadSource(msgspec.Struct, frozen=True, kw_only=True):
     string on the wire: a volunteer skips kinds it does not know (a newer market's), where a tagged
     union would make the whole assignment undecodable."""
 
-    kind: str
-    url: str = ""  # origin, coordinator
-    peer_id: str = ""  # peer
-    addrs: list[str] = []  # peer
+    kind: Annotated[str, msgspec.Meta(max_length=32)]
+    url: Annotated[str, msgspec.Meta(max_length=2048)] = ""  # origin, coordinator
+    peer_id: Annotated[str, msgspec.Meta(max_length=128)] = ""  # peer
+    addrs: Annotated[list[Addr], msgspec.Meta(max_length=16)] = []  # peer
 
 
 class LeaseView(msgspec.Struct, frozen=True, kw_only=True):
@@ -262,29 +310,36 @@ class Assignment(msgspec.Struct, tag="assignment", tag_field="kind"):
     """The slice to serve. Download it (sha256-check it), report it ``loading`` then ``serving`` in
     heartbeats before the lease lapses (``lease_expires_in_s``: the market's clock need not match
     yours). ``sources``: where to download from, best first (peers holding it, the GGUF's mirrors,
-    then the coordinators; a market that predates them sends none: use ``url``)."""
+    then the coordinators; a market that predates them sends none: use ``url``).
 
-    model_id: str
-    layer: int
-    lo: int
-    hi: int
-    slice: str  # "LAYER:LO-HI"
-    url: str
-    size: int
-    sha256: str
-    lease_id: str
-    lease_expires_in_s: float
+    Constrained like a request body: the volunteer builds a file path from ``model_id`` and the range
+    (``swarm.safe_paths``), so a hostile market's answer is refused at decoding."""
+
+    model_id: ModelId
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    slice: Annotated[str, msgspec.Meta(max_length=64)]  # "LAYER:LO-HI"
+    url: Url
+    size: Annotated[int, msgspec.Meta(gt=0, le=1 << 44)]
+    sha256: Sha256Hex
+    lease_id: LeaseId
+    lease_expires_in_s: Seconds
     scarcity: float
-    relays: list[str]  # reserve a slot on one of these when you cannot be dialled
-    heartbeat_s: float  # send coverage at least this often
-    coordinator: str
-    sources: list[DownloadSource] = []
+    relays: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=16)]  # reserve a slot on one of these when you cannot be dialled
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]  # send coverage at least this often
+    coordinator: Annotated[str, msgspec.Meta(max_length=2048)]
+    sources: Annotated[list[DownloadSource], msgspec.Meta(max_length=64)] = []
+
+    def __post_init__(self) -> None:
+        if self.hi <= self.lo:  # raised as a ValidationError by the decoder
+            raise ValueError(f"an assignment of the empty range {self.lo}-{self.hi}")
 
 
 class NothingNeeded(msgspec.Struct, tag="nothing_needed", tag_field="kind"):
-    reason: str  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable | quarantined | address_cap
-    retry_after_s: float
-    message: str = ""
+    reason: Annotated[str, msgspec.Meta(max_length=64)]  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable | quarantined | address_cap
+    retry_after_s: Seconds
+    message: ShortText = ""
 
 
 VolunteerAnswer = Assignment | NothingNeeded
@@ -348,6 +403,7 @@ class CoordinatorView(msgspec.Struct):
     saturated: bool
     last_poll_age_s: float | None
     error: str | None = None
+    hosting: bool = True  # False: its polls have failed too long; its models are not offered on its account
 
 
 class WorkerSliceView(msgspec.Struct):
@@ -410,12 +466,16 @@ class VolunteerCredit(msgspec.Struct):
     last_credit_ms: int | None
     quarantined_until_ms: int | None = None
     slices: list[str] = []  # what it holds now, as the market counts it
+    # while quarantined: the coordinator's reason (for people) and its evidence (``QuarantineEvidence``)
+    quarantine_reason: str = ""
+    quarantine_evidence: QuarantineEvidence | None = None
 
 
 class MarketEvent(msgspec.Struct):
     """One entry of the market's event log (``GET /api/events``): ``kind`` is one of assigned,
-    loading, serving, draining, restored, released, expired, lease_expired, unproven, quarantined,
-    recruiting, recruiting_ended, saturated, unsaturated."""
+    loading, serving, draining, restored, released, expired, lease_expired, unproven, download_overdue,
+    quarantined, recruiting, recruiting_ended, saturated, unsaturated, host_down, host_up,
+    coordinator_gone, model_dropped."""
 
     seq: int
     at_ms: int

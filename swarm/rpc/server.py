@@ -15,12 +15,18 @@ Rules:
   exactly one answer: a ``Cancel`` for a request in flight cancels its task (the handler stops
   waiting; a computation already running in a thread finishes and is dropped) and the answer is
   ``cancelled``; a ``Cancel`` for anything else is ignored.
+- A frame is judged from its header before any of its payload is buffered (``_Screen``): a request
+  or hold challenge from a peer ``authorize`` refuses is answered ``not_authorized`` at once and its
+  payload discarded as it arrives, nothing reserved (the trust issue's "only registered coordinators
+  use volunteers"; the stream stays open, so a coordinator that registers later is served without
+  reconnecting); so is a request whose header fails ``validate_request`` against its declared length,
+  or a payload on a message that carries none; a payload before the Hello ends the stream.
 - Request bytes held at once are bounded per peer and in all (``ByteBudget``, shared by a server's
   streams; default 256 MiB a peer, 1 GiB in all): a payload past either bound is discarded as it
-  arrives and answered ``busy`` (a refusal: the coordinator computes the range itself).
-- ``authorize(peer_id)``, if given, is asked per request: ``False`` answers ``not_authorized``
-  (the trust issue's "only registered coordinators use volunteers"; the stream stays open, so a
-  coordinator that registers later is served without reconnecting).
+  arrives and answered ``busy`` (a refusal: the coordinator computes the range itself). Every byte
+  taken is given back on every way a stream can end: each stream takes through its own
+  ``BudgetAccount``, closed when the stream ends (cut off mid-payload, reset, cancelled, lost
+  framing); inside a frame, a read that brings nothing for ``stall_timeout_s`` (30 s) ends the stream.
 - Bad input never takes the server down: a request that fails validation (header or pair
   arrays), an undecodable header or an oversized frame is answered with an error and the next
   frame is served; only lost framing (a header length beyond the limit) ends the stream, after a
@@ -46,7 +52,9 @@ import trio
 
 from swarm.errors import (
     BadShape,
+    BrokenError,
     NonFinite,
+    ReceiverBusy,
     SwarmError,
     TransportError,
     UnexpectedMessage,
@@ -89,6 +97,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Authorize",
+    "BudgetAccount",
+    "ByteBudget",
     "ExpertHandler",
     "Computed",
     "Prove",
@@ -115,7 +125,12 @@ class ByteBudget:
     """Request bytes a server holds at once (buffered or being computed), per peer and in all: a
     payload that would pass either bound is discarded as it arrives and answered ``busy``, so peers
     that really send bytes cannot take more memory than this (declared sizes cost nothing anyway:
-    frame buffers grow with the bytes received)."""
+    frame buffers grow with the bytes received).
+
+    Streams take and give through their own ``BudgetAccount`` (``account``), which gives back what
+    the stream still holds when it ends, however it ends. ``given`` (bytes given back, in all) and
+    ``refused`` only grow: together they tell a budget that is full of work from one that is stuck.
+    """
 
     def __init__(self, *, per_peer: int = 256 << 20, total: int = 1 << 30) -> None:
         self.per_peer = per_peer
@@ -123,6 +138,7 @@ class ByteBudget:
         self.held = 0
         self.by_peer: dict[str, int] = {}
         self.refused = 0
+        self.given = 0
 
     def take(self, peer: str, n: int) -> bool:
         mine = self.by_peer.get(peer, 0)
@@ -142,6 +158,53 @@ class ByteBudget:
         else:
             self.by_peer.pop(peer, None)
         self.held = max(0, self.held - n)
+        self.given += n
+
+    def account(self, peer: str) -> BudgetAccount:
+        return BudgetAccount(self, peer)
+
+
+class BudgetAccount:
+    """One stream's share of a ``ByteBudget``: it never gives back more than it took, and ``close``
+    gives back whatever it still holds (a frame cut off mid-payload, a request still owed)."""
+
+    def __init__(self, budget: ByteBudget, peer: str) -> None:
+        self.budget = budget
+        self.peer = peer
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if not self.budget.take(self.peer, n):
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        n = min(n, self.held)
+        if n > 0:
+            self.held -= n
+            self.budget.give(self.peer, n)
+
+    def close(self) -> None:
+        self.give(self.held)
+
+
+class _StallGuard:
+    """The stream as the frame reader sees it: inside a frame, a read that brings nothing for
+    ``timeout_s`` breaks the stream (a peer cannot keep a part-sent frame, and what was reserved for
+    it, for ever); between frames an idle stream is fine."""
+
+    def __init__(self, stream: Stream, timeout_s: float) -> None:
+        self.stream = stream
+        self.timeout_s = timeout_s
+        self.reader: FrameReader | None = None
+
+    async def read(self, max_bytes: int) -> bytes:
+        if self.reader is None or not self.reader.mid_frame:
+            return await self.stream.read(max_bytes)
+        with trio.move_on_after(self.timeout_s):
+            return await self.stream.read(max_bytes)
+        raise BrokenError(f"no bytes for {self.timeout_s:g} s inside a frame")
 
 
 def _default_hello(limits: WireLimits) -> Hello:
@@ -161,17 +224,24 @@ async def serve_expert_stream(
     drain_timeout_s: float = 10.0,
     budget: ByteBudget | None = None,
     prove: Prove | None = None,
+    stall_timeout_s: float = 30.0,
 ) -> None:
     """Serve one expert stream until the peer closes it or it breaks; never raises for peer faults.
 
     After the peer closes its side, answers still being computed get ``drain_timeout_s`` to finish.
-    ``budget`` (shared by the streams of one server) bounds the request bytes held at once.
+    ``budget`` (shared by the streams of one server) bounds the request bytes held at once; whatever
+    this stream still holds of it when it ends is given back, however it ends. Inside a frame, a
+    read that brings nothing for ``stall_timeout_s`` ends the stream.
     """
     peer = stream.remote_peer_id
     budget = budget if budget is not None else ByteBudget()
+    account = budget.account(peer)
     if prove is not None and FEATURE_HOLD_PROOF not in hello.features:
         hello = msgspec.structs.replace(hello, features=[*hello.features, FEATURE_HOLD_PROOF])
-    reader = FrameReader(stream, limits, admit=lambda n: budget.take(peer, n))
+    screen = _Screen(peer, account, limits=limits, dtypes=hello.dtypes, authorize=authorize)
+    guarded = _StallGuard(stream, stall_timeout_s)
+    reader = FrameReader(guarded, limits, screen=screen)
+    guarded.reader = reader
     write_lock = trio.Lock()
 
     async def send(msg: Message, payload: bytes | bytearray | memoryview = b"") -> None:
@@ -199,6 +269,7 @@ async def serve_expert_stream(
                 )
             )
             return
+        screen.hello_seen = True
         log.debug("expert stream from %s (%s, kernel %s) open", peer, first.agent, first.kernel_id)
         await _serve_requests(
             stream,
@@ -207,13 +278,63 @@ async def serve_expert_stream(
             send,
             hello=hello,
             limits=limits,
-            authorize=authorize,
             drain_timeout_s=drain_timeout_s,
-            budget=budget,
+            account=account,
+            screen=screen,
             prove=prove,
         )
     except TransportError as exc:
         log.debug("expert stream from %s ended: %r", peer, exc)
+    finally:
+        account.close()  # a frame cut off mid-payload, or anything else still held: never kept past the stream
+
+
+class _Screen:
+    """What the server decides from a frame's header, before any of its payload is buffered
+    (``FrameReader``'s ``screen``): a payload before the Hello or on a message that carries none is
+    refused; a request or hold challenge from a peer ``authorize`` refuses is ``not_authorized``; a
+    request's header must pass ``validate_request`` against the declared payload length; then the
+    payload's bytes must fit the byte budget (``busy``). Refused payloads are discarded unbuffered,
+    so an unauthorised or invalid peer reserves nothing."""
+
+    def __init__(self, peer: str, account: BudgetAccount, *, limits: WireLimits, dtypes: list[str],
+                 authorize: Authorize | None) -> None:
+        self.peer = peer
+        self.account = account
+        self.limits = limits
+        self.dtypes = dtypes
+        self.authorize = authorize
+        self.hello_seen = False
+        self.refused: Message | None = None  # the message of the last refused frame (for the right kind of answer)
+
+    def __call__(self, msg: Message, payload_len: int) -> WireError | None:
+        self.refused = None
+        refusal = self._judge(msg, payload_len)
+        if refusal is not None:
+            self.refused = msg
+        return refusal
+
+    def _judge(self, msg: Message, payload_len: int) -> WireError | None:
+        rid, attempt = getattr(msg, "request_id", None), getattr(msg, "attempt", None)
+        if isinstance(msg, ExpertRequest | HoldChallenge):
+            if not self.hello_seen:
+                return UnexpectedMessage(f"the first frame must be a Hello, got {type(msg).__name__}", fatal=True)
+            if self.authorize is not None and not self.authorize(self.peer):
+                return WireError(f"peer {self.peer} is not a coordinator this volunteer serves",
+                                 code=Status.NOT_AUTHORIZED, request_id=rid, attempt=attempt)
+        if not payload_len:
+            return None
+        if not isinstance(msg, ExpertRequest):
+            return BadShape(f"a {type(msg).__name__} frame has no payload, got {payload_len} bytes",
+                            request_id=rid, attempt=attempt)
+        try:
+            validate_request(msg, payload_len, limits=self.limits, dtypes=self.dtypes)
+        except WireError as exc:
+            return exc
+        if not self.account.take(payload_len):
+            return ReceiverBusy(f"{payload_len} payload bytes are more than this volunteer holds for "
+                                f"{self.peer} now; retry later", request_id=rid, attempt=attempt)
+        return None
 
 
 async def _receive_hello(reader: FrameReader) -> Hello | WireError | None:
@@ -240,9 +361,9 @@ async def _serve_requests(
     *,
     hello: Hello,
     limits: WireLimits,
-    authorize: Authorize | None,
     drain_timeout_s: float,
-    budget: ByteBudget,
+    account: BudgetAccount,
+    screen: _Screen,
     prove: Prove | None,
 ) -> None:
     peer = stream.remote_peer_id
@@ -300,7 +421,7 @@ async def _serve_requests(
 
         try:
             await _read_requests(
-                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, authorize, peer, budget,
+                reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, peer, account, screen,
                 prove_one, lambda p: send(p, b""),
             )
         except TransportError as exc:
@@ -319,29 +440,36 @@ async def _read_requests(
     nursery: trio.Nursery,
     hello: Hello,
     limits: WireLimits,
-    authorize: Authorize | None,
     peer: str,
-    budget: ByteBudget,
+    account: BudgetAccount,
+    screen: _Screen,
     prove_one: Callable[[HoldChallenge], Awaitable[None]],
     send_proof: Callable[[HoldProof], Awaitable[None]],
 ) -> None:
     """Read and dispatch requests until the peer closes its side (returns) or framing is lost. The
-    payload bytes the budget took for a frame go back when its request is answered or refused."""
+    payload bytes the budget took for a frame go back when its request is answered or refused (and
+    whatever a frame cut off mid-payload took, when the stream ends: ``serve_expert_stream``)."""
 
     async def run_then_give(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, scope: trio.CancelScope,
                             n: int) -> None:
         try:
             await run_one(req, rows, pairs, scope)
         finally:
-            budget.give(peer, n)
+            account.give(n)
 
     while True:
         await acquire(slots)
         try:
             got = await reader.receive_message()
         except WireError as exc:
-            budget.give(peer, reader.take_admitted())
+            account.give(reader.take_admitted())
             slots.release()
+            refused = screen.refused
+            screen.refused = None
+            if isinstance(refused, HoldChallenge) and not exc.fatal:  # a hold challenge is answered by a HoldProof
+                await send_proof(HoldProof(request_id=refused.request_id, attempt=refused.attempt, status=exc.code,
+                                           message=exc.message))
+                continue
             log.info("bad frame from %s: %s (%s)", peer, exc.message, exc.code)
             await answer_error(exc)
             if exc.fatal:
@@ -349,16 +477,17 @@ async def _read_requests(
                 return
             continue
         except BaseException:
-            budget.give(peer, reader.take_admitted())
+            account.give(reader.take_admitted())
             slots.release()
             raise
         held = reader.take_admitted()
         if got is None:
+            account.give(held)
             slots.release()
             return
         msg, payload = got
         if not isinstance(msg, ExpertRequest):
-            budget.give(peer, held)
+            account.give(held)
         if isinstance(msg, Cancel):
             slots.release()
             scope = in_flight.get((msg.request_id, msg.attempt))
@@ -366,17 +495,7 @@ async def _read_requests(
                 scope.cancel()
             continue
         if isinstance(msg, HoldChallenge):
-            refusal: tuple[str, str] | None = None
-            if authorize is not None and not authorize(peer):
-                refusal = (Status.NOT_AUTHORIZED, f"peer {peer} is not a coordinator this volunteer serves")
-            elif payload:
-                refusal = (BadShape.code, f"a hold challenge has no payload, got {len(payload)} bytes")
-            if refusal is not None:
-                slots.release()
-                await send_proof(HoldProof(request_id=msg.request_id, attempt=msg.attempt, status=refusal[0],
-                                           message=refusal[1]))
-            else:
-                nursery.start_soon(prove_one, msg)  # releases the slot
+            nursery.start_soon(prove_one, msg)  # authorised, no payload (the screen saw to both); releases the slot
             continue
         if not isinstance(msg, ExpertRequest):
             slots.release()
@@ -384,13 +503,6 @@ async def _read_requests(
             continue
         key = (msg.request_id, msg.attempt)
         try:
-            if authorize is not None and not authorize(peer):
-                raise WireError(
-                    f"peer {peer} is not a coordinator this volunteer serves",
-                    code=Status.NOT_AUTHORIZED,
-                    request_id=msg.request_id,
-                    attempt=msg.attempt,
-                )
             validate_request(msg, len(payload), limits=limits, dtypes=hello.dtypes)
             if key in in_flight:
                 raise WireError(
@@ -402,7 +514,7 @@ async def _read_requests(
             pairs = decode_pairs(msg, payload)
             rows = payload_to_tensor(rows_region(msg, payload), msg.dtype, msg.n_rows, msg.d_model)
         except WireError as exc:
-            budget.give(peer, held)
+            account.give(held)
             slots.release()
             await answer_error(exc)
             continue

@@ -313,7 +313,7 @@ def market_lease_check(client: httpx.AsyncClient, market_url: str, *, timeout_s:
     base = market_url.rstrip("/")
 
     async def check(lease_id: str) -> LeaseView | None:
-        if not lease_id or len(lease_id) > 128 or not all(c.isalnum() or c in "-_" for c in lease_id):
+        if not lease_id or len(lease_id) > 128 or not all(c.isascii() and (c.isalnum() or c in "-_") for c in lease_id):
             return None  # not a lease id the market hands out: never put stranger text in a URL
         try:
             r = await client.get(f"{base}/api/leases/{lease_id}", timeout=timeout_s)

@@ -17,7 +17,17 @@ import trio
 from swarm.errors import NotAuthorized
 from swarm.model.gguf import model_id_for
 from swarm.p2p.libp2p import open_libp2p_transport
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, RequestId, encode_frame, make_hello, make_pairs
+from swarm.protocol.expert import (
+    PROTOCOL_ID,
+    ExpertRequest,
+    ExpertResponse,
+    FrameReader,
+    Hello,
+    RequestId,
+    encode_frame,
+    make_hello,
+    make_pairs,
+)
 from swarm.rpc.client import open_expert_client
 from tests.conftest import GOLDEN_GGUF, eventually
 from tests.e2e.test_process_e2e import (  # noqa: F401
@@ -93,7 +103,8 @@ def rss_kb(pid: int) -> int:
 async def test_declared_sizes_cost_a_volunteer_no_memory(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
     """The issue's attack: frames that declare a 60 MiB payload and then send nothing, from 2
     identities x 10 streams. The volunteer's memory does not grow by what was declared (its frame
-    buffers grow with bytes received), and it keeps serving its coordinator."""
+    buffers grow with bytes received; and these peers may not use its experts: each header is refused
+    ``not_authorized`` as it arrives, nothing reserved), and it keeps serving its coordinator."""
     url, map_path, model_id = await start_coordinator(procs, tmp_path)
     vol = Proc(cli("volunteer", "--coordinator", url, "--slice", "0:0-8", "--slice", "1:0-8",
                    "--data-dir", str(tmp_path / "v"), "--no-progress"), tmp_path / "volunteer.log")
@@ -113,7 +124,13 @@ async def test_declared_sizes_cost_a_volunteer_no_memory(procs: list[Proc], tmp_
                 s = await t.open_stream(info["peer_id"], info["addrs"], PROTOCOL_ID)
                 await s.write(hello + declared)
                 streams.append(s)
-        await trio.sleep(1.0)
+        for s in streams:  # the volunteer read and judged every declared header: its refusal is the proof
+            reader = FrameReader(s)
+            with trio.fail_after(30):
+                got = [await reader.receive_message(), await reader.receive_message()]
+            assert isinstance(got[0] and got[0][0], Hello)
+            answer = got[1][0] if got[1] is not None else None
+            assert isinstance(answer, ExpertResponse) and answer.status == "not_authorized", answer
         grown_mb = (rss_kb(vol.p.pid) - before) / 1024
         assert grown_mb < 100, f"the volunteer grew {grown_mb:.0f} MB for 20 x 60 MiB declared"
         async with httpx.AsyncClient(base_url=url, timeout=60) as h:

@@ -299,6 +299,22 @@ async def test_limits_and_refusals(nursery: trio.Nursery) -> None:
     assert relay.service.ledger.stats().reservations == 1
 
 
+async def test_identities_from_one_address_get_a_bounded_share_of_the_slots(nursery: trio.Nursery) -> None:
+    """The hop counts reservations by the IP the RESERVE came from (issue 31: 128 throwaway identities
+    from one address took every slot): here 2 from 127.0.0.1, so a third identity from it is refused
+    while slots are still free for anyone else (other addresses: ``tests/unit/test_relay_core.py``)."""
+    relay = await start_relay(nursery, max_reservations=8, max_reservations_per_address=2)
+    a = await start_volunteer(nursery, [relay.addr])
+    b = await start_volunteer(nursery, [relay.addr])
+    c = await start_volunteer(nursery, [relay.addr], relay_timeout_s=1.0)
+    assert a.addrs and b.addrs and not c.addrs
+    [st] = c.nat.relay_status()
+    assert "RESERVATION_REFUSED" in st.last_error
+    stats = relay.service.ledger.stats()
+    assert stats.reservations == 2 and stats.refusals["address_limit"] >= 1
+    assert relay.service.ledger.reservations_from("127.0.0.1") == 2
+
+
 async def test_metrics_and_health(nursery: trio.Nursery, coord: Libp2pTransport) -> None:
     relay = await start_relay(nursery)
     vol = await start_volunteer(nursery, [relay.addr])

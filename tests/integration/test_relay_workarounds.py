@@ -17,6 +17,7 @@ workaround can be reconsidered.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -37,7 +38,7 @@ from multiaddr import Multiaddr
 
 from relay.service import RelayConfig, RelayService, open_relay
 from swarm.errors import TransportError
-from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
+from swarm.p2p.libp2p import Libp2pTransport, connection_notifee, open_libp2p_transport
 from swarm.p2p.nat import NatConfig, open_listener_host, open_nat
 from swarm.p2p.transport import Stream
 
@@ -81,12 +82,34 @@ async def library_relay(limits: LibRelayLimits) -> AsyncIterator[tuple[str, Circ
             yield t.listen_addrs[0], proto
 
 
+class EchoEnds:
+    """Counts the volunteer's echo streams that ended (the far end of a circuit the relay tore down)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._changed = trio.Event()
+
+    async def echo(self, stream: Stream) -> None:
+        try:
+            await echo(stream)
+        except TransportError:
+            pass
+        finally:
+            self.n += 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait_for(self, n: int) -> None:
+        while self.n < n:
+            await self._changed.wait()
+
+
 @asynccontextmanager
-async def relayed_volunteer(relay_addr: str) -> AsyncIterator[tuple[str, str]]:
+async def relayed_volunteer(relay_addr: str, ends: EchoEnds | None = None) -> AsyncIterator[tuple[str, str]]:
     """A volunteer reachable only through ``relay_addr``, serving ECHO: (peer id, circuit address)."""
     cfg = NatConfig(relays=(relay_addr,), hole_punch=False)
     async with open_listener_host(key_path=None, listen_addrs=(), cfg=cfg) as (t, nat):
-        t.set_stream_handler(ECHO, echo)
+        t.set_stream_handler(ECHO, ends.echo if ends is not None else echo)
         assert nat.advertised, "the relay gave no reservation"
         yield t.peer_id, nat.advertised[0]
 
@@ -100,27 +123,32 @@ async def dialer() -> AsyncIterator[Libp2pTransport]:
 BIG = LibRelayLimits(duration=3600, data=1 << 40, max_circuit_conns=8, max_reservations=8)
 
 
-async def two_circuits_then_end_the_first(relay_addr: str) -> bytes | None:
-    async with relayed_volunteer(relay_addr) as (peer, addr), dialer() as c2:
+async def two_circuits_then_end_the_first(relay_addr: str, torn_down: int) -> bytes | None:
+    """Two circuits to one volunteer; the first one's dialer leaves; once ``torn_down`` of the
+    volunteer's echo streams have ended (ours: the first circuit's; the library's: both, its bug --
+    a fixed library never ends the second, and the wait fails), is the second circuit still there?"""
+    ends = EchoEnds()
+    async with relayed_volunteer(relay_addr, ends) as (peer, addr), dialer() as c2:
         async with dialer() as c1:
             s1 = await c1.open_stream(peer, [addr], ECHO)
             s2 = await c2.open_stream(peer, [addr], ECHO)
             assert await roundtrip(s1, b"one") == b"one"
             assert await roundtrip(s2, b"two") == b"two"
             await c1.disconnect(peer)  # the first circuit ends
-        await trio.sleep(1.0)  # the relay tears the first circuit down
+        with trio.fail_after(10):
+            await ends.wait_for(torn_down)  # the relay tore circuits down: the volunteer's ends of them are over
         return await roundtrip(s2, b"still there?")
 
 
 async def test_f_the_end_of_one_circuit_leaves_the_others_alone() -> None:
     async with our_relay() as (addr, service):
-        assert await two_circuits_then_end_the_first(addr) == b"still there?"
+        assert await two_circuits_then_end_the_first(addr, torn_down=1) == b"still there?"
         assert service.ledger.stats().circuits_opened_total == 2
 
 
 async def test_f_canary_the_library_hop_closes_the_other_circuit_to_the_same_peer() -> None:
     async with library_relay(BIG) as (addr, _):
-        assert await two_circuits_then_end_the_first(addr) is None
+        assert await two_circuits_then_end_the_first(addr, torn_down=2) is None
 
 
 async def big_echo_through(relay_addr: str) -> bytes | None:
@@ -158,10 +186,7 @@ async def library_dial(relay_addr: str, roles: RelayRole | None) -> int:
         # the dialer is gone: whatever it reserved is freed at once (within seconds, even on a loaded
         # machine), not after the reservation TTL of an hour
         with trio.fail_after(10):
-            for _ in range(200):
-                if service.ledger.stats().reservations == 1:
-                    break
-                await trio.sleep(0.05)
+            await service.wait_reservations(lambda n: n == 1)
         assert service.ledger.stats().reservations == 1
         return n
 
@@ -235,20 +260,20 @@ async def redialled_after_disconnect(restore_auto_connector: bool) -> bool:
         auto = network.auto_connector  # type: ignore[attr-defined]
         if restore_auto_connector:
             auto.maybe_connect = AutoConnector.maybe_connect.__get__(auto)
+        gone = trio.Event()
+        network.register_notifee(connection_notifee(lambda conn: None, lambda conn: gone.set()))
         s = await b.open_stream(a.peer_id, a.listen_addrs, ECHO)
         assert await roundtrip(s, b"x") == b"x"
+        # a disconnect also schedules a cycle in the background (at most one per cooldown): hold it off, so
+        # the one cycle that runs is ours, awaited below
+        network._last_auto_connect_trigger = time.monotonic()  # type: ignore[attr-defined]
         await b.disconnect(a.peer_id)
-        for _ in range(100):
-            if not network.get_connections(ID.from_base58(a.peer_id)):
-                break
-            await trio.sleep(0.01)
+        with trio.fail_after(10):
+            await gone.wait()
+        assert not [c for c in network.get_connections(ID.from_base58(a.peer_id)) if not c.is_closed]
         auto._recent_disconnects.clear()
-        await auto.maybe_connect()
-        for _ in range(40):  # 2 s for the dial it started
-            if [c for c in network.get_connections(ID.from_base58(a.peer_id)) if not c.is_closed]:
-                return True
-            await trio.sleep(0.05)
-        return False
+        await auto.maybe_connect()  # runs one cycle and returns once the dials it started are over
+        return bool([c for c in network.get_connections(ID.from_base58(a.peer_id)) if not c.is_closed])
 
 
 async def test_i_no_redial_behind_the_callers_back() -> None:

@@ -39,12 +39,14 @@ from swarm.protocol.expert import (
     ErrorReply,
     ExpertRequest,
     ExpertResponse,
+    FrameDecoder,
     FrameReader,
     Hello,
     Message,
     Pairs,
     RequestId,
     WireLimits,
+    decode_message,
     encode_frame,
     encode_request_payload,
     make_hello,
@@ -240,15 +242,29 @@ class Raw:
 async def test_pipelined_concurrent_calls_return_their_own_rows(
     net: Net, clock: trio.testing.MockClock | None
 ) -> None:
-    in_flight = max_in_flight = 0
+    in_flight = max_in_flight = arrived = 0
     streams_seen = 0
+    held: dict[int, trio.Event] = {}  # requests waiting for their batch to fill
+    after: dict[int, trio.Event] = {}  # request id -> the event of the one to finish next
 
     async def slow_in_reverse(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
-        nonlocal in_flight, max_in_flight
+        """Requests are held in batches of 4 (so calls must be pipelined to finish at all), then finish
+        in reverse order of their ids, one after another: answers overtake each other."""
+        nonlocal in_flight, max_in_flight, arrived
         in_flight += 1
+        arrived += 1
         max_in_flight = max(max_in_flight, in_flight)
-        await trio.sleep(0.002 * (20 - req.request_id))  # later requests finish first
+        go = held[req.request_id] = trio.Event()
+        if len(held) == 4 or arrived == 20:
+            order = sorted(held, reverse=True)
+            events = [held.pop(r) for r in order]
+            after.update(zip(order, events[1:], strict=False))
+            events[0].set()
+        await go.wait()
         in_flight -= 1
+        nxt = after.pop(req.request_id, None)
+        if nxt is not None:
+            nxt.set()
         return expected(req, rows, pairs)
 
     serve = expert_stream_handler(slow_in_reverse)
@@ -315,12 +331,17 @@ async def test_the_server_bounds_requests_in_flight_per_stream(
     net: Net, clock: trio.testing.MockClock | None
 ) -> None:
     running = peak = 0
+    both_running, release = trio.Event(), trio.Event()
 
     async def slow(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+        """The first two hold their slots until the test lets them go: eight calls are on their way
+        meanwhile, and the server must not start a third."""
         nonlocal running, peak
         running += 1
         peak = max(peak, running)
-        await trio.sleep(0.02)
+        if running == 2:
+            both_running.set()
+        await release.wait()
         running -= 1
         return expected(req, rows, pairs)
 
@@ -334,6 +355,10 @@ async def test_the_server_bounds_requests_in_flight_per_stream(
             async with trio.open_nursery() as nursery:
                 for rid in range(8):
                     nursery.start_soon(one, rid)
+                await both_running.wait()
+                await trio.testing.wait_all_tasks_blocked()  # every frame sent and read that could be
+                assert running == 2
+                release.set()
             assert client.peer_hello is not None and client.peer_hello.max_in_flight == 2
     assert peak == 2
     assert all(torch.equal(results[rid], expected(make_request(rid), rows_for(rid))) for rid in range(8))
@@ -777,27 +802,57 @@ async def test_hanging_handler_gives_a_client_timeout(net: Net, clock: trio.test
 async def test_late_answer_from_an_old_attempt_is_ignored(
     net: Net, clock: trio.testing.MockClock | None
 ) -> None:
-    late_answer_sent = trio.Event()
+    second_answered, late_answer_written = trio.Event(), trio.Event()
 
     async def slow_first_attempt(req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
         if (req.request_id, req.attempt) == (5, 0):
             # a computation that cannot be interrupted (a kernel in a thread): the client's Cancel
-            # arrives too late, and the stale answer still comes back
+            # arrives too late, and the stale answer comes back after the second attempt's
             with trio.CancelScope(shield=True):
-                await trio.sleep(0.5)
-            late_answer_sent.set()
+                await second_answered.wait()
             return -expected(req, rows, pairs)  # distinguishable from the real answer
         return expected(req, rows, pairs)
+
+    class Watched(Stream):
+        """The server's side of the stream, telling when the stale answer has been written."""
+
+        def __init__(self, inner: Stream) -> None:
+            self.inner = inner
+            self.out = FrameDecoder()
+
+        @property
+        def remote_peer_id(self) -> str:
+            return self.inner.remote_peer_id
+
+        async def read(self, max_bytes: int) -> bytes:
+            return await self.inner.read(max_bytes)
+
+        async def write(self, data: bytes | bytearray | memoryview) -> None:
+            await self.inner.write(data)
+            self.out.feed(data)
+            while (f := self.out.next_frame()) is not None:
+                m = decode_message(f.header)
+                if isinstance(m, ExpertResponse) and (m.request_id, m.attempt) == (5, 0):
+                    late_answer_written.set()
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
 
     req0 = make_request(5, attempt=0)
     req1 = make_request(5, attempt=1)
     rows = rows_for(5)
-    async with serving(net, slow_first_attempt) as server, net.open() as me, client_of(me, server) as client:
+    inner = expert_stream_handler(slow_first_attempt, hello=make_hello(kernel_id=KERNEL))
+
+    async def watched(stream: Stream) -> None:
+        await inner(Watched(stream))
+
+    async with net.open() as server, net.open() as me, client_of(me, server) as client:
+        server.set_stream_handler(PROTOCOL_ID, watched)
         with pytest.raises(TransportTimeout):
             await client.call(*wire(req0, rows), timeout=0.2)
         assert torch.equal(await client.call(*wire(req1, rows), timeout=10), expected(req1, rows))
-        await late_answer_sent.wait()
-        await trio.sleep(0.05)  # let the late answer reach the client and be dropped
+        second_answered.set()
+        await late_answer_written.wait()  # it is on the stream before anything the next call gets back
         req2 = make_request(6)
         assert torch.equal(await client.call(*wire(req2, rows_for(6)), timeout=10), expected(req2, rows_for(6)))
         assert client.sessions_opened == 1

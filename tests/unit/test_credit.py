@@ -11,10 +11,22 @@ import pytest
 from market.core.credit import HALF_LIFE_S, credit_row, flops_per_pair, rac_now
 from market.state import Market
 from market.store import InMemoryStore, MemoryBacking
-from swarm.protocol.market import CoordinatorReport, RegisterModels, ReportedWorker
+from swarm.protocol.market import (
+    CoordinatorReport,
+    EvidenceMethod,
+    QuarantineEvidence,
+    RegisterModels,
+    ReportedWorker,
+)
 from tests.unit.test_market_state import MID, POLICY, SERVING, URL, codes, hb, manifest
 
 DAY = 24 * 3600.0
+
+
+def evidence(layer: int, lo: int, hi: int) -> QuarantineEvidence:
+    """Quarantine evidence as a coordinator sends it (bit-exact comparison: the hashes differ)."""
+    return QuarantineEvidence(layer=layer, lo=lo, hi=hi, input_sha256="a" * 64, remote_sha256="b" * 64,
+                              local_sha256="c" * 64, method=EvidenceMethod.BIT_EXACT)
 
 
 def test_a_steady_rate_converges_to_itself_and_silence_decays_by_the_half_life() -> None:
@@ -45,7 +57,8 @@ def test_reports_credit_pairs_served_but_not_in_quarantined_periods_and_the_ledg
     assert m.volunteer_credit("honest", 1.0).total_flops == 0.0  # known, no credit yet
     m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
         ReportedWorker(peer_id="honest", calls=5, rows=40, verified=5, pairs=80),
-        ReportedWorker(peer_id="liar", calls=5, rows=40, pairs=80, quarantine="layer 0 experts 4-8: zeros")]), 10.0)
+        ReportedWorker(peer_id="liar", calls=5, rows=40, pairs=80, quarantine="layer 0 experts 4-8: zeros",
+                       evidence=evidence(0, 4, 8))]), 10.0)
     c = m.volunteer_credit("honest", 10.0)
     assert (c.total_flops, c.pairs, c.verified, c.slices) == (80 * 6 * 64 * 32, 80, 5, ["0:0-4"])
     liar = m.volunteer_credit("liar", 10.0)

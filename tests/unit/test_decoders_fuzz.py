@@ -7,6 +7,7 @@ bounded examples, so ``make test`` is reproducible."""
 from __future__ import annotations
 
 import json
+import struct
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,17 @@ from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import cut_slice, load_slice
-from swarm.protocol.expert import FrameDecoder, WireLimits, decode_message
+from swarm.protocol.expert import (
+    Cancel,
+    ExpertRequest,
+    FrameDecoder,
+    HoldChallenge,
+    RequestId,
+    WireLimits,
+    decode_message,
+    encode_frame,
+    encode_message,
+)
 from swarm.protocol.market import coverage_decoder, register_decoder, report_decoder, volunteer_decoder
 from tests.conftest import GOLDEN_GGUF
 
@@ -70,47 +81,46 @@ def check(decode: Callable[[bytes], Any], data: bytes) -> None:
 LIMITS = WireLimits()
 
 
-def frames(data: bytes) -> None:
+def frames(data: bytes) -> list[object]:
     """Feed ``data`` in uneven chunks, then the end of the stream; read every frame and decode its
-    header as a message."""
+    header as a message (the messages, in order)."""
     d = FrameDecoder(LIMITS)
+    out: list[object] = []
     for i in range(0, len(data), 7):
         d.feed(data[i : i + 7])
         while (f := d.next_frame()) is not None:
-            decode_message(f.header)
+            out.append(decode_message(f.header))
     d.feed_eof()
     while (f := d.next_frame()) is not None:
-        decode_message(f.header)
+        out.append(decode_message(f.header))
+    return out
 
 
-def _frame_seed() -> bytes:
-    import struct
+# seeds are framed by the wire's own encoder (little-endian lengths, DESIGN §11): seeds packed in another
+# byte order were refused at the length prefix, so frame headers were never fuzzed
+REQUEST = ExpertRequest(request_id=RequestId(1), attempt=0, model_id="m-0123456789ab", layer=0, lo=0, hi=4, n_rows=1,
+                        d_model=2, n_pairs=1, dtype="float32")
+CHALLENGE = HoldChallenge(request_id=RequestId(1), attempt=0, model_id="m-0123456789ab", layer=0, lo=0, hi=4,
+                          nonce=bytes(range(16)), windows=[(0, 4096), (100, 7)])
+FRAME_SEED = encode_frame(REQUEST, b"\0" * 20) + encode_frame(Cancel(request_id=RequestId(1), attempt=0))
+CHALLENGE_SEED = encode_frame(CHALLENGE)
 
-    from swarm.protocol.expert import ExpertRequest, RequestId, encode_message
 
-    header = encode_message(ExpertRequest(request_id=RequestId(1), attempt=0, model_id="m-0123456789ab", layer=0, lo=0,
-                                          hi=4, n_rows=1, d_model=2, n_pairs=1, dtype="float32"))
-    return struct.pack(">II", len(header), 8) + header + b"\0" * 8
+def test_the_seeds_are_valid_frames() -> None:
+    """A seed the decoder refuses would fuzz only the length prefix."""
+    assert frames(FRAME_SEED) == [REQUEST, Cancel(request_id=RequestId(1), attempt=0)]
+    assert frames(CHALLENGE_SEED) == [CHALLENGE]
+    assert FRAME_SEED[:4] == struct.pack("<I", len(encode_message(REQUEST)))
 
 
 @FUZZ
-@given(mutated(_frame_seed()))
+@given(mutated(FRAME_SEED))
 def test_expert_frames(data: bytes) -> None:
     check(frames, data)
 
 
-def _challenge_seed() -> bytes:
-    import struct
-
-    from swarm.protocol.expert import HoldChallenge, RequestId, encode_message
-
-    header = encode_message(HoldChallenge(request_id=RequestId(1), attempt=0, model_id="m-0123456789ab", layer=0, lo=0,
-                                          hi=4, nonce=bytes(range(16)), windows=[(0, 4096), (100, 7)]))
-    return struct.pack(">II", len(header), 0) + header
-
-
 @FUZZ
-@given(mutated(_challenge_seed()))
+@given(mutated(CHALLENGE_SEED))
 def test_hold_challenge_frames(data: bytes) -> None:
     check(frames, data)
 
@@ -118,9 +128,7 @@ def test_hold_challenge_frames(data: bytes) -> None:
 @FUZZ
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
 def test_a_declared_frame_size_is_never_allocated(header_len: int, payload_len: int) -> None:
-    import struct
-
-    check(frames, struct.pack(">II", header_len, payload_len) + b"\x81\xa1k\xa1r")
+    check(frames, struct.pack("<II", header_len, payload_len) + b"\x81\xa1k\xa1r")
 
 
 # -- HTTP bodies -----------------------------------------------------------------------------------
@@ -134,7 +142,10 @@ MARKET_BODIES = {
     "coverage": (coverage_decoder, {"peer_id": PEER, "epoch": 1, "sequence": 2, "addrs": ["/ip4/1.2.3.4/tcp/1"],
                                     "slices": [{"model_id": "m-0123456789ab", "layer": 0, "lo": 0, "hi": 4}]}),
     "report": (report_decoder, {"url": "http://c.test", "model_id": "m-0123456789ab",
-                                "workers": [{"peer_id": PEER, "calls": 1, "quarantine": "x", "held": [[0, 0, 4]]}],
+                                "workers": [{"peer_id": PEER, "calls": 1, "quarantine": "x", "held": [[0, 0, 4]],
+                                             "evidence": {"layer": 0, "lo": 0, "hi": 4, "input_sha256": "a" * 64,
+                                                          "remote_sha256": "b" * 64, "local_sha256": "c" * 64,
+                                                          "method": "bit_exact", "detail": "d"}}],
                                 "ranges": [{"layer": 0, "lo": 0, "hi": 4, "rows": 9}]}),
 }
 

@@ -19,8 +19,10 @@ from swarm.errors import RequestError
 from swarm.protocol.market import (
     CoordinatorReport,
     CoverageHeartbeat,
+    EvidenceMethod,
     HeldSlice,
     ProvenSlice,
+    QuarantineEvidence,
     RegisterModels,
     ReportedWorker,
     RoutedRange,
@@ -33,6 +35,12 @@ URL = "http://c1.test"
 # has its own test below, and is on in the scenario, API and process tests (their volunteers poll first)
 POLICY = MarketPolicy(heartbeat_ttl_s=6.0, cooldown_s=5.0, lease_s=10.0, hold_s=10.0, poll_stale_s=5.0,
                       header_allowance=0, coverage_requires_lease=False)
+
+
+def evidence(layer: int, lo: int, hi: int) -> QuarantineEvidence:
+    """Quarantine evidence as a coordinator sends it (bit-exact comparison: the hashes differ)."""
+    return QuarantineEvidence(layer=layer, lo=lo, hi=hi, input_sha256="a" * 64, remote_sha256="b" * 64,
+                              local_sha256="c" * 64, method=EvidenceMethod.BIT_EXACT)
 
 
 def manifest(model_id: str = MID, n_layer: int = 2, n_expert: int = 8, bpe: int = 1000) -> ModelManifest:
@@ -314,7 +322,8 @@ def test_a_reported_quarantine_drops_coverage_and_refuses_the_volunteer_for_a_wh
     assert {s.peer_id for s in m.ix.by_model[MID].values()} == {"liar", "honest"}
     assert codes(lambda: m.report(CoordinatorReport(url="http://nobody.test", model_id=MID), 2.0)) == "404 unknown_coordinator"
     ack = m.report(CoordinatorReport(url=URL, model_id=MID, workers=[
-        ReportedWorker(peer_id="liar", calls=3, rows=9, verified=0, quarantine="layer 0 experts 0-4: 8 of 8 differ"),
+        ReportedWorker(peer_id="liar", calls=3, rows=9, verified=0, quarantine="layer 0 experts 0-4: 8 of 8 differ",
+                       evidence=evidence(0, 0, 4)),
         ReportedWorker(peer_id="honest", calls=5, rows=20, verified=5)]), 2.0)
     assert ack.quarantined == ["liar"] and m.ix.served["honest"] == (5, 20, 5)
     assert "liar" not in m.ix.coverage and {s.peer_id for s in m.ix.by_model[MID].values()} == {"honest"}
@@ -327,7 +336,7 @@ def test_a_reported_quarantine_drops_coverage_and_refuses_the_volunteer_for_a_wh
     again = new_market(backing, now=4.0)
     assert codes(lambda: again.heartbeat(hb("liar", 3, (0, 0, 4, SERVING)), 4.0)) == "403 quarantined"
     assert again.report(CoordinatorReport(url=URL, model_id=MID, workers=[
-        ReportedWorker(peer_id="liar", quarantine="again")]), 5.0).quarantined == []  # already refused
+        ReportedWorker(peer_id="liar", quarantine="again", evidence=evidence(0, 0, 4))]), 5.0).quarantined == []
     # ... for quarantine_s; then it may come back (and is verified from scratch by the coordinators)
     later = 2.0 + POLICY.quarantine_s + 1
     assert again.heartbeat(hb("liar", 4, (0, 0, 4, SERVING)), later).slices[0].action == "keep"

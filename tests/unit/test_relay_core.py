@@ -44,6 +44,36 @@ from swarm.core.reservation import (
 # relay ledger
 
 
+def test_throwaway_identities_from_one_address_cannot_take_every_slot() -> None:
+    """128 identities from one address get that address's share (16); honest peers from other
+    addresses still get slots; a /24 is capped too; an IPv6 host's /64 counts as one address."""
+    led = RelayLedger(RelayLimits(max_reservations=128, reservation_ttl_s=100, max_reservations_per_address=16,
+                                  max_reservations_per_prefix=40))
+    got = [led.reserve(f"sybil-{i}", 0, "198.51.100.7") for i in range(128)]
+    assert sum(isinstance(g, Reserved) for g in got) == 16
+    assert got[16:] == [Refused(Refusal.ADDRESS_LIMIT)] * 112
+    assert all(isinstance(led.reserve(f"honest-{i}", 1, f"203.0.113.{i}"), Reserved) for i in range(1, 40))
+    # the same /24 from other addresses: 40 in all
+    more = [led.reserve(f"neighbour-{i}", 2, f"198.51.100.{100 + i}") for i in range(40)]
+    assert sum(isinstance(g, Reserved) for g in more) == 40 - 16
+    assert led.reserve("sybil-0", 3, "198.51.100.7") == Reserved(103, renewed=True)  # a refresh needs no new place
+    v6 = [led.reserve(f"v6-{i}", 4, f"2001:db8:1:2::{i + 1:x}") for i in range(20)]
+    assert sum(isinstance(g, Reserved) for g in v6) == 16
+    assert isinstance(led.reserve("mapped", 4, "::ffff:192.0.2.1"), Reserved) and led.reservations_from("192.0.2.1") == 1
+    # leaving, expiring and moving free the place at the old address
+    assert led.peer_disconnected("sybil-0")
+    assert isinstance(led.reserve("sybil-16", 5, "198.51.100.7"), Reserved)
+    assert led.reserve("honest-1", 6, "198.51.100.7") == Refused(Refusal.ADDRESS_LIMIT)  # moving there: full
+    assert led.has_reservation("honest-1", 6)  # ... its reservation from before stands
+    assert led.reservations_from("203.0.113.1") == 1
+    led.expire(200)
+    assert led.reservations_from("198.51.100.7") == 0 and led.stats().reservations == 0
+    with pytest.raises(ValueError):
+        RelayLimits(max_reservations_per_address=0)
+    # an unknown address (None) is counted under none: the total cap alone applies
+    assert isinstance(led.reserve("unknown", 300, None), Reserved)
+
+
 def test_reservations_granted_renewed_refused_and_freed_on_disconnect() -> None:
     led = RelayLedger(RelayLimits(max_reservations=2, reservation_ttl_s=100))
     assert led.reserve("a", 0) == Reserved(100, renewed=False)

@@ -20,7 +20,14 @@ from swarm.core.ratelimit import TokenBucket
 from swarm.errors import RequestError, SliceError
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import build_manifest, cut_slice, expert_digests, plan_slice
-from swarm.protocol.market import CoordinatorReport, RegisterModels, ReportedWorker, VolunteerRequest
+from swarm.protocol.market import (
+    CoordinatorReport,
+    EvidenceMethod,
+    QuarantineEvidence,
+    RegisterModels,
+    ReportedWorker,
+    VolunteerRequest,
+)
 from tests.conftest import FIXTURES
 from tests.unit.test_market_state import MID, POLICY, URL, hb, manifest
 from tests.unit.test_slices import write_quant_model
@@ -295,7 +302,10 @@ def test_offers_list_sharing_holders_then_origins_and_the_lease_view_follows_the
     # both coordinators' origins (the ranking's order), then the stored manifest's (the last registration)
     assert set(offer.origins) == {"http://mirror.test/m.gguf", "http://m2.test/g"} and len(offer.origins) == 2
     # a quarantined holder is no source any more
-    m.report(CoordinatorReport(URL, MID, [ReportedWorker(sharing[0], quarantine="wrong answers")]), 4.0)
+    h = holders[sharing[0]]
+    ev = QuarantineEvidence(layer=h.layer, lo=h.lo, hi=h.hi, input_sha256="a" * 64, remote_sha256="b" * 64,
+                            local_sha256="c" * 64, method=EvidenceMethod.BIT_EXACT)
+    m.report(CoordinatorReport(URL, MID, [ReportedWorker(sharing[0], quarantine="wrong answers", evidence=ev)]), 4.0)
     again = m.volunteer(VolunteerRequest("newcomer", max_experts=4), 4.0)
     assert isinstance(again, Offer) and again.renewed and [p.peer_id for p in again.peers] == sharing[1:]
 

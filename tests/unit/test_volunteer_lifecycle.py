@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 
 OFFER = Offer(model_id="m-123456789abc", layer=1, lo=0, hi=4, url="http://c/v1/slices/m/1/0-4", sha256="ab" * 32,
@@ -228,3 +229,42 @@ def test_a_budget_in_experts_counts_the_experts_held() -> None:
     assert c.experts_left() == 4 and c.budget_left() is None and c.has_room()
     c.offered(b, 2.0)
     assert c.fetched(b, 3.0) == [SendHeartbeat(4)] and c.experts_left() == 0 and not c.has_room()
+
+
+def test_a_stuck_request_budget_is_reported_draining_at_once_and_serving_again_when_it_moves() -> None:
+    c = serving()
+    seq = c.sequence
+    assert c.budget_stuck(True, 5.0) == [SendHeartbeat(seq + 1)]  # not at the next period: now
+    assert [st for _, st in c.reported()] == ["draining"]
+    assert c.budget_stuck(True, 6.0) == []  # no change, no extra heartbeat
+    assert c.budget_stuck(False, 7.0) == [SendHeartbeat(seq + 2)]
+    assert [st for _, st in c.reported()] == ["serving"]
+    idle = lc()
+    idle.start(0)
+    assert idle.budget_stuck(True, 1.0) == []  # nothing held: nothing to report
+
+
+def test_a_slice_still_loading_stays_loading_while_the_budget_is_stuck() -> None:
+    c = lc()
+    c.start(0)
+    c.offered(OFFER, 1.0)
+    c.budget_stuck(True, 2.0)
+    assert [st for _, st in c.reported()] == ["loading"]
+
+
+@pytest.mark.parametrize(("samples", "verdicts"), [
+    # (now, held, refused, given) ...: refusals with nothing given back for the window: stuck
+    ([(0, 100, 0, 0), (10, 100, 1, 0), (29, 100, 5, 0)], [False, False, False]),
+    ([(0, 100, 0, 0), (10, 100, 1, 0), (30, 100, 5, 0)], [False, False, True]),
+    # bytes came back in the meantime: work is being done, refusals are load
+    ([(0, 100, 0, 0), (20, 100, 3, 50), (40, 100, 9, 50)], [False, False, False]),
+    ([(0, 100, 0, 0), (20, 100, 3, 50), (50, 100, 9, 50), (51, 100, 9, 60)], [False, False, True, False]),
+    # nothing held, or nothing refused: not stuck however long
+    ([(0, 0, 5, 0), (100, 0, 9, 0)], [False, False]),
+    ([(0, 100, 0, 0), (100, 100, 0, 0)], [False, False]),
+    # a new budget (counters went down) starts afresh
+    ([(0, 100, 0, 0), (40, 100, 4, 0), (41, 100, 1, 0)], [False, True, False]),
+])
+def test_budget_watch(samples: list[tuple[float, int, int, int]], verdicts: list[bool]) -> None:
+    w = BudgetWatch(window_s=30.0)
+    assert [w.observe(now, held=h, refused=r, given=g) for now, h, r, g in samples] == verdicts

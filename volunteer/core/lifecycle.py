@@ -24,6 +24,10 @@ Rules:
 - Heartbeats go out every ``heartbeat_s`` (the market's value once known) while something is held;
   ``sequence`` strictly grows within the ``epoch``; a failed heartbeat (market outage) changes
   nothing: keep serving, try again next period.
+- A stuck request budget (``volunteer.core.health``: requests refused while nothing comes back)
+  is reported, not hidden: while ``stuck``, every loaded slice is reported ``draining`` (the market
+  stops dispatching it and recruits in its place); the heartbeat goes out at once when that changes,
+  and the slices are ``serving`` again once the budget moves.
 - Shutdown: report every slice ``draining``, wait for in-flight calls (the shell), then send an
   empty heartbeat (deregister).
 """
@@ -141,6 +145,7 @@ class Lifecycle:
     next_poll: float | None = None
     next_heartbeat: float | None = None
     poll_failures: int = 0
+    stuck: bool = False  # the request budget refuses while nothing comes back (``budget_stuck``)
     log: list[str] = field(default_factory=list)
 
     # -- views --------------------------------------------------------------------------------------
@@ -179,9 +184,23 @@ class Lifecycle:
         the market asked to drain is still answered and reported ``serving``: the market tracks that)."""
         out = []
         for h in self.holdings.values():
-            state = "draining" if self.stopping else ("loading" if h.state == "loading" else "serving")
+            if h.state == "loading":
+                state = "draining" if self.stopping else "loading"
+            else:
+                state = "draining" if self.stopping or self.stuck else "serving"
             out.append((h, state))
         return out
+
+    def budget_stuck(self, stuck: bool, now: float) -> list[Effect]:
+        """The request budget's verdict (``volunteer.core.health.BudgetWatch``); a change is reported at once."""
+        if stuck == self.stuck or self.stopping:
+            return []
+        self.stuck = stuck
+        self.log.append("request budget stuck: reporting draining" if stuck else "request budget moves again")
+        if not self.holdings:
+            return []
+        self.next_heartbeat = now + self.heartbeat_s
+        return self._heartbeat()
 
     # -- polling ------------------------------------------------------------------------------------
     def _jittered(self, s: float) -> float:

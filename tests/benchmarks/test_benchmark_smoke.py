@@ -1,0 +1,152 @@
+"""Benchmarks that cannot rot: each runs with ``--smoke`` (tiny sizes, seconds) as a user runs it -- its
+own process, ``python benchmarks/NAME.py --smoke --json OUT`` -- and its JSON is checked against DESIGN
+§11's shape and the fields its docstring documents. A change that breaks a benchmark fails ``make test``.
+
+``SMOKE`` names each benchmark's checker; every benchmark in ``benchmarks/`` must be in it (or, until it
+gets its ``--smoke``, in ``PENDING``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+UNIT_SUFFIXES = ("_ms", "_s", "_per_s", "_pct", "_mb", "_bytes", "_flops", "_per_day")
+TIMED_WORDS = ("time", "latency", "duration", "wait", "elapsed")
+
+
+def run_smoke(name: str, tmp_path: Path, *extra: str, timeout_s: float = 300.0) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke", "--json", str(out), *extra],
+                       capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, f"{name} --smoke failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def check_design_shape(result: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
+    """DESIGN §11: ``{"benchmark": NAME, "cases": [{"case": str, ...}]}``, timed numbers named with their
+    unit; returns the cases by name (several of one name: the last)."""
+    assert result["benchmark"] == name
+    cases = result["cases"]
+    assert isinstance(cases, list) and cases, "no cases"
+    for c in cases:
+        assert isinstance(c, dict) and isinstance(c.get("case"), str) and c["case"], c
+        for k, v in c.items():
+            if isinstance(v, int | float) and not isinstance(v, bool) and any(w in k for w in TIMED_WORDS):
+                assert k.endswith(UNIT_SUFFIXES) or k == "seconds", f"{name}/{c['case']}: {k!r} names no unit"
+    return {c["case"]: c for c in cases}
+
+
+def check_market(result: dict[str, Any]) -> None:
+    cases = check_design_shape(result, "market")
+    n = result["volunteers"]
+    for store in ("sqlite", "memory"):
+        for kind in ("health-baseline", "expert-volunteer", "expert-volunteer-repoll", "expert-coverage-first",
+                     "expert-coverage-steady"):
+            c = cases[f"{kind}/{store}"]
+            assert c["requests_per_s"] > 0 and 0 < c["median_ms"] <= c["p99_ms"], c
+            assert c["requests"] == (n * c.get("rounds", 1)), c
+        assert cases[f"expert-volunteer/{store}"]["assigned"] == n  # every volunteer got a slice
+        assert cases[f"expert-coverage-first/{store}"].get("live_volunteers", n) == n
+
+
+def check_faults(result: dict[str, Any]) -> None:
+    cases = check_design_shape(result, "faults")
+    for mode in ("adaptive", "offload"):
+        c = cases[mode]
+        assert c["seeds_failed"] == 0, c["failures"]
+        assert c["layers_completed"] == c["layers_expected"] > 0 and c["wall_s"] >= 0
+
+
+def check_verification(result: dict[str, Any]) -> None:
+    cases = check_design_shape(result, "verification")
+    for name, c in cases.items():
+        assert {"verify_rate", "completions", "completions_differing", "false_quarantines"} <= c.keys() or name == "honest", c
+        assert c["false_quarantines"] == 0, c
+    zeros = cases["zeros"]
+    assert zeros["calls_to_quarantine"] is not None and zeros["completions_differing"] == 0
+    sq = cases["squatter-liar"]  # the market dropped the squatter, recruited an honest replica, the liar was caught
+    assert sq["recruit_wait_s"] is not None and sq["honest_mapped"] and not sq["squatter_mapped"], sq
+    assert sq["calls_to_quarantine"] is not None and sq["completions_differing"] == 0, sq
+    jam = cases["budget-jam"]  # nothing stayed reserved; the coordinator was served, never refused busy
+    assert jam["budget_held_bytes"] == 0 and jam["busy_refusals"] == 0 and jam["remote_calls"] > 0, jam
+    assert jam["headers_refused_at_once"] == 8 and jam["completions_differing"] == 0, jam
+    honest = cases["honest"]
+    assert honest["calls"] >= 50 and honest["verifications"] > 0 and honest["completions_differing"] == 0
+
+
+def check_backbone(result: dict[str, Any]) -> None:
+    check_design_shape(result, "backbone")
+    fields = {"case", "rtt_ms", "sessions", "draft", "tokens_per_s", "ms_per_token", "round_trips_per_token",
+              "acceptance", "tokens_identical", "layer_breakdown_ms"}
+    kinds = {c["case"] for c in result["cases"]}
+    assert kinds == {"all_local", "backbone"}, kinds
+    for c in result["cases"]:
+        assert set(c) == fields and c["tokens_per_s"] > 0, c
+        if c["case"] == "backbone":
+            assert c["tokens_identical"] is True and c["round_trips_per_token"] > 0, c
+            bd = c["layer_breakdown_ms"]
+            assert bd["layers"] > 0 and bd["total"] > 0 and bd["crossings"] <= 2.0, bd  # the one layer path's bound
+
+
+SMOKE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "backbone": check_backbone,
+    "market": check_market,
+    "faults": check_faults,
+    "verification": check_verification,
+}
+# the coordinator's benchmarks get their --smoke with the coordinator work of issue 31 (then they move to SMOKE)
+PENDING = frozenset({"capacity", "engine", "expert_rtt", "offload"})
+NOT_BENCHMARKS = ("_", "make_")  # helpers and the golden-file generators
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_a_benchmark_runs_in_seconds_and_writes_its_documented_json(name: str, tmp_path: Path) -> None:
+    SMOKE[name](run_smoke(name, tmp_path))
+
+
+def test_every_benchmark_has_a_smoke_run() -> None:
+    found = {p.stem for p in BENCH.glob("*.py") if not p.stem.startswith(NOT_BENCHMARKS)}
+    assert found - SMOKE.keys() - PENDING == set(), "a benchmark without a --smoke run in tests/benchmarks"
+    assert SMOKE.keys() <= found and not SMOKE.keys() & PENDING
+    for name in SMOKE:
+        assert "--smoke" in (BENCH / f"{name}.py").read_text(), name
+
+
+def _options(path: Path) -> set[str]:
+    """The ``dest`` of every ``add_argument("--flag", ...)`` in a benchmark's source."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("--"):
+                dest = next((k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)),
+                            first.value[2:].replace("-", "_"))
+                out.add(str(dest))
+    return out
+
+
+def test_verifications_throughput_case_gives_offload_every_option_it_reads() -> None:
+    """``verification.py`` runs ``offload.run`` with a namespace of its own (its throughput cost): it
+    crashed when offload.py gained ``--rtt-ms``. Every option offload.py defines must be in it."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import verification
+    finally:
+        sys.path.remove(str(BENCH))
+    ns = vars(verification.offload_namespace(quick=True))
+    missing = _options(BENCH / "offload.py") - ns.keys()
+    assert not missing, f"verification.offload_namespace lacks {sorted(missing)}"
+    assert ns["sessions"] == [4] and ns["verify_cases"] is True
