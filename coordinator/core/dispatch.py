@@ -100,6 +100,7 @@ from coordinator.core.events import (
     MarkDown,
     MarkProven,
     ModeChanged,
+    Proof,
     Quarantine,
     RangeWork,
     Reason,
@@ -396,12 +397,12 @@ class DispatchCore:
                 self._local_done(cid, compute_s, now, out)
             case LocalFailed(call=cid, message=message):
                 self._local_failed(cid, message, now, out)
-            case Compared(remote=cid, equal=equal, detail=detail):
-                self._compared(cid, equal, detail, now, out)
+            case Compared(remote=cid, equal=equal, detail=detail, proof=proof):
+                self._compared(cid, equal, detail, now, out, proof)
             case Settled(a=cid):
                 self._settled(cid, event, now, out)
-            case HoldRefuted(peer=peer, layer=layer, lo=lo, hi=hi, detail=detail):
-                self._quarantine(peer, layer, lo, hi, f"layer {layer} experts {lo}-{hi}: {detail}", now, out)
+            case HoldRefuted(peer=peer, layer=layer, lo=lo, hi=hi, detail=detail, proof=proof):
+                self._quarantine(peer, layer, lo, hi, f"layer {layer} experts {lo}-{hi}: {detail}", now, out, proof)
             case TimerFired(timer=timer):
                 self._timer(timer, now, out)
             case LoadSample(busy=busy, n_slots=n_slots):
@@ -634,14 +635,15 @@ class DispatchCore:
         cross.over = True
         self.ledger.drop(cross)
         w = cross.a.work
-        for call, equal, detail in ((cross.a, ev.a_equal, ev.detail_a), (cross.b, ev.b_equal, ev.detail_b)):
+        for call, equal, detail, proof in ((cross.a, ev.a_equal, ev.detail_a, ev.proof_a),
+                                           (cross.b, ev.b_equal, ev.detail_b, ev.proof_b)):
             assert call.peer is not None
             if equal:
                 self.table.verified(call.peer, True)
             else:
                 evidence = (f"layer {call.layer} experts {w.lo}-{w.hi}: {detail or 'outputs differ'} "
                             f"(a second replica disagreed; settled from the coordinator's copy)")
-                self._quarantine(call.peer, call.layer, w.lo, w.hi, evidence, now, out)
+                self._quarantine(call.peer, call.layer, w.lo, w.hi, evidence, now, out, proof)
 
     def _fail(
         self, st: StepRecord, i: int, reason: Reason, now: float, out: list[Effect], message: str = ""
@@ -746,7 +748,8 @@ class DispatchCore:
         if eff is not None:
             out.append(eff)
 
-    def _compared(self, cid: CallId, equal: bool, detail: str, now: float, out: list[Effect]) -> None:
+    def _compared(self, cid: CallId, equal: bool, detail: str, now: float, out: list[Effect],
+                  proof: Proof | None = None) -> None:
         cross = self.ledger.cross.get(cid)
         if cross is not None and cid == cross.a.call and not cross.over and cross.dispute is None:
             self._cross_compared(cross, equal, detail, now, out)
@@ -764,10 +767,10 @@ class DispatchCore:
                 out.append(MarkProven(peer))
             return
         evidence = f"layer {pair.layer} experts {pair.lo}-{pair.hi}: {detail or 'outputs differ'}"
-        self._quarantine(peer, pair.layer, pair.lo, pair.hi, evidence, now, out)
+        self._quarantine(peer, pair.layer, pair.lo, pair.hi, evidence, now, out, proof)
 
     def _quarantine(self, peer: str, layer: int, lo: int, hi: int, evidence: str, now: float,
-                    out: list[Effect]) -> None:
+                    out: list[Effect], proof: Proof | None = None) -> None:
         """Caught lying (a wrong answer or a wrong hold digest): no more work, ever, in this process;
         its calls in flight are abandoned and their ranges recovered."""
         if peer in self.table.quarantined:
@@ -777,7 +780,7 @@ class DispatchCore:
         self.errors.append(ErrorRecord(now, 0, peer, layer, lo, hi, -1, FailureKind.WRONG_ANSWER, evidence))
         self.errors_total += 1
         self.errors_by_kind[FailureKind.WRONG_ANSWER] += 1
-        out.append(Quarantine(peer, layer, lo, hi, evidence))
+        out.append(Quarantine(peer, layer, lo, hi, evidence, proof))
         for c in sorted((c for c in self._calls.values() if c.peer == peer and not c.done), key=lambda c: c.call):
             self._cancel(c, Reason.QUARANTINED, out)
             st = self._steps.get(c.step)

@@ -28,6 +28,7 @@ __all__ = [
     "Fail",
     "FailureKind",
     "Forget",
+    "Proof",
     "Hedge",
     "HoldRefuted",
     "LayerRanLocally",
@@ -223,12 +224,26 @@ class LocalFailed:
 
 
 @dataclass(frozen=True)
+class Proof:
+    """What a quarantine can be checked by (``swarm.protocol.market.QuarantineEvidence``): the sha256 of
+    the call's input, of the worker's answer and of the coordinator's own result, and how it was
+    caught (bit_exact, tolerance, disk, hold_digest, second_replica)."""
+
+    input_sha256: str
+    remote_sha256: str
+    local_sha256: str
+    method: str
+
+
+@dataclass(frozen=True)
 class Compared:
     """The shell's answer to ``Compare``: were the remote call's outputs the coordinator's?"""
 
     remote: CallId
     equal: bool
     detail: str = ""  # what differed (the evidence), or how close it was
+    proof: Proof | None = None  # when unequal
+    error: float | None = None  # a tolerance comparison's largest relative error (None: bit-exact)
 
 
 @dataclass(frozen=True)
@@ -240,6 +255,8 @@ class Settled:
     b_equal: bool
     detail_a: str = ""
     detail_b: str = ""
+    proof_a: Proof | None = None
+    proof_b: Proof | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +270,7 @@ class HoldRefuted:
     lo: int
     hi: int
     detail: str
+    proof: Proof | None = None
 
 
 class TimerKind(StrEnum):
@@ -388,6 +406,7 @@ class Compare:
     lo: int
     hi: int
     peer_b: str | None = None  # ``local`` is a second replica's call (a range not held here): keep both if unequal
+    disk: bool = False  # ``local`` was computed from the GGUF on disk (a range not held here)
 
 
 @dataclass(frozen=True)
@@ -419,6 +438,7 @@ class Quarantine:
     lo: int
     hi: int
     evidence: str
+    proof: Proof | None = None
 
 
 @dataclass(frozen=True)

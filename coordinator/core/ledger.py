@@ -71,7 +71,7 @@ class Ledger:
         if p.remote_side == p.local_side == "done":
             self.comparing[p.remote] = p
             self.verifications += 1
-            return Compare(p.remote, p.local, p.peer, p.layer, p.lo, p.hi)
+            return Compare(p.remote, p.local, p.peer, p.layer, p.lo, p.hi, disk=p.disk)
         return Forget((p.remote, p.local))
 
     def link(self, cross: Cross) -> None:

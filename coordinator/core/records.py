@@ -69,6 +69,7 @@ class VerifyPair:
     trial: bool
     remote_side: str = "pending"
     local_side: str = "pending"
+    disk: bool = False  # the local copy comes from the GGUF on disk
 
 
 @dataclass

@@ -24,6 +24,7 @@ it comes up), so a remote call costs no task per timer.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import threading
@@ -51,6 +52,7 @@ from coordinator.core.events import (
     MarkDown,
     MarkProven,
     ModeChanged,
+    Proof,
     Quarantine,
     Reason,
     RemoteDone,
@@ -85,8 +87,10 @@ from swarm.protocol.expert import (
     ExpertRequest,
     Pairs,
     RequestId,
+    encode_request_payload,
     make_pairs,
 )
+from swarm.rpc.tensors import rows_to_payload
 
 __all__ = ["LATENCY_BOUNDS", "Executor", "WireCall"]
 
@@ -113,6 +117,14 @@ def failure_kind(exc: SwarmError) -> FailureKind:
         case ProtocolError():
             return FailureKind.PROTOCOL
     return FailureKind.OTHER
+
+
+def request_sha256(w: WireCall) -> str:
+    """sha256 of a wire request's payload as encoded (rows in its dtype, padding, the pair arrays)."""
+    h = hashlib.sha256()
+    for part in encode_request_payload(w.req, rows_to_payload(w.x, w.req.dtype), w.pairs):
+        h.update(part)
+    return h.hexdigest()
 
 
 def wall_ms() -> int:
@@ -157,6 +169,7 @@ class Executor:
         self.keep: set[CallId] = set()  # calls whose answers the core will compare
         self.kept: dict[CallId, np.ndarray] = {}
         self.wires: dict[CallId, WireCall] = {}  # a remote call -> its wire request
+        self.inputs: dict[CallId, str] = {}  # a kept remote call -> the sha256 of its request payload (evidence)
         self.local_calls: set[CallId] = set()  # local work handed to a driver, not reported yet
         self.on_quarantine: list[Callable[[Quarantine], None]] = []
         self.mode_changes: deque[ModeChange] = deque(maxlen=16)
@@ -221,6 +234,7 @@ class Executor:
                     for c in calls:
                         self.keep.discard(c)
                         self.kept.pop(c, None)
+                        self.inputs.pop(c, None)
                 case Cancel(call=cid) if cid in self.local_calls:
                     self.local_calls.discard(cid)
                     self._drop_local(cid)
@@ -261,36 +275,44 @@ class Executor:
         events: list[Event] = []
         for eff in effects:
             match eff:
-                case Compare(remote=remote, local=local, peer=peer, peer_b=peer_b):
+                case Compare(remote=remote, local=local, peer=peer, peer_b=peer_b, disk=disk):
                     a, b = self.kept.pop(remote, None), self.kept.pop(local, None)
                     self.keep.discard(remote)
                     self.keep.discard(local)
+                    proof: Proof | None = None
+                    error: float | None = None
                     if a is None or b is None:  # cannot happen: the core asks only once both answered
                         equal, detail = False, "an answer to compare is missing"
                         log.error("verification of %s: %s", peer, detail)
                     else:
                         theirs = self.peers.kernel_of(peer_b) if peer_b is not None else self.our_kernel
                         exact = self.wire_dtype == "float32" and self.peers.kernel_of(peer) == theirs
-                        equal, detail = verify_outputs(a, b, exact=exact)
+                        equal, detail, error = verify_outputs(a, b, exact=exact)
                         if peer_b is not None and not equal:  # two replicas disagree: kept until settled here
                             self.kept[remote], self.kept[local] = a, b
                             self.keep.update((remote, local))
                             log.warning("replicas %s and %s disagree on layer %d experts %d-%d (%s): computing it "
                                         "here", peer, peer_b, eff.layer, eff.lo, eff.hi, detail)
-                    events.append(Compared(remote, equal, detail))
+                        elif not equal:
+                            method = "disk" if disk else "bit_exact" if exact else "tolerance"
+                            proof = self._proof(remote, a, b, method)
+                    self.inputs.pop(remote, None)
+                    events.append(Compared(remote, equal, detail, proof, error))
                 case Settle(a=ca, b=cb, local=cl, peer_a=pa, peer_b=pb):
                     ours = self.kept.pop(cl, None)
-                    verdicts = []
+                    verdicts: list[tuple[bool, str, Proof | None]] = []
                     for call, peer in ((ca, pa), (cb, pb)):
                         theirs_t = self.kept.pop(call, None)
                         if ours is None or theirs_t is None:
-                            verdicts.append((True, "an answer to settle with is missing"))  # no evidence: no quarantine
+                            verdicts.append((True, "an answer to settle with is missing", None))  # no evidence: no quarantine
                             continue
                         exact = self.wire_dtype == "float32" and self.peers.kernel_of(peer) == self.our_kernel
-                        verdicts.append(verify_outputs(theirs_t, ours, exact=exact))
+                        eq, det, _ = verify_outputs(theirs_t, ours, exact=exact)
+                        verdicts.append((eq, det, None if eq else self._proof(call, theirs_t, ours, "second_replica")))
+                        self.inputs.pop(call, None)
                     self.keep.difference_update((ca, cb, cl))
-                    (ea, da), (eb, db) = verdicts
-                    events.append(Settled(ca, ea, eb, da, db))
+                    (ea, da, pa_), (eb, db, pb_) = verdicts
+                    events.append(Settled(ca, ea, eb, da, db, pa_, pb_))
                 case MarkDown(peer=peer, kind=kind, message=message, retry_at=retry_at):
                     log.warning("worker %s marked down (%s: %s), retry at +%.1fs", peer, kind.value, message,
                                 max(0.0, retry_at - self._now_guess()))
@@ -307,6 +329,13 @@ class Executor:
                     self.mode_changes.append(ModeChange(at_ms=wall_ms(), state=self.state_of(), reason=reason.value,
                                                         detail=detail))
         return events
+
+    def _proof(self, remote: CallId, theirs: np.ndarray, ours: np.ndarray, method: str) -> Proof:
+        """The hashes a quarantine report carries: the call's request payload as sent, the worker's
+        outputs and ours (float32, little-endian, the answer's layout)."""
+        return Proof(self.inputs.get(remote, hashlib.sha256(b"").hexdigest()),
+                     hashlib.sha256(np.ascontiguousarray(theirs, dtype="<f4").tobytes()).hexdigest(),
+                     hashlib.sha256(np.ascontiguousarray(ours, dtype="<f4").tobytes()).hexdigest(), method)
 
     def _now_guess(self) -> float:
         try:
@@ -381,6 +410,8 @@ class Executor:
                 continue
             for c in w.calls:
                 self.wires[c] = w
+                if c in self.keep:  # compared later: what was asked is part of the evidence
+                    self.inputs[c] = request_sha256(w)
             self._nursery.start_soon(self._remote, w)
         started = {c for w in wires for c in w.calls}
         for s in sends:

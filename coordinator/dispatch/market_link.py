@@ -32,7 +32,14 @@ from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
 from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.manifest import ModelManifest
-from swarm.protocol.market import CoordinatorReport, ProvenSlice, ReportedWorker, RoutedRange
+from swarm.protocol.market import (
+    CoordinatorReport,
+    EvidenceMethod,
+    ProvenSlice,
+    QuarantineEvidence,
+    ReportedWorker,
+    RoutedRange,
+)
 
 __all__ = ["MarketLink"]
 
@@ -72,7 +79,8 @@ class MarketLink:
         self._reregister = trio.Event()
         self.report_s = report_s
         self._reported: dict[str, tuple[int, int, int, int]] = {}  # peer -> (calls, rows, verified, pairs) already sent
-        self._quarantines: dict[str, str] = {}  # peer -> evidence, not yet accepted by the market
+        # peer -> (what it was caught at, its evidence), not yet accepted by the market
+        self._quarantines: dict[str, tuple[str, QuarantineEvidence | None]] = {}
         self._routed: dict[tuple[int, int, int], int] = {}  # (layer, lo, hi) -> routed rows already reported
         self._report_now = trio.Event()
         self.reports_sent = 0
@@ -80,7 +88,13 @@ class MarketLink:
         dispatcher.on_hold_proven.append(lambda _: self._report_now.set())  # the market counts it once told
 
     def _quarantined(self, q: Quarantine) -> None:
-        self._quarantines[q.peer] = q.evidence
+        proof = None
+        if q.proof is not None:
+            p = q.proof
+            proof = QuarantineEvidence(layer=q.layer, lo=q.lo, hi=q.hi, input_sha256=p.input_sha256,
+                                       remote_sha256=p.remote_sha256, local_sha256=p.local_sha256,
+                                       method=EvidenceMethod(p.method), detail=q.evidence[:2048])
+        self._quarantines[q.peer] = (q.evidence[:2048], proof)
         self._report_now.set()
 
     def report_body(self) -> CoordinatorReport:
@@ -96,8 +110,10 @@ class MarketLink:
             workers.append(ReportedWorker(peer_id=w.peer_id, calls=max(0, w.calls - c0), rows=max(0, w.rows - r0),
                                           verified=max(0, w.verified - v0), pairs=max(0, w.pairs - p0), path=w.path,
                                           latency_ms=w.latency_ewma_ms if w.latency_ewma_ms > 0 else None,
-                                          quarantine=self._quarantines.get(w.peer_id), held=held))
-        workers += [ReportedWorker(peer_id=p, quarantine=e) for p, e in self._quarantines.items() if p not in seen]
+                                          quarantine=self._quarantines.get(w.peer_id, (None, None))[0],
+                                          evidence=self._quarantines.get(w.peer_id, (None, None))[1], held=held))
+        workers += [ReportedWorker(peer_id=p, quarantine=e, evidence=proof)
+                    for p, (e, proof) in self._quarantines.items() if p not in seen]
         routed = self.dispatcher.core.routed
         ranges = [RoutedRange(layer=k[0], lo=k[1], hi=k[2], rows=n - self._routed.get(k, 0))
                   for k, n in sorted(routed.items()) if n > self._routed.get(k, 0)]

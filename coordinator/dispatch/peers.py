@@ -20,15 +20,17 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 import trio
 
-from coordinator.core.events import HoldRefuted
+from coordinator.core.events import HoldRefuted, Proof
 from coordinator.core.holdings import HoldBook, Holding
 from swarm.core.paths import Path as ConnPath
 from swarm.core.paths import session_path, should_migrate
@@ -249,7 +251,9 @@ class Peers:
             detail = f"hold digest {proof.digest.hex()[:16]} is not {expected.hex()[:16]} (nonce {nonce.hex()})"
             book.refuted(h, detail)
             log.warning("worker %s does not hold %d:%d-%d: %s", h.peer, h.layer, h.lo, h.hi, detail)
-            hooks.refuted(HoldRefuted(h.peer, h.layer, h.lo, h.hi, detail))
+            asked = hashlib.sha256(msgspec.msgpack.encode([nonce, windows])).hexdigest()
+            hooks.refuted(HoldRefuted(h.peer, h.layer, h.lo, h.hi, detail,
+                                      Proof(asked, proof.digest.hex(), expected.hex(), "hold_digest")))
             return
         book.passed(h)
         log.info("worker %s proved it holds %d:%d-%d", h.peer, h.layer, h.lo, h.hi)

@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import msgspec
-import pytest
 import torch
 import trio
 from hypercorn.config import Config as HyperConfig
@@ -42,9 +41,6 @@ from volunteer.server import ExpertServer
 TOKEN = "t0k"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31: the market refuses a quarantine without QuarantineEvidence "
-                   "(400 missing_evidence) and the coordinator's MarketLink sends none yet -- the coordinator side "
-                   "of issue 31 adds it; then this passes and the marker goes")
 async def test_a_liar_is_quarantined_reported_and_refused_by_the_market(
     nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -179,8 +175,6 @@ class _Stranger:
                 "content-type": "application/json", SIGNATURE_HEADER: sign_request(self.kp, "POST", "/api/expert-coverage", raw)})
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31: a hold-digest quarantine must carry QuarantineEvidence (method "
-                   "hold_digest); the coordinator's MarketLink sends none yet -- the coordinator side adds it")
 async def test_a_squatter_with_a_lease_but_no_file_never_gets_work_and_is_refused(
     nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -23,7 +23,6 @@ from tests.integration.support import (
     HALVES,
     Handler,
     assert_greedy_as_all_local,
-    coord_transport,
     dmap,
     greedy,
     make_dispatcher,
@@ -31,8 +30,6 @@ from tests.integration.support import (
     start_volunteer,
 )
 from volunteer.server import ExpertServer
-
-__all__ = ["coord_transport"]  # the fixture, shared with test_remote_experts
 
 # every range with a live replica goes remote; verification at its defaults (50 in probation, then 0.05)
 VERIFIED_OFFLOAD = DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False)
@@ -120,16 +117,17 @@ async def test_honest_volunteers_pass_every_comparison(
 def test_tolerance_comparison_catches_what_the_kernels_cannot_explain() -> None:
     g = torch.Generator().manual_seed(0)
     y = torch.randn(32, 64, generator=g)
-    assert verify_outputs(y.clone(), y, exact=True) == (True, "bit-equal")
+    assert verify_outputs(y.clone(), y, exact=True) == (True, "bit-equal", None)
     assert not verify_outputs(one_ulp(y), y, exact=True)[0]
     assert verify_outputs(one_ulp(y), y, exact=False)[0]  # 1 ulp is within any tolerance
     assert verify_outputs(y * (1 + VERIFY_RTOL / 2), y, exact=False)[0]
-    ok, detail = verify_outputs(y * (1 + 2 * VERIFY_RTOL), y, exact=False)
+    ok, detail, err = verify_outputs(y * (1 + 2 * VERIFY_RTOL), y, exact=False)
+    assert err is not None and err > VERIFY_RTOL
     assert not ok and "relative error" in detail
     assert not verify_outputs(torch.zeros_like(y), y, exact=False)[0]
     bad = y.clone()
     bad[3, 5] = float("nan")
-    assert verify_outputs(bad, y, exact=False) == (False, "non-finite outputs")
+    assert verify_outputs(bad, y, exact=False) == (False, "non-finite outputs", None)
     assert not verify_outputs(y[:31], y, exact=False)[0]
 
 
