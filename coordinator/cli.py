@@ -55,6 +55,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="largest API request body, e.g. 8M (larger: 413 body_too_large)")
     c.add_argument("--verify-rate", type=float, default=0.05,
                    help="share of volunteers' answers recomputed here and compared, after their probation")
+    c.add_argument("--verify-disk-rate", type=float, default=0.02,
+                   help="experts not held here: the share of volunteers' answers recomputed from the GGUF on disk "
+                        "(pread, off the engine thread; every one in a volunteer's probation that no second replica "
+                        "of another network checks), so replicas agreeing on a lie are caught too (0: never)")
     c.add_argument("--verify-probation", type=int, default=50,
                    help="a volunteer's first N answers (and N after any failure) are all verified")
     c.add_argument("--local-experts", default="all", metavar="SPEC",
@@ -110,6 +114,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "verify_rate": ns.verify_rate,
         "max_body": ns.max_body,
         "verify_probation_calls": ns.verify_probation,
+        "verify_disk_rate": ns.verify_disk_rate,
         "hold_proof": not ns.no_hold_proof,
         "local_experts": ns.local_experts,
         "on_missing": ns.on_missing,
@@ -120,7 +125,7 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "draft_max": ns.draft_max,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
               "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
-              "verify_probation_calls": "--verify-probation", "hold_proof": "--no-hold-proof",
+              "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate", "hold_proof": "--no-hold-proof",
               "missing_wait_s": "--missing-wait"})
 
 

@@ -9,6 +9,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import tempfile
@@ -16,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
+import gguf
 import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
@@ -90,6 +92,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     verify_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
     max_body: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20  # bytes of one API request body (413 above)
     verify_probation_calls: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 50
+    # experts this coordinator does not hold: this share of their remote calls (and, in a volunteer's probation,
+    # every one no second replica of another network checks) recomputed from the GGUF on disk (DESIGN §12)
+    verify_disk_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.02
     # a listed volunteer gets work for a slice only after answering a hold challenge for it (DESIGN §12)
     hold_proof: bool = True
     # the routed experts this coordinator computes itself (DESIGN §11 SPEC; coordinator.core.local_experts):
@@ -141,7 +146,18 @@ def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:
                           hot_experts=cfg.hot_experts, timeout_s=cfg.expert_timeout_s,
                           split_check_s=cfg.split_check_s,
                           verify_rate=cfg.verify_rate, verify_probation_calls=cfg.verify_probation_calls,
-                          missing_disk=cfg.on_missing == "disk")
+                          missing_disk=cfg.on_missing == "disk", verify_disk_rate=cfg.verify_disk_rate)
+
+
+def honest_error(model: GGUFModel, wire_dtype: str) -> float:
+    """The mean relative error between honest kernels on this model (``DispatchConfig.honest_error``),
+    as measured on the golden files: ggml rounds activations to 8 bits for quantised weights (ggml
+    against torch: mean 1.2-1.4e-2 on Q8_0 and Q4_K_M experts), not for float ones (4e-7 on F32); a
+    16-bit wire adds ~2.5e-3 on float experts. The largest of what applies, with a margin."""
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    if model.expert_stack(0).gate_t.qtype not in float_types:
+        return 0.015
+    return 0.004 if wire_dtype != "float32" else 1e-5
 
 
 async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
@@ -158,7 +174,8 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
         else:
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-swarm-coordinator-")))
         async with open_libp2p_transport(key_path=data_dir / "identity.key", listen_addrs=cfg.p2p_listen) as transport:
-            dispatcher = Dispatcher(model, transport, config=dispatch_config(cfg), wire_dtype=cfg.wire_dtype,
+            dcfg = dataclasses.replace(dispatch_config(cfg), honest_error=honest_error(model, cfg.wire_dtype))
+            dispatcher = Dispatcher(model, transport, config=dcfg, wire_dtype=cfg.wire_dtype,
                                     kernel=cfg.kernel, hole_punch=cfg.hole_punch,
                                     load_probe=lambda: (rt.busy(), rt.n_slots), prove_holdings=cfg.hold_proof,
                                     held=local.held,

@@ -74,6 +74,7 @@ from market.core.registry import (
     diff_coverage,
     epoch_bound_ms,
     is_expired,
+    network_tag,
     registration_is_stale,
 )
 from market.core.sources import PeerCandidate, rank_origins, rank_peer_sources, rank_sources
@@ -177,6 +178,7 @@ class Market:
         self.store = store
         self.policy = policy
         self.rng = rng
+        self._net_salt = rng.getrandbits(128).to_bytes(16, "big")  # network tags name no address
         self.ix = Indexes(policy)
         self._last_flush = now
         self.counters: Counter[str] = Counter()
@@ -1025,7 +1027,8 @@ class Market:
                 load = v.load if v else 0.0
                 protocols = tuple(v.row.protocols) if v else ()
                 serving.append(
-                    ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.served, load, r.since, peer, r.proved), protocols)
+                    ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.served, load, r.since, peer, r.proved), protocols,
+                                 network_tag(self._peer_addr.get(peer, ""), self._net_salt))
                 )
         layers = build_layers(serving, protocol=EXPERT_PROTOCOL_VERSION)
         cur = self.ix.maps.get(model_id, MapRow(model_id, 0, []))

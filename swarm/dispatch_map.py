@@ -22,6 +22,9 @@ __all__ = ["DispatchMap", "LayerRanges", "RangeReplicas", "Replica", "decode_dis
 class Replica(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     peer_id: str
     addrs: list[str] = []
+    # the market's opaque tag of the network the volunteer speaks from ("" unknown): two replicas of one
+    # tag could be one party, so a coordinator never lets one check the other (DESIGN §12)
+    net: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class RangeReplicas(msgspec.Struct, frozen=True):

@@ -222,7 +222,9 @@ class DispatchCore:
         self.ledger = Ledger(config, self.table, rng)
         self.load = LoadTracker(config)
         self.hot = HotExperts(config.hot_experts, config.hot_decay)
-        self.placement = Placement(config, self.table, lambda peers, pairs: self._best_remote(peers, self._last_now, pairs))
+        self.nets: dict[str, str] = {}  # worker -> its network tag (cross-checks never pair one network)
+        self.placement = Placement(config, self.table, lambda peers, pairs: self._best_remote(peers, self._last_now, pairs),
+                                   self.nets)
         self.balanced = self.placement.balanced
         self.n_expert = n_expert
         self.decisions: Counter[Reason] = Counter()
@@ -369,8 +371,10 @@ class DispatchCore:
         out: list[Effect] = []
         self._last_now = now
         match event:
-            case WorkersListed(peers=peers):
+            case WorkersListed(peers=peers, nets=nets):
                 self.table.sync(set(peers), now)
+                self.nets.clear()
+                self.nets.update((p, n) for p, n in nets if n)
             case LayerReady(layer=layer, ranges=ranges):
                 for rw in ranges:
                     self.routed[(layer, rw.lo, rw.hi)] += rw.rows
@@ -397,8 +401,8 @@ class DispatchCore:
                 self._local_done(cid, compute_s, now, out)
             case LocalFailed(call=cid, message=message):
                 self._local_failed(cid, message, now, out)
-            case Compared(remote=cid, equal=equal, detail=detail, proof=proof):
-                self._compared(cid, equal, detail, now, out, proof)
+            case Compared(remote=cid, equal=equal, detail=detail, proof=proof, error=error):
+                self._compared(cid, equal, detail, now, out, proof, error)
             case Settled(a=cid):
                 self._settled(cid, event, now, out)
             case HoldRefuted(peer=peer, layer=layer, lo=lo, hi=hi, detail=detail, proof=proof):
@@ -494,12 +498,16 @@ class DispatchCore:
         *,
         hedge_of: CallId | None = None,
         keep: bool = False,
+        backlog: bool = True,
     ) -> CallRecord:
+        """A local call; ``backlog``: it queues with the engine's local work (not a disk check, which runs apart)."""
         r = st.ranges[i]
         call = self._new_call(st, i, None, -1, now)
         call.verify = keep
+        call.backlog = backlog
         r.pending.add(call.call)
-        self.local_backlog_pairs += r.work.pairs
+        if backlog:
+            self.local_backlog_pairs += r.work.pairs
         w = r.work
         if hedge_of is not None:
             out.append(
@@ -526,10 +534,13 @@ class DispatchCore:
         r = st.ranges[i]
         led = self.ledger
         r.planned_local = r.planned_local and reason is Reason.TRIAL_HEDGE
-        verify = trial or probe or (r.work.held and hedge_of is None and led.sampled(peer))
+        # not held here: recomputed from the GGUF on disk (its copy is the result), or checked on a second replica
+        disk = (not r.work.held and second_of is None and hedge_of is None and not trial and r.cross is None
+                and led.disk_sampled(peer))
+        verify = trial or probe or disk or (r.work.held and hedge_of is None and led.sampled(peer))
         second: str | None = None
-        if (second_of is None and hedge_of is None and not trial and not r.work.held and r.cross is None
-                and led.sampled(peer)):  # not held here: checked on a second replica instead
+        if (second_of is None and hedge_of is None and not trial and not disk and not r.work.held and r.cross is None
+                and led.sampled(peer)):
             second = self._second_replica(r, peer, now)
             if second is None:
                 led.unverifiable += 1
@@ -555,15 +566,18 @@ class DispatchCore:
         if verify:  # the range's result will be the coordinator's own copy
             r.trusted_only = True
             r.verified = r.verified or not trial
-            local = self._local(
-                st, i, Reason.TRIAL_HEDGE if trial else Reason.VERIFY, now, out, keep=True
-            )
-            led.pair(VerifyPair(call.call, local.call, peer, st.layer, w.lo, w.hi, trial))
+            if disk:
+                led.disk_checks += 1
+            local = self._local(st, i, Reason.VERIFY_DISK if disk else Reason.TRIAL_HEDGE if trial else Reason.VERIFY,
+                                now, out, keep=True, backlog=not disk)
+            led.pair(VerifyPair(call.call, local.call, peer, st.layer, w.lo, w.hi, trial, disk=disk))
 
     def _second_replica(self, r: RangeRecord, peer: str, now: float) -> str | None:
         """Another live replica of the range for a cross-check (proven ones first, then the earliest
         estimated finish), or None."""
-        others = [p for p in r.work.replicas if p != peer and p not in r.tried and self.table.is_live(p, now)]
+        net = self.nets.get(peer)
+        others = [p for p in r.work.replicas if p != peer and p not in r.tried and self.table.is_live(p, now)
+                  and (net is None or self.nets.get(p) != net)]
         if not others:
             return None
         proven = [p for p in others if self.table.is_proven(p)]
@@ -685,7 +699,8 @@ class DispatchCore:
             elif cross.dispute == c.call:
                 self._dispute_gone(cross, out)
         if c.peer is None:
-            self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
+            if c.backlog:
+                self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
         else:
             self.table.finished(c.peer)
             out.append(CancelTimer(Timer(TimerKind.DEADLINE, c.call)))
@@ -749,7 +764,7 @@ class DispatchCore:
             out.append(eff)
 
     def _compared(self, cid: CallId, equal: bool, detail: str, now: float, out: list[Effect],
-                  proof: Proof | None = None) -> None:
+                  proof: Proof | None = None, error: float | None = None) -> None:
         cross = self.ledger.cross.get(cid)
         if cross is not None and cid == cross.a.call and not cross.over and cross.dispute is None:
             self._cross_compared(cross, equal, detail, now, out)
@@ -759,6 +774,12 @@ class DispatchCore:
             self.stale_answers += 1
             return
         peer = pair.peer
+        if equal and error is not None:  # within the tolerance: is it consistently beyond the honest spread?
+            drift = self.ledger.drifted(peer, error)
+            if drift is not None:
+                self._quarantine(peer, pair.layer, pair.lo, pair.hi, f"layer {pair.layer} experts {pair.lo}-{pair.hi}: "
+                                 f"{drift}", now, out, proof)
+                return
         if equal:
             self.ledger.verified_equal += 1
             was = self.table.is_proven(peer)
@@ -904,8 +925,9 @@ class DispatchCore:
         c.done = True
         del self._calls[cid]
         w = c.work
-        self.local_backlog_pairs = max(0, self.local_backlog_pairs - w.pairs)
-        if w.pairs > 0 and compute_s > 0:
+        if c.backlog:
+            self.local_backlog_pairs = max(0, self.local_backlog_pairs - w.pairs)
+        if w.pairs > 0 and compute_s > 0 and c.backlog:
             a = self.config.ewma_alpha
             self.local_cost_s = (1 - a) * self.local_cost_s + a * compute_s / w.pairs
         self._win(c, now, out)
@@ -921,7 +943,8 @@ class DispatchCore:
             return
         c.done = True
         del self._calls[cid]
-        self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
+        if c.backlog:
+            self.local_backlog_pairs = max(0, self.local_backlog_pairs - c.work.pairs)
         self._record(c, FailureKind.LOCAL, message, 0, now)
         self._side(cid, "gone", out)
         cross = self.ledger.cross.get(cid)

@@ -99,6 +99,8 @@ class Reason(StrEnum):
     VERIFY = "verify"  # RunLocal: the coordinator's copy of a sampled remote call (its result is used)
     VERIFY_SECOND = "verify_second"  # SendRemote: a second replica of a sampled call of a range not held here
     DISPUTE = "dispute"  # RunLocal: two replicas disagreed; the coordinator computes it from its GGUF
+    VERIFY_DISK = "verify_disk"  # RunLocal: a sampled call of a range not held here, recomputed from the GGUF on disk
+    DRIFT = "drift"  # Quarantine: a worker's errors within the tolerance are consistently beyond the honest spread
     LOCAL_FAILED = "local_failed"  # Fail: the coordinator's own kernel failed on a range
     MISSING_DISK = "missing_disk"  # RunLocal: not held, nobody serves it: computed from the GGUF (--on-missing disk)
     QUARANTINED = "quarantined"  # Cancel: the worker failed verification
@@ -154,6 +156,14 @@ class DispatchConfig:
     # a range not held here with no live replica (or all failed): "fail" the layer (the shell may wait and
     # retry it: --on-missing wait) or compute it here from the GGUF on disk anyway ("disk": slow but exact)
     missing_disk: bool = False
+    # a range not held here: this share of its remote calls (every one while the worker is in probation) is
+    # recomputed from the GGUF on disk (off the engine thread) and that copy is the range's result (0: never)
+    verify_disk_rate: float = 0.0
+    # comparisons within the tolerance (other kernel ids, a 16-bit wire): a worker whose mean relative error
+    # over at least drift_calls comparisons exceeds drift_factor x the honest spread is quarantined
+    honest_error: float = 0.015  # the mean relative error between honest kernels (the shell sets it per model)
+    drift_factor: float = 2.0
+    drift_calls: int = 16
 
 
 # -- events ----------------------------------------------------------------------------------------
@@ -176,6 +186,9 @@ class WorkersListed:
     """The dispatch map changed: these workers are listed now (new ones attach, missing detach)."""
 
     peers: frozenset[str]
+    # each worker's network (the market's tag of the address it speaks from; "" unknown): a cross-check
+    # never pairs two workers of one network, which could be one party
+    nets: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ Rules, in this order:
 - ``offload`` mode (the pre-adaptive behaviour): a live replica gets it (OFFLOAD_REMOTE, replicas in
   ``BalancedPolicy`` order), else local (NO_REPLICA / ALL_DOWN) when held, else computed from the
   GGUF (MISSING_DISK, with ``missing_disk``) or the layer fails;
-- not held: remote only (NOT_HELD), proven replicas first by earliest finish; no live replica:
-  MISSING_DISK with ``missing_disk``, else fail (NO_REPLICA / ALL_DOWN);
+- not held: remote only (NOT_HELD), proven replicas first by earliest finish, never a worker in
+  probation whose calls could not be checked (no disk checks, no other live replica of another
+  network: ``checkable``); no usable replica: MISSING_DISK with ``missing_disk``, else fail
+  (NO_REPLICA / ALL_DOWN);
 - idle: held ranges run locally (IDLE_LOCAL);
 - loaded, a live unproven replica due for its trial: it gets the range *and* the local copy
   computes it (TRIAL_HEDGE);
@@ -91,11 +93,21 @@ Estimate = Callable[[list[str], float | None], tuple[str, float]]  # (peers, pai
 
 
 class Placement:
-    def __init__(self, config: DispatchConfig, table: WorkerTable, best_remote: Estimate) -> None:
+    def __init__(self, config: DispatchConfig, table: WorkerTable, best_remote: Estimate,
+                 nets: dict[str, str] | None = None) -> None:
         self.config = config
         self.table = table
         self.best_remote = best_remote
+        self.nets = nets if nets is not None else {}
         self.balanced = BalancedPolicy()
+
+    def checkable(self, peer: str, w: RangeWork, live: list[str]) -> bool:
+        """Can a call of a range not held here to ``peer`` be checked: from disk, or on another live
+        replica of another network? A worker in probation that cannot be is not given such a range."""
+        if self.config.verify_disk_rate > 0 or self.table.workers[peer].probation_left == 0:
+            return True
+        net = self.nets.get(peer)
+        return any(p != peer and (net is None or self.nets.get(p) != net) for p in live)
 
     def place(self, w: RangeWork, v: PlacementView) -> Place:
         c, table, now = self.config, self.table, v.now
@@ -112,8 +124,10 @@ class Placement:
                 return Place(PlaceKind.LOCAL, none_live)
             return Place(PlaceKind.LOCAL, Reason.MISSING_DISK) if c.missing_disk else Place(PlaceKind.FAIL, none_live)
         if not w.held:
-            if live:
-                return Place(PlaceKind.REMOTE, Reason.NOT_HELD, self.best_remote(proven or live, w.pairs)[0])
+            usable = [p for p in live if self.checkable(p, w, live)]
+            if usable:
+                ready = [p for p in usable if table.is_proven(p)]
+                return Place(PlaceKind.REMOTE, Reason.NOT_HELD, self.best_remote(ready or usable, w.pairs)[0])
             return Place(PlaceKind.LOCAL, Reason.MISSING_DISK) if c.missing_disk else Place(PlaceKind.FAIL, none_live)
         if v.state is LoadState.IDLE:
             return Place(PlaceKind.LOCAL, Reason.IDLE_LOCAL)

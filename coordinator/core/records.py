@@ -25,6 +25,7 @@ class CallRecord:
     trial: bool = False
     verify: bool = False  # kept for a comparison: runs to its end, never wins (remote) / must win (local)
     done: bool = False
+    backlog: bool = True  # a local call that queues with the engine's local work (not a disk check)
 
 
 @dataclass

@@ -72,6 +72,7 @@ from coordinator.core.dispatch import (
 from coordinator.core.holdings import HoldBook, Holding
 from coordinator.core.pipeline import PipelineModel
 from coordinator.dispatch import report as reports
+from coordinator.dispatch.disk import DiskExperts
 from coordinator.dispatch.executor import Executor, WireCall
 from coordinator.dispatch.layer import (
     AsyncWaker,
@@ -81,6 +82,7 @@ from coordinator.dispatch.layer import (
     RangeJob,
     ThreadWaker,
     Waker,
+    job_of,
 )
 from coordinator.dispatch.peers import PeerHooks, Peers
 from swarm.core.histogram import Histogram
@@ -139,6 +141,7 @@ class Dispatcher:
         held: Callable[[int, int, int], bool] = _always_held,
         local_kernel: LocalKernel | None = None,
         local_runner: LocalRunner | None = None,
+        disk_runner: LocalRunner | None = None,
         rng: random.Random | None = None,
         prove_holdings: bool = False,
         missing_wait_s: float = 0.0,
@@ -178,9 +181,18 @@ class Dispatcher:
         self.peers = Peers(transport, kernel_id=self.our_kernel_id, timeout_s=self.timeout_s, hole_punch=hole_punch,
                            model=model, holdings=self.holdings)
         self.executor = Executor(peers=self.peers, model_id=model.model_id, d_model=self.cfg.d_model,
+                                 n_expert=self.cfg.n_expert,
                                  wire_dtype=wire_dtype, timeout_s=self.timeout_s, our_kernel=self.our_kernel_id,
                                  handle=self._handle, lock=self.lock)
         self.executor.state_of = lambda: self.core.state.value
+        # disk checks of ranges not held here (DESIGN §12): the GGUF read with pread, on a worker thread;
+        # a fake model's tests hand in a runner of their own (virtual time)
+        self.disk: DiskExperts | None = None
+        if disk_runner is not None:
+            self.executor.disk_runner = disk_runner
+        elif isinstance(model, GGUFModel) and (cfg.verify_disk_rate > 0 or cfg.missing_disk):
+            self.disk = DiskExperts(model, self.kernel)
+            self.executor.disk_kernel = self.disk.pair_outputs
         self.on_hold_proven: list[Callable[[Holding], None]] = []
         self.map: DispatchMap | None = None
         self._step_ids = itertools.count(1)
@@ -263,7 +275,8 @@ class Dispatcher:
         self.map = m
         self._not_held = any(not self.held(lr.layer, r.lo, r.hi) for lr in m.layers for r in lr.ranges)
         added, removed = self.peers.adopt(m, before, self._now())
-        self._handle([WorkersListed(frozenset(m.peers()))], self._on_trio())
+        nets = {rep.peer_id: rep.net for lr in m.layers for r in lr.ranges for rep in r.replicas if rep.net}
+        self._handle([WorkersListed(frozenset(m.peers()), tuple(sorted(nets.items())))], self._on_trio())
         self._map_changed.set()
         self._map_event.set()
         self._map_event = trio.Event()
@@ -432,17 +445,7 @@ class Dispatcher:
 
     # -- one layer: local work, result (the driver's thread) ---------------------------------------------
     def _job_of(self, call: LayerCall, indices: list[int]) -> LocalJob:
-        """One local job of the call's ranges ``indices`` (their pairs side by side)."""
-        jobs = [call.jobs[i] for i in indices]
-        if len(jobs) == 1:
-            j = jobs[0]
-            return LocalJob(call.layer, j.lo, j.hi, j.x, j.pairs.rows.astype(np.int64),
-                            j.pairs.experts.astype(np.int64), np.asarray(j.pairs.weights, dtype=np.float32))
-        bases = np.cumsum([0, *[j.n_rows for j in jobs[:-1]]])
-        return LocalJob(call.layer, 0, self.cfg.n_expert, np.concatenate([j.x for j in jobs]),
-                        np.concatenate([j.pairs.rows.astype(np.int64) + b for j, b in zip(jobs, bases, strict=True)]),
-                        np.concatenate([j.pairs.experts.astype(np.int64) + j.lo for j in jobs]),
-                        np.concatenate([np.asarray(j.pairs.weights, dtype=np.float32) for j in jobs]))
+        return job_of(call, indices, self.cfg.n_expert)
 
     def _kernel_of_model(self, job: LocalJob) -> np.ndarray:
         assert isinstance(self.model, GGUFModel)

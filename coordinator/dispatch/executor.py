@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +49,8 @@ from coordinator.core.events import (
     FailureKind,
     Forget,
     Hedge,
+    LocalDone,
+    LocalFailed,
     MarkDown,
     MarkProven,
     ModeChanged,
@@ -67,7 +69,7 @@ from coordinator.core.events import (
     Timer,
     TimerFired,
 )
-from coordinator.dispatch.layer import LayerCall
+from coordinator.dispatch.layer import LayerCall, LocalJob, job_of
 from coordinator.dispatch.peers import Peers
 from coordinator.dispatch.verify import verify_outputs
 from swarm.core.histogram import Histogram
@@ -155,9 +157,10 @@ class _Split:
 
 
 class Executor:
-    def __init__(self, *, peers: Peers, model_id: str, d_model: int, wire_dtype: str, timeout_s: float,
+    def __init__(self, *, peers: Peers, model_id: str, d_model: int, n_expert: int, wire_dtype: str, timeout_s: float,
                  our_kernel: str, handle: Callable[[list[Event], bool], None], lock: threading.Lock) -> None:
         self.lock = lock
+        self.n_expert = n_expert
         self.peers = peers
         self.model_id = model_id
         self.d_model = d_model
@@ -172,6 +175,12 @@ class Executor:
         self.inputs: dict[CallId, str] = {}  # a kept remote call -> the sha256 of its request payload (evidence)
         self.local_calls: set[CallId] = set()  # local work handed to a driver, not reported yet
         self.on_quarantine: list[Callable[[Quarantine], None]] = []
+        # disk checks (``Reason.VERIFY_DISK``): a kernel on the GGUF file run on a worker thread, one at a
+        # time, or (tests under virtual time) an async runner
+        self.disk_kernel: Callable[[LocalJob], np.ndarray] | None = None
+        self.disk_runner: Callable[[LocalJob], Awaitable[np.ndarray]] | None = None
+        self._disk_limiter = trio.CapacityLimiter(1)
+        self.disk_checks_done = 0
         self.mode_changes: deque[ModeChange] = deque(maxlen=16)
         self.state_of: Callable[[], str] = lambda: ""
         self.latency_hist = Histogram(LATENCY_BOUNDS)
@@ -214,6 +223,10 @@ class Executor:
         out = _Split()
         for eff in effects:
             match eff:
+                case RunLocal(call=cid, keep=keep, reason=Reason.VERIFY_DISK):  # off the driver's thread
+                    if keep:
+                        self.keep.add(cid)
+                    out.trio.append(eff)
                 case RunLocal(call=cid, step=step, index=index, keep=keep):
                     if keep:
                         self.keep.add(cid)
@@ -419,6 +432,12 @@ class Executor:
                 events.append(RemoteFailed(s.call, FailureKind.CLOSED, "the layer ended"))
         for eff in effects:
             match eff:
+                case RunLocal(call=cid, step=step, index=index, reason=Reason.VERIFY_DISK):
+                    call = self.calls.get(step)
+                    if call is None or self._nursery is None:
+                        events.append(LocalFailed(cid, "the layer ended"))
+                    else:
+                        self._nursery.start_soon(self._disk, call, cid, index)
                 case Cancel(call=cid):
                     wc = self.wires.get(cid)
                     if wc is not None:
@@ -442,6 +461,29 @@ class Executor:
                         except Exception:  # a reporting hook must not stop dispatch
                             log.exception("quarantine hook failed")
         return events
+
+    async def _disk(self, call: LayerCall, cid: CallId, index: int) -> None:
+        """A disk check: the range recomputed from the GGUF file (its result is the range's)."""
+        ev: Event
+        try:
+            job = job_of(call, [index], self.n_expert)
+            if self.disk_runner is not None:
+                y = await self.disk_runner(job)
+            elif self.disk_kernel is not None:
+                y = await trio.to_thread.run_sync(self.disk_kernel, job, limiter=self._disk_limiter)
+            else:
+                raise RuntimeError("this dispatcher has no GGUF file to check from")
+        except Exception as exc:
+            log.exception("disk check of layer %d experts %d-%d failed", call.layer, job.lo, job.hi)
+            ev = LocalFailed(cid, f"disk check failed: {type(exc).__name__}: {exc}")
+        else:
+            with self.lock:
+                call.results[cid] = y
+                if cid in self.keep:
+                    self.kept[cid] = y
+            self.disk_checks_done += 1
+            ev = LocalDone(cid, 0.0)  # not the engine's local cost
+        self._handle([ev], True)
 
     async def _remote(self, w: WireCall) -> None:
         started = trio.current_time()

@@ -41,7 +41,7 @@ import trio
 from coordinator.core.events import CallId, Fail, StepId
 from swarm.protocol.expert import Pairs
 
-__all__ = ["AsyncWaker", "LayerCall", "LayerTiming", "LocalJob", "RangeJob", "ThreadWaker", "Waker"]
+__all__ = ["AsyncWaker", "LayerCall", "LayerTiming", "LocalJob", "RangeJob", "ThreadWaker", "Waker", "job_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,3 +195,17 @@ class LayerCall:
         if threading.get_ident() != self.driver:
             self.timing.crossings += 1
         self.waker.wake()
+
+
+def job_of(call: LayerCall, indices: list[int], n_expert: int) -> LocalJob:
+    """One local job of the call's ranges ``indices`` (their pairs side by side)."""
+    jobs = [call.jobs[i] for i in indices]
+    if len(jobs) == 1:
+        j = jobs[0]
+        return LocalJob(call.layer, j.lo, j.hi, j.x, j.pairs.rows.astype(np.int64),
+                        j.pairs.experts.astype(np.int64), np.asarray(j.pairs.weights, dtype=np.float32))
+    bases = np.cumsum([0, *[j.n_rows for j in jobs[:-1]]])
+    return LocalJob(call.layer, 0, n_expert, np.concatenate([j.x for j in jobs]),
+                    np.concatenate([j.pairs.rows.astype(np.int64) + b for j, b in zip(jobs, bases, strict=True)]),
+                    np.concatenate([j.pairs.experts.astype(np.int64) + j.lo for j in jobs]),
+                    np.concatenate([np.asarray(j.pairs.weights, dtype=np.float32) for j in jobs]))

@@ -19,6 +19,7 @@ Rules (DESIGN §6, §11):
 from __future__ import annotations
 
 import enum
+import hashlib
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -73,6 +74,24 @@ def address_key(address: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
+
+
+def network_tag(address: str, salt: bytes) -> str:
+    """An opaque tag of the network ``address`` speaks from -- its IPv4 /24 or IPv6 /48 (an IPv4-mapped
+    address as IPv4), salted and hashed so the map names no address -- or "" when unknown. Replicas of
+    one tag could be one party: a coordinator never lets one check the other."""
+    if not address:
+        return ""
+    try:
+        ip = ipaddress.ip_network(address, strict=False).network_address if "/" in address else ipaddress.ip_address(address)
+    except ValueError:
+        prefix = address[:256]
+    else:
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        bits = 24 if isinstance(ip, ipaddress.IPv4Address) else 48
+        prefix = str(ipaddress.ip_network((ip, bits), strict=False))
+    return hashlib.sha256(salt + prefix.encode()).hexdigest()[:16]
 
 
 def is_expired(last_seen: float, now: float, ttl_s: float) -> bool:

@@ -49,6 +49,7 @@ class ServingSlice:
     addrs: tuple[str, ...]
     rank: tuple[bool, bool, int, float, str]
     protocols: tuple[int, ...]  # expert-stream versions the volunteer speaks (its heartbeat's list)
+    net: str = ""  # the tag of the network it speaks from (``registry.network_tag``; "" unknown)
 
 
 def build_layers(slices: Iterable[ServingSlice], *, protocol: int) -> list[LayerRanges]:
@@ -76,7 +77,7 @@ def build_layers(slices: Iterable[ServingSlice], *, protocol: int) -> list[Layer
             for s in sorted(active, key=lambda s: s.rank):
                 if s.peer_id not in seen:
                     seen.add(s.peer_id)
-                    reps.append(Replica(s.peer_id, list(s.addrs)))
+                    reps.append(Replica(s.peer_id, list(s.addrs), s.net))
             ranges.append(RangeReplicas(a, b, reps))
         if ranges:
             out.append(LayerRanges(layer, ranges))

@@ -157,3 +157,33 @@ async def test_a_backbone_coordinator_settles_two_replicas_disagreeing_from_its_
     assert states == {liar.peer_id: "quarantined", honest.peer_id: "up"}
     assert rep["decisions"].get("dispute", 0) >= 1 and d.core.disputes >= 1
     assert any("second replica" in e["message"] for e in rep["errors"] if e["peer"] == liar.peer_id)
+
+
+async def test_a_backbone_catches_two_replicas_agreeing_on_a_lie_from_its_gguf_on_disk(
+    nursery: trio.Nursery, golden_model: GGUFModel, golden: dict[str, Any], coord_transport: Transport,
+) -> None:
+    """Two volunteers telling the same lie pass every cross-check on each other; the coordinator,
+    which holds no expert, recomputes their calls from its GGUF (pread: not through its memory map)
+    in their probation, uses its copy, and quarantines both: the tokens and logits are the all-local ones."""
+    from coordinator.core.local_experts import parse_local_experts
+
+    cfg = golden_model.config
+    none = parse_local_experts("none", cfg.n_layer, cfg.n_expert)
+    a = await start_volunteer(nursery, golden_model, HALVES, wrap=lying(lambda y: y * 1.5))
+    b = await start_volunteer(nursery, golden_model, HALVES, wrap=lying(lambda y: y * 1.5))
+    honest = await start_volunteer(nursery, golden_model, HALVES)
+    m = dmap(golden_model, 1, {k: [a, b, honest] for k in HALVES})
+    d = await make_dispatcher(nursery, golden_model, coord_transport, held=none.held,
+                              config=DispatchConfig(mode=DispatchMode.OFFLOAD, hedge=False, verify_rate=1.0,
+                                                    verify_disk_rate=0.5))
+    await assert_greedy_as_all_local(nursery, golden_model, golden, d, m)
+
+    async def both() -> bool:
+        states = {w["peer_id"]: w["state"] for w in report(d)["workers"]}
+        return states.get(a.peer_id) == states.get(b.peer_id) == "quarantined"
+
+    await eventually(both, within=10, interval=0.01)
+    rep = report(d)
+    assert {w["peer_id"]: w["state"] for w in rep["workers"]}[honest.peer_id] == "up"
+    assert rep["decisions"].get("verify_disk", 0) >= 2 and d.executor.disk_checks_done >= 2
+    assert d.disk is not None and d.disk.bytes_read > 0  # read from the file, not through the memory map

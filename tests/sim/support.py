@@ -127,6 +127,7 @@ class Swarm:
         async with open_fake_transport(self.net, peer_id="coordinator") as t:
             kw.setdefault("probe_in_thread", False)
             kw.setdefault("local_runner", local_runner)
+            kw.setdefault("disk_runner", local_runner)  # "the GGUF on disk": the same experts, in virtual time
             d = Dispatcher(FakeModel(), t, local_kernel=fake_kernel, **kw)  # type: ignore[arg-type]
             async with trio.open_nursery() as n:
                 await n.start(d.serve)

@@ -16,6 +16,7 @@ import trio.testing
 
 from coordinator.core.dispatch import DispatchConfig, Reason
 from coordinator.dispatch.dispatcher import Dispatcher
+from swarm.errors import DispatchFailed
 from swarm.model.kernels import KernelBackend, kernel_id
 from swarm.p2p.memory import FakeNetwork, open_fake_transport
 from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
@@ -202,7 +203,8 @@ async def test_experts_not_held_here_are_checked_on_a_second_replica_and_dispute
     liar, honest = Liar(lie), Liar(lambda n, out: None)
     await start_worker(sw, "liar", liar, kid)
     await start_worker(sw, "honest", honest, OURS)
-    cfg = DispatchConfig(verify_rate=1.0, split_check_s=0.0)  # every call of a range not held here is cross-checked
+    # every call of a range not held here is cross-checked (no probation: its disk checks have their own tests)
+    cfg = DispatchConfig(verify_rate=1.0, split_check_s=0.0, verify_probation_calls=0)
     async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg, **NOT_HELD) as d:
         d.set_map(dmap({k: ["liar", "honest"] for k in HALVES}))
         await trio.sleep(0.01)
@@ -223,18 +225,92 @@ async def test_experts_not_held_here_are_checked_on_a_second_replica_and_dispute
         assert liar.calls == calls
 
 
-async def test_a_not_held_range_with_one_replica_is_served_unchecked_and_counted(
+async def test_a_not_held_range_with_one_replica_is_served_unchecked_only_after_its_probation(
     clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
-    """With no second live replica a sampled call cannot be checked here: it is served as is and
-    counted (``unverifiable``), never held up."""
+    """With no second live replica and no disk checks a sampled call cannot be checked here: out of
+    probation it is served as is and counted (``unverifiable``), never held up; in probation the
+    worker gets no such range at all (its unchecked answers would be used)."""
     sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
     only_one = Liar(lambda n, out: None)
     await start_worker(sw, "only", only_one, OURS)
     async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH,
-                              config=DispatchConfig(verify_rate=1.0, split_check_s=0.0), **NOT_HELD) as d:
+                              config=DispatchConfig(verify_rate=1.0, split_check_s=0.0, verify_probation_calls=0),
+                              **NOT_HELD) as d:
         d.set_map(dmap({k: ["only"] for k in HALVES}))
         await trio.sleep(0.01)
         await run_steps(d, 10)
         assert d.core.unverifiable == only_one.calls == 20 and d.core.cross_checks == 0
         assert d.report().quarantines == 0
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH,
+                              config=DispatchConfig(verify_rate=1.0, split_check_s=0.0), **NOT_HELD) as d:
+        d.set_map(dmap({k: ["only"] for k in HALVES}))
+        await trio.sleep(0.01)
+        calls = only_one.calls
+        with pytest.raises(DispatchFailed):
+            await run_steps(d, 1)
+        assert only_one.calls == calls  # nothing sent that could not be checked
+
+
+
+
+@pytest.mark.parametrize("disk_rate", [0.0, 0.05])
+async def test_replicas_agreeing_on_a_lie_are_caught_from_the_disk(
+    disk_rate: float, clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Two replicas that tell the same lie pass every cross-check; only a copy from the coordinator's
+    own GGUF catches them. With disk checks (every call in probation, then ``verify_disk_rate``) no
+    output differs and both are quarantined at once; without, their lies are the outputs (the known
+    limit the disk checks close)."""
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    a, b = Liar(lambda n, out: out * 1.5), Liar(lambda n, out: out * 1.5)
+    await start_worker(sw, "a", a, OURS)
+    await start_worker(sw, "b", b, OURS)
+    cfg = DispatchConfig(verify_rate=1.0, split_check_s=0.0, verify_disk_rate=disk_rate)
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg, **NOT_HELD) as d:
+        d.set_map(dmap({k: ["a", "b"] for k in HALVES}))
+        await trio.sleep(0.01)
+        if disk_rate == 0:  # in probation, checked on each other: they agree, so their lie is the layer's
+            with pytest.raises(AssertionError):
+                await run_steps(d, 4)
+            assert d.report().quarantines == 0 and d.core.disputes == 0 and d.core.cross_checks > 0
+            return
+        m = d.map
+        assert m is not None
+        for i in range(8):  # the all-local bits at every step, until no replica is left
+            if all(w.state == "quarantined" for w in d.report().workers):
+                break
+            await step(d, m, layer=i % 2, seed=i)
+            await settled(d)
+        rep = d.report()
+        assert {w.peer_id: w.state for w in rep.workers} == {"a": "quarantined", "b": "quarantined"}
+        assert d.core.ledger.disk_checks >= 2 and rep.decisions[Reason.VERIFY_DISK.value] >= 2
+        assert all("disk" in e.message or "experts" in e.message for e in rep.errors)
+
+
+def drift(out: torch.Tensor) -> torch.Tensor:
+    """~3 % relative noise: below the 5 % tolerance, far beyond the honest spread between kernels."""
+    g = torch.Generator().manual_seed(int(out.abs().sum() * 1000) % 100_000)
+    return out * (1 + 0.03 * torch.randn(out.shape, generator=g))
+
+
+async def test_lies_below_the_tolerance_add_up_to_a_quarantine(clock: trio.testing.MockClock, nursery: trio.Nursery) -> None:
+    """A worker of another kernel id whose answers differ by a few percent passes each comparison (the
+    5 % tolerance) but its mean error is beyond the spread honest kernels show: quarantined after
+    ``drift_calls`` comparisons; an honest worker of another kernel id never is."""
+    sw = Swarm(nursery, FakeNetwork(latency_s=LATENCY_S))
+    liar, honest = Liar(lambda n, out: drift(out)), Liar(lambda n, out: None)
+    await start_worker(sw, "liar", liar, "another-kernel")
+    await start_worker(sw, "honest", honest, "another-kernel")
+    cfg = DispatchConfig(split_check_s=0.0, honest_error=0.005, drift_calls=16)
+    async with sw.coordinator(load_probe=Load(busy=4), kernel=KernelBackend.TORCH, config=cfg) as d:
+        d.set_map(dmap({(0, 0, 4): ["liar"], (0, 4, 8): ["honest"], (1, 0, 4): ["liar"], (1, 4, 8): ["honest"]}))
+        await trio.sleep(0.01)
+        await run_steps(d, 40)
+        await settled(d)
+        rep = d.report()
+        states = {w.peer_id: w.state for w in rep.workers}
+        assert states == {"liar": "quarantined", "honest": "up"}, states
+        [err] = [e for e in rep.errors if e.peer == "liar"]
+        assert "consistently" in err.message or "beyond" in err.message
+        assert liar.calls <= cfg.drift_calls + 4  # caught within a bounded number of calls (in probation: all compared)

@@ -43,7 +43,7 @@ from coordinator.core.dispatch import (
     WorkersListed,
     WorkerState,
 )
-from tests.unit.test_dispatch_core import MS, core, loaded, only, placements, prove, ready, rw
+from tests.unit.test_dispatch_core import MS, call_of, core, loaded, only, placements, prove, ready, rw
 
 
 def remote_placement(c: DispatchCore, now: float, step: int, *, peer: str = "p") -> list[Effect]:
@@ -313,3 +313,32 @@ def test_every_kept_pair_ends_in_exactly_one_compare_or_forget(
     assert sorted(ended) == list(range(1, n_steps + 1))  # each step once
     assert sorted(named) == sorted(kept)  # each kept call named exactly once
     assert c.active_steps() == 0 and c.in_flight() == 0 and not c._pairs and not c._comparing and not c._cross
+
+
+def test_a_cross_check_never_pairs_two_workers_of_one_network() -> None:
+    """A sampled call of a range not held here goes to a second replica for a check -- never one the
+    market tags with the same network (one party could run both)."""
+    for nets, second in (((("p", "n1"), ("q", "n1")), None), ((("p", "n1"), ("q", "n2")), "q"), ((), "q")):
+        c = core("p", "q", verify_rate=1.0)
+        c.handle(WorkersListed(frozenset({"p", "q"}), nets), 0.0)
+        prove(c, "p", 5 * MS)
+        prove(c, "q", 50 * MS)  # slower: the first call goes to p
+        effects = ready(c, 0.1, rw(0, 4, "p", "q", held=False))
+        sends = [(e.peer, e.reason) for e in only(effects, SendRemote)]
+        assert sends[0] == ("p", Reason.NOT_HELD)
+        assert [p for p, r in sends if r is Reason.VERIFY_SECOND] == ([second] if second else []), nets
+        assert c.unverifiable == (0 if second else 1)
+
+
+def test_in_probation_a_range_not_held_here_is_checked_from_disk_and_that_copy_is_its_result() -> None:
+    c = core("p", verify_probation_calls=3, verify_disk_rate=0.01)
+    prove(c, "p", 5 * MS)
+    c.table.workers["p"].probation_left = 3
+    effects = ready(c, 0.1, rw(0, 4, "p", held=False))
+    assert [r for _, _, r in placements(effects)] == [Reason.NOT_HELD, Reason.VERIFY_DISK]
+    remote, disk = call_of(effects), call_of(effects, RunLocal)
+    assert not only(c.handle(RemoteDone(remote, 1), 0.2), Combine)  # the remote answer alone is not the result
+    out = c.handle(LocalDone(disk, 0.0), 0.3)
+    [comb] = only(out, Combine)
+    assert comb.calls == (disk,)  # the disk copy is the range's result
+    assert only(out, Compare)[0].disk
