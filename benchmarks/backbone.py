@@ -227,8 +227,10 @@ class Backbone:
         try:
             mport = free_port()
             market = f"http://127.0.0.1:{mport}"
+            # every volunteer speaks from 127.0.0.1: the per-address caps for strangers are lifted for the run
             self.procs.start("market", "market", "--db", str(work / f"bb{rtt_ms:g}-market.db"), "--port", str(mport),
-                             "--token", "bench", "--poll-interval", "0.5", "--remote-base-target", "1")
+                             "--token", "bench", "--poll-interval", "0.5", "--remote-base-target", "1",
+                             "--max-leases-per-address", "100000", "--max-identities-per-address", "1000")
             wait_for("the market", lambda: httpx.get(f"{market}/health", timeout=5).status_code == 200, self.procs, 60)
             extra_c = ["--draft-model", str(draft_model)] if draft_model is not None else []
             self.url = start_coordinator(self.procs, "coordinator", model, max_sessions, "--local-experts", "none",

@@ -245,7 +245,8 @@ def backbone(model: Path, work: Path, n_tokens: int, *, n_vol: int, coord_cap: i
         mport = free_port()
         market = f"http://127.0.0.1:{mport}"
         procs.start("market", "market", "--db", str(work / "bb-market.db"), "--port", str(mport), "--token", "cap",
-                    "--poll-interval", "0.5", "--remote-base-target", "1")
+                    "--poll-interval", "0.5", "--remote-base-target", "1",
+                    "--max-leases-per-address", "100000", "--max-identities-per-address", "1000")  # all on 127.0.0.1
         wait_for(lambda: httpx.get(f"{market}/health", timeout=5).status_code == 200, 60, "the market")
         t0 = time.monotonic()
         url = start_coordinator(procs, "coordinator", model, free_port(), "--local-experts", "none", "--market", market,

@@ -15,6 +15,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import hashlib
 import random
 import re
 import time
@@ -136,7 +137,8 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
     )
     store = open_store(cfg.db)
     try:
-        market = Market(store, policy, now=clock(), rng=random.Random(cfg.seed))
+        market = Market(store, policy, now=clock(), rng=random.Random(cfg.seed),
+                        net_salt=hashlib.sha256(b"moe-swarm-net\0" + (cfg.token or "").encode()).digest())
         try:
             timeout = httpx.Timeout(cfg.describe_timeout_s, connect=min(5.0, cfg.describe_timeout_s))
             async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:

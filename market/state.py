@@ -174,11 +174,13 @@ def _slice_directive(h: HeldSlice | SliceRef, d: Directive, dispatched: bool = F
 
 
 class Market:
-    def __init__(self, store: Store, policy: MarketPolicy, *, now: float, rng: Rng) -> None:
+    def __init__(self, store: Store, policy: MarketPolicy, *, now: float, rng: Rng, net_salt: bytes = b"") -> None:
+        """``net_salt``: the secret network tags are hashed with (the server derives it from its token, so
+        a restart keeps them)."""
         self.store = store
         self.policy = policy
         self.rng = rng
-        self._net_salt = rng.getrandbits(128).to_bytes(16, "big")  # network tags name no address
+        self._net_salt = net_salt  # network tags name no address
         self.ix = Indexes(policy)
         self._last_flush = now
         self.counters: Counter[str] = Counter()
@@ -604,10 +606,11 @@ class Market:
             reported[s] = h.state
             serves[s] = h.last_serve_ms
         changes: list[Change] = []
+        net = network_tag(address, self._net_salt) if address else (v.row.net if v else "")
         row = VolunteerRow(hb.peer_id, hb.epoch, hb.sequence, v.row.first_seen if v else now, list(hb.addrs), hb.max_bytes,
-                           sorted(set(hb.protocols)))
-        # a changed address or protocol list changes the map (wiring leaves out who cannot serve)
-        addrs_changed = v is None or v.row.addrs != row.addrs or v.row.protocols != row.protocols
+                           sorted(set(hb.protocols)), net)
+        # a changed address, network or protocol list changes the map (wiring leaves out who cannot serve)
+        addrs_changed = v is None or v.row.addrs != row.addrs or v.row.protocols != row.protocols or v.row.net != net
         changed = v is None or v.row.epoch != hb.epoch or addrs_changed or v.row.max_bytes != hb.max_bytes
         was_stored = v is not None and v.stored
         old_bucket = load_bucket(v.load) if v else 0
@@ -1028,7 +1031,7 @@ class Market:
                 protocols = tuple(v.row.protocols) if v else ()
                 serving.append(
                     ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.served, load, r.since, peer, r.proved), protocols,
-                                 network_tag(self._peer_addr.get(peer, ""), self._net_salt))
+                                 v.row.net if v else "")
                 )
         layers = build_layers(serving, protocol=EXPERT_PROTOCOL_VERSION)
         cur = self.ix.maps.get(model_id, MapRow(model_id, 0, []))

@@ -100,6 +100,9 @@ class VolunteerRow(msgspec.Struct, frozen=True, tag=True):
     addrs: list[str] = []
     max_bytes: int | None = None
     protocols: list[int] = msgspec.field(default_factory=lambda: [1])  # expert-stream versions it speaks
+    # the salted tag of the network its heartbeats come from (``registry.network_tag``; "" unknown): the
+    # map's ``Replica.net``, so a coordinator never lets one network's replicas check each other
+    net: str = ""
 
 
 class CoverageRow(msgspec.Struct, frozen=True, tag=True):

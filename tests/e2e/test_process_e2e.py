@@ -118,13 +118,15 @@ async def start_static_volunteer(procs: list[Proc], tmp_path: Path, coordinator_
 
 
 async def attach_single_worker(h: httpx.AsyncClient, map_path: Path, model_id: str, info: dict[str, Any]) -> None:
-    """Write a dispatch map giving every expert of both layers to one volunteer; wait for /dispatch."""
+    """Write a dispatch map giving every expert of both layers to one volunteer; wait until /dispatch
+    lists it with both holdings challenged (a replica serves once it has proved it holds its range)."""
     layers = [{"layer": L, "ranges": [{"lo": 0, "hi": 8, "replicas": [{"peer_id": info["peer_id"], "addrs": info["addrs"]}]}]}
               for L in (0, 1)]
     await trio.Path(map_path).write_text(json.dumps({"model_id": model_id, "version": 1, "layers": layers}))
 
     async def attached() -> bool:
-        return len((await h.get("/dispatch")).json()["workers"]) == 1
+        workers = (await h.get("/dispatch")).json()["workers"]
+        return len(workers) == 1 and workers[0]["holdings_pending"] == 0
 
     await eventually(attached)
 

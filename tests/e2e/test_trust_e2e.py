@@ -149,7 +149,8 @@ async def test_a_backbone_coordinator_computes_no_expert_and_says_which_are_miss
     """``--local-experts none`` with real processes: without a volunteer a completion waits for coverage
     (``--missing-wait``), then fails with 503 ``experts_unavailable`` naming the experts, and /health
     counts the holes; once a static volunteer passed its hold challenges,
-    every routed expert is computed by it (no local rows) and the tokens are llama.cpp's."""
+    every routed expert is computed by it (no local rows; in its probation each call is checked against
+    the experts read from the GGUF on disk) and the tokens are llama.cpp's."""
     map_path = tmp_path / "map.json"
     model_id = model_id_for(GOLDEN_GGUF)
     map_path.write_text(json.dumps({"model_id": model_id, "version": 0, "layers": []}))
@@ -177,5 +178,9 @@ async def test_a_backbone_coordinator_computes_no_expert_and_says_which_are_miss
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == g["greedy_ids"][:12]
         rep = (await h.get("/dispatch")).json()
         assert rep["workers"][0]["calls"] > 0 and rep["workers"][0]["holdings_proven"] == 2
-        assert all(L["local_rows"] == 0 and L["fallback_rows"] == 0 and L["remote_rows"] > 0 for L in rep["layers"])
+        # every row of the volunteer's, each checked in its probation against the experts read from the GGUF
+        # on disk (--verify-disk-rate: those copies are the rows' results, "verified"); none from memory
+        assert all(L["local_rows"] == 0 and L["fallback_rows"] == 0 and L["remote_rows"] + L["verified_rows"] > 0
+                   for L in rep["layers"])
+        assert rep["decisions"].get("verify_disk", 0) > 0 and rep["quarantines"] == 0
         assert rep["holes"] == 0 and (await h.get("/health")).json()["coverage_holes"] == 0

@@ -168,6 +168,12 @@ async def test_register_pull_cover_and_dispatch(tmp_path: Path, coordinator: Fak
             assert r.json()["slices"][0]["dispatched"] is True
             m1 = (await waiter).json()
         assert m1["version"] == 1
+        [rep] = m1["layers"][0]["ranges"][0]["replicas"]
+        # the tag of the network it spoke from (127.0.0.0/24), salted with the market's secret: no address in it
+        from market.core.registry import network_tag
+
+        assert rep.pop("net") == network_tag("127.0.0.1", hashlib.sha256(b"moe-swarm-net\0" + TOKEN.encode()).digest())
+        assert network_tag("127.0.0.1", b"") != network_tag("127.0.0.1", b"another secret")
         assert m1["layers"] == [{"layer": a["layer"], "ranges": [{"lo": a["lo"], "hi": a["hi"], "replicas": [
             {"peer_id": pid, "addrs": [f"/ip4/127.0.0.1/tcp/5000/p2p/{pid}"]}]}]}]
         r = await c.get("/api/expert-dispatch-map", params={"model": MID}, headers={"if-none-match": '"1"', **AUTH})

@@ -102,7 +102,9 @@ def test_coordinator_dispatch_flags_reach_the_dispatch_core() -> None:
         DispatchMode.OFFLOAD, 3, 5.0, 0.02, 2, 1.5)
     default = dispatch_config(config("coordinator", "--model", "m.gguf"))  # type: ignore[arg-type]
     # adaptive, 2 busy slots, 20 s, 50 ms, no hot experts, verification 0.05 after 50
-    assert default == DispatchConfig(timeout_s=3.0) and (default.verify_rate, default.verify_probation_calls) == (0.05, 50)
+    assert default == DispatchConfig(timeout_s=3.0, verify_disk_rate=0.02)
+    assert (default.verify_rate, default.verify_probation_calls) == (0.05, 50)
+    assert dispatch_config(config("coordinator", "--model", "m.gguf", "--verify-disk-rate", "0.5")).verify_disk_rate == 0.5  # type: ignore[arg-type]
     v = dispatch_config(config("coordinator", "--model", "m.gguf", "--verify-rate", "1", "--verify-probation", "7"))  # type: ignore[arg-type]
     assert (v.verify_rate, v.verify_probation_calls) == (1.0, 7)
     assert default.split_check_s == 3.0
