@@ -14,8 +14,8 @@ Rules:
 
 from __future__ import annotations
 
-import logging
 import hashlib
+import logging
 import random
 import re
 import time
