@@ -41,6 +41,7 @@ import numpy as np
 
 from swarm.errors import KernelError
 from swarm.model.combine import add_in_expert_order
+from swarm.model.kernels.affinity import WorkerPlacement, started_threads
 
 __all__ = [
     "GGML_PYTHON_VERSION",
@@ -229,6 +230,7 @@ def numeric_fingerprint(types: Sequence[str] = SUPPORTED_TYPES) -> str:
 
 _POOLS: dict[tuple[int, int, int], tuple[int, threading.Lock]] = {}
 _POOLS_LOCK = threading.Lock()
+_PLACEMENT: dict[int, WorkerPlacement] = {}  # pool -> its workers, kept off the caller's CPU (affinity.py)
 
 
 _POLL = 0  # the default spin level of multi-threaded computes (set_poll)
@@ -262,9 +264,10 @@ def _threadpool(n_threads: int, poll: int) -> tuple[int, threading.Lock]:
         if key not in _POOLS:
             p = g.ggml_threadpool_params_default(n_threads)
             p.poll = poll  # 0: workers sleep on a condvar between graphs (no spinning on the other core)
-            tp = g.ggml_threadpool_new(ctypes.byref(p))
+            tp, workers = started_threads(lambda: g.ggml_threadpool_new(ctypes.byref(p)))
             if not tp:
                 raise RuntimeError("ggml_threadpool_new failed")
+            _PLACEMENT[tp] = WorkerPlacement(workers, n_threads - 1)
             _POOLS[key] = (tp, threading.Lock())
         return _POOLS[key]
 
@@ -340,6 +343,7 @@ class _Plan:
         ``poll`` None: the module default (``set_poll``)."""
         pool, lock = _threadpool(n_threads, _POLL if poll is None else poll)
         with lock:
+            _PLACEMENT[pool].before_compute()  # its workers never queue behind this thread's spin barrier
             self.cplan.threadpool = pool  # type: ignore[assignment]  # ctypes takes the raw pointer
             st = g.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
         if st != 0:
