@@ -36,7 +36,10 @@ compute at once, and share the cores.
 Per case: ``tokens_per_s`` (decode, summed over sessions: (tokens - 1) / (last - first token time)),
 ``ms_per_token`` (per session), ``round_trips_per_token`` (the coordinator's expert calls over the
 tokens it generated), ``layer_breakdown_ms`` (the coordinator's ``/dispatch`` ``layer_path``: where a
-remote layer's time goes), ``acceptance`` (speculative drafts accepted / proposed; None without one).
+remote layer's time goes), ``acceptance`` (speculative drafts accepted / proposed; None without one),
+``remote_share`` (the routed rows the volunteers answered over all routed rows: 1.0 once every
+worker is proven, as the cases are measured after a warm-up that waits for it) and ``verified_rows``
+(rows of the case also computed here to check an answer).
 """
 
 from __future__ import annotations
@@ -249,15 +252,33 @@ class Backbone:
                     extra += ["--announce", link.addr()]
                 self.procs.start(f"volunteer-{i + 1}", "volunteer", "--market", market, "--max-experts", str(per),
                                  "--threads", str(THREADS["volunteer"]), "--no-progress", "--poll-interval", "1", "--display-name",
-                                 f"volunteer-{i + 1}", "--data-dir", str(work / f"bb{rtt_ms:g}-volunteer-{i + 1}"), *extra)
+                                 f"volunteer-{i + 1}", "--data-dir", str(work / f"bb-volunteer-{i + 1}"), *extra)
             t0 = time.monotonic()
             wait_for("full coverage", lambda: httpx.get(f"{self.url}/health", timeout=5).json().get("coverage_holes") == 0,
                      self.procs, 3600, 0.5)
             print(f"  rtt {rtt_ms:g} ms: {n_vol} volunteers cover every expert after {time.monotonic() - t0:.1f} s",
                   flush=True)
+            self.steady(max_sessions)
         except BaseException:
             self.close()
             raise
+
+    def steady(self, sessions: int, within_s: float = 600.0) -> None:
+        """Decode until every worker has proved its holdings and left probation (its calls are then
+        checked only at the verify rates, as in a swarm that has run a while): the cases measure the
+        steady state, not the first minute of a volunteer."""
+        t0 = time.monotonic()
+        while True:
+            workers = dispatch(self.url)["workers"]
+            waiting = [w["peer_id"][-8:] for w in workers
+                       if w["probation_left"] > 0 or w["holdings_pending"] > 0 or not w["proven"] or w["state"] != "up"]
+            if workers and not waiting:
+                print(f"  rtt {self.rtt_ms:g} ms: every worker proven and out of probation after "
+                      f"{time.monotonic() - t0:.1f} s", flush=True)
+                return
+            if time.monotonic() - t0 > within_s:
+                raise RuntimeError(f"workers {waiting} still in probation after {within_s:.0f} s")
+            decode(self.url, self.model_id, sessions, 4)
 
     def close(self) -> None:
         self.procs.stop_all()
@@ -273,13 +294,18 @@ def run_case(url: str, model_id: str, kind: str, rtt: float, sessions: int, draf
     case: dict[str, Any] = {"case": kind, "rtt_ms": rtt, "sessions": sessions, "draft": draft,
                             "tokens_per_s": round(r["tokens_per_s"], 2), "ms_per_token": round(r["ms_per_token"], 2),
                             "round_trips_per_token": None, "acceptance": None, "tokens_identical": None,
-                            "layer_breakdown_ms": None}
+                            "layer_breakdown_ms": None, "remote_share": None, "verified_rows": None}
     if ref is not None:
         case["tokens_identical"] = r["ids"] == ref[sessions]
     if before is not None:
         after = dispatch(url)
         calls = sum(w["calls"] for w in after["workers"]) - sum(w["calls"] for w in before["workers"])
         case["round_trips_per_token"] = round(calls / (sessions * n_tokens), 2)
+        rows = {k: sum(L[k] for L in after["layers"]) - sum(L[k] for L in before["layers"])
+                for k in ("local_rows", "remote_rows", "fallback_rows", "verified_rows")}
+        # the share of routed rows the volunteers answered (the rest: computed here from disk, a fallback)
+        case["remote_share"] = round(rows["remote_rows"] / max(1, rows["remote_rows"] + rows["local_rows"]), 4)
+        case["verified_rows"] = rows["verified_rows"]
         case["layer_breakdown_ms"] = after.get("layer_path")
     if drafted is not None:
         proposed, accepted = draft_counts(url, draft)
@@ -291,7 +317,7 @@ def run_case(url: str, model_id: str, kind: str, rtt: float, sessions: int, draf
 def print_table(cases: list[dict[str, Any]]) -> None:
     print()
     print(f"{'case':<10} {'rtt ms':>6} {'sess':>4} {'draft':>6} {'tok/s':>8} {'ms/tok':>8} {'x local':>7} "
-          f"{'rt/tok':>6} {'accept':>6} {'same':>5}  breakdown of a remote layer (ms)")
+          f"{'rt/tok':>6} {'remote':>6} {'accept':>6} {'same':>5}  breakdown of a remote layer (ms)")
     local = {(c["sessions"], c.get("pair")): c for c in cases if c["case"] == "all_local"}
     for c in cases:
         ref = local.get((c["sessions"], c.get("pair"))) or next(
@@ -304,8 +330,9 @@ def print_table(cases: list[dict[str, Any]]) -> None:
         acc = "" if c.get("acceptance") is None else f"{c['acceptance']:.2f}"
         rt = "" if c.get("round_trips_per_token") is None else f"{c['round_trips_per_token']:.1f}"
         same = "" if c.get("tokens_identical") is None else str(c["tokens_identical"])
+        remote = "" if c.get("remote_share") is None else f"{c['remote_share']:.2f}"
         print(f"{c['case']:<10} {c['rtt_ms']:>6g} {c['sessions']:>4} {c['draft']:>6} {c['tokens_per_s']:>8.2f} "
-              f"{c['ms_per_token']:>8.2f} {ratio:>7} {rt:>6} {acc:>6} {same:>5}  {b}")
+              f"{c['ms_per_token']:>8.2f} {ratio:>7} {rt:>6} {remote:>6} {acc:>6} {same:>5}  {b}")
 
 
 def main() -> None:
@@ -337,7 +364,8 @@ def main() -> None:
     n_vol = 4 if size == "30b-a3b" else 2
     work = Path(a.work) if a.work else Path(tempfile.gettempdir()) / f"moe-swarm-backbone-{size}"
     work.mkdir(parents=True, exist_ok=True)
-    for old in work.glob("bb*"):  # slices and databases of an earlier run: this run starts from none
+    for old in work.glob("bb*"):  # slices and databases of an earlier run: this run starts from none (the
+        # volunteers keep their data dirs, slices and identities from one round trip's world to the next)
         subprocess.run(["rm", "-rf", str(old)], check=True)
     model = work / f"{size}.gguf"
     if not model.exists():

@@ -15,6 +15,8 @@ Rules:
   of the three and the step's rate ``rows / cycle``. The chosen ``G`` (1..n_seqs) has the best rate,
   and beats one group by ``min_gain`` (the noise of these estimates), else 1. One sequence, or a
   model without samples yet, is one group: the step is computed exactly as without groups.
+- ``GroupArms``: the model's pick runs only while measured steps say it is faster than one group
+  (per-row step time per arm; the arm not in use re-measured every ``explore_every`` steps).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["Affine", "PipelineModel", "choose_groups", "group_cuts"]
+__all__ = ["Affine", "GroupArms", "PipelineModel", "choose_groups", "group_cuts"]
 
 
 def group_cuts(rows: list[int], n: int) -> list[int]:
@@ -108,3 +110,48 @@ def choose_groups(n_seqs: int, rows: int, latency_s: float, dense: Affine, remot
         if c < best_cycle:
             best, best_cycle = g, c
     return best if one > best_cycle * (1 + min_gain) else 1
+
+
+class GroupArms:
+    """The model's pick checked against what steps really take: the pick ``G`` runs only while its
+    measured seconds per row (an EWMA per ``(sequences, groups)``, from the step's start to its last
+    layer's end) beat one group's. The model cannot see every cost — on one machine the volunteers
+    share the coordinator's cores, and each group pays its own protocol work — so a pick that is
+    slower in fact is dropped. Both arms are measured first (the model's pick, then one group); then
+    every ``explore_every``-th step runs the arm not in use, so a changed network is noticed."""
+
+    def __init__(self, *, explore_every: int = 24, alpha: float = 0.3) -> None:
+        self.explore_every, self.alpha = explore_every, alpha
+        self.per_row: dict[tuple[int, int], float] = {}
+        self._open: tuple[int, int, int, float] | None = None  # (sequences, groups, rows, started)
+        self._steps = 0
+
+    def close(self, last_end: float | None) -> None:
+        """The step begun last ended its last layer at ``last_end`` (None or earlier: no sample)."""
+        if self._open is None:
+            return
+        n, g, rows, t0 = self._open
+        self._open = None
+        if last_end is None or last_end <= t0 or rows <= 0:
+            return
+        s = (last_end - t0) / rows
+        old = self.per_row.get((n, g))
+        self.per_row[(n, g)] = s if old is None else (1 - self.alpha) * old + self.alpha * s
+
+    def pick(self, n_seqs: int, rows: int, model_g: int, now: float, last_end: float | None) -> int:
+        self.close(last_end)
+        g = self._choose(n_seqs, model_g)
+        self._open = (n_seqs, g, rows, now)
+        return g
+
+    def _choose(self, n: int, model_g: int) -> int:
+        if model_g <= 1:
+            return 1
+        self._steps += 1
+        mine, one = self.per_row.get((n, model_g)), self.per_row.get((n, 1))
+        if mine is None:
+            return model_g
+        if one is None:
+            return 1
+        best, other = (model_g, 1) if mine < one else (1, model_g)
+        return other if self._steps % self.explore_every == 0 else best

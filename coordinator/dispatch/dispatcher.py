@@ -70,7 +70,7 @@ from coordinator.core.dispatch import (
     WorkerTable,
 )
 from coordinator.core.holdings import HoldBook, Holding
-from coordinator.core.pipeline import PipelineModel
+from coordinator.core.pipeline import GroupArms, PipelineModel
 from coordinator.dispatch import report as reports
 from coordinator.dispatch.disk import DiskExperts
 from coordinator.dispatch.executor import Executor, WireCall
@@ -206,6 +206,8 @@ class Dispatcher:
         self.missing_wait_s = missing_wait_s
         self.timings: deque[LayerTiming] = deque(maxlen=256)  # the last remote layers' stages (/dispatch)
         self.pipeline = PipelineModel()  # the session groups' costs, learnt from the remote layers
+        self.group_arms = GroupArms()  # ... and its pick checked against measured steps
+        self._layer_end: float | None = None  # when the last layer's output was combined (perf_counter)
         self._map_changed = threading.Event()  # for a driver thread
         self._map_event = trio.Event()  # for a trio driver (replaced at each change)
         self.missing_waits = 0  # layers that waited for coverage
@@ -537,7 +539,7 @@ class Dispatcher:
             out[call.jobs[0].rows] = call.results[call.winners[0]]
         else:
             out = self._combine(call)
-        t.combined = time.perf_counter()
+        t.combined = self._layer_end = time.perf_counter()
         if t.calls:
             self.timings.append(t)
             if t.handed and t.answered:  # what the session groups are chosen by
@@ -689,7 +691,8 @@ class Dispatcher:
         the measured round trip, dense and remote costs make fastest (``coordinator.core.pipeline``)."""
         if self._token is None or n_seqs < 2 or not (self._not_held or self.config.mode is DispatchMode.OFFLOAD):
             return 1
-        return self.pipeline.groups(n_seqs, n_rows)
+        return self.group_arms.pick(n_seqs, n_rows, self.pipeline.groups(n_seqs, n_rows), time.perf_counter(),
+                                    self._layer_end)
 
     # -- reports -----------------------------------------------------------------------------------------
     def holes(self, now: float) -> int:

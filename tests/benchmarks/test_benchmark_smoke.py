@@ -90,13 +90,14 @@ def check_verification(result: dict[str, Any]) -> None:
 def check_backbone(result: dict[str, Any]) -> None:
     check_design_shape(result, "backbone")
     fields = {"case", "rtt_ms", "sessions", "draft", "tokens_per_s", "ms_per_token", "round_trips_per_token",
-              "acceptance", "tokens_identical", "layer_breakdown_ms"}
+              "acceptance", "tokens_identical", "layer_breakdown_ms", "remote_share", "verified_rows"}
     kinds = {c["case"] for c in result["cases"]}
     assert kinds == {"all_local", "backbone"}, kinds
     for c in result["cases"]:
         assert set(c) == fields and c["tokens_per_s"] > 0, c
         if c["case"] == "backbone":
             assert c["tokens_identical"] is True and c["round_trips_per_token"] > 0, c
+            assert c["remote_share"] == 1.0, c  # measured in the steady state: every routed row on a volunteer
             bd = c["layer_breakdown_ms"]
             assert bd["layers"] > 0 and bd["total"] > 0 and bd["crossings"] <= 2.0, bd  # the one layer path's bound
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.pipeline import Affine, PipelineModel, choose_groups, cycle_s, group_cuts
+from coordinator.core.pipeline import Affine, GroupArms, PipelineModel, choose_groups, cycle_s, group_cuts
 
 MS = 1e-3
 
@@ -72,3 +72,50 @@ def test_the_model_learns_from_remote_layers_and_says_one_group_before() -> None
     for _ in range(200):  # the round trip falls (a closer volunteer): the EWMA follows, fewer groups
         m.sample(4, DENSE(4), REMOTE(4), 0.1 * MS)
     assert m.groups(4, 4) == 1
+
+
+def drive(arms: GroupArms, model_g: int, step_s: dict[int, float], steps: int, *, n: int = 4, rows: int = 4,
+          t: float = 0.0) -> tuple[list[int], float]:
+    """``steps`` steps of ``rows`` rows where a step in ``g`` groups takes ``step_s[g]`` seconds
+    (virtual time); the picks in order."""
+    picks: list[int] = []
+    end: float | None = None
+    for _ in range(steps):
+        g = arms.pick(n, rows, model_g, t, end)
+        picks.append(g)
+        t += step_s[g]
+        end = t
+        t += 0.001  # sampling and streaming between steps: not part of the step
+    return picks, t
+
+
+def test_a_model_pick_slower_in_fact_is_dropped_but_re_measured() -> None:
+    arms = GroupArms(explore_every=8)
+    picks, _ = drive(arms, 3, {1: 0.010, 3: 0.016}, 40)
+    assert picks[:2] == [3, 1]  # both arms measured first: the model's pick, then one group
+    assert picks[2:].count(3) == len([i for i in range(3, 41) if i % 8 == 0])  # only the re-measurements
+    assert arms.per_row[(4, 1)] == pytest.approx(0.010 / 4)
+    assert arms.per_row[(4, 3)] == pytest.approx(0.016 / 4)
+
+
+def test_a_model_pick_faster_in_fact_is_kept() -> None:
+    arms = GroupArms(explore_every=8)
+    picks, _ = drive(arms, 3, {1: 0.030, 3: 0.012}, 40)
+    assert picks[:2] == [3, 1]
+    assert picks[2:].count(1) == len([i for i in range(3, 41) if i % 8 == 0])
+
+
+def test_one_group_asked_is_one_group_and_idle_time_is_not_a_step() -> None:
+    arms = GroupArms()
+    assert drive(arms, 1, {1: 0.01}, 5)[0] == [1] * 5
+    assert arms.per_row == {(4, 1): pytest.approx(0.01 / 4)}  # measured all the same: the baseline
+    # a step whose layers ended before it began (an idle gap, no layer since) gives no sample
+    arms = GroupArms()
+    arms.pick(4, 4, 2, 10.0, None)
+    arms.pick(4, 4, 2, 20.0, 5.0)
+    assert arms.per_row == {}
+    # the network changes: the arm not in use is re-measured and the choice flips
+    arms = GroupArms(explore_every=4)
+    _, t = drive(arms, 2, {1: 0.010, 2: 0.020}, 12)
+    picks, _ = drive(arms, 2, {1: 0.040, 2: 0.020}, 24, t=t)
+    assert picks[-8:].count(2) >= 6
