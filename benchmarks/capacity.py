@@ -1,11 +1,12 @@
 """Serve a model no participant holds (issue 12): a backbone coordinator with no experts in memory,
 the experts on volunteers, each process within a memory cap (DESIGN §11 format).
 
-    python benchmarks/capacity.py [--quick] [--json OUT] [--work DIR] [--tokens N]
+    python benchmarks/capacity.py [--quick | --smoke] [--json OUT] [--work DIR] [--tokens N]
 
 Default: the ``30b-a3b`` shape (Qwen3-30B-A3B: 48 layers x 128 experts, top-8, Q4_0 experts, about
 16 GB of experts; written once by ``moe-swarm make-model`` into ``--work``), four volunteers.
 ``--quick``: the ``small`` shape (4 layers x 16 experts), two volunteers, in a few minutes.
+``--smoke`` (``make test``): the ``tiny`` shape, two volunteers, 6 tokens, no kill: seconds.
 
 Real processes on loopback:
 1. **Reference** (a separate run): ``moe-swarm coordinator --local-experts all`` alone on the same
@@ -238,7 +239,7 @@ def reference(model: Path, work: Path, n_tokens: int) -> tuple[dict[int, list[li
 
 
 def backbone(model: Path, work: Path, n_tokens: int, *, n_vol: int, coord_cap: int, vol_cap: int, quick: bool,
-             ref: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
+             ref: dict[int, list[list[int]]], kill: bool = True) -> list[dict[str, Any]]:
     procs = Procs(work, "bb")
     cases: list[dict[str, Any]] = []
     try:
@@ -276,7 +277,7 @@ def backbone(model: Path, work: Path, n_tokens: int, *, n_vol: int, coord_cap: i
         local_rows = sum(r["local_rows"] for r in d["layers"])
         check: dict[str, Any] = {"case": "check", "tokens_identical": same, "coverage_s": round(coverage_s, 1),
                                  "coordinator_local_rows": local_rows}
-        if quick:
+        if quick and kill:
             check.update(_kill_only_replica(procs, market, url, mid, n_tokens, n_vol, vol_cap, extra, ref[1][0]))
         cases.append(check)
         for name in procs.procs:
@@ -336,15 +337,18 @@ def _experts(model: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the small shape, two volunteers")
+    ap.add_argument("--smoke", action="store_true", help="the tiny shape, two volunteers, a few tokens, no kill (make test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--work", default=None, help="models, slices, logs (default: a folder in /tmp, kept for 30b-a3b)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per completion (default 32 quick, 16 30b)")
     a = ap.parse_args()
-    size = "small" if a.quick else "30b-a3b"
-    n_vol = 2 if a.quick else 4
-    coord_cap, vol_cap = (1 * GIB, 1 * GIB) if a.quick else (4 * GIB, 5 * GIB)
-    n_tokens = a.tokens or (32 if a.quick else 16)
-    work = Path(a.work) if a.work else Path(tempfile.gettempdir()) / f"moe-swarm-capacity-{size}"
+    small = a.quick or a.smoke
+    size = "tiny" if a.smoke else "small" if a.quick else "30b-a3b"
+    n_vol = 2 if small else 4
+    coord_cap, vol_cap = (1 * GIB, 1 * GIB) if small else (4 * GIB, 5 * GIB)
+    n_tokens = a.tokens or (6 if a.smoke else 32 if a.quick else 16)
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="moe-swarm-capacity-")) if a.smoke else \
+        Path(tempfile.gettempdir()) / f"moe-swarm-capacity-{size}"
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("bb-*"):  # slices and databases of an earlier run: this run starts from none
         subprocess.run(["rm", "-rf", str(old)], check=True)
@@ -355,7 +359,8 @@ def main() -> None:
                        cwd=ROOT)
         print(f"make-model --size {size}: {model.stat().st_size / GIB:.1f} GiB in {time.monotonic() - t0:.0f} s")
     ref, ref_cases = reference(model, work, n_tokens)
-    cases = backbone(model, work, n_tokens, n_vol=n_vol, coord_cap=coord_cap, vol_cap=vol_cap, quick=a.quick, ref=ref)
+    cases = backbone(model, work, n_tokens, n_vol=n_vol, coord_cap=coord_cap, vol_cap=vol_cap, quick=small, ref=ref,
+                     kill=not a.smoke)
     cases += ref_cases
     print()
     print(f"capacity ({size}, {n_vol} volunteers, {n_tokens} tokens per completion; cgroups "

@@ -1,8 +1,10 @@
 """Engine throughput on the ``bench`` model: prefill and decode tokens/s at 1 and 4 concurrent
 requests, plus resident memory (DESIGN §11 benchmark format).
 
-    python benchmarks/engine.py [--quick] [--json OUT] [--model PATH] [--kernel ggml|torch]
+    python benchmarks/engine.py [--quick | --smoke] [--json OUT] [--model PATH] [--kernel ggml|torch]
                                 [--llamacpp-python PYTHON]
+
+``--smoke`` (``make test``): the ``tiny`` model, 16-token prompts, 4 tokens, one round.
 
 ``--llamacpp-python`` names a Python that has llama-cpp-python (a scratch venv, not a project
 dependency): llama.cpp then runs on the same file in a subprocess in the same run -- 2 threads, the
@@ -172,10 +174,11 @@ def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, n_par:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    path = Path(args.model) if args.model else ROOT / "benchmarks" / ".cache" / "bench-qwen3moe.gguf"
+    size = "tiny" if args.smoke else "bench"
+    path = Path(args.model) if args.model else ROOT / "benchmarks" / ".cache" / f"{size}-qwen3moe.gguf"
     if not path.exists():
-        print(f"generating the bench model -> {path} (once)", flush=True)
-        make_model(arch="qwen3moe", size="bench", seed=0, out=path)
+        print(f"generating the {size} model -> {path} (once)", flush=True)
+        make_model(arch="qwen3moe", size=size, seed=0, out=path)
     threads = args.threads or physical_cores()
     configure_threads(threads, KernelBackend(args.kernel))  # what `moe-swarm coordinator --threads` does
     rss0 = rss_mb()
@@ -184,7 +187,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     file_mb = path.stat().st_size / 2**20
     async with trio.open_nursery() as n:
         await n.start(rt.serve)
-        prompt_len, n_decode, reps = (32, 8, 1) if args.quick else (128, 32, args.rounds)
+        prompt_len, n_decode, reps = (16, 4, 1) if args.smoke else (32, 8, 1) if args.quick else (128, 32, args.rounds)
         # warm-up at full size: every expert's pages of the memory-mapped file are read once, and the
         # kernels' graphs for these sizes are built, before anything is timed
         await one_request(rt, [(5 * j + 1) % (model.config.n_vocab - 3) for j in range(prompt_len)], n_decode)
@@ -208,6 +211,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="the tiny model, 4 tokens, one round (make test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
     ap.add_argument("--kernel", choices=["ggml", "torch"], default="ggml", help="expert and dense kernels")

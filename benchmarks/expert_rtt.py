@@ -1,6 +1,8 @@
 """Remote expert round trip vs local compute, over real py-libp2p on loopback (DESIGN §11 format).
 
-    python benchmarks/expert_rtt.py [--quick] [--json OUT] [--calls N] [--via-relay]
+    python benchmarks/expert_rtt.py [--quick | --smoke] [--json OUT] [--calls N] [--via-relay]
+
+``--smoke`` (``make test``): 5 calls per case at batch 1 and 8, direct and through the relay.
 
 One SwiGLU expert, d_model 1024, width 2816, float32 (the size of the public hivemind comparison).
 A server process hosts it on ``/moe-swarm/expert/2`` (the expert stream server of ``swarm.rpc``, the
@@ -260,6 +262,7 @@ async def measure(info: dict[str, Any], calls: int, batches: list[int]) -> list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="5 calls per case at batch 1 and 8, with the relay (make test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--calls", type=int, default=None)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -270,7 +273,9 @@ def main() -> None:
     if args.serve:
         trio.run(serve, args.threads, args.relay)
         return
-    calls = args.calls or (20 if args.quick else 200)
+    if args.smoke:
+        args.via_relay = True  # the relayed path too: it is the one a benchmark change breaks unnoticed
+    calls = args.calls or (5 if args.smoke else 20 if args.quick else 200)
     procs: list[subprocess.Popen[str]] = []
     try:
         server_cmd = [sys.executable, __file__, "--serve", "--threads", str(args.threads)]
@@ -288,7 +293,7 @@ def main() -> None:
         procs.append(server)
         assert server.stdout is not None
         info = json.loads(server.stdout.readline())
-        cases = trio.run(measure, info, calls, [1, 8, 64])
+        cases = trio.run(measure, info, calls, [1, 8] if args.smoke else [1, 8, 64])
     finally:
         for p in reversed(procs):
             p.terminate()

@@ -2,8 +2,10 @@
 one compute thread (the two cores), on the ``bench`` model: aggregate decode tokens/s and per-session
 ms/token at 1, 4 and 8 concurrent sessions, local-only vs load-adaptive dispatch (DESIGN §11 format).
 
-    python benchmarks/offload.py [--quick] [--json OUT] [--sessions 1 4 8] [--decode 32] [--repeat N]
+    python benchmarks/offload.py [--quick | --smoke] [--json OUT] [--sessions 1 4 8] [--decode 32] [--repeat N]
                                  [--verify-cases] [--split-forced-case] [--rtt-ms 0 10 40]
+
+``--smoke`` (``make test``): the ``tiny`` model, 1 and 2 sessions, 6 tokens, a 1 s serve TTL.
 
 Real processes on loopback: ``moe-swarm coordinator --threads 1`` and ``moe-swarm volunteer --threads 1``
 in static mode, serving every layer of the model in four ranges (its slices are downloaded from a
@@ -78,6 +80,8 @@ from swarm.model.gguf import model_id_for  # noqa: E402
 from swarm.tools.makemodel import make_model  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
+PROMPT_VOCAB = [8000]  # prompts' token ids are taken modulo this (the model's vocabulary when smaller)
+SMOKE_FLAGS: list[str] = []  # --smoke: a short serve TTL, so each case's wait for an idle dispatcher is short
 N_RANGES = 4
 
 
@@ -139,7 +143,7 @@ def write_map(path: Path, model_id: str, n_layer: int, n_expert: int, version: i
 
 
 async def one_session(h: httpx.AsyncClient, model_id: str, i: int, n_decode: int) -> dict[str, Any]:
-    prompt = [(11 * i + 7 * j + 3) % 8000 for j in range(16)]
+    prompt = [(11 * i + 7 * j + 3) % PROMPT_VOCAB[0] for j in range(16)]
     body = {"model": model_id, "prompt": prompt, "max_tokens": n_decode, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
     t_first: float | None = None
@@ -215,25 +219,30 @@ def bound(path: Path, sessions: int) -> dict[str, Any]:
     alone, so the alone and shared windows alternate)."""
     import torch
 
+    from coordinator.dispatch.layer import LayerCall
     from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
     from swarm.model.gguf import GGUFModel
     from swarm.model.kernels import KernelBackend, configure_threads
 
     configure_threads(1, KernelBackend.GGML)
     model = GGUFModel(path)
-    local = LocalExperts(model)
     spent = [0.0]
 
-    class Timed:
-        def moe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    class Timed(LocalExperts):
+        """Every expert here, timed apart from the dense graphs (not fused into the layer's graph)."""
+
+        def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
+            return False
+
+        def service(self, call: LayerCall) -> bool:
             t = time.perf_counter()
-            r = local.moe(layer, x, ids, w)
+            r = super().service(call)
             spent[0] += time.perf_counter() - t
             return r
 
-    tr = Transformer(model, Timed())
+    tr = Transformer(model, Timed(model))
     caches = [KVCache(tr.cfg, 256, torch.float16) for _ in range(sessions)]
-    tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % 8000 for j in range(16)], 0) for i, c in enumerate(caches)])
+    tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % PROMPT_VOCAB[0] for j in range(16)], 0) for i, c in enumerate(caches)])
     toks, pos = [5] * sessions, 16
 
     def steps(n: int) -> list[tuple[float, float]]:
@@ -304,10 +313,14 @@ def sessions(url: str, model_id: str, n: int, n_decode: int) -> tuple[float, flo
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    path = CACHE / "bench-qwen3moe.gguf"
+    size = "tiny" if args.smoke else "bench"
+    path = CACHE / f"{size}-qwen3moe.gguf"
     if not path.exists():
-        print(f"generating the bench model -> {path} (once)", flush=True)
-        make_model(arch="qwen3moe", size="bench", seed=0, out=path)
+        print(f"generating the {size} model -> {path} (once)", flush=True)
+        make_model(arch="qwen3moe", size=size, seed=0, out=path)
+    from swarm.model.gguf import GGUFModel
+
+    PROMPT_VOCAB[0] = min(8000, GGUFModel(path, compute_id=False).config.n_vocab)
     model_id = model_id_for(path)
     cases: list[dict[str, Any]] = []
     for rtt in args.rtt_ms:
@@ -341,7 +354,8 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
     urls: dict[str, str] = {}
     maps: dict[str, Path] = {}
     try:
-        common = ["--model", str(path), "--threads", "1", "--slots", str(max(args.sessions)), "--ctx-size", "256"]
+        common = ["--model", str(path), "--threads", "1", "--slots", str(max(args.sessions)), "--ctx-size", "256",
+                  *SMOKE_FLAGS]
         for mode in modes:
             port = free_port()
             urls[mode], maps[mode] = f"http://127.0.0.1:{port}", work / f"dispatch-map-{mode}.json"
@@ -359,7 +373,7 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
         n_expert = int(manifest["n_expert"])
         step = n_expert // N_RANGES
         slices = [a for L in range(n_layer) for lo in range(0, n_expert, step) for a in ("--slice", f"{L}:{lo}-{lo + step}")]
-        vdir = CACHE / "offload-volunteer"
+        vdir = CACHE / ("offload-volunteer" if path.stem.startswith("bench") else f"offload-volunteer-{path.stem}")
         print(f"starting the volunteer ({n_layer} layers x {N_RANGES} ranges; slices cached in {vdir})", flush=True)
         # the volunteer answers its --coordinator; the other coordinators by --allow-peer
         allow = [a for m, u in urls.items() if m not in ("local", "adaptive")
@@ -460,6 +474,7 @@ def ratios(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 and 4 sessions, 12 tokens")
+    ap.add_argument("--smoke", action="store_true", help="the tiny model, 1 and 2 sessions, 6 tokens (make test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--decode", type=int, default=32, help="tokens per session")
@@ -479,6 +494,9 @@ def main() -> None:
         return
     if args.quick:
         args.sessions, args.decode = [1, 4], 12
+    if args.smoke:
+        args.sessions, args.decode = [1, 2], 6
+        SMOKE_FLAGS[:] = ["--serve-ttl", "1"]
     result = run(args)
     result["cases"] += ratios(result["cases"])
     print(f"\noffload benchmark: {result['model']} (threads: {result['threads']})")
