@@ -68,6 +68,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="experts nobody serves (not held here, no live volunteer): wait for coverage up to "
                         "--missing-wait seconds then 503 (default), compute them from the GGUF on disk, or fail")
     c.add_argument("--missing-wait", type=float, default=30.0, help="seconds a layer waits for missing experts")
+    c.add_argument("--no-lanes", action="store_true",
+                   help="send every expert call on the libp2p stream (no data lanes: direct TCP connections "
+                        "volunteers dial to this coordinator, used from the engine's thread)")
+    c.add_argument("--lane-port", type=int, default=0, help="port volunteers dial for data lanes (default 0: any free one)")
+    c.add_argument("--lane-announce", default=None, metavar="HOST[:PORT]",
+                   help="the lane address volunteers are told (default: --advertise-url's host, else --host, "
+                        "and the bound port)")
     c.add_argument("--origin", action="append", default=None, metavar="URL",
                    help="an http(s) URL serving this GGUF file with Range requests (a mirror; repeatable): "
                         "volunteers download their slices from it, checked against the manifest's expert hashes")
@@ -120,13 +127,16 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "on_missing": ns.on_missing,
         "missing_wait_s": ns.missing_wait,
         "origins": tuple(ns.origin or ()),
+        "lanes": not ns.no_lanes,
+        "lane_port": ns.lane_port,
+        "lane_announce": ns.lane_announce,
         "draft": ns.draft,
         "draft_model": ns.draft_model,
         "draft_max": ns.draft_max,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
               "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
               "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate", "hold_proof": "--no-hold-proof",
-              "missing_wait_s": "--missing-wait"})
+              "missing_wait_s": "--missing-wait", "lanes": "--no-lanes"})
 
 
 def run(ns: argparse.Namespace) -> int:

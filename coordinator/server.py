@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import logging
 import tempfile
+import urllib.parse
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
@@ -32,6 +33,7 @@ from coordinator.api.slices import slice_routes
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.core.local_experts import parse_local_experts
 from coordinator.dispatch.dispatcher import Dispatcher
+from coordinator.dispatch.lanes import LaneHub
 from coordinator.dispatch.mapfile import watch_dispatch_map_file
 from coordinator.dispatch.market_link import MarketLink
 from coordinator.engine.drafters import Drafter, HeldOnlyExperts, ModelDrafter, NgramDrafter, check_vocabulary
@@ -112,6 +114,12 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # plain HTTP(S) mirrors of the GGUF file (``--origin``, repeatable): volunteers read their slices from
     # them with Range requests at the manifest's tensor offsets, checked against its expert hashes
     origins: Annotated[tuple[HttpUrl, ...], msgspec.Meta(max_length=MAX_ORIGINS)] = ()
+    # data lanes (coordinator.dispatch.lanes): volunteers dial this port and the engine's calls to them go
+    # there, off the libp2p stream; 0: any free port. ``lane_announce``: HOST[:PORT] the offers name
+    # (default: the host of --advertise-url, else --host, and the bound port)
+    lanes: bool = True
+    lane_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    lane_announce: Annotated[str, msgspec.Meta(min_length=1, max_length=260)] | None = None
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -179,7 +187,8 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                                     kernel=cfg.kernel, hole_punch=cfg.hole_punch,
                                     load_probe=lambda: (rt.busy(), rt.n_slots), prove_holdings=cfg.hold_proof,
                                     held=local.held,
-                                    missing_wait_s=cfg.missing_wait_s if cfg.on_missing == "wait" else 0.0)
+                                    missing_wait_s=cfg.missing_wait_s if cfg.on_missing == "wait" else 0.0,
+                                    lanes=lane_hub(cfg))
             rt.set_experts(dispatcher)
             caches = {model.model_id: SliceCache(model, data_dir / "slices")}
             # the expert hashes read every expert once (10-20 s for 17 GB), then come from data_dir
@@ -221,6 +230,32 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                     links.append(link)
                     await nursery.start(link.serve)
                 task_status.started(url)
+
+
+def lane_hub(cfg: CoordinatorConfig) -> LaneHub | None:
+    """The data lanes' listener, or None (``--no-lanes``; or no address volunteers could dial: a
+    wildcard ``--host`` without ``--advertise-url`` or ``--lane-announce``)."""
+    if not cfg.lanes:
+        return None
+    host: str | None = None
+    port: int | None = None
+    if cfg.lane_announce is not None:
+        h, sep, p = cfg.lane_announce.rpartition(":")
+        if sep and p.isdigit() and h:
+            host, port = h.strip("[]"), int(p)
+        else:
+            host = cfg.lane_announce
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"--lane-announce {cfg.lane_announce!r}: the port must be 1-65535", code="bad_lane_announce")
+    elif cfg.advertise_url is not None:
+        host = urllib.parse.urlsplit(cfg.advertise_url).hostname
+    elif cfg.host not in ("0.0.0.0", "::", ""):
+        host = cfg.host
+    if host is None:
+        log.warning("data lanes off: --host %s is no address volunteers can dial; give --advertise-url or "
+                    "--lane-announce HOST[:PORT]", cfg.host)
+        return None
+    return LaneHub(host=cfg.host, port=cfg.lane_port, announce_host=host, announce_port=port)
 
 
 def _operator(request: Request, token: str | None) -> bool:

@@ -18,7 +18,7 @@ from swarm.service import run_service, size_flag
 __all__ = ["add_parser", "pull_config_from_args", "static_config_from_args"]
 
 _FLAGS = {"max_memory": "--max-memory", "max_slices": "--max-slices", "share_rate_bytes_per_s": "--share-rate", "poll_interval_s": "--poll-interval", "relays": "--relay",
-          "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice"}
+          "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice", "lanes": "--no-lanes"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -61,6 +61,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="do not listen; reachable only through relays")
     v.add_argument("--no-hole-punch", action="store_true",
                    help="do not answer DCUtR: coordinators keep reaching this volunteer through the relay")
+    v.add_argument("--no-lanes", action="store_true",
+                   help="decline coordinators' data lanes (direct TCP connections this volunteer dials to a "
+                        "coordinator it serves): every expert call then comes on the libp2p stream")
     v.add_argument("--allow-peer", action="append", dest="allow_peers", default=None, metavar="PEER_ID",
                    help="static mode: also answer expert calls from this libp2p peer (repeatable; the "
                         "--coordinator's own id, from its /health, is always allowed)")
@@ -92,6 +95,7 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
         "display_name": ns.display_name,
         "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
         "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch, "kernel": ns.kernel,
+        "lanes": not ns.no_lanes,
     }, flags=_FLAGS)
 
 
@@ -104,7 +108,7 @@ def static_config_from_args(ns: argparse.Namespace) -> Any:
         "coordinator": ns.coordinator, "slices": tuple(ns.slices), "listen": _listen(ns),
         "data_dir": data_dir_for("volunteer", ns.data_dir), "model_id": ns.model_id, "threads": ns.threads,
         "progress": not ns.no_progress, "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch,
-        "kernel": ns.kernel, "allow_peers": tuple(ns.allow_peers or ()),
+        "kernel": ns.kernel, "allow_peers": tuple(ns.allow_peers or ()), "lanes": not ns.no_lanes,
     }, flags=_FLAGS)
     check_config(cfg)
     return cfg

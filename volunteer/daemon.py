@@ -38,6 +38,7 @@ import logging
 import random
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -76,6 +77,7 @@ from swarm.safe_paths import slice_file
 from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.core.memory import MemoryPlan
+from volunteer.lanes import VolunteerLanes
 from volunteer.server import ExpertServer, shielded_until_cancelled
 from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table, serve_status
 
@@ -98,6 +100,7 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     announce: tuple[Multiaddr, ...] = ()
     relays: tuple[Multiaddr, ...] = ()  # empty: the relays the market offers
     hole_punch: bool = True
+    lanes: bool = True  # dial the data lanes coordinators offer (volunteer.lanes)
     kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml or the torch reference
     max_memory: PosInt | None = None  # peak RSS budget: the slice budget is what the baseline leaves
     max_bytes: PosInt | None = None  # a slice budget given directly (embedding, tests); with max_memory: the smaller
@@ -154,6 +157,10 @@ class PullVolunteer:
     def authorize(self, peer_id: str) -> bool:
         """May ``peer_id`` use our experts? Only a coordinator the market lists for what we hold."""
         return self.allowed is None or peer_id in self.allowed
+
+    def coordinator_hosts(self) -> set[str]:
+        """The hosts of the coordinators the market's assignments named (where a data lane may be dialled)."""
+        return {h for a in self._assignments.values() if (h := urllib.parse.urlsplit(a.coordinator).hostname)}
 
     def __init__(self, cfg: PullVolunteerConfig, *, epoch: int, key_pair: Any, peer_id: str, nat: Nat,
                  server: ExpertServer, client: httpx.AsyncClient, nursery: trio.Nursery,
@@ -544,9 +551,13 @@ async def serve_pull_volunteer(
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
                                 server=server, client=client, nursery=nursery, budget=budget, max_bytes=max_bytes,
                                 transport=transport, slice_server=slice_server)
+            lanes = VolunteerLanes(server, authorize=vol.authorize, known_hosts=vol.coordinator_hosts, budget=budget)
+            if cfg.lanes:
+                await nursery.start(lanes.serve)
             # only the coordinators the market names for what we hold may use our experts
             set_expert_handlers(transport, server.handle_timed, hello=server.hello(),
-                                authorize=vol.authorize, prove=server.prove, budget=budget)
+                                authorize=vol.authorize, prove=server.prove, budget=budget,
+                                lanes=lanes.offer if cfg.lanes else None)
             if plan is None:
                 await nursery.start(server.serve)
             await nursery.start(serve_status, data_dir, vol.snapshot)  # moe-swarm volunteer status

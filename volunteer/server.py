@@ -26,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -116,8 +117,10 @@ class _SliceWorker:
     """Serialises one slice's computations and merges requests that queue up meanwhile."""
 
     def __init__(self, sl: LoadedSlice, limiter: trio.CapacityLimiter, max_batch_rows: int,
-                 kernel: KernelBackend = DEFAULT_BACKEND, inline_macs: int = 0) -> None:
+                 kernel: KernelBackend = DEFAULT_BACKEND, inline_macs: int = 0,
+                 compute_lock: threading.Lock | None = None) -> None:
         self.sl = sl
+        self.compute_lock = compute_lock if compute_lock is not None else threading.Lock()
         st = sl.experts
         self.macs_per_pair = 3 * st.d_model * st.d_expert
         self.inline_macs = inline_macs
@@ -137,7 +140,8 @@ class _SliceWorker:
         if not self.running and self.warm_done and self.recv.statistics().current_buffer_used == 0:
             # idle: computed from the caller's task, no hop through the loop -- a small call on the
             # event loop itself (a hop to a thread and back costs more than computing it)
-            small = len(p.pairs) * self.macs_per_pair <= self.inline_macs and self.limiter.borrowed_tokens == 0
+            small = (len(p.pairs) * self.macs_per_pair <= self.inline_macs and self.limiter.borrowed_tokens == 0
+                     and not self.compute_lock.locked())  # a lane thread computing: not on the loop
             await (self._run_inline(p) if small else self._run([p]))
         else:
             try:
@@ -239,9 +243,17 @@ class _SliceWorker:
         await trio.lowlevel.checkpoint()
 
     def _timed(self, batch: list[_Pending]) -> tuple[list[torch.Tensor], float]:
-        t0 = time.perf_counter()
-        outs = self._compute(batch)
-        return outs, time.perf_counter() - t0
+        with self.compute_lock:  # one computation at a time, whichever path brought it (stream or lane)
+            t0 = time.perf_counter()
+            outs = self._compute(batch)
+            return outs, time.perf_counter() - t0
+
+    def compute_now(self, p: _Pending) -> None:
+        """``p`` computed on the calling thread (a lane's), under the compute lock."""
+        outs, p.compute_s = self._timed([p])
+        p.result = outs[0]
+        self.batches += 1
+        self.last_serve_ms = int(time.time() * 1000)
 
     def _compute(self, batch: list[_Pending]) -> list[torch.Tensor]:
         torch.set_grad_enabled(False)
@@ -260,6 +272,12 @@ class _SliceWorker:
         return list(torch.split(out, n_pairs))  # per pair: batch-invariant, so the bits of a lone call
 
 
+def _sub_pairs(pairs: Pairs, sel: np.ndarray, exps: np.ndarray, plo: int) -> Pairs:
+    """The pairs at ``sel``, experts relative to ``plo`` (``exps``: the request's experts, absolute)."""
+    return Pairs(np.ascontiguousarray(pairs.rows[sel]), np.ascontiguousarray((exps[sel] - plo).astype("<u4")),
+                 np.ascontiguousarray(pairs.weights[sel]))
+
+
 class ExpertServer:
     def __init__(self, slices: list[LoadedSlice], *, threads: int = 1, lanes: int = 1, max_batch_rows: int = 4096,
                  kernel: KernelBackend = DEFAULT_BACKEND, inline_macs: int = INLINE_MACS) -> None:
@@ -273,11 +291,15 @@ class ExpertServer:
         self.kernel = kernel
         self.kernel_id = kernel_id(kernel)  # what this server's Hello announces
         self._nursery: trio.Nursery | None = None
-        self.workers = [_SliceWorker(s, self.limiter, max_batch_rows, kernel, inline_macs) for s in slices]
+        self.compute_lock = threading.Lock()  # one computation at a time, from the stream's threads or a lane's
+        self.workers = [_SliceWorker(s, self.limiter, max_batch_rows, kernel, inline_macs, self.compute_lock)
+                        for s in slices]
         self.stats = ServeStats()
         self.draining = False
-        self._idle = trio.Event()
+        self._idle = trio.Event()  # no stream call in flight (trio side)
         self._idle.set()
+        self._lanes_busy = threading.Condition(threading.Lock())  # guards _lane_calls and draining for lanes
+        self._lane_calls = 0  # lane calls in flight (computing on their lanes' threads)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -294,7 +316,7 @@ class ExpertServer:
         """Start serving ``sl`` (inside ``serve``)."""
         if self._nursery is None:
             raise RuntimeError("the expert server is not running")
-        w = _SliceWorker(sl, self.limiter, self.max_batch_rows, self.kernel, self.inline_macs)
+        w = _SliceWorker(sl, self.limiter, self.max_batch_rows, self.kernel, self.inline_macs, self.compute_lock)
         self.workers.append(w)
         self._nursery.start_soon(w.run)
 
@@ -371,8 +393,7 @@ class ExpertServer:
                 sel = np.flatnonzero((exps >= plo) & (exps < phi))
                 if sel.size == 0:
                     continue
-                sub = Pairs(np.ascontiguousarray(pairs.rows[sel]), np.ascontiguousarray((exps[sel] - plo).astype("<u4")),
-                            np.ascontiguousarray(pairs.weights[sel]))
+                sub = _sub_pairs(pairs, sel, exps, plo)
 
                 async def one(w: _SliceWorker = w, offset: int = offset, sel: np.ndarray = sel, sub: Pairs = sub) -> None:
                     nonlocal spent
@@ -403,15 +424,7 @@ class ExpertServer:
     async def handle_timed(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> Computed:
         """The ``ExpertHandler`` the daemons plug into ``set_expert_handlers``: the answer and how long
         it computed (the response's ``compute_us``)."""
-        if self.draining:
-            raise Draining("volunteer is shutting down")
-        parts = self._find(req)
-        d_model = parts[0][0].sl.experts.d_model
-        if rows.shape[1] != d_model:
-            raise RemoteProtocolError(f"d_model {rows.shape[1]} != slice d_model {d_model}", code="bad_shape")
-        s = self.stats
-        s.in_flight += 1
-        self._idle = trio.Event() if s.in_flight == 1 else self._idle
+        parts = self._begin(req, rows)
         t0 = time.monotonic()
         try:
             if len(parts) == 1:
@@ -419,17 +432,102 @@ class ExpertServer:
                 out, spent = await parts[0][0].submit(p), p.compute_s
             else:
                 out, spent = await self._compute_parts(req, rows, pairs, parts)
-        except RemoteProtocolError:
-            s.errors += 1
-            raise
-        except Exception as exc:
-            s.errors += 1
-            log.exception("expert computation failed")
-            raise RemoteProtocolError(f"computation failed: {exc}", code="internal_error") from exc
+        except BaseException as exc:
+            self._failed(exc)
+            raise self._error(exc) from exc
         finally:
-            s.in_flight -= 1
-            if s.in_flight == 0:
-                self._idle.set()
+            self._left()
+        return self._done(req, rows, pairs, out, spent, t0)
+
+    def compute_sync(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> Computed:
+        """``handle_timed`` on the calling thread (a lane's): the same answer, computed at once under
+        the compute lock (no batching with queued stream calls: a lane's caller waits for it alone)."""
+        parts = self._begin(req, rows, lane=True)
+        t0 = time.monotonic()
+        try:
+            if len(parts) == 1:
+                p = _Pending(req, rows, pairs, parts[0][1])
+                parts[0][0].compute_now(p)
+                assert p.result is not None
+                out, spent = p.result, p.compute_s
+            else:
+                exps = pairs.experts.astype(np.int64) + req.lo
+                out = torch.empty(len(pairs), rows.shape[1])
+                spent = 0.0
+                for w, offset, plo, phi in parts:
+                    sel = np.flatnonzero((exps >= plo) & (exps < phi))
+                    if sel.size == 0:
+                        continue
+                    p = _Pending(req, rows, _sub_pairs(pairs, sel, exps, plo), offset)
+                    w.compute_now(p)
+                    assert p.result is not None
+                    out[torch.from_numpy(sel)] = p.result
+                    spent += p.compute_s
+        except BaseException as exc:
+            self._failed(exc)
+            raise self._error(exc) from exc
+        finally:
+            self._left(lane=True)
+        return self._done(req, rows, pairs, out, spent, t0)
+
+    def _begin(self, req: ExpertRequest, rows: torch.Tensor, *, lane: bool = False
+               ) -> list[tuple[_SliceWorker, int, int, int]]:
+        """A call's parts (refused while draining, or for slices not held or of another width); counted
+        in flight (a lane's call under ``_lanes_busy``: it runs off the event loop)."""
+        if lane:
+            with self._lanes_busy:
+                if self.draining:
+                    raise Draining("volunteer is shutting down")
+                self._lane_calls += 1
+        elif self.draining:
+            raise Draining("volunteer is shutting down")
+        try:
+            parts = self._find(req)
+            d_model = parts[0][0].sl.experts.d_model
+            if rows.shape[1] != d_model:
+                raise RemoteProtocolError(f"d_model {rows.shape[1]} != slice d_model {d_model}", code="bad_shape")
+        except BaseException:
+            if lane:
+                self._left(lane=True)
+            raise
+        s = self.stats
+        s.in_flight += 1
+        if not lane and s.in_flight - self._lane_calls == 1:
+            self._idle = trio.Event()
+        return parts
+
+    def _left(self, *, lane: bool = False) -> None:
+        s = self.stats
+        if lane:
+            with self._lanes_busy:
+                self._lane_calls -= 1
+                s.in_flight -= 1
+                self._lanes_busy.notify_all()
+            return
+        s.in_flight -= 1
+        if s.in_flight - self._lane_calls == 0:
+            self._idle.set()
+
+    def _lanes_quiet(self, timeout_s: float) -> bool:
+        """(A worker thread) wait until no lane computes; False after ``timeout_s``."""
+        with self._lanes_busy:
+            return self._lanes_busy.wait_for(lambda: self._lane_calls == 0, timeout_s)
+
+    def _failed(self, exc: BaseException) -> None:
+        if isinstance(exc, Exception):
+            self.stats.errors += 1
+            if not isinstance(exc, RemoteProtocolError):
+                log.exception("expert computation failed")
+
+    @staticmethod
+    def _error(exc: BaseException) -> BaseException:
+        if isinstance(exc, RemoteProtocolError) or not isinstance(exc, Exception):
+            return exc
+        return RemoteProtocolError(f"computation failed: {exc}", code="internal_error")
+
+    def _done(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, out: torch.Tensor, spent: float,
+              t0: float) -> Computed:
+        s = self.stats
         s.calls += 1
         s.rows += int(rows.shape[0])
         ms = (time.monotonic() - t0) * 1000.0
@@ -445,10 +543,13 @@ class ExpertServer:
         return Computed(out, spent)
 
     async def drain(self, timeout_s: float = 10.0) -> bool:
-        """Refuse new requests and wait for accepted ones; True if all finished in time."""
-        self.draining = True
-        with trio.move_on_after(timeout_s):
+        """Refuse new requests and wait for accepted ones (on streams and lanes); True if all finished in time."""
+        with self._lanes_busy:
+            self.draining = True
+        deadline = trio.current_time() + timeout_s
+        with trio.move_on_at(deadline):
             await self._idle.wait()
-            return True
+            left = max(0.0, deadline - trio.current_time())
+            return await trio.to_thread.run_sync(self._lanes_quiet, left)
         return False
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Annotated
 
@@ -38,6 +39,7 @@ from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
 from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import set_expert_handlers
 from swarm.safe_paths import slice_file
+from volunteer.lanes import VolunteerLanes
 from volunteer.server import ExpertServer, shielded_until_cancelled
 
 __all__ = ["StaticVolunteerConfig", "check_config", "serve_static_volunteer"]
@@ -58,6 +60,7 @@ class StaticVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     status_interval_s: PosFloat = 10.0
     relays: tuple[Multiaddr, ...] = ()  # reserve on these when not reachable directly
     hole_punch: bool = True
+    lanes: bool = True  # dial the data lanes the coordinator offers (volunteer.lanes)
     kernel: KernelBackend = DEFAULT_BACKEND  # expert kernels: ggml or the torch reference
     # libp2p peers whose expert calls are answered besides the coordinator's own (from its /health)
     allow_peers: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=128)], ...] = ()
@@ -128,8 +131,10 @@ async def serve_static_volunteer(
     async with shielded_until_cancelled() as stop, \
             open_listener_host(key_path=data_dir / "identity.key", listen_addrs=cfg.listen, cfg=nat_cfg) as (transport, nat):
         # only the coordinator (and --allow-peer ids) may use our experts: anyone else gets not_authorized
+        host = urllib.parse.urlsplit(base).hostname or ""
+        lanes = VolunteerLanes(server, authorize=allowed.__contains__, known_hosts=lambda: {host})
         set_expert_handlers(transport, server.handle_timed, hello=server.hello(),
-                            authorize=allowed.__contains__, prove=server.prove)
+                            authorize=allowed.__contains__, prove=server.prove, lanes=lanes.offer if cfg.lanes else None)
         log.info("answering expert calls from %s", ", ".join(sorted(allowed)))
         info = VolunteerInfo(peer_id=transport.peer_id, addrs=list(nat.advertised), reachability=nat.reachability.value,
                              model_id=model_id, slices=[str(s.key) for s in slices])
@@ -138,6 +143,8 @@ async def serve_static_volunteer(
               f"reachability={nat.reachability.value} slices={','.join(str(s.key) for s in slices)}", flush=True)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
+            if cfg.lanes:
+                await nursery.start(lanes.serve)
             nursery.start_soon(_status_loop, server, transport.peer_id, cfg.status_interval_s, nat)
             nursery.start_soon(_publish_addrs, nat, info, data_dir / "volunteer.json")
             task_status.started(info)

@@ -74,6 +74,7 @@ from coordinator.core.pipeline import GroupArms, PipelineModel
 from coordinator.dispatch import report as reports
 from coordinator.dispatch.disk import DiskExperts
 from coordinator.dispatch.executor import Executor, WireCall
+from coordinator.dispatch.lanes import LaneDriver, LaneHub
 from coordinator.dispatch.layer import (
     AsyncWaker,
     LayerCall,
@@ -87,12 +88,21 @@ from coordinator.dispatch.layer import (
 from coordinator.dispatch.peers import PeerHooks, Peers
 from swarm.core.histogram import Histogram
 from swarm.dispatch_map import DispatchMap, RangeReplicas, partition_layer
-from swarm.errors import ConfigError, DispatchFailed
+from swarm.errors import ConfigError, DispatchFailed, SwarmError
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend, add_in_expert_order, expert_kernel, kernel_id
 from swarm.p2p.transport import Transport
 from swarm.protocol.coordinator import DispatchReport
-from swarm.protocol.expert import make_pairs
+from swarm.protocol.expert import (
+    FEATURE_LANE,
+    SUPPORTED_DTYPES,
+    Hello,
+    LaneOffer,
+    RequestId,
+    Status,
+    make_pairs,
+)
+from swarm.rpc.client import ExpertClient
 
 __all__ = ["Dispatcher", "HostedModel", "LoadProbe", "LocalJob", "LocalKernel", "LocalRunner"]
 
@@ -145,6 +155,7 @@ class Dispatcher:
         rng: random.Random | None = None,
         prove_holdings: bool = False,
         missing_wait_s: float = 0.0,
+        lanes: LaneHub | None = None,
     ) -> None:
         """``config`` holds the policy (``timeout_s``, if given, overrides its deadline); ``held(layer,
         lo, hi)`` tells the ranges the coordinator holds; ``local_kernel`` computes a range here
@@ -152,7 +163,9 @@ class Dispatcher:
         (``dispatch_layer``: the virtual-time suite's, which take virtual time); ``load_probe`` gives (busy slots, slots), called
         on a worker thread unless ``probe_in_thread`` is False (tests under a virtual clock).
         ``prove_holdings``: a listed worker gets work for a slice only after it answered a hold
-        challenge for it (``coordinator.core.holdings``; needs the GGUF model to check against)."""
+        challenge for it (``coordinator.core.holdings``; needs the GGUF model to check against).
+        ``lanes``: data lanes to offer volunteers (``coordinator.dispatch.lanes``): a driver thread's
+        calls to a peer with one go on it."""
         cfg = config if config is not None else DispatchConfig()
         if timeout_s is not None:
             cfg = dataclasses.replace(cfg, timeout_s=timeout_s)
@@ -185,6 +198,7 @@ class Dispatcher:
                                  wire_dtype=wire_dtype, timeout_s=self.timeout_s, our_kernel=self.our_kernel_id,
                                  handle=self._handle, lock=self.lock)
         self.executor.state_of = lambda: self.core.state.value
+        self.executor.now = self._now
         # disk checks of ranges not held here (DESIGN §12): the GGUF read with pread, on a worker thread;
         # a fake model's tests hand in a runner of their own (virtual time)
         self.disk: DiskExperts | None = None
@@ -193,6 +207,9 @@ class Dispatcher:
         elif isinstance(model, GGUFModel) and (cfg.verify_disk_rate > 0 or cfg.missing_disk):
             self.disk = DiskExperts(model, self.kernel)
             self.executor.disk_kernel = self.disk.pair_outputs
+        self.lanes = lanes
+        self.lane_driver = LaneDriver(lanes, self.executor, self._handle, self._now,
+                                      our_dtypes=SUPPORTED_DTYPES) if lanes is not None else None
         self.on_hold_proven: list[Callable[[Holding], None]] = []
         self.map: DispatchMap | None = None
         self._step_ids = itertools.count(1)
@@ -212,6 +229,7 @@ class Dispatcher:
         self._map_event = trio.Event()  # for a trio driver (replaced at each change)
         self.missing_waits = 0  # layers that waited for coverage
         self.missing_failed = 0  # ... and still found none
+        self._lane_offer_ids = itertools.count(1 << 61)  # apart from the core's request ids and hold challenges
         self.maps_rejected = 0  # map files or market maps that could not be adopted
         self.map_error = ""  # why the last one was not
 
@@ -248,6 +266,9 @@ class Dispatcher:
             await nursery.start(self.executor.run, nursery)
             if self.load_probe is not None:
                 nursery.start_soon(self._sample_load, self.load_probe)
+            if self.lanes is not None:
+                await nursery.start(self.lanes.serve)
+                nursery.start_soon(self._offer_lanes, self.lanes)
             self._clock = trio.lowlevel.current_clock()
             self._token = trio.lowlevel.current_trio_token()
             task_status.started()
@@ -258,6 +279,41 @@ class Dispatcher:
                 with self.lock:  # layers in flight end: their drivers must not wait for the trio side
                     self._fail_all("the dispatcher stopped")
                 nursery.cancel_scope.cancel()
+
+    async def _offer_lanes(self, hub: LaneHub, interval_s: float = 0.5) -> None:
+        """Offer a data lane to every listed worker whose stream's Hello says it dials one and that
+        has none (``LaneHub.offer`` spaces a peer's offers by its ``retry_s``)."""
+        offering: set[str] = set()
+
+        async def one(peer: str, client: ExpertClient, hello: Hello) -> None:
+            try:
+                got = hub.offer(peer, hello, trio.current_time())
+                if got is None:
+                    return
+                lane_id, secret, host, port = got
+                offer = LaneOffer(request_id=RequestId(next(self._lane_offer_ids)), attempt=0, lane_id=lane_id,
+                                  secret=secret, host=host, port=port)
+                try:
+                    ans = await client.offer_lane(offer, timeout=hub.handshake_timeout_s * 2)
+                except SwarmError as exc:
+                    log.info("lane offer to %s failed: %s", peer, exc.message)
+                    return
+                if ans.status != Status.OK:
+                    log.info("%s declined a data lane: %s (%s)", peer, ans.message, ans.status)
+            finally:
+                offering.discard(peer)
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                now = trio.current_time()
+                for peer, client in list(self.peers.clients.items()):
+                    hello = client.peer_hello
+                    if (hello is None or FEATURE_LANE not in hello.features or peer in offering
+                            or peer in self.core.table.quarantined or not hub.wants_offer(peer, now)):
+                        continue
+                    offering.add(peer)
+                    nursery.start_soon(one, peer, client, hello)
+                await trio.sleep(interval_s)
 
     def _hold_proven(self, h: Holding) -> None:
         for hook in self.on_hold_proven:
@@ -277,6 +333,9 @@ class Dispatcher:
         self.map = m
         self._not_held = any(not self.held(lr.layer, r.lo, r.hi) for lr in m.layers for r in lr.ranges)
         added, removed = self.peers.adopt(m, before, self._now())
+        if self.lanes is not None:
+            for p in removed:
+                self.lanes.drop(p, "no longer in the dispatch map")
         nets = {rep.peer_id: rep.net for lr in m.layers for r in lr.ranges for rep in r.replicas if rep.net}
         self._handle([WorkersListed(frozenset(m.peers()), tuple(sorted(nets.items())))], self._on_trio())
         self._map_changed.set()
@@ -326,17 +385,52 @@ class Dispatcher:
                 if split.trio and not on_trio:
                     sends = [e for e in split.trio if isinstance(e, SendRemote | Hedge) and e.peer is not None]
                     calls = dict(self.executor.calls)
+                if split.rearm and not on_trio:
+                    self.executor.off_trio_timers = True
             todo = self.executor.run_inline(split.inline) if split.inline else []
+            if on_trio and split.rearm:
+                self.executor.rearm()
             if split.trio:
                 if on_trio:
                     todo += self.executor.run_trio(split.trio)
                 else:
                     wires = self.executor.wires_for(sends, calls)  # encoded here, off the trio thread
-                    now_pc = time.perf_counter()
-                    for c in {id(w.call): w.call for w in wires if w.call is not None}.values():
-                        c.timing.handed = c.timing.handed or now_pc
-                        c.timing.crossings += 1
-                    self._to_trio(split.trio, wires)
+                    effects_trio, todo_lanes = self._on_lanes(split.trio, wires)
+                    todo += todo_lanes
+                    if effects_trio:
+                        now_pc = time.perf_counter()
+                        for c in {id(w.call): w.call for w in wires if w.call is not None}.values():
+                            c.timing.handed = c.timing.handed or now_pc
+                            c.timing.crossings += 1
+                        self._to_trio(effects_trio, wires)
+
+    def _on_lanes(self, effects: list[Effect], wires: list[WireCall]) -> tuple[list[Effect], list[Event]]:
+        """(A driver's thread) the wire calls to peers with a live data lane sent on it; ``wires`` keeps
+        the others. Returns the effects still for the trio thread and the events of failed sends.
+
+        Only calls whose answers the layer waits for go on a lane (the driver reads a lane while it
+        waits): a call kept for a comparison (a probe, a verification, a disk check: the layer's result
+        is the copy computed here) goes on the stream, whose answers the trio thread reads whenever
+        they come."""
+        d = self.lane_driver
+        if d is None or not wires:
+            return effects, []
+        events: list[Event] = []
+        sent: set[CallId] = set()
+        keep = self.executor.keep
+        for w in list(wires):
+            lane = d.lane_for(w.peer)
+            if lane is None or any(c in keep for c in w.calls):
+                continue
+            wires.remove(w)
+            sent.update(w.calls)
+            now_pc = time.perf_counter()
+            if w.call is not None:
+                w.call.timing.handed = w.call.timing.handed or now_pc
+            events += d.send(lane, w)
+        if not sent:
+            return effects, events
+        return [e for e in effects if not (isinstance(e, SendRemote | Hedge) and e.call in sent)], events
 
     def _to_trio(self, effects: list[Effect], wires: list[WireCall]) -> None:
         token = self._token
@@ -426,7 +520,11 @@ class Dispatcher:
         ids = np.asarray(ids)
         w = np.asarray(w, dtype=np.float32)
         jobs = self._jobs(layer, x, ids, w)
-        call = LayerCall(layer, int(ids.shape[0]), jobs, waker if waker is not None else ThreadWaker(), x, ids, w)
+        if waker is None:
+            waker = ThreadWaker.current()
+        if isinstance(waker, ThreadWaker) and self.lane_driver is not None:
+            waker.source = self.lane_driver  # the driver reads its lanes' answers while it waits
+        call = LayerCall(layer, int(ids.shape[0]), jobs, waker, x, ids, w)
         call.timing.begin = t0
         call.timing.grouped = time.perf_counter()
         self._flush_ran_here()

@@ -18,8 +18,14 @@ one wire request (``WireCall``; when the peer's Hello offers ``multi_range``): o
 layer. Its answer is split back into each range's per-pair outputs; a failure fails each range's
 call; cancelling one range's call only drops its share (the request is cancelled once all are).
 
-Timers: one trio task sleeps until the earliest of them (a heap; a cancelled timer is skipped when
-it comes up), so a remote call costs no task per timer.
+Timers: one heap, kept under the lock by ``split`` (``StartTimer``, ``CancelTimer``: bookkeeping, on
+whichever thread); a cancelled timer is skipped when it comes up. They are fired by whoever waits for
+them: a trio task (woken when the earliest changes on the trio thread; checking every
+``OFF_TRIO_RECHECK_S`` while a driver's timers are in the heap) and a driver's waker, which fires the
+due ones between its reads (``due_timers``), so a layer on data lanes needs no trio thread at all.
+
+Remote calls go out on the trio thread (the expert stream: ``run_trio``) or, from a driver, on a data
+lane (``coordinator.dispatch.lanes``: ``WireCall.lane``); either way their outcome is ``finish``'s.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ from swarm.protocol.expert import (
     FEATURE_MULTI_RANGE,
     FEATURE_ROW_SUMS,
     ExpertRequest,
+    ExpertResponse,
     Pairs,
     RequestId,
     encode_request_payload,
@@ -102,6 +109,7 @@ log = logging.getLogger(__name__)
 LATENCY_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 _MISSING = frozenset({Reason.NO_REPLICA, Reason.ALL_DOWN, Reason.ALL_FAILED})
+OFF_TRIO_RECHECK_S = 0.25  # the trio timer task's longest sleep while timers pushed off its thread are due
 
 
 def failure_kind(exc: SwarmError) -> FailureKind:
@@ -148,12 +156,14 @@ class WireCall:
     call: LayerCall | None = None
     dropped: set[CallId] = field(default_factory=set)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    lane: bool = False  # sent on a data lane by a driver (not on the stream by the trio thread)
 
 
 @dataclass
 class _Split:
     trio: list[Effect] = field(default_factory=list)
     inline: list[Effect] = field(default_factory=list)
+    rearm: bool = False  # the earliest timer changed: a trio timer task must look again
 
 
 class Executor:
@@ -185,10 +195,12 @@ class Executor:
         self.state_of: Callable[[], str] = lambda: ""
         self.latency_hist = Histogram(LATENCY_BOUNDS)
         self._nursery: trio.Nursery | None = None
-        self._timers: list[tuple[float, int, Timer]] = []
+        self._timers: list[tuple[float, int, Timer]] = []  # under the lock
         self._timer_live: dict[Timer, int] = {}
         self._timer_seq = 0
         self._timer_wake = trio.Event()
+        self.off_trio_timers = False  # a timer was pushed off the trio thread (its task then rechecks)
+        self.now: Callable[[], float] | None = None  # the core's clock, from any thread (set by the dispatcher)
 
     # -- lifetime (trio) ---------------------------------------------------------------------------
     async def run(self, nursery: trio.Nursery, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -199,20 +211,41 @@ class Executor:
         try:
             while True:
                 self._timer_wake = trio.Event()
-                at = self._timers[0][0] if self._timers else None
-                with trio.move_on_at(at if at is not None else trio.current_time() + 3600):
-                    await self._timer_wake.wait()
-                fired: list[Event] = []
                 now = trio.current_time()
-                while self._timers and self._timers[0][0] <= now:
-                    _, seq, t = heapq.heappop(self._timers)
-                    if self._timer_live.get(t) == seq:
-                        del self._timer_live[t]
-                        fired.append(TimerFired(t))
+                at = self.next_timer()
+                if at is None or (self.off_trio_timers and at > now + OFF_TRIO_RECHECK_S):
+                    at = now + (OFF_TRIO_RECHECK_S if self.off_trio_timers else 3600.0)
+                with trio.move_on_at(at):
+                    await self._timer_wake.wait()
+                fired = self.due_timers(trio.current_time())
                 if fired:
                     self._handle(fired, True)
         finally:
             self._nursery = None
+
+    def rearm(self) -> None:
+        """(Trio thread) the earliest timer changed: the timer task looks again."""
+        self._timer_wake.set()
+
+    def next_timer(self) -> float | None:
+        with self.lock:
+            while self._timers and self._timer_live.get(self._timers[0][2]) != self._timers[0][1]:
+                heapq.heappop(self._timers)  # cancelled
+            if not self._timers:
+                self.off_trio_timers = False
+                return None
+            return self._timers[0][0]
+
+    def due_timers(self, now: float) -> list[Event]:
+        """The timers due at ``now``, taken (each fires once, whoever takes it)."""
+        fired: list[Event] = []
+        with self.lock:
+            while self._timers and self._timers[0][0] <= now:
+                _, seq, t = heapq.heappop(self._timers)
+                if self._timer_live.get(t) == seq:
+                    del self._timer_live[t]
+                    fired.append(TimerFired(t))
+        return fired
 
     @property
     def serving(self) -> bool:
@@ -251,6 +284,17 @@ class Executor:
                 case Cancel(call=cid) if cid in self.local_calls:
                     self.local_calls.discard(cid)
                     self._drop_local(cid)
+                case Cancel(call=cid) if (wc := self.wires.get(cid)) is not None and wc.lane:
+                    wc.dropped.add(cid)  # its answer is dropped when it comes (a lane computes in order)
+                    del self.wires[cid]
+                case StartTimer(timer=timer, at=at):
+                    self._timer_seq += 1
+                    self._timer_live[timer] = self._timer_seq
+                    heapq.heappush(self._timers, (at, self._timer_seq, timer))
+                    if self._timers[0][2] is timer:
+                        out.rearm = True
+                case CancelTimer(timer=timer):
+                    self._timer_live.pop(timer, None)
                 case SendRemote(keep=True, call=cid):
                     self.keep.add(cid)
                     out.trio.append(eff)
@@ -351,6 +395,9 @@ class Executor:
                      hashlib.sha256(np.ascontiguousarray(ours, dtype="<f4").tobytes()).hexdigest(), method)
 
     def _now_guess(self) -> float:
+        """The core's clock from any thread (the dispatcher's ``now``; the trio clock on its thread)."""
+        if self.now is not None:
+            return self.now()
         try:
             return trio.current_time()
         except RuntimeError:
@@ -421,10 +468,7 @@ class Executor:
             if self._nursery is None or self.peers.transport is None:
                 events.extend(RemoteFailed(c, FailureKind.CLOSED, "the dispatcher is not serving") for c in w.calls)
                 continue
-            for c in w.calls:
-                self.wires[c] = w
-                if c in self.keep:  # compared later: what was asked is part of the evidence
-                    self.inputs[c] = request_sha256(w)
+            self.started(w, lane=False)
             self._nursery.start_soon(self._remote, w)
         started = {c for w in wires for c in w.calls}
         for s in sends:
@@ -439,20 +483,12 @@ class Executor:
                     else:
                         self._nursery.start_soon(self._disk, call, cid, index)
                 case Cancel(call=cid):
-                    wc = self.wires.get(cid)
-                    if wc is not None:
-                        wc.dropped.add(cid)
-                        del self.wires[cid]
-                        if all(c in wc.dropped for c in wc.calls):
-                            wc.scope.cancel()
-                case StartTimer(timer=timer, at=at):
-                    self._timer_seq += 1
-                    self._timer_live[timer] = self._timer_seq
-                    heapq.heappush(self._timers, (at, self._timer_seq, timer))
-                    if self._timers[0][2] is timer:
-                        self._timer_wake.set()
-                case CancelTimer(timer=timer):
-                    self._timer_live.pop(timer, None)
+                    with self.lock:
+                        wc = self.wires.pop(cid, None)
+                        if wc is not None:
+                            wc.dropped.add(cid)
+                    if wc is not None and not wc.lane and all(c in wc.dropped for c in wc.calls):
+                        wc.scope.cancel()
                 case Quarantine(peer=peer, evidence=evidence):
                     log.error("worker %s quarantined: %s", peer, evidence)
                     for hook in self.on_quarantine:
@@ -485,43 +521,74 @@ class Executor:
             ev = LocalDone(cid, 0.0)  # not the engine's local cost
         self._handle([ev], True)
 
+    def started(self, w: WireCall, *, lane: bool) -> None:
+        """``w`` is going out (any thread): its calls find it (a ``Cancel``, the answer); a kept call's
+        request payload is hashed (what was asked is part of a quarantine's evidence)."""
+        w.lane = lane
+        with self.lock:
+            for c in w.calls:
+                self.wires[c] = w
+            kept = any(c in self.keep for c in w.calls)
+        if kept:
+            digest = request_sha256(w)
+            with self.lock:
+                for c in w.calls:
+                    if c in self.keep:
+                        self.inputs[c] = digest
+
     async def _remote(self, w: WireCall) -> None:
         started = trio.current_time()
-        events: list[Event] = []
-        results: list[tuple[CallId, np.ndarray]] = []
+        outcome: tuple[np.ndarray, ExpertResponse] | SwarmError
         with w.scope:
             try:
-                y, resp = await self.peers.client(w.peer).call_np(w.req, w.x, w.pairs, timeout=self.timeout_s)
+                outcome = await self.peers.client(w.peer).call_np(w.req, w.x, w.pairs, timeout=self.timeout_s)
             except SwarmError as exc:
-                msg = f"{type(exc).__name__}[{exc.code}]: {exc.message}"
-                log.info("expert call to %s failed (layer %d %d-%d): %s", w.peer, w.layer, w.req.lo, w.req.hi, msg)
-                events = [RemoteFailed(c, failure_kind(exc), msg, wall_ms()) for c in w.calls]
+                outcome = exc
             else:
-                for k, c in enumerate(w.calls):
-                    results.append((c, y if w.gather is None else y[w.gather[k]]))
                 self.peers.note_session(w.peer, started)
-                self.latency_hist.observe(trio.current_time() - started)
-                ms = wall_ms()
-                events = [RemoteDone(c, ms) for c in w.calls]
-                if w.call is not None:
-                    t = w.call.timing
-                    t.answered = time.perf_counter()
-                    t.calls += 1
-                    t.volunteer_s = max(t.volunteer_s, resp.served_us / 1e6)
-                    t.compute_s = max(t.compute_s, resp.compute_us / 1e6)
-        for c in w.calls:
-            if self.wires.get(c) is w:
-                del self.wires[c]
         if w.scope.cancelled_caught:
+            with self.lock:
+                for c in w.calls:
+                    if self.wires.get(c) is w:
+                        del self.wires[c]
             return
-        keep = [(c, y) for c, y in results if c not in w.dropped]
-        if w.req.sum_rows and w.call is not None:  # the layer's one range: its rows' sums, as they are
-            w.call.summed.update(c for c, _ in keep)
-        evs = [e for e in events if getattr(e, "call", None) not in w.dropped]
-        if keep:
-            self.store(keep, w)
+        evs = self.finish(w, outcome, trio.current_time() - started)
         if evs:
             self._handle(evs, True)
+
+    def finish(self, w: WireCall, outcome: tuple[np.ndarray, ExpertResponse] | SwarmError, latency_s: float
+               ) -> list[Event]:
+        """A wire call's outcome (any thread; the stream's or a lane's): answers stored for their layer
+        and for verification, the core's events returned (none for calls cancelled meanwhile)."""
+        results: list[tuple[CallId, np.ndarray]] = []
+        if isinstance(outcome, SwarmError):
+            msg = f"{type(outcome).__name__}[{outcome.code}]: {outcome.message}"
+            log.info("expert call to %s failed (layer %d %d-%d): %s", w.peer, w.layer, w.req.lo, w.req.hi, msg)
+            events: list[Event] = [RemoteFailed(c, failure_kind(outcome), msg, wall_ms()) for c in w.calls]
+        else:
+            y, resp = outcome
+            for k, c in enumerate(w.calls):
+                results.append((c, y if w.gather is None else y[w.gather[k]]))
+            self.latency_hist.observe(latency_s)
+            ms = wall_ms()
+            events = [RemoteDone(c, ms) for c in w.calls]
+            if w.call is not None:
+                t = w.call.timing
+                t.answered = time.perf_counter()
+                t.calls += 1
+                t.volunteer_s = max(t.volunteer_s, resp.served_us / 1e6)
+                t.compute_s = max(t.compute_s, resp.compute_us / 1e6)
+        with self.lock:
+            for c in w.calls:
+                if self.wires.get(c) is w:
+                    del self.wires[c]
+            dropped = set(w.dropped)
+        keep = [(c, y) for c, y in results if c not in dropped]
+        if w.req.sum_rows and w.call is not None:  # the layer's one range: its rows' sums, as they are
+            w.call.summed.update(c for c, _ in keep)
+        if keep:
+            self.store(keep, w)
+        return [e for e in events if getattr(e, "call", None) not in dropped]
 
     def store(self, results: list[tuple[CallId, np.ndarray]], w: WireCall) -> None:
         """Remote answers kept for their layer and for verification (before the core hears of them:

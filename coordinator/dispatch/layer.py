@@ -31,7 +31,11 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
+import selectors
+import socket
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,7 +45,8 @@ import trio
 from coordinator.core.events import CallId, Fail, StepId
 from swarm.protocol.expert import Pairs
 
-__all__ = ["AsyncWaker", "LayerCall", "LayerTiming", "LocalJob", "RangeJob", "ThreadWaker", "Waker", "job_of"]
+__all__ = ["AsyncWaker", "LayerCall", "LayerTiming", "LocalJob", "RangeJob", "ThreadWaker", "WaitSource", "Waker",
+           "job_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,25 +119,105 @@ class Waker(Protocol):
         """Called under the dispatcher's lock from any thread: the call has news for its driver."""
 
 
+class WaitSource(Protocol):
+    """What else a driver's waker waits on: the data lanes' sockets and the dispatch timers
+    (``coordinator.dispatch.lanes.LaneDriver``). Called on the driver's thread only."""
+
+    def sockets(self) -> list[socket.socket]: ...
+
+    def ready_now(self) -> list[socket.socket]: ...
+
+    def timeout(self) -> float | None: ...
+
+    def poll(self, ready: Iterable[socket.socket]) -> None: ...
+
+
 class ThreadWaker:
     """A driver thread's waker (the engine's): ``wait`` blocks until ``wake``; one waker may serve
-    several calls (the engine's session groups wait for whichever is ready first)."""
+    several calls (the engine's session groups wait for whichever is ready first). With a ``source``
+    (the dispatcher's data lanes), ``wait`` also selects on its sockets and lets it read them and
+    fire its timers: the driver reads its own answers, with no other thread in between.
+
+    ``current()``: the calling thread's waker (one per thread, reused: its selector and wake pipe
+    are made once)."""
+
+    _local = threading.local()
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._news = False
+        self._waiting = False
+        self._signalled = False
+        self._rx, self._tx = socket.socketpair()
+        self._rx.setblocking(False)
+        self._tx.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._rx, selectors.EVENT_READ)
+        self._watched: set[socket.socket] = set()
+        self.source: WaitSource | None = None
+
+    @classmethod
+    def current(cls) -> ThreadWaker:
+        w: ThreadWaker | None = getattr(cls._local, "waker", None)
+        if w is None:
+            w = cls._local.waker = cls()
+        return w
 
     def wake(self) -> None:
-        with self._cond:
+        with self._lock:
             self._news = True
-            self._cond.notify()
+            if self._waiting and not self._signalled:
+                self._signalled = True
+                try:
+                    self._tx.send(b"\0")
+                except OSError:  # the pipe is full: a wake is pending anyway
+                    pass
 
-    def wait(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            if not self._news:
-                self._cond.wait(timeout)
+    def _take_news(self) -> bool:
+        with self._lock:
             news, self._news = self._news, False
             return news
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until woken (True) or ``timeout`` (False); the source's ready sockets are read and
+        its due timers fired meanwhile (which may wake us)."""
+        src = self.source
+        if src is not None:
+            src.poll(src.ready_now())
+        with self._lock:
+            if self._news:
+                self._news = False
+                return True
+            self._waiting = True
+        try:
+            if src is not None:
+                t = src.timeout()
+                timeout = t if timeout is None else (timeout if t is None else min(timeout, t))
+                self._watch(src.sockets())
+            ready = [k.fileobj for k, _ in self._sel.select(timeout)]
+        finally:
+            with self._lock:
+                self._waiting = False
+                if self._signalled:
+                    self._signalled = False
+                    try:
+                        while self._rx.recv(64):
+                            pass
+                    except OSError:
+                        pass
+        if src is not None:
+            src.poll([s for s in ready if s is not self._rx and isinstance(s, socket.socket)])
+        return self._take_news()
+
+    def _watch(self, socks: list[socket.socket]) -> None:
+        now = set(socks)
+        for s in self._watched - now:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(s)
+        for s in now - self._watched:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.register(s, selectors.EVENT_READ)
+        self._watched = now
 
 
 class AsyncWaker:

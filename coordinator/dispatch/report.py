@@ -50,6 +50,8 @@ def dispatch_report(d: Dispatcher) -> DispatchReport:
                 kernel_id=d.peers.kernel_of(v.peer_id),
                 holdings_proven=len(book.proven(v.peer_id)) if book is not None else None,
                 holdings_pending=book.pending(v.peer_id) if book is not None else None,
+                lane=_lane_calls(d, v.peer_id) is not None,
+                lane_calls=_lane_calls(d, v.peer_id) or 0,
             )
             for v in core.table.views(now)
         ],
@@ -108,6 +110,12 @@ def dispatch_report(d: Dispatcher) -> DispatchReport:
         missing_failed=d.missing_failed,
         layer_path=layer_path(d),
     )
+
+
+def _lane_calls(d: Dispatcher, peer: str) -> int | None:
+    """Calls sent on the worker's live data lane; None without one."""
+    lane = d.lanes.live(peer) if d.lanes is not None else None
+    return lane.sent if lane is not None else None
 
 
 def layer_path(d: Dispatcher) -> LayerPath:

@@ -500,7 +500,7 @@ class Transformer:
         waits while the others compute; one waker tells this thread when any has news (local work
         or its end), in whatever order their experts answer."""
         n_layer = self.cfg.n_layer
-        waker = ThreadWaker()
+        waker = ThreadWaker.current()
         ready = list(groups)
         waiting: list[_Group] = []
         while ready or waiting:

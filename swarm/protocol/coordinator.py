@@ -93,6 +93,9 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     # the per-pair slope of its call latencies (ms per routed pair) earliest finish sizes calls with;
     # None while its calls' sizes are too few or too alike (its estimate is the latency EWMA alone)
     per_pair_ms: float | None = None
+    # a data lane (direct TCP the volunteer dialled; coordinator.dispatch.lanes) carries the engine's calls to it
+    lane: bool = False
+    lane_calls: int = 0  # calls sent on its current lane
 
 
 class LayerRows(msgspec.Struct, frozen=True, kw_only=True):

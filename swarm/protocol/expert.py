@@ -37,6 +37,11 @@ Rules:
   client sends none to a server whose Hello lacks it, an older one), and answers with exactly one
   ``HoldProof``, tagged like an expert answer (the coordinator's
   check that a volunteer really holds what its market lists, before it gets any work).
+- ``LaneOffer`` (no payload; only to a server whose Hello offers ``FEATURE_LANE``) invites the
+  volunteer to dial a direct data lane to the coordinator (``swarm.rpc.lane``): a TCP connection
+  to ``host:port`` carrying the same frames, sealed with keys derived from the offer's ``secret``
+  (sent over this authenticated, encrypted stream, so only this peer can open the lane). The
+  answer is exactly one ``LaneAnswer`` (``ok`` once the lane's handshake is sent, or why not).
 - Versions: a ``Hello`` of another ``protocol_version`` (even one that lacks fields this version
   requires) is refused with a fatal ``version_mismatch``; a v2 server answers a stream opened on
   ``V1_PROTOCOL_ID`` with one fatal ``version_mismatch`` ``ErrorReply`` and closes it.
@@ -106,8 +111,13 @@ __all__ = [
     "FrameDecoder",
     "FrameReader",
     "FEATURE_HOLD_PROOF",
+    "FEATURE_LANE",
     "FEATURE_MULTI_RANGE",
     "FEATURE_ROW_SUMS",
+    "LANE_ID_BYTES",
+    "LANE_SECRET_BYTES",
+    "LaneAnswer",
+    "LaneOffer",
     "answer_rows",
     "Hello",
     "HoldChallenge",
@@ -323,6 +333,10 @@ FEATURE_ROW_SUMS: Final = "row_sums"
 # a Hello's ``features``: this server answers a request whose ``[lo, hi)`` spans several slices it holds
 # side by side (a coordinator sends one call per peer per layer instead of one per range)
 FEATURE_MULTI_RANGE: Final = "multi_range"
+# a Hello's ``features``: this server dials a direct data lane when offered one (``LaneOffer``)
+FEATURE_LANE: Final = "lane"
+LANE_ID_BYTES: Final = 16
+LANE_SECRET_BYTES: Final = 32
 MAX_HOLD_WINDOWS: Final = 16
 MAX_HOLD_WINDOW_BYTES: Final = 1 << 20
 
@@ -363,7 +377,32 @@ class HoldProof(msgspec.Struct, frozen=True, kw_only=True, tag="hold_proof", tag
     digest: bytes = b""
 
 
-Message = Hello | ExpertRequest | Cancel | ExpertResponse | ErrorReply | HoldChallenge | HoldProof
+class LaneOffer(
+    msgspec.Struct, frozen=True, kw_only=True, tag="lane_offer", tag_field="type", forbid_unknown_fields=True
+):
+    """Dial a data lane to ``host:port`` and present ``lane_id``; frames on it are sealed with keys
+    derived from ``secret`` (``swarm.rpc.lane``). Sent by a coordinator over the authenticated expert
+    stream, so the lane belongs to that stream's peer. No payload."""
+
+    request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
+    attempt: NonNegInt
+    lane_id: Annotated[bytes, msgspec.Meta(min_length=LANE_ID_BYTES, max_length=LANE_ID_BYTES)]
+    secret: Annotated[bytes, msgspec.Meta(min_length=LANE_SECRET_BYTES, max_length=LANE_SECRET_BYTES)]
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class LaneAnswer(msgspec.Struct, frozen=True, kw_only=True, tag="lane_answer", tag_field="type"):
+    """The one answer to a ``LaneOffer``: ``ok`` (the lane is dialled and its handshake sent) or why
+    not (``not_authorized``, ``unsupported``, ``busy``, ``internal_error`` for a failed dial...)."""
+
+    request_id: Annotated[RequestId, msgspec.Meta(ge=0)]
+    attempt: NonNegInt
+    status: str
+    message: str = ""
+
+
+Message = Hello | ExpertRequest | Cancel | ExpertResponse | ErrorReply | HoldChallenge | HoldProof | LaneOffer | LaneAnswer
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(Message)

@@ -35,6 +35,7 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -61,6 +62,7 @@ from swarm.protocol.expert import (
     DEFAULT_AGENT,
     DEFAULT_LIMITS,
     FEATURE_HOLD_PROOF,
+    FEATURE_LANE,
     PROTOCOL_ID,
     PROTOCOL_VERSION,
     SUPPORTED_DTYPES,
@@ -72,6 +74,8 @@ from swarm.protocol.expert import (
     Hello,
     HoldChallenge,
     HoldProof,
+    LaneAnswer,
+    LaneOffer,
     Pairs,
     RequestId,
     RequestKey,
@@ -92,14 +96,17 @@ from swarm.rpc.tensors import payload_to_array, rows_to_payload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExpertClient", "open_expert_client"]
+__all__ = ["ExpertClient", "answer_array", "encode_call", "open_expert_client"]
 
+
+
+_A = TypeVar("_A", HoldProof, LaneAnswer)
 
 
 @dataclass(eq=False)
 class _Waiter:
     event: trio.Event = field(default_factory=trio.Event)
-    response: ExpertResponse | HoldProof | ErrorReply | None = None
+    response: ExpertResponse | HoldProof | LaneAnswer | ErrorReply | None = None
     payload: bytearray | None = None
     error: SwarmError | None = None
     sent: bool = False  # the request frame went (or is going) out: abandoning it sends a Cancel
@@ -223,7 +230,7 @@ class _Session:
             match msg:
                 case ExpertResponse():
                     self._resolve((msg.request_id, msg.attempt), response=msg, payload=payload)
-                case HoldProof():
+                case HoldProof() | LaneAnswer():
                     self._resolve((msg.request_id, msg.attempt), response=msg)
                 case ErrorReply(request_id=int() as rid, attempt=int() as attempt) if not msg.fatal:
                     self._resolve((rid, attempt), response=msg)
@@ -231,14 +238,14 @@ class _Session:
                     log.warning("%s sent an error: %s (%s)", peer, msg.message, msg.code)
                     if msg.fatal:
                         raise RemoteProtocolError(f"{peer}: {msg.message}", code=msg.code)
-                case Hello() | ExpertRequest() | Cancel() | HoldChallenge():
+                case Hello() | ExpertRequest() | Cancel() | HoldChallenge() | LaneOffer():
                     raise UnexpectedMessage(f"{peer} sent a {type(msg).__name__} on an open expert stream")
 
     def _resolve(
         self,
         key: RequestKey,
         *,
-        response: ExpertResponse | HoldProof | ErrorReply | None = None,
+        response: ExpertResponse | HoldProof | LaneAnswer | ErrorReply | None = None,
         payload: bytearray | None = None,
         error: SwarmError | None = None,
     ) -> None:
@@ -249,6 +256,42 @@ class _Session:
             return
         waiter.response, waiter.payload, waiter.error = response, payload, error
         waiter.event.set()
+
+
+def encode_call(req: ExpertRequest, rows: torch.Tensor | np.ndarray, pairs: Pairs, our_dtypes: Sequence[str],
+                peer: Hello, limits: WireLimits) -> tuple[ExpertRequest, bytes]:
+    """One request frame for a peer whose Hello is ``peer`` (on a stream or a data lane): the dtype both
+    speak, checked against the peer's limits exactly as the server checks it (``LocalProtocolError``)."""
+    peer_limits = WireLimits(max_header_bytes=limits.max_header_bytes,
+                             max_frame_bytes=min(limits.max_frame_bytes, peer.max_frame_bytes),
+                             max_rows=peer.max_rows, max_in_flight=peer.max_in_flight)
+    try:
+        dtype = choose_dtype(req.dtype, list(our_dtypes), peer.dtypes)
+        if dtype != req.dtype:
+            req = msgspec.structs.replace(req, dtype=dtype)
+        validate_request(req, request_payload_len(req), limits=peer_limits, dtypes=peer.dtypes)
+        check_pairs(req, pairs)
+        payload = encode_request_payload(req, rows_to_payload(rows, dtype), pairs)
+    except WireError as exc:
+        raise LocalProtocolError(exc.message, code=exc.code) from exc
+    return req, encode_frame(req, payload, max_frame_bytes=peer.max_frame_bytes)
+
+
+def answer_array(peer: str, req: ExpertRequest, resp: ExpertResponse, payload: bytearray) -> np.ndarray:
+    """The outputs of an answer to ``req`` (on a stream or a lane): its status an error unless ``ok``
+    (``remote_error``: refusals keep their codes), its shape the request's, every value finite."""
+    if resp.status != Status.OK:
+        raise remote_error(resp.status, f"{peer} answered {resp.status}: {resp.message}")
+    if (resp.n_rows, resp.n_pairs, resp.d_model) != (req.n_rows, req.n_pairs, req.d_model):
+        raise RemoteProtocolError(
+            f"{peer} answered {resp.n_pairs} pairs of [{resp.n_rows}, {resp.d_model}] to a request of "
+            f"{req.n_pairs} pairs of [{req.n_rows}, {req.d_model}]",
+            code="bad_shape",
+        )
+    out = payload_to_array(payload, resp.dtype, answer_rows(req), resp.d_model)
+    if not bool(np.isfinite(out).all()):
+        raise NonFinite(f"{peer} answered request {req.request_id}/{req.attempt} with NaN/inf")
+    return out
 
 
 class ExpertClient:
@@ -327,19 +370,9 @@ class ExpertClient:
         session = self._session
         if session is None or session.dead is not None or self._closed:
             session = await self._get_session()
-        peer_limits = self._peer_limits(session.hello)
-        try:
-            dtype = choose_dtype(req.dtype, self._hello.dtypes, session.hello.dtypes)
-            if dtype != req.dtype:
-                req = msgspec.structs.replace(req, dtype=dtype)
-            validate_request(req, request_payload_len(req), limits=peer_limits, dtypes=session.hello.dtypes)
-            check_pairs(req, pairs)
-            payload = encode_request_payload(req, rows_to_payload(rows, dtype), pairs)
-        except WireError as exc:
-            raise LocalProtocolError(exc.message, code=exc.code) from exc
-        frame = encode_frame(req, payload, max_frame_bytes=session.hello.max_frame_bytes)
+        req, frame = encode_call(req, rows, pairs, self._hello.dtypes, session.hello, self._limits)
         waiter = await self._exchange(session, (req.request_id, req.attempt), frame,
-                                      answer_rows(req) * req.d_model * itemsize(dtype))
+                                      answer_rows(req) * req.d_model * itemsize(req.dtype))
         return self._result(req, waiter)
 
     async def _exchange(self, session: _Session, key: RequestKey, frame: bytes, expected: int) -> _Waiter:
@@ -379,29 +412,41 @@ class ExpertClient:
     async def prove_hold(self, ch: HoldChallenge, *, timeout: float) -> HoldProof:  # noqa: ASYNC109
         """Send a hold challenge and return its ``HoldProof`` (any status: judging it is the
         caller's). Errors as for ``call``."""
+        return await self._control(ch, HoldProof, FEATURE_HOLD_PROOF, "hold challenge", timeout)
+
+    async def offer_lane(self, offer: LaneOffer, *, timeout: float) -> LaneAnswer:  # noqa: ASYNC109
+        """Offer the peer a data lane (``swarm.rpc.lane``) and return its ``LaneAnswer`` (any status);
+        ``unsupported`` at once, nothing sent, to a peer whose Hello does not offer ``FEATURE_LANE``.
+        Errors as for ``call``."""
+        return await self._control(offer, LaneAnswer, FEATURE_LANE, "lane offer", timeout)
+
+    async def _control(self, msg: HoldChallenge | LaneOffer, answer: type[_A], feature: str, what: str,
+                       timeout: float) -> _A:  # noqa: ASYNC109
+        """One control message and its one answer of type ``answer`` (sent only to a peer whose
+        Hello offers ``feature``: an older one could not decode it)."""
         if not math.isfinite(timeout) or timeout <= 0:
             raise LocalProtocolError(f"bad timeout {timeout}")
         with trio.move_on_after(timeout):
             session = self._session
             if session is None or session.dead is not None or self._closed:
                 session = await self._get_session()
-            if FEATURE_HOLD_PROOF not in session.hello.features:  # an older peer: it could not decode one
-                return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=Status.UNSUPPORTED,
-                                 message=f"{self.peer_id} answers no hold challenges (its Hello offers "
-                                         f"{session.hello.features or 'no features'}): an older volunteer, upgrade it")
-            waiter = await self._exchange(session, (ch.request_id, ch.attempt), encode_frame(ch), 0)
+            if feature not in session.hello.features:
+                return answer(request_id=msg.request_id, attempt=msg.attempt, status=Status.UNSUPPORTED,
+                              message=f"{self.peer_id} answers no {what}s (its Hello offers "
+                                      f"{session.hello.features or 'no features'}): an older volunteer, upgrade it")
+            waiter = await self._exchange(session, (msg.request_id, msg.attempt), encode_frame(msg), 0)
             if waiter.error is not None:
                 raise waiter.error
             resp = waiter.response
             if isinstance(resp, ErrorReply):
                 raise RemoteProtocolError(f"{self.peer_id}: {resp.message}", code=resp.code)
             if isinstance(resp, ExpertResponse) and resp.status != Status.OK:  # refused at the framing level
-                return HoldProof(request_id=ch.request_id, attempt=ch.attempt, status=resp.status, message=resp.message)
-            if not isinstance(resp, HoldProof):
-                raise RemoteProtocolError(f"{self.peer_id} answered a hold challenge with {type(resp).__name__}",
+                return answer(request_id=msg.request_id, attempt=msg.attempt, status=resp.status, message=resp.message)
+            if not isinstance(resp, answer):
+                raise RemoteProtocolError(f"{self.peer_id} answered a {what} with {type(resp).__name__}",
                                           code="unexpected_message")
             return resp
-        raise TransportTimeout(f"no answer from {self.peer_id} to hold challenge {ch.request_id} within {timeout}s")
+        raise TransportTimeout(f"no answer from {self.peer_id} to {what} {msg.request_id} within {timeout}s")
 
     def _result(self, req: ExpertRequest, waiter: _Waiter) -> tuple[np.ndarray, ExpertResponse]:
         if waiter.error is not None:
@@ -411,30 +456,10 @@ class ExpertClient:
             raise BrokenError(f"stream to {self.peer_id} broke")
         if isinstance(resp, ErrorReply):
             raise RemoteProtocolError(f"{self.peer_id}: {resp.message}", code=resp.code)
-        if isinstance(resp, HoldProof):
-            raise RemoteProtocolError(f"{self.peer_id} answered an expert request with a hold proof",
+        if not isinstance(resp, ExpertResponse):
+            raise RemoteProtocolError(f"{self.peer_id} answered an expert request with a {type(resp).__name__}",
                                       code="unexpected_message")
-        if resp.status != Status.OK:
-            raise remote_error(resp.status, f"{self.peer_id} answered {resp.status}: {resp.message}")
-        if (resp.n_rows, resp.n_pairs, resp.d_model) != (req.n_rows, req.n_pairs, req.d_model):
-            raise RemoteProtocolError(
-                f"{self.peer_id} answered {resp.n_pairs} pairs of [{resp.n_rows}, {resp.d_model}] to a request of "
-                f"{req.n_pairs} pairs of [{req.n_rows}, {req.d_model}]",
-                code="bad_shape",
-            )
-        payload = waiter.payload if waiter.payload is not None else bytearray()
-        out = payload_to_array(payload, resp.dtype, answer_rows(req), resp.d_model)
-        if not bool(np.isfinite(out).all()):
-            raise NonFinite(f"{self.peer_id} answered request {req.request_id}/{req.attempt} with NaN/inf")
-        return out, resp
-
-    def _peer_limits(self, hello: Hello) -> WireLimits:
-        return WireLimits(
-            max_header_bytes=self._limits.max_header_bytes,
-            max_frame_bytes=min(self._limits.max_frame_bytes, hello.max_frame_bytes),
-            max_rows=hello.max_rows,
-            max_in_flight=hello.max_in_flight,
-        )
+        return answer_array(self.peer_id, req, resp, waiter.payload if waiter.payload is not None else bytearray()), resp
 
     async def _get_session(self) -> _Session:
         async with self._session_lock:

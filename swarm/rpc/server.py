@@ -33,6 +33,9 @@ Rules:
   fatal ``ErrorReply``. A handler's exception becomes an error response (a ``SwarmError`` keeps
   its code -- a refusal such as ``draining`` or ``slice_not_held`` included -- anything else is
   ``internal_error``); a handler's result of the wrong shape or with NaN/inf is never sent.
+- A ``LaneOffer`` (authorised like a request) is answered with one ``LaneAnswer`` from ``lanes`` (the
+  volunteer dials the lane, ``swarm.rpc.lane``); without ``lanes`` the answer is ``unsupported``, and
+  the Hello offers ``FEATURE_LANE`` only with it.
 - A ``HoldChallenge`` is answered with one ``HoldProof`` from ``prove`` (the digest; a
   ``SwarmError`` it raises becomes the status), in a slot like a request; without ``prove`` the
   answer is ``slice_not_held``.
@@ -43,6 +46,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -65,6 +69,7 @@ from swarm.p2p.transport import Stream, StreamHandler, Transport, acquire, quiet
 from swarm.protocol.expert import (
     DEFAULT_LIMITS,
     FEATURE_HOLD_PROOF,
+    FEATURE_LANE,
     PROTOCOL_ID,
     PROTOCOL_VERSION,
     V1_PROTOCOL_ID,
@@ -77,6 +82,8 @@ from swarm.protocol.expert import (
     Hello,
     HoldChallenge,
     HoldProof,
+    LaneAnswer,
+    LaneOffer,
     Message,
     Pairs,
     RequestId,
@@ -100,8 +107,10 @@ __all__ = [
     "BudgetAccount",
     "ByteBudget",
     "ExpertHandler",
+    "Lanes",
     "Computed",
     "Prove",
+    "expert_answer",
     "expert_stream_handler",
     "refuse_v1_stream",
     "serve_expert_stream",
@@ -119,6 +128,7 @@ class Computed:
 ExpertHandler = Callable[[ExpertRequest, torch.Tensor, Pairs], Awaitable["torch.Tensor | Computed"]]
 Authorize = Callable[[str], bool]  # peer id -> may it use our experts
 Prove = Callable[[HoldChallenge], Awaitable[bytes]]  # the digest (``swarm.model.slices.hold_digest``); SwarmError to refuse
+Lanes = Callable[[LaneOffer, str], Awaitable[LaneAnswer]]  # (offer, peer) -> the answer, once dialled or refused
 
 
 class ByteBudget:
@@ -139,26 +149,29 @@ class ByteBudget:
         self.by_peer: dict[str, int] = {}
         self.refused = 0
         self.given = 0
+        self._lock = threading.Lock()  # streams take on the event loop, lanes on their own threads
 
     def take(self, peer: str, n: int) -> bool:
-        mine = self.by_peer.get(peer, 0)
-        if mine + n > self.per_peer or self.held + n > self.total:
-            self.refused += 1
-            return False
-        self.by_peer[peer] = mine + n
-        self.held += n
-        return True
+        with self._lock:
+            mine = self.by_peer.get(peer, 0)
+            if mine + n > self.per_peer or self.held + n > self.total:
+                self.refused += 1
+                return False
+            self.by_peer[peer] = mine + n
+            self.held += n
+            return True
 
     def give(self, peer: str, n: int) -> None:
         if n <= 0:
             return
-        left = self.by_peer.get(peer, 0) - n
-        if left > 0:
-            self.by_peer[peer] = left
-        else:
-            self.by_peer.pop(peer, None)
-        self.held = max(0, self.held - n)
-        self.given += n
+        with self._lock:
+            left = self.by_peer.get(peer, 0) - n
+            if left > 0:
+                self.by_peer[peer] = left
+            else:
+                self.by_peer.pop(peer, None)
+            self.held = max(0, self.held - n)
+            self.given += n
 
     def account(self, peer: str) -> BudgetAccount:
         return BudgetAccount(self, peer)
@@ -225,6 +238,7 @@ async def serve_expert_stream(
     budget: ByteBudget | None = None,
     prove: Prove | None = None,
     stall_timeout_s: float = 30.0,
+    lanes: Lanes | None = None,
 ) -> None:
     """Serve one expert stream until the peer closes it or it breaks; never raises for peer faults.
 
@@ -238,6 +252,10 @@ async def serve_expert_stream(
     account = budget.account(peer)
     if prove is not None and FEATURE_HOLD_PROOF not in hello.features:
         hello = msgspec.structs.replace(hello, features=[*hello.features, FEATURE_HOLD_PROOF])
+    if lanes is not None and FEATURE_LANE not in hello.features:
+        hello = msgspec.structs.replace(hello, features=[*hello.features, FEATURE_LANE])
+    elif lanes is None and FEATURE_LANE in hello.features:
+        hello = msgspec.structs.replace(hello, features=[f for f in hello.features if f != FEATURE_LANE])
     screen = _Screen(peer, account, limits=limits, dtypes=hello.dtypes, authorize=authorize)
     guarded = _StallGuard(stream, stall_timeout_s)
     reader = FrameReader(guarded, limits, screen=screen)
@@ -282,6 +300,7 @@ async def serve_expert_stream(
             account=account,
             screen=screen,
             prove=prove,
+            lanes=lanes,
         )
     except TransportError as exc:
         log.debug("expert stream from %s ended: %r", peer, exc)
@@ -316,7 +335,7 @@ class _Screen:
 
     def _judge(self, msg: Message, payload_len: int) -> WireError | None:
         rid, attempt = getattr(msg, "request_id", None), getattr(msg, "attempt", None)
-        if isinstance(msg, ExpertRequest | HoldChallenge):
+        if isinstance(msg, ExpertRequest | HoldChallenge | LaneOffer):
             if not self.hello_seen:
                 return UnexpectedMessage(f"the first frame must be a Hello, got {type(msg).__name__}", fatal=True)
             if self.authorize is not None and not self.authorize(self.peer):
@@ -365,6 +384,7 @@ async def _serve_requests(
     account: BudgetAccount,
     screen: _Screen,
     prove: Prove | None,
+    lanes: Lanes | None = None,
 ) -> None:
     peer = stream.remote_peer_id
     slots = trio.Semaphore(limits.max_in_flight)
@@ -419,10 +439,19 @@ async def _serve_requests(
             finally:
                 slots.release()
 
+        async def lane_one(offer: LaneOffer) -> None:
+            try:
+                await send(await _lane(lanes, offer, peer), b"")
+            except TransportError as exc:
+                log.debug("expert stream from %s broke while answering a lane offer: %r", peer, exc)
+                nursery.cancel_scope.cancel()
+            finally:
+                slots.release()
+
         try:
             await _read_requests(
                 reader, slots, in_flight, answer_error, run_one, nursery, hello, limits, peer, account, screen,
-                prove_one, lambda p: send(p, b""),
+                prove_one, lambda p: send(p, b""), lane_one,
             )
         except TransportError as exc:
             log.debug("expert stream from %s ended: %r", peer, exc)
@@ -444,7 +473,8 @@ async def _read_requests(
     account: BudgetAccount,
     screen: _Screen,
     prove_one: Callable[[HoldChallenge], Awaitable[None]],
-    send_proof: Callable[[HoldProof], Awaitable[None]],
+    send_proof: Callable[[HoldProof | LaneAnswer], Awaitable[None]],
+    lane_one: Callable[[LaneOffer], Awaitable[None]],
 ) -> None:
     """Read and dispatch requests until the peer closes its side (returns) or framing is lost. The
     payload bytes the budget took for a frame go back when its request is answered or refused (and
@@ -469,6 +499,10 @@ async def _read_requests(
             if isinstance(refused, HoldChallenge) and not exc.fatal:  # a hold challenge is answered by a HoldProof
                 await send_proof(HoldProof(request_id=refused.request_id, attempt=refused.attempt, status=exc.code,
                                            message=exc.message))
+                continue
+            if isinstance(refused, LaneOffer) and not exc.fatal:  # a lane offer by a LaneAnswer
+                await send_proof(LaneAnswer(request_id=refused.request_id, attempt=refused.attempt, status=exc.code,
+                                            message=exc.message))
                 continue
             log.info("bad frame from %s: %s (%s)", peer, exc.message, exc.code)
             await answer_error(exc)
@@ -497,6 +531,9 @@ async def _read_requests(
         if isinstance(msg, HoldChallenge):
             nursery.start_soon(prove_one, msg)  # authorised, no payload (the screen saw to both); releases the slot
             continue
+        if isinstance(msg, LaneOffer):
+            nursery.start_soon(lane_one, msg)  # authorised, no payload; releases the slot
+            continue
         if not isinstance(msg, ExpertRequest):
             slots.release()
             await answer_error(UnexpectedMessage(f"unexpected {type(msg).__name__} after the Hello"))
@@ -523,6 +560,21 @@ async def _read_requests(
         nursery.start_soon(run_then_give, msg, rows, pairs, scope, held)
 
 
+async def _lane(lanes: Lanes | None, offer: LaneOffer, peer: str) -> LaneAnswer:
+    """Answer a lane offer; an error status for any failure."""
+    if lanes is None:
+        return LaneAnswer(request_id=offer.request_id, attempt=offer.attempt, status=Status.UNSUPPORTED,
+                          message="this server dials no lanes")
+    try:
+        return await lanes(offer, peer)
+    except SwarmError as exc:
+        return LaneAnswer(request_id=offer.request_id, attempt=offer.attempt, status=exc.code, message=exc.message)
+    except Exception as exc:
+        log.exception("lane offer from %s failed", peer)
+        return LaneAnswer(request_id=offer.request_id, attempt=offer.attempt, status=Status.INTERNAL_ERROR,
+                          message=f"lane failed: {type(exc).__name__}")
+
+
 async def _prove(prove: Prove | None, ch: HoldChallenge, peer: str) -> HoldProof:
     """Answer a hold challenge; an error status for any failure."""
     if prove is None:
@@ -543,25 +595,32 @@ async def _compute(
     handler: ExpertHandler, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs, peer: str
 ) -> tuple[ExpertResponse, bytes | bytearray | memoryview]:
     """Run the handler; an error response for any failure, never a bad tensor."""
+    arrived = trio.current_time()
+    try:
+        answer: torch.Tensor | Computed | BaseException = await handler(req, rows, pairs)
+    except Exception as exc:
+        answer = exc
+    return expert_answer(req, answer, peer, served_s=trio.current_time() - arrived)
+
+
+def expert_answer(req: ExpertRequest, answer: torch.Tensor | Computed | BaseException, peer: str, *,
+                  served_s: float) -> tuple[ExpertResponse, bytes | bytearray | memoryview]:
+    """The answer frame's header and payload for a handler's result (any thread): an error response
+    for an exception (a ``SwarmError`` keeps its code), a result of the wrong shape or with NaN/inf;
+    never a bad tensor."""
 
     def failure(code: str, message: str) -> tuple[ExpertResponse, bytes]:
         return ExpertResponse(
             request_id=req.request_id, attempt=req.attempt, status=code, message=message
         ), b""
 
-    arrived = trio.current_time()
-    compute_s = 0.0
-    try:
-        answer = await handler(req, rows, pairs)
-        if isinstance(answer, Computed):
-            out, compute_s = answer.out, answer.compute_s
-        else:
-            out = answer
-    except SwarmError as exc:
-        return failure(exc.code, exc.message)
-    except Exception as exc:
-        log.exception("expert handler failed on request %s/%s from %s", req.request_id, req.attempt, peer)
-        return failure(Status.INTERNAL_ERROR, f"expert computation failed: {type(exc).__name__}")
+    if isinstance(answer, SwarmError):
+        return failure(answer.code, answer.message)
+    if isinstance(answer, BaseException):
+        log.error("expert handler failed on request %s/%s from %s", req.request_id, req.attempt, peer,
+                  exc_info=answer)
+        return failure(Status.INTERNAL_ERROR, f"expert computation failed: {type(answer).__name__}")
+    out, compute_s = (answer.out, answer.compute_s) if isinstance(answer, Computed) else (answer, 0.0)
     want = (answer_rows(req), req.d_model)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -578,7 +637,7 @@ async def _compute(
         n_rows=req.n_rows,
         n_pairs=req.n_pairs,
         d_model=req.d_model,
-        served_us=max(0, int((trio.current_time() - arrived) * 1e6)),
+        served_us=max(0, int(served_s * 1e6)),
         compute_us=max(0, int(compute_s * 1e6)),
     )
     return response, payload
@@ -592,6 +651,7 @@ def expert_stream_handler(
     authorize: Authorize | None = None,
     budget: ByteBudget | None = None,
     prove: Prove | None = None,
+    lanes: Lanes | None = None,
 ) -> StreamHandler:
     """A transport stream handler serving ``handler`` on each inbound expert stream (``hello``
     defaults to this process's kernel id and ``limits``)."""
@@ -600,7 +660,7 @@ def expert_stream_handler(
 
     async def on_stream(stream: Stream) -> None:
         await serve_expert_stream(stream, handler, hello=our_hello, limits=limits, authorize=authorize, budget=shared,
-                                  prove=prove)
+                                  prove=prove, lanes=lanes)
 
     return on_stream
 
@@ -628,10 +688,12 @@ def set_expert_handlers(
     authorize: Authorize | None = None,
     budget: ByteBudget | None = None,
     prove: Prove | None = None,
+    lanes: Lanes | None = None,
 ) -> None:
     """Serve ``handler`` on ``PROTOCOL_ID`` and refuse v1 streams (what every volunteer does)."""
     transport.set_stream_handler(
         PROTOCOL_ID,
-        expert_stream_handler(handler, hello=hello, limits=limits, authorize=authorize, budget=budget, prove=prove),
+        expert_stream_handler(handler, hello=hello, limits=limits, authorize=authorize, budget=budget, prove=prove,
+                              lanes=lanes),
     )
     transport.set_stream_handler(V1_PROTOCOL_ID, refuse_v1_stream)

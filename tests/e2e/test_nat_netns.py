@@ -225,7 +225,7 @@ def start_swarm(w: World) -> Swarm:
             "--data-dir", str(w.tmp / "relay"))
     common = ["--model", str(GOLDEN_GGUF), "--expert-timeout", "2.0", "--dispatch", "offload", *UNVERIFIED]
     w.start("A", "pub", "coordinator", *common, "--host", PUB, "--port", "8080", "--p2p-listen", f"/ip4/{PUB}/tcp/4002",
-            "--data-dir", str(w.tmp / "A"), "--dispatch-map", str(maps["A"]), "--no-hole-punch")
+            "--data-dir", str(w.tmp / "A"), "--dispatch-map", str(maps["A"]), "--no-hole-punch", "--no-lanes")
     w.start("B", "pub", "coordinator", *common, "--host", PUB, "--port", "8081", "--p2p-listen", f"/ip4/{PUB}/tcp/4003",
             "--data-dir", str(w.tmp / "B"), "--dispatch-map", str(maps["B"]))
     w.start("C", "home2", "coordinator", *common, "--host", HOME2, "--port", "8082", "--p2p-listen", f"/ip4/{HOME2}/tcp/4004",
@@ -305,6 +305,20 @@ def test_hole_punched_with_a_public_coordinator(swarm: Swarm) -> None:
     w = swarm.worker("pub", B)
     assert w["path"] == "hole-punched" and w["failures"] == 0, w
     assert w["relayed_bytes"] == before, w
+
+
+def test_a_volunteer_behind_a_nat_dials_a_public_coordinators_data_lane(swarm: Swarm) -> None:
+    """B is public and offers data lanes: the volunteer dials out through its NAT (outbound, like any
+    home connection), and B's engine sends its calls there -- not through the relay, not on the
+    libp2p stream. (A runs with --no-lanes: its calls keep the relayed stream, the test above; C is
+    behind a NAT of its own, where no lane can be dialled: the stream, hole-punched, the test below.)"""
+    assert swarm.generate("pub", B) == swarm.local_tokens
+    eventually(lambda: swarm.worker("pub", B)["lane"])
+    before = swarm.worker("pub", B)
+    assert swarm.generate("pub", B) == swarm.local_tokens
+    w = swarm.worker("pub", B)
+    assert w["lane"] and w["lane_calls"] > before["lane_calls"] and w["failures"] == 0, w
+    assert w["relayed_bytes"] == before["relayed_bytes"], w
 
 
 def test_hole_punched_through_two_nats(swarm: Swarm) -> None:

@@ -20,6 +20,7 @@ from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.p2p.transport import Transport
 from swarm.protocol.expert import ExpertRequest, Pairs, make_hello
 from swarm.rpc.server import set_expert_handlers
+from volunteer.lanes import VolunteerLanes
 from volunteer.server import ExpertServer
 
 __all__ = ["HALVES", "OFFLOAD", "Handler", "Vol", "assert_greedy_as_all_local", "dmap", "greedy", "make_dispatcher",
@@ -42,14 +43,17 @@ class Vol:
     server: ExpertServer
     transport: Transport
     cancel: trio.CancelScope
+    lanes: VolunteerLanes | None = None
 
 
 async def start_volunteer(
     nursery: trio.Nursery, model: GGUFModel, slices: list[tuple[int, int, int]], *, wrap: Callable[[Handler], Handler] | None = None,
     server_factory: Callable[[list[Any]], ExpertServer] | None = None, today: bool = False,
+    lanes: VolunteerLanes | Callable[[ExpertServer], VolunteerLanes] | None = None,
 ) -> Vol:
     """A volunteer serving ``slices`` on a libp2p host of its own; ``today``: as the daemons plug it in
-    (its Hello's features, the answers' compute times), else as a plain older server."""
+    (its Hello's features, the answers' compute times), else as a plain older server; ``lanes``: it
+    dials the data lanes coordinators offer (a factory of its ``VolunteerLanes`` from the server)."""
     loaded = [load_slice(cut_slice(model, L, lo, hi)) for L, lo, hi in slices]
     server = server_factory(loaded) if server_factory is not None else ExpertServer(loaded, threads=1)
 
@@ -57,11 +61,15 @@ async def start_volunteer(
         with trio.CancelScope() as cs:
             async with open_libp2p_transport(key_path=None) as t, trio.open_nursery() as n:
                 await n.start(server.serve)
+                lanes_ = lanes(server) if callable(lanes) else lanes
+                if lanes_ is not None:
+                    await n.start(lanes_.serve)
                 base: Any = server.handle_timed if today else server.handle
                 handler = wrap(base) if wrap is not None else base
                 hello = server.hello() if today else make_hello(kernel_id=server.kernel_id)
-                set_expert_handlers(t, handler, hello=hello, prove=server.prove)
-                task_status.started(Vol(t.peer_id, t.listen_addrs, server, t, cs))
+                set_expert_handlers(t, handler, hello=hello, prove=server.prove,
+                                    lanes=lanes_.offer if lanes_ is not None else None)
+                task_status.started(Vol(t.peer_id, t.listen_addrs, server, t, cs, lanes_))
                 await trio.sleep_forever()
 
     vol: Vol = await nursery.start(run)
