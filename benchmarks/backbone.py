@@ -236,6 +236,11 @@ class Backbone:
                              "--max-leases-per-address", "100000", "--max-identities-per-address", "1000")
             wait_for("the market", lambda: httpx.get(f"{market}/health", timeout=5).status_code == 200, self.procs, 60)
             extra_c = ["--draft-model", str(draft_model)] if draft_model is not None else []
+            if rtt_ms > 0:  # the volunteers dial the coordinator's data lane through a delaying relay too
+                lane_port = free_port()
+                lane_link = DelayLink(rtt_ms, lane_port)
+                self.links.append(lane_link)
+                extra_c += ["--lane-port", str(lane_port), "--lane-announce", f"127.0.0.1:{lane_link.port}"]
             self.url = start_coordinator(self.procs, "coordinator", model, max_sessions, "--local-experts", "none",
                                          "--market", market, "--token", "bench", "--draft", "none", *extra_c)
             wait_for("the coordinator to register",

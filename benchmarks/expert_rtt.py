@@ -18,6 +18,10 @@ one the volunteer's ``ExpertServer`` plugs into) and runs a raw TCP echo server.
   of computing: what two otherwise idle processes pay to wake up after a wait of that length
   (remote_sleep - local = the overhead a real call shows, with no compute in it).
 
+- ``lane``, ``lane_null``, ``lane_sleep``: the same three on a data lane (``swarm.rpc.lane``: the
+  server dials it when offered one over its expert stream, as a volunteer does; sealed records on a
+  plain TCP connection), called from a blocking thread as the coordinator's engine calls it.
+
 ``--via-relay`` starts ``moe-swarm relay`` as a third process; the server also reserves a slot on
 it, and the same remote cases run again through the circuit (client -> relay -> server, Noise +
 Yamux end to end inside the relay's Yamux streams), named ``remote_relayed`` and
@@ -34,6 +38,8 @@ import argparse
 import functools
 import json
 import logging
+import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -55,9 +61,23 @@ from _results import write_json  # noqa: E402
 from swarm.model.experts import slice_partial_sum  # noqa: E402
 from swarm.p2p.libp2p import Libp2pTransport, open_libp2p_transport
 from swarm.p2p.nat import NatConfig, open_listener_host, open_nat  # noqa: E402
-from swarm.protocol.expert import PROTOCOL_ID, ExpertRequest, Pairs, RequestId, make_hello, make_pairs  # noqa: E402
-from swarm.rpc.client import open_expert_client
-from swarm.rpc.server import expert_stream_handler
+from swarm.protocol.expert import (  # noqa: E402
+    DEFAULT_LIMITS,
+    FEATURE_LANE,
+    PROTOCOL_ID,
+    ExpertRequest,
+    ExpertResponse,
+    Hello,
+    LaneOffer,
+    Pairs,
+    RequestId,
+    make_hello,
+    make_pairs,
+)
+from swarm.rpc.client import answer_array, encode_call, open_expert_client  # noqa: E402
+from swarm.rpc.lane import HANDSHAKE_BYTES, Opener, Sealer, derive_keys, parse_frame, parse_handshake  # noqa: E402
+from swarm.rpc.server import expert_stream_handler  # noqa: E402
+from volunteer.lanes import VolunteerLanes  # noqa: E402
 
 D_MODEL, WIDTH = 1024, 2816
 MODEL_ID = "bench-expert"
@@ -132,13 +152,30 @@ async def serve(threads: int, relay: str | None) -> None:
             await stream.send_all(buf[: 4 + n])
             del buf[: 4 + n]
 
+    class LaneServer:
+        """The same three answers computed on a data lane's thread (``volunteer.lanes``)."""
+
+        def hello(self) -> Hello:
+            return make_hello(kernel_id=KERNEL_ID)
+
+        def compute_sync(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+            if req.model_id == NULL_MODEL_ID:
+                return torch.zeros(rows.shape[0], D_MODEL)
+            if req.model_id.startswith(SLEEP_MODEL_ID):
+                return idle(rows, int(req.model_id[len(SLEEP_MODEL_ID):]))
+            return compute(w, rows)
+
+    lanes = VolunteerLanes(LaneServer(), authorize=lambda peer: True, known_hosts=lambda: {"127.0.0.1"})
+
     logging.getLogger("swarm.p2p.nat").setLevel(logging.ERROR)  # the relay may stop first at the end
     # with a relay: reserve on it even though we are reachable (check_reachability off), so the
     # same server can be measured directly and through the relay
     nat = NatConfig(relays=(relay,) if relay else (), hole_punch=False, check_reachability=False)
     async with open_listener_host(key_path=None, listen_addrs=["/ip4/127.0.0.1/tcp/0"], cfg=nat) as (t, n_), \
             trio.open_nursery() as n:
-        t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello(kernel_id=KERNEL_ID)))
+        await n.start(lanes.serve)
+        t.set_stream_handler(PROTOCOL_ID, expert_stream_handler(handler, hello=make_hello(kernel_id=KERNEL_ID),
+                                                                lanes=lanes.offer))
         listeners = await n.start(functools.partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
         port = listeners[0].socket.getsockname()[1]
         circuit = [a for a in n_.advertised if "/p2p-circuit" in a]
@@ -198,6 +235,66 @@ async def remote_cases(
 
 
 
+async def lane_cases(t: Libp2pTransport, info: dict[str, Any], w: OneExpert, calls: int, batches: list[int],
+                     request: Any, local_s: dict[int, float]) -> list[dict[str, Any]]:
+    """``lane``, ``lane_null``, ``lane_sleep``: the same calls on a data lane (``swarm.rpc.lane``) the
+    server dials when offered one over its expert stream, made from a blocking thread as the
+    coordinator's engine makes them (encode, seal, write; wait, read, open, check)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    lane_id, secret = secrets.token_bytes(16), secrets.token_bytes(32)
+    async with open_expert_client(t, info["peer_id"], info["addrs"], kernel_id=KERNEL_ID) as client:
+        await client.call(*call(request(1, NULL_MODEL_ID), torch.zeros(1, D_MODEL)), timeout=30)  # the stream's Hello
+        hello = client.peer_hello
+        assert hello is not None and FEATURE_LANE in hello.features
+        ans = await client.offer_lane(LaneOffer(request_id=RequestId(1 << 40), attempt=0, lane_id=lane_id, secret=secret,
+                                                host="127.0.0.1", port=listener.getsockname()[1]), timeout=10)
+        assert ans.status == "ok", ans
+    sock, _ = listener.accept()
+    listener.close()
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        got = b""
+        while len(got) < HANDSHAKE_BYTES:
+            got += sock.recv(HANDSHAKE_BYTES - len(got))
+        assert parse_handshake(got) == lane_id
+        c2v, v2c = derive_keys(secret, lane_id)
+        sealer, opener = Sealer(c2v), Opener(v2c, 1 << 28)
+
+        def one(req: ExpertRequest, pairs: Pairs, x: torch.Tensor) -> np.ndarray:
+            req, frame = encode_call(req, x, pairs, ["float32"], hello, DEFAULT_LIMITS)
+            sock.sendall(sealer.seal(frame))
+            while True:
+                for f in opener.frames():
+                    msg, payload = parse_frame(f, DEFAULT_LIMITS)
+                    assert isinstance(msg, ExpertResponse), msg
+                    return answer_array("server", req, msg, bytearray(payload))
+                opener.feed(sock.recv(1 << 20))
+
+        def run() -> list[dict[str, Any]]:
+            out = []
+            for batch in batches:
+                x = torch.randn(batch, D_MODEL)
+                for case, model_id in (("lane", MODEL_ID), ("lane_null", NULL_MODEL_ID),
+                                       ("lane_sleep", f"{SLEEP_MODEL_ID}{round(local_s[batch] * 1e6)}")):
+                    t_warm, warm = time.perf_counter(), 0
+                    while warm < 5 or time.perf_counter() - t_warm < WARMUP_S:
+                        one(*request(batch, model_id), x)
+                        warm += 1
+                    samples = []
+                    for _ in range(calls):
+                        t0 = time.perf_counter()
+                        y = one(*request(batch, model_id), x)
+                        samples.append(time.perf_counter() - t0)
+                    want = compute(w, x) if model_id == MODEL_ID else torch.zeros(batch, D_MODEL)
+                    assert torch.equal(torch.from_numpy(y), want), f"{case}: the lane's result differs"
+                    out.append({"case": case, "batch": batch, **stats(samples, batch)})
+            return out
+
+        return await trio.to_thread.run_sync(run)
+
+
 def call(rp: tuple[ExpertRequest, Pairs], x: torch.Tensor) -> tuple[ExpertRequest, torch.Tensor, Pairs]:
     """The positional arguments of ``ExpertClient.call``."""
     return rp[0], x, rp[1]
@@ -240,6 +337,10 @@ async def measure(info: dict[str, Any], calls: int, batches: list[int]) -> list[
         async with open_libp2p_transport(key_path=None) as t, open_nat(t, NatConfig(hole_punch=False)):
             cases += await remote_cases(t, info["peer_id"], info["circuit"], "remote_relayed", w, calls, batches, request)
             assert t.path_to(info["peer_id"]) == "relayed", "the relayed cases did not go through the relay"
+
+    async with open_libp2p_transport(key_path=None) as t:
+        local_s = {c["batch"]: c["median_ms"] / 1000 for c in cases if c["case"] == "local"}
+        cases += await lane_cases(t, info, w, calls, batches, request, local_s)
 
     stream = await trio.open_tcp_stream("127.0.0.1", info["tcp_port"])
     async with stream:
@@ -320,6 +421,13 @@ def main() -> None:
     result["overhead_split"] = {str(b): v for b, v in split.items()}
     print("of which (medians): protocol = remote_null, wait = remote_sleep - local - remote_null:",
           ", ".join(f"batch {b}: protocol {v['protocol_ms']:.3f} ms, wait {v['wait_ms']:.3f} ms" for b, v in split.items()))
+    lane = {c["batch"]: c["median_ms"] for c in cases if c["case"] == "lane"}
+    lane_null = {c["batch"]: c["median_ms"] for c in cases if c["case"] == "lane_null"}
+    result["lane_overhead"] = {str(b): {"overhead_ms": round(lane[b] - local[b], 3), "protocol_ms": round(lane_null[b], 3)}
+                               for b in lane}
+    print("on a data lane: overhead (lane - local), protocol (lane_null):",
+          ", ".join(f"batch {b}: {v['overhead_ms']:.3f} / {v['protocol_ms']:.3f} ms"
+                    for b, v in result["lane_overhead"].items()))
     write_json(args.json, result)
 
 

@@ -44,7 +44,8 @@ The ``ratio`` cases give, per mode, round trip and session count, each run's tok
 local run of the same repeat, and their median.
 
 ``--rtt-ms 0 10 40`` runs every case at each round trip: for > 0 the coordinator reaches the
-volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem). The engine's
+volunteer through a delaying TCP relay (``DelayLink``; this kernel has no netem), and the volunteer
+dials each coordinator's data lane through one too (``--lane-announce``). The engine's
 session groups apply only where it must wait for remote ranges (offload mode, or ranges the
 coordinator does not hold: ``coordinator.core.pipeline``); here every expert is held, so earliest
 finish and the split check decide.
@@ -351,6 +352,7 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
     procs: list[Proc] = []
     cases: list[dict[str, Any]] = []
     link: DelayLink | None = None
+    lane_links: list[DelayLink] = []
     urls: dict[str, str] = {}
     maps: dict[str, Path] = {}
     try:
@@ -360,7 +362,12 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
             port = free_port()
             urls[mode], maps[mode] = f"http://127.0.0.1:{port}", work / f"dispatch-map-{mode}.json"
             write_map(maps[mode], model_id, 0, 0, 1, None)
-            procs.append(Proc(f"coordinator-{mode}", cli("coordinator", *common, *MODES[mode], "--port", str(port),
+            lane: list[str] = []
+            if rtt > 0:  # the volunteer dials each coordinator's data lane through a delaying relay too
+                lane_port = free_port()
+                lane_links.append(DelayLink(rtt, lane_port))
+                lane = ["--lane-port", str(lane_port), "--lane-announce", f"127.0.0.1:{lane_links[-1].port}"]
+            procs.append(Proc(f"coordinator-{mode}", cli("coordinator", *common, *MODES[mode], *lane, "--port", str(port),
                                                          "--data-dir", str(work / f"coordinator-{mode}"),
                                                          "--dispatch-map", str(maps[mode])),
                               work / f"coordinator-{mode}.log"))
@@ -411,8 +418,9 @@ def run_world(args: argparse.Namespace, path: Path, model_id: str, rtt: float) -
     finally:
         for p in reversed(procs):
             p.stop()
-        if link is not None:
-            link.close()
+        for lk in [link, *lane_links]:
+            if lk is not None:
+                lk.close()
     return cases
 
 

@@ -28,7 +28,9 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
 import trio
 
 from swarm.errors import WireError
@@ -38,8 +40,10 @@ from swarm.protocol.expert import (
     ErrorReply,
     ExpertRequest,
     ExpertResponse,
+    Hello,
     LaneAnswer,
     LaneOffer,
+    Pairs,
     Status,
     WireLimits,
     decode_pairs,
@@ -48,11 +52,10 @@ from swarm.protocol.expert import (
     validate_request,
 )
 from swarm.rpc.lane import LaneBroken, Opener, Sealer, derive_keys, handshake, parse_frame
-from swarm.rpc.server import Authorize, BudgetAccount, ByteBudget, expert_answer
+from swarm.rpc.server import Authorize, BudgetAccount, ByteBudget, Computed, expert_answer
 from swarm.rpc.tensors import payload_to_tensor
-from volunteer.server import ExpertServer
 
-__all__ = ["VolunteerLanes"]
+__all__ = ["LaneCompute", "VolunteerLanes"]
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +79,16 @@ class _Lane:
             pass
 
 
+class LaneCompute(Protocol):
+    """What a lane computes with (an ``ExpertServer``): a request answered on the calling thread."""
+
+    def compute_sync(self, req: ExpertRequest, rows: torch.Tensor, pairs: Pairs) -> Computed | torch.Tensor: ...
+
+    def hello(self) -> Hello: ...
+
+
 class VolunteerLanes:
-    def __init__(self, server: ExpertServer, *, authorize: Authorize, known_hosts: Callable[[], set[str]],
+    def __init__(self, server: LaneCompute, *, authorize: Authorize, known_hosts: Callable[[], set[str]],
                  budget: ByteBudget | None = None, limits: WireLimits = DEFAULT_LIMITS, max_lanes: int = 8,
                  connect_timeout_s: float = 5.0) -> None:
         self.server = server

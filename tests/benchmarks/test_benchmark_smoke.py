@@ -106,11 +106,13 @@ def check_expert_rtt(result: dict[str, Any]) -> None:
     check_design_shape(result, "expert_rtt")
     got = {(c["case"], c["batch"]): c for c in result["cases"]}
     for batch in (1, 8):
-        for case in ("local", "remote", "remote_null", "remote_sleep", "tcp_floor", "remote_relayed"):
+        for case in ("local", "remote", "remote_null", "remote_sleep", "tcp_floor", "remote_relayed", "lane", "lane_null",
+                     "lane_sleep"):
             c = got[(case, batch)]  # every remote answer was checked equal to the local one inside the run
             assert 0 < c["median_ms"] <= c["p99_ms"] and c["tokens_per_s"] > 0, c
         assert got[("remote_relayed", batch)]["relayed_over_direct"] > 0
         assert set(result["overhead_split"][str(batch)]) == {"protocol_ms", "wait_ms"}
+        assert set(result["lane_overhead"][str(batch)]) == {"overhead_ms", "protocol_ms"}
     assert got[("remote_concurrent8", 8)]["tokens_per_s"] > 0 and result["via_relay"] is True
 
 
