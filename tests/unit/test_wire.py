@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import swarm.protocol.expert as expert_wire
+import swarm.protocol.pairs as pair_wire
 from swarm.errors import (
     BrokenError,
     FrameTooLarge,
@@ -407,9 +407,9 @@ def test_any_corruption_of_the_pair_arrays_is_a_clear_attributed_error_or_still_
     p = Pairs(*(np.frombuffer(buf, dtype=t, count=req.n_pairs, offset=off + 4 * k * req.n_pairs)
                 for k, t in enumerate(("<u4", "<u4", "<f4"))))
     verdicts = []
-    for check in (expert_wire._check_small, expert_wire._check_large):  # the two paths agree
+    for check in (pair_wire._check_small, pair_wire._check_large):  # the two paths agree
         try:
-            if check is expert_wire._check_small:
+            if check is pair_wire._check_small:
                 check(req, p.rows.tolist(), p.experts.tolist(), p.weights.tolist())
             else:
                 check(req, p)
