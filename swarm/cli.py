@@ -34,7 +34,7 @@ from typing import Any, Final, NoReturn
 
 import swarm
 from swarm.errors import SwarmError
-from swarm.flags import HelpFormatter, add_global_options
+from swarm.flags import LOG_LEVELS, HelpFormatter, add_global_options
 
 __all__ = ["BUILTIN_ROLES", "ROLE_GROUP", "build_parser", "main", "role_table"]
 
@@ -166,6 +166,8 @@ def _expected(exc: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.log_level not in LOG_LEVELS:  # from MOE_SWARM_LOG (a flag's value is checked by argparse)
+        parser.error(f"MOE_SWARM_LOG={ns.log_level.lower()} is not a log level: use one of {', '.join(LOG_LEVELS)}")
     # a crash in native code (ggml, the tokenizer) prints every thread's Python stack to stderr: the log
     # then says where the process died instead of only that its sockets closed
     try:

@@ -171,7 +171,17 @@ def test_a_usage_error_is_one_line_with_the_closest_match(argv: list[str], line:
     assert capsys.readouterr().err.splitlines() == [line]
 
 
-def test_global_options_go_before_or_after_the_command() -> None:
+def test_global_options_go_before_or_after_the_command(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MOE_SWARM_LOG", "debug")
+    assert build_parser().parse_args(["market"]).log_level == "DEBUG"
+    monkeypatch.setenv("MOE_SWARM_LOG", "loud")
+    with pytest.raises(SystemExit) as ei:
+        main(["market"])
+    assert ei.value.code == 2 and capsys.readouterr().err == (
+        "moe-swarm: error: MOE_SWARM_LOG=loud is not a log level: use one of DEBUG, INFO, WARNING, ERROR, CRITICAL "
+        "(see 'moe-swarm --help')\n")
+    monkeypatch.delenv("MOE_SWARM_LOG")
     p = build_parser()
     assert p.parse_args(["market"]).log_level == "INFO"
     assert p.parse_args(["--log-level", "debug", "market"]).log_level == "DEBUG"
