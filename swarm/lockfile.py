@@ -43,8 +43,12 @@ def hold(lock_path: Path, *, flag: str, shown: str, what: str) -> Iterator[Path]
 
     ``flag`` and ``shown`` name what the person gave (``--data-dir``, the path), ``what`` the kind of
     daemon (``volunteer``), for the message when another process holds it."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {shown}: cannot create {lock_path} ({exc.strerror}); give a {flag} this user "
+                          "can write", code="data_dir_unusable") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -41,6 +41,14 @@ def test_one_holder_at_a_time_and_a_dead_holders_file_is_no_obstacle(tmp_path: P
         assert holder_pid(lock) == os.getpid()
 
 
+def test_a_data_dir_that_cannot_be_written_says_so(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^--data-dir {tmp_path}/file/v: cannot create {tmp_path}/file/v/lock "
+                                          r"\(Not a directory\); give a --data-dir this user can write$"):
+        with hold(tmp_path / "file" / "v" / "lock", flag="--data-dir", shown=f"{tmp_path}/file/v", what="relay"):
+            pass
+
+
 @pytest.mark.parametrize("path", GOLDEN[:6], ids=lambda p: p.name)
 def test_a_gguf_cut_short_anywhere_is_an_incomplete_download(path: Path, tmp_path: Path) -> None:
     data = path.read_bytes()
