@@ -7,33 +7,40 @@ STAMP := $(VENV)/.installed
 # on every CPU that has it, so most home machines share one kernel id; no llamafile sgemm and no
 # BLAS, whose n=1 and n>=2 paths differ (kernels must be batch-invariant); no OpenMP (it would share
 # libgomp with torch). GGML_NATIVE=1 make venv opts into a -march=native build of this machine.
+# The flags live in ops/ggml-cmake-args, so `CMAKE_ARGS="$(cat ops/ggml-cmake-args)" pip install .`
+# (README, Install) builds the same library without make.
 GGML_NATIVE ?= 0
-GGML_CMAKE_ARGS := -DGGML_NATIVE=$(if $(filter 1,$(GGML_NATIVE)),ON,OFF) -DGGML_CPU_ALL_VARIANTS=OFF \
-	-DGGML_BACKEND_DL=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON \
-	-DGGML_F16C=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
-	-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_LLAMAFILE=OFF \
-	-DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF \
-	-DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_RPC=OFF -DGGML_CCACHE=OFF -DGGML_BUILD_TESTS=OFF \
-	-DGGML_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release
+GGML_CMAKE_ARGS := $(subst -DGGML_NATIVE=OFF,-DGGML_NATIVE=$(if $(filter 1,$(GGML_NATIVE)),ON,OFF),$(shell cat ops/ggml-cmake-args))
 
 .PHONY: demo test bench lint venv clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# Prerequisites first (ops/check-prereqs.sh names a missing one with its Debian package), then each
+# step says what it does; pip shows its progress (no -q on the long steps) and the ggml build its
+# compile steps and how long it took.
+$(STAMP): pyproject.toml Makefile ops/ggml-cmake-args ops/check-prereqs.sh
+	@PY=$(PY) GGML_NATIVE=$(GGML_NATIVE) sh ops/check-prereqs.sh
+	@echo "==> virtualenv $(VENV) ($(PY))"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build
-	$(BIN)/python -m pip install -q torch==2.13.0
-	# ggml-python from source with the flags above; --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS
-	$(BIN)/python -m pip install -q numpy typing_extensions
-	CMAKE_ARGS="$(GGML_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install -q --no-cache-dir \
-		--force-reinstall --no-deps --no-binary ggml-python ggml-python==0.0.45
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	@echo "==> torch 2.13.0, the CPU wheel (an unpinned torch would pull a multi-GB CUDA build)"
+	$(BIN)/python -m pip install torch==2.13.0
+	@echo "==> numpy and typing_extensions (ggml-python's own dependencies)"
+	$(BIN)/python -m pip install numpy typing_extensions
+	@echo "==> ggml-python 0.0.45 from source with ops/ggml-cmake-args (3-5 minutes on 2 cores)"
+	@# --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS
+	@start=$$(date +%s) && \
+	CMAKE_ARGS="$(GGML_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install -v --no-cache-dir \
+		--force-reinstall --no-deps --no-binary ggml-python ggml-python==0.0.45 && \
+	echo "==> ggml-python built in $$(( $$(date +%s) - start )) s"
+	@echo "==> moe-swarm (editable) and its development tools"
+	$(BIN)/python -m pip install -e '.[dev]'
 	# trio-typing (a libp2p dependency) ships trio-stubs from an older trio; they shadow trio's own,
 	# current inline types for mypy (no trio.TaskStatus). The runtime package trio_typing stays.
 	rm -rf $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/trio-stubs
 	touch $(STAMP)
+	@echo "==> $(VENV) ready: $(BIN)/moe-swarm --help"
 
 demo: $(STAMP)
 	KEEP=$(KEEP) $(BIN)/python -m swarm.demo

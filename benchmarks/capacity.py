@@ -259,7 +259,7 @@ def backbone(model: Path, work: Path, n_tokens: int, *, n_vol: int, coord_cap: i
         extra = ["--max-experts", str(_experts(model) // n_vol)] if quick else []
         t_cov = time.monotonic()
         for i in range(n_vol):
-            procs.start(f"volunteer-{i + 1}", "volunteer", "--market", market, "--max-memory", str(vol_cap), *extra,
+            procs.start(f"volunteer-{i + 1}", "volunteer", "--market", market, "--max-memory", f"{vol_cap}B", *extra,
                         "--threads", "1", "--no-progress", "--poll-interval", "1", "--data-dir",
                         str(work / f"bb-volunteer-{i + 1}"), cap=vol_cap)
         wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json().get("coverage_holes") == 0, 3600,
@@ -298,7 +298,7 @@ def _kill_only_replica(procs: Procs, market: str, url: str, mid: str, n_tokens: 
 
     wait_for(settled, 300, "recruitment to end and its extra replicas to age out", 0.5)
     spare_dir = procs.work / "bb-volunteer-spare"
-    procs.start("volunteer-spare", "volunteer", "--market", market, "--max-memory", str(vol_cap), *extra, "--threads", "1",
+    procs.start("volunteer-spare", "volunteer", "--market", market, "--max-memory", f"{vol_cap}B", *extra, "--threads", "1",
                 "--no-progress", "--poll-interval", "1", "--data-dir", str(spare_dir), cap=vol_cap)
 
     def spare_idle() -> bool:

@@ -1,98 +1,129 @@
-"""``moe-swarm coordinator`` (shell: flags -> ``CoordinatorConfig`` -> ``serve_coordinator``)."""
+"""``moe-swarm coordinator`` (shell: flags -> ``CoordinatorConfig`` -> checks -> ``serve_coordinator``).
+
+Rules:
+- Importing this module imports nothing heavy (``swarm.flags``): the parser is built for every
+  ``moe-swarm --help``. ``config_from_args`` and ``run`` import the coordinator.
+- ``run`` checks what a person can get wrong before the model loads, each a one-line ``ConfigError``
+  naming the flag: experts computed nowhere (``--local-experts`` other than ``all`` with no market,
+  dispatch map or disk fallback), the data dir held by another coordinator (a lock for the process's
+  life: ``swarm.lockfile``), the GGUF missing or cut short, the ports taken, the market unreachable
+  or refusing the token (``swarm.preflight``).
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from coordinator.server import CoordinatorConfig, serve_coordinator
-from swarm.config import build_config, data_dir_for, env_token
-from swarm.service import run_announced, size_flag
+from swarm.config import data_dir_for, env_token
+from swarm.errors import ConfigError
+from swarm.flags import size_flag
 
-__all__ = ["add_parser", "config_from_args"]
+__all__ = ["add_parser", "config_from_args", "run"]
+
+_FLAGS = {"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
+          "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
+          "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate",
+          "hold_proof": "--no-hold-proof", "missing_wait_s": "--missing-wait", "lanes": "--no-lanes"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c: argparse.ArgumentParser = subparsers.add_parser(
-        "coordinator", help="host a GGUF MoE model behind an OpenAI-compatible API")
-    c.add_argument("--model", required=True, help="path to a GGUF MoE model")
-    c.add_argument("--host", default="127.0.0.1")
-    c.add_argument("--port", type=int, default=8080)
-    c.add_argument("--slots", type=int, default=4, help="parallel sequences batched per step")
-    c.add_argument("--ctx-size", type=int, default=None, help="context per slot (default: the model's)")
-    c.add_argument("--batch-size", type=int, default=512, help="max tokens per engine step")
-    c.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503")
-    c.add_argument("--data-dir", default=None,
-                   help="identity key and slice cache (default ~/.local/share/moe-swarm/coordinator)")
-    c.add_argument("--dispatch-map", default=None, help="follow this dispatch-map JSON file (re-read when it changes)")
-    c.add_argument("--p2p-listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
-    c.add_argument("--expert-timeout", type=float, default=3.0, help="seconds before a remote expert call falls back")
-    c.add_argument("--wire-dtype", choices=["float32", "bfloat16"], default="float32", help="activations on the wire")
-    c.add_argument("--market", default=None, help="register with this market and follow its dispatch map")
-    c.add_argument("--advertise-url", default=None, help="this coordinator's URL as others reach it (default: bound URL)")
-    c.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
-    c.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
-                   help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
-    c.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
-    c.add_argument("--threads", type=int, default=None, help="compute threads in all (default: the physical cores)")
-    c.add_argument("--no-hole-punch", action="store_true",
+        "coordinator", usage="%(prog)s --model GGUF [--port PORT] [--market URL --token TOKEN] [options]", help="host a GGUF MoE model behind an OpenAI-compatible API",
+        description="Host a GGUF MoE model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions), "
+                    "computing its experts here and, through a market, on volunteers.")
+    m = c.add_argument_group("model and API")
+    m.add_argument("--model", required=True, help="path to a GGUF MoE model")
+    m.add_argument("--host", default="127.0.0.1", help="API bind address")
+    m.add_argument("--port", type=int, default=8080, help="API port (0: any free port)")
+    m.add_argument("--slots", type=int, default=4, help="parallel sequences batched per step")
+    m.add_argument("--ctx-size", type=int, default=None, help="context per slot (default: the model's)")
+    m.add_argument("--batch-size", type=int, default=512, help="max tokens per engine step")
+    m.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503")
+    m.add_argument("--max-body", type=size_flag, default="8M", metavar="SIZE", help="largest API request body (larger: 413 body_too_large)")
+    m.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
+                   help="kernels: ggml's on the stored quantised bytes, or the torch reference")
+    m.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
+    m.add_argument("--threads", type=int, default=None, help="compute threads in all (default: the physical cores)")
+    m.add_argument("--data-dir", default=None,
+                   help="identity key and slice cache, one coordinator each (default ~/.local/share/moe-swarm/coordinator)")
+
+    k = c.add_argument_group("market and volunteers")
+    k.add_argument("--market", default=None, metavar="URL",
+                   help="register with this market (e.g. http://127.0.0.1:8090) and follow its dispatch map")
+    k.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
+    k.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="this coordinator's URL as volunteers reach it (default: the bound URL)")
+    k.add_argument("--origin", action="append", default=None, metavar="URL",
+                   help="an http(s) URL serving this GGUF file with Range requests (a mirror; repeatable): "
+                        "volunteers download their slices from it, checked against the manifest's expert hashes")
+    k.add_argument("--dispatch-map", default=None, metavar="FILE",
+                   help="follow this dispatch-map JSON file instead of a market (re-read when it changes)")
+    k.add_argument("--p2p-listen", action="append", default=None, metavar="MULTIADDR",
+                   help="libp2p listen multiaddr (repeatable; default /ip4/127.0.0.1/tcp/0)")
+    k.add_argument("--no-hole-punch", action="store_true",
                    help="keep relayed connections relayed (no DCUtR upgrade to a direct connection)")
-    c.add_argument("--dispatch", choices=["adaptive", "offload"], default="adaptive",
-                   help="adaptive: local when idle, split with proven volunteers under load (default); "
+    k.add_argument("--lane-port", type=int, default=0,
+                   help="port volunteers dial for data lanes: direct TCP connections the engine's expert calls take "
+                        "(0: any free one)")
+    k.add_argument("--lane-announce", default=None, metavar="HOST[:PORT]",
+                   help="the lane address volunteers are told (default: --advertise-url's host, else --host, and the "
+                        "bound port)")
+    k.add_argument("--no-lanes", action="store_true", help="every expert call on the libp2p stream (no data lanes)")
+
+    d = c.add_argument_group("dispatch: where experts run")
+    d.add_argument("--local-experts", default="all", metavar="SPEC",
+                   help="routed experts computed here: all, none, or LAYERS:EXPERTS items such as 0-8:all,8-48:none "
+                        "(half-open); the others only on volunteers (needs --market or --dispatch-map)")
+    d.add_argument("--dispatch", choices=["adaptive", "offload"], default="adaptive",
+                   help="adaptive: local when idle, split with proven volunteers under load; "
                         "offload: every range with a live volunteer goes remote")
-    c.add_argument("--saturation-threshold", type=int, default=2,
+    d.add_argument("--saturation-threshold", type=int, default=2,
                    help="busy slots from which the coordinator counts as under load")
-    c.add_argument("--serve-ttl", type=float, default=20.0,
+    d.add_argument("--serve-ttl", type=float, default=20.0,
                    help="seconds proven volunteers keep their share after the load ends")
-    c.add_argument("--split-check", type=float, default=3.0, metavar="SECONDS",
+    d.add_argument("--split-check", type=float, default=3.0, metavar="SECONDS",
                    help="under load, windows local / split / local this long measure whether sending shares to "
                         "volunteers pays here; the faster is kept for 30 s (0: earliest finish decides alone)")
-    c.add_argument("--hedge-floor-ms", type=float, default=50.0,
+    d.add_argument("--expert-timeout", type=float, default=3.0, help="seconds before a remote expert call falls back")
+    d.add_argument("--hedge-floor-ms", type=float, default=50.0,
                    help="a slow remote call is raced against another copy after max(this, its p95)")
-    c.add_argument("--hot-experts", type=int, default=0,
-                   help="the K most-routed experts of each layer always run locally")
-    c.add_argument("--max-body", type=size_flag, default=8 << 20,
-                   help="largest API request body, e.g. 8M (larger: 413 body_too_large)")
-    c.add_argument("--verify-rate", type=float, default=0.05,
+    d.add_argument("--hot-experts", type=int, default=0, help="the K most-routed experts of each layer always run locally")
+    d.add_argument("--wire-dtype", choices=["float32", "bfloat16"], default="float32", help="activations on the wire")
+    d.add_argument("--on-missing", choices=["wait", "disk", "fail"], default="wait",
+                   help="experts nobody serves (not held here, no live volunteer): wait for coverage up to "
+                        "--missing-wait seconds then 503, compute them from the GGUF on disk, or fail")
+    d.add_argument("--missing-wait", type=float, default=30.0, help="seconds a layer waits for missing experts")
+
+    v = c.add_argument_group("verification of volunteers")
+    v.add_argument("--verify-rate", type=float, default=0.05,
                    help="share of volunteers' answers recomputed here and compared, after their probation")
-    c.add_argument("--verify-disk-rate", type=float, default=0.02,
+    v.add_argument("--verify-disk-rate", type=float, default=0.02,
                    help="experts not held here: the share of volunteers' answers recomputed from the GGUF on disk "
                         "(pread, off the engine thread; every one in a volunteer's probation that no second replica "
                         "of another network checks), so replicas agreeing on a lie are caught too (0: never)")
-    c.add_argument("--verify-probation", type=int, default=50,
+    v.add_argument("--verify-probation", type=int, default=50,
                    help="a volunteer's first N answers (and N after any failure) are all verified")
-    c.add_argument("--local-experts", default="all", metavar="SPEC",
-                   help="routed experts computed here: all (default), none, or LAYERS:EXPERTS items such as "
-                        "0-8:all,8-48:none (half-open); the others only on volunteers")
-    c.add_argument("--on-missing", choices=["wait", "disk", "fail"], default="wait",
-                   help="experts nobody serves (not held here, no live volunteer): wait for coverage up to "
-                        "--missing-wait seconds then 503 (default), compute them from the GGUF on disk, or fail")
-    c.add_argument("--missing-wait", type=float, default=30.0, help="seconds a layer waits for missing experts")
-    c.add_argument("--no-lanes", action="store_true",
-                   help="send every expert call on the libp2p stream (no data lanes: direct TCP connections "
-                        "volunteers dial to this coordinator, used from the engine's thread)")
-    c.add_argument("--lane-port", type=int, default=0, help="port volunteers dial for data lanes (default 0: any free one)")
-    c.add_argument("--lane-announce", default=None, metavar="HOST[:PORT]",
-                   help="the lane address volunteers are told (default: --advertise-url's host, else --host, "
-                        "and the bound port)")
-    c.add_argument("--origin", action="append", default=None, metavar="URL",
-                   help="an http(s) URL serving this GGUF file with Range requests (a mirror; repeatable): "
-                        "volunteers download their slices from it, checked against the manifest's expert hashes")
-    c.add_argument("--draft", choices=["none", "ngram", "model", "self"], default="ngram",
-                   help="speculative decoding: the drafter of requests that name none (a request's 'draft' field "
-                        "chooses its own): ngram = prompt lookup (free), model = --draft-model, self = this model's "
-                        "own blocks with only the experts held here; none = off. The output is the same either way")
-    c.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="a smaller GGUF with this model's vocabulary, run here, for the 'model' drafter")
-    c.add_argument("--draft-max", type=int, default=8, help="the most tokens one step drafts (default 8)")
-    c.add_argument("--no-hold-proof", action="store_true",
+    v.add_argument("--no-hold-proof", action="store_true",
                    help="give listed volunteers work without first checking they hold their slices (hold challenge)")
+
+    s = c.add_argument_group("speculative decoding")
+    s.add_argument("--draft", choices=["none", "ngram", "model", "self"], default="ngram",
+                   help="the drafter of requests that name none (a request's 'draft' field chooses its own): "
+                        "ngram = prompt lookup (free), model = --draft-model, self = this model's own blocks with "
+                        "only the experts held here; none = off. The output is the same either way")
+    s.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a smaller GGUF with this model's vocabulary, run here, for the 'model' drafter")
+    s.add_argument("--draft-max", type=int, default=8, help="the most tokens one step drafts")
     c.set_defaults(func=run)
     return c
 
 
-def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
-    return build_config(CoordinatorConfig, {
+def config_from_args(ns: argparse.Namespace) -> Any:
+    from coordinator.server import CoordinatorConfig
+    from swarm.config import build_config
+
+    cfg = build_config(CoordinatorConfig, {
         "model": ns.model,
         "host": ns.host,
         "port": ns.port,
@@ -133,12 +164,31 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "draft": ns.draft,
         "draft_model": ns.draft_model,
         "draft_max": ns.draft_max,
-    }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
-              "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
-              "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate", "hold_proof": "--no-hold-proof",
-              "missing_wait_s": "--missing-wait", "lanes": "--no-lanes"})
+    }, flags=_FLAGS)
+    if cfg.local_experts.strip() != "all" and cfg.market is None and cfg.dispatch_map is None and cfg.on_missing != "disk":
+        raise ConfigError(f"--local-experts {cfg.local_experts}: the experts not computed here need volunteers, and "
+                          "without --market (or --dispatch-map) there are none: every request would wait and fail; "
+                          "give --market URL, or --on-missing disk to compute them from the GGUF", code="no_volunteers")
+    return cfg
 
 
 def run(ns: argparse.Namespace) -> int:
-    run_announced(serve_coordinator, config_from_args(ns), lambda url: f"coordinator ready at {url}")
+    from pathlib import Path
+
+    from coordinator.server import serve_coordinator
+    from swarm import preflight
+    from swarm.lockfile import LOCK_NAME, hold
+    from swarm.model.gguf_check import check_gguf_file
+    from swarm.service import run_announced
+
+    cfg = config_from_args(ns)
+    with hold(Path(cfg.data_dir) / LOCK_NAME, flag="--data-dir", shown=cfg.data_dir, what="coordinator"):
+        check_gguf_file(cfg.model, "--model")
+        if cfg.draft_model is not None:
+            check_gguf_file(cfg.draft_model, "--draft-model")
+        preflight.check_port_free(cfg.host, cfg.port, "--port")
+        preflight.check_listen_addrs(cfg.p2p_listen, "--p2p-listen")
+        if cfg.market is not None:
+            preflight.check_market(cfg.market, token=cfg.token, operator=True)
+        run_announced(serve_coordinator, cfg, lambda url: f"coordinator ready at {url}")
     return 0

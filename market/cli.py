@@ -4,91 +4,109 @@
 [--poll-interval S] [--saturation-threshold N] [--base-target N] [--boost N] [--lease-s S]
 [--heartbeat-ttl-s S] [--cooldown-s S] [--hold-s S] ...``
 
-Rules: flags are parsed once into a frozen config (constraints checked: ``ConfigError``); the
-token falls back to ``MOE_SWARM_TOKEN``, read here at the edge; ``--db :memory:`` keeps the
-state in the process only (tests, throwaway demos).
+Rules:
+- Flags are parsed once into a frozen config (constraints checked: ``ConfigError``); the token falls
+  back to ``MOE_SWARM_TOKEN``, read here at the edge; ``--db :memory:`` keeps the state in the
+  process only (tests, throwaway demos).
+- Importing this module imports nothing heavy (``--help``); ``run`` imports the server.
+- ``run`` holds ``DB.lock`` (``swarm.lockfile``) for the process's life: one market per database
+  file; a second exits 2 naming the holder's PID. A port in use is one line too (``swarm.preflight``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Any
 
 from market.policy import MarketPolicy
-from market.server import MarketConfig, serve_market
-from swarm.config import build_config, data_dir_for, env_token
-from swarm.service import run_announced
+from swarm.config import data_dir_for, env_token
 
 __all__ = ["add_parser", "config_from_args", "run"]
+
+# MarketConfig's defaults (market.server imports the whole server: not for --help); a test keeps them equal
+_HOST, _PORT, _POLL_INTERVAL_S, _POLL_TIMEOUT_S = "127.0.0.1", 8090, 2.0, 1.0
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``market`` on an ``argparse`` subparsers object; ``func(ns) -> int`` runs it."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "market", help="run the demand market: registry, recruitment, dispatch maps (HTTP API)"
-    )
+        "market", usage="%(prog)s (--token TOKEN | --insecure-no-token) [--db FILE] [--port PORT] [options]",
+        help="run the demand market: registry, recruitment, dispatch maps (HTTP API)",
+        description="Run the demand market: coordinators register their models, volunteers are recruited for the "
+                    "scarcest experts, dispatch maps tell coordinators who serves what; a dashboard at /.")
     d = MarketPolicy()
-    c = MarketConfig(db="")
-    p.add_argument("--db", default=None, help="SQLite database (default: DATA_DIR/market.db; ':memory:' = volatile)")
-    p.add_argument("--data-dir", default=None, help="where the default database lives (default ~/.local/share/moe-swarm/market)")
-    p.add_argument("--host", default=c.host)
-    p.add_argument("--port", type=int, default=c.port)
-    p.add_argument("--token", default=None, help="operator token for POST /api/models (or MOE_SWARM_TOKEN); required")
-    p.add_argument("--insecure-no-token", action="store_true",
+    s = p.add_argument_group("server")
+    s.add_argument("--db", default=None, help="SQLite database, one market each (default: DATA_DIR/market.db; "
+                                             "':memory:' = volatile)")
+    s.add_argument("--data-dir", default=None, help="where the default database lives (default ~/.local/share/moe-swarm/market)")
+    s.add_argument("--host", default=_HOST, help="bind address")
+    s.add_argument("--port", type=int, default=_PORT, help="port (0: any free port)")
+    s.add_argument("--token", default=None,
+                   help="operator token coordinators must send (or MOE_SWARM_TOKEN); required unless --insecure-no-token")
+    s.add_argument("--insecure-no-token", action="store_true",
                    help="run without an operator token: anyone may register models and coordinators")
-    p.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
+    s.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
                    help="relay offered to volunteers that cannot be dialled (repeatable)")
-    p.add_argument("--poll-interval", type=float, default=c.poll_interval_s, help="seconds between /slots polls")
-    p.add_argument("--poll-timeout", type=float, default=c.poll_timeout_s, help="bound on one /slots poll (s)")
-    p.add_argument("--saturation-threshold", type=int, default=d.saturation_threshold,
+    s.add_argument("--seed", type=int, default=None, help="RNG seed (reproducible tie-breaks and lease ids)")
+    c = p.add_argument_group("coordinators and models")
+    c.add_argument("--poll-interval", type=float, default=_POLL_INTERVAL_S, help="seconds between /slots polls")
+    c.add_argument("--poll-timeout", type=float, default=_POLL_TIMEOUT_S, help="bound on one /slots poll (s)")
+    c.add_argument("--saturation-threshold", type=int, default=d.saturation_threshold,
                    help="busy slots at which a coordinator counts as saturated")
-    p.add_argument("--base-target", type=int, default=d.base_target, help="replicas wanted per expert")
-    p.add_argument("--boost", type=int, default=d.boost, help="extra replicas per expert while saturated")
-    p.add_argument("--hold-s", type=float, default=d.hold_s,
-                   help="unsaturated this long before the boost ends (hysteresis)")
-    p.add_argument("--lease-s", type=float, default=d.lease_s, help="how long a handed-out slice stays reserved")
-    p.add_argument("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s,
-                   help="a volunteer silent this long expires")
-    p.add_argument("--sole-replica-ttl-s", type=float, default=d.sole_replica_ttl_s,
-                   help="... this long when it holds the only replica of experts a hosting coordinator lacks")
-    p.add_argument("--cooldown-s", type=float, default=d.cooldown_s,
-                   help="a surplus volunteer is undispatched this long before it is told to release")
-    p.add_argument("--retry-after-s", type=float, default=d.retry_after_s,
-                   help="when idle volunteers should ask again if nothing is needed")
-    p.add_argument("--max-leases-per-address", type=int, default=d.max_leases_per_address,
-                   help="open leases one IP address may hold (volunteers behind one address share it)")
-    p.add_argument("--remote-base-target", type=int, default=d.remote_base_target,
+    c.add_argument("--host-down-s", type=float, default=d.host_down_s,
+                   help="a coordinator whose /slots polls all failed this long stops counting as hosting")
+    c.add_argument("--coordinator-gc-s", type=float, default=d.coordinator_gc_s,
+                   help="... and is deregistered after this long")
+    c.add_argument("--model-gc-s", type=float, default=d.model_gc_s,
+                   help="a model no registered coordinator lists is dropped after this long")
+    c.add_argument("--max-models", type=int, default=d.max_models, help="registered models in all")
+    r = p.add_argument_group("replicas and recruitment")
+    r.add_argument("--base-target", type=int, default=d.base_target, help="replicas wanted per expert")
+    r.add_argument("--remote-base-target", type=int, default=d.remote_base_target,
                    help="replicas of each expert some hosting coordinator does not compute itself (--local-experts)")
-    p.add_argument("--hot-extra-max", type=int, default=d.hot_extra_max,
+    r.add_argument("--boost", type=int, default=d.boost, help="extra replicas per expert while saturated")
+    r.add_argument("--hold-s", type=float, default=d.hold_s,
+                   help="unsaturated this long before the boost ends (hysteresis)")
+    r.add_argument("--hot-extra-max", type=int, default=d.hot_extra_max,
                    help="extra replicas, at most, for an expert carrying a multiple of its layer's mean load (0 = off)")
-    p.add_argument("--hot-half-life-s", type=float, default=d.hot_half_life_s,
+    r.add_argument("--hot-half-life-s", type=float, default=d.hot_half_life_s,
                    help="half-life of the routed-row counts that make experts hot")
-    p.add_argument("--proof-grace-s", type=float, default=d.proof_grace_s,
+    r.add_argument("--lease-s", type=float, default=d.lease_s, help="how long a handed-out slice stays reserved")
+    r.add_argument("--cooldown-s", type=float, default=d.cooldown_s,
+                   help="a surplus volunteer is undispatched this long before it is told to release")
+    r.add_argument("--retry-after-s", type=float, default=d.retry_after_s,
+                   help="when idle volunteers should ask again if nothing is needed")
+    v = p.add_argument_group("volunteers")
+    v.add_argument("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s,
+                   help="a volunteer silent this long expires")
+    v.add_argument("--sole-replica-ttl-s", type=float, default=d.sole_replica_ttl_s,
+                   help="... this long when it holds the only replica of experts a hosting coordinator lacks")
+    v.add_argument("--max-leases-per-address", type=int, default=d.max_leases_per_address,
+                   help="open leases one IP address may hold (volunteers behind one address share it)")
+    v.add_argument("--max-identities-per-address", type=int, default=d.max_identities_per_address,
+                   help="live volunteer identities one IP address (an IPv6 /64) may speak for")
+    v.add_argument("--identity-idle-s", type=float, default=d.identity_idle_s,
+                   help="an identity that never held anything is forgotten after this long without a word")
+    v.add_argument("--download-grace-s", type=float, default=d.download_grace_s,
+                   help="a slice reported loading counts only until this grace plus its bytes at --download-floor-rate")
+    v.add_argument("--download-floor-rate", type=float, default=d.download_floor_bytes_per_s, metavar="BYTES_PER_S",
+                   help="the slowest download the deadline allows for (generous: 1 MiB/s)")
+    t = p.add_argument_group("trust")
+    t.add_argument("--proof-grace-s", type=float, default=d.proof_grace_s,
                    help="a serving slice no coordinator saw proof of (hold challenge, verified answers) "
                         "stops counting after this long; 0 = no proof needed")
-    p.add_argument("--quarantine-s", type=float, default=d.quarantine_s,
+    t.add_argument("--quarantine-s", type=float, default=d.quarantine_s,
                    help="how long a volunteer a coordinator caught answering wrongly is refused")
-    p.add_argument("--download-grace-s", type=float, default=d.download_grace_s,
-                   help="a slice reported loading counts only until this grace plus its bytes at --download-floor-rate")
-    p.add_argument("--download-floor-rate", type=float, default=d.download_floor_bytes_per_s, metavar="BYTES_PER_S",
-                   help="the slowest download the deadline allows for (generous: 1 MiB/s)")
-    p.add_argument("--max-identities-per-address", type=int, default=d.max_identities_per_address,
-                   help="live volunteer identities one IP address (an IPv6 /64) may speak for")
-    p.add_argument("--identity-idle-s", type=float, default=d.identity_idle_s,
-                   help="an identity that never held anything is forgotten after this long without a word")
-    p.add_argument("--host-down-s", type=float, default=d.host_down_s,
-                   help="a coordinator whose /slots polls all failed this long stops counting as hosting")
-    p.add_argument("--coordinator-gc-s", type=float, default=d.coordinator_gc_s,
-                   help="... and is deregistered after this long")
-    p.add_argument("--model-gc-s", type=float, default=d.model_gc_s,
-                   help="a model no registered coordinator lists is dropped after this long")
-    p.add_argument("--max-models", type=int, default=d.max_models, help="registered models in all")
-    p.add_argument("--seed", type=int, default=None, help="RNG seed (reproducible tie-breaks and lease ids)")
     p.set_defaults(func=run)
     return p
 
 
-def config_from_args(ns: argparse.Namespace) -> MarketConfig:
+def config_from_args(ns: argparse.Namespace) -> Any:
+    from market.server import MarketConfig
+    from swarm.config import build_config
+
     db = ns.db if ns.db is not None else os.path.join(data_dir_for("market", ns.data_dir), "market.db")
     if db != ":memory:":
         db = os.path.expanduser(db)
@@ -134,6 +152,17 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from market.server import MEMORY_DB, serve_market
+    from swarm.lockfile import hold
+    from swarm.preflight import check_port_free
+    from swarm.service import run_announced
+
     cfg = config_from_args(ns)
-    run_announced(serve_market, cfg, lambda url: f"market ready at {url} (db {cfg.db})")
+    with contextlib.ExitStack() as stack:
+        if cfg.db != MEMORY_DB:  # one market per database file: a second would interleave its writes
+            stack.enter_context(hold(Path(cfg.db + ".lock"), flag="--db", shown=cfg.db, what="market"))
+        check_port_free(cfg.host, cfg.port, "--port")
+        run_announced(serve_market, cfg, lambda url: f"market ready at {url} (db {cfg.db})")
     return 0

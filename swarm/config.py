@@ -44,8 +44,10 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
-HttpUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s/]+(/[^\s]*)?$", max_length=2048)]
-Multiaddr = Annotated[str, msgspec.Meta(pattern=r"^/[^\s]+$", max_length=1024)]
+_URL_PATTERN: Final = r"^https?://[^\s/]+(/[^\s]*)?$"
+_MULTIADDR_PATTERN: Final = r"^/[^\s]+$"
+HttpUrl = Annotated[str, msgspec.Meta(pattern=_URL_PATTERN, max_length=2048)]
+Multiaddr = Annotated[str, msgspec.Meta(pattern=_MULTIADDR_PATTERN, max_length=1024)]
 
 _PATH = re.compile(r"^\$\.?")
 
@@ -65,8 +67,32 @@ def build_config(cls: type[T], values: Mapping[str, Any], *, flags: Mapping[str,
         fields = [f for f in re.split(r"[.\[\]]", _PATH.sub("", where)) if f and not f.isdigit()]
         name = fields[-1] if fields else ""
         flag = (flags or {}).get(name, "--" + name.replace("_", "-")) if name else ""
-        message = field if field else text
+        message = _plain(field, _value_at(values, where)) if field else text
         raise ConfigError(f"{flag}: {message}" if flag else f"bad configuration: {message}") from exc
+
+
+def _value_at(values: Mapping[str, Any], where: str) -> Any:
+    """The value at msgspec's error path (``$.origins[0]``) in ``values``, or None."""
+    node: Any = values
+    for key in re.findall(r"\.([^.\[]+)|\[(\d+)\]", where):
+        try:
+            node = node[key[0]] if key[0] else node[int(key[1])]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+    return node
+
+
+def _plain(message: str, value: Any) -> str:
+    """msgspec's message, said in words where it quotes one of our patterns."""
+    if not isinstance(value, str) or "matching regex" not in message:
+        return message
+    if repr(_URL_PATTERN) in message:
+        if "://" not in value:
+            return f"{value!r} has no scheme: write http://{value} (or https://)"
+        return f"{value!r} is not an http(s) URL such as http://127.0.0.1:8090"
+    if repr(_MULTIADDR_PATTERN) in message:
+        return f"{value!r} is not a multiaddr such as /ip4/0.0.0.0/tcp/4001"
+    return message
 
 
 def env_token(given: str | None) -> str | None:
@@ -109,14 +135,13 @@ def physical_cores(cpuinfo: str = "/proc/cpuinfo") -> int:
 
 
 def parse_size(text: str) -> int:
-    """``512M``, ``2G``, ``1.5GiB``, ``1000000`` -> bytes; ``ValueError`` with a clear message otherwise."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMGT" else t
+    """``512M``, ``2G``, ``1.5GiB``, ``4096B`` -> bytes; ``ValueError`` with a clear message otherwise (a
+    bare number has no unit and is refused: ``swarm.flags.size_flag``)."""
+    import argparse
+
+    from swarm.flags import size_flag
+
     try:
-        value = float(num)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
-    if not value > 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return int(value * mult)
+        return size_flag(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(str(exc)) from None

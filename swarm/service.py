@@ -3,12 +3,12 @@
 Rules:
 - Every long-running command is a trio service run under a signal-aware cancel scope: SIGINT or
   SIGTERM triggers a graceful shutdown (drain, deregister) instead of a traceback.
-- Roles' ``cli`` modules use these helpers; only ``swarm.cli`` knows every role.
+- Roles' ``cli`` modules use these helpers (in their ``run``: this module imports trio); only
+  ``swarm.cli`` knows every role. ``size_flag`` lives in ``swarm.flags`` (re-exported here).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from swarm.config import parse_size
+from swarm.flags import size_flag
 
 __all__ = ["run_announced", "run_service", "size_flag"]
 
@@ -51,11 +51,3 @@ def run_announced(serve: Callable[..., Awaitable[Any]], cfg: Any, announce: Call
             print(announce(started), flush=True)
 
     run_service(service)
-
-
-def size_flag(text: str) -> int:
-    """``parse_size`` for argparse: a bad size is a usage error naming the value."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -2,6 +2,14 @@
 
 Pull mode (``--market``) takes the scarcest slice the market offers; static mode
 (``--coordinator`` + ``--slice``) serves what it is told. The two exclude each other.
+
+Rules:
+- Importing this module imports nothing heavy (``--help``); ``run`` imports the daemon.
+- The daemon holds its data dir's lock (``swarm.lockfile``) for its life: a second daemon on the same
+  ``--data-dir`` would take the first one's identity, bump its epoch and release its slices; it exits
+  2 instead, naming the holder's PID. ``volunteer status`` only reads the data dir (no lock).
+- Before the daemon starts: its listen ports are free and the market (or the coordinator) answers
+  (``swarm.preflight``), each failure one line naming the flag.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from typing import Any
 
 from swarm.config import build_config, data_dir_for
 from swarm.errors import ConfigError
-from swarm.service import run_service, size_flag
+from swarm.flags import size_flag
 
 __all__ = ["add_parser", "pull_config_from_args", "static_config_from_args"]
 
@@ -23,50 +31,65 @@ _FLAGS = {"max_memory": "--max-memory", "max_slices": "--max-slices", "share_rat
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v: argparse.ArgumentParser = subparsers.add_parser(
-        "volunteer", help="serve expert slices: pulled from a market, or given statically")
+        "volunteer",
+        usage="%(prog)s --market URL [--max-memory SIZE] [--data-dir DIR] [options]\n"
+              "       %(prog)s --coordinator URL --slice LAYER:LO-HI [--slice ...] [options]\n"
+              "       %(prog)s status [--json] [--data-dir DIR]",
+        help="serve expert slices: pulled from a market, or given statically",
+        description="Lend this computer to a swarm: hold slices of a model's experts and compute them for "
+                    "coordinators. Pull mode (--market) takes what the market needs most; static mode "
+                    "(--coordinator and --slice) serves what it is told. 'moe-swarm volunteer status' shows "
+                    "the running volunteer of --data-dir.")
     v.add_argument("action", nargs="?", choices=["status"], default=None,
                    help="status: print the running volunteer's status (of --data-dir) once, and exit")
     v.add_argument("--json", action="store_true", help="status: as JSON")
-    v.add_argument("--market", default=None, help="pull mode: take the scarcest slice the market offers")
-    v.add_argument("--max-memory", type=size_flag, default=None,
-                   help="pull mode: this process's peak memory (RSS), e.g. 5G; the slices get what its baseline "
-                        "leaves (default 2G, or only --max-experts when that is given)")
-    v.add_argument("--max-slices", type=int, default=64, help="pull mode: hold at most this many slices (default 64)")
-    v.add_argument("--no-share", action="store_true",
-                   help="pull mode: do not serve held slices to other volunteers (they download elsewhere)")
-    v.add_argument("--share-rate", type=size_flag, default=16 << 20,
-                   help="pull mode: upload cap for sharing slices, bytes per second (default 16M)")
-    v.add_argument("--max-experts", type=int, default=None, help="pull mode: budget in experts")
-    v.add_argument("--display-name", default="", help="pull mode: a name for the market's dashboard (at most 64 characters)")
-    v.add_argument("--models", action="append", default=None, help="pull mode: only these model ids (repeatable)")
-    v.add_argument("--poll-interval", type=float, default=2.0, help="pull mode: seconds between market polls")
-    v.add_argument("--coordinator", default=None, help="static mode: coordinator URL (slices are downloaded from it)")
-    v.add_argument("--slice", action="append", dest="slices", default=None, metavar="LAYER:LO-HI",
-                   help="static mode: experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
-    v.add_argument("--listen", action="append", default=None, help="libp2p listen multiaddr (repeatable)")
-    v.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
-                   help="pull mode: the address coordinators should dial instead of the listen addresses "
-                        "(a port forward or a proxy in front of this machine; repeatable)")
-    v.add_argument("--data-dir", default=None,
-                   help="identity key, restart epoch and slice cache (default ~/.local/share/moe-swarm/volunteer)")
-    v.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
-    v.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="compute threads of one computation (ggml's, as llama.cpp's -t)")
-    v.add_argument("--no-progress", action="store_true", help="no download progress bar")
-    v.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
+    g = v.add_argument_group("this volunteer")
+    g.add_argument("--data-dir", default=None,
+                   help="identity key, restart epoch and slice cache, one volunteer each "
+                        "(default ~/.local/share/moe-swarm/volunteer)")
+    g.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1),
+                   help="compute threads of one computation (ggml's, as llama.cpp's -t)")
+    g.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
                    help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
-    v.add_argument("--relay", action="append", dest="relays", default=None, metavar="MULTIADDR",
+    g.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    p = v.add_argument_group("pull mode (--market)")
+    p.add_argument("--market", default=None, metavar="URL",
+                   help="take the scarcest slice this market offers, e.g. http://127.0.0.1:8090")
+    p.add_argument("--max-memory", type=size_flag, default=None, metavar="SIZE",
+                   help="this process's peak memory (RSS), e.g. 5G; the slices get what its baseline leaves "
+                        "(default 2G, or only --max-experts when that is given)")
+    p.add_argument("--max-experts", type=int, default=None, help="budget in experts")
+    p.add_argument("--max-slices", type=int, default=64, help="hold at most this many slices")
+    p.add_argument("--display-name", default="", help="a name for the market's dashboard (at most 64 characters)")
+    p.add_argument("--models", action="append", default=None, help="only these model ids (repeatable)")
+    p.add_argument("--no-share", action="store_true",
+                   help="do not serve held slices to other volunteers (they download elsewhere)")
+    p.add_argument("--share-rate", type=size_flag, default="16M", metavar="SIZE",
+                   help="upload cap for sharing slices, bytes per second")
+    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between market polls")
+    p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                   help="the address coordinators should dial instead of the listen addresses "
+                        "(a port forward or a proxy in front of this machine; repeatable)")
+    t = v.add_argument_group("static mode (--coordinator and --slice)")
+    t.add_argument("--coordinator", default=None, metavar="URL", help="coordinator URL (slices are downloaded from it)")
+    t.add_argument("--slice", action="append", dest="slices", default=None, metavar="LAYER:LO-HI",
+                   help="experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
+    t.add_argument("--model-id", default=None, help="model to serve when the coordinator hosts several")
+    t.add_argument("--allow-peer", action="append", dest="allow_peers", default=None, metavar="PEER_ID",
+                   help="also answer expert calls from this libp2p peer (repeatable; the --coordinator's own id, "
+                        "from its /health, is always allowed)")
+    n = v.add_argument_group("network")
+    n.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
+                   help="libp2p listen multiaddr (repeatable; default /ip4/127.0.0.1/tcp/0)")
+    n.add_argument("--relay", action="append", dest="relays", default=None, metavar="MULTIADDR",
                    help="a relay to reserve on when not reachable directly, e.g. "
                         "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW... (repeatable; pull mode default: the market's)")
-    v.add_argument("--no-direct", action="store_true",
-                   help="do not listen; reachable only through relays")
-    v.add_argument("--no-hole-punch", action="store_true",
+    n.add_argument("--no-direct", action="store_true", help="do not listen; reachable only through relays")
+    n.add_argument("--no-hole-punch", action="store_true",
                    help="do not answer DCUtR: coordinators keep reaching this volunteer through the relay")
-    v.add_argument("--no-lanes", action="store_true",
+    n.add_argument("--no-lanes", action="store_true",
                    help="decline coordinators' data lanes (direct TCP connections this volunteer dials to a "
                         "coordinator it serves): every expert call then comes on the libp2p stream")
-    v.add_argument("--allow-peer", action="append", dest="allow_peers", default=None, metavar="PEER_ID",
-                   help="static mode: also answer expert calls from this libp2p peer (repeatable; the "
-                        "--coordinator's own id, from its /health, is always allowed)")
     v.set_defaults(func=run)
     return v
 
@@ -138,9 +161,25 @@ def print_status(ns: argparse.Namespace) -> int:
 def run(ns: argparse.Namespace) -> int:
     if ns.action == "status":
         return print_status(ns)
+    cfg = pull_config_from_args(ns) if ns.market else static_config_from_args(ns)
+    from swarm import preflight
+    from swarm.lockfile import LOCK_NAME, hold
+
+    with hold(Path(cfg.data_dir) / LOCK_NAME, flag="--data-dir", shown=cfg.data_dir, what="volunteer"):
+        preflight.check_listen_addrs(cfg.listen, "--listen")
+        if ns.market:
+            preflight.check_market(cfg.market)
+        else:
+            preflight.check_reachable(cfg.coordinator, "--coordinator", "coordinator")
+        _serve(ns, cfg)
+    return 0
+
+
+def _serve(ns: argparse.Namespace, cfg: Any) -> None:
     import torch
 
     from swarm.model.kernels import KernelBackend, configure_threads
+    from swarm.service import run_service
 
     # --threads are the ggml threads of one computation (as llama.cpp's -t): the volunteer computes one
     # call at a time with all of them (the expert server's one lane); torch keeps one intra-op thread
@@ -149,9 +188,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.market:
         from volunteer.daemon import serve_pull_volunteer
 
-        run_service(serve_pull_volunteer, pull_config_from_args(ns))
+        run_service(serve_pull_volunteer, cfg)
     else:
         from volunteer.static import serve_static_volunteer
 
-        run_service(serve_static_volunteer, static_config_from_args(ns))
-    return 0
+        run_service(serve_static_volunteer, cfg)

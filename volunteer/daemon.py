@@ -59,6 +59,7 @@ from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_b
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
 from swarm.p2p.transport import Transport
 from swarm.protocol.expert import SUPPORTED_VERSIONS
+from swarm.protocol.http import error_code
 from swarm.protocol.manifest import ModelManifest
 from swarm.protocol.market import (
     Assignment,
@@ -246,10 +247,15 @@ class PullVolunteer:
             r.raise_for_status()
             ans = _answer_decoder.decode(r.content)
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            why = _poll_problem(exc)
+            if self.market_ok:  # once per outage: the status line says it meanwhile
+                log.warning("market poll failed (%s); retrying, still serving what we hold", why)
             self.market_ok = False
-            self.status = f"market unreachable or confused ({type(exc).__name__}); retrying"
+            self.status = f"market unreachable or confused ({why}); retrying"
             self.apply(self.core.poll_failed(trio.current_time()))
             return
+        if not self.market_ok:
+            log.info("the market answers polls again")
         self.market_ok = True
         now = trio.current_time()
         match ans:
@@ -576,6 +582,15 @@ async def serve_pull_volunteer(
 
 
 _credit_decoder = msgspec.json.Decoder(VolunteerCredit)
+
+
+def _poll_problem(exc: Exception) -> str:
+    """A failed poll, said for people: what the market answered (its status and error code), or why
+    there was no answer."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        r = exc.response
+        return f"HTTP {r.status_code} {error_code(r.content) or ''}".rstrip()
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _live_view() -> Any:

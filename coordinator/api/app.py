@@ -174,7 +174,9 @@ def build_app(
     async def health(_: Request) -> Response:
         busy = rt.busy()
         peer_id, market, holes = extra_health() if extra_health is not None else (None, None, 0)
-        return _json(Health(model=model_id, slots_idle=rt.n_slots - busy, slots_processing=busy,
+        reason = market.problem if market is not None else ""
+        return _json(Health(status="degraded" if reason else "ok", reason=reason, model=model_id,
+                            slots_idle=rt.n_slots - busy, slots_processing=busy,
                             peer_id=peer_id, market=market, coverage_holes=holes))
 
     async def slots(_: Request) -> Response:

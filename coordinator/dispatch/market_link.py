@@ -15,6 +15,10 @@ Rules:
   also lists each worker's slices that passed our hold challenge (sent at once when one passes: the
   market counts a slice as a replica only once proved) and the rows routed to each range since the
   last report (load-weighted targets).
+- Outages: every exchange's outcome goes to ``coordinator.core.market_outage``, which says when the
+  market is lost, refused us (with what it answered: ``refused the operator token (HTTP 401
+  unauthorized)``) or is back -- once per outage, never the raw body -- and why ``/health`` says
+  ``degraded`` meanwhile (``status().problem``).
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ import msgspec
 import trio
 
 from coordinator.core.dispatch import Quarantine
+from coordinator.core.market_outage import MarketOutage, Problem, ProblemKind
 from coordinator.dispatch.dispatcher import Dispatcher
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
+from swarm.preflight import token_refusal
 from swarm.protocol.coordinator import MarketLinkStatus
+from swarm.protocol.http import error_code, error_message
 from swarm.protocol.manifest import ModelManifest
 from swarm.protocol.market import (
     CoordinatorReport,
@@ -84,6 +91,7 @@ class MarketLink:
         self._routed: dict[tuple[int, int, int], int] = {}  # (layer, lo, hi) -> routed rows already reported
         self._report_now = trio.Event()
         self.reports_sent = 0
+        self.outage = MarketOutage(self.base)
         dispatcher.on_quarantine.append(self._quarantined)
         dispatcher.on_hold_proven.append(lambda _: self._report_now.set())  # the market counts it once told
 
@@ -126,7 +134,34 @@ class MarketLink:
             registered=self.registered,
             last_map_ok_s_ago=None if self.last_ok is None else round(time.monotonic() - self.last_ok, 1),
             last_error=self.last_error,
+            problem=self.outage.reason or "",
         )
+
+    def _failed(self, channel: str, problem: Problem) -> None:
+        self.last_error = f"{channel}: {problem.text}"
+        line = self.outage.failed(channel, problem, trio.current_time())
+        if line is not None:
+            log.warning("%s", line)
+
+    def _ok(self, channel: str) -> None:
+        line = self.outage.ok(channel, trio.current_time())
+        if line is not None:
+            log.info("%s", line)
+
+    def _unreachable(self, exc: httpx.HTTPError) -> Problem:
+        return Problem(ProblemKind.UNREACHABLE, f"unreachable ({type(exc).__name__}: {exc})" if str(exc)
+                       else f"unreachable ({type(exc).__name__})")
+
+    def _answered(self, r: httpx.Response) -> Problem:
+        """The problem with an answer that is not a success, said for people (never its raw body)."""
+        if r.status_code in (401, 403):
+            return Problem(ProblemKind.REFUSED, token_refusal(r.status_code, r.content, token_given=bool(self.token)),
+                           hint="give the coordinator the market's operator token (--token or MOE_SWARM_TOKEN)")
+        code = error_code(r.content)
+        said = f"HTTP {r.status_code} {code}: {error_message(r.content)[:200]}" if code else f"HTTP {r.status_code}"
+        if 400 <= r.status_code < 500:
+            return Problem(ProblemKind.REFUSED, f"refused our request ({said})")
+        return Problem(ProblemKind.ERROR, f"answered {said}")
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -150,6 +185,7 @@ class MarketLink:
             try:
                 r = await client.post(f"{self.base}/api/models", content=body, headers={"content-type": "application/json"})
                 if r.status_code // 100 == 2:
+                    self._ok("register")
                     if not self.registered:
                         log.info("registered %s with the market at %s", self.manifest.model_id, self.base)
                     self.registered = True
@@ -158,11 +194,9 @@ class MarketLink:
                     with trio.move_on_after(self.reregister_s):
                         await self._reregister.wait()  # early when the market forgot us
                     continue
-                self.last_error = f"register: HTTP {r.status_code}: {r.text[:200]}"
-                if r.status_code in (400, 401, 403):
-                    log.error("the market refused our registration: %s", self.last_error)
+                self._failed("register", self._answered(r))
             except httpx.HTTPError as exc:
-                self.last_error = f"register: {type(exc).__name__}: {exc}"
+                self._failed("register", self._unreachable(exc))
             self.registered = False
             await trio.sleep(backoff)
             backoff = min(10.0, backoff * 2)
@@ -179,11 +213,12 @@ class MarketLink:
                 r = await client.post(f"{self.base}/api/coordinator-report", content=msgspec.json.encode(body),
                                       headers={"content-type": "application/json"})
             except httpx.HTTPError as exc:
-                self.last_error = f"report: {type(exc).__name__}: {exc}"
+                self._failed("report", self._unreachable(exc))
                 continue
             if r.status_code // 100 != 2:
-                self.last_error = f"report: HTTP {r.status_code}: {r.text[:200]}"
+                self._failed("report", self._answered(r))
                 continue
+            self._ok("report")
             self.reports_sent += 1
             listed = {w.peer_id for w in body.workers}
             for w in body.workers:  # the deltas sent are accounted for
@@ -204,6 +239,8 @@ class MarketLink:
         while True:
             try:
                 r = await client.get(url, params=params)
+                if r.status_code in (200, 404):
+                    self._ok("dispatch map")  # 404: it answers (and took our token) but lost the model
                 if r.status_code == 200:
                     m = decode_dispatch_map(r.content)
                     cur = self.dispatcher.map
@@ -216,9 +253,9 @@ class MarketLink:
                     self.last_error = "dispatch map: the market does not know this model; registering"
                     self._reregister.set()
                 else:
-                    self.last_error = f"dispatch map: HTTP {r.status_code}"
+                    self._failed("dispatch map", self._answered(r))
             except httpx.HTTPError as exc:
-                self.last_error = f"dispatch map: {type(exc).__name__}: {exc}"
+                self._failed("dispatch map", self._unreachable(exc))
             except SwarmError as exc:  # a map the dispatcher cannot use: keep the last good one
                 self.last_error = f"dispatch map: {type(exc).__name__}: {exc}"
                 self.dispatcher.reject_map(f"ignoring the market's dispatch map: {exc}")

@@ -48,13 +48,14 @@ class MarketLinkStatus(msgspec.Struct, frozen=True, kw_only=True):
     registered: bool
     last_map_ok_s_ago: float | None
     last_error: str
+    problem: str = ""  # while the market is unreachable or refuses us: why ("" when it answers)
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):
     """``GET /health``: ``peer_id`` is the coordinator's libp2p id (what volunteers allow with
     ``--allow-peer``); ``market`` is set when it follows a market."""
 
-    status: str = "ok"
+    status: str = "ok"  # "degraded" while something it needs fails (the market: unreachable, refusing)
     model: str
     slots_idle: int
     slots_processing: int
@@ -62,6 +63,7 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
     market: MarketLinkStatus | None = None
     # ranges of experts not held here that no live volunteer serves now (requests routed there wait or fail)
     coverage_holes: int = 0
+    reason: str = ""  # why the status is not "ok"
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["ErrorBody", "ErrorDetail", "encode_error", "error_message"]
+__all__ = ["ErrorBody", "ErrorDetail", "encode_error", "error_code", "error_message"]
 
 
 class ErrorDetail(msgspec.Struct):
@@ -38,3 +38,11 @@ def error_message(body: bytes) -> str:
         return _decoder.decode(body).error.message
     except msgspec.DecodeError:
         return body[:200].decode("utf-8", "replace")
+
+
+def error_code(body: bytes) -> str | None:
+    """The ``code`` of an error body, or None when it is not one."""
+    try:
+        return _decoder.decode(body).error.code
+    except msgspec.DecodeError:
+        return None

@@ -2,8 +2,11 @@
 
 Models are for the demo, tests and benchmarks; nothing is ever downloaded. The layout follows
 llama.cpp's conventions (and ``tests/fixtures/golden/qwen3moe-tiny-f32.gguf``), so llama.cpp loads
-them: ``qwen3moe`` (per-head q/k RMSNorm, NEOX RoPE) or Mixtral-style ``llama`` with merged 3-D
-expert tensors ``blk.N.ffn_{gate,up,down}_exps`` (adjacent-pair RoPE, no q/k norm).
+them, in six architectures (``ARCHITECTURES``): ``qwen3moe`` (per-head q/k RMSNorm, NEOX RoPE),
+Mixtral-style ``llama`` (adjacent-pair RoPE, no q/k norm), ``qwen2moe`` (a gated shared expert),
+``olmoe``, ``deepseek2`` (MLA, shared experts) and ``gpt-oss`` (attention sinks, a
+biased router), all with merged 3-D expert tensors ``blk.N.ffn_{gate,up,down}_exps``. The command
+line is ``swarm.tools.cli`` (light: it imports this module only to run).
 
 Rules:
 - The file is a pure function of ``(arch, size, seed, qtype)``: the same arguments give the same
@@ -51,8 +54,6 @@ import argparse
 import hashlib
 import math
 import os
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal, get_args
@@ -62,8 +63,9 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType as T
 
-from swarm.errors import ConfigError, SwarmError
+from swarm.errors import ConfigError
 from swarm.model import quant
+from swarm.model.gguf_check import check_gguf_file
 from swarm.tools.bpe import BpeVocab, build_vocab
 
 __all__ = [
@@ -74,10 +76,8 @@ __all__ = [
     "BpeVocab",
     "SizeName",
     "SizeSpec",
-    "add_make_model_parser",
     "build_vocab",
     "count_parameters",
-    "main_make_model",
     "make_model",
     "run_make_model",
 ]
@@ -551,48 +551,12 @@ def make_model(
 
 
 # ---------------------------------------------------------------------------------------------
-# command line
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen3moe", help="model architecture")
-    parser.add_argument("--size", choices=tuple(SIZES), default="tiny", help="model size (see the module docs)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
-    parser.add_argument("--vocab", choices=VOCABS, default="bpe",
-                        help="tokenizer: byte-level BPE with ChatML, or SentencePiece with byte fallback (Mixtral's)")
-    parser.add_argument("--out", type=Path, required=True, help="output GGUF path")
-    parser.add_argument(
-        "--qtype",
-        type=str.upper,
-        choices=QTYPE_NAMES,
-        default=None,
-        help="storage type of the expert tensors (default: F32 for tiny/small, Q8_0 for bench)",
-    )
-    parser.add_argument("--router-skew", type=float, default=0.0, metavar="S",
-                        help="make low-index experts hot: router rows scaled by (1+S)^(1-2e/(n-1)) (default 0: uniform)")
-    parser.add_argument("--draft-of", type=Path, default=None, metavar="TARGET",
-                        help="write a draft model for speculative decoding of TARGET (a make-model file): the same "
-                             "weights -- embedding, head, attention, router -- with its experts stored in --qtype "
-                             "(default Q4_0), a smaller file with the same vocabulary")
-
-
-def add_make_model_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Register ``make-model`` on a CLI's subparsers; the parsed namespace's ``func`` is
-    ``run_make_model``."""
-    parser = subparsers.add_parser(
-        "make-model",
-        help="write a deterministic random-weight MoE GGUF",
-        description="Write a deterministic random-weight MoE GGUF (qwen3moe or Mixtral-style llama).",
-    )
-    _add_arguments(parser)
-    parser.set_defaults(func=run_make_model)
-    return parser
+# command line (the parser: swarm.tools.cli)
 
 
 def draft_spec(target: Path) -> tuple[str, str, int, str, float]:
     """(arch, size, seed, vocab, router skew) of a make-model file (``--draft-of``), from its metadata."""
+    check_gguf_file(target, "--draft-of")  # missing, not GGUF, cut short: one line each
     try:
         reader = gguf.GGUFReader(target)
     except (OSError, ValueError) as exc:
@@ -630,15 +594,3 @@ def run_make_model(args: argparse.Namespace) -> int:
         f"params={count_parameters(args.arch, args.size)} bytes={path.stat().st_size}"
     )
     return 0
-
-
-def main_make_model(argv: Sequence[str] | None = None) -> int:
-    """``moe-swarm make-model`` as a standalone program; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="moe-swarm make-model", description="Write a random-weight MoE GGUF.")
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_make_model(args)
-    except SwarmError as exc:
-        print(f"moe-swarm make-model: error: {exc.message}", file=sys.stderr)
-        return 2

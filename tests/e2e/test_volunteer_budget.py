@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from swarm.errors import ConfigError
 from tests.conftest import eventually
@@ -41,9 +42,11 @@ def test_the_memory_plan_leaves_the_slices_what_baseline_and_requests_do_not_tak
     assert rss_bytes() > 10 * mib and rss_bytes("VmHWM") >= rss_bytes()
 
 
-def test_a_max_memory_below_the_baseline_is_refused_at_start(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "swarm.cli", "volunteer", "--market", "http://127.0.0.1:9", "--max-memory",
-                        "64M", "--data-dir", str(tmp_path / "v"), "--no-progress"], capture_output=True, text=True, timeout=120)
+async def test_a_max_memory_below_the_baseline_is_refused_at_start(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
+    murl = await start_market(procs, tmp_path)  # the volunteer checks its market answers before anything else
+    args = [sys.executable, "-m", "swarm.cli", "volunteer", "--market", murl, "--max-memory", "64M",
+            "--data-dir", str(tmp_path / "v"), "--no-progress"]
+    r = await trio.to_thread.run_sync(lambda: subprocess.run(args, capture_output=True, text=True, timeout=120))
     assert r.returncode == 2, r.stderr[-2000:]
     assert "leaves nothing for slices" in r.stderr and "give at least" in r.stderr and "Traceback" not in r.stderr
 

@@ -70,6 +70,11 @@ async def test_volunteer_status_reads_the_running_daemon(procs: list[Proc], tmp_
 
     st = await eventually(serving, within=60, interval=0.5)
     async with httpx.AsyncClient(timeout=60) as h:
+
+        async def proven() -> bool:  # a slice serves only once it passed the coordinator's hold challenge
+            return bool((await h.get(f"{curl}/dispatch")).json()["hold_passes"] >= 1)
+
+        await eventually(proven, within=60, interval=0.2)
         model_id = (await h.get(f"{curl}/v1/models")).json()["data"][0]["id"]
         await h.post(f"{curl}/v1/completions", json={"model": model_id, "prompt": "hello", "max_tokens": 8, "temperature": 0})
 

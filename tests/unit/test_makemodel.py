@@ -256,23 +256,38 @@ def test_bench_and_small_shapes_without_writing() -> None:
 
 
 def test_cli(tmp_path: Path, tiny_paths: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from swarm.tools import cli
+
     out = tmp_path / "cli.gguf"
-    assert makemodel.main_make_model(["--arch", "mixtral", "--size", "tiny", "--seed", "7", "--out", str(out)]) == 0
+    assert cli.main(["--arch", "mixtral", "--size", "tiny", "--seed", "7", "--out", str(out)]) == 0
     assert out.read_bytes() == tiny_paths["mixtral"].read_bytes()
     assert "params=625280" in capsys.readouterr().out
 
     # wired into a parent CLI
     parser = argparse.ArgumentParser(prog="moe-swarm")
-    makemodel.add_make_model_parser(parser.add_subparsers(dest="command"))
+    cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["make-model", "--size", "tiny", "--out", str(tmp_path / "sub.gguf"), "--qtype", "q4_0"])
-    assert args.func is makemodel.run_make_model and args.qtype == "Q4_0" and args.arch == "qwen3moe"
+    assert args.func is cli.run and args.qtype == "Q4_0" and args.arch == "qwen3moe"
     assert args.func(args) == 0
     assert {t.tensor_type for t in gguf.GGUFReader(tmp_path / "sub.gguf").tensors if "_exps" in t.name} == {T.Q4_0}
 
-    assert makemodel.main_make_model(["--size", "tiny", "--qtype", "Q4_K", "--out", str(tmp_path / "k.gguf")]) == 2
+    assert cli.main(["--size", "tiny", "--qtype", "Q4_K", "--out", str(tmp_path / "k.gguf")]) == 2
     assert "multiples of 256" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        makemodel.main_make_model(["--qtype", "Q2_K", "--out", str(tmp_path / "bad.gguf")])
+        cli.main(["--qtype", "Q2_K", "--out", str(tmp_path / "bad.gguf")])
+
+
+def test_the_command_lines_choices_are_the_generators() -> None:
+    """swarm.tools.cli writes its choices out (its parser imports neither numpy nor gguf): the same as
+    the generator's, and its help names every architecture."""
+    from swarm.tools import cli
+
+    assert cli.ARCHITECTURES == makemodel.ARCHITECTURES
+    assert cli.SIZE_NAMES == tuple(makemodel.SIZES)
+    assert cli.QTYPE_NAMES == makemodel.QTYPE_NAMES
+    assert cli.VOCABS == makemodel.VOCABS
+    assert all(arch in cli.DESCRIPTION for arch in makemodel.ARCHITECTURES)
+    assert all(size in cli.DESCRIPTION for size in makemodel.SIZES)
 
 
 @pytest.mark.parametrize(
