@@ -80,6 +80,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--draft-max", type=int, default=8, help="the most tokens one step drafts (default 8)")
     c.add_argument("--no-hold-proof", action="store_true",
                    help="give listed volunteers work without first checking they hold their slices (hold challenge)")
+    c.add_argument("--alias", action="append", default=None, metavar="NAME",
+                   help="another name requests may give as 'model' (repeatable; the model id and the GGUF file's "
+                        "base name always work)")
+    c.add_argument("--strict-model", action="store_true",
+                   help="refuse requests naming another model (default: any name means the one model hosted, "
+                        "as with llama-server)")
     c.set_defaults(func=run)
     return c
 
@@ -123,10 +129,12 @@ def config_from_args(ns: argparse.Namespace) -> CoordinatorConfig:
         "draft": ns.draft,
         "draft_model": ns.draft_model,
         "draft_max": ns.draft_max,
+        "aliases": tuple(ns.alias or ()),
+        "strict_model": ns.strict_model,
     }, flags={"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
               "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
               "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate", "hold_proof": "--no-hold-proof",
-              "missing_wait_s": "--missing-wait"})
+              "missing_wait_s": "--missing-wait", "aliases": "--alias"})
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -112,6 +112,11 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # plain HTTP(S) mirrors of the GGUF file (``--origin``, repeatable): volunteers read their slices from
     # them with Range requests at the manifest's tensor offsets, checked against its expert hashes
     origins: Annotated[tuple[HttpUrl, ...], msgspec.Meta(max_length=MAX_ORIGINS)] = ()
+    # other names a request's ``model`` may give (the id and the file's base name always work); with
+    # ``strict_model`` no other name is accepted (else any name means the one model hosted)
+    aliases: Annotated[tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...],
+                       msgspec.Meta(max_length=64)] = ()
+    strict_model: bool = False
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
@@ -202,8 +207,9 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
             app = build_app(
                 rt,
                 model_id=model.model_id,
-                aliases=[model.path.stem],
+                aliases=[model.path.stem, *cfg.aliases],
                 max_body=cfg.max_body,
+                strict_model=cfg.strict_model,
                 extra_routes=[*slice_routes({model.model_id: model}, caches, manifests={model.model_id: manifest}),
                               Route("/dispatch", dispatch_report, methods=["GET"])],
                 extra_collectors=[dispatcher.collector()],

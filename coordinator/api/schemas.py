@@ -64,7 +64,7 @@ class ChatMessage(msgspec.Struct):
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: str
+    model: str = ""  # any name is the hosted model unless the coordinator runs with --strict-model
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
