@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from coordinator.api.page import page_routes
 from coordinator.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -359,6 +360,7 @@ def build_app(
         Route("/health", health, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *page_routes(),  # the chat page at /
         *extra_routes,
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
