@@ -57,6 +57,7 @@ from swarm.model.sources import fetch_slice_from
 from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_body, sign_request
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
 from swarm.p2p.transport import Transport
+from swarm.progress import Transfers
 from swarm.protocol.expert import SUPPORTED_VERSIONS
 from swarm.protocol.manifest import ModelManifest
 from swarm.protocol.market import (
@@ -77,7 +78,8 @@ from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.core.memory import MemoryPlan
 from volunteer.server import ExpertServer, shielded_until_cancelled
-from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table, serve_status
+from volunteer.status import DownloadStatus, SliceStatus, VolunteerStatus, serve_status
+from volunteer.view import VolunteerView
 
 __all__ = ["PullVolunteerConfig", "measure_throughput", "serve_pull_volunteer"]
 
@@ -194,6 +196,7 @@ class PullVolunteer:
         self._assignments: dict[SliceKey, Assignment] = {}  # the market's word for each offer (its sources)
         self._manifests: dict[str, ModelManifest] = {}
         self.downloaded: dict[str, int] = {}  # slice bytes by source name, for the status
+        self.transfers = Transfers()  # the downloads running now (the views draw them)
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:
@@ -310,10 +313,10 @@ class PullVolunteer:
         if manifest is not None:
             check_activation(manifest.expert_activation)  # before a byte is downloaded
         if a is None or manifest is None or not manifest.can_verify_experts or manifest.problems():
-            return await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.cfg.progress)
+            return await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.transfers)
         sources = sources_from_assignment(a, client=self.client, transport=self.transport, self_peer_id=self.peer_id)
         res = await fetch_slice_from(sources, manifest, offer.layer, offer.lo, offer.hi, dest,
-                                     expected_sha256=offer.sha256, progress=self.cfg.progress)
+                                     expected_sha256=offer.sha256, progress=self.transfers)
         for name, n in res.bytes_from.items():
             self.downloaded[name] = self.downloaded.get(name, 0) + n
         if res.bytes_from or res.lied:
@@ -431,7 +434,9 @@ class PullVolunteer:
             credit_rac_flops_per_day=c.rac_flops_per_day if c is not None else None,
             verified=c.verified if c is not None else None, uptime_s=round(time.monotonic() - self.started_at, 1),
             downloaded=dict(self.downloaded),
-            shared_bytes=self.slice_server.bytes_sent if self.slice_server is not None else 0)
+            shared_bytes=self.slice_server.bytes_sent if self.slice_server is not None else 0,
+            display_name=self.cfg.display_name, held_bytes=self.core.held_bytes, slice_budget_bytes=self.max_bytes,
+            downloads=[DownloadStatus(v.name, v.done, v.total, round(v.rate, 1)) for v in self.transfers.running()])
 
     def _update_rate(self) -> None:
         now, calls = time.monotonic(), self.server.stats.calls
@@ -470,8 +475,9 @@ class PullVolunteer:
     async def run(self) -> None:
         self.apply(self.core.start(trio.current_time()))
         self.nursery.start_soon(self._credit_loop)
-        last_status = 0.0
-        live = _live_view() if self.cfg.progress and sys.stderr.isatty() else None
+        view = VolunteerView(self.transfers, live=self.cfg.progress and sys.stderr.isatty(),
+                             download_lines=self.cfg.progress, interval_s=self.cfg.status_interval_s,
+                             prefix=f"[volunteer {self.cfg.display_name or self.peer_id[-8:]}] ")
         try:
             while True:
                 await trio.sleep(0.2)
@@ -479,15 +485,9 @@ class PullVolunteer:
                 self.apply(self.core.tick(now))
                 self._watch_budget(now)
                 self._update_rate()
-                if live is not None:
-                    if self.core.phase is not Phase.FETCHING:  # the download draws its own progress bar then
-                        live.update(render_table(self.snapshot()), refresh=True)
-                elif now - last_status >= self.cfg.status_interval_s:
-                    last_status = now
-                    print(plain_line(self.snapshot()), file=sys.stderr, flush=True)
+                view.show(self.snapshot(), now)
         finally:
-            if live is not None:
-                live.stop()
+            view.close()
 
     async def shutdown(self) -> None:
         """Report draining, answer calls in flight, deregister. Effects are awaited here, in order."""
@@ -565,16 +565,6 @@ async def serve_pull_volunteer(
 
 
 _credit_decoder = msgspec.json.Decoder(VolunteerCredit)
-
-
-def _live_view() -> Any:
-    """A rich live display on stderr, redrawn by the run loop (not on its own timer)."""
-    from rich.console import Console
-    from rich.live import Live
-
-    live = Live(console=Console(stderr=True), auto_refresh=False, transient=False)
-    live.start()
-    return live
 
 
 async def _market_relays(client: httpx.AsyncClient, market: str) -> tuple[str, ...]:

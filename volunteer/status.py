@@ -3,8 +3,13 @@
 ``VolunteerStatus`` is what a running pull volunteer knows of itself: what it serves, how it is
 reached, what it computed, what the market credits it, and what it is waiting for. It is served
 as JSON on a Unix socket in the data dir (``status.sock``, mode 0600: its owner only) to
-``moe-swarm volunteer status``, and drawn every second on a terminal (rich) or logged as a plain
+``moe-swarm volunteer status``, and drawn on a terminal (rich, ``volunteer.view``) or logged as a plain
 line every ``status_interval_s`` when not on one.
+
+Rules of the renderers: the table is ``VIEW_WIDTH`` columns whatever it holds (a narrower terminal's
+width); every value is shown as text, never read as rich markup (a display name is the user's); labels
+say what a number is -- the slices held (their bytes, of the slice budget) apart from the request bytes
+in flight; running downloads appear as progress bars in the table, as words in the plain line.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
 
-__all__ = ["SliceStatus", "VolunteerStatus", "plain_line", "read_status", "render_table", "serve_status"]
+__all__ = ["DownloadStatus", "SliceStatus", "VolunteerStatus", "plain_line", "read_status", "render_table", "serve_status"]
 
 SOCKET_NAME = "status.sock"
 
@@ -26,6 +32,15 @@ class SliceStatus(msgspec.Struct, frozen=True):
     slice: str  # layer:lo-hi
     state: str  # serving | draining | loading
     last_serve_ms: int
+
+
+class DownloadStatus(msgspec.Struct, frozen=True):
+    """A download running now: ``done`` of ``total`` bytes (``total`` None while unknown)."""
+
+    name: str
+    done: int
+    total: int | None
+    bytes_per_s: float = 0.0
 
 
 class VolunteerStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,7 +58,7 @@ class VolunteerStatus(msgspec.Struct, frozen=True, kw_only=True):
     rows: int
     errors: int
     in_flight: int
-    payload_bytes: int  # request bytes held now (the byte budget in use)
+    payload_bytes: int  # request bytes in flight now (the request budget in use), not the slices
     latency_ms: float = 0.0  # a call's time here, arrival to answer (EWMA)
     bytes_in: int = 0
     bytes_out: int = 0
@@ -54,9 +69,15 @@ class VolunteerStatus(msgspec.Struct, frozen=True, kw_only=True):
     uptime_s: float = 0.0
     downloaded: dict[str, int] = {}  # slice bytes by source ("peer 12D3...", "origin URL", "coordinator URL")
     shared_bytes: int = 0  # slice bytes sent to other volunteers
+    display_name: str = ""  # --display-name: how the market's dashboard names it
+    held_bytes: int = 0  # the slices held (loaded or loading): their file sizes
+    slice_budget_bytes: int | None = None  # what the slices may take (None: a budget in experts only)
+    downloads: list[DownloadStatus] = []  # running now
 
 
 _decoder = msgspec.json.Decoder(VolunteerStatus)
+
+VIEW_WIDTH = 100  # the terminal view's width (narrower terminals: theirs), whatever it shows
 
 
 def _flops(x: float | None) -> str:
@@ -70,13 +91,40 @@ def _flops(x: float | None) -> str:
     return f"{x:.1f} {units[i]}FLOP"
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _name(s: VolunteerStatus) -> str:
+    return f"{s.display_name} ({s.peer_id[-8:]})" if s.display_name else s.peer_id[-8:]
+
+
+def held_text(s: VolunteerStatus) -> str:
+    """The slices held and what they take: ``2 slices, 24.0 MiB of 2048.0 MiB``."""
+    n = len(s.slices)
+    budget = f" of {_mib(s.slice_budget_bytes)}" if s.slice_budget_bytes is not None else ""
+    return f"{n} slice{'' if n == 1 else 's'}, {_mib(s.held_bytes)}{budget}"
+
+
+def downloading_text(s: VolunteerStatus) -> str:
+    """The running downloads in a few words: ``0:0-8.safetensors 42% of 12.0 MiB``."""
+    parts = []
+    for d in s.downloads:
+        if d.total:
+            parts.append(f"{d.name} {min(100.0, 100 * d.done / d.total):.0f}% of {_mib(d.total)}")
+        else:
+            parts.append(f"{d.name} {_mib(d.done)}")
+    return "; ".join(parts)
+
+
 def plain_line(s: VolunteerStatus) -> str:
-    """One log line (not on a terminal)."""
+    """One log line (not on a terminal): no ``\\r``, no control sequence."""
     sl = ",".join(f"{x.slice}:{x.state}" for x in s.slices) or "none"
     market = "" if s.market_reachable else " | market unreachable"
-    return (f"[volunteer {s.peer_id[-8:]}] {s.waiting_for} | slices {sl} | path {s.path} | calls {s.calls} "
+    dl = f" | downloading {downloading_text(s)}" if s.downloads else ""
+    return (f"[volunteer {_name(s)}] {s.waiting_for} | slices {sl} ({held_text(s)}) | path {s.path} | calls {s.calls} "
             f"({s.calls_per_s:.1f}/s, {s.latency_ms:.1f} ms) rows {s.rows} | verified {s.verified if s.verified is not None else '?'} | "
-            f"credit {_flops(s.credit_flops)}{market}")
+            f"credit {_flops(s.credit_flops)}{dl}{market}")
 
 
 def downloads_text(s: VolunteerStatus) -> str:
@@ -89,30 +137,41 @@ def downloads_text(s: VolunteerStatus) -> str:
     return f"{', '.join(parts) or 'nothing yet'}; shared {s.shared_bytes / 2**20:.1f} MiB"
 
 
-def render_table(s: VolunteerStatus) -> object:
-    """A one-screen rich renderable (``rich`` is imported here only: the status command and the TTY view)."""
+def render_table(s: VolunteerStatus, bars: Any = None) -> object:
+    """A one-screen rich renderable, ``VIEW_WIDTH`` columns whatever it holds (the terminal's width when
+    narrower); ``bars``: the running downloads' progress bars (``swarm.progress.TransferBars``) to show
+    inside it. Every value is plain text (a name or an address is never read as rich markup). ``rich``
+    is imported here only: the status command and the terminal view."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=f"moe-swarm volunteer {s.peer_id[-12:]}", show_header=False, expand=False)
-    t.add_column(style="bold")
-    t.add_column()
-    rows = [
-        ("waiting for", s.waiting_for if s.market_reachable else f"{s.waiting_for} (market unreachable)"),
+    t = Table(title=Text(f"moe-swarm volunteer {_name(s)}"), show_header=False, width=VIEW_WIDTH, expand=False)
+    t.add_column(style="bold", width=12, no_wrap=True)
+    t.add_column(overflow="fold", ratio=1)
+    slices = "\n".join(f"{x.model_id} {x.slice} ({x.state})" for x in s.slices) or "none"
+    rows: list[tuple[str, object]] = [
+        ("name", s.display_name or "(none: --display-name NAME names it on the market's dashboard)"),
+        ("doing", s.waiting_for if s.market_reachable else f"{s.waiting_for} (market unreachable)"),
         ("market", s.market),
-        ("slices", "\n".join(f"{x.model_id} {x.slice} ({x.state})" for x in s.slices) or "none"),
+        ("slices", f"{slices}\n{held_text(s)} held"),
         ("path", f"{s.path} ({s.reachability}); answers {len(s.coordinators)} coordinator(s)"),
         ("calls", f"{s.calls} ({s.calls_per_s:.1f}/s), {s.in_flight} in flight, {s.errors} errors"),
         ("latency", f"{s.latency_ms:.1f} ms a call here"),
         ("rows", str(s.rows)),
-        ("bytes", f"{s.bytes_in / 2**20:.1f} MiB in, {s.bytes_out / 2**20:.1f} MiB out, "
-                  f"{s.payload_bytes / 2**20:.1f} MiB held now"),
+        ("traffic", f"{_mib(s.bytes_in)} in, {_mib(s.bytes_out)} out; requests in flight: {_mib(s.payload_bytes)}"),
         ("downloads", downloads_text(s)),
         ("verified", "?" if s.verified is None else str(s.verified)),
         ("credit", f"{_flops(s.credit_flops)} total, {_flops(s.credit_rac_flops_per_day)} a day recently"),
         ("uptime", f"{s.uptime_s:.0f} s"),
     ]
+    if s.downloads:
+        now: object = Text(downloading_text(s))
+        if bars is not None and not getattr(bars, "empty", True):
+            now = Group(bars)
+        rows.insert(4, ("downloading", now))
     for k, v in rows:
-        t.add_row(k, v)
+        t.add_row(Text(k), Text(v) if isinstance(v, str) else v)  # type: ignore[arg-type]
     return t
 
 

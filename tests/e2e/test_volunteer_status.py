@@ -30,6 +30,8 @@ from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_ta
 
 pytestmark = pytest.mark.slow
 
+NAME = "desk [b]1"  # a display name that rich would read as markup if it were not shown as text
+
 
 def status_cmd(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "swarm.cli", "volunteer", "status", "--data-dir", str(data_dir), *extra],
@@ -56,8 +58,9 @@ async def test_volunteer_status_reads_the_running_daemon(procs: list[Proc], tmp_
     murl = await start_market(procs, tmp_path)
     curl = await start_coordinator_on(procs, tmp_path, murl, "--dispatch", "offload", *UNVERIFIED)
     vdir = tmp_path / "v"
-    vol = Proc(cli("volunteer", "--market", murl, "--max-experts", "16", "--data-dir", str(vdir), "--no-progress",
-                   "--poll-interval", "0.5"), tmp_path / "volunteer.log")
+    # progress on (the default), its output to a file: plain lines only (no \r, no escape sequence)
+    vol = Proc(cli("volunteer", "--market", murl, "--max-experts", "16", "--data-dir", str(vdir), "--poll-interval", "0.5",
+                   "--display-name", NAME), tmp_path / "volunteer.log")
     procs.append(vol)
     await wait_for_line(vol, "volunteer ready ")
     sock = vdir / "status.sock"
@@ -83,8 +86,21 @@ async def test_volunteer_status_reads_the_running_daemon(procs: list[Proc], tmp_
     assert st.latency_ms > 0 and st.bytes_in > 0 and st.bytes_out > 0
     text = status_cmd(vdir)
     assert text.returncode == 0
-    for want in (info["peer_id"][-12:], st.slices[0].slice, "serving", "direct", "credit"):
+    n = len(st.slices)
+    for want in (info["peer_id"][-8:], st.slices[0].slice, "serving", "direct", "credit", NAME, f"{n} slice"):
         assert want in text.stdout, (want, text.stdout)
+    assert st.display_name == NAME and st.held_bytes > 0 and st.downloads == []
+
+    async def logged_status() -> str | None:  # the plain status line, every 5 s
+        return next((line for line in vol.text().splitlines()
+                     if line.startswith(f"[volunteer {NAME} (") and "| slices none" not in line), None)
+
+    line = await eventually(logged_status, within=30, interval=0.5)
+    assert f" slice{'s' if n > 1 else ''}, {st.held_bytes / 2**20:.1f} MiB" in line and "serving" in line, line
+    log = vol.log.read_bytes()
+    assert b"\r" not in log and b"\x1b" not in log, log[-2000:]
+    file = st.slices[0].slice.replace(":", "-") + ".safetensors"
+    assert f"[volunteer {NAME}] downloaded {file}".encode() in log, log[-2000:]  # one line per download
 
 
 def test_the_renderers_show_what_a_volunteer_needs_to_know() -> None:
@@ -97,7 +113,7 @@ def test_the_renderers_show_what_a_volunteer_needs_to_know() -> None:
                          latency_ms=4.25, bytes_in=5 << 20, bytes_out=6 << 20,
                          coordinators=["12D3KooWc"], credit_flops=1.5e12, credit_rac_flops_per_day=2e11, verified=7,
                          downloaded={"peer 12D3KooWa": 3 << 20, "peer 12D3KooWb": 1 << 20, "origin https://o/m.gguf": 2 << 20},
-                         shared_bytes=5 << 19)
+                         shared_bytes=5 << 19, held_bytes=24 << 20)
     line = plain_line(st)
     for want in ("serving 0:0-8 of m", "0:0-8:serving", "path relayed", "calls 12 (2.5/s, 4.2 ms)", "verified 7",
                  "1.5 TFLOP", "market unreachable"):
@@ -105,7 +121,8 @@ def test_the_renderers_show_what_a_volunteer_needs_to_know() -> None:
     console = Console(record=True, width=120)
     console.print(render_table(st))
     out = console.export_text()
-    for want in ("ghijklmnop", "m 0:0-8 (serving)", "relayed (private)", "1 coordinator", "3.0 MiB held", "5.0 MiB in",
+    for want in ("lmnop", "m 0:0-8 (serving)", "relayed (private)", "1 coordinator", "1 slice, 24.0 MiB held",
+                 "requests in flight: 3.0 MiB", "5.0 MiB in",
                  "4.2 ms a call", "200.0 GFLOP a day", "2.0 MiB from origins, 4.0 MiB from peers; shared 2.5 MiB",
                  "market unreachable"):
         assert want in out, (want, out)
