@@ -15,7 +15,10 @@ __all__ = ["add_parser", "config_from_args"]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c: argparse.ArgumentParser = subparsers.add_parser(
         "coordinator", help="host a GGUF MoE model behind an OpenAI-compatible API")
-    c.add_argument("--model", required=True, help="path to a GGUF MoE model")
+    c.add_argument("--model", required=True,
+                   help="a GGUF MoE model: a path, hf:ORG/REPO/FILE.gguf, or ORG/REPO[:QUANT] (the file as llama.cpp's "
+                        "-hf picks it: QUANT such as Q4_K_M, default Q4_K_M then Q8_0), downloaded into the Hugging "
+                        "Face cache (HF_HOME, HF_ENDPOINT and HF_TOKEN apply) and checked against the hub's sha256")
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=8080)
     c.add_argument("--slots", type=int, default=4, help="parallel sequences batched per step")
