@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,19 @@ from swarm.service import run_service, size_flag
 __all__ = ["add_parser", "pull_config_from_args", "static_config_from_args"]
 
 _FLAGS = {"max_memory": "--max-memory", "max_slices": "--max-slices", "share_rate_bytes_per_s": "--share-rate", "poll_interval_s": "--poll-interval", "relays": "--relay",
-          "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice"}
+          "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice",
+          "cpu_limit_pct": "--cpu-limit", "only_when_idle_s": "--only-when-idle"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v: argparse.ArgumentParser = subparsers.add_parser(
         "volunteer", help="serve expert slices: pulled from a market, or given statically")
-    v.add_argument("action", nargs="?", choices=["status"], default=None,
-                   help="status: print the running volunteer's status (of --data-dir) once, and exit")
+    v.add_argument("action", nargs="?", choices=["status", "pause", "resume", "service"], default=None,
+                   help="status: print the running volunteer's status (of --data-dir) once, and exit; "
+                        "pause / resume: ask it to stop serving (it drains its calls and tells the market it is "
+                        "paused, kept across restarts) or to serve again; service install|uninstall|status: run it "
+                        "as a systemd user service with the other flags given here")
+    v.add_argument("what", nargs="?", choices=["install", "uninstall", "status"], default=None, help=argparse.SUPPRESS)
     v.add_argument("--json", action="store_true", help="status: as JSON")
     v.add_argument("--market", default=None, help="pull mode: take the scarcest slice the market offers")
     v.add_argument("--max-memory", type=size_flag, default=None,
@@ -40,6 +46,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v.add_argument("--display-name", default="", help="pull mode: a name for the market's dashboard (at most 64 characters)")
     v.add_argument("--models", action="append", default=None, help="pull mode: only these model ids (repeatable)")
     v.add_argument("--poll-interval", type=float, default=2.0, help="pull mode: seconds between market polls")
+    v.add_argument("--cpu-limit", type=float, default=None, metavar="PCT",
+                   help="pull mode: use at most PCT %% of this machine's CPU (fewer compute threads, and a rest after "
+                        "each computation when that is still more)")
+    v.add_argument("--only-when-idle", type=float, default=None, metavar="MIN",
+                   help="pull mode: serve only after MIN minutes without keyboard or mouse input or other programs "
+                        "using the CPU (read from /proc); paused otherwise")
+    v.add_argument("--schedule", default=None, metavar="HH:MM-HH:MM",
+                   help="pull mode: serve only in this daily window, local time (e.g. 22:00-07:00); paused outside it")
     v.add_argument("--coordinator", default=None, help="static mode: coordinator URL (slices are downloaded from it)")
     v.add_argument("--slice", action="append", dest="slices", default=None, metavar="LAYER:LO-HI",
                    help="static mode: experts LO..HI-1 of LAYER, e.g. 0:0-4 (repeatable)")
@@ -92,7 +106,25 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
         "display_name": ns.display_name,
         "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
         "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch, "kernel": ns.kernel,
+        "cpu_limit_pct": ns.cpu_limit, "only_when_idle_s": ns.only_when_idle * 60 if ns.only_when_idle is not None else None,
+        "schedule": _schedule(ns.schedule),
     }, flags=_FLAGS)
+
+
+def _schedule(text: str | None) -> str | None:
+    from volunteer.core.preferences import parse_schedule
+
+    if text is None:
+        return None
+    try:
+        return str(parse_schedule(text))
+    except ValueError as exc:
+        raise ConfigError(f"--schedule: {exc}", code="bad_schedule") from None
+
+
+def _desktop_flags(ns: argparse.Namespace) -> None:
+    if ns.cpu_limit is not None or ns.only_when_idle is not None or ns.schedule is not None:
+        raise ConfigError("--cpu-limit, --only-when-idle and --schedule are for pull mode (--market)")
 
 
 def static_config_from_args(ns: argparse.Namespace) -> Any:
@@ -100,6 +132,7 @@ def static_config_from_args(ns: argparse.Namespace) -> Any:
 
     if not ns.coordinator or not ns.slices:
         raise ConfigError("give --market URL (pull mode) or --coordinator URL with --slice LAYER:LO-HI (static mode)")
+    _desktop_flags(ns)
     cfg = build_config(StaticVolunteerConfig, {
         "coordinator": ns.coordinator, "slices": tuple(ns.slices), "listen": _listen(ns),
         "data_dir": data_dir_for("volunteer", ns.data_dir), "model_id": ns.model_id, "threads": ns.threads,
@@ -131,15 +164,47 @@ def print_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+def control(ns: argparse.Namespace) -> int:
+    """``moe-swarm volunteer pause|resume``: over the running volunteer's status socket."""
+    from volunteer.status import StatusError, plain_line, read_status
+
+    data_dir = Path(data_dir_for("volunteer", ns.data_dir))
+    try:
+        st = read_status(data_dir, command=ns.action)
+    except StatusError as exc:
+        raise ConfigError(f"the volunteer refused {ns.action!r}: {exc}", code="refused") from exc
+    except OSError as exc:
+        raise ConfigError(f"no volunteer answers on {data_dir / 'status.sock'} ({exc}); is one running with "
+                          f"--data-dir {data_dir}?", code="not_running") from exc
+    what = f"paused ({st.paused}): {st.pause_detail}" if st.paused else "serving (not paused)"
+    print(f"{ns.action}: the volunteer is {what}")
+    print(plain_line(st))
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
+    if ns.what is not None and ns.action != "service":
+        raise ConfigError(f"{ns.what!r} goes with 'service': moe-swarm volunteer service {ns.what}")
     if ns.action == "status":
         return print_status(ns)
+    if ns.action in ("pause", "resume"):
+        return control(ns)
+    if ns.action == "service":
+        from volunteer.service import service_command
+
+        return service_command(ns, sys.argv, lambda: pull_config_from_args(ns) if ns.market else static_config_from_args(ns))
     import torch
 
     from swarm.model.kernels import KernelBackend, configure_threads
+    from volunteer.core.preferences import cpu_plan
 
     # --threads are the ggml threads of one computation (as llama.cpp's -t): the volunteer computes one
-    # call at a time with all of them (the expert server's one lane); torch keeps one intra-op thread
+    # call at a time with all of them (the expert server's one lane); torch keeps one intra-op thread;
+    # --cpu-limit may lower them (volunteer.core.preferences.cpu_plan)
+    try:
+        ns.threads = cpu_plan(ns.cpu_limit, os.cpu_count() or 1, ns.threads).threads
+    except ValueError as exc:
+        raise ConfigError(str(exc), code="bad_cpu_limit") from None
     configure_threads(ns.threads, KernelBackend.GGML)
     torch.set_num_threads(1)
     if ns.market:

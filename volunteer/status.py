@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import trio
 
-__all__ = ["DownloadStatus", "SliceStatus", "VolunteerStatus", "plain_line", "read_status", "render_table", "serve_status"]
+__all__ = ["DownloadStatus", "SliceStatus", "StatusError", "VolunteerStatus", "plain_line", "read_status", "render_table",
+           "serve_status"]
 
 SOCKET_NAME = "status.sock"
 
@@ -73,9 +75,10 @@ class VolunteerStatus(msgspec.Struct, frozen=True, kw_only=True):
     held_bytes: int = 0  # the slices held (loaded or loading): their file sizes
     slice_budget_bytes: int | None = None  # what the slices may take (None: a budget in experts only)
     downloads: list[DownloadStatus] = []  # running now
+    paused: str = ""  # why its owner's preferences pause it now ("" while it runs: volunteer.core.preferences)
+    pause_detail: str = ""  # the same in words
+    cpu_limit: str = ""  # --cpu-limit as applied: threads and duty cycle ("" without one)
 
-
-_decoder = msgspec.json.Decoder(VolunteerStatus)
 
 VIEW_WIDTH = 100  # the terminal view's width (narrower terminals: theirs), whatever it shows
 
@@ -165,6 +168,8 @@ def render_table(s: VolunteerStatus, bars: Any = None) -> object:
         ("credit", f"{_flops(s.credit_flops)} total, {_flops(s.credit_rac_flops_per_day)} a day recently"),
         ("uptime", f"{s.uptime_s:.0f} s"),
     ]
+    if s.cpu_limit:
+        rows.insert(2, ("cpu limit", s.cpu_limit))
     if s.downloads:
         now: object = Text(downloading_text(s))
         if bars is not None and not getattr(bars, "empty", True):
@@ -175,10 +180,29 @@ def render_table(s: VolunteerStatus, bars: Any = None) -> object:
     return t
 
 
-async def serve_status(data_dir: Path, snapshot: object, *,
+COMMANDS = ("status", "pause", "resume")
+_MAX_REQUEST = 256  # bytes of a command line
+
+
+async def _read_command(stream: trio.SocketStream, timeout_s: float) -> str:
+    """The command a client sent (one line, then end of its side); "status" from one that sends none."""
+    data = b""
+    with trio.move_on_after(timeout_s):
+        while len(data) < _MAX_REQUEST and b"\n" not in data:
+            chunk = await stream.receive_some(_MAX_REQUEST)
+            if not chunk:
+                break
+            data += chunk
+    return data.split(b"\n", 1)[0].decode("ascii", "replace").strip() or "status"
+
+
+async def serve_status(data_dir: Path, snapshot: object, *, control: Callable[[str], None] | None = None,
+                       command_timeout_s: float = 1.0,
                        task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
-    """Answer each connection on ``data_dir/status.sock`` with ``snapshot()`` as JSON, then close it.
-    The socket is created owner-only (0600) and removed when this returns."""
+    """Answer each connection on ``data_dir/status.sock``: read its command (``status``, ``pause``,
+    ``resume``: one line; a client that sends nothing asks for the status), do it (``control``), then
+    send ``snapshot()`` as JSON -- or ``{"error": ...}`` for a command it does not take -- and close.
+    The socket is created owner-only (0600: only its owner may pause it) and removed when this returns."""
     path = data_dir / SOCKET_NAME
     if path.is_socket() or path.exists():
         path.unlink()
@@ -198,19 +222,37 @@ async def serve_status(data_dir: Path, snapshot: object, *,
                 stream = await listener.accept()
                 async with stream:
                     try:
-                        await stream.send_all(msgspec.json.encode(snapshot()))  # type: ignore[operator]
+                        cmd = await _read_command(stream, command_timeout_s)
+                        if cmd not in COMMANDS or (cmd != "status" and control is None):
+                            answer = msgspec.json.encode({"error": f"unknown command {cmd[:40]!r}: "
+                                                                   f"{', '.join(COMMANDS if control else COMMANDS[:1])}"})
+                        else:
+                            if cmd != "status" and control is not None:
+                                control(cmd)
+                            answer = msgspec.json.encode(snapshot())  # type: ignore[operator]
+                        await stream.send_all(answer)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
     finally:
         path.unlink(missing_ok=True)
 
 
-def read_status(data_dir: Path, timeout_s: float = 5.0) -> VolunteerStatus:
-    """The running volunteer's status from its socket (blocking; ``OSError`` when none runs there)."""
+class StatusError(Exception):
+    """The volunteer refused the command (its message says why)."""
+
+
+def read_status(data_dir: Path, timeout_s: float = 5.0, command: str = "status") -> VolunteerStatus:
+    """Send ``command`` to the volunteer running in ``data_dir`` and return its status after it (blocking;
+    ``OSError`` when none runs there, ``StatusError`` for a command it refused)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         s.connect(str(data_dir / SOCKET_NAME))
+        s.sendall(command.encode("ascii") + b"\n")
+        s.shutdown(socket.SHUT_WR)
         chunks = []
         while chunk := s.recv(1 << 16):
             chunks.append(chunk)
-    return _decoder.decode(b"".join(chunks))
+    raw = msgspec.json.decode(b"".join(chunks))
+    if isinstance(raw, dict) and set(raw) == {"error"}:
+        raise StatusError(str(raw["error"]))
+    return msgspec.convert(raw, VolunteerStatus)
