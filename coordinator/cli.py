@@ -24,7 +24,8 @@ __all__ = ["add_parser", "config_from_args", "run"]
 _FLAGS = {"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
           "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
           "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate",
-          "hold_proof": "--no-hold-proof", "missing_wait_s": "--missing-wait", "lanes": "--no-lanes"}
+          "hold_proof": "--no-hold-proof", "missing_wait_s": "--missing-wait", "lanes": "--no-lanes",
+          "aliases": "--alias"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,7 +34,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Host a GGUF MoE model behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions), "
                     "computing its experts here and, through a market, on volunteers.")
     m = c.add_argument_group("model and API")
-    m.add_argument("--model", required=True, help="path to a GGUF MoE model")
+    m.add_argument("--model", required=True,
+                   help="a GGUF MoE model: a path, hf:ORG/REPO/FILE.gguf, or ORG/REPO[:QUANT] (the file as llama.cpp's "
+                        "-hf picks it: QUANT such as Q4_K_M, default Q4_K_M then Q8_0), downloaded into the Hugging "
+                        "Face cache (HF_HOME, HF_ENDPOINT and HF_TOKEN apply) and checked against the hub's sha256")
+    m.add_argument("--alias", action="append", default=None, metavar="NAME",
+                   help="another name requests may give as 'model' (repeatable; the model id and the GGUF file's "
+                        "base name always work)")
+    m.add_argument("--strict-model", action="store_true",
+                   help="refuse requests naming another model (default: any name means the one model hosted, "
+                        "as with llama-server)")
     m.add_argument("--host", default="127.0.0.1", help="API bind address")
     m.add_argument("--port", type=int, default=8080, help="API port (0: any free port)")
     m.add_argument("--slots", type=int, default=4, help="parallel sequences batched per step")
@@ -164,6 +174,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "draft": ns.draft,
         "draft_model": ns.draft_model,
         "draft_max": ns.draft_max,
+        "aliases": tuple(ns.alias or ()),
+        "strict_model": ns.strict_model,
     }, flags=_FLAGS)
     if cfg.local_experts.strip() != "all" and cfg.market is None and cfg.dispatch_map is None and cfg.on_missing != "disk":
         raise ConfigError(f"--local-experts {cfg.local_experts}: the experts not computed here need volunteers, and "
@@ -179,11 +191,13 @@ def run(ns: argparse.Namespace) -> int:
     from swarm import preflight
     from swarm.lockfile import LOCK_NAME, hold
     from swarm.model.gguf_check import check_gguf_file
+    from swarm.model.hub import is_hub_model
     from swarm.service import run_announced
 
     cfg = config_from_args(ns)
     with hold(Path(cfg.data_dir) / LOCK_NAME, flag="--data-dir", shown=cfg.data_dir, what="coordinator"):
-        check_gguf_file(cfg.model, "--model")
+        if not is_hub_model(cfg.model):  # a hub reference is checked as it downloads (swarm.model.hub)
+            check_gguf_file(cfg.model, "--model")
         if cfg.draft_model is not None:
             check_gguf_file(cfg.draft_model, "--draft-model")
         preflight.check_port_free(cfg.host, cfg.port, "--port")

@@ -40,11 +40,13 @@ from coordinator.engine.drafters import Drafter, HeldOnlyExperts, ModelDrafter, 
 from coordinator.engine.model import LocalExperts, Transformer
 from coordinator.engine.runtime import EngineRuntime
 from swarm.config import HttpUrl, Multiaddr, NonNegFloat, NonNegInt, Port, PosFloat, PosInt, physical_cores
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, ModelError
 from swarm.model.gguf import GGUFModel
+from swarm.model.hub import is_hub_model, resolve_hub_model
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, configure_threads
 from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
+from swarm.progress import show_transfers
 from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.expert import Dtype
 from swarm.protocol.manifest import MAX_ORIGINS
@@ -58,7 +60,7 @@ log = logging.getLogger(__name__)
 class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``moe-swarm coordinator``'s settings (built by ``coordinator.cli``; constraints checked there)."""
 
-    model: Annotated[str, msgspec.Meta(min_length=1)]
+    model: Annotated[str, msgspec.Meta(min_length=1)]  # a GGUF path, hf:ORG/REPO/FILE.gguf or ORG/REPO[:QUANT]
     host: str = "127.0.0.1"
     port: Port = 8080
     slots: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
@@ -120,12 +122,33 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     lanes: bool = True
     lane_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     lane_announce: Annotated[str, msgspec.Meta(min_length=1, max_length=260)] | None = None
+    # other names a request's ``model`` may give (the id and the file's base name always work); with
+    # ``strict_model`` no other name is accepted (else any name means the one model hosted)
+    aliases: Annotated[tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...],
+                       msgspec.Meta(max_length=64)] = ()
+    strict_model: bool = False
+
+
+def open_model(ref: str, kernel: KernelBackend) -> GGUFModel:
+    """A GGUF by path, or by Hugging Face reference (``swarm.model.hub``: downloaded into its cache,
+    progress on stderr, checked against the hub's sha256 as the model is hashed for its id)."""
+    if not is_hub_model(ref):
+        return GGUFModel(Path(ref), kernel=kernel)
+    with show_transfers(prefix="[coordinator] ") as transfers:
+        hub = resolve_hub_model(ref, progress=transfers)
+    try:
+        model = GGUFModel(hub.path, kernel=kernel)
+    except ModelError:
+        hub.check()  # a corrupt download says so (and leaves the cache) before the parser's complaint
+        raise
+    hub.check(model.sha256)
+    return model
 
 
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
     threads = cfg.threads or physical_cores()
     configure_threads(threads, cfg.kernel)
-    model = GGUFModel(Path(cfg.model), kernel=cfg.kernel)
+    model = open_model(cfg.model, cfg.kernel)
     tok = Tokenizer.from_gguf_fields(model.fields)
     n_ctx = min(cfg.ctx_size, model.config.n_ctx_train) if cfg.ctx_size else model.config.n_ctx_train
     local = parse_local_experts(cfg.local_experts, model.config.n_moe_layer, model.config.n_expert)
@@ -137,7 +160,7 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
         "self": ModelDrafter("self", Transformer(model, HeldOnlyExperts(model, held)), cfg.slots, n_ctx),
     }
     if cfg.draft_model is not None:
-        dm = GGUFModel(Path(cfg.draft_model), kernel=cfg.kernel)
+        dm = open_model(cfg.draft_model, cfg.kernel)
         check_vocabulary(model, dm)
         drafters["model"] = ModelDrafter("model", Transformer(dm, LocalExperts(dm)), cfg.slots, n_ctx)
     elif cfg.draft == "model":
@@ -211,8 +234,9 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
             app = build_app(
                 rt,
                 model_id=model.model_id,
-                aliases=[model.path.stem],
+                aliases=[model.path.stem, *cfg.aliases],
                 max_body=cfg.max_body,
+                strict_model=cfg.strict_model,
                 extra_routes=[*slice_routes({model.model_id: model}, caches, manifests={model.model_id: manifest}),
                               Route("/dispatch", dispatch_report, methods=["GET"])],
                 extra_collectors=[dispatcher.collector()],

@@ -32,7 +32,10 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   {peer_id, epoch, sequence, slices: [SliceDirective], heartbeat_s, ttl_s, relays}``.
   ``signature`` (base64 in JSON) must be the peer's Ed25519 signature (``swarm.p2p.identity``).
   ``share_slices`` (default false): the volunteer serves its slices to downloading volunteers
-  (``/moe-swarm/slice/1``), so the market may name it in ``Assignment.sources``.
+  (``/moe-swarm/slice/1``), so the market may name it in ``Assignment.sources``. ``paused`` (default
+  ""): its owner's preferences paused it (the reason): it reports its slices ``draining`` (not counted,
+  not dispatched, not dropped), its polls get ``nothing_needed`` / ``paused`` until a heartbeat says
+  it resumed, and ``/api/volunteers/{peer_id}`` and the recruitment view show it paused.
 - ``GET /api/expert-demand[?model=ID]`` -> ``DemandView``: per model and segment the replicas,
   pending, target and scarcity, plus ``recruiting``.
 - (operator token) ``GET /api/expert-dispatch-map?model=ID[&after=V&wait_s=S]`` -> the DESIGN §11 dispatch map.

@@ -72,6 +72,7 @@ class LiveVolunteer:
     display_name: str = ""  # volunteer-chosen (stranger text), control characters removed
     share_slices: bool = False  # it serves its slices to downloading volunteers (its last heartbeat said so)
     stored: bool = True  # its row is in the store (False: an identity that never held anything, memory only)
+    paused: str = ""  # its last heartbeat's pause reason ("" serving): its slices are draining, no new lease
 
 
 @dataclass

@@ -239,7 +239,8 @@ class Market:
             mark = max((lv.row.epoch, lv.row.sequence), (o.row.epoch, o.row.sequence))  # replays stay refused
             row = msgspec.structs.replace(lv.row, epoch=mark[0], sequence=mark[1])
             ix.volunteers[peer] = LiveVolunteer(row, o.last_seen, o.load, row != lv.row, o.last_serve_ms,
-                                                o.display_name, share_slices=o.share_slices, stored=True)
+                                                o.display_name, share_slices=o.share_slices, stored=True,
+                                                paused=o.paused)
         for mid, st in old.recruit.items():
             if mid in ix.models:
                 ix.recruit[mid] = dataclasses.replace(st, recruiting=ix.recruiting(mid))
@@ -442,6 +443,9 @@ class Market:
         if q is not None:
             self.counters["no_offer_quarantined"] += 1
             return NoOffer(NoOfferReason.QUARANTINED, max(1.0, q.until - now))
+        if (live := self.ix.volunteers.get(req.peer_id)) is not None and live.paused:
+            self.counters["no_offer_paused"] += 1  # it says it resumed in a heartbeat before it polls
+            return NoOffer(NoOfferReason.PAUSED, jittered(self.rng, self.policy.retry_after_s))
         changes: list[Change] = []
         lease_id = self.ix.lease_of.get(req.peer_id)
         if lease_id is not None:
@@ -614,9 +618,12 @@ class Market:
         changed = v is None or v.row.epoch != hb.epoch or addrs_changed or v.row.max_bytes != hb.max_bytes
         was_stored = v is not None and v.stored
         old_bucket = load_bucket(v.load) if v else 0
+        if hb.paused != (v.paused if v else ""):  # the owner paused it (its slices come draining) or resumed it
+            self._event("paused" if hb.paused else "resumed", now, peer_id=hb.peer_id, detail=hb.paused)
         v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, False, serves,
                                                            "".join(ch for ch in hb.display_name if ch.isprintable()),
-                                                           share_slices=hb.share_slices, stored=was_stored)
+                                                           share_slices=hb.share_slices, stored=was_stored,
+                                                           paused=hb.paused)
         rows = dict(self.ix.coverage.get(hb.peer_id, {}))
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
@@ -1065,10 +1072,11 @@ class Market:
         slices = sorted(str(s) for s in self.ix.coverage.get(peer_id, {}))
         until = int(q.until * 1000) if q is not None else None
         reason, proof = (q.evidence[:300], q.proof) if q is not None else ("", None)
+        paused = v.paused if (v := self.ix.volunteers.get(peer_id)) is not None else ""
         if row is None:
-            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None, until, slices, reason, proof)
+            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None, until, slices, reason, proof, paused)
         return VolunteerCredit(peer_id, row.total_flops, rac_now(row, now), row.pairs, row.verified,
-                               int(row.first_at * 1000), int(row.last_at * 1000), until, slices, reason, proof)
+                               int(row.first_at * 1000), int(row.last_at * 1000), until, slices, reason, proof, paused)
 
     def credit_board(self, now: float, limit: int = 100) -> CreditBoard:
         peers = sorted(self.ix.credit, key=lambda p: (-rac_now(self.ix.credit[p], now), p))[: max(0, limit)]

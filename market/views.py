@@ -179,6 +179,7 @@ def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
                 verified=verified,
                 latency_ms=latency,
                 credit_rac=rac_now(credit, now) if credit is not None else 0.0,
+                paused=v.paused if v else "",
             )
         )
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from swarm.flags import size_flag
 __all__ = ["add_parser", "pull_config_from_args", "static_config_from_args"]
 
 _FLAGS = {"max_memory": "--max-memory", "max_slices": "--max-slices", "share_rate_bytes_per_s": "--share-rate", "poll_interval_s": "--poll-interval", "relays": "--relay",
-          "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice", "lanes": "--no-lanes"}
+          "hole_punch": "--no-hole-punch", "progress": "--no-progress", "slices": "--slice", "lanes": "--no-lanes",
+          "cpu_limit_pct": "--cpu-limit", "only_when_idle_s": "--only-when-idle"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -34,14 +36,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "volunteer",
         usage="%(prog)s --market URL [--max-memory SIZE] [--data-dir DIR] [options]\n"
               "       %(prog)s --coordinator URL --slice LAYER:LO-HI [--slice ...] [options]\n"
-              "       %(prog)s status [--json] [--data-dir DIR]",
+              "       %(prog)s status [--json] [--data-dir DIR]\n"
+              "       %(prog)s pause | resume [--data-dir DIR]\n"
+              "       %(prog)s service install | uninstall | status [flags of the volunteer to run]",
         help="serve expert slices: pulled from a market, or given statically",
         description="Lend this computer to a swarm: hold slices of a model's experts and compute them for "
                     "coordinators. Pull mode (--market) takes what the market needs most; static mode "
                     "(--coordinator and --slice) serves what it is told. 'moe-swarm volunteer status' shows "
                     "the running volunteer of --data-dir.")
-    v.add_argument("action", nargs="?", choices=["status"], default=None,
-                   help="status: print the running volunteer's status (of --data-dir) once, and exit")
+    v.add_argument("action", nargs="?", choices=["status", "pause", "resume", "service"], default=None,
+                   help="status: print the running volunteer's status (of --data-dir) once, and exit; "
+                        "pause / resume: ask it to stop serving (it drains its calls and tells the market it is "
+                        "paused, kept across restarts) or to serve again; service install|uninstall|status: run it "
+                        "as a systemd user service with the other flags given here")
+    v.add_argument("what", nargs="?", choices=["install", "uninstall", "status"], default=None, help=argparse.SUPPRESS)
     v.add_argument("--json", action="store_true", help="status: as JSON")
     g = v.add_argument_group("this volunteer")
     g.add_argument("--data-dir", default=None,
@@ -67,6 +75,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--share-rate", type=size_flag, default="16M", metavar="SIZE",
                    help="upload cap for sharing slices, bytes per second")
     p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between market polls")
+    p.add_argument("--cpu-limit", type=float, default=None, metavar="PCT",
+                   help="use at most PCT %% of this machine's CPU (fewer compute threads, and a rest after each "
+                        "computation when that is still more)")
+    p.add_argument("--only-when-idle", type=float, default=None, metavar="MIN",
+                   help="serve only after MIN minutes without keyboard or mouse input or other programs using the "
+                        "CPU (read from /proc); paused otherwise")
+    p.add_argument("--schedule", default=None, metavar="HH:MM-HH:MM",
+                   help="serve only in this daily window, local time (e.g. 22:00-07:00); paused outside it")
     p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
                    help="the address coordinators should dial instead of the listen addresses "
                         "(a port forward or a proxy in front of this machine; repeatable)")
@@ -119,7 +135,25 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
         "threads": ns.threads, "progress": not ns.no_progress, "poll_interval_s": ns.poll_interval,
         "relays": tuple(ns.relays or ()), "hole_punch": not ns.no_hole_punch, "kernel": ns.kernel,
         "lanes": not ns.no_lanes,
+        "cpu_limit_pct": ns.cpu_limit, "only_when_idle_s": ns.only_when_idle * 60 if ns.only_when_idle is not None else None,
+        "schedule": _schedule(ns.schedule),
     }, flags=_FLAGS)
+
+
+def _schedule(text: str | None) -> str | None:
+    from volunteer.core.preferences import parse_schedule
+
+    if text is None:
+        return None
+    try:
+        return str(parse_schedule(text))
+    except ValueError as exc:
+        raise ConfigError(f"--schedule: {exc}", code="bad_schedule") from None
+
+
+def _desktop_flags(ns: argparse.Namespace) -> None:
+    if ns.cpu_limit is not None or ns.only_when_idle is not None or ns.schedule is not None:
+        raise ConfigError("--cpu-limit, --only-when-idle and --schedule are for pull mode (--market)")
 
 
 def static_config_from_args(ns: argparse.Namespace) -> Any:
@@ -127,6 +161,7 @@ def static_config_from_args(ns: argparse.Namespace) -> Any:
 
     if not ns.coordinator or not ns.slices:
         raise ConfigError("give --market URL (pull mode) or --coordinator URL with --slice LAYER:LO-HI (static mode)")
+    _desktop_flags(ns)
     cfg = build_config(StaticVolunteerConfig, {
         "coordinator": ns.coordinator, "slices": tuple(ns.slices), "listen": _listen(ns),
         "data_dir": data_dir_for("volunteer", ns.data_dir), "model_id": ns.model_id, "threads": ns.threads,
@@ -158,9 +193,35 @@ def print_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+def control(ns: argparse.Namespace) -> int:
+    """``moe-swarm volunteer pause|resume``: over the running volunteer's status socket."""
+    from volunteer.status import StatusError, plain_line, read_status
+
+    data_dir = Path(data_dir_for("volunteer", ns.data_dir))
+    try:
+        st = read_status(data_dir, command=ns.action)
+    except StatusError as exc:
+        raise ConfigError(f"the volunteer refused {ns.action!r}: {exc}", code="refused") from exc
+    except OSError as exc:
+        raise ConfigError(f"no volunteer answers on {data_dir / 'status.sock'} ({exc}); is one running with "
+                          f"--data-dir {data_dir}?", code="not_running") from exc
+    what = f"paused ({st.paused}): {st.pause_detail}" if st.paused else "serving (not paused)"
+    print(f"{ns.action}: the volunteer is {what}")
+    print(plain_line(st))
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
+    if ns.what is not None and ns.action != "service":
+        raise ConfigError(f"{ns.what!r} goes with 'service': moe-swarm volunteer service {ns.what}")
     if ns.action == "status":
         return print_status(ns)
+    if ns.action in ("pause", "resume"):
+        return control(ns)
+    if ns.action == "service":
+        from volunteer.service import service_command
+
+        return service_command(ns, sys.argv, lambda: pull_config_from_args(ns) if ns.market else static_config_from_args(ns))
     cfg = pull_config_from_args(ns) if ns.market else static_config_from_args(ns)
     from swarm import preflight
     from swarm.lockfile import LOCK_NAME, hold

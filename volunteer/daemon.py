@@ -27,6 +27,11 @@ Rules:
   slices into the ``ExpertServer``, signed heartbeats.
 - A stuck request budget (requests refused ``busy`` while none is answered: ``volunteer.core.health``)
   is reported: the slices go ``draining`` until it moves again (the market dispatches others).
+- The owner's preferences (``--cpu-limit``, ``--only-when-idle``, ``--schedule``, ``moe-swarm volunteer
+  pause|resume`` over the status socket; ``volunteer.desktop``): paused, it refuses new calls, answers
+  those in flight, reports its slices ``draining`` and the reason (``CoverageHeartbeat.paused``), asks
+  for no slice and keeps heartbeating; resumed, it serves them again. ``--cpu-limit`` lowers the compute
+  threads and rests after computations (``DutyCycle``).
 - Ctrl-C: report the slice ``draining``, answer calls in flight, deregister (empty heartbeat), exit.
 - One status line (stderr) for a person watching.
 """
@@ -35,10 +40,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import sys
 import time
 import urllib.parse
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -58,6 +66,7 @@ from swarm.model.sources import fetch_slice_from
 from swarm.p2p.identity import SIGNATURE_HEADER, load_or_create_identity, sign_body, sign_request
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host
 from swarm.p2p.transport import Transport
+from swarm.progress import Transfers
 from swarm.protocol.expert import SUPPORTED_VERSIONS
 from swarm.protocol.http import error_code
 from swarm.protocol.manifest import ModelManifest
@@ -78,9 +87,12 @@ from swarm.safe_paths import slice_file
 from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.core.memory import MemoryPlan
+from volunteer.core.preferences import Decision, Preferences, cpu_plan, parse_schedule
+from volunteer.desktop import DutyCycle, IdleSource, Pauser, local_minute_of_day
 from volunteer.lanes import VolunteerLanes
 from volunteer.server import ExpertServer, shielded_until_cancelled
-from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table, serve_status
+from volunteer.status import DownloadStatus, SliceStatus, VolunteerStatus, serve_status
+from volunteer.view import VolunteerView
 
 __all__ = ["PullVolunteerConfig", "measure_throughput", "serve_pull_volunteer"]
 
@@ -115,6 +127,13 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     display_name: Annotated[str, msgspec.Meta(max_length=64)] = ""  # shown on the market's dashboard
     share_slices: bool = True  # serve held slices to volunteers the market assigned them to
     share_rate_bytes_per_s: PosFloat = float(16 << 20)
+    # a desktop's owner's preferences (volunteer.core.preferences, volunteer.desktop): a share of the machine's
+    # CPU, only after this long without keyboard/mouse input or other programs' CPU use, only in a daily window
+    cpu_limit_pct: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] | None = None
+    only_when_idle_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] | None = None
+    schedule: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # HH:MM-HH:MM, local time
+    busy_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.25  # others' CPU share that counts as use
+    idle_sample_s: PosFloat = 2.0  # how often --only-when-idle reads /proc
 
 
 def measure_throughput(d_model: int = 1024, width: int = 2816, batch: int = 8, reps: int = 5) -> float:
@@ -202,6 +221,33 @@ class PullVolunteer:
         self._assignments: dict[SliceKey, Assignment] = {}  # the market's word for each offer (its sources)
         self._manifests: dict[str, ModelManifest] = {}
         self.downloaded: dict[str, int] = {}  # slice bytes by source name, for the status
+        self.transfers = Transfers()  # the downloads running now (the views draw them)
+        self.paused = ""  # why the owner's preferences pause it ("" while it runs), on the heartbeat
+        self.pause_detail = ""
+        self.cpu_limit = ""  # --cpu-limit as applied, for the status
+
+    # -- the owner's preferences ---------------------------------------------------------------------
+    def pause_changed(self, d: Decision) -> None:
+        """Pause (refuse new calls, finish those in flight, report the slices draining and the reason)
+        or resume; the market hears it at once."""
+        if self.core.stopping:
+            return
+        self.paused, self.pause_detail = d.wire, d.detail
+        if d.run:
+            self.server.draining = False
+            self.status = "resumed"
+            log.info("resumed: serving again")
+        else:
+            self.server.draining = True  # new calls are refused from now on (the coordinators fall back)
+            self.status = f"paused: {d.detail}"
+            log.info("paused (%s): %s; calls in flight finish", d.wire, d.detail)
+            self.nursery.start_soon(self._drain_paused)
+        self.apply(self.core.set_paused(not d.run, trio.current_time()))
+
+    async def _drain_paused(self) -> None:
+        if self.paused and not self.core.stopping:
+            ok = await self.server.drain()
+            log.info("paused: calls in flight %s", "finished" if ok else "still running after 10 s")
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:
@@ -323,10 +369,10 @@ class PullVolunteer:
         if manifest is not None:
             check_activation(manifest.expert_activation)  # before a byte is downloaded
         if a is None or manifest is None or not manifest.can_verify_experts or manifest.problems():
-            return await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.cfg.progress)
+            return await fetch_slice(self.client, offer.url, dest, expected_sha256=offer.sha256, progress=self.transfers)
         sources = sources_from_assignment(a, client=self.client, transport=self.transport, self_peer_id=self.peer_id)
         res = await fetch_slice_from(sources, manifest, offer.layer, offer.lo, offer.hi, dest,
-                                     expected_sha256=offer.sha256, progress=self.cfg.progress)
+                                     expected_sha256=offer.sha256, progress=self.transfers)
         for name, n in res.bytes_from.items():
             self.downloaded[name] = self.downloaded.get(name, 0) + n
         if res.bytes_from or res.lied:
@@ -360,7 +406,8 @@ class PullVolunteer:
                                  slices=slices, load=float(self.server.stats.in_flight), max_bytes=self.max_bytes,
                                  protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000),
                                  display_name=self.cfg.display_name,
-                                 share_slices=self.slice_server is not None and self.slice_server.sharing)
+                                 share_slices=self.slice_server is not None and self.slice_server.sharing,
+                                 paused=self.paused)
         # the body signature too, for a market of the previous release (it ignores the header)
         return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
 
@@ -405,6 +452,8 @@ class PullVolunteer:
         draining = [h for h in hs if h.state == "draining" and h.release_in_s is not None]
         if self.core.phase is Phase.FETCHING:
             pass  # the download's own status stands
+        elif self.paused:
+            self.status = f"paused: {self.pause_detail}"
         elif draining:
             h = draining[0]
             self.status = f"draining {h.offer.layer}:{h.offer.lo}-{h.offer.hi}: surplus, release in {h.release_in_s:.0f}s"
@@ -444,7 +493,10 @@ class PullVolunteer:
             credit_rac_flops_per_day=c.rac_flops_per_day if c is not None else None,
             verified=c.verified if c is not None else None, uptime_s=round(time.monotonic() - self.started_at, 1),
             downloaded=dict(self.downloaded),
-            shared_bytes=self.slice_server.bytes_sent if self.slice_server is not None else 0)
+            shared_bytes=self.slice_server.bytes_sent if self.slice_server is not None else 0,
+            display_name=self.cfg.display_name, held_bytes=self.core.held_bytes, slice_budget_bytes=self.max_bytes,
+            downloads=[DownloadStatus(v.name, v.done, v.total, round(v.rate, 1)) for v in self.transfers.running()],
+            paused=self.paused, pause_detail=self.pause_detail, cpu_limit=self.cpu_limit)
 
     def _update_rate(self) -> None:
         now, calls = time.monotonic(), self.server.stats.calls
@@ -483,8 +535,9 @@ class PullVolunteer:
     async def run(self) -> None:
         self.apply(self.core.start(trio.current_time()))
         self.nursery.start_soon(self._credit_loop)
-        last_status = 0.0
-        live = _live_view() if self.cfg.progress and sys.stderr.isatty() else None
+        view = VolunteerView(self.transfers, live=self.cfg.progress and sys.stderr.isatty(),
+                             download_lines=self.cfg.progress, interval_s=self.cfg.status_interval_s,
+                             prefix=f"[volunteer {self.cfg.display_name or self.peer_id[-8:]}] ")
         try:
             while True:
                 await trio.sleep(0.2)
@@ -492,15 +545,9 @@ class PullVolunteer:
                 self.apply(self.core.tick(now))
                 self._watch_budget(now)
                 self._update_rate()
-                if live is not None:
-                    if self.core.phase is not Phase.FETCHING:  # the download draws its own progress bar then
-                        live.update(render_table(self.snapshot()), refresh=True)
-                elif now - last_status >= self.cfg.status_interval_s:
-                    last_status = now
-                    print(plain_line(self.snapshot()), file=sys.stderr, flush=True)
+                view.show(self.snapshot(), now)
         finally:
-            if live is not None:
-                live.stop()
+            view.close()
 
     async def shutdown(self) -> None:
         """Report draining, answer calls in flight, deregister. Effects are awaited here, in order."""
@@ -519,8 +566,17 @@ class PullVolunteer:
 
 
 async def serve_pull_volunteer(
-    cfg: PullVolunteerConfig, *, task_status: trio.TaskStatus[VolunteerInfo] = trio.TASK_STATUS_IGNORED
+    cfg: PullVolunteerConfig, *, idle_source: IdleSource | None = None, minute_of_day: Callable[[], int] | None = None,
+    task_status: trio.TaskStatus[VolunteerInfo] = trio.TASK_STATUS_IGNORED
 ) -> None:
+    """``idle_source``, ``minute_of_day``: what ``--only-when-idle`` and ``--schedule`` read (tests give their
+    own; default /proc and the local clock)."""
+    try:
+        prefs = Preferences(schedule=parse_schedule(cfg.schedule) if cfg.schedule else None,
+                            idle_s=cfg.only_when_idle_s, busy_fraction=cfg.busy_fraction)
+        cpu = cpu_plan(cfg.cpu_limit_pct, os.cpu_count() or 1, cfg.threads)
+    except ValueError as exc:
+        raise ConfigError(str(exc), code="bad_preferences") from exc
     data_dir = Path(cfg.data_dir)
     await trio.Path(data_dir).mkdir(parents=True, exist_ok=True)
     epoch = await trio.to_thread.run_sync(_next_epoch, data_dir / "epoch")
@@ -557,16 +613,28 @@ async def serve_pull_volunteer(
             vol = PullVolunteer(cfg, epoch=epoch, key_pair=key_pair, peer_id=transport.peer_id, nat=nat,
                                 server=server, client=client, nursery=nursery, budget=budget, max_bytes=max_bytes,
                                 transport=transport, slice_server=slice_server)
-            lanes = VolunteerLanes(server, authorize=vol.authorize, known_hosts=vol.coordinator_hosts, budget=budget)
+            handler: Any = server.handle_timed
+            if cfg.cpu_limit_pct is not None:
+                vol.cpu_limit = f"{cfg.cpu_limit_pct:g}% of {os.cpu_count()} CPUs: {cpu.threads} thread(s), " \
+                                f"computing {cpu.duty:.0%} of the time"
+                log.info("--cpu-limit %s", vol.cpu_limit)
+                if cpu.duty < 1.0:
+                    handler = DutyCycle(server.handle_timed, cpu.duty)
+            lanes = VolunteerLanes(server, authorize=vol.authorize, known_hosts=vol.coordinator_hosts, budget=budget,
+                                   duty=cpu.duty if cfg.cpu_limit_pct is not None else 1.0)
             if cfg.lanes:
                 await nursery.start(lanes.serve)
             # only the coordinators the market names for what we hold may use our experts
-            set_expert_handlers(transport, server.handle_timed, hello=server.hello(),
+            set_expert_handlers(transport, handler, hello=server.hello(),
                                 authorize=vol.authorize, prove=server.prove, budget=budget,
                                 lanes=lanes.offer if cfg.lanes else None)
             if plan is None:
                 await nursery.start(server.serve)
-            await nursery.start(serve_status, data_dir, vol.snapshot)  # moe-swarm volunteer status
+            pauser = Pauser(prefs, data_dir, vol.pause_changed, source=idle_source, sample_s=cfg.idle_sample_s,
+                            minute_of_day=minute_of_day or local_minute_of_day)
+            # moe-swarm volunteer status | pause | resume
+            await nursery.start(partial(serve_status, data_dir, vol.snapshot, control=pauser.command))
+            await nursery.start(pauser.serve)
             info = VolunteerInfo(peer_id=transport.peer_id, addrs=vol.addrs, epoch=epoch,
                                  reachability=nat.reachability.value, relays=list(relays), **probe)
             await trio.Path(data_dir / "volunteer.json").write_bytes(encode_info(info))
@@ -591,16 +659,6 @@ def _poll_problem(exc: Exception) -> str:
         r = exc.response
         return f"HTTP {r.status_code} {error_code(r.content) or ''}".rstrip()
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _live_view() -> Any:
-    """A rich live display on stderr, redrawn by the run loop (not on its own timer)."""
-    from rich.console import Console
-    from rich.live import Live
-
-    live = Live(console=Console(stderr=True), auto_refresh=False, transient=False)
-    live.start()
-    return live
 
 
 async def _market_relays(client: httpx.AsyncClient, market: str) -> tuple[str, ...]:

@@ -18,6 +18,8 @@ Rules:
 - Bytes held are bounded by the server's ``ByteBudget`` as they arrive (a record's bytes are taken
   when received and given back once answered or when the lane ends, however it ends): past it the
   lane ends, and the coordinator's calls fall back to its stream.
+- ``--cpu-limit``'s duty cycle holds on the lanes too: after a computation, no lane computes again
+  before the rest it calls for.
 - The lanes end with ``serve``: each socket is shut down, so its thread's read returns.
 """
 
@@ -54,6 +56,7 @@ from swarm.protocol.expert import (
 from swarm.rpc.lane import LaneBroken, Opener, Sealer, derive_keys, handshake, parse_frame
 from swarm.rpc.server import Authorize, BudgetAccount, ByteBudget, Computed, expert_answer
 from swarm.rpc.tensors import payload_to_tensor
+from volunteer.core.preferences import rest_after
 
 __all__ = ["LaneCompute", "VolunteerLanes"]
 
@@ -90,8 +93,12 @@ class LaneCompute(Protocol):
 class VolunteerLanes:
     def __init__(self, server: LaneCompute, *, authorize: Authorize, known_hosts: Callable[[], set[str]],
                  budget: ByteBudget | None = None, limits: WireLimits = DEFAULT_LIMITS, max_lanes: int = 8,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, duty: float = 1.0) -> None:
+        """``duty`` (``--cpu-limit``): the share of the time a lane may compute; it rests after each
+        computation to hold it (``volunteer.core.preferences.rest_after``, as the stream's ``DutyCycle``)."""
         self.server = server
+        self.duty = duty
+        self._resume_at = 0.0  # monotonic: no lane computes before (the duty cycle's rest; shared by the lanes)
         self.authorize = authorize
         self.known_hosts = known_hosts
         self.budget = budget if budget is not None else ByteBudget()
@@ -222,10 +229,15 @@ class VolunteerLanes:
         except WireError as exc:
             return encode_frame(ExpertResponse(request_id=msg.request_id, attempt=msg.attempt, status=exc.code,
                                                message=exc.message))
+        wait = self._resume_at - time.monotonic()
+        if wait > 0:  # the duty cycle's rest after the last computation (the owner's --cpu-limit)
+            time.sleep(wait)
         try:
             result = self.server.compute_sync(msg, rows, pairs)
         except Exception as exc:  # refusals keep their codes (draining, slice_not_held); the rest internal_error
             resp, out = expert_answer(msg, exc, lane.peer, served_s=0.0)
         else:
             resp, out = expert_answer(msg, result, lane.peer, served_s=time.perf_counter() - arrived)
+            rest = rest_after(result.compute_s if isinstance(result, Computed) else 0.0, self.duty)
+            self._resume_at = max(self._resume_at, time.monotonic() + rest)
         return encode_frame(resp, out)

@@ -36,6 +36,7 @@ from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
 from swarm.model.slices import LoadedSlice, load_slice, parse_slice_arg
 from swarm.p2p.nat import Nat, NatConfig, open_listener_host, parse_relay_addr
+from swarm.progress import show_transfers
 from swarm.protocol.status import VolunteerInfo, encode_info
 from swarm.rpc.server import set_expert_handlers
 from swarm.safe_paths import slice_file
@@ -108,7 +109,11 @@ async def fetch_and_load(
         except UnsafePath as exc:
             raise ConfigError(f"the coordinator's model id cannot name a file: {exc.message}") from exc
         url = f"{base}/v1/slices/{model_id}/{layer}/{lo}-{hi}"
-        path = await fetch_slice(client, url, dest, progress=progress)
+        if progress:  # bars on a terminal, plain lines elsewhere (swarm.progress)
+            with show_transfers(prefix="[volunteer] ") as transfers:
+                path = await fetch_slice(client, url, dest, progress=transfers)
+        else:
+            path = await fetch_slice(client, url, dest)
         sl = await trio.to_thread.run_sync(load_slice, path)
         if sl.key.model_id != model_id or (sl.key.layer, sl.key.lo, sl.key.hi) != (layer, lo, hi):
             raise ConfigError(f"{dest} holds {sl.key}, not {model_id} {arg}")

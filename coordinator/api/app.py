@@ -8,6 +8,9 @@ Rules:
 - Past the bounded queue: 503 with ``Retry-After``.
 - Every body is a ``coordinator.api.schemas`` Struct (errors: ``swarm.protocol.http``'s), encoded by
   this module's one encoder.
+- Model names: one model is hosted, so any ``model`` a request gives (or none) means it, as with
+  llama-server; with ``strict_model`` only its id, the GGUF file's base name and the ``--alias`` names
+  are accepted (else 404 ``model_not_found``). Answers always carry the model id.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from coordinator.api.page import page_routes
 from coordinator.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -138,7 +142,10 @@ def build_app(
     extra_collectors: Iterable[Collector] = (),
     extra_health: Callable[[], tuple[str, MarketLinkStatus | None, int]] | None = None,
     max_body: int = DEFAULT_MAX_BODY,
+    strict_model: bool = False,
 ) -> Starlette:
+    """``aliases``: other names of the model a request may give; ``strict_model``: refuse any other name
+    (else, with one model hosted, any name is that model, as llama-server does)."""
     names = {model_id, *aliases}
     created = int(time.time())
     registry = CollectorRegistry()
@@ -163,8 +170,10 @@ def build_app(
         return ids
 
     def check_model(name: str) -> None:
-        if name not in names:
-            raise RequestError(f"model {name!r} does not exist; this server hosts {model_id!r}", code="model_not_found", status=404, param="model")
+        if strict_model and name not in names:
+            known = ", ".join(repr(n) for n in sorted(names))
+            raise RequestError(f"model {name!r} does not exist; this server hosts {model_id!r} (also named: {known})",
+                               code="model_not_found", status=404, param="model")
 
     model_list = ModelList(data=(ModelCard(id=model_id, created=created, owned_by="moe-swarm"),))
 
@@ -353,6 +362,7 @@ def build_app(
         Route("/health", health, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *page_routes(),  # the chat page at /
         *extra_routes,
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})

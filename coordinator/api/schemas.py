@@ -64,7 +64,7 @@ class ChatMessage(msgspec.Struct):
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: str
+    model: str = ""  # any name is the hosted model unless the coordinator runs with --strict-model
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -79,6 +79,9 @@ class _Common(msgspec.Struct, kw_only=True):
     user: str | None = None
     # speculative decoding's drafter for this request (an extension): none, ngram, model, self; default: the server's
     draft: Literal["none", "ngram", "model", "self"] | None = None
+    # control tokens (``<|im_start|>``, ``<|im_end|>``) are left out of the text unless this is false (an
+    # extension, vLLM's name; llama-server leaves them out too)
+    skip_special_tokens: bool = True
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -275,4 +278,5 @@ def gen_params(req: _Common, *, default_max_tokens: int, max_tokens_override: in
         stop=stops,
         ignore_eos=req.ignore_eos,
         draft=req.draft,
+        skip_special=req.skip_special_tokens,
     )

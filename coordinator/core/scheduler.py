@@ -49,6 +49,7 @@ class GenParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     draft: str | None = None  # speculative decoding's drafter (None: the coordinator's default)
+    skip_special: bool = True  # control tokens (``<|im_start|>``) add no text, as llama-server's default
 
 
 @dataclass(frozen=True)

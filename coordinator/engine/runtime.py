@@ -181,7 +181,7 @@ class EngineRuntime:
         req_id = next(self._ids)
         send, recv = trio.open_memory_channel[Event](math.inf)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer, continuation=continuation), params,
+        state = _ReqState(send, make_generator(seed), StreamDecoder(self.tokenizer, skip_special=params.skip_special, continuation=continuation), params,
                           list(prompt), draft, DraftLength(k_max=self.draft_max))
         now = time.monotonic()
         with self._lock:

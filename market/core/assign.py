@@ -51,6 +51,7 @@ class NoOfferReason(enum.StrEnum):
     COORDINATOR_UNREACHABLE = "coordinator_unreachable"  # set by the shell: no coordinator could describe the file
     QUARANTINED = "quarantined"  # a coordinator caught this volunteer answering wrongly: refused for a while
     ADDRESS_CAP = "address_cap"  # this IP address holds max_leases_per_address open leases already
+    PAUSED = "paused"  # its last heartbeat said its owner paused it: no new slice until it resumes
 
 
 class Budget(msgspec.Struct, frozen=True):

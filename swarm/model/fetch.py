@@ -15,20 +15,21 @@ Rules:
 - Transient failures (connection errors, timeouts, 5xx, 408, 429) are retried with exponential
   backoff, resuming from what has arrived; other HTTP errors fail at once with the server's message.
 - One fetch per ``dest`` at a time: concurrent fetches of one destination are the caller's to avoid.
+- Progress: the bytes of each attempt are counted on ``progress`` (``swarm.progress.Transfers``) when
+  given; drawing them is the caller's (a live view, plain log lines).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import sys
 from pathlib import Path
 
 import httpx
 import trio
-from tqdm import tqdm
 
 from swarm.errors import SliceError
+from swarm.progress import Transfers
 from swarm.protocol.http import error_message
 
 __all__ = ["fetch_slice"]
@@ -74,7 +75,7 @@ async def fetch_slice(
     dest: Path,
     *,
     expected_sha256: str | None = None,
-    progress: bool = False,
+    progress: Transfers | None = None,
     attempts: int = 4,
     backoff: float = 0.5,
 ) -> Path:
@@ -147,7 +148,7 @@ async def _download_once(
     *,
     expected: str | None,
     if_none_match: str | None,
-    progress: bool,
+    progress: Transfers | None,
 ) -> tuple[int, bool, str | None]:
     """One GET into ``part``; returns (status, whether it continued a part, the response's strong ETag)."""
     offset = (await part.stat()).st_size if await part.is_file() else 0
@@ -202,10 +203,10 @@ async def _download_once(
 
 
 async def _write_body(
-    resp: httpx.Response, part: trio.Path, mode: str, offset: int, total: int | None, *, progress: bool, desc: str
+    resp: httpx.Response, part: trio.Path, mode: str, offset: int, total: int | None, *, progress: Transfers | None,
+    desc: str,
 ) -> None:
-    bar = tqdm(total=total, initial=offset, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-               file=sys.stderr, disable=not progress, leave=False)
+    t = progress.start(desc, total, offset) if progress is not None else None
     size = offset
     try:
         async with await trio.open_file(part, mode) as f:
@@ -216,15 +217,18 @@ async def _write_body(
                     if len(buf) >= _WRITE_CHUNK:
                         await f.write(bytes(buf))
                         size += len(buf)
-                        bar.update(len(buf))
+                        if t is not None:
+                            t.advance(len(buf))
                         buf.clear()
             finally:
                 # keep what arrived before a failure: the next attempt resumes after it
                 with trio.CancelScope(shield=True):
                     await f.write(bytes(buf))
                 size += len(buf)
-                bar.update(len(buf))
+                if t is not None:
+                    t.advance(len(buf))
     finally:
-        bar.close()
+        if progress is not None and t is not None:
+            progress.finish(t, ok=total is None or size == total)
     if total is not None and size != total:
         raise _Transient(f"got {size} of {total} bytes")

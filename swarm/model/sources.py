@@ -43,7 +43,6 @@ import hashlib
 import logging
 import os
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,11 +50,11 @@ from typing import Final, Protocol
 
 import httpx
 import trio
-from tqdm import tqdm
 
 from swarm.errors import DialError, RemoteProtocolError, SliceError, SliceRefused, SwarmError, TransportError
 from swarm.model.gguf import file_sha256
 from swarm.model.slices import SlicePlan, plan_slice
+from swarm.progress import Transfers
 from swarm.protocol.manifest import ModelManifest
 
 __all__ = ["CoordinatorSource", "FetchResult", "OriginSource", "SliceSource", "fetch_slice_from"]
@@ -118,7 +117,7 @@ async def fetch_slice_from(
     dest: Path,
     *,
     expected_sha256: str | None = None,
-    progress: bool = False,
+    progress: Transfers | None = None,
     group_bytes: int = 8 << 20,
     rounds: int = 3,
     backoff_s: float = 0.5,
@@ -141,7 +140,7 @@ async def fetch_slice_from(
 
 
 async def _fetch(sources: Sequence[SliceSource], manifest: ModelManifest, layer: int, lo: int, hi: int, dest: Path, *,
-                 expected_sha256: str | None, progress: bool, group_bytes: int, rounds: int, backoff_s: float,
+                 expected_sha256: str | None, progress: Transfers | None, group_bytes: int, rounds: int, backoff_s: float,
                  timeout_s: float, min_rate: float) -> FetchResult:
     plan = plan_slice(manifest, layer, lo, hi)
     if not plan.expert_sha256:
@@ -160,9 +159,10 @@ async def _fetch(sources: Sequence[SliceSource], manifest: ModelManifest, layer:
     done = await trio.to_thread.run_sync(_open_part, part, done_path, plan)
     pending = [g for g in plan.groups(group_bytes) if g not in done]
     result.resumed_bytes = sum((b - a) * plan.bytes_per_expert for a, b in done)
-    bar = tqdm(total=plan.size, initial=plan.size - sum((b - a) * plan.bytes_per_expert for a, b in pending),
-               unit="B", unit_scale=True, unit_divisor=1024, desc=dest.name, file=sys.stderr, disable=not progress,
-               leave=False)
+    transfers = progress if progress is not None else Transfers()  # counted either way; shown when given
+    # the experts' bytes (the header is made here): those of verified groups a previous attempt left are done
+    experts = plan.size - len(plan.header)
+    bar = transfers.start(dest.name, experts, experts - sum((b - a) * plan.bytes_per_expert for a, b in pending))
     banned: set[str] = set()
     try:
         for round_no in range(max(1, rounds)):
@@ -173,7 +173,7 @@ async def _fetch(sources: Sequence[SliceSource], manifest: ModelManifest, layer:
                     break
                 if src.name in banned:
                     continue
-                bar.set_description(f"{dest.name} from {_short(src.name)}")
+                bar.rename(f"{dest.name} from {_short(src.name)}")
                 while pending:
                     e_lo, e_hi = pending[0]
                     try:
@@ -197,13 +197,13 @@ async def _fetch(sources: Sequence[SliceSource], manifest: ModelManifest, layer:
                     await trio.to_thread.run_sync(_write_group, part, done_path, plan, e_lo, e_hi, parts)
                     n = sum(len(p) for p in parts.values())
                     result.bytes_from[src.name] = result.bytes_from.get(src.name, 0) + n
-                    bar.update(n)
+                    bar.advance(n)
                     pending.pop(0)
                     del parts
             if not pending or all(s.name in banned for s in sources):
                 break
     finally:
-        bar.close()
+        transfers.finish(bar, ok=not pending)
     if pending:
         why = "; ".join(f"{k}: {v}" for k, v in result.failed.items()) or "no sources"
         raise SliceError(f"slice {plan.key} of {manifest.model_id}: {len(pending)} expert groups could not be "

@@ -160,7 +160,8 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     that speak one of them (all coordinators speak 2 now).
     """
 
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name", "share_slices"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name", "share_slices",
+                                                          "paused"})
 
     peer_id: PeerId
     epoch: Epoch
@@ -181,6 +182,10 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     # it serves its slices to other volunteers downloading them (``/moe-swarm/slice/1``); older
     # volunteers do not, and one that opted out says False
     share_slices: bool = False
+    # "" while it serves; else why its owner's preferences paused it (manual, schedule, user_active,
+    # cpu_busy: volunteer.core.preferences): its slices are reported draining, it asks for no slice, and
+    # it is not gone -- the heartbeats go on
+    paused: Annotated[str, msgspec.Meta(max_length=32, pattern="^[a-z_]*$")] = ""
 
 
 
@@ -337,7 +342,7 @@ class Assignment(msgspec.Struct, tag="assignment", tag_field="kind"):
 
 
 class NothingNeeded(msgspec.Struct, tag="nothing_needed", tag_field="kind"):
-    reason: Annotated[str, msgspec.Meta(max_length=64)]  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable | quarantined | address_cap
+    reason: Annotated[str, msgspec.Meta(max_length=64)]  # no_models | nothing_scarce | budget_too_small | coordinator_unreachable | quarantined | address_cap | paused
     retry_after_s: Seconds
     message: ShortText = ""
 
@@ -432,6 +437,7 @@ class WorkerView(msgspec.Struct):
     verified: int = 0
     latency_ms: float | None = None  # its latency EWMA at the last coordinator report
     credit_rac: float = 0.0  # recent average credit, FLOPs a day
+    paused: str = ""  # its owner's preferences paused it (why; its slices are draining): not gone
 
 
 class ModelRecruitment(msgspec.Struct):
@@ -469,13 +475,14 @@ class VolunteerCredit(msgspec.Struct):
     # while quarantined: the coordinator's reason (for people) and its evidence (``QuarantineEvidence``)
     quarantine_reason: str = ""
     quarantine_evidence: QuarantineEvidence | None = None
+    paused: str = ""  # its last heartbeat said its owner paused it, and why ("" serving or unknown)
 
 
 class MarketEvent(msgspec.Struct):
     """One entry of the market's event log (``GET /api/events``): ``kind`` is one of assigned,
     loading, serving, draining, restored, released, expired, lease_expired, unproven, download_overdue,
     quarantined, recruiting, recruiting_ended, saturated, unsaturated, host_down, host_up,
-    coordinator_gone, model_dropped."""
+    coordinator_gone, model_dropped, paused, resumed."""
 
     seq: int
     at_ms: int

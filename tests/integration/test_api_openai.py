@@ -143,7 +143,6 @@ async def test_concurrent_requests_equal_alone(coordinator_url: str, golden: dic
     ("body", "status", "code"),
     [
         (b"{not json", 400, "invalid_json"),
-        (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found"),
         (b'{"model": "M", "messages": []}', 400, "invalid_parameter"),
         (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', 400, "invalid_parameter"),
         (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "invalid_parameter"),
@@ -166,6 +165,26 @@ async def test_bad_chat_requests_get_openai_errors(coordinator_url: str, body: b
         # and the server keeps serving
         ok = await h.post("/v1/completions", json={"model": mid, "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
+
+
+async def test_model_names_lenient_by_default_strict_on_request(coordinator_url: str, nursery: trio.Nursery) -> None:
+    from coordinator.server import CoordinatorConfig, serve_coordinator
+    from tests.conftest import GOLDEN_GGUF
+
+    mid = await model_id(coordinator_url)
+    msgs = [{"role": "user", "content": "x"}]
+    async with httpx.AsyncClient() as h:
+        for body in ({"model": "nope", "messages": msgs}, {"messages": msgs}):  # one model hosted: any name is it
+            r = await h.post(f"{coordinator_url}/v1/chat/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == mid, r.text
+        strict = await nursery.start(serve_coordinator, CoordinatorConfig(
+            model=str(GOLDEN_GGUF), port=0, slots=1, aliases=("tiny",), strict_model=True))
+        for name, status in ((mid, 200), (GOLDEN_GGUF.stem, 200), ("tiny", 200), ("nope", 404), ("", 404)):
+            r = await h.post(f"{strict}/v1/chat/completions", json={"model": name, "messages": msgs, "max_tokens": 2})
+            assert r.status_code == status, (name, r.text)
+            if status == 404:
+                err = r.json()["error"]
+                assert err["code"] == "model_not_found" and "'tiny'" in err["message"] and err["param"] == "model"
 
 
 async def test_bad_completion_prompts(coordinator_url: str) -> None:

@@ -24,6 +24,7 @@ from swarm.errors import SliceError
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import SliceCache, SlicePlan, build_manifest, cut_slice, plan_slice
 from swarm.model.sources import CoordinatorSource, OriginSource, fetch_slice_from
+from swarm.progress import Transfers
 from swarm.protocol.manifest import ModelManifest
 from tests.conftest import FIXTURES
 
@@ -126,9 +127,13 @@ async def test_wrong_bytes_and_a_mirror_without_range_are_dropped_and_the_next_s
     async with httpx.AsyncClient() as client:
         sources = [OriginSource(client, liar), OriginSource(client, no_range),
                    CoordinatorSource(client, coordinator_url, expected_sha256=sha(want))]
+        names: set[str] = set()
+        progress = Transfers(lambda v, _: names.add(v.name), min_interval_s=0)
         res = await fetch_slice_from(sources, manifest, LAYER, LO, HI, dest, expected_sha256=sha(want),
-                                     group_bytes=GROUP, backoff_s=0.01, progress=True)  # the bar names the source
+                                     group_bytes=GROUP, backoff_s=0.01, progress=progress)
     assert dest.read_bytes() == want
+    # the progress names the source it reads from (cut to 40 characters)
+    assert {n.split(" ")[2] for n in names if " from " in n} == {"origin", "coordinator"}, names
     group = 2 * plan.bytes_per_expert
     # the liar gave the first group (experts 3-4), sent a wrong expert 5 in the second, and was never asked again
     assert res.lied == [sources[0].name]

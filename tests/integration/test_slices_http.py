@@ -25,6 +25,7 @@ from swarm.errors import SliceError
 from swarm.model.fetch import fetch_slice
 from swarm.model.gguf import GGUFModel
 from swarm.model.slices import SliceCache, build_manifest, cut_slice
+from swarm.progress import Transfers, TransferView
 from swarm.protocol.manifest import ModelManifest
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden" / "qwen3moe-tiny-f32.gguf"
@@ -267,31 +268,33 @@ def sibling(dest: Path, suffix: str) -> Path:
     return dest.with_name(dest.name + suffix)
 
 
-async def test_fetch_downloads_verifies_and_caches(server: Server, client: httpx.AsyncClient, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+async def test_fetch_downloads_verifies_and_caches(server: Server, client: httpx.AsyncClient, tmp_path: Path) -> None:
     dest = tmp_path / "dl" / "slice.safetensors"
-    assert await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha, progress=True) == dest
+    seen: list[tuple[str, TransferView]] = []
+    progress = Transfers(lambda v, event: seen.append((event, v)), min_interval_s=0)
+    assert await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha, progress=progress) == dest
     assert dest.read_bytes() == server.data
     assert sorted(p.name for p in dest.parent.iterdir()) == ["slice.safetensors"]
-    assert "slice.safetensors" in capsys.readouterr().err  # the progress bar
+    # the progress: counted from zero to the whole file, under the slice's name
+    assert seen[0][0] == "start" and seen[0][1].name == "slice.safetensors" and seen[0][1].total == len(server.data)
+    assert seen[-1][0] == "end" and seen[-1][1].done == len(server.data) and progress.running() == []
     served = server.recorder.slice_requests()
     assert [(r.status, r.body_bytes) for r in served] == [(200, len(server.data))]
 
     # cached: with a known digest no request at all; without one, a conditional GET answered 304
-    await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha.upper(), progress=False)
+    await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha.upper())
     assert len(server.recorder.slice_requests()) == 1
-    await fetch_slice(client, server.slice_url(), dest, expected_sha256=None, progress=False)
+    await fetch_slice(client, server.slice_url(), dest, expected_sha256=None)
     last = server.recorder.slice_requests()[-1]
     assert (last.status, last.body_bytes, last.headers["if-none-match"]) == (304, 0, f'"{server.sha}"')
     assert dest.read_bytes() == server.data
-    assert capsys.readouterr().err == ""
 
 
 async def test_fetch_resumes_a_part_file(server: Server, client: httpx.AsyncClient, tmp_path: Path) -> None:
     dest = tmp_path / "slice.safetensors"
     half = len(server.data) // 2
     sibling(dest, ".part").write_bytes(server.data[:half])
-    await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha, progress=False)
+    await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha)
     assert dest.read_bytes() == server.data
     assert not sibling(dest, ".part").exists()
     (r,) = server.recorder.slice_requests()
@@ -307,13 +310,13 @@ async def test_fetch_restarts_when_the_part_is_stale(server: Server, client: htt
     dest = tmp_path / "a.safetensors"
     sibling(dest, ".part").write_bytes(b"\xee" * half)
     sibling(dest, ".part.etag").write_text('"' + "0" * 64 + '"')
-    await fetch_slice(client, server.slice_url(), dest, expected_sha256=None, progress=False)
+    await fetch_slice(client, server.slice_url(), dest, expected_sha256=None)
     assert dest.read_bytes() == server.data
     assert [(r.status, r.body_bytes) for r in server.recorder.slice_requests()] == [(200, n)]
     # 2. the part is garbage under the right ETag: resuming fails the check, so it starts again from zero
     dest = tmp_path / "b.safetensors"
     sibling(dest, ".part").write_bytes(b"\xee" * half)
-    await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha, progress=False)
+    await fetch_slice(client, server.slice_url(), dest, expected_sha256=server.sha)
     assert dest.read_bytes() == server.data
     assert [(r.status, r.body_bytes) for r in server.recorder.slice_requests()[1:]] == [(206, n - half), (200, n)]
     assert not sibling(dest, ".part").exists() and not sibling(dest, ".part.etag").exists()
@@ -323,7 +326,7 @@ async def test_fetch_retries_an_interrupted_transfer(server: Server, client: htt
                                                      tmp_path: Path) -> None:
     dest = tmp_path / "slice.safetensors"
     n, half = len(server.data), len(server.data) // 2
-    await fetch_slice(client, server.slice_url("/flaky"), dest, expected_sha256=None, progress=False, backoff=0.01)
+    await fetch_slice(client, server.slice_url("/flaky"), dest, expected_sha256=None, backoff=0.01)
     assert dest.read_bytes() == server.data
     first, second = server.recorder.slice_requests()
     assert (first.status, first.body_bytes) == (200, half)
@@ -338,7 +341,7 @@ async def test_fetch_rejects_corrupted_bytes(server: Server, client: httpx.Async
     dest = tmp_path / "dl" / "slice.safetensors"
     with pytest.raises(SliceError, match="sha256"):
         await fetch_slice(client, server.slice_url("/corrupt"), dest,
-                          expected_sha256=server.sha if expected else None, progress=False)
+                          expected_sha256=server.sha if expected else None)
     assert list(dest.parent.iterdir()) == []
     assert len(server.recorder.slice_requests()) == 1
 
@@ -347,11 +350,11 @@ async def test_fetch_wrong_expected_digest_and_http_errors(server: Server, clien
                                                            tmp_path: Path) -> None:
     dest = tmp_path / "dl" / "slice.safetensors"
     with pytest.raises(SliceError, match="expected"):
-        await fetch_slice(client, server.slice_url(), dest, expected_sha256="0" * 64, progress=False)
+        await fetch_slice(client, server.slice_url(), dest, expected_sha256="0" * 64)
     with pytest.raises(SliceError, match="404.*not hosted"):
         await fetch_slice(client, f"{server.url}/v1/slices/nope-000000000000/0/0-1", dest,
-                          expected_sha256=None, progress=False)
+                          expected_sha256=None)
     assert [r.status for r in server.recorder.slice_requests()] == [200, 404]  # no retries of a 4xx
     assert list(dest.parent.iterdir()) == []
     with pytest.raises(SliceError, match="64 hex"):
-        await fetch_slice(client, server.slice_url(), dest, expected_sha256="abc", progress=False)
+        await fetch_slice(client, server.slice_url(), dest, expected_sha256="abc")

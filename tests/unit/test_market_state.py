@@ -511,3 +511,42 @@ def test_the_dashboard_history_samples_every_5_s_for_15_minutes() -> None:
     first.record_poll(URL, 3, 4, 0.0, tps=120.5)
     first.tick(0.0)
     assert [(s.busy, s.slots, s.tokens_per_s) for s in first.history()[0].samples] == [(3, 4, 120.5)]
+
+
+def test_a_paused_volunteer_is_not_counted_nor_assigned_nor_dropped_and_comes_back() -> None:
+    """A volunteer whose owner paused it (``CoverageHeartbeat.paused``) reports its slices draining: they
+    leave the map and the counts, its polls get nothing, its heartbeats keep it alive; resumed, it serves."""
+    m = registered()
+    m.heartbeat(hb("a", 1, (0, 0, 8, SERVING), serve_ms=1), 0.0)
+    m.report(CoordinatorReport(url=URL, model_id=MID, workers=[ReportedWorker(peer_id="a", calls=1, rows=1, verified=1)]), 0.1)
+    m.tick(0.2)
+    assert m.dispatch_map(MID).peers().keys() == {"a"} and m.ix.counts[MID].replicas[0] == [1] * 8
+
+    def paused(seq: int, now: float, why: str) -> None:
+        m.heartbeat(msgspec.structs.replace(hb("a", seq, (0, 0, 8, HeldState.DRAINING)), paused=why), now)
+
+    paused(2, 1.0, "user_active")
+    m.tick(1.1)
+    assert m.dispatch_map(MID).peers() == {} and m.ix.counts[MID].replicas[0] == [0] * 8  # not counted
+    assert m.demand(1.1).models[0].segments[0].replicas == 0  # so its experts are in demand again
+    no = m.volunteer(VolunteerRequest("a", max_bytes=10**6, epoch=1, sequence=3), 1.2)
+    assert isinstance(no, NoOffer) and no.reason is NoOfferReason.PAUSED  # and it is not assigned
+    credit = m.volunteer_credit("a", 1.2)
+    assert credit.paused == "user_active" and credit.slices == [str(SliceRef(MID, 0, 0, 8))]  # still held
+    [w] = m.recruitment(1.2).models[0].workers
+    assert w.paused == "user_active" and w.slices[0].state == "draining" and not w.dispatched
+    # paused for longer than the heartbeat TTL, heartbeating all along: never expired
+    for i, now in enumerate((4.0, 7.0, 10.0, 13.0)):
+        paused(4 + i, now, "user_active")
+        assert m.tick(now + 0.1).expired_volunteers == []
+    assert "a" in m.ix.volunteers and SliceRef(MID, 0, 0, 8) in m.ix.coverage["a"]
+    # resumed: serving, counted and mapped again; its polls get answers again
+    m.heartbeat(hb("a", 8, (0, 0, 8, SERVING)), 14.0)
+    m.tick(14.1)
+    assert m.dispatch_map(MID).peers().keys() == {"a"} and m.ix.counts[MID].replicas[0] == [1] * 8
+    again = m.volunteer(VolunteerRequest("a", max_bytes=10**6, epoch=1, sequence=9), 14.2)
+    assert not (isinstance(again, NoOffer) and again.reason is NoOfferReason.PAUSED)
+    assert m.volunteer_credit("a", 14.2).paused == ""
+    kinds = [(e.kind, e.detail) for e in m.events().events if e.kind in ("paused", "resumed")]
+    assert kinds == [("paused", "user_active"), ("resumed", "")]
+    assert m.ix.counts == m.ix.recount()

@@ -268,3 +268,35 @@ def test_a_slice_still_loading_stays_loading_while_the_budget_is_stuck() -> None
 def test_budget_watch(samples: list[tuple[float, int, int, int]], verdicts: list[bool]) -> None:
     w = BudgetWatch(window_s=30.0)
     assert [w.observe(now, held=h, refused=r, given=g) for now, h, r, g in samples] == verdicts
+
+
+def test_paused_reports_draining_stops_polling_keeps_heartbeating_and_resumes() -> None:
+    c = serving()
+    seq = c.sequence
+    assert c.set_paused(True, 5.0) == [SendHeartbeat(seq + 1)]  # at once
+    assert [st for _, st in c.reported()] == ["draining"] and KEY in c.holdings  # kept, not counted
+    assert c.set_paused(True, 5.5) == []
+    assert not c.has_room() and c.nothing_needed(1.0, 6.0) == [] and c.poll_failed(6.0) == []
+    assert c.tick(5.0 + c.heartbeat_s) == [SendHeartbeat(seq + 2)]  # the period goes on
+    eff = c.set_paused(False, 10.0)
+    assert eff[0] == SendHeartbeat(seq + 3) and [st for _, st in c.reported()] == ["serving"]
+    # room for another slice (a byte budget): the poll comes after the heartbeat that says "serving"
+    roomy = Lifecycle(rng=random.Random(1), max_bytes=10_000, max_slices=4)
+    roomy.start(0.0)
+    roomy.offered(OFFER, 0.0)
+    roomy.fetched(OFFER, 1.0)
+    roomy.set_paused(True, 2.0)
+    resumed = roomy.set_paused(False, 3.0)
+    assert isinstance(resumed[0], SendHeartbeat) and isinstance(resumed[1], Poll) and resumed[1].at >= 3.0
+
+
+def test_a_paused_volunteer_holding_nothing_still_heartbeats_so_the_market_knows() -> None:
+    c = lc()
+    [first_poll] = c.start(0.0)
+    assert c.set_paused(True, 0.1) == [SendHeartbeat(1)]
+    assert not c.wants_poll(first_poll.at)  # the poll already scheduled is skipped
+    assert c.tick(0.1 + c.heartbeat_s) == [SendHeartbeat(2)]
+    eff = c.set_paused(False, 5.0)
+    assert eff[0] == SendHeartbeat(3) and isinstance(eff[1], Poll)
+    assert c.tick(5.0 + 10 * c.heartbeat_s) == []  # nothing held, not paused: silent again (it polls)
+    assert c.stop(6.0) == [] and c.set_paused(True, 7.0) == []  # stopping: no more changes

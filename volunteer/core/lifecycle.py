@@ -28,6 +28,11 @@ Rules:
   is reported, not hidden: while ``stuck``, every loaded slice is reported ``draining`` (the market
   stops dispatching it and recruits in its place); the heartbeat goes out at once when that changes,
   and the slices are ``serving`` again once the budget moves.
+- Paused (``paused``: the owner's preferences, ``volunteer.core.preferences``): every loaded slice is
+  reported ``draining`` (not counted, not dispatched, kept), no polls, and heartbeats go on -- even
+  holding nothing -- so the market knows it is paused, not gone (the shell puts the reason on the
+  wire). A change is reported at once; on resuming the slices are ``serving`` again and polling
+  resumes after that heartbeat.
 - Shutdown: report every slice ``draining``, wait for in-flight calls (the shell), then send an
   empty heartbeat (deregister).
 """
@@ -146,6 +151,7 @@ class Lifecycle:
     next_heartbeat: float | None = None
     poll_failures: int = 0
     stuck: bool = False  # the request budget refuses while nothing comes back (``budget_stuck``)
+    paused: bool = False  # the owner's preferences say not now (``set_paused``)
     log: list[str] = field(default_factory=list)
 
     # -- views --------------------------------------------------------------------------------------
@@ -173,7 +179,7 @@ class Lifecycle:
 
     def has_room(self) -> bool:
         """May we take another slice now?"""
-        if self.stopping or self.fetching is not None or self.full or len(self.holdings) >= self.max_slices:
+        if self.stopping or self.paused or self.fetching is not None or self.full or len(self.holdings) >= self.max_slices:
             return False
         if self.max_bytes is None and self.max_experts is None:
             return not self.holdings
@@ -187,7 +193,7 @@ class Lifecycle:
             if h.state == "loading":
                 state = "draining" if self.stopping else "loading"
             else:
-                state = "draining" if self.stopping or self.stuck else "serving"
+                state = "draining" if self.stopping or self.stuck or self.paused else "serving"
             out.append((h, state))
         return out
 
@@ -201,6 +207,18 @@ class Lifecycle:
             return []
         self.next_heartbeat = now + self.heartbeat_s
         return self._heartbeat()
+
+    def set_paused(self, paused: bool, now: float) -> list[Effect]:
+        """The owner's preferences changed the verdict: report it at once; polling resumes after that."""
+        if paused == self.paused or self.stopping:
+            return []
+        self.paused = paused
+        self.log.append("paused" if paused else "resumed")
+        self.next_heartbeat = now + self.heartbeat_s
+        out = self._heartbeat()
+        if not paused:
+            out += self._poll_after(now, self.poll_interval_s * self.jitter)
+        return out
 
     # -- polling ------------------------------------------------------------------------------------
     def _jittered(self, s: float) -> float:
@@ -319,7 +337,7 @@ class Lifecycle:
         for key, h in list(self.holdings.items()):
             if not h.acked and now >= h.lease_deadline:
                 out += self._drop(key, "lease_lapsed", now)
-        if self.holdings and self.next_heartbeat is not None and now >= self.next_heartbeat:
+        if (self.holdings or self.paused) and self.next_heartbeat is not None and now >= self.next_heartbeat:
             self.next_heartbeat = now + self.heartbeat_s
             if not any(isinstance(e, SendHeartbeat) for e in out):
                 out += self._heartbeat()
