@@ -522,7 +522,7 @@ class Dispatcher:
         jobs = self._jobs(layer, x, ids, w)
         if waker is None:
             waker = ThreadWaker.current()
-        if isinstance(waker, ThreadWaker) and self.lane_driver is not None:
+        if isinstance(waker, ThreadWaker):
             waker.source = self.lane_driver  # the driver reads its lanes' answers while it waits
         call = LayerCall(layer, int(ids.shape[0]), jobs, waker, x, ids, w)
         call.timing.begin = t0

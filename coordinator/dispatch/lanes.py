@@ -78,6 +78,9 @@ class Lane:
     opener: Opener
     hello: Hello  # the peer's Hello on its expert stream: the dtypes and limits it accepts
     pending: dict[RequestKey, _Pending] = field(default_factory=dict)
+    # one driver at a time reads or writes it (the engine's thread; a second driving thread, as tests
+    # may have, waits here instead of interleaving records)
+    io: threading.Lock = field(default_factory=threading.Lock)
     dead: str = ""  # why it ended ("": live)
     sent: int = 0
     answered: int = 0
@@ -219,12 +222,17 @@ class LaneDriver:
         except LocalProtocolError as exc:
             return self.executor.finish(w, exc, 0.0)
         key = (req.request_id, req.attempt)
-        lane.pending[key] = _Pending(w, req, time.perf_counter())
         self.executor.started(w, lane=True)
-        try:
-            _send_all(lane.sock, lane.sealer.seal(frame), self.write_timeout_s)
-        except OSError as exc:
-            return self._kill(lane, f"write failed: {type(exc).__name__}: {exc}")
+        with lane.io:
+            lane.pending[key] = _Pending(w, req, time.perf_counter())
+            try:
+                _send_all(lane.sock, lane.sealer.seal(frame), self.write_timeout_s)
+            except OSError as exc:
+                failed = f"write failed: {type(exc).__name__}: {exc}"
+            else:
+                failed = ""
+        if failed:
+            return self._kill(lane, failed)
         lane.sent += 1
         if w.call is not None:
             w.call.timing.sent = w.call.timing.sent or time.perf_counter()
@@ -250,8 +258,10 @@ class LaneDriver:
         """Read the ready lanes' answers, close the dropped ones, fire the due timers."""
         events: list[Event] = []
         socks = set(ready)
-        for lane in list(self.hub.lanes.values()):
-            if lane.sock in socks and not lane.dead:
+        with self.hub.lock:
+            lanes = [lane for lane in self.hub.lanes.values() if lane.sock in socks and not lane.dead]
+        for lane in lanes:
+            with lane.io:
                 events += self._read(lane)
         for lane in self._closing:
             events += self._kill(lane, lane.dead or "dropped")
