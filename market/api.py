@@ -296,7 +296,7 @@ class _MarketCollector(Collector):
                 now = self.api.clock()
                 _, holes = remote_and_holes(m.ix, mid)
                 counts = m.ix.counts[mid]
-                models.append(_ModelGauges(mid, m.ix.recruiting(mid), m.ix.saturated(mid, now), m.ix.target(mid),
+                models.append(_ModelGauges(mid, m.ix.recruiting(mid), m.ix.saturated_now(mid, now), m.ix.target(mid),
                                            counts.min_replicas(), m.map_version(mid), holes))
                 for layer, row in enumerate(counts.replicas[: max(0, METRICS_MAX_LAYER_SERIES - len(layers))]):
                     layers.append((mid, layer, min(row, default=0)))
@@ -327,7 +327,8 @@ class _MarketCollector(Collector):
         yield g
         per_model = {
             "recruiting": ("moe_swarm_market_recruiting", "1 while the model's target is boosted"),
-            "saturated": ("moe_swarm_market_saturated", "1 while a coordinator of the model is saturated"),
+            "saturated": ("moe_swarm_market_saturated", "1 while a coordinator of the model is saturated, by its last poll (before "
+                                      "hysteresis: moe_swarm_market_recruiting is the smoothed signal)"),
             "target": ("moe_swarm_market_effective_target", "Replicas wanted per expert"),
             "min": ("moe_swarm_market_replicas_min", "Fewest live replicas of any expert"),
             "version": ("moe_swarm_market_map_version", "Dispatch map version"),

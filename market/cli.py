@@ -2,7 +2,7 @@
 
 ``moe-swarm market --db PATH [--host H] [--port P] --token T | --insecure-no-token [--relay MULTIADDR ...]
 [--poll-interval S] [--saturation-threshold N] [--base-target N] [--boost N] [--lease-s S]
-[--heartbeat-ttl-s S] [--cooldown-s S] [--hold-s S] ...``
+[--heartbeat-ttl-s S] [--cooldown-s S] [--rise-s S] [--hold-s S] ...``
 
 Rules: flags are parsed once into a frozen config (constraints checked: ``ConfigError``); the
 token falls back to ``MOE_SWARM_TOKEN``, read here at the edge; ``--db :memory:`` keeps the
@@ -44,8 +44,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="busy slots at which a coordinator counts as saturated")
     p.add_argument("--base-target", type=int, default=d.base_target, help="replicas wanted per expert")
     p.add_argument("--boost", type=int, default=d.boost, help="extra replicas per expert while saturated")
+    p.add_argument("--rise-s", type=float, default=d.rise_s,
+                   help="saturated this long (dips shorter than this do not count) before the model counts as "
+                        "saturated and the boost starts (hysteresis)")
     p.add_argument("--hold-s", type=float, default=d.hold_s,
-                   help="unsaturated this long before the boost ends (hysteresis)")
+                   help="no saturated poll for this long before the model counts as unsaturated and the boost ends")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="how long a handed-out slice stays reserved")
     p.add_argument("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s,
                    help="a volunteer silent this long expires")
@@ -106,6 +109,7 @@ def config_from_args(ns: argparse.Namespace) -> MarketConfig:
             "saturation_threshold": ns.saturation_threshold,
             "base_target": ns.base_target,
             "boost": ns.boost,
+            "rise_s": ns.rise_s,
             "hold_s": ns.hold_s,
             "lease_s": ns.lease_s,
             "heartbeat_ttl_s": ns.heartbeat_ttl_s,

@@ -293,11 +293,13 @@ class Indexes:
                                      r.proved))
         return out
 
-    def saturated(self, model_id: str, now: float) -> bool:
+    def saturated_now(self, model_id: str, now: float) -> bool:
+        """What the fresh polls say at ``now``, before hysteresis (the raw signal)."""
         obs = observe(self.poll_views(model_id), now, self.recruit_policy)
         return obs is not None and obs.saturated
 
     def recruiting(self, model_id: str) -> bool:
+        """The model's saturation signal after hysteresis (``market.core.recruit``): saturated, boosted."""
         st = self.recruit.get(model_id)
         return st is not None and st.recruiting
 

@@ -198,7 +198,6 @@ class Market:
         self._unlisted_since: dict[str, float] = {}  # model -> since when no coordinator lists it (runtime)
         self._events: deque[MarketEvent] = deque(maxlen=1000)  # the dashboard's event log (runtime)
         self._event_seq = 0
-        self._saturated_was: dict[str, bool] = {}
         self._history: dict[str, deque[HistorySample]] = {}  # the dashboard's charts: 15 min, every 5 s (runtime)
         self._history_at = -math.inf
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
@@ -896,12 +895,15 @@ class Market:
                 changes.append(Put(RecruitRow(mid, new.recruiting, now)))
                 rep.recruiting_changed.append(mid)
                 self.ix.touch(mid)
-                log.info("model %s: recruiting %s", mid, "on" if new.recruiting else "off")
-                self._event("recruiting" if new.recruiting else "recruiting_ended", now, model_id=mid)
-            sat = self.ix.saturated(mid, now)
-            if sat != self._saturated_was.get(mid, False):
-                self._saturated_was[mid] = sat
-                self._event("saturated" if sat else "unsaturated", now, model_id=mid)
+                rp = self.ix.recruit_policy
+                if new.recruiting:
+                    why = (f"busy >= {rp.saturation_threshold} for {new.saturated_for(now):.0f} s (--rise-s {rp.rise_s:g}): "
+                           f"target +{self.policy.boost}, recruiting")
+                else:
+                    idle = now - new.last_saturated_at if new.last_saturated_at is not None else rp.hold_s
+                    why = f"below {rp.saturation_threshold} busy for {idle:.0f} s (--hold-s {rp.hold_s:g}): boost ended"
+                log.info("model %s: %s", mid, ("saturated: " if new.recruiting else "unsaturated: ") + why)
+                self._event("saturated" if new.recruiting else "unsaturated", now, model_id=mid, detail=why)
         for mid in sorted(self.ix.dirty_ageout):
             self._age_out(mid, now, changes, rep)
         self.ix.dirty_ageout.clear()

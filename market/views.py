@@ -8,8 +8,9 @@ Rules:
   recruitment view lists down ones too, with ``hosting: false``.
 - A view asked about a model that is not registered raises ``RequestError`` ``unknown_model``
   (404, ``param="model"``).
-- Views decide nothing of their own: saturation is ``market.core.recruit``'s
-  (``coordinator_saturated`` per coordinator, ``observe`` per model), targets and segments are
+- Views decide nothing of their own: saturation is ``market.core.recruit``'s (``coordinator_saturated``
+  per coordinator and ``observe`` per model: ``saturated_now``, the raw signal; a model's ``saturated``
+  is the smoothed one, ``step``'s hysteresis, which also drives the boost), targets and segments are
   ``market.core.demand``'s, a holding's state name follows ``market.core.directive``.
 - Models, workers and slices are listed in sorted order; ages are rounded to milliseconds.
 """
@@ -67,7 +68,7 @@ def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None)
             ModelDemand(
                 mid,
                 hosted=bool(ix.hosts_of(mid)),
-                saturated=ix.saturated(mid, now),
+                saturated=ix.recruiting(mid),
                 recruiting=ix.recruiting(mid),
                 base_target=ix.policy.base_target,
                 effective_target=target,
@@ -75,6 +76,7 @@ def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None)
                 segments=segments(c, ix.targets(mid)),
                 remote_target=remote,
                 holes=holes,
+                saturated_now=ix.saturated_now(mid, now),
             )
         )
     return DemandView(any(ix.recruiting(m) for m in ix.models), out)
@@ -110,7 +112,7 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                 mid,
                 busy=busy,
                 slots=slots,
-                saturated=ix.saturated(mid, now),
+                saturated=st.recruiting,
                 recruiting=st.recruiting,
                 recruiting_for_s=round(now - st.changed_at, 3) if st.recruiting else None,
                 base_target=ix.policy.base_target,
@@ -123,6 +125,8 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                 holes=holes,
                 tokens_per_s=round(sum(ix.polls[u].tps for u in ix.hosts_of(mid)
                                        if u in ix.polls and ix.polls[u].ok), 2),
+                saturated_now=ix.saturated_now(mid, now),
+                saturated_for_s=round(st.saturated_for(now), 3) if ix.saturated_now(mid, now) else None,
             )
         )
     return RecruitmentView(any(m.recruiting for m in out), out)

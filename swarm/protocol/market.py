@@ -388,6 +388,9 @@ class ModelDemand(msgspec.Struct):
     # experts some hosting coordinator does not compute itself: their effective target (None: there are none)
     remote_target: int | None = None
     holes: int = 0  # experts nobody can compute now: no replica, and not every hosting coordinator holds them
+    # ``saturated`` is the smoothed signal (on after --rise-s saturated, off after --hold-s not; it drives the
+    # boost); this is what the fresh polls say right now, before that hysteresis
+    saturated_now: bool = False
 
 
 class DemandView(msgspec.Struct):
@@ -450,6 +453,8 @@ class ModelRecruitment(msgspec.Struct):
     remote_target: int | None = None  # as in ModelDemand
     holes: int = 0
     tokens_per_s: float = 0.0  # decode tokens/s of its coordinators' busy slots at their last polls
+    saturated_now: bool = False  # as in ModelDemand: the raw signal (``saturated`` is after hysteresis)
+    saturated_for_s: float | None = None  # how long the current run of saturated polls has lasted
 
 
 class VolunteerCredit(msgspec.Struct):
@@ -474,8 +479,8 @@ class VolunteerCredit(msgspec.Struct):
 class MarketEvent(msgspec.Struct):
     """One entry of the market's event log (``GET /api/events``): ``kind`` is one of assigned,
     loading, serving, draining, restored, released, expired, lease_expired, unproven, download_overdue,
-    quarantined, recruiting, recruiting_ended, saturated, unsaturated, host_down, host_up,
-    coordinator_gone, model_dropped."""
+    quarantined, saturated, unsaturated (the model's smoothed saturation signal: the boost and
+    recruitment start and end with it), host_down, host_up, coordinator_gone, model_dropped."""
 
     seq: int
     at_ms: int

@@ -439,12 +439,12 @@ def test_cli_flags_make_the_config() -> None:
     ns = p.parse_args(["market", "--db", "/tmp/x.db", "--port", "9001", "--token", "t", "--relay", "/ip4/1.2.3.4/tcp/1",
                        "--relay", "/ip4/5.6.7.8/tcp/2", "--poll-interval", "0.5", "--saturation-threshold", "3",
                        "--base-target", "2", "--boost", "2", "--lease-s", "7", "--heartbeat-ttl-s", "9",
-                       "--cooldown-s", "4", "--hold-s", "6"])
+                       "--cooldown-s", "4", "--rise-s", "1.5", "--hold-s", "6"])
     cfg = config_from_args(ns)
     assert cfg.db == "/tmp/x.db" and cfg.port == 9001 and cfg.token == "t"
     assert cfg.relays == ("/ip4/1.2.3.4/tcp/1", "/ip4/5.6.7.8/tcp/2") and cfg.poll_interval_s == 0.5
     assert cfg.policy == MarketPolicy(saturation_threshold=3, base_target=2, boost=2, lease_s=7.0,
-                                      heartbeat_ttl_s=9.0, cooldown_s=4.0, hold_s=6.0)
+                                      heartbeat_ttl_s=9.0, cooldown_s=4.0, rise_s=1.5, hold_s=6.0)
     assert ns.func.__name__ == "run" and ns.func.__module__ == "market.cli"
     with pytest.raises(ConfigError, match="^--boost: "):
         config_from_args(p.parse_args(["market", "--db", ":memory:", "--boost", "-1"]))

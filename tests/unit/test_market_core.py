@@ -335,12 +335,57 @@ def _run(events: list[tuple[float, bool | None]], policy: RecruitPolicy = P) -> 
         ([(0, True), (2, False), (4, True), (6, True), (8, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
          [False, False, False, False, True]),
         ([(0, False), (2, False)], P, [False, False]),
+        # rise_s with dips shorter than it: the count goes on (sampling noise, not the end of the load) ...
+        ([(0, True), (1, False), (2, True), (3, False), (4, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
+         [False, False, False, False, True]),
+        # ... a gap longer than rise_s starts it again
+        ([(0, True), (2, True), (6, True), (8, True), (9, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
+         [False, False, False, False, True]),
     ],
-    ids=["boost-then-fall", "flapping", "no-info", "rise", "never"],
+    ids=["boost-then-fall", "flapping", "no-info", "rise", "never", "rise-through-dips", "rise-restarts"],
 )
 def test_recruitment_hysteresis(events: list[tuple[float, bool | None]], policy: RecruitPolicy,
                                 want: list[bool]) -> None:
     assert _run(events, policy) == want
+
+
+# A flapping load in virtual time with the default hysteresis (S = rise_s = 2 s, U = hold_s = 10 s): one
+# coordinator polled once a second (the market's default interval), one character per poll: "." idle,
+# "1" busy below the threshold (2), "3" saturated; the market steps the signal at every poll. The raw
+# signal is what the event log showed before (a saturated/unsaturated pair per flip).
+FLAPPING = [
+    # (load, the smoothed signal's transitions (t, on), flips of the raw signal)
+    ("." * 10 + "3" * 20 + "." * 30, [(12, True), (39, False)], 2),  # steady load: on after 2 s, off 10 s after
+    ("." * 10 + "31" * 15 + "." * 30, [(12, True), (48, False)], 30),  # saturated every other poll: the demo's flood
+    ("." * 10 + "331" * 10 + "." * 30, [(13, True), (48, False)], 20),  # a dip every third poll
+    ("." * 10 + "33" + "." * 30, [], 2),  # a 1 s burst is no load
+    ("." * 10 + "3...3...3" + "." * 30, [], 6),  # single busy polls 4 s apart: each gap restarts the count
+    ("." * 5 + "3" * 10 + "." * 8 + "3" * 10 + "." * 20, [(7, True), (42, False)], 4),  # a lull shorter than U
+    ("." * 5 + "3" * 10 + "." * 15 + "3" * 10 + "." * 20, [(7, True), (24, False), (32, True), (49, False)], 4),
+]
+
+
+@pytest.mark.parametrize(("load", "want", "raw_flips"), FLAPPING,
+                         ids=["steady", "every-other-poll", "dip-every-third", "burst", "sparse", "short-lull",
+                              "long-lull"])
+def test_a_flapping_load_gives_one_steady_saturation_signal(load: str, want: list[tuple[int, bool]],
+                                                            raw_flips: int) -> None:
+    policy = RecruitPolicy()
+    assert (policy.rise_s, policy.hold_s) == (2.0, 10.0)
+    st = RecruitState()
+    got: list[tuple[int, bool]] = []
+    raw: list[bool] = []
+    for t, c in enumerate(load):
+        poll = PollView({".": 0, "1": 1, "3": 3}[c], 4, float(t))
+        obs = observe([poll], float(t), policy)
+        assert obs is not None
+        raw.append(obs.saturated)
+        new = step(st, obs, float(t), policy)
+        if new.recruiting != st.recruiting:
+            got.append((t, new.recruiting))
+        st = new
+    assert got == want
+    assert sum(a != b for a, b in zip([False, *raw], raw, strict=False)) == raw_flips
 
 
 def H(key: str, lo: int, hi: int, since: float, *, serving: bool = True, proven: bool = False, counted: bool = True,

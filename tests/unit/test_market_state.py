@@ -239,9 +239,31 @@ def test_views_and_recruitment_share_one_saturation_rule() -> None:
     m.record_poll(URL, 3, 4, 0.0)  # busy 3 >= threshold 2
     for now, want in [(5.0, True), (5.01, False)]:  # POLICY.poll_stale_s == 5.0
         view = m.recruitment(now).models[0]
-        assert (view.coordinators[0].saturated, view.saturated) == (want, want)
-        assert m.demand(now).models[0].saturated is want
-        assert m.ix.saturated(MID, now) is want
+        assert (view.coordinators[0].saturated, view.saturated_now) == (want, want)
+        assert m.demand(now).models[0].saturated_now is want
+        assert m.ix.saturated_now(MID, now) is want
+        assert not view.saturated  # one poll is no sustained load (hysteresis: rise_s)
+
+
+def test_a_flapping_load_logs_one_saturated_and_one_unsaturated_event() -> None:
+    """Saturated at every other poll for 40 s (the demo's load, which flooded the event log with a
+    saturated/unsaturated pair every 1-3 s): one ``saturated`` once the load lasted rise_s, one
+    ``unsaturated`` hold_s after its last saturated poll; the views say saturated throughout."""
+    m = registered()
+    sat_views, targets = [], []
+    for k in range(60):
+        now = float(k)
+        m.record_poll(URL, (3 if k % 2 == 0 else 1) if k < 40 else 0, 4, now)
+        m.tick(now)
+        view = m.recruitment(now).models[0]
+        sat_views.append(view.saturated)
+        targets.append(view.effective_target)
+    got = [(e.kind, e.at_ms, e.detail) for e in m.events().events if e.kind in ("saturated", "unsaturated")]
+    assert [(k, at) for k, at, _ in got] == [("saturated", 2000), ("unsaturated", 48000)]
+    assert got[0][2] == "busy >= 2 for 2 s (--rise-s 2): target +1, recruiting"
+    assert got[1][2] == "below 2 busy for 10 s (--hold-s 10): boost ended"
+    assert sat_views == [False] * 2 + [True] * 46 + [False] * 12
+    assert targets == [1] * 2 + [2] * 46 + [1] * 12  # the boost follows the signal: one rise, one fall
 
 
 @pytest.mark.parametrize(
