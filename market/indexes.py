@@ -72,6 +72,7 @@ class LiveVolunteer:
     display_name: str = ""  # volunteer-chosen (stranger text), control characters removed
     share_slices: bool = False  # it serves its slices to downloading volunteers (its last heartbeat said so)
     stored: bool = True  # its row is in the store (False: an identity that never held anything, memory only)
+    download: tuple[SliceRef, float] | None = None  # a slice it reports loading and the share downloaded (0..1)
 
 
 @dataclass
@@ -292,6 +293,11 @@ class Indexes:
                                      r.dispatched, v.share_slices if v else False, q is not None and q.until > now,
                                      r.proved))
         return out
+
+    def quarantine_of(self, peer_id: str, now: float) -> QuarantineRow | None:
+        """Its quarantine, while it lasts."""
+        q = self.quarantined.get(peer_id)
+        return q if q is not None and q.until > now else None
 
     def saturated_now(self, model_id: str, now: float) -> bool:
         """What the fresh polls say at ``now``, before hysteresis (the raw signal)."""

@@ -36,6 +36,7 @@ __all__ = [
     "MarketEvent",
     "QuarantineEvidence",
     "DemandView",
+    "DownloadProgress",
     "HeldSlice",
     "ModelDemand",
     "ModelRecruitment",
@@ -150,6 +151,17 @@ class HeldSlice(msgspec.Struct, forbid_unknown_fields=True):
     last_serve_ms: NonNeg = 0  # Unix ms of its last served call for this slice; 0 = never
 
 
+class DownloadProgress(msgspec.Struct, forbid_unknown_fields=True):
+    """A slice its volunteer is downloading and how far it got (``CoverageHeartbeat.download``)."""
+
+    model_id: ModelId
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    done_bytes: NonNeg
+    total_bytes: Annotated[int, msgspec.Meta(gt=0, le=1 << 44)]
+
+
 class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /api/expert-coverage``: the volunteer's whole holding, signed by its libp2p key.
 
@@ -160,7 +172,8 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     that speak one of them (all coordinators speak 2 now).
     """
 
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name", "share_slices"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name", "share_slices",
+                                                           "download"})
 
     peer_id: PeerId
     epoch: Epoch
@@ -181,6 +194,8 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     # it serves its slices to other volunteers downloading them (``/moe-swarm/slice/1``); older
     # volunteers do not, and one that opted out says False
     share_slices: bool = False
+    # how far the download of a slice it reports ``loading`` got (the dashboard's "downloading 40 %")
+    download: DownloadProgress | None = None
 
 
 
@@ -419,6 +434,7 @@ class WorkerSliceView(msgspec.Struct):
     last_serve_ms: int
     served: bool = False  # a coordinator verified the volunteer's answers
     held: bool = False  # it answered a coordinator's hold challenge for this slice
+    progress: float | None = None  # of a loading slice: the share downloaded (0..1), as its volunteer reported
 
 
 class WorkerView(msgspec.Struct):
@@ -435,6 +451,10 @@ class WorkerView(msgspec.Struct):
     verified: int = 0
     latency_ms: float | None = None  # its latency EWMA at the last coordinator report
     credit_rac: float = 0.0  # recent average credit, FLOPs a day
+    # answered calls per second over the last 15 s, from coordinator reports (market.core.activity)
+    calls_per_s: float = 0.0
+    # what it does, in a few words: "serving 3.2 calls/s", "idle", "downloading 40 %", "retiring", ...
+    activity: str = ""
 
 
 class ModelRecruitment(msgspec.Struct):

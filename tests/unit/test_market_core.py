@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from market.core.activity import CallWindow, SliceActivity, activity
 from market.core.assign import (
     Budget,
     ModelSupply,
@@ -716,3 +717,49 @@ def test_hot_experts_get_extra_replicas_in_proportion_and_bounded() -> None:
     assert t == [[3, 2, 1, 1]]
     assert expert_targets(1, 4, base=1, remote_base=2, boost=0, recruiting=False, held_by_all=None,
                           extra=[[0, 0, 0, 0]]) == 1
+
+
+# -- what a volunteer does (the dashboard) ----------------------------------------------------------
+
+
+def A(state: str, progress: float | None = None, proved: bool = True, name: str = "0:0-4") -> SliceActivity:
+    return SliceActivity(name, state, progress, proved)
+
+
+@pytest.mark.parametrize(
+    ("slices", "rate", "want"),
+    [
+        ([A("dispatched")], 3.24, "serving 3.2 calls/s"),
+        ([A("dispatched")], 41.6, "serving 42 calls/s"),
+        ([A("dispatched")], 0.0, "idle"),
+        ([A("dispatched")], 0.04, "idle"),  # below one call in 20 s
+        ([A("dispatched", proved=False)], 0.0, "idle, not proven yet"),
+        ([A("loading", 0.4)], 0.0, "downloading 40 %"),
+        ([A("loading")], 0.0, "downloading"),  # no progress reported (an older volunteer)
+        ([A("loading", 1.7)], 0.0, "downloading 100 %"),  # clamped
+        ([A("dispatched"), A("loading", 0.25, name="1:0-4")], 2.0, "serving 2.0 calls/s; downloading 1:0-4 25 %"),
+        ([A("draining")], 5.0, "draining"),
+        ([A("retiring")], 0.0, "retiring"),
+        ([A("released"), A("retiring", name="1:0-4")], 0.0, "retiring"),
+        ([A("released")], 0.0, "released"),
+        ([], 0.0, "idle"),
+    ],
+)
+def test_a_volunteers_activity_in_a_few_words(slices: list[SliceActivity], rate: float, want: str) -> None:
+    assert activity(slices, rate) == want
+
+
+def test_call_rate_follows_coordinator_reports_and_falls_to_zero() -> None:
+    w = CallWindow(window_s=15.0)
+    assert w.rate(0.0) == 0.0
+    w.add(0.0, 5.0, 50)  # 50 calls in a 5 s report period
+    assert w.rate(5.0) == pytest.approx(10.0)
+    w.add(5.0, 10.0, 100)
+    assert w.rate(10.0) == pytest.approx(15.0)  # 150 calls over 10 s
+    assert w.rate(15.0) == pytest.approx(10.0)  # no report since: 150 over the 15 s window
+    assert w.rate(17.5) == pytest.approx((25 + 100) / 15.0)  # half the first period has left the window
+    assert w.rate(25.0) == 0.0  # one window after the last reported call
+    w.prune(25.0)
+    assert not w.periods
+    w.add(30.0, 35.0, 0)  # nothing answered: nothing kept
+    assert not w.periods

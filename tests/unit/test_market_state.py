@@ -19,6 +19,7 @@ from swarm.errors import RequestError
 from swarm.protocol.market import (
     CoordinatorReport,
     CoverageHeartbeat,
+    DownloadProgress,
     EvidenceMethod,
     HeldSlice,
     ProvenSlice,
@@ -243,6 +244,35 @@ def test_views_and_recruitment_share_one_saturation_rule() -> None:
         assert m.demand(now).models[0].saturated_now is want
         assert m.ix.saturated_now(MID, now) is want
         assert not view.saturated  # one poll is no sustained load (hysteresis: rise_s)
+
+
+def test_the_recruitment_view_says_what_each_volunteer_does() -> None:
+    """Download progress from the volunteer's heartbeat, calls/s from coordinator reports only."""
+    m = registered()
+    m.heartbeat(hb("a", 1, (0, 0, 8, SERVING)), 0.0)
+    body = hb("b", 1, (1, 0, 8, LOADING))
+    m.heartbeat(msgspec.structs.replace(body, download=DownloadProgress(MID, 1, 0, 8, 3000, 8000)), 0.0)
+    m.tick(0.25)
+
+    def doing(now: float) -> dict[str, tuple[str, float]]:
+        return {w.peer_id: (w.activity, w.calls_per_s) for w in m.recruitment(now).models[0].workers}
+
+    assert doing(1.0) == {"a": ("idle, not proven yet", 0.0), "b": ("downloading 38 %", 0.0)}
+    assert [s.progress for w in m.recruitment(1.0).models[0].workers for s in w.slices] == [None, 0.375]
+    # a coordinator reports 40 answered calls (verified: proof) -> 8 calls/s over its first 5 s period
+    m.report(CoordinatorReport(url=URL, model_id=MID, workers=[ReportedWorker(peer_id="a", calls=40, rows=80,
+                                                                              verified=40)]), 2.0)
+    m.heartbeat(msgspec.structs.replace(hb("b", 2, (1, 0, 8, LOADING)),
+                                        download=DownloadProgress(MID, 1, 0, 8, 8000, 8000)), 2.0)
+    assert doing(2.0) == {"a": ("serving 8.0 calls/s", 8.0), "b": ("downloading 100 %", 0.0)}
+    m.heartbeat(hb("b", 3, (1, 0, 8, SERVING)), 3.0)  # downloaded: no progress any more
+    m.tick(3.25)
+    assert doing(30.0)["a"] == ("idle", 0.0)  # no reported call for a window: idle
+    assert doing(30.0)["b"][0] == "idle, not proven yet"
+    # a progress report for a slice it does not report loading is ignored
+    m.heartbeat(msgspec.structs.replace(hb("b", 4, (1, 0, 8, SERVING)),
+                                        download=DownloadProgress(MID, 0, 0, 8, 1, 8000)), 31.0)
+    assert [s.progress for w in m.recruitment(31.0).models[0].workers for s in w.slices] == [None, None]
 
 
 def test_a_flapping_load_logs_one_saturated_and_one_unsaturated_event() -> None:
