@@ -63,6 +63,7 @@ from swarm.protocol.market import (
     Assignment,
     CoverageAck,
     CoverageHeartbeat,
+    DownloadProgress,
     HeldSlice,
     NothingNeeded,
     VolunteerCredit,
@@ -76,6 +77,7 @@ from swarm.safe_paths import slice_file
 from volunteer.core.health import BudgetWatch
 from volunteer.core.lifecycle import Deregister, Fetch, Lifecycle, Offer, Phase, Poll, SendHeartbeat, Unload
 from volunteer.core.memory import MemoryPlan
+from volunteer.progress import downloaded_bytes
 from volunteer.server import ExpertServer, shielded_until_cancelled
 from volunteer.status import SliceStatus, VolunteerStatus, plain_line, render_table, serve_status
 
@@ -194,6 +196,7 @@ class PullVolunteer:
         self._assignments: dict[SliceKey, Assignment] = {}  # the market's word for each offer (its sources)
         self._manifests: dict[str, ModelManifest] = {}
         self.downloaded: dict[str, int] = {}  # slice bytes by source name, for the status
+        self.downloading: tuple[Offer, Path] | None = None  # the download under way (the heartbeat's progress)
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:
@@ -303,6 +306,13 @@ class PullVolunteer:
         return m
 
     async def _download(self, offer: Offer, dest: Path) -> Path:
+        self.downloading = (offer, dest)
+        try:
+            return await self._download_from_sources(offer, dest)
+        finally:
+            self.downloading = None
+
+    async def _download_from_sources(self, offer: Offer, dest: Path) -> Path:
         """The offered slice from the sources the market ranked, each expert checked against the
         manifest; from the coordinator alone when that is impossible (an older market)."""
         a = self._assignments.get(SliceKey(offer.model_id, offer.layer, offer.lo, offer.hi))
@@ -336,7 +346,7 @@ class PullVolunteer:
             SIGNATURE_HEADER: sign_request(self.key_pair, "POST", urlsplit(self.base).path.rstrip("/") + path, raw),
         })
 
-    def _body(self, seq: int) -> CoverageHeartbeat:
+    def _body(self, seq: int, download: DownloadProgress | None = None) -> CoverageHeartbeat:
         slices = []
         for held, state in self.core.reported():
             o = held.offer
@@ -347,7 +357,8 @@ class PullVolunteer:
                                  slices=slices, load=float(self.server.stats.in_flight), max_bytes=self.max_bytes,
                                  protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000),
                                  display_name=self.cfg.display_name,
-                                 share_slices=self.slice_server is not None and self.slice_server.sharing)
+                                 share_slices=self.slice_server is not None and self.slice_server.sharing,
+                                 download=download)
         # the body signature too, for a market of the previous release (it ignores the header)
         return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
 
@@ -373,7 +384,7 @@ class PullVolunteer:
         async with self._hb_lock:  # heartbeats leave in sequence order
             if seq < self.core.sequence and self.core.phase is not Phase.STOPPING:
                 seq = self.core.sequence  # a newer one is due anyway: send the latest state
-            ack = await self._post_heartbeat(self._body(seq))
+            ack = await self._post_heartbeat(self._body(seq, await self._download_progress()))
         now = trio.current_time()
         if ack is None:
             self.apply(self.core.heartbeat_failed(now))
@@ -399,6 +410,14 @@ class PullVolunteer:
             waiting = sum(not h.dispatched for h in hs)
             self.status = (f"serving {self._held_text()} of {hs[0].offer.model_id}"
                            f"{f' ({waiting} not dispatched yet)' if waiting else ''}")
+
+    async def _download_progress(self) -> DownloadProgress | None:
+        """How far the download under way got (``volunteer.progress``), for the market's dashboard."""
+        if self.downloading is None:
+            return None
+        o, dest = self.downloading
+        done = await trio.to_thread.run_sync(downloaded_bytes, dest, o.size, o.lo, o.hi)
+        return DownloadProgress(model_id=o.model_id, layer=o.layer, lo=o.lo, hi=o.hi, done_bytes=done, total_bytes=o.size)
 
     async def _deregister(self, seq: int) -> None:
         async with self._hb_lock:
