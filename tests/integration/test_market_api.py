@@ -4,7 +4,9 @@ and a fake coordinator (a tiny Starlette app serving ``/slots`` and slice ``HEAD
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -473,3 +475,19 @@ async def test_the_market_refuses_to_start_without_a_token_unless_told(tmp_path:
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="command"))
     assert config_from_args(p.parse_args(["market", "--db", ":memory:", "--insecure-no-token"])).insecure_no_token
+
+
+async def test_the_dashboard_is_self_contained_under_a_strict_csp(tmp_path: Path) -> None:
+    """One file, nothing from elsewhere (no CDN: it works offline); its one inline script and style run by
+    their sha256 only, so markup a stranger's text might become could run nothing."""
+    async with running_market(market_cfg(tmp_path)) as c:
+        r = await c.get("/dashboard")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        csp = r.headers["content-security-policy"]
+        assert "unsafe-inline" not in csp and "default-src 'none'" in csp and "connect-src 'self'" in csp
+        for tag in ("script", "style"):
+            [body] = re.findall(f"<{tag}>(.*?)</{tag}>", r.text, re.S)
+            digest = base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()
+            assert f"{tag}-src 'sha256-{digest}'" in csp
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", r.text)  # no third-party resource
+        assert not re.search(r"""\sstyle\s*=""", r.text)  # inline style attributes would be refused
