@@ -87,7 +87,9 @@ class Procs:
     def start(self, name: str, args: list[str], role: str) -> subprocess.Popen[bytes]:
         log = open(DATA / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop_all, once the process is gone
         self.logs.append(log)
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # a process group of its own: a Ctrl-C at the terminal reaches the demo only, which stops them in order
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             process_group=0)
         self.procs.append((name, role, p))
         return p
 
@@ -349,11 +351,16 @@ def keep_running(market: str, client: openai.OpenAI, model_id: str, stream_worke
         pool.shutdown(wait=False, cancel_futures=True)  # streams in flight end when the coordinator stops
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m swarm.demo", description="the whole system on loopback (make demo)")
     ap.add_argument("--json", action="store_true", help="also print the summary and /api/moe/recruitment as JSON")
     args = ap.parse_args(argv)
     keep = os.environ.get("KEEP") == "1"
+    signal.signal(signal.SIGTERM, _interrupted)  # stopped from outside: the processes still stop in order
     DATA.mkdir(exist_ok=True)
     from swarm.model.gguf import model_id_for
     from swarm.tools.makemodel import make_model
@@ -603,14 +610,17 @@ def main(argv: list[str] | None = None) -> None:
         if keep:
             keep_running(market, client, model_id, stream_worker)
         say("stopping: the volunteers drain and deregister, then the coordinators, the market, the relay")
+    except KeyboardInterrupt:
+        say("interrupted: stopping the volunteers (they drain and deregister), the coordinators, the market, the relay")
     finally:
+        logs = [f for f in (DATA / f"volunteer-{i}.log" for i in range(1, 5)) if f.exists()]
+        marks = {f: f.stat().st_size for f in logs}  # what the volunteers log while stopping comes after these
         stopped = procs.stop_all()
-    logs = [(DATA / f"volunteer-{i}.log") for i in range(1, 5)]
-    texts = [f.read_text(errors="replace") for f in logs if f.exists()]
-    sm.failed_heartbeats = sum(t.count("heartbeat to the market failed") for t in texts)
-    sm.deregistered = sum("deregistering" in t for t in texts)
-    print(f"    stopped in order: {', '.join(stopped)}; {sm.deregistered} of {len(texts)} volunteers drained and "
-          f"deregistered, {sm.failed_heartbeats} failed heartbeats")
+    tails = [f.read_bytes()[marks[f]:].decode(errors="replace") for f in logs]
+    sm.failed_heartbeats = sum(t.count("heartbeat to the market failed") for t in tails)
+    sm.deregistered = sum("deregistering" in t for t in tails)
+    print(f"    stopped in order: {', '.join(stopped)}; {sm.deregistered} of {len(tails)} volunteers drained and "
+          f"deregistered, {sm.failed_heartbeats} failed heartbeats while stopping")
     print("Next: README.md (run your own swarm), docs/ (architecture, protocol, trust, operations), `make test`.")
 
 

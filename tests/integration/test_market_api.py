@@ -491,3 +491,27 @@ async def test_the_dashboard_is_self_contained_under_a_strict_csp(tmp_path: Path
             assert f"{tag}-src 'sha256-{digest}'" in csp
         assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", r.text)  # no third-party resource
         assert not re.search(r"""\sstyle\s*=""", r.text)  # inline style attributes would be refused
+
+
+async def test_an_idle_connection_outlives_the_heartbeat_interval(tmp_path: Path) -> None:
+    """A volunteer's pooled connection, idle for its 5 s heartbeat interval, is still open when it is used again
+    (hypercorn's default keep-alive is 5 s: the heartbeat raced the close and failed now and then)."""
+    async with running_market(market_cfg(tmp_path)) as c:
+        host, port = str(c.base_url.host), int(c.base_url.port or 80)
+        stream = await trio.open_tcp_stream(host, port)
+        request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+
+        async def exchange() -> bytes:
+            await stream.send_all(request)
+            got = b""
+            with trio.fail_after(5):
+                while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+                    chunk = await stream.receive_some(65536)
+                    assert chunk, "the market closed the connection"
+                    got += chunk
+            return got
+
+        assert (await exchange()).startswith(b"HTTP/1.1 200")
+        await trio.sleep(MarketPolicy().heartbeat_s + 1.0)  # idle past a default heartbeat interval (5 s), hypercorn's default
+        assert (await exchange()).startswith(b"HTTP/1.1 200")
+        await stream.aclose()
