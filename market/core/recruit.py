@@ -14,9 +14,10 @@ Rules:
     than S is sampling noise, not the end of the load; ``rise_s = 0``: the first saturated poll);
   * leave after ``hold_s`` (U, default 10 s) without a saturated observation. No information (no
     fresh poll) neither enters nor extends anything.
-  S is short because the load is real by then (three polls at the default 1 s interval) and a
-  recruited volunteer still needs its download; U is long because that download is wasted if the
-  boost ends in the next lull (retired volunteers also wait out ``cooldown_s`` before release).
+  S is short because a load seen over S is real (two saturated polls in a row at the market's default
+  2 s interval; five at the demo's 0.5 s) and a recruited volunteer still needs its download; U is long
+  because that download is wasted if the boost ends in the next lull (a retired volunteer also waits
+  out ``cooldown_s`` before it is told to release).
 - Age-out (``plan_ageout``), per model, given the effective target:
   * restore first: a retiring (not yet released) holding covering an expert below target is
     dispatched again; served, serving and older holdings are preferred (cheaper than recruiting);

@@ -260,8 +260,8 @@ async def test_the_dashboard_follows_the_network_in_a_real_browser(procs: list[P
             ticks = await trio.to_thread.run_sync(page.heat_ticks, model_id)
             assert [t for t, _ in ticks["x"]] == list(range(8)) and [t for t, _ in ticks["y"]] == [0, 1]
             assert ticks["titles"] == ["expert →", "layer ↓"]
-            # big cells for a small model: 26 px
-            assert (await trio.to_thread.run_sync(page.canvas, model_id))["cellW"] == "26"
+            # big cells for a small model: 32 px
+            assert (await trio.to_thread.run_sync(page.canvas, model_id))["cellW"] == "32"
             assert len(await trio.to_thread.run_sync(page.names)) == 2  # the two serving volunteers
             check_chart_axes(await trio.to_thread.run_sync(page.chart_axes, model_id))
             # the charts start from the market's own history (/api/history), not from the page's first poll

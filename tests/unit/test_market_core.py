@@ -351,7 +351,7 @@ def test_recruitment_hysteresis(events: list[tuple[float, bool | None]], policy:
 
 
 # A flapping load in virtual time with the default hysteresis (S = rise_s = 2 s, U = hold_s = 10 s): one
-# coordinator polled once a second (the market's default interval), one character per poll: "." idle,
+# coordinator polled once a second (the market's default is every 2 s), one character per poll: "." idle,
 # "1" busy below the threshold (2), "3" saturated; the market steps the signal at every poll. The raw
 # signal is what the event log showed before (a saturated/unsaturated pair per flip).
 FLAPPING = [
