@@ -9,15 +9,17 @@ Rules:
 - Hysteresis (``step``): the model's saturation signal (``RecruitState.recruiting``: the views'
   ``saturated``, and the boost) is smoothed, so a load that flaps between polls gives one steady
   boost instead of a ``saturated``/``unsaturated`` pair every few seconds:
-  * enter after ``rise_s`` (S, default 2 s) saturated: saturated observations spanning ``rise_s``,
-    where a gap longer than ``rise_s`` between two of them starts the count again (a dip shorter
-    than S is sampling noise, not the end of the load; ``rise_s = 0``: the first saturated poll);
+  * enter after ``rise_s`` (S, default 2 s) saturated: a run of saturated observations spanning
+    ``rise_s``. An unsaturated observation at least S after the run's last saturated one ends the run
+    (a shorter dip is sampling noise, not the end of the load), and so does a gap of more than
+    ``poll_stale_s`` between saturated observations (nothing known in between); ``rise_s = 0``: the
+    first saturated poll;
   * leave after ``hold_s`` (U, default 10 s) without a saturated observation. No information (no
     fresh poll) neither enters nor extends anything.
-  S is short because a load seen over S is real (two saturated polls in a row at the market's default
-  2 s interval; five at the demo's 0.5 s) and a recruited volunteer still needs its download; U is long
-  because that download is wasted if the boost ends in the next lull (a retired volunteer also waits
-  out ``cooldown_s`` before it is told to release).
+  S is short because a load seen over S is real (two or three saturated polls in a row at the market's
+  default 2 s interval, as the polls' own times jitter; five at the demo's 0.5 s) and a recruited
+  volunteer still needs its download; U is long because that download is wasted if the boost ends in
+  the next lull (a retired volunteer also waits out ``cooldown_s`` before it is told to release).
 - Age-out (``plan_ageout``), per model, given the effective target:
   * restore first: a retiring (not yet released) holding covering an expert below target is
     dispatched again; served, serving and older holdings are preferred (cheaper than recruiting);
@@ -114,15 +116,17 @@ class RecruitState:
 def step(state: RecruitState, obs: Observation | None, now: float, policy: RecruitPolicy) -> RecruitState:
     """The model's recruitment state after observing ``obs`` at ``now`` (see the hysteresis rule)."""
     s = state
+    last = s.last_saturated_at
     if obs is not None and obs.saturated:
-        last = s.last_saturated_at
-        run_over = last is None or obs.at - last > policy.rise_s
-        since = obs.at if run_over or s.saturated_since is None else s.saturated_since
+        new_run = s.saturated_since is None or last is None or obs.at - last > policy.poll_stale_s
+        since = obs.at if new_run or s.saturated_since is None else s.saturated_since
         s = replace(s, last_saturated_at=obs.at if last is None else max(last, obs.at), saturated_since=since)
         if not s.recruiting and obs.at - since >= policy.rise_s:
             s = replace(s, recruiting=True, changed_at=now)
         return s
-    if s.recruiting and (s.last_saturated_at is None or now - s.last_saturated_at >= policy.hold_s):
+    if obs is not None and s.saturated_since is not None and (last is None or obs.at - last >= policy.rise_s):
+        s = replace(s, saturated_since=None)  # the dip outlasted rise_s: the run is over
+    if s.recruiting and (last is None or now - last >= policy.hold_s):
         s = replace(s, recruiting=False, changed_at=now, saturated_since=None)
     return s
 

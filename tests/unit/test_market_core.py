@@ -332,18 +332,22 @@ def _run(events: list[tuple[float, bool | None]], policy: RecruitPolicy = P) -> 
          [True, True, True, True, True, True, True, False]),
         # no information (failed polls) does not extend the boost
         ([(0, True), (5, None), (9.9, None), (10, None)], P, [True, True, True, False]),
-        # rise_s: a short spike does not recruit; a sustained one does
-        ([(0, True), (2, False), (4, True), (6, True), (8, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
+        # rise_s: a short spike does not recruit (the dip after it lasts rise_s); a sustained load does
+        ([(0, True), (3, False), (6, True), (8, True), (10, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
          [False, False, False, False, True]),
         ([(0, False), (2, False)], P, [False, False]),
         # rise_s with dips shorter than it: the count goes on (sampling noise, not the end of the load) ...
         ([(0, True), (1, False), (2, True), (3, False), (4, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
          [False, False, False, False, True]),
-        # ... a gap longer than rise_s starts it again
-        ([(0, True), (2, True), (6, True), (8, True), (9, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
+        # ... and so does a gap with no observation longer than poll_stale_s (nothing is known in it)
+        ([(0, True), (2, True), (6, True), (8, True), (9, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0, poll_stale_s=3.0),
          [False, False, False, False, True]),
+        # the market's real cadence: a poll every 2 s and a little (the poll's own time): steady load enters at
+        # the second saturated poll, whatever the jitter
+        ([(0, True), (2.03, True), (4.07, True)], RecruitPolicy(), [False, True, True]),
     ],
-    ids=["boost-then-fall", "flapping", "no-info", "rise", "never", "rise-through-dips", "rise-restarts"],
+    ids=["boost-then-fall", "flapping", "no-info", "rise", "never", "rise-through-dips", "rise-restarts",
+         "jittered-polls"],
 )
 def test_recruitment_hysteresis(events: list[tuple[float, bool | None]], policy: RecruitPolicy,
                                 want: list[bool]) -> None:
