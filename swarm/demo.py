@@ -319,9 +319,9 @@ def print_summary(sm: Summary, *, keep: bool) -> None:
         f"{_s(sm.aged_out_after_s)}",
         f"verification {sm.verifications} volunteer answers recomputed here, {sm.verified_equal} equal, "
         f"{sm.quarantines} volunteers quarantined",
-        f"backbone     a coordinator holding no expert: two proved replicas of everything in {_s(sm.backbone_covered_s)}; "
-        f"rows local {sm.backbone_rows.get('local', 0)}, remote {sm.backbone_rows.get('remote', 0)}; "
-        f"tokens identical: {'YES' if sm.same_tokens_backbone else 'NO'}",
+        f"backbone     a coordinator holding no expert: two proved replicas of everything in {_s(sm.backbone_covered_s)}",
+        f"             rows local {sm.backbone_rows.get('local', 0)}, remote {sm.backbone_rows.get('remote', 0)}; "
+        f"tokens identical to all-local: {'YES' if sm.same_tokens_backbone else 'NO'}",
     ]
     if keep:
         lines.append(f"dashboard    {sm.market}/dashboard -- live until Ctrl-C (the load ramp repeats)")
