@@ -93,10 +93,13 @@ Bad input never takes the market down.
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import hmac
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -217,13 +220,21 @@ def _int_param(request: Request, name: str) -> int | None:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-# the page and everything it runs come from the market itself (no CDN; works offline)
-_DASHBOARD_CSP = "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; img-src 'self' data:"
-
-
 @functools.cache
-def _dashboard_html() -> bytes:
-    return (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
+def _dashboard() -> tuple[bytes, str]:
+    """The page and its Content-Security-Policy: everything it runs comes from the market itself (no CDN;
+    works offline), its one inline script and style by their sha256 (no other inline code runs: a
+    stranger's text that became markup could not execute), it talks to this market only and cannot be
+    framed."""
+    html = (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
+
+    def hashes(tag: bytes) -> str:
+        blocks = re.findall(rb"<" + tag + rb">(.*?)</" + tag + rb">", html, re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'" for b in blocks)
+
+    csp = (f"default-src 'none'; script-src {hashes(b'script')}; style-src {hashes(b'style')}; "
+           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return html, csp
 
 
 class _RequestStats:
@@ -299,7 +310,7 @@ class _MarketCollector(Collector):
                 now = self.api.clock()
                 _, holes = remote_and_holes(m.ix, mid)
                 counts = m.ix.counts[mid]
-                models.append(_ModelGauges(mid, m.ix.recruiting(mid), m.ix.saturated(mid, now), m.ix.target(mid),
+                models.append(_ModelGauges(mid, m.ix.recruiting(mid), m.ix.saturated_now(mid, now), m.ix.target(mid),
                                            counts.min_replicas(), m.map_version(mid), holes))
                 for layer, row in enumerate(counts.replicas[: max(0, METRICS_MAX_LAYER_SERIES - len(layers))]):
                     layers.append((mid, layer, min(row, default=0)))
@@ -330,7 +341,8 @@ class _MarketCollector(Collector):
         yield g
         per_model = {
             "recruiting": ("moe_swarm_market_recruiting", "1 while the model's target is boosted"),
-            "saturated": ("moe_swarm_market_saturated", "1 while a coordinator of the model is saturated"),
+            "saturated": ("moe_swarm_market_saturated", "1 while a coordinator of the model is saturated, by its last poll (before "
+                                      "hysteresis: moe_swarm_market_recruiting is the smoothed signal)"),
             "target": ("moe_swarm_market_effective_target", "Replicas wanted per expert"),
             "min": ("moe_swarm_market_replicas_min", "Fewest live replicas of any expert"),
             "version": ("moe_swarm_market_map_version", "Dispatch map version"),
@@ -573,8 +585,9 @@ def build_market_app(api: MarketApi) -> Starlette:
         return _json(m.events(_int_param(request, "after") or 0))
 
     async def dashboard(_: Request) -> Response:
-        return Response(_dashboard_html(), media_type="text/html; charset=utf-8",
-                        headers={"cache-control": "no-cache", "content-security-policy": _DASHBOARD_CSP})
+        html, csp = _dashboard()
+        return Response(html, media_type="text/html; charset=utf-8",
+                        headers={"cache-control": "no-cache", "content-security-policy": csp})
 
     @_guarded
     async def volunteer_credit(request: Request) -> Response:

@@ -2,7 +2,7 @@
 
 ``moe-swarm market --db PATH [--host H] [--port P] --token T | --insecure-no-token [--relay MULTIADDR ...]
 [--poll-interval S] [--saturation-threshold N] [--base-target N] [--boost N] [--lease-s S]
-[--heartbeat-ttl-s S] [--cooldown-s S] [--hold-s S] ...``
+[--heartbeat-ttl-s S] [--cooldown-s S] [--rise-s S] [--hold-s S] ...``
 
 Rules:
 - Flags are parsed once into a frozen config (constraints checked: ``ConfigError``); the token falls
@@ -67,8 +67,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--remote-base-target", type=int, default=d.remote_base_target,
                    help="replicas of each expert some hosting coordinator does not compute itself (--local-experts)")
     r.add_argument("--boost", type=int, default=d.boost, help="extra replicas per expert while saturated")
+    r.add_argument("--rise-s", type=float, default=d.rise_s,
+                   help="saturated this long (dips shorter than this do not count) before the model counts as "
+                        "saturated and the boost starts (hysteresis)")
     r.add_argument("--hold-s", type=float, default=d.hold_s,
-                   help="unsaturated this long before the boost ends (hysteresis)")
+                   help="no saturated poll for this long before the model counts as unsaturated and the boost ends")
     r.add_argument("--hot-extra-max", type=int, default=d.hot_extra_max,
                    help="extra replicas, at most, for an expert carrying a multiple of its layer's mean load (0 = off)")
     r.add_argument("--hot-half-life-s", type=float, default=d.hot_half_life_s,
@@ -124,6 +127,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
             "saturation_threshold": ns.saturation_threshold,
             "base_target": ns.base_target,
             "boost": ns.boost,
+            "rise_s": ns.rise_s,
             "hold_s": ns.hold_s,
             "lease_s": ns.lease_s,
             "heartbeat_ttl_s": ns.heartbeat_ttl_s,

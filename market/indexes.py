@@ -73,6 +73,7 @@ class LiveVolunteer:
     share_slices: bool = False  # it serves its slices to downloading volunteers (its last heartbeat said so)
     stored: bool = True  # its row is in the store (False: an identity that never held anything, memory only)
     paused: str = ""  # its last heartbeat's pause reason ("" serving): its slices are draining, no new lease
+    download: tuple[SliceRef, float] | None = None  # a slice it reports loading and the share downloaded (0..1)
 
 
 @dataclass
@@ -294,11 +295,18 @@ class Indexes:
                                      r.proved))
         return out
 
-    def saturated(self, model_id: str, now: float) -> bool:
+    def quarantine_of(self, peer_id: str, now: float) -> QuarantineRow | None:
+        """Its quarantine, while it lasts."""
+        q = self.quarantined.get(peer_id)
+        return q if q is not None and q.until > now else None
+
+    def saturated_now(self, model_id: str, now: float) -> bool:
+        """What the fresh polls say at ``now``, before hysteresis (the raw signal)."""
         obs = observe(self.poll_views(model_id), now, self.recruit_policy)
         return obs is not None and obs.saturated
 
     def recruiting(self, model_id: str) -> bool:
+        """The model's saturation signal after hysteresis (``market.core.recruit``): saturated, boosted."""
         st = self.recruit.get(model_id)
         return st is not None and st.recruiting
 

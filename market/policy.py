@@ -31,8 +31,10 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hot_extra_max: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
     hot_half_life_s: PosFloat = 300.0
     saturation_threshold: Annotated[int, msgspec.Meta(ge=1)] = 2
-    rise_s: NonNegFloat = 0.0  # saturated this long before the boost starts
-    hold_s: NonNegFloat = 10.0  # unsaturated this long before the boost ends (hysteresis)
+    # the saturation signal's hysteresis (market.core.recruit): saturated this long (dips shorter than this
+    # do not count) before the model counts as saturated and the boost starts ...
+    rise_s: NonNegFloat = 2.0
+    hold_s: NonNegFloat = 10.0  # ... and this long without a saturated poll before it ends
     poll_stale_s: PosFloat = 10.0  # an older successful poll says nothing
     lease_s: PosFloat = 30.0
     heartbeat_ttl_s: PosFloat = 15.0

@@ -156,6 +156,10 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
                 hc.accesslog = None
                 hc.errorlog = logging.getLogger("hypercorn.error")
                 hc.graceful_timeout = 1.0
+                # an idle connection outlives the clients' own keep-alive (httpx: 5 s) and the volunteers' heartbeat
+                # interval: with hypercorn's default 5 s, a heartbeat sent every 5 s on the pooled connection raced the
+                # server closing it ("Server disconnected without sending a response": a failed heartbeat)
+                hc.keep_alive_timeout = max(30.0, 2 * policy.heartbeat_s)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(partial(run_housekeeping, market, api.watch, clock=clock, tick_s=cfg.tick_s))
                     await nursery.start(

@@ -41,24 +41,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final
 
 import msgspec
 
+from market.addresses import AddressBook
 from market.core.assign import Budget, ModelSupply, NoOfferReason, choose_slice, jittered, new_lease_id
-from market.core.credit import credit_row, flops_per_pair, rac_now
+from market.core.credit import credit_row, flops_per_pair
 from market.core.demand import contribution
-from market.core.directive import Action, Directive, Reason, directive, in_cooldown
+from market.core.directive import Reason, directive, in_cooldown, wire_directive
 from market.core.records import (
     CoordinatorRow,
     CoverageRow,
     HeldState,
     LeaseRow,
     MapRow,
-    ModelManifest,
     ModelRow,
     QuarantineRow,
     RecruitRow,
@@ -73,16 +73,27 @@ from market.core.registry import (
     check_heartbeat,
     diff_coverage,
     epoch_bound_ms,
+    evidence_problem,
     is_expired,
+    manifest_shape,
     network_tag,
     registration_is_stale,
 )
 from market.core.sources import PeerCandidate, rank_origins, rank_peer_sources, rank_sources
 from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
 from market.indexes import Indexes, LiveVolunteer, PollRecord
+from market.journal import Journal
 from market.policy import MarketPolicy
 from market.store import Change, Delete, Put, Store
-from market.views import demand_view, dispatch_map, map_version, recruitment_view
+from market.views import (
+    credit_board,
+    demand_view,
+    dispatch_map,
+    lease_view,
+    map_version,
+    recruitment_view,
+    volunteer_credit,
+)
 from swarm.core.rng import Rng
 from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError, StoreError
@@ -94,10 +105,7 @@ from swarm.protocol.market import (
     CreditBoard,
     DemandView,
     EventLog,
-    HeldSlice,
-    HistorySample,
     LeaseView,
-    MarketEvent,
     ModelHistory,
     QuarantineEvidence,
     RecruitmentView,
@@ -115,8 +123,6 @@ log = logging.getLogger(__name__)
 
 
 _INT64_MAX: Final = 2**63 - 1
-HISTORY_S: Final = 15 * 60.0  # what the dashboard's charts show
-HISTORY_EVERY_S: Final = 5.0
 
 
 @dataclass(frozen=True)
@@ -152,27 +158,6 @@ def _http_error(message: str, code: str, status: int = 400, param: str | None = 
     return RequestError(message, code=code, status=status, param=param)
 
 
-_WIRE_ACTION: Final[dict[Action, Literal["keep", "drain", "release"]]] = {
-    Action.KEEP: "keep",
-    Action.DRAIN: "drain",
-    Action.RELEASE: "release",
-}
-
-
-def _slice_directive(h: HeldSlice | SliceRef, d: Directive, dispatched: bool = False) -> SliceDirective:
-    """A core ``Directive`` on the wire."""
-    return SliceDirective(
-        h.model_id,
-        h.layer,
-        h.lo,
-        h.hi,
-        _WIRE_ACTION[d.action],
-        dispatched=dispatched,
-        release_in_s=d.release_in_s,
-        reason=d.wire_reason,
-    )
-
-
 class Market:
     def __init__(self, store: Store, policy: MarketPolicy, *, now: float, rng: Rng, net_salt: bytes = b"") -> None:
         """``net_salt``: the secret network tags are hashed with (the server derives it from its token, so
@@ -192,25 +177,18 @@ class Market:
         # again, and no new lease for it for ``dropped_penalty_s`` (runtime, bounded)
         self._dropped: dict[str, dict[SliceRef, tuple[Reason, float]]] = {}
         self._n_dropped = 0
-        self._addr_peers: dict[str, dict[str, float]] = {}  # IP address -> identities seen there -> when (runtime)
-        self._peer_addr: dict[str, str] = {}  # identity -> the address it last spoke from (runtime)
+        self.addresses = AddressBook()  # which identities speak from which IP address (runtime)
         self._last_gc = -math.inf
         self._unlisted_since: dict[str, float] = {}  # model -> since when no coordinator lists it (runtime)
-        self._events: deque[MarketEvent] = deque(maxlen=1000)  # the dashboard's event log (runtime)
-        self._event_seq = 0
-        self._saturated_was: dict[str, bool] = {}
-        self._history: dict[str, deque[HistorySample]] = {}  # the dashboard's charts: 15 min, every 5 s (runtime)
-        self._history_at = -math.inf
+        self.journal = Journal()  # the event log, the charts' history, call rates: for people (runtime)
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
-        self._lease_address: dict[str, str] = {}  # lease id -> the IP address that took it (runtime)
-        self._call_mark = 0
         dropped = self.ix.load(store.load(), now)
         if dropped:
             store.apply(dropped)
 
     def _begin(self) -> None:
         """The start of a call that may commit: what ``_restore`` rolls the event log back to."""
-        self._call_mark = self._event_seq
+        self.journal.mark()
 
     def _commit(self, changes: list[Change], now: float) -> None:
         if not changes:
@@ -240,7 +218,7 @@ class Market:
             row = msgspec.structs.replace(lv.row, epoch=mark[0], sequence=mark[1])
             ix.volunteers[peer] = LiveVolunteer(row, o.last_seen, o.load, row != lv.row, o.last_serve_ms,
                                                 o.display_name, share_slices=o.share_slices, stored=True,
-                                                paused=o.paused)
+                                                paused=o.paused, download=o.download)
         for mid, st in old.recruit.items():
             if mid in ix.models:
                 ix.recruit[mid] = dataclasses.replace(st, recruiting=ix.recruiting(mid))
@@ -248,9 +226,8 @@ class Market:
         ix.routed = {mid: r for mid, r in old.routed.items() if mid in ix.models}
         ix.restore_heat(old)
         self.ix = ix
-        self._lease_address = {k: a for k, a in self._lease_address.items() if k in ix.leases}
-        while self._events and self._events[-1].seq > self._call_mark:
-            self._events.pop()
+        self.addresses.keep_open_leases(ix)
+        self.journal.rollback()
         self.counters["store_failures"] += 1
         log.error("the store refused a batch: memory rolled back to it")
 
@@ -274,24 +251,7 @@ class Market:
                      origins=rank_origins([*listed, *manifest_origins]))
 
     def lease_view(self, lease_id: str, now: float) -> LeaseView:
-        """``GET /api/leases/{lease_id}``: an open lease, or the coverage it was converted into while that
-        is still ``loading`` (the volunteer downloads then: the peers it asks check this); for
-        ``loading`` the answer holds for the holder's remaining heartbeat TTL. Anything else (lapsed,
-        cancelled, serving, released, never granted): ``unknown_lease`` (404)."""
-        lease = self.ix.leases.get(lease_id)
-        if lease is not None and lease.expires_at > now:
-            s = lease.slice
-            return LeaseView(lease_id=lease_id, peer_id=lease.peer_id, model_id=s.model_id, layer=s.layer, lo=s.lo,
-                             hi=s.hi, expires_in_s=round(lease.expires_at - now, 3), state="leased")
-        row = self.ix.cov_by_lease.get(lease_id)
-        v = self.ix.volunteers.get(row.peer_id) if row is not None else None
-        if row is not None and v is not None and row.state is HeldState.LOADING and row.retiring_since is None:
-            left = v.last_seen + self.policy.heartbeat_ttl_s - now
-            if left > 0 and self.quarantine_of(row.peer_id, now) is None:
-                s = row.slice
-                return LeaseView(lease_id=lease_id, peer_id=row.peer_id, model_id=s.model_id, layer=s.layer, lo=s.lo,
-                                 hi=s.hi, expires_in_s=round(left, 3), state="loading")
-        raise _http_error(f"no open lease {lease_id[:64]!r} is known here", "unknown_lease", status=404)
+        return lease_view(self.ix, lease_id, now)
 
     # -- coordinators ---------------------------------------------------------------------------
 
@@ -310,7 +270,7 @@ class Market:
                 raise _http_error(f"model {m.model_id!r} listed twice", "bad_manifest", param="models")
             seen.add(m.model_id)
             old = self.ix.models.get(m.model_id)
-            if old is not None and _shape(old.manifest) != _shape(m):
+            if old is not None and manifest_shape(old.manifest) != manifest_shape(m):
                 raise _http_error(
                     f"model {m.model_id!r} is already registered with a different shape "
                     f"(layers, experts or expert sizes differ)",
@@ -418,7 +378,7 @@ class Market:
             if now - since >= self.policy.model_gc_s:
                 del self._unlisted_since[mid]
                 self.ix.drop_model(mid, changes)
-                self._history.pop(mid, None)
+                self.journal.forget_model(mid)
                 self.counters["models_dropped"] += 1
                 self._event("model_dropped", now, model_id=mid,
                             detail=f"no coordinator lists it for {self.policy.model_gc_s:.0f} s")
@@ -473,14 +433,14 @@ class Market:
             self._commit(changes, now)
             self.counters[f"no_offer_{res.value}"] += 1
             return NoOffer(res, jittered(self.rng, self.policy.retry_after_s))
-        if address and self._address_holdings(address) >= self.policy.max_leases_per_address:
+        if address and self.addresses.holdings(address, self.ix) >= self.policy.max_leases_per_address:
             self._commit(changes, now)
             self.counters["no_offer_address_cap"] += 1
             return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
         lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
         self._event("assigned", now, peer_id=req.peer_id, s=res.slice, detail=f"scarcity {res.scarcity:.2f}")
         if address:
-            self._lease_address[lease.lease_id] = address
+            self.addresses.leased(lease.lease_id, address)
         self.ix.index_lease(lease)
         self.ix.dirty_ageout.add(res.slice.model_id)
         changes.append(Put(lease))
@@ -492,41 +452,14 @@ class Market:
 
     def _note_address(self, peer: str, address: str, now: float) -> bool:
         """Record that ``peer`` spoke from ``address``; False (and nothing recorded) for a new identity at
-        an address that already has ``max_identities_per_address`` live ones."""
-        peers = self._addr_peers.get(address, {})
-        if peer not in peers and (len(peers) >= self.policy.max_identities_per_address
-                                  or (peer not in self._peer_addr and len(self._peer_addr) >= self.policy.max_identities)):
-            return False
-        self._addr_peers[address] = peers
-        old = self._peer_addr.get(peer)
-        if old is not None and old != address:
-            gone = self._addr_peers.get(old, {})
-            gone.pop(peer, None)
-            if not gone:
-                self._addr_peers.pop(old, None)
-        self._peer_addr[peer] = address
-        peers[peer] = now
-        return True
-
-    def _address_holdings(self, address: str) -> int:
-        """Slices held or leased from ``address``: coverage of the identities last seen there, and open
-        leases taken from it (DESIGN §12: the per-address cap counts holdings, not only open leases)."""
-        self._lease_address = {k: a for k, a in self._lease_address.items() if k in self.ix.leases}  # open ones
-        held = sum(len(self.ix.coverage.get(p, {})) for p in self._addr_peers.get(address, {}))
-        return held + sum(a == address for a in self._lease_address.values())
+        an address that already has ``max_identities_per_address`` live ones (``market.addresses``)."""
+        return self.addresses.note(peer, address, now, max_per_address=self.policy.max_identities_per_address,
+                                   max_total=self.policy.max_identities)
 
     def _forget_idle_identities(self, now: float) -> None:
         """Address marks of identities that hold nothing age out after ``identity_idle_s`` of silence (as
         identities that never held anything do: the tick), and so do old drop marks."""
-        idle = self.policy.identity_idle_s
-        for address, peers in list(self._addr_peers.items()):
-            for peer, at in list(peers.items()):
-                if now - at > idle and peer not in self.ix.coverage and peer not in self.ix.lease_of:
-                    del peers[peer]
-                    if self._peer_addr.get(peer) == address:
-                        del self._peer_addr[peer]
-            if not peers:
-                del self._addr_peers[address]
+        self.addresses.forget_idle(now, self.policy.identity_idle_s, self.ix)
         for peer, marks in list(self._dropped.items()):
             for sl, (_, at) in list(marks.items()):
                 if now - at > self.policy.dropped_penalty_s:
@@ -593,7 +526,7 @@ class Market:
         for h in hb.slices:
             if h.lo >= h.hi:
                 # not a slice at all, so never a duplicate: refused before the duplicate check
-                refused.append(_slice_directive(h, directive(None, now, self.policy.cooldown_s, Reason.BAD_SLICE_RANGE)))
+                refused.append(wire_directive(h, directive(None, now, self.policy.cooldown_s, Reason.BAD_SLICE_RANGE)))
                 continue
             s = SliceRef(h.model_id, h.layer, h.lo, h.hi)
             if s in listed:
@@ -604,7 +537,7 @@ class Market:
                 mark = self._dropped.get(hb.peer_id, {}).get(s)
                 problem = mark[0] if mark is not None else Reason.NOT_ASSIGNED
             if problem is not None:
-                refused.append(_slice_directive(h, directive(None, now, self.policy.cooldown_s, problem)))
+                refused.append(wire_directive(h, directive(None, now, self.policy.cooldown_s, problem)))
                 self.counters[f"slices_refused_{problem.value}"] += 1
                 continue
             reported[s] = h.state
@@ -620,10 +553,13 @@ class Market:
         old_bucket = load_bucket(v.load) if v else 0
         if hb.paused != (v.paused if v else ""):  # the owner paused it (its slices come draining) or resumed it
             self._event("paused" if hb.paused else "resumed", now, peer_id=hb.peer_id, detail=hb.paused)
+        download, dl = None, hb.download  # how far a slice it reports loading got (the dashboard's)
+        if dl is not None and reported.get(ref := SliceRef(dl.model_id, dl.layer, dl.lo, dl.hi)) is HeldState.LOADING:
+            download = (ref, min(1.0, dl.done_bytes / dl.total_bytes))
         v = self.ix.volunteers[hb.peer_id] = LiveVolunteer(row, now, hb.load, False, serves,
                                                            "".join(ch for ch in hb.display_name if ch.isprintable()),
                                                            share_slices=hb.share_slices, stored=was_stored,
-                                                           paused=hb.paused)
+                                                           paused=hb.paused, download=download)
         rows = dict(self.ix.coverage.get(hb.peer_id, {}))
         diff = diff_coverage(rows, reported)
         lease_id = self.ix.lease_of.get(hb.peer_id)
@@ -689,8 +625,7 @@ class Market:
                 del self._polled[k]
 
     def quarantine_of(self, peer_id: str, now: float) -> QuarantineRow | None:
-        q = self.ix.quarantined.get(peer_id)
-        return q if q is not None and q.until > now else None
+        return self.ix.quarantine_of(peer_id, now)
 
     def report(self, rep: CoordinatorReport, now: float) -> ReportAck:
         """``POST /api/coordinator-report`` (operator token checked by the shell). What an operator token
@@ -721,7 +656,7 @@ class Market:
                 raise _http_error(f"the quarantine of {w.peer_id[:128]!r} carries no evidence (QuarantineEvidence: the "
                                   f"slice, the input's and both outputs' sha256, the method)", "missing_evidence",
                                   param="workers")
-            problem = _evidence_problem(w.evidence, m.manifest)
+            problem = evidence_problem(w.evidence, m.manifest)
             if problem:
                 raise _http_error(f"the quarantine evidence of {w.peer_id[:128]!r}: {problem}", "bad_evidence",
                                   param="workers")
@@ -730,6 +665,7 @@ class Market:
         changes: list[Change] = []
         newly: list[str] = []
         ignored: list[str] = []
+        answered: dict[str, int] = {}  # the dashboard's calls/s (market.journal)
         for w in rep.workers:
             if not self._holds_model(w.peer_id, rep.model_id):
                 ignored.append(w.peer_id)  # never volunteered for this coordinator's model: nothing to credit or refuse
@@ -742,6 +678,7 @@ class Market:
             self.ix.served[w.peer_id] = (min(_INT64_MAX, c + calls), min(_INT64_MAX, r + rows),
                                          min(_INT64_MAX, v + verified))
             self.ix.reported[w.peer_id] = (w.path, w.latency_ms)
+            answered[w.peer_id] = answered.get(w.peer_id, 0) + calls
             if w.quarantined:
                 ev = w.evidence
                 if ev is None:  # cannot happen: refused above
@@ -781,6 +718,7 @@ class Market:
                 routed[k] = min(_INT64_MAX, routed.get(k, 0) + rr.rows)
         self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, min(cap, rr.rows)) for rr in rep.ranges], now)
         self._commit(changes, now)
+        self.journal.reported(url, rep.model_id, answered, now)
         self.counters["reports"] += 1
         return ReportAck(len(rep.workers), newly, ignored)
 
@@ -823,37 +761,19 @@ class Market:
 
     def _event(self, kind: str, now: float, *, model_id: str | None = None, peer_id: str | None = None,
                s: SliceRef | None = None, detail: str = "") -> None:
-        self._event_seq += 1
-        self._events.append(MarketEvent(self._event_seq, int(now * 1000), kind,
-                                        model_id if model_id is not None else (s.model_id if s else None),
-                                        peer_id, str(s) if s is not None else None, detail[:300]))
-
-    def _sample_history(self, now: float) -> None:
-        for mid in self.ix.models:
-            busy = slots = 0
-            tps = 0.0
-            for url in self.ix.hosts_of(mid):
-                p = self.ix.polls.get(url)
-                if p is not None and p.ok and p.last_ok is not None:
-                    busy, slots, tps = busy + p.last_ok.busy, slots + p.last_ok.slots, tps + p.tps
-            h = self._history.setdefault(mid, deque(maxlen=int(HISTORY_S / HISTORY_EVERY_S)))
-            h.append(HistorySample(int(now * 1000), busy, slots, self.ix.target(mid), self.ix.counts[mid].min_replicas(),
-                                   round(tps, 2)))
-        for mid in list(self._history):
-            if mid not in self.ix.models:
-                del self._history[mid]
+        self.journal.event(kind, now, model_id=model_id, peer_id=peer_id, s=s, detail=detail)
 
     def history(self) -> list[ModelHistory]:
         """``GET /api/history``: per model, the samples of the last 15 minutes."""
-        return [ModelHistory(mid, list(h)) for mid, h in sorted(self._history.items())]
+        return self.journal.history()
 
     def events(self, after: int = 0) -> EventLog:
         """``GET /api/events?after=SEQ``: the kept events newer than ``after``."""
-        return EventLog([e for e in self._events if e.seq > after], self._event_seq)
+        return self.journal.events(after)
 
     def _directive(self, row: CoverageRow, now: float) -> SliceDirective:
         d = directive(row.retiring_since, now, self.policy.cooldown_s)
-        return _slice_directive(row.slice, d, dispatched=row.dispatched)
+        return wire_directive(row.slice, d, dispatched=row.dispatched)
 
     # -- time -----------------------------------------------------------------------------------
     # -- time -----------------------------------------------------------------------------------
@@ -892,9 +812,8 @@ class Market:
             self._last_gc = now
             self._forget_idle_identities(now)
             self._forget_gone(now, changes)
-        if now - self._history_at >= HISTORY_EVERY_S:
-            self._history_at = now
-            self._sample_history(now)
+            self.journal.prune(self.ix, now)
+        self.journal.sample(self.ix, now)
         for mid in self.ix.models:
             old = self.ix.recruit.get(mid, RecruitState())
             new = step(old, observe(self.ix.poll_views(mid), now, self.ix.recruit_policy), now, self.ix.recruit_policy)
@@ -903,12 +822,15 @@ class Market:
                 changes.append(Put(RecruitRow(mid, new.recruiting, now)))
                 rep.recruiting_changed.append(mid)
                 self.ix.touch(mid)
-                log.info("model %s: recruiting %s", mid, "on" if new.recruiting else "off")
-                self._event("recruiting" if new.recruiting else "recruiting_ended", now, model_id=mid)
-            sat = self.ix.saturated(mid, now)
-            if sat != self._saturated_was.get(mid, False):
-                self._saturated_was[mid] = sat
-                self._event("saturated" if sat else "unsaturated", now, model_id=mid)
+                rp = self.ix.recruit_policy
+                if new.recruiting:
+                    why = (f"busy >= {rp.saturation_threshold} for {new.saturated_for(now):.0f} s (--rise-s {rp.rise_s:g}): "
+                           f"target +{self.policy.boost}, recruiting")
+                else:
+                    idle = now - new.last_saturated_at if new.last_saturated_at is not None else rp.hold_s
+                    why = f"below {rp.saturation_threshold} busy for {idle:.0f} s (--hold-s {rp.hold_s:g}): boost ended"
+                log.info("model %s: %s", mid, ("saturated: " if new.recruiting else "unsaturated: ") + why)
+                self._event("saturated" if new.recruiting else "unsaturated", now, model_id=mid, detail=why)
         for mid in sorted(self.ix.dirty_ageout):
             self._age_out(mid, now, changes, rep)
         self.ix.dirty_ageout.clear()
@@ -1061,36 +983,10 @@ class Market:
         return demand_view(self.ix, now, model_ids)
 
     def recruitment(self, now: float) -> RecruitmentView:
-        return recruitment_view(self.ix, now)
+        return recruitment_view(self.ix, now, lambda peer: self.journal.calls_per_s(peer, now))
 
     def volunteer_credit(self, peer_id: str, now: float) -> VolunteerCredit:
-        """``GET /api/volunteers/{peer_id}``; ``unknown_volunteer`` (404) for a peer the market never saw."""
-        row = self.ix.credit.get(peer_id)
-        if row is None and peer_id not in self.ix.volunteers and peer_id not in self.ix.quarantined:
-            raise _http_error(f"no volunteer {peer_id[:128]!r} is known here", "unknown_volunteer", status=404)
-        q = self.quarantine_of(peer_id, now)
-        slices = sorted(str(s) for s in self.ix.coverage.get(peer_id, {}))
-        until = int(q.until * 1000) if q is not None else None
-        reason, proof = (q.evidence[:300], q.proof) if q is not None else ("", None)
-        paused = v.paused if (v := self.ix.volunteers.get(peer_id)) is not None else ""
-        if row is None:
-            return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None, until, slices, reason, proof, paused)
-        return VolunteerCredit(peer_id, row.total_flops, rac_now(row, now), row.pairs, row.verified,
-                               int(row.first_at * 1000), int(row.last_at * 1000), until, slices, reason, proof, paused)
+        return volunteer_credit(self.ix, peer_id, now)
 
     def credit_board(self, now: float, limit: int = 100) -> CreditBoard:
-        peers = sorted(self.ix.credit, key=lambda p: (-rac_now(self.ix.credit[p], now), p))[: max(0, limit)]
-        return CreditBoard([self.volunteer_credit(p, now) for p in peers])
-
-
-def _evidence_problem(ev: QuarantineEvidence, m: ModelManifest) -> str:
-    """What makes quarantine evidence unusable against model ``m`` ("" when it is fine)."""
-    if not (ev.layer < m.n_layer and ev.lo < ev.hi <= m.n_expert):
-        return f"slice {ev.layer}:{ev.lo}-{ev.hi} is not one of a {m.n_layer} x {m.n_expert} model"
-    if ev.remote_sha256 == ev.local_sha256:
-        return "the worker's output and the coordinator's have the same sha256: no divergence"
-    return ""
-
-
-def _shape(m: ModelManifest) -> tuple[int, int, Sequence[int]]:
-    return (m.n_layer, m.n_expert, tuple(m.bytes_per_expert))
+        return credit_board(self.ix, now, limit)

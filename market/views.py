@@ -8,35 +8,41 @@ Rules:
   recruitment view lists down ones too, with ``hosting: false``.
 - A view asked about a model that is not registered raises ``RequestError`` ``unknown_model``
   (404, ``param="model"``).
-- Views decide nothing of their own: saturation is ``market.core.recruit``'s
-  (``coordinator_saturated`` per coordinator, ``observe`` per model), targets and segments are
+- Views decide nothing of their own: saturation is ``market.core.recruit``'s (``coordinator_saturated``
+  per coordinator and ``observe`` per model: ``saturated_now``, the raw signal; a model's ``saturated``
+  is the smoothed one, ``step``'s hysteresis, which also drives the boost), targets and segments are
   ``market.core.demand``'s, a holding's state name follows ``market.core.directive``.
 - Models, workers and slices are listed in sorted order; ages are rounded to milliseconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from market.core.activity import SliceActivity, activity
 from market.core.credit import rac_now
 from market.core.demand import segments
 from market.core.directive import Action, directive
-from market.core.records import CoverageRow
+from market.core.records import CoverageRow, HeldState
 from market.core.recruit import RecruitState, coordinator_saturated
 from market.indexes import Indexes, PollRecord
 from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError
 from swarm.protocol.market import (
     CoordinatorView,
+    CreditBoard,
     DemandView,
+    LeaseView,
     ModelDemand,
     ModelRecruitment,
     RecruitmentView,
+    VolunteerCredit,
     WorkerSliceView,
     WorkerView,
 )
 
-__all__ = ["demand_view", "dispatch_map", "map_version", "recruitment_view", "remote_and_holes", "state_name"]
+__all__ = ["credit_board", "demand_view", "dispatch_map", "lease_view", "map_version", "recruitment_view",
+           "remote_and_holes", "state_name", "volunteer_credit"]
 
 
 def _unknown_model(model_id: str) -> RequestError:
@@ -67,7 +73,7 @@ def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None)
             ModelDemand(
                 mid,
                 hosted=bool(ix.hosts_of(mid)),
-                saturated=ix.saturated(mid, now),
+                saturated=ix.recruiting(mid),
                 recruiting=ix.recruiting(mid),
                 base_target=ix.policy.base_target,
                 effective_target=target,
@@ -75,12 +81,15 @@ def demand_view(ix: Indexes, now: float, model_ids: Iterable[str] | None = None)
                 segments=segments(c, ix.targets(mid)),
                 remote_target=remote,
                 holes=holes,
+                saturated_now=ix.saturated_now(mid, now),
             )
         )
     return DemandView(any(ix.recruiting(m) for m in ix.models), out)
 
 
-def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
+def recruitment_view(ix: Indexes, now: float, calls_per_s: Callable[[str], float] = lambda _: 0.0) -> RecruitmentView:
+    """``GET /api/moe/recruitment``; ``calls_per_s(peer)``: its answered calls a second, from coordinator
+    reports (``market.journal``); a worker's ``activity`` is ``market.core.activity``'s."""
     out: list[ModelRecruitment] = []
     for mid in sorted(ix.models):
         coords: list[CoordinatorView] = []
@@ -110,7 +119,7 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                 mid,
                 busy=busy,
                 slots=slots,
-                saturated=ix.saturated(mid, now),
+                saturated=st.recruiting,
                 recruiting=st.recruiting,
                 recruiting_for_s=round(now - st.changed_at, 3) if st.recruiting else None,
                 base_target=ix.policy.base_target,
@@ -118,11 +127,13 @@ def recruitment_view(ix: Indexes, now: float) -> RecruitmentView:
                 replicas_min=ix.counts[mid].min_replicas(),
                 map_version=map_version(ix, mid),
                 coordinators=coords,
-                workers=_workers(ix, mid, now),
+                workers=_workers(ix, mid, now, calls_per_s),
                 remote_target=remote,
                 holes=holes,
                 tokens_per_s=round(sum(ix.polls[u].tps for u in ix.hosts_of(mid)
                                        if u in ix.polls and ix.polls[u].ok), 2),
+                saturated_now=ix.saturated_now(mid, now),
+                saturated_for_s=round(st.saturated_for(now), 3) if ix.saturated_now(mid, now) else None,
             )
         )
     return RecruitmentView(any(m.recruiting for m in out), out)
@@ -139,7 +150,7 @@ def remote_and_holes(ix: Indexes, model_id: str) -> tuple[int | None, int]:
     return ix.remote_target(model_id), holes
 
 
-def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
+def _workers(ix: Indexes, model_id: str, now: float, calls_per_s: Callable[[str], float]) -> list[WorkerView]:
     by_peer: dict[str, list[CoverageRow]] = {}
     for (peer, _), r in ix.by_model[model_id].items():
         by_peer.setdefault(peer, []).append(r)
@@ -148,6 +159,7 @@ def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
         v = ix.volunteers.get(peer)
         views: list[WorkerSliceView] = []
         for r in sorted(rows, key=lambda r: r.slice):
+            dl = v.download if v is not None else None
             views.append(
                 WorkerSliceView(
                     str(r.slice),
@@ -159,11 +171,16 @@ def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
                     v.last_serve_ms.get(r.slice, 0) if v else 0,
                     served=r.served,
                     held=r.held,
+                    progress=round(dl[1], 3) if dl is not None and dl[0] == r.slice and r.pending else None,
                 )
             )
         path, latency = ix.reported.get(peer, (None, None))
         calls, _, verified = ix.served.get(peer, (0, 0, 0))
         credit = ix.credit.get(peer)
+        rate = calls_per_s(peer)
+        doing = activity([SliceActivity(w.slice, w.state, w.progress, w.held or w.served) for w in views], rate)
+        if v is not None and v.paused:  # its owner's preferences: not gone, not serving
+            doing = f"paused ({v.paused.replace('_', ' ')})"
         out.append(
             WorkerView(
                 peer,
@@ -180,6 +197,8 @@ def _workers(ix: Indexes, model_id: str, now: float) -> list[WorkerView]:
                 latency_ms=latency,
                 credit_rac=rac_now(credit, now) if credit is not None else 0.0,
                 paused=v.paused if v else "",
+                calls_per_s=round(rate, 2),
+                activity=doing,
             )
         )
     return out
@@ -195,3 +214,46 @@ def state_name(row: CoverageRow, now: float, cooldown_s: float) -> str:
     if name is not None:
         return name
     return "dispatched" if row.dispatched else row.state.value
+
+
+def lease_view(ix: Indexes, lease_id: str, now: float) -> LeaseView:
+    """``GET /api/leases/{lease_id}``: an open lease, or the coverage it was converted into while that
+    is still ``loading`` (the volunteer downloads then: the peers it asks check this); for
+    ``loading`` the answer holds for the holder's remaining heartbeat TTL. Anything else (lapsed,
+    cancelled, serving, released, never granted): ``unknown_lease`` (404)."""
+    lease = ix.leases.get(lease_id)
+    if lease is not None and lease.expires_at > now:
+        s = lease.slice
+        return LeaseView(lease_id=lease_id, peer_id=lease.peer_id, model_id=s.model_id, layer=s.layer, lo=s.lo,
+                         hi=s.hi, expires_in_s=round(lease.expires_at - now, 3), state="leased")
+    row = ix.cov_by_lease.get(lease_id)
+    v = ix.volunteers.get(row.peer_id) if row is not None else None
+    if row is not None and v is not None and row.state is HeldState.LOADING and row.retiring_since is None:
+        left = v.last_seen + ix.policy.heartbeat_ttl_s - now
+        if left > 0 and ix.quarantine_of(row.peer_id, now) is None:
+            s = row.slice
+            return LeaseView(lease_id=lease_id, peer_id=row.peer_id, model_id=s.model_id, layer=s.layer, lo=s.lo,
+                             hi=s.hi, expires_in_s=round(left, 3), state="loading")
+    raise RequestError(f"no open lease {lease_id[:64]!r} is known here", code="unknown_lease", status=404)
+
+
+def volunteer_credit(ix: Indexes, peer_id: str, now: float) -> VolunteerCredit:
+    """``GET /api/volunteers/{peer_id}``; ``unknown_volunteer`` (404) for a peer the market never saw."""
+    row = ix.credit.get(peer_id)
+    if row is None and peer_id not in ix.volunteers and peer_id not in ix.quarantined:
+        raise RequestError(f"no volunteer {peer_id[:128]!r} is known here", code="unknown_volunteer", status=404)
+    q = ix.quarantine_of(peer_id, now)
+    slices = sorted(str(s) for s in ix.coverage.get(peer_id, {}))
+    until = int(q.until * 1000) if q is not None else None
+    reason, proof = (q.evidence[:300], q.proof) if q is not None else ("", None)
+    paused = v.paused if (v := ix.volunteers.get(peer_id)) is not None else ""
+    if row is None:
+        return VolunteerCredit(peer_id, 0.0, 0.0, 0, 0, None, None, until, slices, reason, proof, paused)
+    return VolunteerCredit(peer_id, row.total_flops, rac_now(row, now), row.pairs, row.verified,
+                           int(row.first_at * 1000), int(row.last_at * 1000), until, slices, reason, proof, paused)
+
+
+def credit_board(ix: Indexes, now: float, limit: int = 100) -> CreditBoard:
+    """``GET /api/volunteers?limit=N``: the volunteers with credit, highest recent average first."""
+    peers = sorted(ix.credit, key=lambda p: (-rac_now(ix.credit[p], now), p))[: max(0, limit)]
+    return CreditBoard([volunteer_credit(ix, p, now) for p in peers])

@@ -74,6 +74,7 @@ from swarm.protocol.market import (
     Assignment,
     CoverageAck,
     CoverageHeartbeat,
+    DownloadProgress,
     HeldSlice,
     NothingNeeded,
     VolunteerCredit,
@@ -90,6 +91,7 @@ from volunteer.core.memory import MemoryPlan
 from volunteer.core.preferences import Decision, Preferences, cpu_plan, parse_schedule
 from volunteer.desktop import DutyCycle, IdleSource, Pauser, local_minute_of_day
 from volunteer.lanes import VolunteerLanes
+from volunteer.progress import downloaded_bytes
 from volunteer.server import ExpertServer, shielded_until_cancelled
 from volunteer.status import DownloadStatus, SliceStatus, VolunteerStatus, serve_status
 from volunteer.view import VolunteerView
@@ -248,6 +250,7 @@ class PullVolunteer:
         if self.paused and not self.core.stopping:
             ok = await self.server.drain()
             log.info("paused: calls in flight %s", "finished" if ok else "still running after 10 s")
+        self.downloading: tuple[Offer, Path] | None = None  # the download under way (the heartbeat's progress)
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:
@@ -362,6 +365,13 @@ class PullVolunteer:
         return m
 
     async def _download(self, offer: Offer, dest: Path) -> Path:
+        self.downloading = (offer, dest)
+        try:
+            return await self._download_from_sources(offer, dest)
+        finally:
+            self.downloading = None
+
+    async def _download_from_sources(self, offer: Offer, dest: Path) -> Path:
         """The offered slice from the sources the market ranked, each expert checked against the
         manifest; from the coordinator alone when that is impossible (an older market)."""
         a = self._assignments.get(SliceKey(offer.model_id, offer.layer, offer.lo, offer.hi))
@@ -395,7 +405,7 @@ class PullVolunteer:
             SIGNATURE_HEADER: sign_request(self.key_pair, "POST", urlsplit(self.base).path.rstrip("/") + path, raw),
         })
 
-    def _body(self, seq: int) -> CoverageHeartbeat:
+    def _body(self, seq: int, download: DownloadProgress | None = None) -> CoverageHeartbeat:
         slices = []
         for held, state in self.core.reported():
             o = held.offer
@@ -407,7 +417,7 @@ class PullVolunteer:
                                  protocols=list(SUPPORTED_VERSIONS), sent_at_ms=int(time.time() * 1000),
                                  display_name=self.cfg.display_name,
                                  share_slices=self.slice_server is not None and self.slice_server.sharing,
-                                 paused=self.paused)
+                                 paused=self.paused, download=download)
         # the body signature too, for a market of the previous release (it ignores the header)
         return msgspec.structs.replace(body, signature=sign_body(self.key_pair, body))
 
@@ -433,7 +443,7 @@ class PullVolunteer:
         async with self._hb_lock:  # heartbeats leave in sequence order
             if seq < self.core.sequence and self.core.phase is not Phase.STOPPING:
                 seq = self.core.sequence  # a newer one is due anyway: send the latest state
-            ack = await self._post_heartbeat(self._body(seq))
+            ack = await self._post_heartbeat(self._body(seq, await self._download_progress()))
         now = trio.current_time()
         if ack is None:
             self.apply(self.core.heartbeat_failed(now))
@@ -461,6 +471,14 @@ class PullVolunteer:
             waiting = sum(not h.dispatched for h in hs)
             self.status = (f"serving {self._held_text()} of {hs[0].offer.model_id}"
                            f"{f' ({waiting} not dispatched yet)' if waiting else ''}")
+
+    async def _download_progress(self) -> DownloadProgress | None:
+        """How far the download under way got (``volunteer.progress``), for the market's dashboard."""
+        if self.downloading is None:
+            return None
+        o, dest = self.downloading
+        done = await trio.to_thread.run_sync(downloaded_bytes, dest, o.size, o.lo, o.hi)
+        return DownloadProgress(model_id=o.model_id, layer=o.layer, lo=o.lo, hi=o.hi, done_bytes=done, total_bytes=o.size)
 
     async def _deregister(self, seq: int) -> None:
         async with self._hb_lock:

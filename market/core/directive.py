@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Final, Literal, Protocol
 
-__all__ = ["Action", "Directive", "Reason", "directive", "in_cooldown", "slice_refusal"]
+from swarm.protocol.market import SliceDirective
+
+__all__ = ["Action", "Directive", "Reason", "directive", "in_cooldown", "slice_refusal", "wire_directive"]
 
 
 class Action(enum.StrEnum):
@@ -81,3 +84,27 @@ def directive(
     if in_cooldown(retiring_since, now, cooldown_s):
         return Directive(Action.DRAIN, Reason.SURPLUS, retiring_since + cooldown_s - now)
     return Directive(Action.RELEASE, Reason.SURPLUS)
+
+
+class _SliceLike(Protocol):
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def layer(self) -> int: ...
+    @property
+    def lo(self) -> int: ...
+    @property
+    def hi(self) -> int: ...
+
+
+_WIRE_ACTION: Final[dict[Action, Literal["keep", "drain", "release"]]] = {
+    Action.KEEP: "keep",
+    Action.DRAIN: "drain",
+    Action.RELEASE: "release",
+}
+
+
+def wire_directive(h: _SliceLike, d: Directive, dispatched: bool = False) -> SliceDirective:
+    """A ``Directive`` for slice ``h`` on the wire (the heartbeat answer)."""
+    return SliceDirective(h.model_id, h.layer, h.lo, h.hi, _WIRE_ACTION[d.action], dispatched=dispatched,
+                          release_in_s=d.release_in_s, reason=d.wire_reason)

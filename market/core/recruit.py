@@ -6,9 +6,20 @@ Rules:
   (``coordinator_saturated``, the one definition: recruitment and the dashboard both use it). An
   older poll says nothing; a failed poll is no observation.
 - A model is saturated while any coordinator hosting it is (DESIGN §11).
-- Hysteresis (``step``): a model starts recruiting once it has been saturated for ``rise_s``
-  (default 0: the first saturated poll) and stops only after ``hold_s`` without a saturated
-  observation, so a load that flaps between polls keeps one steady boost instead of thrashing.
+- Hysteresis (``step``): the model's saturation signal (``RecruitState.recruiting``: the views'
+  ``saturated``, and the boost) is smoothed, so a load that flaps between polls gives one steady
+  boost instead of a ``saturated``/``unsaturated`` pair every few seconds:
+  * enter after ``rise_s`` (S, default 2 s) saturated: a run of saturated observations spanning
+    ``rise_s``. An unsaturated observation at least S after the run's last saturated one ends the run
+    (a shorter dip is sampling noise, not the end of the load), and so does a gap of more than
+    ``poll_stale_s`` between saturated observations (nothing known in between); ``rise_s = 0``: the
+    first saturated poll;
+  * leave after ``hold_s`` (U, default 10 s) without a saturated observation. No information (no
+    fresh poll) neither enters nor extends anything.
+  S is short because a load seen over S is real (two or three saturated polls in a row at the market's
+  default 2 s interval, as the polls' own times jitter; five at the demo's 0.5 s) and a recruited
+  volunteer still needs its download; U is long because that download is wasted if the boost ends in
+  the next lull (a retired volunteer also waits out ``cooldown_s`` before it is told to release).
 - Age-out (``plan_ageout``), per model, given the effective target:
   * restore first: a retiring (not yet released) holding covering an expert below target is
     dispatched again; served, serving and older holdings are preferred (cheaper than recruiting);
@@ -46,8 +57,8 @@ __all__ = [
 @dataclass(frozen=True)
 class RecruitPolicy:
     saturation_threshold: int = 2
-    rise_s: float = 0.0
-    hold_s: float = 10.0
+    rise_s: float = 2.0  # S: saturated this long (dips shorter than S do not count) before the signal is on
+    hold_s: float = 10.0  # U: this long without a saturated observation before it is off
     poll_stale_s: float = 10.0
 
 
@@ -92,26 +103,31 @@ def observe(polls: Iterable[PollView | None], now: float, policy: RecruitPolicy)
 
 @dataclass(frozen=True)
 class RecruitState:
-    recruiting: bool = False
+    recruiting: bool = False  # the smoothed saturation signal: saturated, boosted
     changed_at: float = 0.0
-    last_saturated_at: float | None = None
-    saturated_since: float | None = None
+    last_saturated_at: float | None = None  # the latest saturated observation
+    saturated_since: float | None = None  # the first saturated observation of the current run
+
+    def saturated_for(self, at: float) -> float:
+        """How long the current run of saturated observations has lasted at ``at`` (0 without one)."""
+        return 0.0 if self.saturated_since is None else max(0.0, at - self.saturated_since)
 
 
 def step(state: RecruitState, obs: Observation | None, now: float, policy: RecruitPolicy) -> RecruitState:
     """The model's recruitment state after observing ``obs`` at ``now`` (see the hysteresis rule)."""
     s = state
+    last = s.last_saturated_at
     if obs is not None and obs.saturated:
-        last = obs.at if s.last_saturated_at is None else max(s.last_saturated_at, obs.at)
-        since = obs.at if s.saturated_since is None else s.saturated_since
-        s = replace(s, last_saturated_at=last, saturated_since=since)
+        new_run = s.saturated_since is None or last is None or obs.at - last > policy.poll_stale_s
+        since = obs.at if new_run or s.saturated_since is None else s.saturated_since
+        s = replace(s, last_saturated_at=obs.at if last is None else max(last, obs.at), saturated_since=since)
         if not s.recruiting and obs.at - since >= policy.rise_s:
             s = replace(s, recruiting=True, changed_at=now)
         return s
-    if obs is not None and (s.saturated_since is None or obs.at >= s.saturated_since):
-        s = replace(s, saturated_since=None)
-    if s.recruiting and (s.last_saturated_at is None or now - s.last_saturated_at >= policy.hold_s):
-        s = replace(s, recruiting=False, changed_at=now)
+    if obs is not None and s.saturated_since is not None and (last is None or obs.at - last >= policy.rise_s):
+        s = replace(s, saturated_since=None)  # the dip outlasted rise_s: the run is over
+    if s.recruiting and (last is None or now - last >= policy.hold_s):
+        s = replace(s, recruiting=False, changed_at=now, saturated_since=None)
     return s
 
 

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from market.core.records import CoverageRow, HeldState, SliceRef
+from swarm.protocol.manifest import ModelManifest
+from swarm.protocol.market import QuarantineEvidence
 
 __all__ = [
     "ACCEPTED",
@@ -36,6 +38,8 @@ __all__ = [
     "is_expired",
     "registration_is_stale",
     "epoch_bound_ms",
+    "evidence_problem",
+    "manifest_shape",
 ]
 
 
@@ -132,3 +136,17 @@ def diff_coverage(rows: Mapping[SliceRef, CoverageRow], reported: Mapping[SliceR
         if s not in reported:
             d.removed.append(row)
     return d
+
+
+def evidence_problem(ev: QuarantineEvidence, m: ModelManifest) -> str:
+    """What makes quarantine evidence unusable against model ``m`` ("" when it is fine)."""
+    if not (ev.layer < m.n_layer and ev.lo < ev.hi <= m.n_expert):
+        return f"slice {ev.layer}:{ev.lo}-{ev.hi} is not one of a {m.n_layer} x {m.n_expert} model"
+    if ev.remote_sha256 == ev.local_sha256:
+        return "the worker's output and the coordinator's have the same sha256: no divergence"
+    return ""
+
+
+def manifest_shape(m: ModelManifest) -> tuple[int, int, tuple[int, ...]]:
+    """What a model's registrations must agree on: layers, experts, bytes per expert of each layer."""
+    return (m.n_layer, m.n_expert, tuple(m.bytes_per_expert))

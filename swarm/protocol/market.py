@@ -36,6 +36,7 @@ __all__ = [
     "MarketEvent",
     "QuarantineEvidence",
     "DemandView",
+    "DownloadProgress",
     "HeldSlice",
     "ModelDemand",
     "ModelRecruitment",
@@ -150,6 +151,17 @@ class HeldSlice(msgspec.Struct, forbid_unknown_fields=True):
     last_serve_ms: NonNeg = 0  # Unix ms of its last served call for this slice; 0 = never
 
 
+class DownloadProgress(msgspec.Struct, forbid_unknown_fields=True):
+    """A slice its volunteer is downloading and how far it got (``CoverageHeartbeat.download``)."""
+
+    model_id: ModelId
+    layer: Layer
+    lo: Expert
+    hi: Expert
+    done_bytes: NonNeg
+    total_bytes: Annotated[int, msgspec.Meta(gt=0, le=1 << 44)]
+
+
 class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /api/expert-coverage``: the volunteer's whole holding, signed by its libp2p key.
 
@@ -161,7 +173,7 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     """
 
     signed_when_set: ClassVar[frozenset[str]] = frozenset({"protocols", "sent_at_ms", "display_name", "share_slices",
-                                                          "paused"})
+                                                          "paused", "download"})
 
     peer_id: PeerId
     epoch: Epoch
@@ -186,6 +198,8 @@ class CoverageHeartbeat(msgspec.Struct, forbid_unknown_fields=True):
     # cpu_busy: volunteer.core.preferences): its slices are reported draining, it asks for no slice, and
     # it is not gone -- the heartbeats go on
     paused: Annotated[str, msgspec.Meta(max_length=32, pattern="^[a-z_]*$")] = ""
+    # how far the download of a slice it reports ``loading`` got (the dashboard's "downloading 40 %")
+    download: DownloadProgress | None = None
 
 
 
@@ -393,6 +407,9 @@ class ModelDemand(msgspec.Struct):
     # experts some hosting coordinator does not compute itself: their effective target (None: there are none)
     remote_target: int | None = None
     holes: int = 0  # experts nobody can compute now: no replica, and not every hosting coordinator holds them
+    # ``saturated`` is the smoothed signal (on after --rise-s saturated, off after --hold-s not; it drives the
+    # boost); this is what the fresh polls say right now, before that hysteresis
+    saturated_now: bool = False
 
 
 class DemandView(msgspec.Struct):
@@ -421,6 +438,7 @@ class WorkerSliceView(msgspec.Struct):
     last_serve_ms: int
     served: bool = False  # a coordinator verified the volunteer's answers
     held: bool = False  # it answered a coordinator's hold challenge for this slice
+    progress: float | None = None  # of a loading slice: the share downloaded (0..1), as its volunteer reported
 
 
 class WorkerView(msgspec.Struct):
@@ -438,6 +456,10 @@ class WorkerView(msgspec.Struct):
     latency_ms: float | None = None  # its latency EWMA at the last coordinator report
     credit_rac: float = 0.0  # recent average credit, FLOPs a day
     paused: str = ""  # its owner's preferences paused it (why; its slices are draining): not gone
+    # answered calls per second over the last 15 s, from coordinator reports (market.core.activity)
+    calls_per_s: float = 0.0
+    # what it does, in a few words: "serving 3.2 calls/s", "idle", "downloading 40 %", "retiring", ...
+    activity: str = ""
 
 
 class ModelRecruitment(msgspec.Struct):
@@ -456,6 +478,8 @@ class ModelRecruitment(msgspec.Struct):
     remote_target: int | None = None  # as in ModelDemand
     holes: int = 0
     tokens_per_s: float = 0.0  # decode tokens/s of its coordinators' busy slots at their last polls
+    saturated_now: bool = False  # as in ModelDemand: the raw signal (``saturated`` is after hysteresis)
+    saturated_for_s: float | None = None  # how long the current run of saturated polls has lasted
 
 
 class VolunteerCredit(msgspec.Struct):
@@ -481,8 +505,8 @@ class VolunteerCredit(msgspec.Struct):
 class MarketEvent(msgspec.Struct):
     """One entry of the market's event log (``GET /api/events``): ``kind`` is one of assigned,
     loading, serving, draining, restored, released, expired, lease_expired, unproven, download_overdue,
-    quarantined, recruiting, recruiting_ended, saturated, unsaturated, host_down, host_up,
-    coordinator_gone, model_dropped, paused, resumed."""
+    quarantined, saturated, unsaturated (the model's smoothed saturation signal: the boost and
+    recruitment start and end with it), host_down, host_up, coordinator_gone, model_dropped, paused, resumed."""
 
     seq: int
     at_ms: int

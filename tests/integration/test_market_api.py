@@ -4,7 +4,9 @@ and a fake coordinator (a tiny Starlette app serving ``/slots`` and slice ``HEAD
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -439,12 +441,12 @@ def test_cli_flags_make_the_config() -> None:
     ns = p.parse_args(["market", "--db", "/tmp/x.db", "--port", "9001", "--token", "t", "--relay", "/ip4/1.2.3.4/tcp/1",
                        "--relay", "/ip4/5.6.7.8/tcp/2", "--poll-interval", "0.5", "--saturation-threshold", "3",
                        "--base-target", "2", "--boost", "2", "--lease-s", "7", "--heartbeat-ttl-s", "9",
-                       "--cooldown-s", "4", "--hold-s", "6"])
+                       "--cooldown-s", "4", "--rise-s", "1.5", "--hold-s", "6"])
     cfg = config_from_args(ns)
     assert cfg.db == "/tmp/x.db" and cfg.port == 9001 and cfg.token == "t"
     assert cfg.relays == ("/ip4/1.2.3.4/tcp/1", "/ip4/5.6.7.8/tcp/2") and cfg.poll_interval_s == 0.5
     assert cfg.policy == MarketPolicy(saturation_threshold=3, base_target=2, boost=2, lease_s=7.0,
-                                      heartbeat_ttl_s=9.0, cooldown_s=4.0, hold_s=6.0)
+                                      heartbeat_ttl_s=9.0, cooldown_s=4.0, rise_s=1.5, hold_s=6.0)
     assert ns.func.__name__ == "run" and ns.func.__module__ == "market.cli"
     with pytest.raises(ConfigError, match="^--boost: "):
         config_from_args(p.parse_args(["market", "--db", ":memory:", "--boost", "-1"]))
@@ -473,3 +475,43 @@ async def test_the_market_refuses_to_start_without_a_token_unless_told(tmp_path:
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="command"))
     assert config_from_args(p.parse_args(["market", "--db", ":memory:", "--insecure-no-token"])).insecure_no_token
+
+
+async def test_the_dashboard_is_self_contained_under_a_strict_csp(tmp_path: Path) -> None:
+    """One file, nothing from elsewhere (no CDN: it works offline); its one inline script and style run by
+    their sha256 only, so markup a stranger's text might become could run nothing."""
+    async with running_market(market_cfg(tmp_path)) as c:
+        r = await c.get("/dashboard")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        csp = r.headers["content-security-policy"]
+        assert "unsafe-inline" not in csp and "default-src 'none'" in csp and "connect-src 'self'" in csp
+        for tag in ("script", "style"):
+            [body] = re.findall(f"<{tag}>(.*?)</{tag}>", r.text, re.S)
+            digest = base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()
+            assert f"{tag}-src 'sha256-{digest}'" in csp
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", r.text)  # no third-party resource
+        assert not re.search(r"""\sstyle\s*=""", r.text)  # inline style attributes would be refused
+
+
+async def test_an_idle_connection_outlives_the_heartbeat_interval(tmp_path: Path) -> None:
+    """A volunteer's pooled connection, idle for its 5 s heartbeat interval, is still open when it is used again
+    (hypercorn's default keep-alive is 5 s: the heartbeat raced the close and failed now and then)."""
+    async with running_market(market_cfg(tmp_path)) as c:
+        host, port = str(c.base_url.host), int(c.base_url.port or 80)
+        stream = await trio.open_tcp_stream(host, port)
+        request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+
+        async def exchange() -> bytes:
+            await stream.send_all(request)
+            got = b""
+            with trio.fail_after(5):
+                while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+                    chunk = await stream.receive_some(65536)
+                    assert chunk, "the market closed the connection"
+                    got += chunk
+            return got
+
+        assert (await exchange()).startswith(b"HTTP/1.1 200")
+        await trio.sleep(MarketPolicy().heartbeat_s + 1.0)  # idle past a default heartbeat interval (5 s), hypercorn's default
+        assert (await exchange()).startswith(b"HTTP/1.1 200")
+        await stream.aclose()

@@ -199,15 +199,15 @@ async def test_saturation_boost_recruit_serve_then_age_out(autojump_clock: trio.
         assert all(c > 0 for p, c in world.calls.items() if p in base)  # they serve
         assert not m.ix.recruiting(MID) and m.ix.target(MID) == 1
 
-        # load: the poll at t=20 sees busy >= 2 -> recruiting at once (rise_s = 0)
+        # load: the polls at t=20 and t=22 see busy >= 2: saturated for rise_s (2 s) -> recruiting at t=22
         await trio.sleep_until(19.0)
         world.busy = 3
-        await trio.sleep_until(19.9)
-        assert not m.ix.recruiting(MID)
-        await trio.sleep_until(20.3)
+        await trio.sleep_until(21.9)
+        assert not m.ix.recruiting(MID) and m.ix.saturated_now(MID, 21.9)
+        await trio.sleep_until(22.3)
         assert m.ix.recruiting(MID) and m.ix.target(MID) == 2
-        assert 20.0 <= m.ix.recruit[MID].changed_at <= 20.0 + TICK_S
-        assert m.demand(20.3).recruiting
+        assert 22.0 <= m.ix.recruit[MID].changed_at <= 22.0 + TICK_S
+        assert m.demand(22.3).recruiting
 
         # the idle volunteers come back within their retry-after (5 s +- 20%) and are wired in
         await trio.sleep_until(30.0)
@@ -425,7 +425,9 @@ async def test_a_hung_coordinator_never_stalls_the_poll_loop(autojump_clock: tri
         world.hang_polls = False
         world.busy = 2
         await trio.sleep(POLL_S + TICK_S)
-        assert m.ix.polls[COORD].ok and m.ix.recruiting(MID)
+        assert m.ix.polls[COORD].ok and m.ix.saturated_now(MID, trio.current_time())
+        await trio.sleep(POLL_S)  # a second saturated poll rise_s (2 s) later: the smoothed signal is on
+        assert m.ix.recruiting(MID)
         nursery.cancel_scope.cancel()
 
 

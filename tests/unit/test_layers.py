@@ -1,4 +1,4 @@
-"""The import layers (DESIGN §1, README "Code layout"), checked over every module's imports.
+"""The import layers (DESIGN §1 and "Code layout" in docs/architecture.md), checked over every module's imports.
 
 Rules, each a test below (the checker itself is tested on a planted tree of each violation):
 1. No module of ``swarm`` imports a role (``coordinator``, ``market``, ``volunteer``, ``relay``), the

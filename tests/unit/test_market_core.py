@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from market.core.activity import CallWindow, SliceActivity, activity
 from market.core.assign import (
     Budget,
     ModelSupply,
@@ -331,16 +332,65 @@ def _run(events: list[tuple[float, bool | None]], policy: RecruitPolicy = P) -> 
          [True, True, True, True, True, True, True, False]),
         # no information (failed polls) does not extend the boost
         ([(0, True), (5, None), (9.9, None), (10, None)], P, [True, True, True, False]),
-        # rise_s: a short spike does not recruit; a sustained one does
-        ([(0, True), (2, False), (4, True), (6, True), (8, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
+        # rise_s: a short spike does not recruit (the dip after it lasts rise_s); a sustained load does
+        ([(0, True), (3, False), (6, True), (8, True), (10, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
          [False, False, False, False, True]),
         ([(0, False), (2, False)], P, [False, False]),
+        # rise_s with dips shorter than it: the count goes on (sampling noise, not the end of the load) ...
+        ([(0, True), (1, False), (2, True), (3, False), (4, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0),
+         [False, False, False, False, True]),
+        # ... and so does a gap with no observation longer than poll_stale_s (nothing is known in it)
+        ([(0, True), (2, True), (6, True), (8, True), (9, True)], RecruitPolicy(rise_s=3.0, hold_s=10.0, poll_stale_s=3.0),
+         [False, False, False, False, True]),
+        # the market's real cadence: a poll every 2 s and a little (the poll's own time): steady load enters at
+        # the second saturated poll, whatever the jitter
+        ([(0, True), (2.03, True), (4.07, True)], RecruitPolicy(), [False, True, True]),
     ],
-    ids=["boost-then-fall", "flapping", "no-info", "rise", "never"],
+    ids=["boost-then-fall", "flapping", "no-info", "rise", "never", "rise-through-dips", "rise-restarts",
+         "jittered-polls"],
 )
 def test_recruitment_hysteresis(events: list[tuple[float, bool | None]], policy: RecruitPolicy,
                                 want: list[bool]) -> None:
     assert _run(events, policy) == want
+
+
+# A flapping load in virtual time with the default hysteresis (S = rise_s = 2 s, U = hold_s = 10 s): one
+# coordinator polled once a second (the market's default is every 2 s), one character per poll: "." idle,
+# "1" busy below the threshold (2), "3" saturated; the market steps the signal at every poll. The raw
+# signal is what the event log showed before (a saturated/unsaturated pair per flip).
+FLAPPING = [
+    # (load, the smoothed signal's transitions (t, on), flips of the raw signal)
+    ("." * 10 + "3" * 20 + "." * 30, [(12, True), (39, False)], 2),  # steady load: on after 2 s, off 10 s after
+    ("." * 10 + "31" * 15 + "." * 30, [(12, True), (48, False)], 30),  # saturated every other poll: the demo's flood
+    ("." * 10 + "331" * 10 + "." * 30, [(13, True), (48, False)], 20),  # a dip every third poll
+    ("." * 10 + "33" + "." * 30, [], 2),  # a 1 s burst is no load
+    ("." * 10 + "3...3...3" + "." * 30, [], 6),  # single busy polls 4 s apart: each gap restarts the count
+    ("." * 5 + "3" * 10 + "." * 8 + "3" * 10 + "." * 20, [(7, True), (42, False)], 4),  # a lull shorter than U
+    ("." * 5 + "3" * 10 + "." * 15 + "3" * 10 + "." * 20, [(7, True), (24, False), (32, True), (49, False)], 4),
+]
+
+
+@pytest.mark.parametrize(("load", "want", "raw_flips"), FLAPPING,
+                         ids=["steady", "every-other-poll", "dip-every-third", "burst", "sparse", "short-lull",
+                              "long-lull"])
+def test_a_flapping_load_gives_one_steady_saturation_signal(load: str, want: list[tuple[int, bool]],
+                                                            raw_flips: int) -> None:
+    policy = RecruitPolicy()
+    assert (policy.rise_s, policy.hold_s) == (2.0, 10.0)
+    st = RecruitState()
+    got: list[tuple[int, bool]] = []
+    raw: list[bool] = []
+    for t, c in enumerate(load):
+        poll = PollView({".": 0, "1": 1, "3": 3}[c], 4, float(t))
+        obs = observe([poll], float(t), policy)
+        assert obs is not None
+        raw.append(obs.saturated)
+        new = step(st, obs, float(t), policy)
+        if new.recruiting != st.recruiting:
+            got.append((t, new.recruiting))
+        st = new
+    assert got == want
+    assert sum(a != b for a, b in zip([False, *raw], raw, strict=False)) == raw_flips
 
 
 def H(key: str, lo: int, hi: int, since: float, *, serving: bool = True, proven: bool = False, counted: bool = True,
@@ -671,3 +721,49 @@ def test_hot_experts_get_extra_replicas_in_proportion_and_bounded() -> None:
     assert t == [[3, 2, 1, 1]]
     assert expert_targets(1, 4, base=1, remote_base=2, boost=0, recruiting=False, held_by_all=None,
                           extra=[[0, 0, 0, 0]]) == 1
+
+
+# -- what a volunteer does (the dashboard) ----------------------------------------------------------
+
+
+def A(state: str, progress: float | None = None, proved: bool = True, name: str = "0:0-4") -> SliceActivity:
+    return SliceActivity(name, state, progress, proved)
+
+
+@pytest.mark.parametrize(
+    ("slices", "rate", "want"),
+    [
+        ([A("dispatched")], 3.24, "serving 3.2 calls/s"),
+        ([A("dispatched")], 41.6, "serving 42 calls/s"),
+        ([A("dispatched")], 0.0, "idle"),
+        ([A("dispatched")], 0.04, "idle"),  # below one call in 20 s
+        ([A("dispatched", proved=False)], 0.0, "idle, not proven yet"),
+        ([A("loading", 0.4)], 0.0, "downloading 40 %"),
+        ([A("loading")], 0.0, "downloading"),  # no progress reported (an older volunteer)
+        ([A("loading", 1.7)], 0.0, "downloading 100 %"),  # clamped
+        ([A("dispatched"), A("loading", 0.25, name="1:0-4")], 2.0, "serving 2.0 calls/s; downloading 1:0-4 25 %"),
+        ([A("draining")], 5.0, "draining"),
+        ([A("retiring")], 0.0, "retiring"),
+        ([A("released"), A("retiring", name="1:0-4")], 0.0, "retiring"),
+        ([A("released")], 0.0, "released"),
+        ([], 0.0, "idle"),
+    ],
+)
+def test_a_volunteers_activity_in_a_few_words(slices: list[SliceActivity], rate: float, want: str) -> None:
+    assert activity(slices, rate) == want
+
+
+def test_call_rate_follows_coordinator_reports_and_falls_to_zero() -> None:
+    w = CallWindow(window_s=15.0)
+    assert w.rate(0.0) == 0.0
+    w.add(0.0, 5.0, 50)  # 50 calls in a 5 s report period
+    assert w.rate(5.0) == pytest.approx(10.0)
+    w.add(5.0, 10.0, 100)
+    assert w.rate(10.0) == pytest.approx(15.0)  # 150 calls over 10 s
+    assert w.rate(15.0) == pytest.approx(10.0)  # no report since: 150 over the 15 s window
+    assert w.rate(17.5) == pytest.approx((25 + 100) / 15.0)  # half the first period has left the window
+    assert w.rate(25.0) == 0.0  # one window after the last reported call
+    w.prune(25.0)
+    assert not w.periods
+    w.add(30.0, 35.0, 0)  # nothing answered: nothing kept
+    assert not w.periods

@@ -264,7 +264,7 @@ def test_throwaway_identities_store_no_row_and_are_forgotten_soon() -> None:
     assert {t: len(r) for t, r in store.backing.tables.items()} == rows_before  # not a row more
     assert len(m.ix.volunteers) == 3000
     m.tick(1.0 + 3000 * 0.01 + 601.0)
-    assert len(m.ix.volunteers) == 0 and m._peer_addr == {}  # type: ignore[attr-defined]
+    assert len(m.ix.volunteers) == 0 and m.addresses.peer_addr == {}
     # an identity that gets something to hold is stored from then on, and outlives a restart
     s = leased(m, "real", 700.0, address="10.200.0.1")
     m.heartbeat(hb("real", 1, (s.layer, s.lo, s.hi, LOADING)), 701.0, address="10.200.0.1")

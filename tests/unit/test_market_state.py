@@ -19,6 +19,7 @@ from swarm.errors import RequestError
 from swarm.protocol.market import (
     CoordinatorReport,
     CoverageHeartbeat,
+    DownloadProgress,
     EvidenceMethod,
     HeldSlice,
     ProvenSlice,
@@ -239,9 +240,60 @@ def test_views_and_recruitment_share_one_saturation_rule() -> None:
     m.record_poll(URL, 3, 4, 0.0)  # busy 3 >= threshold 2
     for now, want in [(5.0, True), (5.01, False)]:  # POLICY.poll_stale_s == 5.0
         view = m.recruitment(now).models[0]
-        assert (view.coordinators[0].saturated, view.saturated) == (want, want)
-        assert m.demand(now).models[0].saturated is want
-        assert m.ix.saturated(MID, now) is want
+        assert (view.coordinators[0].saturated, view.saturated_now) == (want, want)
+        assert m.demand(now).models[0].saturated_now is want
+        assert m.ix.saturated_now(MID, now) is want
+        assert not view.saturated  # one poll is no sustained load (hysteresis: rise_s)
+
+
+def test_the_recruitment_view_says_what_each_volunteer_does() -> None:
+    """Download progress from the volunteer's heartbeat, calls/s from coordinator reports only."""
+    m = registered()
+    m.heartbeat(hb("a", 1, (0, 0, 8, SERVING)), 0.0)
+    body = hb("b", 1, (1, 0, 8, LOADING))
+    m.heartbeat(msgspec.structs.replace(body, download=DownloadProgress(MID, 1, 0, 8, 3000, 8000)), 0.0)
+    m.tick(0.25)
+
+    def doing(now: float) -> dict[str, tuple[str, float]]:
+        return {w.peer_id: (w.activity, w.calls_per_s) for w in m.recruitment(now).models[0].workers}
+
+    assert doing(1.0) == {"a": ("idle, not proven yet", 0.0), "b": ("downloading 38 %", 0.0)}
+    assert [s.progress for w in m.recruitment(1.0).models[0].workers for s in w.slices] == [None, 0.375]
+    # a coordinator reports 40 answered calls (verified: proof) -> 8 calls/s over its first 5 s period
+    m.report(CoordinatorReport(url=URL, model_id=MID, workers=[ReportedWorker(peer_id="a", calls=40, rows=80,
+                                                                              verified=40)]), 2.0)
+    m.heartbeat(msgspec.structs.replace(hb("b", 2, (1, 0, 8, LOADING)),
+                                        download=DownloadProgress(MID, 1, 0, 8, 8000, 8000)), 2.0)
+    assert doing(2.0) == {"a": ("serving 8.0 calls/s", 8.0), "b": ("downloading 100 %", 0.0)}
+    m.heartbeat(hb("b", 3, (1, 0, 8, SERVING)), 3.0)  # downloaded: no progress any more
+    m.tick(3.25)
+    assert doing(30.0)["a"] == ("idle", 0.0)  # no reported call for a window: idle
+    assert doing(30.0)["b"][0] == "idle, not proven yet"
+    # a progress report for a slice it does not report loading is ignored
+    m.heartbeat(msgspec.structs.replace(hb("b", 4, (1, 0, 8, SERVING)),
+                                        download=DownloadProgress(MID, 0, 0, 8, 1, 8000)), 31.0)
+    assert [s.progress for w in m.recruitment(31.0).models[0].workers for s in w.slices] == [None, None]
+
+
+def test_a_flapping_load_logs_one_saturated_and_one_unsaturated_event() -> None:
+    """Saturated at every other poll for 40 s (the demo's load, which flooded the event log with a
+    saturated/unsaturated pair every 1-3 s): one ``saturated`` once the load lasted rise_s, one
+    ``unsaturated`` hold_s after its last saturated poll; the views say saturated throughout."""
+    m = registered()
+    sat_views, targets = [], []
+    for k in range(60):
+        now = float(k)
+        m.record_poll(URL, (3 if k % 2 == 0 else 1) if k < 40 else 0, 4, now)
+        m.tick(now)
+        view = m.recruitment(now).models[0]
+        sat_views.append(view.saturated)
+        targets.append(view.effective_target)
+    got = [(e.kind, e.at_ms, e.detail) for e in m.events().events if e.kind in ("saturated", "unsaturated")]
+    assert [(k, at) for k, at, _ in got] == [("saturated", 2000), ("unsaturated", 48000)]
+    assert got[0][2] == "busy >= 2 for 2 s (--rise-s 2): target +1, recruiting"
+    assert got[1][2] == "below 2 busy for 10 s (--hold-s 10): boost ended"
+    assert sat_views == [False] * 2 + [True] * 46 + [False] * 12
+    assert targets == [1] * 2 + [2] * 46 + [1] * 12  # the boost follows the signal: one rise, one fall
 
 
 @pytest.mark.parametrize(
