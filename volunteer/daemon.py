@@ -227,6 +227,7 @@ class PullVolunteer:
         self.paused = ""  # why the owner's preferences pause it ("" while it runs), on the heartbeat
         self.pause_detail = ""
         self.cpu_limit = ""  # --cpu-limit as applied, for the status
+        self.downloading: tuple[Offer, Path] | None = None  # the download under way (the heartbeat's progress)
 
     # -- the owner's preferences ---------------------------------------------------------------------
     def pause_changed(self, d: Decision) -> None:
@@ -250,7 +251,6 @@ class PullVolunteer:
         if self.paused and not self.core.stopping:
             ok = await self.server.drain()
             log.info("paused: calls in flight %s", "finished" if ok else "still running after 10 s")
-        self.downloading: tuple[Offer, Path] | None = None  # the download under way (the heartbeat's progress)
 
     # -- effects --------------------------------------------------------------------------------------
     def apply(self, effects: list[Any]) -> None:

@@ -209,6 +209,12 @@ class ThreadWaker:
             src.poll([s for s in ready if s is not self._rx and isinstance(s, socket.socket)])
         return self._take_news()
 
+    def close(self) -> None:
+        """Its selector and wake pipe closed (a thread's own waker lives as long as the thread)."""
+        self._sel.close()
+        self._rx.close()
+        self._tx.close()
+
     def _watch(self, socks: list[socket.socket]) -> None:
         now = set(socks)
         for s in self._watched - now:
