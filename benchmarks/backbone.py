@@ -29,9 +29,13 @@ case is preceded by the all-local case of the same sessions: ratios between adja
 fit in this machine's memory).
 
 Threads (2 cores): each coordinator ``--threads 2`` (ggml's threads for big graphs), each volunteer
-``--threads 2`` (one computation at a time with two ggml threads). In a sequential decode only one
-of them computes at a time; at 4 and 8 sessions the coordinator's session groups and the volunteers
-compute at once, and share the cores.
+``--threads 1`` (``--volunteer-threads``). A volunteer's second ggml thread must be woken on the
+other core for every call, which here is busy with the coordinator or halted: with 2 the small
+shape's remote layer measured 2.9 ms (its expert compute 1.9 ms, for ~0.1 ms of work in a warm
+process), with 1 thread 1.0 ms (0.27 ms). Pinning the volunteers to the second core
+(``sched_setaffinity``) was slower still at 1 session (1.5 ms a layer: every call then crosses
+cores). In a sequential decode only one process computes at a time; at 4 and 8 sessions the
+coordinator's session groups and the volunteers compute at once, and share the cores.
 
 Per case: ``tokens_per_s`` (decode, summed over sessions: (tokens - 1) / (last - first token time)),
 ``ms_per_token`` (per session), ``round_trips_per_token`` (the coordinator's expert calls over the
@@ -178,7 +182,7 @@ def decode(url: str, model_id: str, sessions: int, n_tokens: int, draft: str = "
     return {"tokens_per_s": rate, "ms_per_token": sum(per) / len(per), "ids": [r["ids"] for r in results]}
 
 
-THREADS = {"coordinator": 2, "volunteer": 2}
+THREADS = {"coordinator": 2, "volunteer": 1}
 
 
 def start_coordinator(procs: Procs, name: str, model: Path, sessions: int, *extra: str) -> str:
@@ -352,7 +356,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per completion")
     ap.add_argument("--work", default=None, help="models, slices, logs (default: a folder in /tmp)")
     ap.add_argument("--coordinator-threads", type=int, default=2, help="--threads of both coordinators (default 2)")
-    ap.add_argument("--volunteer-threads", type=int, default=2, help="--threads of each volunteer (default 2)")
+    ap.add_argument("--volunteer-threads", type=int, default=1, help="--threads of each volunteer (default 1)")
     a = ap.parse_args()
     THREADS.update(coordinator=a.coordinator_threads, volunteer=a.volunteer_threads)
     if a.smoke:
