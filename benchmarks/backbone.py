@@ -17,10 +17,12 @@ Real processes on loopback:
   --local-experts none`` and volunteers that together hold every expert (``--max-experts`` the
   total over their number). With ``--rtt-ms`` > 0 each volunteer listens on a port of its own and
   announces (``--announce``) a delaying TCP relay in front of it (``_delay.DelayLink``: half the
-  round trip each way; this kernel has no netem), so every coordinator-volunteer round trip pays it.
+  round trip each way; this kernel has no netem), so every coordinator-volunteer round trip pays it;
+  so do the data lanes the volunteers dial (a delaying relay in front of the coordinator's
+  ``--lane-port``, offered as its ``--lane-announce``), which the engine's calls take.
   The same completions, and ``tokens_identical`` against the reference. Each case names its drafter
   (the request's ``draft``): ``none``, ``ngram``, ``model`` (``make-model --draft-of``: the same
-  random model with its experts in Q4_0, all-local on the coordinator; not for 30b-a3b, whose
+  random model with its experts in Q4_0 (``--draft-qtype``), all-local on the coordinator; not for 30b-a3b, whose
   experts are random blocks), ``self`` (the model's own blocks without the experts it does not hold).
 
 For the small shape both coordinators run at once (the idle one costs nothing) and each backbone
@@ -354,6 +356,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, nargs="+", default=None)
     ap.add_argument("--draft", nargs="+", default=None, choices=DRAFTS)
     ap.add_argument("--tokens", type=int, default=None, help="tokens per completion")
+    ap.add_argument("--draft-qtype", default="Q4_0",
+                    help="the 'model' drafter's experts (make-model --draft-of --qtype): Q4_0 (default) or Q8_0")
     ap.add_argument("--work", default=None, help="models, slices, logs (default: a folder in /tmp)")
     ap.add_argument("--coordinator-threads", type=int, default=2, help="--threads of both coordinators (default 2)")
     ap.add_argument("--volunteer-threads", type=int, default=1, help="--threads of each volunteer (default 1)")
@@ -386,10 +390,10 @@ def main() -> None:
     # experts are random blocks has no such draft: the case is left out and the table says so)
     draft_model: Path | None = None
     if "model" in drafts:
-        cand = work / f"{size}-draft-q4_0.gguf"
+        cand = work / f"{size}-draft-{a.draft_qtype.lower()}.gguf"
         if not cand.exists():
-            r = subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--draft-of", str(model), "--out",
-                                str(cand)], cwd=ROOT, capture_output=True, text=True)
+            r = subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--draft-of", str(model), "--qtype",
+                                a.draft_qtype, "--out", str(cand)], cwd=ROOT, capture_output=True, text=True)
             if r.returncode != 0:
                 print(f"  no draft model for {size}: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
         if cand.exists():
