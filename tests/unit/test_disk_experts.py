@@ -4,6 +4,8 @@ capacity, read into in place), with biases (gpt-oss) too."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -42,3 +44,25 @@ def test_any_call_has_the_bits_of_the_model_and_the_buffers_stay_few(name: str) 
     caps = {key[-1] for key in disk._bufs}
     assert caps <= {capacity(n) for n in range(1, cfg.n_expert + 1)} and len(disk._bufs) == 3 * len(caps)
     assert disk.bytes_read > 0
+
+
+def test_reading_scattered_spans_drops_the_page_cache_a_few_times_not_per_span(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    """``POSIX_FADV_DONTNEED`` drains every CPU's page lists: one per range read, not per span or piece."""
+    import swarm.model.gguf as gguf_mod
+
+    data = np.random.default_rng(1).integers(0, 256, 24 << 20, dtype=np.uint8).tobytes()
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    drops: list[tuple[int, int]] = []
+    monkeypatch.setattr(gguf_mod, "drop_pages", lambda fd, off, n: drops.append((off, n)))
+    near = [(k * (1 << 20) + 100, 300_000) for k in range(0, 16, 2)]  # 8 spans within 16 MB: one range
+    far = [(22 << 20, 1 << 20)]
+    got = b"".join(gguf_mod.pread_chunks(f, [*near, *far], piece=1 << 18))
+    assert got == b"".join(data[o : o + n] for o, n in [*near, *far])
+    assert len(drops) == 1  # the spans closer than the readahead slack are one range, the far one joins it too
+    lo, n = drops[0]
+    assert lo == near[0][0] and lo + n >= far[0][0] + far[0][1]
+    drops.clear()
+    list(gguf_mod.pread_chunks(f, [(0, 24 << 20)], piece=1 << 20, drop_every=4 << 20))  # a long read
+    assert 5 <= len(drops) <= 7 and drops[-1] == (0, (24 << 20) + gguf_mod._READAHEAD_SLACK)
