@@ -4,6 +4,7 @@ that lacks a tool, a Python too old, a CPU without AVX2), and the ggml flags hav
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -78,12 +79,14 @@ def test_the_ggml_flags_have_one_home() -> None:
     flags = (ROOT / "ops" / "ggml-cmake-args").read_text().split()
     assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=OFF", "-DGGML_OPENMP=OFF",
             "-DGGML_LLAMAFILE=OFF", "-DGGML_BLAS=OFF"} <= set(flags)
-    dry = subprocess.run(["make", "-n", "-B", ".venv/.installed"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=60)
+    # run as a top-level make even under ``make test`` (no inherited MAKEFLAGS, no "Entering directory")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "-B", ".venv/.installed"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60, env=env)
     assert f'CMAKE_ARGS="{" ".join(flags)}"' in dry.stdout, dry.stdout + dry.stderr
     assert dry.stdout.splitlines()[0].endswith("sh ops/check-prereqs.sh")  # checked before anything is built
-    native = subprocess.run(["make", "-n", "-B", ".venv/.installed", "GGML_NATIVE=1"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    native = subprocess.run(["make", "--no-print-directory", "-n", "-B", ".venv/.installed", "GGML_NATIVE=1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert "-DGGML_NATIVE=ON " in native.stdout and "-DGGML_NATIVE=OFF" not in native.stdout
     readme = (ROOT / "README.md").read_text()
     assert 'CMAKE_ARGS="$(cat ops/ggml-cmake-args)" pip install --no-cache-dir --no-binary ggml-python .' in readme
