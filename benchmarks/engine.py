@@ -26,6 +26,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ from coordinator.engine.runtime import EngineRuntime  # noqa: E402
 from swarm.config import physical_cores  # noqa: E402
 from swarm.model.gguf import GGUFModel  # noqa: E402
 from swarm.model.kernels import KernelBackend, configure_threads  # noqa: E402
+from swarm.model.kernels.ggml import graph_time  # noqa: E402
 from swarm.text.tokenizer import Tokenizer  # noqa: E402
 from swarm.tools.makemodel import make_model  # noqa: E402
 
@@ -55,26 +57,40 @@ def rss_mb() -> float:
     return float("nan")
 
 
-async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tuple[float, float]:
-    """Returns (prefill seconds = time to first token, decode seconds for the remaining tokens)."""
+def engine_graph_s() -> float:
+    """Seconds the engine thread has spent inside ``ggml_graph_compute`` so far (``graph_time``)."""
+    for t in threading.enumerate():
+        if t.name == "engine" and t.ident is not None:
+            return graph_time(t.ident)[0]
+    return 0.0
+
+
+async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tuple[float, float, float]:
+    """Returns (prefill seconds = time to first token, decode seconds for the remaining tokens, the
+    engine thread's graph seconds when the first token came)."""
     t0 = time.perf_counter()
     h = rt.submit(prompt, GenParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True))
     t_first: float | None = None
+    g_first = 0.0
     async for ev in h.events:
         if isinstance(ev, Emit) and ev.token_ids and t_first is None:
             t_first = time.perf_counter()
+            g_first = engine_graph_s()
         if isinstance(ev, Finish):
             break
     t_end = time.perf_counter()
     assert t_first is not None
-    return t_first - t0, t_end - t_first
+    return t_first - t0, t_end - t_first, g_first
 
 
-async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_decode: int) -> tuple[float, float]:
-    """Prefill and aggregate decode tokens/s of ``conc`` concurrent requests (prompts differ per rep)."""
+async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_decode: int
+                   ) -> tuple[float, float, float]:
+    """Prefill and aggregate decode tokens/s of ``conc`` concurrent requests (prompts differ per rep),
+    and the share of the decode phase (from the last first token to the end) the engine thread spent
+    inside ggml's graph compute."""
     vocab = rt.model.config.n_vocab
     prompts = [[(7 * i + 13 * j + rep) % (vocab - 3) for j in range(prompt_len)] for i in range(conc)]
-    results: list[tuple[float, float]] = [(0.0, 0.0)] * conc
+    results: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * conc
     t0 = time.perf_counter()
 
     async def go(i: int) -> None:
@@ -84,8 +100,11 @@ async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_de
         for i in range(conc):
             n.start_soon(go, i)
     wall = time.perf_counter() - t0
-    prefill_wall = max(r[0] for r in results)
-    return conc * prompt_len / prefill_wall, conc * (n_decode - 1) / (wall - prefill_wall)
+    g_end = engine_graph_s()
+    last = max(range(conc), key=lambda i: results[i][0])
+    prefill_wall, g_decode = results[last][0], results[last][2]
+    decode_wall = wall - prefill_wall
+    return conc * prompt_len / prefill_wall, conc * (n_decode - 1) / decode_wall, (g_end - g_decode) / decode_wall
 
 
 async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int,
@@ -96,13 +115,15 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
     for conc in (1, 4):
         pre: list[float] = []
         dec: list[float] = []
+        share: list[float] = []
         ref_pre: list[float] = []
         ref_dec: list[float] = []
         version = ""
         for rep in range(reps):
-            p, d = await one_case(rt, conc, rep, prompt_len, n_decode)
+            p, d, gs = await one_case(rt, conc, rep, prompt_len, n_decode)
             pre.append(p)
             dec.append(d)
+            share.append(gs)
             if llamacpp is not None:
                 ref = await trio.to_thread.run_sync(llamacpp, conc, rep)
                 ref_pre.append(ref["prefill"])
@@ -113,6 +134,11 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
                                  "prompt_tokens" if name == "prefill" else "decode_tokens":
                                      prompt_len if name == "prefill" else n_decode,
                                  "tokens_per_s": round(statistics.median(ours), 2)}
+            if name == "decode":  # issue 32's breakdown: a decode step inside ggml's graphs vs everything else
+                step_ms = 1000.0 * conc / statistics.median(ours)
+                c["step_ms"] = round(step_ms, 3)
+                c["graph_share"] = round(statistics.median(share), 4)
+                c["outside_graph_ms"] = round(step_ms * (1.0 - statistics.median(share)), 3)
             if theirs:
                 c["llamacpp_tokens_per_s"] = round(statistics.median(theirs), 2)
                 c["llamacpp_version"] = version
@@ -226,7 +252,9 @@ def main() -> None:
         if "tokens_per_s" in c:
             ref = c.get("llamacpp_tokens_per_s")
             extra = f" {ref:>10.2f} {c['tokens_per_s'] / ref:>7.2f}" if ref else ""
-            print(f"{c['case']:<12} {c['tokens_per_s']:>10.2f}{extra}")
+            split = (f"   step {c['step_ms']:.2f} ms: {100 * c['graph_share']:.0f} % in ggml graphs, "
+                     f"{c['outside_graph_ms']:.2f} ms outside") if "graph_share" in c else ""
+            print(f"{c['case']:<12} {c['tokens_per_s']:>10.2f}{extra}{split}")
     mem = result["cases"][-1]
     print(f"resident memory {mem['rss_mb']:.0f} MB (model file {mem['file_mb']:.0f} MB, "
           f"before load {mem['rss_before_load_mb']:.0f} MB)")

@@ -137,6 +137,8 @@ def check_engine(result: dict[str, Any]) -> None:
     for name in ("prefill_c1", "decode_c1", "prefill_c4", "decode_c4"):
         c = cases[name]
         assert c["tokens_per_s"] > 0 and c["concurrency"] == int(name[-1]) and c["kernel"] == "ggml", c
+        if name.startswith("decode"):  # the step's breakdown: some of it in ggml's graphs, never more than all
+            assert 0.0 < c["graph_share"] < 1.0 and 0.0 < c["outside_graph_ms"] < c["step_ms"], c
     assert cases["rss"]["rss_mb"] > cases["rss"]["rss_before_load_mb"] > 0 and cases["rss"]["file_mb"] > 0
 
 

@@ -106,6 +106,24 @@ def test_bucket_sizes():
     assert len(set(seen)) <= 24
 
 
+def test_graph_time_counts_each_threads_own_graphs(rng):
+    """``graph_time``: a thread's seconds inside ggml_graph_compute and its graph count, its own only."""
+    out, inn = 64, 256
+    mm = K.GgmlMatmul(K.quantize((rng.standard_normal((out, inn)) * 0.02).astype(np.float32), "Q8_0"), "Q8_0", out, inn)
+    x = rng.standard_normal((3, inn)).astype(np.float32)
+    s0, n0 = K.graph_time()
+    mm(x)
+    mm(x)
+    s1, n1 = K.graph_time()
+    assert n1 == n0 + 2 and s1 > s0
+    seen: list[tuple[float, int]] = []
+    other = threading.Thread(target=lambda: (mm(x), seen.append(K.graph_time())))
+    other.start()
+    other.join()
+    assert other.ident is not None and seen[0][1] == 1 and K.graph_time(other.ident) == seen[0]
+    assert K.graph_time() == (s1, n1)  # the other thread's graph is not counted here
+
+
 # --------------------------------------------------------------------------- numerics
 
 @pytest.mark.parametrize("t", ALL)

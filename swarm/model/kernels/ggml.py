@@ -32,6 +32,7 @@ import ctypes
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +56,7 @@ __all__ = [
     "row_nbytes",
     "set_poll",
     "activation_type",
+    "graph_time",
     "host_supported",
     "numeric_fingerprint",
 ]
@@ -234,6 +236,15 @@ _PLACEMENT: dict[int, WorkerPlacement] = {}  # pool -> its workers, kept off the
 
 
 _POLL = 0  # the default spin level of multi-threaded computes (set_poll)
+_GRAPH_TIME: dict[int, list[float]] = {}  # thread ident -> [seconds inside ggml_graph_compute, graphs]
+
+
+def graph_time(ident: int | None = None) -> tuple[float, int]:
+    """The seconds a thread (default: the calling one) has spent inside ``ggml_graph_compute`` and the
+    graphs it computed, since the process started: what a step spends in ggml's own compute, against
+    everything around it (``benchmarks/engine.py``'s breakdown). Each thread writes only its own entry."""
+    acc = _GRAPH_TIME.get(threading.get_ident() if ident is None else ident)
+    return (acc[0], int(acc[1])) if acc is not None else (0.0, 0)
 
 
 def set_poll(poll: int) -> None:
@@ -345,7 +356,14 @@ class _Plan:
         with lock:
             _PLACEMENT[pool].before_compute()  # its workers never queue behind this thread's spin barrier
             self.cplan.threadpool = pool  # type: ignore[assignment]  # ctypes takes the raw pointer
+            t0 = time.perf_counter()
             st = g.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
+            dt = time.perf_counter() - t0
+        acc = _GRAPH_TIME.get(ident := threading.get_ident())
+        if acc is None:
+            acc = _GRAPH_TIME[ident] = [0.0, 0.0]
+        acc[0] += dt
+        acc[1] += 1
         if st != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {st}")
 
