@@ -102,8 +102,10 @@ class Vol:
     t0: float = 0.0  # the process's start: its daemon ticks on t0 + k * DAEMON_TICK_S
     tick_at: float | None = None
     addrs: list[str] = field(default_factory=list)
-    proven: set[SliceKey] = field(default_factory=set)  # the coordinator's: proved by a hold challenge
-    dialling: set[SliceKey] = field(default_factory=set)  # ... and being dialled / challenged
+    # the coordinator's view of it: slices in its map and dialled, being dialled, proved by a hold challenge
+    attached: set[SliceKey] = field(default_factory=set)
+    dialling: set[SliceKey] = field(default_factory=set)
+    proven: set[SliceKey] = field(default_factory=set)
 
 
 class _TapJournal(Journal):
@@ -221,7 +223,7 @@ class Simulation:
 
     def _attach(self, v: Vol, key: SliceKey) -> None:
         """The market dispatches ``key`` of ``v``: its map reaches the coordinator after the next tick."""
-        if key in v.proven or key in v.dialling:
+        if key in v.attached or key in v.dialling:
             return
         v.dialling.add(key)
         self.at(self._next_tick(self.now) + self.sc.coordinator.map_latency_s, self._dial, v, v.session, key)
@@ -234,16 +236,18 @@ class Simulation:
             v.dialling.discard(key)
             return
         if self.rng.random() < v.dial_success:
+            v.dialling.discard(key)
+            v.attached.add(key)
             self.metrics.serving(v.peer, key, self.now)
-            self.at(self.now + self.sc.coordinator.challenge_s, self._proved, v, session, key)
+            if key not in v.proven:
+                self.at(self.now + self.sc.coordinator.challenge_s, self._proved, v, session, key)
         else:
             self.metrics.dial_failed(v.nat)
             self.at(self.now + self.sc.coordinator.retry_s, self._dial, v, session, key)
 
     def _proved(self, v: Vol, session: int, key: SliceKey) -> None:
-        if v.session != session:
+        if v.session != session or key not in v.attached:
             return
-        v.dialling.discard(key)
         v.proven.add(key)
         _, layer, lo, hi = key
         self._report([ReportedWorker(peer_id=v.peer, held=[ProvenSlice(layer, lo, hi)])])
@@ -292,6 +296,7 @@ class Simulation:
         v.tick_at = None
         v.proven.clear()  # the coordinator's connection to it is gone: a new process proves its slices again
         v.dialling.clear()
+        v.attached.clear()
         self.metrics.session_ended(self.now, graceful)
         self.at(self.now + draw(v.pop.offline_s, self.rng), self._session_start, v)
 
@@ -311,8 +316,9 @@ class Simulation:
                     self._heartbeat(v, lc)
                 case Deregister():
                     self._heartbeat(v, lc)  # an empty heartbeat: it holds nothing now
-                case Unload():
-                    pass
+                case Unload(offer=offer):  # a slice fetched again later is dialled and proved anew
+                    v.attached.discard(offer.key)
+                    v.proven.discard(offer.key)
         if v.lc is lc:
             self._wake(v, lc)
 
@@ -389,6 +395,9 @@ class Simulation:
         directives = [(d.model_id, d.layer, d.lo, d.hi, d.action, d.dispatched, d.release_in_s) for d in ack.slices]
         effects = lc.heartbeat_acked(directives, ack.heartbeat_s, seq, self.now)
         for d in ack.slices:
+            key = (d.model_id, d.layer, d.lo, d.hi)
             if d.dispatched:
-                self._attach(v, (d.model_id, d.layer, d.lo, d.hi))
+                self._attach(v, key)
+            else:
+                v.attached.discard(key)  # out of the map (retiring, loading): attached again when dispatched
         self._apply(v, effects)
