@@ -144,6 +144,9 @@ class Simulation:
                                       n_expert=sc.model.n_expert,
                                       bytes_per_expert=[sc.model.bytes_per_expert] * sc.model.n_layer)
         self.vols: list[Vol] = []
+        self.busy = 0  # the coordinator's busy slots now
+        self.rounds_left = sc.coordinator.rounds.count if sc.coordinator.rounds is not None else 0
+        self.round_open = False  # a round's load ran; waiting for its surplus to be released
 
     # -- the event heap ----------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
@@ -157,6 +160,10 @@ class Simulation:
         self.at(0.0, self._market_poll)
         self.at(sc.coordinator.report_s, self._coordinator_report)
         self.at(0.0, self._sample)
+        for t, busy in sc.coordinator.load:
+            self.at(t, self._set_busy, busy)
+        if sc.coordinator.rounds is not None:
+            self.at(sc.coordinator.rounds.start_s, self._round_start)
         idx = 0
         for pop in sc.volunteers:
             for _ in range(pop.count):
@@ -199,21 +206,35 @@ class Simulation:
             self.metrics.request("GET /api/expert-dispatch-map", self.now)  # the coordinator's long-poll answers
         self.at(self.now + self.sc.market.tick_s, self._market_tick)
 
-    def _busy(self, t: float) -> int:
-        busy = 0
-        for at, b in self.sc.coordinator.load:
-            if at > t:
-                break
-            busy = b
-        return busy
+    def _set_busy(self, busy: int) -> None:
+        self.busy = busy
+        self.metrics.load(self.now, busy)
+
+    def _round_start(self) -> None:
+        r = self.sc.coordinator.rounds
+        if r is None or self.rounds_left <= 0:
+            return
+        self.rounds_left -= 1
+        self.round_open = True
+        self._set_busy(r.busy)
+
+    def _round_check(self) -> None:
+        """Back to base (the benchmark's wait, every 0.05 s): the boost is off and the surplus released."""
+        ep = self.metrics.episodes[-1] if self.metrics.episodes else None
+        if ep is not None and ep.unsaturated_at is not None and not ep.retiring and ep.retired > 0 \
+                and not self.market.ix.recruiting(self.model_id):
+            self.round_open = False
+            self._round_start()
+            return
+        self.at(self.now + 0.05, self._round_check)
 
     def _market_poll(self) -> None:
-        self.market.record_poll(self.sc.coordinator.url, self._busy(self.now), self.sc.coordinator.slots, self.now)
+        self.market.record_poll(self.sc.coordinator.url, self.busy, self.sc.coordinator.slots, self.now)
         self.metrics.request("GET /slots", self.now)
         self.at(self.now + self.sc.market.poll_interval_s, self._market_poll)
 
     def _sample(self) -> None:
-        self.metrics.sample(self.market, self.now, self._busy(self.now), sum(1 for v in self.vols if v.lc is not None))
+        self.metrics.sample(self.market, self.now, self.busy, sum(1 for v in self.vols if v.lc is not None))
         self.at(self.now + self.sc.sample_s, self._sample)
 
     # -- the coordinator (declared: map follow, hold challenge, reports) -----------------------------
@@ -238,7 +259,10 @@ class Simulation:
         if self.rng.random() < v.dial_success:
             v.dialling.discard(key)
             v.attached.add(key)
-            self.metrics.serving(v.peer, key, self.now)
+            r = self.sc.coordinator.rounds
+            if self.metrics.serving(v.peer, key, self.now) and r is not None and self.round_open:
+                self.at(self.now + r.tail_s, self._set_busy, 0)  # the round's load stops (its last requests end)
+                self.at(self.now + r.tail_s, self._round_check)
             if key not in v.proven:
                 self.at(self.now + self.sc.coordinator.challenge_s, self._proved, v, session, key)
         else:

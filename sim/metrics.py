@@ -61,21 +61,6 @@ class Episode:
     aged_out_at: float | None = None
 
 
-def _busy_steps(sc: Scenario, threshold: int) -> list[tuple[float, float | None]]:
-    """(load rises to >= threshold, load falls below it or None) from the load curve."""
-    out: list[tuple[float, float | None]] = []
-    up: float | None = None
-    for t, busy in sc.coordinator.load:
-        if busy >= threshold and up is None:
-            up = t
-        elif busy < threshold and up is not None:
-            out.append((up, t))
-            up = None
-    if up is not None:
-        out.append((up, None))
-    return out
-
-
 class Metrics:
     def __init__(self, sc: Scenario, policy: MarketPolicy) -> None:
         self.sc = sc
@@ -96,8 +81,17 @@ class Metrics:
         self.dial_failures: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter()
         self._last_sample: float | None = None
+        self.steps: list[list[float | None]] = []  # [load rose to >= threshold, fell below it (None: not yet)]
 
     # -- inputs -------------------------------------------------------------------------------------
+    def load(self, now: float, busy: int) -> None:
+        """The coordinator's busy count changed."""
+        rising = busy >= self.policy.saturation_threshold
+        if rising and (not self.steps or self.steps[-1][1] is not None):
+            self.steps.append([now, None])
+        elif not rising and self.steps and self.steps[-1][1] is None:
+            self.steps[-1][1] = now
+
     def request(self, endpoint: str, now: float) -> None:
         buckets = self.requests.get(endpoint)
         if buckets is None:
@@ -144,14 +138,17 @@ class Metrics:
         if not ep.retiring and released:
             ep.aged_out_at = now
 
-    def serving(self, peer: str, key: tuple[str, int, int, int], now: float) -> None:
-        """The coordinator dialled ``peer`` for ``key`` successfully: calls flow."""
+    def serving(self, peer: str, key: tuple[str, int, int, int], now: float) -> bool:
+        """The coordinator dialled ``peer`` for ``key`` successfully: calls flow. True when it is the
+        current episode's first recruited worker serving."""
         ep = self.episodes[-1] if self.episodes else None
         if ep is None or ep.serving_at is not None or ep.unsaturated_at is not None:
-            return
+            return False
         at = self.assigned_at.get((peer, SliceRef(*key)))
         if at is not None and at >= ep.saturated_at:
             ep.serving_at = now
+            return True
+        return False
 
     def sample(self, market: Market, now: float, busy: int, online: int) -> None:
         mid = self.sc.model.id
@@ -191,11 +188,11 @@ class Metrics:
         }
 
     def _episodes(self) -> list[dict[str, Any]]:
-        steps = _busy_steps(self.sc, self.policy.saturation_threshold)
         out = []
         for ep in self.episodes:
-            up = max((s for s in steps if s[0] <= ep.saturated_at), key=lambda s: s[0], default=None)
-            t_up, t_down = up if up is not None else (None, None)
+            up = max((s for s in self.steps if s[0] is not None and s[0] <= ep.saturated_at),
+                     key=lambda s: s[0] or 0.0, default=None)
+            t_up, t_down = (up[0], up[1]) if up is not None else (None, None)
             out.append({
                 "load_step_at": t_up,
                 "saturated_at": ep.saturated_at,

@@ -35,6 +35,7 @@ __all__ = [
     "NatSpec",
     "Population",
     "Scenario",
+    "Rounds",
     "ScenarioError",
     "Uniform",
     "dist_mean",
@@ -94,6 +95,16 @@ class MarketSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     policy: dict[str, Any] = {}  # MarketPolicy overrides (checked by MarketPolicy)
 
 
+class Rounds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A closed-loop load (``benchmarks/_recruitment.py``'s rounds): ``busy`` from ``start_s``; each round's load
+    ends ``tail_s`` after a recruited worker serves; the next starts once the surplus is released (back to base)."""
+
+    count: Annotated[int, msgspec.Meta(ge=1, le=100_000)]
+    busy: Annotated[int, msgspec.Meta(ge=0)]
+    start_s: NonNeg = 0.0
+    tail_s: NonNeg = 0.0  # the load's requests in flight finishing
+
+
 class CoordinatorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One coordinator: its slots and its ``/slots`` busy count over time (the market's saturation input)."""
 
@@ -101,6 +112,7 @@ class CoordinatorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     slots: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
     # (time s, busy) steps, time-ordered: busy holds from its time to the next step's
     load: list[tuple[NonNeg, Annotated[int, msgspec.Meta(ge=0)]]] = []
+    rounds: Rounds | None = None  # instead of ``load``
     # declared costs of the coordinator's side (coordinator.dispatch.market_link, the hold challenge)
     map_latency_s: NonNeg = 0.1  # a changed dispatch map reaches it this long after the market's tick
     report_s: Pos = 5.0  # POST /api/coordinator-report period
@@ -154,6 +166,11 @@ def _shape_problems(sc: Scenario) -> list[str]:
             out.append(f"$.coordinator.load[{i}]: time {t:g} is not after the previous step's")
         if t > sc.duration_s:
             out.append(f"$.coordinator.load[{i}]: time {t:g} is past duration_s {sc.duration_s:g}")
+    r = sc.coordinator.rounds
+    if r is not None and sc.coordinator.load:
+        out.append("$.coordinator.rounds: give load or rounds, not both")
+    if r is not None and r.busy > sc.coordinator.slots:
+        out.append(f"$.coordinator.rounds.busy: {r.busy} exceeds the coordinator's {sc.coordinator.slots} slots")
     for i, p in enumerate(sc.volunteers):
         share = p.nat.direct + p.nat.hole_punchable + p.nat.relay_only
         if not math.isclose(share, 1.0, abs_tol=1e-9):

@@ -91,6 +91,8 @@ BAD = [
     ("duration_s = 10.0\n[model]\nn_layer = 1024\nn_expert = 1024\n", "$.model: 1024 layers x 1024 experts"),
     ("duration_s = 10.0\n[[volunteers]]\ncount = 1\nsession_s = { dist = \"gamma\", k = 1 }\n",
      "$.volunteers[0].session_s"),
+    ("duration_s = 10.0\n[coordinator]\nload = [[0.0, 1]]\nrounds = { count = 1, busy = 1 }\n",
+     "$.coordinator.rounds: give load or rounds, not both"),
 ]
 
 
@@ -128,3 +130,23 @@ def test_the_defaults_are_the_processes_defaults() -> None:
                                                               real["tick_s"])
     pd = _defaults(PullVolunteerConfig)
     assert (v.poll_interval_s, v.max_slices) == (pd["poll_interval_s"], pd["max_slices"])
+
+
+# benchmarks/_recruitment.py (real processes on loopback), 10 rounds on this machine, 2026-12-04:
+# age-out median 4.51 s (max 5.22 s); recruitment reaction median 2.74 s (max 4.73 s)
+MEASURED_AGE_OUT_S = 4.51
+
+
+def test_the_demo_topology_predicts_the_measured_age_out(tmp_path: Path) -> None:
+    """The market benchmark's demo topology, its rounds closed-loop as the benchmark runs them (the load stops
+    when a recruited worker serves; the next round starts once the surplus is released): the predicted
+    median age-out is within 20 % of the measured one. (Its recruitment reaction is not: the simulator
+    predicts a median of 4.05 s against 2.74 s measured -- see docs/benchmarks.md.)"""
+    import statistics
+
+    _, rep = simulate(tmp_path, ROOT / "benchmarks" / "scenarios" / "demo-topology.toml", 0, "demo")
+    eps = rep["recruitment"]
+    assert len(eps) == 200
+    ages = [e["age_out_s"] for e in eps]
+    assert None not in ages
+    assert abs(statistics.median(ages) - MEASURED_AGE_OUT_S) <= 0.2 * MEASURED_AGE_OUT_S
