@@ -46,6 +46,7 @@ BUILTIN_ROLES: Final[dict[str, str]] = {
     "coordinator": "coordinator.cli:add_parser",
     "volunteer": "volunteer.cli:add_parser",
     "relay": "relay.cli:add_parser",
+    "simulate": "sim.cli:add_parser",
 }
 
 

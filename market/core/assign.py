@@ -21,7 +21,7 @@ Rules:
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -112,6 +112,70 @@ def _best_windows(need: list[int], n: int, target: Sequence[int]) -> tuple[_Key 
     return best_key, best
 
 
+def _model_windows(m: ModelSupply, budget: Budget, held: Collection[SliceRef], header_allowance: int
+                   ) -> tuple[_Key | None, Sequence[tuple[str, int, int, int, int]], bool]:
+    """One model's best windows (in layer order), their key, and whether any expert is needed.
+
+    Per-layer results of layers where the volunteer holds nothing are memoised in the counts (keyed by
+    layer, target and chunk size, checked against the layer's version); with a uniform target and a
+    volunteer holding nothing of the model, so is the whole model's result (checked against the sum of
+    the layers' versions, which grows with every change): a market polled by idle volunteers while
+    nothing is scarce answers each poll without walking the layers."""
+    counts = m.counts
+    uniform = isinstance(m.target, int)
+    held_here: dict[int, set[int]] = {}
+    for s in held:
+        if s.model_id == m.model_id:
+            held_here.setdefault(s.layer, set()).update(range(s.lo, s.hi))
+    if len(counts.memo) > _MEMO_LIMIT:
+        counts.memo.clear()
+    fits: dict[int, int] = {}
+    for bpe in m.bytes_per_expert:
+        if bpe not in fits:
+            fits[bpe] = max(0, min(experts_that_fit(budget, bpe, header_allowance), counts.n_expert))
+    whole: Hashable | None = None
+    version = 0
+    if uniform and not held_here:
+        whole = ("model", m.target, tuple(sorted(fits.items())))
+        version = sum(counts.version)
+        hit = counts.memo.get(whole)
+        if hit is not None and hit[0] == version:
+            return hit[1]  # type: ignore[no-any-return]
+    m_key: _Key | None = None
+    m_best: list[tuple[str, int, int, int, int]] = []
+    m_need = False
+    for layer in range(counts.n_layer):
+        bpe = m.bytes_per_expert[layer]
+        n = fits[bpe]
+        mine = held_here.get(layer)
+        tl = layer_targets(m.target, layer, counts.n_expert)
+        memo_key = (layer, m.target if uniform else tuple(tl), n)
+        hit = None if mine else counts.memo.get(memo_key)
+        if hit is not None and hit[0] == counts.version[layer]:
+            layer_key, windows, layer_need = hit[1]
+        else:
+            need = [t - r - p if r + p < t else 0 for r, p, t in zip(
+                counts.replicas[layer], counts.pending[layer], tl, strict=True)]
+            if mine:
+                for e in mine:
+                    need[e] = 0
+            layer_need = any(need)
+            layer_key, windows = _best_windows(need, n, tl) if layer_need and n >= 1 else (None, [])
+            if not mine:
+                counts.memo[memo_key] = (counts.version[layer], (layer_key, windows, layer_need))
+        m_need = m_need or layer_need
+        if layer_key is None:
+            continue
+        if m_key is None or layer_key > m_key:
+            m_key, m_best = layer_key, [(m.model_id, layer, lo, hi, bpe) for lo, hi in windows]
+        elif layer_key == m_key:
+            m_best.extend((m.model_id, layer, lo, hi, bpe) for lo, hi in windows)
+    out = (m_key, tuple(m_best), m_need)
+    if whole is not None:
+        counts.memo[whole] = (version, out)
+    return out
+
+
 def choose_slice(
     models: Sequence[ModelSupply],
     budget: Budget,
@@ -122,9 +186,8 @@ def choose_slice(
 ) -> Pick | NoOfferReason:
     """The scarcest segment that fits ``budget`` and overlaps nothing in ``held`` (see the rules).
 
-    Per-layer results of layers where the volunteer holds nothing are memoised in the counts
-    (keyed by layer, target and chunk size, checked against the layer's version), so a pull
-    costs a scan of the layers that changed since the last one.
+    Results are memoised in the counts (``_model_windows``), so a pull costs a scan of the layers
+    that changed since the last one, and nothing when none did.
     """
     if not models:
         return NoOfferReason.NO_MODELS
@@ -132,42 +195,16 @@ def choose_slice(
     best: list[tuple[str, int, int, int, int]] = []  # (model_id, layer, lo, hi, bytes_per_expert)
     any_need = False
     for m in models:
-        counts = m.counts
-        uniform = isinstance(m.target, int)
         if isinstance(m.target, int) and m.target <= 0:
             continue
-        held_here: dict[int, set[int]] = {}
-        for s in held:
-            if s.model_id == m.model_id:
-                held_here.setdefault(s.layer, set()).update(range(s.lo, s.hi))
-        if len(counts.memo) > _MEMO_LIMIT:
-            counts.memo.clear()
-        for layer in range(counts.n_layer):
-            bpe = m.bytes_per_expert[layer]
-            n = max(0, min(experts_that_fit(budget, bpe, header_allowance), counts.n_expert))
-            mine = held_here.get(layer)
-            tl = layer_targets(m.target, layer, counts.n_expert)
-            memo_key = (layer, m.target if uniform else tuple(tl), n)
-            hit = None if mine else counts.memo.get(memo_key)
-            if hit is not None and hit[0] == counts.version[layer]:
-                layer_key, windows, layer_need = hit[1]
-            else:
-                need = [t - r - p if r + p < t else 0 for r, p, t in zip(
-                    counts.replicas[layer], counts.pending[layer], tl, strict=True)]
-                if mine:
-                    for e in mine:
-                        need[e] = 0
-                layer_need = any(need)
-                layer_key, windows = _best_windows(need, n, tl) if layer_need and n >= 1 else (None, [])
-                if not mine:
-                    counts.memo[memo_key] = (counts.version[layer], (layer_key, windows, layer_need))
-            any_need = any_need or layer_need
-            if layer_key is None:
-                continue
-            if best_key is None or layer_key > best_key:
-                best_key, best = layer_key, [(m.model_id, layer, lo, hi, bpe) for lo, hi in windows]
-            elif layer_key == best_key:
-                best.extend((m.model_id, layer, lo, hi, bpe) for lo, hi in windows)
+        m_key, m_best, m_need = _model_windows(m, budget, held, header_allowance)
+        any_need = any_need or m_need
+        if m_key is None:
+            continue
+        if best_key is None or m_key > best_key:
+            best_key, best = m_key, list(m_best)
+        elif m_key == best_key:
+            best.extend(m_best)
     if best_key is None:
         return NoOfferReason.BUDGET_TOO_SMALL if any_need else NoOfferReason.NOTHING_SCARCE
     model_id, layer, lo, hi, bpe = best[rng.randrange(len(best))] if len(best) > 1 else best[0]

@@ -15,6 +15,9 @@ Rules, each a test below (the checker itself is tested on a planted tree of each
    ``swarm.text``, the market and the relay, and any module added later.
 5. No import cycle between modules (function-local imports count: they only hide a cycle).
 
+``sim`` (``moe-swarm simulate``) is checked too: it is no role, so it may import the roles' cores, and it is
+outside ``TORCH_ALLOWED``, so it stays torch-free.
+
 Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` first: rules 3 and 4 follow those
 parent-package imports too (rule 5 does not: a package importing its own submodules is no cycle).
 Imports under ``if TYPE_CHECKING:`` are ignored (they never run).
@@ -31,7 +34,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("coordinator", "market", "volunteer", "relay")
-PACKAGES = ("swarm", *ROLES)
+# ``sim`` (the simulator) is application layer like ``swarm/cli.py``: it drives the roles' cores, no role imports it
+PACKAGES = ("swarm", *ROLES, "sim")
 # foreign modules a core may use: the standard library's pure parts and msgspec (typed data)
 PURE = frozenset({
     "__future__", "abc", "bisect", "collections", "copy", "dataclasses", "enum", "fractions", "functools", "hashlib",
