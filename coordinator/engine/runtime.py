@@ -14,6 +14,11 @@ Rules:
   draw per emitted token, as plain decoding draws) and keeps the drafts that match. The accepted
   drafts' rows stay in the KV cache, the others are overwritten by the next step. Each session's
   draft length follows its acceptance (``DraftLength``); the counters per drafter are ``drafts``.
+- Reusable prefixes (``prefix_cache_bytes > 0``): the scheduler decides (``coordinator.core.prefixes``)
+  and this thread copies: before each step it performs the step's KV ops in order (a finished
+  request's rows copied out of its slot, evicted copies freed, a kept prefix's rows copied into a
+  new request's slot), so the new request prefills only the rest of its prompt. A copy is the rows'
+  bits, and every kernel is batch-invariant, so the request computes what a full prefill computes.
 """
 
 from __future__ import annotations
@@ -29,14 +34,19 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from coordinator.core.prefixes import PrefixIndex, PrefixStats
 from coordinator.core.scheduler import (
     Admitted,
     Emit,
     Finish,
+    FreeRows,
     GenParams,
     GenRequest,
+    KvOp,
+    LoadRows,
     Rejected,
     RejectReason,
+    SaveRows,
     Scheduler,
     SlotView,
     StepEntry,
@@ -47,9 +57,10 @@ from coordinator.engine.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk,
 from coordinator.engine.sampling import make_generator, sample
 from swarm.errors import DispatchFailed, RequestError
 from swarm.model.gguf import GGUFModel
+from swarm.model.kernels import KernelBackend
 from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
-__all__ = ["EngineFailed", "EngineRuntime", "EngineStats", "RequestHandle"]
+__all__ = ["EngineFailed", "EngineRuntime", "EngineStats", "PrefixCacheInfo", "RequestHandle", "prefix_salt"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +97,22 @@ class EngineStats:
     last_step_ms: float = 0.0
 
 
+@dataclass(frozen=True)
+class PrefixCacheInfo:
+    """A snapshot of the kept prefixes (for /metrics)."""
+
+    capacity: int
+    used: int
+    entries: int
+    stats: PrefixStats
+
+
+def prefix_salt(model: GGUFModel, kv_type: str) -> bytes:
+    """What the chain hashes of kept prefixes are salted with: rows are only reusable by the same
+    model file, kernels and KV element type."""
+    return f"moe-swarm-prefix-v1|{model.model_id}|{model.sha256}|{model.kernel}|kv={kv_type}".encode()
+
+
 @dataclass
 class _ReqState:
     send: trio.MemorySendChannel[Event]
@@ -114,18 +141,31 @@ class EngineRuntime:
         drafters: dict[str, Drafter] | None = None,
         draft: str = "none",
         draft_max: int = 8,
+        prefix_cache_bytes: int = 0,
+        prefix_min_tokens: int = 4,
     ) -> None:
         """``drafters`` by name, ``draft`` the default of a request that names none (``none``: no
-        speculation), ``draft_max`` the most tokens a step drafts."""
+        speculation), ``draft_max`` the most tokens a step drafts; ``prefix_cache_bytes`` the RAM kept
+        prefixes may use (0: none kept), ``prefix_min_tokens`` the shortest prefix worth keeping."""
         self.model = model
         self.tokenizer = tokenizer
         train_ctx = model.config.n_ctx_train
         self.n_ctx = min(n_ctx, train_ctx) if n_ctx else train_ctx
         self.transformer = Transformer(model, experts)
-        self.sched = Scheduler(
-            n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids)
-        )
         self.caches = [KVCache(model.config, self.n_ctx, KV_TYPES[kv_type]) for _ in range(n_slots)]
+        if prefix_cache_bytes > 0 and model.kernel is not KernelBackend.GGML:
+            # the torch reference's matmuls are not batch-invariant: a prompt prefilled in two pieces
+            # differs from one piece in the last bits (tests/unit/test_prefix_reuse.py), so reused rows
+            # would not be a fresh prefill's
+            log.warning("the prefix cache is off: it is exact only with the ggml kernels (--kernel ggml)")
+            prefix_cache_bytes = 0
+        self.prefixes = PrefixIndex(prefix_cache_bytes, self.caches[0].row_bytes, prefix_salt(model, kv_type),
+                                    min_tokens=prefix_min_tokens) if prefix_cache_bytes > 0 else None
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # engine thread only: entry -> K, V rows
+        self.sched = Scheduler(
+            n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids),
+            prefixes=self.prefixes,
+        )
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -231,6 +271,13 @@ class EngineRuntime:
         with self._lock:
             return self.sched.busy()
 
+    def prefix_cache(self) -> PrefixCacheInfo | None:
+        with self._lock:
+            px = self.prefixes
+            if px is None:
+                return None
+            return PrefixCacheInfo(px.capacity, px.used, len(px), PrefixStats(**vars(px.stats)))
+
     def _deliver(self, effects: list[Admitted | Rejected | Emit | Finish] | list[Event]) -> None:
         """Runs in the trio thread: route events to request channels."""
         for eff in effects:
@@ -262,18 +309,33 @@ class EngineRuntime:
         while not self._stop:
             with self._lock:
                 plan = self.sched.plan()
-            if not plan:
+                ops = self.sched.take_kv_ops()
+            if not plan and not ops:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
-                self._step(plan)
+                self._kv(ops)
+                if plan:
+                    self._step(plan)
             except DispatchFailed as exc:  # experts no replica serves and the coordinator does not hold
                 log.warning("engine step failed: %s", exc.message)
                 self._fail(plan, f"experts unavailable: {exc.message}", code="experts_unavailable", status=503)
             except Exception as exc:  # noqa: BLE001 - the engine thread must outlive any one step
                 log.exception("engine step failed")
                 self._fail(plan, f"engine error: {exc}")
+
+    def _kv(self, ops: list[KvOp]) -> None:
+        """The step's KV copies, in the scheduler's order (a slot's rows saved before anything loads there)."""
+        for op in ops:
+            match op:
+                case SaveRows(slot, entry, n):
+                    self._kept[entry] = self.caches[slot].copy_rows(n)
+                case FreeRows(entry):
+                    self._kept.pop(entry, None)
+                case LoadRows(slot, entry, n):
+                    k, v = self._kept[entry]
+                    self.caches[slot].load_rows(k, v, n)
 
     def _fail(self, plan: list[StepEntry], message: str, *, code: str = "engine_error", status: int = 500) -> None:
         """End every request of a failed step that is still running, with ``message``."""
@@ -344,8 +406,8 @@ class EngineRuntime:
 
                 emitted = verify(proposed, target)
                 if broken:
-                    # never sample from (or keep decoding) a sequence whose numbers broke
-                    self.sched.cancel(e.req_id, now)
+                    # never sample from (or keep decoding, or keep the rows of) a sequence whose numbers broke
+                    self.sched.cancel(e.req_id, now, keep=False)
                     out.append(EngineFailed(e.req_id, "engine error: non-finite logits"))
                     continue
                 if proposed:
