@@ -49,6 +49,7 @@ from coordinator.api.schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
     decode_chat,
     decode_completion,
@@ -119,6 +120,33 @@ class _EngineCollector(Collector):
         yield toks
         yield rate
         yield per
+        yield from self._prefixes()
+
+    def _prefixes(self) -> Iterable[Metric]:
+        """The kept prefixes (``--prefix-cache-mem``): lookups by outcome, reused tokens and bytes and
+        kept bytes by tier (``ram``)."""
+        info = self.rt.prefix_cache()
+        if info is None:
+            return
+        m, st = self.model_id, info.stats
+        looks = CounterMetricFamily("moe_swarm_prefix_cache_lookups", "Prompts looked up among the kept prefixes, by "
+                                    "outcome (hit: a prefix's KV rows reused) and tier", labels=["model", "outcome", "tier"])
+        looks.add_metric([m, "hit", "ram"], st.hits)
+        looks.add_metric([m, "miss", "ram"], st.misses)
+        yield looks
+        for name, doc, value in (("reused_tokens", "Prompt tokens whose KV rows came from a kept prefix", st.hit_tokens),
+                                 ("reused_bytes", "KV bytes copied from kept prefixes into slots", st.hit_bytes),
+                                 ("evictions", "Kept prefixes freed (least recently used, or superseded by a longer one)",
+                                  st.dropped)):
+            c = CounterMetricFamily(f"moe_swarm_prefix_cache_{name}", doc, labels=["model", "tier"])
+            c.add_metric([m, "ram"], value)
+            yield c
+        for name, doc, value in (("bytes", "KV bytes the kept prefixes hold", info.used),
+                                 ("capacity_bytes", "KV bytes the kept prefixes may hold", info.capacity),
+                                 ("entries", "Kept prefixes", info.entries)):
+            g = GaugeMetricFamily(f"moe_swarm_prefix_cache_{name}", doc, labels=["model", "tier"])
+            g.add_metric([m, "ram"], value)
+            yield g
 
 
 _encoder = msgspec.json.Encoder()
@@ -373,7 +401,8 @@ def _reason(r: FinishReason) -> ChoiceFinishReason:
 
 
 def _usage(f: Finish) -> Usage:
-    return Usage(prompt_tokens=f.n_prompt, completion_tokens=f.n_decoded, total_tokens=f.n_prompt + f.n_decoded)
+    return Usage(prompt_tokens=f.n_prompt, completion_tokens=f.n_decoded, total_tokens=f.n_prompt + f.n_decoded,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=f.n_cached))
 
 
 def msgspec_to_dict(m: Any) -> dict[str, Any]:
