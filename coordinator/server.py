@@ -132,6 +132,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # reusable prefixes (coordinator.core.prefixes): RAM the KV rows of finished requests' sequences may keep,
     # reused by later prompts starting with them; 0: none kept
     prefix_cache_mem: Annotated[int, msgspec.Meta(ge=0, le=1 << 44)] = DEFAULT_PREFIX_CACHE_MEM
+    # the disk tier: prefixes RAM evicts are written here (at most prefix_cache_disk bytes) and read back on a hit
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 4 << 30
 
 
 def open_model(ref: str, kernel: KernelBackend) -> GGUFModel:
@@ -173,7 +176,9 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
                           code="bad_draft_model")
     return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue,
                          kv_type=cfg.kv_type, drafters=drafters, draft=cfg.draft, draft_max=cfg.draft_max,
-                         prefix_cache_bytes=cfg.prefix_cache_mem)
+                         prefix_cache_bytes=cfg.prefix_cache_mem,
+                         prefix_cache_dir=Path(cfg.prefix_cache_dir) if cfg.prefix_cache_dir else None,
+                         prefix_cache_disk_bytes=cfg.prefix_cache_disk)
 
 
 def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:

@@ -123,30 +123,44 @@ class _EngineCollector(Collector):
         yield from self._prefixes()
 
     def _prefixes(self) -> Iterable[Metric]:
-        """The kept prefixes (``--prefix-cache-mem``): lookups by outcome, reused tokens and bytes and
-        kept bytes by tier (``ram``)."""
+        """The kept prefixes (``--prefix-cache-mem``, ``--prefix-cache-dir``): lookups by outcome and
+        tier, reused tokens and bytes, evictions, kept bytes and entries, by tier (``ram``, ``disk``)."""
         info = self.rt.prefix_cache()
         if info is None:
             return
         m, st = self.model_id, info.stats
         looks = CounterMetricFamily("moe_swarm_prefix_cache_lookups", "Prompts looked up among the kept prefixes, by "
-                                    "outcome (hit: a prefix's KV rows reused) and tier", labels=["model", "outcome", "tier"])
-        looks.add_metric([m, "hit", "ram"], st.hits)
-        looks.add_metric([m, "miss", "ram"], st.misses)
+                                    "outcome (hit: a prefix's KV rows reused, by the tier they came from)",
+                                    labels=["model", "outcome", "tier"])
+        looks.add_metric([m, "miss", "none"], st.misses)
+        counters = {name: CounterMetricFamily(f"moe_swarm_prefix_cache_{name}", doc, labels=["model", "tier"])
+                    for name, doc in (("reused_tokens", "Prompt tokens whose KV rows came from a kept prefix"),
+                                      ("reused_bytes", "KV bytes copied from kept prefixes into slots"),
+                                      ("evictions", "Kept prefixes that left the tier (evicted, spilled to disk, "
+                                                    "superseded by a longer one, or a file that failed its checks)"))}
+        for tier, ts in st.tiers.items():
+            looks.add_metric([m, "hit", tier], ts.hits)
+            counters["reused_tokens"].add_metric([m, tier], ts.hit_tokens)
+            counters["reused_bytes"].add_metric([m, tier], ts.hit_bytes)
+            counters["evictions"].add_metric([m, tier], ts.dropped)
         yield looks
-        for name, doc, value in (("reused_tokens", "Prompt tokens whose KV rows came from a kept prefix", st.hit_tokens),
-                                 ("reused_bytes", "KV bytes copied from kept prefixes into slots", st.hit_bytes),
-                                 ("evictions", "Kept prefixes freed (least recently used, or superseded by a longer one)",
-                                  st.dropped)):
-            c = CounterMetricFamily(f"moe_swarm_prefix_cache_{name}", doc, labels=["model", "tier"])
-            c.add_metric([m, "ram"], value)
-            yield c
-        for name, doc, value in (("bytes", "KV bytes the kept prefixes hold", info.used),
-                                 ("capacity_bytes", "KV bytes the kept prefixes may hold", info.capacity),
-                                 ("entries", "Kept prefixes", info.entries)):
+        yield from counters.values()
+        yield counter("moe_swarm_prefix_cache_failed_loads", "Kept prefixes whose disk file failed its checks "
+                      "(never loaded)", m, st.failed)
+        for name, doc, ram, disk in (("bytes", "KV bytes the kept prefixes hold", info.used, info.disk_used),
+                                     ("capacity_bytes", "KV bytes the kept prefixes may hold", info.capacity,
+                                      info.disk_capacity),
+                                     ("entries", "Kept prefixes", info.entries, info.disk_entries)):
             g = GaugeMetricFamily(f"moe_swarm_prefix_cache_{name}", doc, labels=["model", "tier"])
-            g.add_metric([m, "ram"], value)
+            g.add_metric([m, "ram"], ram)
+            g.add_metric([m, "disk"], disk)
             yield g
+
+
+def counter(name: str, doc: str, model: str, value: float) -> Metric:
+    c = CounterMetricFamily(name, doc, labels=["model"])
+    c.add_metric([model], value)
+    return c
 
 
 _encoder = msgspec.json.Encoder()

@@ -19,8 +19,16 @@ Rules:
   then the least recently used entries are dropped until the new one fits. A sequence shorter than
   ``min_tokens`` or bigger than the whole budget is not kept. Bytes are ``tokens * row_bytes``; the
   kept bytes never exceed ``capacity``.
+- A second tier on disk (``disk_capacity > 0``): an entry the RAM budget evicts moves there
+  (``Spill``: the shell writes its rows to a file, then frees them) if it fits the disk budget,
+  whose own least recently used entries go first (``Unlink``); a lookup finds entries of both
+  tiers (RAM preferred among equals) and a disk hit is read back by the shell. ``adopt`` takes in an
+  entry the shell found on disk at start; ``forget`` an entry whose file the shell could not load
+  (the request then prefills its whole prompt). A sequence held only on disk is kept in RAM again
+  when offered (the disk copy, then a prefix of it, is superseded).
 - Effects: ``Keep(entry, n)`` (the shell copies the rows of the offered sequence), ``Drop(entry)``
-  (the shell frees them). A ``Drop`` always precedes the ``Keep`` that needs its room.
+  (frees them), ``Spill(entry)``, ``Unlink(entry)``. An effect that frees room always precedes the
+  one that needs it.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
-__all__ = ["Drop", "Hit", "Keep", "PrefixEffect", "PrefixIndex", "PrefixStats", "prefix_hashes"]
+__all__ = ["TIERS", "Drop", "Hit", "Keep", "PrefixEffect", "PrefixIndex", "PrefixStats", "Spill", "Tier", "TierStats",
+           "Unlink", "prefix_hashes"]
 
 HASH_BYTES = 16
 
@@ -57,23 +67,45 @@ class Drop:
     entry: int
 
 
-PrefixEffect = Keep | Drop
+@dataclass(frozen=True)
+class Spill:
+    entry: int
+
+
+@dataclass(frozen=True)
+class Unlink:
+    entry: int
+
+
+PrefixEffect = Keep | Drop | Spill | Unlink
+Tier = Literal["ram", "disk"]
+TIERS: tuple[Tier, ...] = ("ram", "disk")
 
 
 @dataclass(frozen=True)
 class Hit:
     entry: int
     n_tokens: int
+    tier: Tier = "ram"
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    hit_tokens: int = 0  # prompt tokens whose rows were reused from this tier
+    hit_bytes: int = 0
+    kept: int = 0  # entries that came into this tier
+    dropped: int = 0  # entries that left it (evicted, spilled, superseded or forgotten)
 
 
 @dataclass
 class PrefixStats:
-    hits: int = 0
     misses: int = 0
-    hit_tokens: int = 0  # prompt tokens whose rows were reused
-    hit_bytes: int = 0
-    kept: int = 0  # entries stored
-    dropped: int = 0  # entries freed (evicted or superseded)
+    failed: int = 0  # entries the shell could not load (``forget``)
+    tiers: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
+
+    def copy(self) -> PrefixStats:
+        return PrefixStats(self.misses, self.failed, {t: TierStats(**vars(s)) for t, s in self.tiers.items()})
 
 
 @dataclass
@@ -82,58 +114,84 @@ class _Entry:
     tokens: tuple[int, ...]
     hashes: list[bytes]  # h[1..n]
     nbytes: int
+    tier: Tier = "ram"
 
 
 @dataclass
 class PrefixIndex:
-    """The kept sequences, by chain hash, in least-recently-used order (see the module rules)."""
+    """The kept sequences, by chain hash, in least-recently-used order per tier (see the module rules)."""
 
-    capacity: int  # bytes
+    capacity: int  # bytes in RAM
     row_bytes: int  # KV bytes of one token (every layer's K and V row)
     salt: bytes
     min_tokens: int = 4
+    disk_capacity: int = 0  # bytes on disk (0: no disk tier)
     stats: PrefixStats = field(default_factory=PrefixStats)
-    _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)  # least recently used first
+    _tiers: dict[str, OrderedDict[int, _Entry]] = field(
+        default_factory=lambda: {t: OrderedDict() for t in TIERS})  # least recently used first
     _by_hash: dict[bytes, dict[int, None]] = field(default_factory=dict)
     _by_full: dict[bytes, int] = field(default_factory=dict)  # an entry's whole-sequence hash -> the entry
     _next_id: int = 1
-    used: int = 0  # bytes kept
+    _used: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     def __post_init__(self) -> None:
-        if self.capacity < 0 or self.row_bytes < 1 or self.min_tokens < 1:
-            raise ValueError("capacity >= 0, row_bytes >= 1 and min_tokens >= 1")
+        if self.capacity < 0 or self.disk_capacity < 0 or self.row_bytes < 1 or self.min_tokens < 1:
+            raise ValueError("capacity >= 0, disk_capacity >= 0, row_bytes >= 1 and min_tokens >= 1")
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._tiers["ram"])
+
+    @property
+    def used(self) -> int:
+        """Bytes kept in RAM."""
+        return self._used["ram"]
+
+    @property
+    def disk_used(self) -> int:
+        return self._used["disk"]
+
+    def count(self, tier: Tier) -> int:
+        return len(self._tiers[tier])
+
+    def _entry(self, eid: int) -> _Entry:
+        e = self._tiers["ram"].get(eid)
+        return e if e is not None else self._tiers["disk"][eid]
 
     def tokens_of(self, entry: int) -> tuple[int, ...]:
-        return self._entries[entry].tokens
+        return self._entry(entry).tokens
+
+    def tier_of(self, entry: int) -> Tier | None:
+        return next((t for t in TIERS if entry in self._tiers[t]), None)
 
     def advertised(self) -> list[bytes]:
-        """Each entry's whole-sequence hash (most recently used first): what a router compares a
-        request's chain with."""
-        return [e.hashes[-1] for e in reversed(self._entries.values())]
+        """Each entry's whole-sequence hash (RAM then disk, most recently used first): what a router
+        compares a request's chain with."""
+        return [e.hashes[-1] for t in TIERS for e in reversed(self._tiers[t].values())]
 
     def lookup(self, prompt: Sequence[int]) -> Hit | None:
         limit = len(prompt) - 1
-        best: int | None = None
+        deepest: dict[int, None] = {}
         n = 0
-        if limit >= self.min_tokens and self._entries:
+        if limit >= self.min_tokens and self._by_hash:
             h = hashlib.blake2b(self.salt, digest_size=HASH_BYTES).digest()
             for i in range(limit):
                 h = hashlib.blake2b(h + int(prompt[i]).to_bytes(4, "little"), digest_size=HASH_BYTES).digest()
                 holders = self._by_hash.get(h)
                 if not holders:
                     break
-                best, n = next(iter(holders)), i + 1  # any holder: their first i + 1 rows are the same rows
-        if best is None or n < self.min_tokens or self._entries[best].tokens[:n] != tuple(prompt[:n]):
+                deepest, n = holders, i + 1
+        # any holder's first n rows are the same rows: one in RAM if there is one
+        best = next((eid for eid in deepest if eid in self._tiers["ram"]), next(iter(deepest), None))
+        if best is None or n < self.min_tokens or self._entry(best).tokens[:n] != tuple(prompt[:n]):
             self.stats.misses += 1
             return None
-        self._entries.move_to_end(best)
-        self.stats.hits += 1
-        self.stats.hit_tokens += n
-        self.stats.hit_bytes += n * self.row_bytes
-        return Hit(best, n)
+        e = self._entry(best)
+        self._tiers[e.tier].move_to_end(best)
+        st = self.stats.tiers[e.tier]
+        st.hits += 1
+        st.hit_tokens += n
+        st.hit_bytes += n * self.row_bytes
+        return Hit(best, n, e.tier)
 
     def offer(self, seq: Sequence[int]) -> list[PrefixEffect]:
         n = len(seq)
@@ -141,40 +199,96 @@ class PrefixIndex:
         if n < self.min_tokens or nbytes > self.capacity:
             return []
         hashes = prefix_hashes(seq, self.salt)[1:]
-        holders = self._by_hash.get(hashes[-1])
-        if holders:  # held already (as a whole entry or a prefix of one)
-            for eid in holders:
-                if self._entries[eid].tokens[:n] == tuple(seq):
-                    self._entries.move_to_end(eid)
-                    return []
+        for eid in self._by_hash.get(hashes[-1], ()):  # held in RAM already (a whole entry or a prefix of one)
+            e = self._entry(eid)
+            if e.tier == "ram" and e.tokens[:n] == tuple(seq):
+                self._tiers["ram"].move_to_end(eid)
+                return []
         out: list[PrefixEffect] = []
-        for i in range(n - 1):  # entries that are prefixes of seq are superseded (it holds their rows)
+        for i in range(n):  # entries that are prefixes of seq (or seq itself, on disk) are superseded
             if hashes[i] not in self._by_hash:
                 break  # prefix-closed: nothing longer is held either
             whole = self._by_full.get(hashes[i])
-            if whole is not None and self._entries[whole].tokens == tuple(seq[: i + 1]):
-                out.append(self._drop(whole))
-        while self.used + nbytes > self.capacity:
-            out.append(self._drop(next(iter(self._entries))))
-        eid = self._next_id
-        self._next_id += 1
-        self._entries[eid] = _Entry(eid, tuple(seq), hashes, nbytes)
-        for h in hashes:
-            self._by_hash.setdefault(h, {})[eid] = None
-        self._by_full[hashes[-1]] = eid
-        self.used += nbytes
-        self.stats.kept += 1
+            if whole is not None and self._entry(whole).tokens == tuple(seq[: i + 1]):
+                out.append(self._remove(whole))
+        while self._used["ram"] + nbytes > self.capacity:
+            out.extend(self._evict(next(iter(self._tiers["ram"]))))
+        eid = self._add(tuple(seq), hashes, "ram")
         out.append(Keep(eid, n))
         return out
 
-    def _drop(self, eid: int) -> Drop:
-        e = self._entries.pop(eid)
+    def adopt(self, tokens: Sequence[int]) -> tuple[int | None, list[PrefixEffect]]:
+        """An entry found on disk at start (oldest first: each becomes the most recently used): its id
+        (None: not taken: no disk tier, too short or big, or held already) and the ``Unlink`` of
+        the entries it displaces."""
+        n = len(tokens)
+        nbytes = n * self.row_bytes
+        if n < self.min_tokens or nbytes > self.disk_capacity:
+            return None, []
+        hashes = prefix_hashes(tokens, self.salt)[1:]
+        if hashes[-1] in self._by_full:
+            return None, []
+        out = self._fit_disk(nbytes)
+        return self._add(tuple(tokens), hashes, "disk"), out
+
+    def forget(self, entry: int, n_tokens: int = 0) -> None:
+        """The shell could not load ``entry`` (its file was corrupt or gone): it is no longer kept, and
+        the hit of ``n_tokens`` that lookup counted for it is a miss."""
+        tier = self.tier_of(entry)
+        if tier is None:
+            return
+        self._remove(entry)
+        self.stats.failed += 1
+        if n_tokens:
+            st = self.stats.tiers[tier]
+            st.hits -= 1
+            st.hit_tokens -= n_tokens
+            st.hit_bytes -= n_tokens * self.row_bytes
+            self.stats.misses += 1
+
+    def _add(self, tokens: tuple[int, ...], hashes: list[bytes], tier: Tier) -> int:
+        eid = self._next_id
+        self._next_id += 1
+        nbytes = len(tokens) * self.row_bytes
+        self._tiers[tier][eid] = _Entry(eid, tokens, hashes, nbytes, tier)
+        for h in hashes:
+            self._by_hash.setdefault(h, {})[eid] = None
+        self._by_full[hashes[-1]] = eid
+        self._used[tier] += nbytes
+        self.stats.tiers[tier].kept += 1
+        return eid
+
+    def _fit_disk(self, nbytes: int) -> list[PrefixEffect]:
+        out: list[PrefixEffect] = []
+        while self._used["disk"] + nbytes > self.disk_capacity:
+            out.append(self._remove(next(iter(self._tiers["disk"]))))
+        return out
+
+    def _evict(self, eid: int) -> list[PrefixEffect]:
+        """The RAM budget's victim: to disk if it fits there, else gone."""
+        e = self._tiers["ram"][eid]
+        if e.nbytes > self.disk_capacity:
+            return [self._remove(eid)]
+        out = self._fit_disk(e.nbytes)
+        del self._tiers["ram"][eid]
+        self._used["ram"] -= e.nbytes
+        self.stats.tiers["ram"].dropped += 1
+        e.tier = "disk"
+        self._tiers["disk"][eid] = e
+        self._used["disk"] += e.nbytes
+        self.stats.tiers["disk"].kept += 1
+        out.append(Spill(eid))
+        return out
+
+    def _remove(self, eid: int) -> Drop | Unlink:
+        e = self._entry(eid)
+        del self._tiers[e.tier][eid]
         for h in e.hashes:
             holders = self._by_hash[h]
             del holders[eid]
             if not holders:
                 del self._by_hash[h]
         del self._by_full[e.hashes[-1]]
-        self.used -= e.nbytes
-        self.stats.dropped += 1
-        return Drop(eid)
+        self._used[e.tier] -= e.nbytes
+        self.stats.tiers[e.tier].dropped += 1
+        return Drop(eid) if e.tier == "ram" else Unlink(eid)

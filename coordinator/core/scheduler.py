@@ -14,8 +14,11 @@ Rules:
   rows its KV cache holds (``seq``: prompt and generated tokens fed, in position order). A finished
   request's ``seq`` is offered to the index when the next step is planned; a newly admitted request
   looks its prompt up there at the same moment and starts at the longest kept prefix. Both become
-  KV effects (``SaveRows`` before ``FreeRows`` before ``LoadRows``, in that order) that the shell
-  performs before the step runs, so a slot's rows are copied out before a new request writes there.
+  KV ops, in the order the index decided them and every lookup's ``LoadRows`` last, which the shell
+  performs before the step runs: a slot's rows are copied out before a new request writes there, and
+  a spilled entry is written before its rows are freed. A load the shell cannot make
+  (``load_failed``: a disk file corrupt or gone) forgets the entry and the request prefills its
+  whole prompt.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from coordinator.core.prefixes import Drop, Keep, PrefixIndex
+from coordinator.core.prefixes import Drop, Keep, PrefixIndex, Spill, Unlink
 
 __all__ = [
     "Admitted",
@@ -39,6 +42,8 @@ __all__ = [
     "RejectReason",
     "Rejected",
     "SaveRows",
+    "SpillRows",
+    "UnlinkRows",
     "Scheduler",
     "SlotView",
     "StepEntry",
@@ -128,7 +133,22 @@ class LoadRows:
     n_tokens: int
 
 
-KvOp = SaveRows | FreeRows | LoadRows
+@dataclass(frozen=True)
+class SpillRows:
+    """Write kept prefix ``entry``'s rows (of ``tokens``) to the disk tier, then free them in RAM."""
+
+    entry: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnlinkRows:
+    """Delete kept prefix ``entry``'s file on the disk tier."""
+
+    entry: int
+
+
+KvOp = SaveRows | FreeRows | LoadRows | SpillRows | UnlinkRows
 Effect = Admitted | Rejected | Emit | Finish
 
 
@@ -352,6 +372,10 @@ class Scheduler:
                         self._ops.append(SaveRows(slot_id, entry, n))
                     case Drop(entry):
                         self._ops.append(FreeRows(entry))
+                    case Spill(entry):
+                        self._ops.append(SpillRows(entry, px.tokens_of(entry)))
+                    case Unlink(entry):
+                        self._ops.append(UnlinkRows(entry))
         self._to_save.clear()
         for s in self.slots:
             if s.req is None or not s.fresh:
@@ -365,6 +389,20 @@ class Scheduler:
                 s.seq = list(s.req.prompt[:n])
                 s.n_cached = n
                 self._ops.append(LoadRows(s.id, hit.entry, n))
+
+    def load_failed(self, slot_id: int, entry: int) -> None:
+        """The shell could not load ``entry``'s rows into ``slot_id`` (a disk file corrupt or gone): the
+        entry is forgotten and the slot's request, if it has not moved on, prefills its whole prompt."""
+        s = self.slots[slot_id]
+        undo = s.req is not None and s.n_cached > 0 and s.n_past == s.n_cached and len(s.seq) == s.n_cached
+        if self.prefixes is not None:
+            self.prefixes.forget(entry, s.n_cached if undo else 0)
+        if undo:
+            assert s.req is not None
+            s.n_past = 0
+            s.pending = list(s.req.prompt)
+            s.seq = []
+            s.n_cached = 0
 
     def take_kv_ops(self) -> list[KvOp]:
         """The KV copies the shell must make, in order, before it runs the step ``plan`` returned."""

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import trio
@@ -39,14 +40,11 @@ from coordinator.core.scheduler import (
     Admitted,
     Emit,
     Finish,
-    FreeRows,
     GenParams,
     GenRequest,
     KvOp,
-    LoadRows,
     Rejected,
     RejectReason,
-    SaveRows,
     Scheduler,
     SlotView,
     StepEntry,
@@ -54,6 +52,7 @@ from coordinator.core.scheduler import (
 from coordinator.core.speculation import DraftLength, DraftStats, verify
 from coordinator.engine.drafters import Drafter
 from coordinator.engine.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
+from coordinator.engine.prefix_store import PrefixStore
 from coordinator.engine.sampling import make_generator, sample
 from swarm.errors import DispatchFailed, RequestError
 from swarm.model.gguf import GGUFModel
@@ -104,6 +103,9 @@ class PrefixCacheInfo:
     capacity: int
     used: int
     entries: int
+    disk_capacity: int
+    disk_used: int
+    disk_entries: int
     stats: PrefixStats
 
 
@@ -143,10 +145,13 @@ class EngineRuntime:
         draft_max: int = 8,
         prefix_cache_bytes: int = 0,
         prefix_min_tokens: int = 4,
+        prefix_cache_dir: Path | None = None,
+        prefix_cache_disk_bytes: int = 0,
     ) -> None:
         """``drafters`` by name, ``draft`` the default of a request that names none (``none``: no
         speculation), ``draft_max`` the most tokens a step drafts; ``prefix_cache_bytes`` the RAM kept
-        prefixes may use (0: none kept), ``prefix_min_tokens`` the shortest prefix worth keeping."""
+        prefixes may use (0: none kept), ``prefix_min_tokens`` the shortest prefix worth keeping,
+        ``prefix_cache_dir`` the directory of the disk tier (``prefix_cache_disk_bytes`` at most)."""
         self.model = model
         self.tokenizer = tokenizer
         train_ctx = model.config.n_ctx_train
@@ -159,9 +164,12 @@ class EngineRuntime:
             # would not be a fresh prefill's
             log.warning("the prefix cache is off: it is exact only with the ggml kernels (--kernel ggml)")
             prefix_cache_bytes = 0
+        disk = prefix_cache_disk_bytes if prefix_cache_dir is not None else 0
         self.prefixes = PrefixIndex(prefix_cache_bytes, self.caches[0].row_bytes, prefix_salt(model, kv_type),
-                                    min_tokens=prefix_min_tokens) if prefix_cache_bytes > 0 else None
-        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # engine thread only: entry -> K, V rows
+                                    min_tokens=prefix_min_tokens, disk_capacity=disk) if prefix_cache_bytes > 0 else None
+        # engine thread only: the kept rows
+        self._store = PrefixStore(self.caches, self.prefixes, prefix_cache_dir if disk else None) \
+            if self.prefixes is not None else None
         self.sched = Scheduler(
             n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids),
             prefixes=self.prefixes,
@@ -276,7 +284,8 @@ class EngineRuntime:
             px = self.prefixes
             if px is None:
                 return None
-            return PrefixCacheInfo(px.capacity, px.used, len(px), PrefixStats(**vars(px.stats)))
+            return PrefixCacheInfo(px.capacity, px.used, len(px), px.disk_capacity, px.disk_used, px.count("disk"),
+                                   px.stats.copy())
 
     def _deliver(self, effects: list[Admitted | Rejected | Emit | Finish] | list[Event]) -> None:
         """Runs in the trio thread: route events to request channels."""
@@ -306,6 +315,7 @@ class EngineRuntime:
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        self._adopt()
         while not self._stop:
             with self._lock:
                 plan = self.sched.plan()
@@ -315,7 +325,8 @@ class EngineRuntime:
                 self._wake.clear()
                 continue
             try:
-                self._kv(ops)
+                if ops and self._kv(ops):
+                    continue  # a kept prefix could not be loaded: planned again (that request prefills all)
                 if plan:
                     self._step(plan)
             except DispatchFailed as exc:  # experts no replica serves and the coordinator does not hold
@@ -325,17 +336,36 @@ class EngineRuntime:
                 log.exception("engine step failed")
                 self._fail(plan, f"engine error: {exc}")
 
-    def _kv(self, ops: list[KvOp]) -> None:
-        """The step's KV copies, in the scheduler's order (a slot's rows saved before anything loads there)."""
-        for op in ops:
-            match op:
-                case SaveRows(slot, entry, n):
-                    self._kept[entry] = self.caches[slot].copy_rows(n)
-                case FreeRows(entry):
-                    self._kept.pop(entry, None)
-                case LoadRows(slot, entry, n):
-                    k, v = self._kept[entry]
-                    self.caches[slot].load_rows(k, v, n)
+    def _kv(self, ops: list[KvOp]) -> bool:
+        """The step's KV copies and files, in the scheduler's order; whether a load failed (then told
+        to the scheduler)."""
+        assert self._store is not None
+        failed = self._store.apply(ops)
+        if failed:
+            with self._lock:
+                for op in failed:
+                    self.sched.load_failed(op.slot, op.entry)
+        return bool(failed)
+
+    def _adopt(self) -> None:
+        """The disk tier's files of this model, from an earlier run, into the index (oldest first)."""
+        if self._store is None or self._store.dir is None or self.prefixes is None:
+            return
+        try:
+            self._store.dir.mkdir(parents=True, exist_ok=True)
+            found = self._store.scan()
+        except OSError as exc:
+            log.warning("prefix cache directory %s is not usable: %s", self._store.dir, exc)
+            return
+        for tokens, path in found:
+            with self._lock:
+                entry, effects = self.prefixes.adopt(tokens)
+            if entry is not None:
+                self._store.files[entry] = path
+            for eff in effects:
+                gone = self._store.files.pop(eff.entry, None)
+                if gone is not None:
+                    gone.unlink(missing_ok=True)
 
     def _fail(self, plan: list[StepEntry], message: str, *, code: str = "engine_error", status: int = 500) -> None:
         """End every request of a failed step that is still running, with ``message``."""

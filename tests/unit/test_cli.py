@@ -178,6 +178,9 @@ def test_prefix_cache_mem_is_a_size_or_zero() -> None:
     assert config("coordinator", "--model", "m.gguf").prefix_cache_mem == 512 << 20  # type: ignore[attr-defined]
     assert config("coordinator", "--model", "m.gguf", "--prefix-cache-mem", "0").prefix_cache_mem == 0  # type: ignore[attr-defined]
     assert config("coordinator", "--model", "m.gguf", "--prefix-cache-mem", "1.5GiB").prefix_cache_mem == 3 << 29  # type: ignore[attr-defined]
+    cfg = config("coordinator", "--model", "m.gguf", "--prefix-cache-dir", "/tmp/kv", "--prefix-cache-disk", "2G")
+    assert (cfg.prefix_cache_dir, cfg.prefix_cache_disk) == ("/tmp/kv", 2 << 30)  # type: ignore[attr-defined]
+    assert config("coordinator", "--model", "m.gguf").prefix_cache_disk == 4 << 30  # type: ignore[attr-defined]
 
 
 def test_global_options_go_before_or_after_the_command(monkeypatch: pytest.MonkeyPatch,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from coordinator.core.prefixes import Drop, Hit, Keep, PrefixIndex, prefix_hashes
+from coordinator.core.prefixes import Drop, Hit, Keep, PrefixIndex, Spill, Unlink, prefix_hashes
 from coordinator.core.scheduler import (
     Finish,
     FinishReason,
@@ -17,6 +17,7 @@ from coordinator.core.scheduler import (
     LoadRows,
     SaveRows,
     Scheduler,
+    SpillRows,
 )
 
 SALT = b"test-model"
@@ -43,7 +44,8 @@ def test_lookup_finds_exactly_the_common_prefix(diverge: int) -> None:
     assert px.offer(seq) == [Keep(1, 20)]
     prompt = [*seq[:diverge], 7, 8, 9]
     assert px.lookup(prompt) == Hit(1, diverge)
-    assert px.stats.hits == 1 and px.stats.hit_tokens == diverge and px.stats.hit_bytes == diverge * 10
+    ram = px.stats.tiers["ram"]
+    assert ram.hits == 1 and ram.hit_tokens == diverge and ram.hit_bytes == diverge * 10
 
 
 def test_lookup_leaves_one_token_and_respects_min_tokens() -> None:
@@ -80,7 +82,7 @@ def test_lru_eviction_by_bytes() -> None:
     assert px.used == 25 * 10 <= px.capacity
     assert px.offer([5] * 31) == []  # bigger than the whole budget: not kept, nothing evicted
     assert px.offer([6] * 3) == []  # shorter than min_tokens
-    assert len(px) == 2 and px.stats.dropped == 2
+    assert len(px) == 2 and px.stats.tiers["ram"].dropped == 2
 
 
 def test_random_offers_never_exceed_capacity_and_hits_are_exact(rng: random.Random) -> None:
@@ -164,3 +166,59 @@ def test_cancelled_and_broken_requests() -> None:
     s2 = _sched(None)
     s2.submit(GenRequest(1, tuple(range(30)), GenParams()), 0.0)
     assert [e.pos for e in s2.plan()] == [0] and s2.take_kv_ops() == []
+
+
+def test_disk_tier_spills_unlinks_and_finds() -> None:
+    px = PrefixIndex(capacity=200, row_bytes=10, salt=SALT, disk_capacity=250)
+    assert px.offer([1] * 10) == [Keep(1, 10)]
+    assert px.offer([2] * 10) == [Keep(2, 10)]
+    # RAM is full: its least recently used entry goes to disk
+    assert px.offer([3] * 10) == [Spill(1), Keep(3, 10)]
+    assert (px.used, px.disk_used, px.tier_of(1)) == (200, 100, "disk")
+    assert px.lookup([1] * 12) == Hit(1, 10, "disk")
+    assert px.stats.tiers["disk"].hits == 1 and px.stats.tiers["disk"].hit_tokens == 10
+    # the disk budget evicts its own least recently used entries for a newcomer
+    assert px.offer([4] * 10) == [Spill(2), Keep(4, 10)]
+    assert px.offer([5] * 10) == [Unlink(1), Spill(3), Keep(5, 10)]
+    assert px.disk_used == 200 <= px.disk_capacity and px.count("disk") == 2
+    # a sequence held only on disk comes back to RAM (its disk copy superseded), displacing both RAM entries
+    assert px.offer([2] * 12) == [Unlink(2), Spill(4), Unlink(3), Spill(5), Keep(6, 12)]
+    assert px.lookup([2] * 20) == Hit(6, 12, "ram")
+    assert px.advertised() == [prefix_hashes([2] * 12, SALT)[-1], prefix_hashes([5] * 10, SALT)[-1],
+                               prefix_hashes([4] * 10, SALT)[-1]]
+    # the same rows in both tiers: RAM's are used
+    assert px.offer([5] * 8 + [9, 9]) == [Unlink(4), Spill(6), Keep(7, 10)]
+    assert px.lookup([5] * 8 + [0]) == Hit(7, 8, "ram")
+    assert px.lookup([5] * 12) == Hit(5, 10, "disk")
+    px.forget(6)
+    assert px.tier_of(6) is None and px.stats.failed == 1 and px.lookup([2] * 13) is None
+
+
+def test_adopt_fills_the_disk_tier_oldest_first() -> None:
+    px = PrefixIndex(capacity=200, row_bytes=10, salt=SALT, disk_capacity=250)
+    assert px.adopt([1] * 10) == (1, [])
+    assert px.adopt([1] * 10) == (None, [])  # the same sequence twice
+    assert px.adopt([2] * 10) == (2, [])
+    assert px.adopt([3] * 10) == (3, [Unlink(1)])
+    assert px.adopt([4] * 30) == (None, [])  # bigger than the disk budget
+    assert PrefixIndex(capacity=200, row_bytes=10, salt=SALT).adopt([1] * 10) == (None, [])  # no disk tier
+    assert px.lookup([2] * 11) == Hit(2, 10, "disk")
+
+
+def test_scheduler_spill_and_failed_load() -> None:
+    px = PrefixIndex(capacity=300, row_bytes=10, salt=SALT, disk_capacity=1000)
+    s = _sched(px)
+    a, b = tuple(range(10, 30)), tuple(range(40, 60))
+    for rid, prompt in ((1, a), (2, b)):
+        s.submit(GenRequest(rid, prompt, GenParams(max_tokens=1)), 0.0)
+        _run_to_end(s, rid, [7])
+    s.submit(GenRequest(3, (*a, 1, 2), GenParams(max_tokens=1)), 0.0)
+    s.plan()
+    assert s.take_kv_ops() == [SaveRows(0, 1, 20), SpillRows(1, a), SaveRows(0, 2, 20), LoadRows(0, 1, 20)]
+    s.load_failed(0, 1)  # its file failed its checks: the whole prompt is prefilled
+    assert [(e.pos, len(e.tokens)) for e in s.plan()] == [(0, 22)] and s.take_kv_ops() == []
+    assert px.tier_of(1) is None and px.stats.failed == 1 and px.stats.tiers["disk"].hits == 0 and px.stats.misses == 3
+    fin = _run_to_end(s, 3, [7])
+    assert fin == [Finish(3, FinishReason.LENGTH, 22, 1, 0)]
+    s.plan()
+    assert s.take_kv_ops() == [SpillRows(2, b), SaveRows(0, 3, 22)]
