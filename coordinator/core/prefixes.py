@@ -26,6 +26,9 @@ Rules:
   entry the shell found on disk at start; ``forget`` an entry whose file the shell could not load
   (the request then prefills its whole prompt). A sequence held only on disk is kept in RAM again
   when offered (the disk copy, then a prefix of it, is superseded).
+- Pins (explicit prefixes, ``coordinator.core.prefix_pool``): a pinned RAM entry is never evicted,
+  spilled or superseded until its pins are released; a sequence that does not fit beside the pinned
+  bytes is not kept.
 - Effects: ``Keep(entry, n)`` (the shell copies the rows of the offered sequence), ``Drop(entry)``
   (frees them), ``Spill(entry)``, ``Unlink(entry)``. An effect that frees room always precedes the
   one that needs it.
@@ -115,6 +118,7 @@ class _Entry:
     hashes: list[bytes]  # h[1..n]
     nbytes: int
     tier: Tier = "ram"
+    pins: int = 0
 
 
 @dataclass
@@ -193,10 +197,33 @@ class PrefixIndex:
         st.hit_bytes += n * self.row_bytes
         return Hit(best, n, e.tier)
 
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(e.nbytes for e in self._tiers["ram"].values() if e.pins)
+
+    def pin_holder(self, tokens: Sequence[int]) -> int | None:
+        """Pin a RAM entry holding ``tokens`` (the shortest such); None if no RAM entry holds them."""
+        if not tokens:
+            return None
+        whole = prefix_hashes(tokens, self.salt)[-1]
+        ram = [self._tiers["ram"][eid] for eid in self._by_hash.get(whole, ()) if eid in self._tiers["ram"]]
+        ram = [e for e in ram if e.tokens[: len(tokens)] == tuple(tokens)]
+        if not ram:
+            return None
+        e = min(ram, key=lambda e: len(e.tokens))
+        e.pins += 1
+        self._tiers["ram"].move_to_end(e.id)
+        return e.id
+
+    def unpin(self, entry: int) -> None:
+        e = self._tiers["ram"].get(entry)
+        if e is not None and e.pins:
+            e.pins -= 1
+
     def offer(self, seq: Sequence[int]) -> list[PrefixEffect]:
         n = len(seq)
         nbytes = n * self.row_bytes
-        if n < self.min_tokens or nbytes > self.capacity:
+        if n < self.min_tokens or nbytes > self.capacity - self.pinned_bytes:
             return []
         hashes = prefix_hashes(seq, self.salt)[1:]
         for eid in self._by_hash.get(hashes[-1], ()):  # held in RAM already (a whole entry or a prefix of one)
@@ -209,10 +236,10 @@ class PrefixIndex:
             if hashes[i] not in self._by_hash:
                 break  # prefix-closed: nothing longer is held either
             whole = self._by_full.get(hashes[i])
-            if whole is not None and self._entry(whole).tokens == tuple(seq[: i + 1]):
+            if whole is not None and not self._entry(whole).pins and self._entry(whole).tokens == tuple(seq[: i + 1]):
                 out.append(self._remove(whole))
-        while self._used["ram"] + nbytes > self.capacity:
-            out.extend(self._evict(next(iter(self._tiers["ram"]))))
+        while self._used["ram"] + nbytes > self.capacity:  # fits beside the pinned bytes (checked above)
+            out.extend(self._evict(next(eid for eid, e in self._tiers["ram"].items() if not e.pins)))
         eid = self._add(tuple(seq), hashes, "ram")
         out.append(Keep(eid, n))
         return out

@@ -12,8 +12,8 @@ Rules:
 - A cancelled request frees its slot at once (before the next step is planned).
 - Reusable prefixes (with a ``coordinator.core.prefixes.PrefixIndex``): a slot knows the tokens whose
   rows its KV cache holds (``seq``: prompt and generated tokens fed, in position order). A finished
-  request's ``seq`` is offered to the index when the next step is planned; a newly admitted request
-  looks its prompt up there at the same moment and starts at the longest kept prefix. Both become
+  request's ``seq`` is offered to the index as it ends; a newly admitted request looks its prompt up
+  there when the next step is planned and starts at the longest kept prefix. Both become
   KV ops, in the order the index decided them and every lookup's ``LoadRows`` last, which the shell
   performs before the step runs: a slot's rows are copied out before a new request writes there, and
   a spilled entry is written before its rows are freed. A load the shell cannot make
@@ -205,7 +205,6 @@ class Scheduler:
         self.ewma_alpha = 0.2
         self.total_decoded = 0
         self.prefixes = prefixes
-        self._to_save: list[tuple[int, tuple[int, ...]]] = []  # (slot, seq) of finished requests
         self._ops: list[KvOp] = []
 
     # -- admission ------------------------------------------------------------------------------
@@ -351,7 +350,7 @@ class Scheduler:
             out.append(Emit(s.req.id, s.text, tuple(s.held_ids)))
         out.append(Finish(s.req.id, reason, len(s.req.prompt), s.n_decoded, s.n_cached))
         if self.prefixes is not None and keep and s.seq:
-            self._to_save.append((s.id, tuple(s.seq)))
+            self._offer(s.id, tuple(s.seq))
         s.seq = []
         s.req = None
         s.pending = []
@@ -365,18 +364,6 @@ class Scheduler:
         px = self.prefixes
         if px is None:
             return
-        for slot_id, seq in self._to_save:
-            for eff in px.offer(seq):
-                match eff:
-                    case Keep(entry, n):
-                        self._ops.append(SaveRows(slot_id, entry, n))
-                    case Drop(entry):
-                        self._ops.append(FreeRows(entry))
-                    case Spill(entry):
-                        self._ops.append(SpillRows(entry, px.tokens_of(entry)))
-                    case Unlink(entry):
-                        self._ops.append(UnlinkRows(entry))
-        self._to_save.clear()
         for s in self.slots:
             if s.req is None or not s.fresh:
                 continue
@@ -389,6 +376,22 @@ class Scheduler:
                 s.seq = list(s.req.prompt[:n])
                 s.n_cached = n
                 self._ops.append(LoadRows(s.id, hit.entry, n))
+
+    def _offer(self, slot_id: int, seq: tuple[int, ...]) -> None:
+        """A finished request's sequence to the index, its decisions queued as KV ops (the slot's rows are
+        saved before any later op loads into it: ops run in order)."""
+        px = self.prefixes
+        assert px is not None
+        for eff in px.offer(seq):
+            match eff:
+                case Keep(entry, n):
+                    self._ops.append(SaveRows(slot_id, entry, n))
+                case Drop(entry):
+                    self._ops.append(FreeRows(entry))
+                case Spill(entry):
+                    self._ops.append(SpillRows(entry, px.tokens_of(entry)))
+                case Unlink(entry):
+                    self._ops.append(UnlinkRows(entry))
 
     def load_failed(self, slot_id: int, entry: int) -> None:
         """The shell could not load ``entry``'s rows into ``slot_id`` (a disk file corrupt or gone): the

@@ -138,16 +138,16 @@ def test_scheduler_saves_before_it_loads_and_starts_after_the_prefix() -> None:
     s.submit(GenRequest(1, prompt, GenParams(max_tokens=3, ignore_eos=True)), 0.0)
     fin = _run_to_end(s, 1, [40, 41, 42])
     assert fin == [Finish(1, FinishReason.LENGTH, 20, 3, 0)]
-    assert s.take_kv_ops() == []  # nothing kept yet: offered when the next step is planned
-    # the next request shares 20 prompt tokens + 2 generated ones (the last sampled token was never fed)
+    assert s.take_kv_ops() == [SaveRows(0, 1, 22)]  # kept as it ended (the last sampled token was never fed)
+    # the next request shares 20 prompt tokens + 2 generated ones; looked up when the step is planned
     s.submit(GenRequest(2, (*prompt, 40, 41, 42, 50), GenParams(max_tokens=1)), 0.0)
+    assert s.take_kv_ops() == []
     plan = s.plan()
-    assert s.take_kv_ops() == [SaveRows(0, 1, 22), LoadRows(0, 1, 22)]
+    assert s.take_kv_ops() == [LoadRows(0, 1, 22)]
     assert [(e.tokens, e.pos, e.sample) for e in plan] == [((42, 50), 22, True)]
     for e in plan:
         s.fed(e, 0.0)
     assert [x for x in s.token(0, 2, 7, "y", 0.0) if isinstance(x, Finish)] == [Finish(2, FinishReason.LENGTH, 24, 1, 22)]
-    s.plan()
     assert s.take_kv_ops() == [FreeRows(1), SaveRows(0, 2, 24)]  # entry 1 is a prefix of the new one
 
 
@@ -222,3 +222,18 @@ def test_scheduler_spill_and_failed_load() -> None:
     assert fin == [Finish(3, FinishReason.LENGTH, 22, 1, 0)]
     s.plan()
     assert s.take_kv_ops() == [SpillRows(2, b), SaveRows(0, 3, 22)]
+
+
+def test_pinned_entries_are_never_evicted_or_superseded() -> None:
+    px = idx(capacity_rows=30)
+    px.offer([1] * 10)
+    px.offer([2] * 10)
+    assert px.pin_holder([1] * 6) == 1  # an entry holding these tokens
+    assert px.pin_holder([9] * 6) is None
+    assert px.lookup([2] * 11) == Hit(2, 10)  # entry 1 is the least recently used now
+    assert px.offer([3] * 10) == [Keep(3, 10)]
+    assert px.offer([4] * 10) == [Drop(2), Keep(4, 10)]  # 1 stays: pinned
+    assert px.offer([1] * 12) == [Drop(3), Drop(4), Keep(5, 12)]  # 1 is a prefix of it, and pinned: kept
+    assert px.pinned_bytes == 100 and px.offer([7] * 25) == []  # does not fit beside the pinned bytes
+    px.unpin(1)
+    assert px.offer([8] * 25) == [Drop(1), Drop(5), Keep(6, 25)]
