@@ -33,6 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from coordinator.api.page import page_routes
+from coordinator.api.prefixes import prefix_routes
 from coordinator.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -40,6 +41,7 @@ from coordinator.api.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatMessage,
     ChatRequest,
     ChoiceFinishReason,
     Completion,
@@ -211,6 +213,25 @@ def build_app(
         )
         return ids
 
+    async def chat_ids(messages: list[ChatMessage], *, generation: bool) -> list[int]:
+        """Messages through the chat template (``generation``: with the assistant's opening), tokenised."""
+        bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        text = render_chat(
+            template if isinstance(template, str) else None,
+            [msgspec_to_dict(m) for m in messages],
+            add_generation_prompt=generation,
+            bos_token=bos_text,
+            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+        )
+        if tok.add_bos and bos_text and text.startswith(bos_text):
+            # the template wrote the bos the tokenizer adds (Mixtral's "<s>[INST]"): once, as
+            # llama.cpp's common_chat_templates_apply drops the rendered one
+            text = text[len(bos_text):]
+        return await encode(text, "messages")
+
+    async def prefix_ids(messages: list[ChatMessage]) -> list[int]:
+        return await chat_ids(messages, generation=False)
+
     def check_model(name: str) -> None:
         if strict_model and name not in names:
             known = ", ".join(repr(n) for n in sorted(names))
@@ -247,20 +268,7 @@ def build_app(
             req = decode_chat(await read_body(request, max_body))
             check_model(req.model)
             params = gen_params(req, default_max_tokens=rt.n_ctx, max_tokens_override=req.max_completion_tokens)
-            msgs = [msgspec_to_dict(m) for m in req.messages]
-            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-            text = render_chat(
-                template if isinstance(template, str) else None,
-                msgs,
-                add_generation_prompt=True,
-                bos_token=bos_text,
-                eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-            )
-            if tok.add_bos and bos_text and text.startswith(bos_text):
-                # the template wrote the bos the tokenizer adds (Mixtral's "<s>[INST]"): once, as
-                # llama.cpp's common_chat_templates_apply drops the rendered one
-                text = text[len(bos_text):]
-            ids = await encode(text, "messages")
+            ids = await chat_ids(req.messages, generation=True)
             handle = rt.submit(ids, params, prompt_param="messages", continuation=False)
         except SwarmError as exc:
             return _err(exc)
@@ -404,6 +412,7 @@ def build_app(
         Route("/health", health, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *prefix_routes(rt, max_body=max_body, render=prefix_ids, error=_err),
         *page_routes(),  # the chat page at /
         *extra_routes,
     ]

@@ -279,6 +279,46 @@ class EngineRuntime:
         with self._lock:
             return self.sched.busy()
 
+    async def pin_prefix(self, tokens: list[int], *, param: str = "tokens") -> int:
+        """Compute ``tokens``' KV (only what no kept prefix holds) and pin the kept entry holding it; its id.
+        Raises ``RequestError`` (the prefix cache is off, the prompt is bad, the rows do not fit)."""
+        px = self.prefixes
+        if px is None:
+            raise RequestError("the prefix cache is off on this coordinator (--prefix-cache-mem 0, or --kernel torch)",
+                               code="prefix_cache_off")
+        if len(tokens) < px.min_tokens:
+            raise RequestError(f"a prefix needs at least {px.min_tokens} tokens", code="prefix_too_short", param=param)
+        with self._lock:
+            entry = px.pin_holder(tokens)
+        if entry is not None:
+            return entry
+        # a prompt of its own: its rows are kept as it ends (its one sampled token is never fed)
+        h = self.submit(tokens, GenParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                        prompt_param=param)
+        async for ev in h.events:
+            if isinstance(ev, EngineFailed):
+                raise RequestError(ev.message, code=ev.code, status=ev.status)
+        with self._lock:
+            entry = px.pin_holder(tokens)
+            free = px.capacity - px.pinned_bytes
+        if entry is None:
+            raise RequestError(f"the prefix's KV ({len(tokens) * px.row_bytes} bytes) does not fit beside the pinned "
+                               f"prefixes ({free} bytes free of --prefix-cache-mem); release some", code="prefix_cache_full",
+                               status=409, param=param)
+        return entry
+
+    def unpin_prefix(self, entry: int) -> None:
+        if self.prefixes is not None:
+            with self._lock:
+                self.prefixes.unpin(entry)
+
+    def kept_hashes(self, limit: int = 1024) -> list[str]:
+        """The kept prefixes' whole-sequence chain hashes (hex; RAM then disk, most recent first)."""
+        if self.prefixes is None:
+            return []
+        with self._lock:
+            return [h.hex() for h in self.prefixes.advertised()[:limit]]
+
     def prefix_cache(self) -> PrefixCacheInfo | None:
         with self._lock:
             px = self.prefixes
