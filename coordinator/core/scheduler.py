@@ -126,11 +126,13 @@ class FreeRows:
 
 @dataclass(frozen=True)
 class LoadRows:
-    """Copy kept prefix ``entry``'s rows ``[0, n_tokens)`` into ``slot``'s KV cache."""
+    """Copy kept prefix ``entry``'s rows ``[0, n_tokens)`` into ``slot``'s KV cache (``tokens``: the
+    entry's, what a disk file must hold; the shell reads no index)."""
 
     slot: int
     entry: int
     n_tokens: int
+    tokens: tuple[int, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -375,7 +377,7 @@ class Scheduler:
                 s.pending = list(s.req.prompt[n:])
                 s.seq = list(s.req.prompt[:n])
                 s.n_cached = n
-                self._ops.append(LoadRows(s.id, hit.entry, n))
+                self._ops.append(LoadRows(s.id, hit.entry, n, px.tokens_of(hit.entry)))
 
     def _offer(self, slot_id: int, seq: tuple[int, ...]) -> None:
         """A finished request's sequence to the index, its decisions queued as KV ops (the slot's rows are

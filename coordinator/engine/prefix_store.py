@@ -2,7 +2,8 @@
 
 Rules:
 - Only the engine thread uses a store: it performs the scheduler's KV ops in their order (``apply``);
-  the decisions are ``coordinator.core.prefixes``'.
+  the decisions are ``coordinator.core.prefixes``', and the ops carry what the store needs (it never
+  reads the index, which the trio thread may change meanwhile: a cancelled request's offer).
 - A file is ``DIR/<hex of the entry's whole-sequence chain hash>.kv``, written as a temporary file
   in DIR and renamed over (atomic: a reader sees a whole file or none); nothing is written outside
   DIR, and a name is only ever hex digits.
@@ -91,19 +92,19 @@ class PrefixStore:
                     path = self.files.pop(entry, None)
                     if path is not None:
                         path.unlink(missing_ok=True)
-                case LoadRows(slot, entry, n):
-                    if not self._load(slot, entry, n):
+                case LoadRows(slot, entry, n, tokens):
+                    if not self._load(slot, entry, n, tokens):
                         failed.append(op)
         return failed
 
-    def _load(self, slot: int, entry: int, n: int) -> bool:
+    def _load(self, slot: int, entry: int, n: int, tokens: tuple[int, ...]) -> bool:
         rows = self.ram.get(entry)
         if rows is None:
             path = self.files.pop(entry, None)
             if path is None:
                 return False
             try:
-                rows = self._read(path, self.index.tokens_of(entry))
+                rows = self._read(path, tokens)
             except _Unusable as exc:
                 self._warn(path, str(exc))
                 path.unlink(missing_ok=True)  # ours (adopted or written here), and broken

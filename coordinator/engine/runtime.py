@@ -375,6 +375,19 @@ class EngineRuntime:
             except Exception as exc:  # noqa: BLE001 - the engine thread must outlive any one step
                 log.exception("engine step failed")
                 self._fail(plan, f"engine error: {exc}")
+        self._flush_kv()
+
+    def _flush_kv(self) -> None:
+        """At stop: the KV ops still queued (a request that ended last: its rows kept, what it evicted
+        written to the disk tier), so the disk tier holds what the index decided."""
+        if self._store is None:
+            return
+        with self._lock:
+            ops = self.sched.take_kv_ops()
+        try:
+            self._store.apply(ops)
+        except Exception:  # noqa: BLE001 - stopping: logged, never raised
+            log.exception("prefix cache: the last KV ops failed at stop")
 
     def _kv(self, ops: list[KvOp]) -> bool:
         """The step's KV copies and files, in the scheduler's order; whether a load failed (then told

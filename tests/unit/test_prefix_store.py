@@ -86,9 +86,10 @@ async def test_spilled_prefixes_come_back_exact_and_survive_a_restart(model: GGU
     assert info.disk_entries == 2 and 0 < info.disk_used <= info.disk_capacity  # a, and b when c ended
     names = sorted(f.name for f in d.iterdir())
     assert names and all(n.endswith(".kv") and len(n) == 32 + 3 and int(n[:32], 16) >= 0 for n in names)  # no tmp left
+    assert len(names) == 3  # a, b, and c (spilled when d ended, written at the stop)
     # a new process on the same directory finds them
     async with running(model, d) as rt2:
-        assert (await ask(rt2, p["c"])) == (want["c"], 50)
+        assert (await ask(rt2, p["c"])) == (want["c"], 52)  # c's own conversation: all but its last token
         assert (await ask(rt2, p["d"])) == (want["d"], 50)
         info2 = rt2.prefix_cache()
     assert info2 is not None and info2.stats.tiers["disk"].hits == 2
