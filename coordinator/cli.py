@@ -21,11 +21,17 @@ from swarm.flags import size_flag
 
 __all__ = ["add_parser", "config_from_args", "run"]
 
-_FLAGS = {"n_batch": "--batch-size", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
+_FLAGS = {"n_batch": "--batch-size", "prefix_cache_mem": "--prefix-cache-mem",
+          "prefix_cache_dir": "--prefix-cache-dir", "prefix_cache_disk": "--prefix-cache-disk", "expert_timeout_s": "--expert-timeout", "hole_punch": "--no-hole-punch",
           "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
           "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate",
           "hold_proof": "--no-hold-proof", "missing_wait_s": "--missing-wait", "lanes": "--no-lanes",
           "aliases": "--alias"}
+
+
+def _cache_size(text: str) -> int:
+    """A cache size (``size_flag``), or 0: off."""
+    return 0 if text.strip() == "0" else size_flag(text)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -54,6 +60,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
                    help="kernels: ggml's on the stored quantised bytes, or the torch reference")
     m.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
+    m.add_argument("--prefix-cache-mem", type=_cache_size, default="512M", metavar="SIZE",
+                   help="RAM for the KV of finished requests' prompts (and replies), reused by later prompts that "
+                        "start with them: only the rest is prefilled (0: off)")
+    m.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="a disk tier for the prefix cache: prefixes evicted from RAM are written here and read back "
+                        "(checked) when a prompt starts with one; kept across restarts")
+    m.add_argument("--prefix-cache-disk", type=_cache_size, default="4G", metavar="SIZE",
+                   help="the most the prefix cache's files in --prefix-cache-dir may take")
     m.add_argument("--threads", type=int, default=None, help="compute threads in all (default: the physical cores)")
     m.add_argument("--data-dir", default=None,
                    help="identity key and slice cache, one coordinator each (default ~/.local/share/moe-swarm/coordinator)")
@@ -176,6 +190,9 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "draft_max": ns.draft_max,
         "aliases": tuple(ns.alias or ()),
         "strict_model": ns.strict_model,
+        "prefix_cache_mem": ns.prefix_cache_mem,
+        "prefix_cache_dir": ns.prefix_cache_dir,
+        "prefix_cache_disk": ns.prefix_cache_disk,
     }, flags=_FLAGS)
     if cfg.local_experts.strip() != "all" and cfg.market is None and cfg.dispatch_map is None and cfg.on_missing != "disk":
         raise ConfigError(f"--local-experts {cfg.local_experts}: the experts not computed here need volunteers, and "

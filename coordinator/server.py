@@ -56,6 +56,8 @@ __all__ = ["CoordinatorConfig", "dispatch_config", "load_runtime", "serve_coordi
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PREFIX_CACHE_MEM = 512 << 20  # --prefix-cache-mem: ~5,400 tokens of a 30B-A3B's f16 KV (96 KiB a token)
+
 
 class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``moe-swarm coordinator``'s settings (built by ``coordinator.cli``; constraints checked there)."""
@@ -127,6 +129,12 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     aliases: Annotated[tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=256)], ...],
                        msgspec.Meta(max_length=64)] = ()
     strict_model: bool = False
+    # reusable prefixes (coordinator.core.prefixes): RAM the KV rows of finished requests' sequences may keep,
+    # reused by later prompts starting with them; 0: none kept
+    prefix_cache_mem: Annotated[int, msgspec.Meta(ge=0, le=1 << 44)] = DEFAULT_PREFIX_CACHE_MEM
+    # the disk tier: prefixes RAM evicts are written here (at most prefix_cache_disk bytes) and read back on a hit
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 4 << 30
 
 
 def open_model(ref: str, kernel: KernelBackend) -> GGUFModel:
@@ -167,7 +175,10 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
         raise ConfigError("--draft model needs --draft-model PATH (a GGUF with the model's vocabulary)",
                           code="bad_draft_model")
     return EngineRuntime(model, tok, n_slots=cfg.slots, n_ctx=cfg.ctx_size, n_batch=cfg.n_batch, max_queue=cfg.max_queue,
-                         kv_type=cfg.kv_type, drafters=drafters, draft=cfg.draft, draft_max=cfg.draft_max)
+                         kv_type=cfg.kv_type, drafters=drafters, draft=cfg.draft, draft_max=cfg.draft_max,
+                         prefix_cache_bytes=cfg.prefix_cache_mem,
+                         prefix_cache_dir=Path(cfg.prefix_cache_dir) if cfg.prefix_cache_dir else None,
+                         prefix_cache_disk_bytes=cfg.prefix_cache_disk)
 
 
 def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:

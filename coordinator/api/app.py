@@ -33,6 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from coordinator.api.page import page_routes
+from coordinator.api.prefixes import prefix_routes
 from coordinator.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -40,6 +41,7 @@ from coordinator.api.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatMessage,
     ChatRequest,
     ChoiceFinishReason,
     Completion,
@@ -49,6 +51,7 @@ from coordinator.api.schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
     decode_chat,
     decode_completion,
@@ -119,6 +122,47 @@ class _EngineCollector(Collector):
         yield toks
         yield rate
         yield per
+        yield from self._prefixes()
+
+    def _prefixes(self) -> Iterable[Metric]:
+        """The kept prefixes (``--prefix-cache-mem``, ``--prefix-cache-dir``): lookups by outcome and
+        tier, reused tokens and bytes, evictions, kept bytes and entries, by tier (``ram``, ``disk``)."""
+        info = self.rt.prefix_cache()
+        if info is None:
+            return
+        m, st = self.model_id, info.stats
+        looks = CounterMetricFamily("moe_swarm_prefix_cache_lookups", "Prompts looked up among the kept prefixes, by "
+                                    "outcome (hit: a prefix's KV rows reused, by the tier they came from)",
+                                    labels=["model", "outcome", "tier"])
+        looks.add_metric([m, "miss", "none"], st.misses)
+        counters = {name: CounterMetricFamily(f"moe_swarm_prefix_cache_{name}", doc, labels=["model", "tier"])
+                    for name, doc in (("reused_tokens", "Prompt tokens whose KV rows came from a kept prefix"),
+                                      ("reused_bytes", "KV bytes copied from kept prefixes into slots"),
+                                      ("evictions", "Kept prefixes that left the tier (evicted, spilled to disk, "
+                                                    "superseded by a longer one, or a file that failed its checks)"))}
+        for tier, ts in st.tiers.items():
+            looks.add_metric([m, "hit", tier], ts.hits)
+            counters["reused_tokens"].add_metric([m, tier], ts.hit_tokens)
+            counters["reused_bytes"].add_metric([m, tier], ts.hit_bytes)
+            counters["evictions"].add_metric([m, tier], ts.dropped)
+        yield looks
+        yield from counters.values()
+        yield counter("moe_swarm_prefix_cache_failed_loads", "Kept prefixes whose disk file failed its checks "
+                      "(never loaded)", m, st.failed)
+        for name, doc, ram, disk in (("bytes", "KV bytes the kept prefixes hold", info.used, info.disk_used),
+                                     ("capacity_bytes", "KV bytes the kept prefixes may hold", info.capacity,
+                                      info.disk_capacity),
+                                     ("entries", "Kept prefixes", info.entries, info.disk_entries)):
+            g = GaugeMetricFamily(f"moe_swarm_prefix_cache_{name}", doc, labels=["model", "tier"])
+            g.add_metric([m, "ram"], ram)
+            g.add_metric([m, "disk"], disk)
+            yield g
+
+
+def counter(name: str, doc: str, model: str, value: float) -> Metric:
+    c = CounterMetricFamily(name, doc, labels=["model"])
+    c.add_metric([model], value)
+    return c
 
 
 _encoder = msgspec.json.Encoder()
@@ -169,6 +213,25 @@ def build_app(
         )
         return ids
 
+    async def chat_ids(messages: list[ChatMessage], *, generation: bool) -> list[int]:
+        """Messages through the chat template (``generation``: with the assistant's opening), tokenised."""
+        bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        text = render_chat(
+            template if isinstance(template, str) else None,
+            [msgspec_to_dict(m) for m in messages],
+            add_generation_prompt=generation,
+            bos_token=bos_text,
+            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+        )
+        if tok.add_bos and bos_text and text.startswith(bos_text):
+            # the template wrote the bos the tokenizer adds (Mixtral's "<s>[INST]"): once, as
+            # llama.cpp's common_chat_templates_apply drops the rendered one
+            text = text[len(bos_text):]
+        return await encode(text, "messages")
+
+    async def prefix_ids(messages: list[ChatMessage]) -> list[int]:
+        return await chat_ids(messages, generation=False)
+
     def check_model(name: str) -> None:
         if strict_model and name not in names:
             known = ", ".join(repr(n) for n in sorted(names))
@@ -205,20 +268,7 @@ def build_app(
             req = decode_chat(await read_body(request, max_body))
             check_model(req.model)
             params = gen_params(req, default_max_tokens=rt.n_ctx, max_tokens_override=req.max_completion_tokens)
-            msgs = [msgspec_to_dict(m) for m in req.messages]
-            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-            text = render_chat(
-                template if isinstance(template, str) else None,
-                msgs,
-                add_generation_prompt=True,
-                bos_token=bos_text,
-                eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-            )
-            if tok.add_bos and bos_text and text.startswith(bos_text):
-                # the template wrote the bos the tokenizer adds (Mixtral's "<s>[INST]"): once, as
-                # llama.cpp's common_chat_templates_apply drops the rendered one
-                text = text[len(bos_text):]
-            ids = await encode(text, "messages")
+            ids = await chat_ids(req.messages, generation=True)
             handle = rt.submit(ids, params, prompt_param="messages", continuation=False)
         except SwarmError as exc:
             return _err(exc)
@@ -362,6 +412,7 @@ def build_app(
         Route("/health", health, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *prefix_routes(rt, max_body=max_body, render=prefix_ids, error=_err),
         *page_routes(),  # the chat page at /
         *extra_routes,
     ]
@@ -373,7 +424,8 @@ def _reason(r: FinishReason) -> ChoiceFinishReason:
 
 
 def _usage(f: Finish) -> Usage:
-    return Usage(prompt_tokens=f.n_prompt, completion_tokens=f.n_decoded, total_tokens=f.n_prompt + f.n_decoded)
+    return Usage(prompt_tokens=f.n_prompt, completion_tokens=f.n_decoded, total_tokens=f.n_prompt + f.n_decoded,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=f.n_cached))
 
 
 def msgspec_to_dict(m: Any) -> dict[str, Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "Completion",
     "CompletionChoice",
     "CompletionChunk",
+    "PromptTokensDetails",
     "CompletionChunkChoice",
     "CompletionRequest",
     "ModelCard",
@@ -104,10 +105,15 @@ class ChoiceFinishReason(StrEnum):
     LENGTH = "length"  # max_tokens or the context is full
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int = 0  # prompt tokens whose KV came from a kept prefix (not computed for this request)
+
+
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,6 +10,15 @@ Rules:
 - Stop strings: emitted text never contains a stop string, and text that could still become one
   is held back until it cannot. EOS ends a request unless ``ignore_eos``.
 - A cancelled request frees its slot at once (before the next step is planned).
+- Reusable prefixes (with a ``coordinator.core.prefixes.PrefixIndex``): a slot knows the tokens whose
+  rows its KV cache holds (``seq``: prompt and generated tokens fed, in position order). A finished
+  request's ``seq`` is offered to the index as it ends; a newly admitted request looks its prompt up
+  there when the next step is planned and starts at the longest kept prefix. Both become
+  KV ops, in the order the index decided them and every lookup's ``LoadRows`` last, which the shell
+  performs before the step runs: a slot's rows are copied out before a new request writes there, and
+  a spilled entry is written before its rows are freed. A load the shell cannot make
+  (``load_failed``: a disk file corrupt or gone) forgets the entry and the request prefills its
+  whole prompt.
 """
 
 from __future__ import annotations
@@ -18,16 +27,23 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from coordinator.core.prefixes import Drop, Keep, PrefixIndex, Spill, Unlink
+
 __all__ = [
     "Admitted",
     "Emit",
     "Finish",
     "FinishReason",
     "GenParams",
+    "FreeRows",
     "GenRequest",
-    "RejectReason",
+    "KvOp",
+    "LoadRows",
     "RejectReason",
     "Rejected",
+    "SaveRows",
+    "SpillRows",
+    "UnlinkRows",
     "Scheduler",
     "SlotView",
     "StepEntry",
@@ -91,8 +107,50 @@ class Finish:
     reason: FinishReason
     n_prompt: int
     n_decoded: int
+    n_cached: int = 0  # prompt tokens whose KV rows came from a kept prefix (not computed)
 
 
+@dataclass(frozen=True)
+class SaveRows:
+    """Copy rows ``[0, n_tokens)`` of ``slot``'s KV cache into kept prefix ``entry``."""
+
+    slot: int
+    entry: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class FreeRows:
+    entry: int
+
+
+@dataclass(frozen=True)
+class LoadRows:
+    """Copy kept prefix ``entry``'s rows ``[0, n_tokens)`` into ``slot``'s KV cache (``tokens``: the
+    entry's, what a disk file must hold; the shell reads no index)."""
+
+    slot: int
+    entry: int
+    n_tokens: int
+    tokens: tuple[int, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class SpillRows:
+    """Write kept prefix ``entry``'s rows (of ``tokens``) to the disk tier, then free them in RAM."""
+
+    entry: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnlinkRows:
+    """Delete kept prefix ``entry``'s file on the disk tier."""
+
+    entry: int
+
+
+KvOp = SaveRows | FreeRows | LoadRows | SpillRows | UnlinkRows
 Effect = Admitted | Rejected | Emit | Finish
 
 
@@ -119,6 +177,9 @@ class _Slot:
     t_prompt_done: float | None = None
     tps_ewma: float = 0.0
     last_token_at: float | None = None
+    seq: list[int] = field(default_factory=list)  # tokens whose rows the KV cache holds, by position
+    fresh: bool = False  # admitted, its prompt not yet looked up among the kept prefixes
+    n_cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,7 +194,8 @@ class SlotView:
 
 
 class Scheduler:
-    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int = 512, max_queue: int = 64, eot_ids: frozenset[int]) -> None:
+    def __init__(self, *, n_slots: int, n_ctx: int, n_batch: int = 512, max_queue: int = 64, eot_ids: frozenset[int],
+                 prefixes: PrefixIndex | None = None) -> None:
         if n_slots < 1 or n_batch < 1 or max_queue < 0:
             raise ValueError("n_slots and n_batch must be >= 1, max_queue >= 0")
         self.n_ctx = n_ctx
@@ -144,6 +206,8 @@ class Scheduler:
         self.queue: deque[GenRequest] = deque()
         self.ewma_alpha = 0.2
         self.total_decoded = 0
+        self.prefixes = prefixes
+        self._ops: list[KvOp] = []
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, req: GenRequest, now: float) -> list[Effect]:
@@ -173,21 +237,26 @@ class Scheduler:
             slot.t_prompt_done = None
             slot.tps_ewma = 0.0
             slot.last_token_at = None
+            slot.seq = []
+            slot.fresh = self.prefixes is not None
+            slot.n_cached = 0
             out.append(Admitted(req.id, slot.id))
         return out
 
-    def cancel(self, req_id: int, now: float) -> list[Effect]:
+    def cancel(self, req_id: int, now: float, *, keep: bool = True) -> list[Effect]:
+        """``keep``: its KV rows may be kept as a prefix (False: its numbers broke)."""
         for i, r in enumerate(self.queue):
             if r.id == req_id:
                 del self.queue[i]
                 return [Finish(req_id, FinishReason.CANCELLED, len(r.prompt), 0)]
         for s in self.slots:
             if s.req is not None and s.req.id == req_id:
-                return self._finish(s, FinishReason.CANCELLED, now, flush=False)
+                return self._finish(s, FinishReason.CANCELLED, now, flush=False, keep=keep)
         return []
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self) -> list[StepEntry]:
+        self._prepare()
         entries: list[StepEntry] = []
         budget = self.n_batch
         active = [s for s in self.slots if s.req is not None and s.pending]
@@ -214,6 +283,7 @@ class Scheduler:
         n = len(entry.tokens)
         del s.pending[:n]
         s.n_past += n
+        s.seq.extend(entry.tokens)
         if not s.pending and s.t_prompt_done is None:
             s.t_prompt_done = now
 
@@ -254,6 +324,7 @@ class Scheduler:
             return out + self._finish(s, FinishReason.LENGTH, now, flush=True)
         if fed:  # an accepted draft: its row is in the cache already (the rejected drafts' rows are not
             s.n_past += 1  # the sequence's: the next step overwrites them)
+            s.seq.append(token)
         else:
             s.pending = [token]
         return out
@@ -274,17 +345,74 @@ class Scheduler:
             return False
         return s.n_decoded + 1 >= s.req.params.max_tokens or s.n_past >= self.n_ctx
 
-    def _finish(self, s: _Slot, reason: FinishReason, now: float, *, flush: bool) -> list[Effect]:
+    def _finish(self, s: _Slot, reason: FinishReason, now: float, *, flush: bool, keep: bool = True) -> list[Effect]:
         assert s.req is not None
         out: list[Effect] = []
         if flush and (s.text or s.held_ids):
             out.append(Emit(s.req.id, s.text, tuple(s.held_ids)))
-        out.append(Finish(s.req.id, reason, len(s.req.prompt), s.n_decoded))
+        out.append(Finish(s.req.id, reason, len(s.req.prompt), s.n_decoded, s.n_cached))
+        if self.prefixes is not None and keep and s.seq:
+            self._offer(s.id, tuple(s.seq))
+        s.seq = []
         s.req = None
         s.pending = []
         s.text = ""
         s.held_ids = []
         return out + self._admit(now)
+
+    # -- kept prefixes ------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Offer the finished requests' sequences, then look the fresh requests' prompts up."""
+        px = self.prefixes
+        if px is None:
+            return
+        for s in self.slots:
+            if s.req is None or not s.fresh:
+                continue
+            s.fresh = False
+            hit = px.lookup(s.req.prompt)
+            if hit is not None:
+                n = hit.n_tokens
+                s.n_past = n
+                s.pending = list(s.req.prompt[n:])
+                s.seq = list(s.req.prompt[:n])
+                s.n_cached = n
+                self._ops.append(LoadRows(s.id, hit.entry, n, px.tokens_of(hit.entry)))
+
+    def _offer(self, slot_id: int, seq: tuple[int, ...]) -> None:
+        """A finished request's sequence to the index, its decisions queued as KV ops (the slot's rows are
+        saved before any later op loads into it: ops run in order)."""
+        px = self.prefixes
+        assert px is not None
+        for eff in px.offer(seq):
+            match eff:
+                case Keep(entry, n):
+                    self._ops.append(SaveRows(slot_id, entry, n))
+                case Drop(entry):
+                    self._ops.append(FreeRows(entry))
+                case Spill(entry):
+                    self._ops.append(SpillRows(entry, px.tokens_of(entry)))
+                case Unlink(entry):
+                    self._ops.append(UnlinkRows(entry))
+
+    def load_failed(self, slot_id: int, entry: int) -> None:
+        """The shell could not load ``entry``'s rows into ``slot_id`` (a disk file corrupt or gone): the
+        entry is forgotten and the slot's request, if it has not moved on, prefills its whole prompt."""
+        s = self.slots[slot_id]
+        undo = s.req is not None and s.n_cached > 0 and s.n_past == s.n_cached and len(s.seq) == s.n_cached
+        if self.prefixes is not None:
+            self.prefixes.forget(entry, s.n_cached if undo else 0)
+        if undo:
+            assert s.req is not None
+            s.n_past = 0
+            s.pending = list(s.req.prompt)
+            s.seq = []
+            s.n_cached = 0
+
+    def take_kv_ops(self) -> list[KvOp]:
+        """The KV copies the shell must make, in order, before it runs the step ``plan`` returned."""
+        ops, self._ops = self._ops, []
+        return ops
 
     # -- views ---------------------------------------------------------------------------------------
     def busy(self) -> int:

@@ -130,6 +130,21 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one position's rows (K and V of every layer)."""
+        return self.nbytes // self.n_ctx
+
+    def copy_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[0, n)`` (K ``[n_layer, n, ...]``, V ``[..., n]``), copied out (a kept prefix)."""
+        return self.k[:, :n].clone(), self.v[..., :n].clone()
+
+    def load_rows(self, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+        """Rows ``[0, n)`` from ``copy_rows``'s tensors (bit for bit); the zeroed tail moves past them."""
+        self.k[:, :n] = k[:, :n]
+        self.v[..., :n] = v[..., :n]
+        self.hi = max(self.hi, n)
+
 
 @dataclass
 class SeqChunk:

@@ -14,6 +14,11 @@ Rules:
   draw per emitted token, as plain decoding draws) and keeps the drafts that match. The accepted
   drafts' rows stay in the KV cache, the others are overwritten by the next step. Each session's
   draft length follows its acceptance (``DraftLength``); the counters per drafter are ``drafts``.
+- Reusable prefixes (``prefix_cache_bytes > 0``): the scheduler decides (``coordinator.core.prefixes``)
+  and this thread copies: before each step it performs the step's KV ops in order (a finished
+  request's rows copied out of its slot, evicted copies freed, a kept prefix's rows copied into a
+  new request's slot), so the new request prefills only the rest of its prompt. A copy is the rows'
+  bits, and every kernel is batch-invariant, so the request computes what a full prefill computes.
 """
 
 from __future__ import annotations
@@ -25,16 +30,19 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import trio
 
+from coordinator.core.prefixes import PrefixIndex, PrefixStats
 from coordinator.core.scheduler import (
     Admitted,
     Emit,
     Finish,
     GenParams,
     GenRequest,
+    KvOp,
     Rejected,
     RejectReason,
     Scheduler,
@@ -44,12 +52,14 @@ from coordinator.core.scheduler import (
 from coordinator.core.speculation import DraftLength, DraftStats, verify
 from coordinator.engine.drafters import Drafter
 from coordinator.engine.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
+from coordinator.engine.prefix_store import PrefixStore
 from coordinator.engine.sampling import make_generator, sample
 from swarm.errors import DispatchFailed, RequestError
 from swarm.model.gguf import GGUFModel
+from swarm.model.kernels import KernelBackend
 from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
-__all__ = ["EngineFailed", "EngineRuntime", "EngineStats", "RequestHandle"]
+__all__ = ["EngineFailed", "EngineRuntime", "EngineStats", "PrefixCacheInfo", "RequestHandle", "prefix_salt"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +96,25 @@ class EngineStats:
     last_step_ms: float = 0.0
 
 
+@dataclass(frozen=True)
+class PrefixCacheInfo:
+    """A snapshot of the kept prefixes (for /metrics)."""
+
+    capacity: int
+    used: int
+    entries: int
+    disk_capacity: int
+    disk_used: int
+    disk_entries: int
+    stats: PrefixStats
+
+
+def prefix_salt(model: GGUFModel, kv_type: str) -> bytes:
+    """What the chain hashes of kept prefixes are salted with: rows are only reusable by the same
+    model file, kernels and KV element type."""
+    return f"moe-swarm-prefix-v1|{model.model_id}|{model.sha256}|{model.kernel}|kv={kv_type}".encode()
+
+
 @dataclass
 class _ReqState:
     send: trio.MemorySendChannel[Event]
@@ -114,18 +143,37 @@ class EngineRuntime:
         drafters: dict[str, Drafter] | None = None,
         draft: str = "none",
         draft_max: int = 8,
+        prefix_cache_bytes: int = 0,
+        prefix_min_tokens: int = 4,
+        prefix_cache_dir: Path | None = None,
+        prefix_cache_disk_bytes: int = 0,
     ) -> None:
         """``drafters`` by name, ``draft`` the default of a request that names none (``none``: no
-        speculation), ``draft_max`` the most tokens a step drafts."""
+        speculation), ``draft_max`` the most tokens a step drafts; ``prefix_cache_bytes`` the RAM kept
+        prefixes may use (0: none kept), ``prefix_min_tokens`` the shortest prefix worth keeping,
+        ``prefix_cache_dir`` the directory of the disk tier (``prefix_cache_disk_bytes`` at most)."""
         self.model = model
         self.tokenizer = tokenizer
         train_ctx = model.config.n_ctx_train
         self.n_ctx = min(n_ctx, train_ctx) if n_ctx else train_ctx
         self.transformer = Transformer(model, experts)
-        self.sched = Scheduler(
-            n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids)
-        )
         self.caches = [KVCache(model.config, self.n_ctx, KV_TYPES[kv_type]) for _ in range(n_slots)]
+        if prefix_cache_bytes > 0 and model.kernel is not KernelBackend.GGML:
+            # the torch reference's matmuls are not batch-invariant: a prompt prefilled in two pieces
+            # differs from one piece in the last bits (tests/unit/test_prefix_reuse.py), so reused rows
+            # would not be a fresh prefill's
+            log.warning("the prefix cache is off: it is exact only with the ggml kernels (--kernel ggml)")
+            prefix_cache_bytes = 0
+        disk = prefix_cache_disk_bytes if prefix_cache_dir is not None else 0
+        self.prefixes = PrefixIndex(prefix_cache_bytes, self.caches[0].row_bytes, prefix_salt(model, kv_type),
+                                    min_tokens=prefix_min_tokens, disk_capacity=disk) if prefix_cache_bytes > 0 else None
+        # engine thread only: the kept rows
+        self._store = PrefixStore(self.caches, self.prefixes, prefix_cache_dir if disk else None) \
+            if self.prefixes is not None else None
+        self.sched = Scheduler(
+            n_slots=n_slots, n_ctx=self.n_ctx, n_batch=n_batch, max_queue=max_queue, eot_ids=frozenset(tokenizer.eot_ids),
+            prefixes=self.prefixes,
+        )
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -231,6 +279,54 @@ class EngineRuntime:
         with self._lock:
             return self.sched.busy()
 
+    async def pin_prefix(self, tokens: list[int], *, param: str = "tokens") -> int:
+        """Compute ``tokens``' KV (only what no kept prefix holds) and pin the kept entry holding it; its id.
+        Raises ``RequestError`` (the prefix cache is off, the prompt is bad, the rows do not fit)."""
+        px = self.prefixes
+        if px is None:
+            raise RequestError("the prefix cache is off on this coordinator (--prefix-cache-mem 0, or --kernel torch)",
+                               code="prefix_cache_off")
+        if len(tokens) < px.min_tokens:
+            raise RequestError(f"a prefix needs at least {px.min_tokens} tokens", code="prefix_too_short", param=param)
+        with self._lock:
+            entry = px.pin_holder(tokens)
+        if entry is not None:
+            return entry
+        # a prompt of its own: its rows are kept as it ends (its one sampled token is never fed)
+        h = self.submit(tokens, GenParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                        prompt_param=param)
+        async for ev in h.events:
+            if isinstance(ev, EngineFailed):
+                raise RequestError(ev.message, code=ev.code, status=ev.status)
+        with self._lock:
+            entry = px.pin_holder(tokens)
+            free = px.capacity - px.pinned_bytes
+        if entry is None:
+            raise RequestError(f"the prefix's KV ({len(tokens) * px.row_bytes} bytes) does not fit beside the pinned "
+                               f"prefixes ({free} bytes free of --prefix-cache-mem); release some", code="prefix_cache_full",
+                               status=409, param=param)
+        return entry
+
+    def unpin_prefix(self, entry: int) -> None:
+        if self.prefixes is not None:
+            with self._lock:
+                self.prefixes.unpin(entry)
+
+    def kept_hashes(self, limit: int = 1024) -> list[str]:
+        """The kept prefixes' whole-sequence chain hashes (hex; RAM then disk, most recent first)."""
+        if self.prefixes is None:
+            return []
+        with self._lock:
+            return [h.hex() for h in self.prefixes.advertised()[:limit]]
+
+    def prefix_cache(self) -> PrefixCacheInfo | None:
+        with self._lock:
+            px = self.prefixes
+            if px is None:
+                return None
+            return PrefixCacheInfo(px.capacity, px.used, len(px), px.disk_capacity, px.disk_used, px.count("disk"),
+                                   px.stats.copy())
+
     def _deliver(self, effects: list[Admitted | Rejected | Emit | Finish] | list[Event]) -> None:
         """Runs in the trio thread: route events to request channels."""
         for eff in effects:
@@ -259,21 +355,70 @@ class EngineRuntime:
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        self._adopt()
         while not self._stop:
             with self._lock:
                 plan = self.sched.plan()
-            if not plan:
+                ops = self.sched.take_kv_ops()
+            if not plan and not ops:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
-                self._step(plan)
+                if ops and self._kv(ops):
+                    continue  # a kept prefix could not be loaded: planned again (that request prefills all)
+                if plan:
+                    self._step(plan)
             except DispatchFailed as exc:  # experts no replica serves and the coordinator does not hold
                 log.warning("engine step failed: %s", exc.message)
                 self._fail(plan, f"experts unavailable: {exc.message}", code="experts_unavailable", status=503)
             except Exception as exc:  # noqa: BLE001 - the engine thread must outlive any one step
                 log.exception("engine step failed")
                 self._fail(plan, f"engine error: {exc}")
+        self._flush_kv()
+
+    def _flush_kv(self) -> None:
+        """At stop: the KV ops still queued (a request that ended last: its rows kept, what it evicted
+        written to the disk tier), so the disk tier holds what the index decided."""
+        if self._store is None:
+            return
+        with self._lock:
+            ops = self.sched.take_kv_ops()
+        try:
+            self._store.apply(ops)
+        except Exception:  # noqa: BLE001 - stopping: logged, never raised
+            log.exception("prefix cache: the last KV ops failed at stop")
+
+    def _kv(self, ops: list[KvOp]) -> bool:
+        """The step's KV copies and files, in the scheduler's order; whether a load failed (then told
+        to the scheduler)."""
+        assert self._store is not None
+        failed = self._store.apply(ops)
+        if failed:
+            with self._lock:
+                for op in failed:
+                    self.sched.load_failed(op.slot, op.entry)
+        return bool(failed)
+
+    def _adopt(self) -> None:
+        """The disk tier's files of this model, from an earlier run, into the index (oldest first)."""
+        if self._store is None or self._store.dir is None or self.prefixes is None:
+            return
+        try:
+            self._store.dir.mkdir(parents=True, exist_ok=True)
+            found = self._store.scan()
+        except OSError as exc:
+            log.warning("prefix cache directory %s is not usable: %s", self._store.dir, exc)
+            return
+        for tokens, path in found:
+            with self._lock:
+                entry, effects = self.prefixes.adopt(tokens)
+            if entry is not None:
+                self._store.files[entry] = path
+            for eff in effects:
+                gone = self._store.files.pop(eff.entry, None)
+                if gone is not None:
+                    gone.unlink(missing_ok=True)
 
     def _fail(self, plan: list[StepEntry], message: str, *, code: str = "engine_error", status: int = 500) -> None:
         """End every request of a failed step that is still running, with ``message``."""
@@ -344,8 +489,8 @@ class EngineRuntime:
 
                 emitted = verify(proposed, target)
                 if broken:
-                    # never sample from (or keep decoding) a sequence whose numbers broke
-                    self.sched.cancel(e.req_id, now)
+                    # never sample from (or keep decoding, or keep the rows of) a sequence whose numbers broke
+                    self.sched.cancel(e.req_id, now, keep=False)
                     out.append(EngineFailed(e.req_id, "engine error: non-finite logits"))
                     continue
                 if proposed:

@@ -157,7 +157,19 @@ def check_backbone(result: dict[str, Any]) -> None:
             assert bd["layers"] > 0 and bd["total"] > 0 and bd["crossings"] <= 2.0, bd  # the one layer path's bound
 
 
+def check_gateway(result: dict[str, Any]) -> None:
+    cases = check_design_shape(result, "gateway")
+    off, on, ratio = cases["shared_prompt/off"], cases["shared_prompt/on"], cases["shared_prompt/ratio"]
+    assert off["prefill_tokens"] == off["prompt_tokens"] and off["cached_tokens"] == 0, off  # every token computed
+    # each prompt token computed or reused, never both; the shared system prompt reused
+    assert on["prefill_tokens"] + on["cached_tokens"] == on["prompt_tokens"] == off["prompt_tokens"], on
+    assert on["cached_tokens"] >= (on["users"] - 1) * on["system_tokens"] and on["kept_bytes"] > 0, on
+    assert ratio["tokens_identical"] is True and 0 < ratio["prefill_tokens_ratio"] < 1, ratio
+    assert on["ttft_mean_ms"] > 0 and off["ttft_mean_ms"] > 0 and ratio["ttft_mean_ratio"] > 0, ratio
+
+
 SMOKE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "gateway": check_gateway,
     "capacity": check_capacity,
     "engine": check_engine,
     "expert_rtt": check_expert_rtt,

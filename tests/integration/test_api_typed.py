@@ -26,6 +26,7 @@ from coordinator.api.schemas import (
     Completion,
     CompletionChunk,
     ModelList,
+    PromptTokensDetails,
 )
 from coordinator.dispatch.layer import LayerCall
 from coordinator.engine.model import LocalExperts
@@ -140,7 +141,10 @@ async def test_streamed_chat_chunks(coordinator_url: str) -> None:
     assert middle and all(c.choices[0].delta.role is None and c.choices[0].finish_reason is None for c in middle)
     assert last.choices[0].delta == ChatDelta() and last.choices[0].finish_reason is ChoiceFinishReason.LENGTH
     assert all(c.usage is msgspec.UNSET for c in chunks[:-1])
-    assert usage.choices == () and usage.usage == plain.usage
+    assert usage.choices == () and plain.usage.prompt_tokens_details.cached_tokens == 0
+    # the same prompt again: all but its last token's KV reused from the plain request's kept prefix
+    assert usage.usage == msgspec.structs.replace(
+        plain.usage, prompt_tokens_details=PromptTokensDetails(cached_tokens=plain.usage.prompt_tokens - 1))
     assert "".join(c.choices[0].delta.content or "" for c in middle) == plain.choices[0].message.content
     ids: list[int] = []
     for c in middle:
@@ -167,7 +171,10 @@ async def test_streamed_completion_chunks(coordinator_url: str) -> None:
     assert all(c.choices[0].finish_reason is None and c.choices[0].token_ids is msgspec.UNSET for c in texts)
     assert "".join(c.choices[0].text for c in texts) == plain.choices[0].text
     assert last.choices[0].text == "" and last.choices[0].finish_reason is ChoiceFinishReason.LENGTH
-    assert usage.choices == () and usage.usage == plain.usage
+    assert usage.choices == () and plain.usage.prompt_tokens_details.cached_tokens == 0
+    # the same prompt again: all but its last token's KV reused from the plain request's kept prefix
+    assert usage.usage == msgspec.structs.replace(
+        plain.usage, prompt_tokens_details=PromptTokensDetails(cached_tokens=plain.usage.prompt_tokens - 1))
 
 
 class Exploding(LocalExperts):

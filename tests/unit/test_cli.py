@@ -158,6 +158,9 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         (["coordinator", "--model", "m.gguf", "--max-body", "100"],
          "moe-swarm coordinator: error: argument --max-body: '100' has no unit: write 100G, 100M or 100B (bytes) "
          "(see 'moe-swarm coordinator --help')"),
+        (["coordinator", "--model", "m.gguf", "--prefix-cache-mem", "100"],
+         "moe-swarm coordinator: error: argument --prefix-cache-mem: '100' has no unit: write 100G, 100M or 100B "
+         "(bytes) (see 'moe-swarm coordinator --help')"),
         (["market", "--log-level", "LOUD"],
          "moe-swarm market: error: argument --log-level: invalid choice: 'LOUD' (choose from 'DEBUG', 'INFO', "
          "'WARNING', 'ERROR', 'CRITICAL') (see 'moe-swarm market --help')"),
@@ -169,6 +172,15 @@ def test_a_usage_error_is_one_line_with_the_closest_match(argv: list[str], line:
         main(argv)
     assert ei.value.code == 2
     assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_prefix_cache_mem_is_a_size_or_zero() -> None:
+    assert config("coordinator", "--model", "m.gguf").prefix_cache_mem == 512 << 20  # type: ignore[attr-defined]
+    assert config("coordinator", "--model", "m.gguf", "--prefix-cache-mem", "0").prefix_cache_mem == 0  # type: ignore[attr-defined]
+    assert config("coordinator", "--model", "m.gguf", "--prefix-cache-mem", "1.5GiB").prefix_cache_mem == 3 << 29  # type: ignore[attr-defined]
+    cfg = config("coordinator", "--model", "m.gguf", "--prefix-cache-dir", "/tmp/kv", "--prefix-cache-disk", "2G")
+    assert (cfg.prefix_cache_dir, cfg.prefix_cache_disk) == ("/tmp/kv", 2 << 30)  # type: ignore[attr-defined]
+    assert config("coordinator", "--model", "m.gguf").prefix_cache_disk == 4 << 30  # type: ignore[attr-defined]
 
 
 def test_global_options_go_before_or_after_the_command(monkeypatch: pytest.MonkeyPatch,
