@@ -10,7 +10,7 @@ Rules:
   ``nobody`` and both programs run as ``nobody`` (``subprocess``'s ``user=``/``group=``; no ``runuser``
   or ``su`` needed), which is what CI (root in a container) does.
 - ``database()`` creates a new empty database and returns its URL; ``restart()`` stops and starts the
-  server on the same port and data; ``stop()`` ends it (fast shutdown, SIGKILL after 30 s) and removes
+  server on the same port and data (``halt()`` and ``resume()``: the two halves, for an outage); ``stop()`` ends it (fast shutdown, SIGKILL after 30 s) and removes
   the directory.
 """
 
@@ -120,6 +120,13 @@ class PgServer:
     def restart(self) -> None:
         """Stop and start again on the same port and data (a database restarted mid-run)."""
         self._halt()
+        self._run()
+
+    def halt(self) -> None:
+        """Stop the server, keeping its data (``resume`` starts it again on the same port)."""
+        self._halt()
+
+    def resume(self) -> None:
         self._run()
 
     def stop(self) -> None:

@@ -141,11 +141,76 @@ def test_a_database_restarted_mid_run_loses_nothing_and_the_store_carries_on(pg_
     puts = sample_rows()
     s.apply(puts[:5])
     pg_server.restart()
-    s.apply(puts[5:])  # the pool replaces its dead connection before using it
+    s.apply(puts[5:])  # a fresh connection for the dead one; the market lock taken again
     ref = InMemoryStore()
     ref.apply(puts)
     assert s.load() == ref.load()
+    assert isinstance(s, PostgresStore) and s.relocked == 1
+    with pytest.raises(StoreError) as ei:  # still one market per database after the restart
+        open_postgres_store(url)
+    assert ei.value.code == "store_in_use"
     s.close()
+
+
+def test_a_database_outage_fails_calls_fast_and_they_work_again_after_it(pg_server: Any) -> None:
+    """While the server is down a call fails (bounded), and the next ones within ``DOWN_RETRY_S`` at once,
+    naming the cause; once it is back, calls work again and nothing committed is lost."""
+    from market.store_pg import DOWN_RETRY_S
+
+    url = pg_server.database()
+    s = open_postgres_store(url)
+    puts = sample_rows()
+    s.apply(puts[:3])
+    pg_server.halt()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreError):
+            s.apply(puts[3:4])
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="is unreachable: .*next try within"):
+            s.load()
+        again = time.monotonic() - t0
+    finally:
+        pg_server.resume()
+    assert first < 5.0 and again < 0.05, (first, again)
+    deadline = time.monotonic() + DOWN_RETRY_S + 10
+    while True:
+        try:
+            s.apply(puts[3:4])
+            break
+        except StoreError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    ref = InMemoryStore()
+    ref.apply(puts[:4])
+    assert s.load() == ref.load()
+    s.close()
+
+
+def test_a_market_that_lost_its_lock_to_another_never_writes(pg_url: str) -> None:
+    """The lock's session ends (as in a restart) and a second market starts meanwhile: the first one's
+    next write is refused (fenced inside its transaction), the second one's lands; once the second is
+    gone the first takes the lock again."""
+    a = open_postgres_store(pg_url)
+    puts = sample_rows()
+    a.apply(puts[:1])
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (a._lock_pid,))
+        deadline = time.monotonic() + 10
+        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (a._lock_pid,)).fetchone() != (0,):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    b = open_postgres_store(pg_url)
+    with pytest.raises(StoreError) as ei:
+        a.apply(puts[1:2])
+    assert ei.value.code == "store_in_use"
+    b.apply(puts[2:3])
+    assert (b.load().coordinators, b.load().volunteers) == ([], [puts[2].row])
+    b.close()
+    a.apply(puts[3:4])
+    assert [v.peer_id for v in a.load().volunteers] == ["12D3KooWpeerA", "12D3KooWpeerB"] and a.relocked == 1
+    a.close()
 
 
 # -- a real market process -------------------------------------------------------------------------
