@@ -26,10 +26,10 @@ Rules:
   restart) at a call's first statement -- nothing sent but ``BEGIN`` and the fence -- is dropped, the
   pool's idle ones checked (``ConnectionPool.check``), and the call retried once on a fresh one, so a restart costs no failed call and no extra round trip per call; a
   failure later in a write is not retried (its commit may be ambiguous: ``market.state`` reloads). A call
-  that cannot get a connection within 2 s raises ``StoreError``; after such a connection-level failure
-  every call fails at once (naming the cause) for ``DOWN_RETRY_S``: a database outage blocks the market's
-  event loop about once a second, not on every request.
-- ``close()`` closes the pool and the lock connection; idempotent.
+  that cannot get a connection within ``GETCONN_S`` (1 s) raises ``StoreError``; after such a
+  connection-level failure every call fails at once (naming the cause) for ``DOWN_RETRY_S`` (5 s): a
+  database outage blocks the market's event loop for about 1 s in 6, not on every request.
+- ``close()`` closes the pool, releases the lock and closes its connection; idempotent.
 - Calls block: the market opens and first loads in a worker thread (``market.server``).
 """
 
@@ -44,7 +44,7 @@ from typing import Any, Final
 
 import psycopg
 from psycopg import sql
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from market.core.records import Snapshot, Table
 from market.store import SCHEMA_VERSION, Change, decode_row, encode_changes, mask_url, snapshot_of
@@ -59,7 +59,8 @@ _MARKET_LOCK: Final = 0x6D6F65_0002  # pg_try_advisory_lock key held by the one 
 _FENCE: Final = ("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s "
                  f"AND objsubid = 1 AND classid = {_MARKET_LOCK >> 32} AND objid = {_MARKET_LOCK & 0xFFFFFFFF})")
 _COLUMNS: Final = {"key": "text", "body": "bytea"}
-DOWN_RETRY_S: Final = 1.0  # after a connection-level failure, calls fail at once for this long
+DOWN_RETRY_S: Final = 5.0  # after a connection-level failure, calls fail at once for this long
+GETCONN_S: Final = 1.0  # the longest a call waits for a pooled connection (the market calls from its event loop)
 
 
 def _one_line(exc: BaseException, url: str) -> str:
@@ -147,7 +148,7 @@ class PostgresStore:
                 self._relock()
                 continue
             except psycopg.OperationalError as exc:
-                if retry_dead and not fenced:  # a dead connection, nothing written: once more on a fresh one
+                if retry_dead and not fenced and not isinstance(exc, PoolTimeout):  # a dead connection, nothing written
                     retry_dead = False
                     pool.check()  # the other idle connections died with it: replaced too
                     continue
@@ -193,6 +194,10 @@ class PostgresStore:
                 pool.close()
         finally:
             if lock_conn is not None:
+                try:  # released now, not when the server notices the session ended: a restart may follow at once
+                    lock_conn.execute("SELECT pg_advisory_unlock(%s)", (_MARKET_LOCK,))
+                except psycopg.Error:
+                    pass  # a dead session holds nothing
                 lock_conn.close()
 
 
@@ -222,7 +227,7 @@ def raw_rows(pool: ConnectionPool[Any], url: str) -> dict[Table, list[tuple[str,
             with pool.connection() as conn:
                 return _read_all(conn)
         except psycopg.OperationalError as exc:
-            if attempt == 1:
+            if attempt == 1 and not isinstance(exc, PoolTimeout):  # a dead connection: once more
                 pool.check()
                 continue
             raise StoreError(f"cannot read market database {mask_url(url)}: {_one_line(exc, url)}") from exc
@@ -307,8 +312,7 @@ def open_postgres_store(url: str, *, timeout_s: float = 5.0, pool_size: int = 2)
         except psycopg.Error as exc:
             raise StoreError(f"cannot open market database {shown}: {_one_line(exc, url)}",
                              code="store_unavailable") from None
-        # a call waits at most 2 s for a connection: the market calls from its event loop
-        pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), open=False, timeout=min(timeout_s, 2.0),
+        pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), open=False, timeout=min(timeout_s, GETCONN_S),
                               kwargs={"connect_timeout": max(1, round(timeout_s))}, name="moe-swarm-market")
         try:
             pool.open(wait=True, timeout=timeout_s)
