@@ -212,8 +212,9 @@ class Market:
         try:
             self.ix = self.ix.reloaded(self.store.load(), now)
         except StoreError:
-            self._stale = now
-            log.error("the store cannot be read back: calls that may commit fail until it can")
+            if self._stale is None:
+                log.error("the store cannot be read back: calls that may commit fail until it can")
+                self._stale = now
             raise
         self._stale = None
         self.addresses.keep_open_leases(self.ix)

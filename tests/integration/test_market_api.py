@@ -524,3 +524,33 @@ async def test_an_idle_connection_outlives_the_heartbeat_interval(tmp_path: Path
         await trio.sleep(MarketPolicy().heartbeat_s + 1.0)  # idle past a default heartbeat interval (5 s), hypercorn's default
         assert (await exchange()).startswith(b"HTTP/1.1 200")
         await stream.aclose()
+
+
+async def test_a_database_outage_answers_503_then_the_market_carries_on(tmp_path: Path, coordinator: FakeCoordinator,
+                                                                       pg_server: Any) -> None:
+    """A real market on PostgreSQL; the server stops: requests that would change state answer 503
+    ``store_error`` (nothing decided from memory the database lacks); it starts again: the market carries
+    on, with what was committed before and nothing from the outage."""
+    cfg = msgspec.structs.replace(market_cfg(tmp_path), db=pg_server.database(),
+                                  policy=msgspec.structs.replace(POLICY, lease_s=600.0))  # outlives the outage
+    async with running_market(cfg) as c:
+        assert (await register(c, coordinator.url)).status_code == 200
+        first = (await poll(c, key(30), max_experts=4)).json()
+        assert first["kind"] == "assignment"
+        await trio.to_thread.run_sync(pg_server.halt)
+        try:
+            for n in (31, 32):
+                assert error_code(await poll(c, key(n), max_experts=4)) == (503, "store_error")
+        finally:
+            await trio.to_thread.run_sync(pg_server.resume)
+
+        async def assigned() -> Any:
+            r = await poll(c, key(33), max_experts=4)
+            return r.json() if r.status_code == 200 else None
+
+        later = await eventually(assigned, within=30, interval=0.2)
+        assert later["kind"] == "assignment" and later["lease_id"] != first["lease_id"]
+        again = (await poll(c, key(30), max_experts=4)).json()
+        assert again["lease_id"] == first["lease_id"]  # the lease from before the outage
+        leases = (await c.get(f"/api/leases/{first['lease_id']}")).json()
+        assert leases["peer_id"] == peer_id_of(key(30))
