@@ -6,7 +6,7 @@ Rules:
   the loops run; cancelling it stops the loops and the server, flushes the volunteers' sequence
   numbers and closes the store (a new ``serve_market`` on the same file continues where this
   one stopped).
-- The store (``market.store.open_store``: SQLite, PostgreSQL or memory) is opened and first loaded in
+- The store (``market.stores.open_store``: SQLite, PostgreSQL or memory) is opened and first loaded in
   a worker thread (a database server may take seconds to answer); the ``Market`` then calls it from the
   trio thread, one small batch per committing request (``market.state``'s rules).
 - The market's clock is the wall clock (``time.time``): leases, ages and retirement marks are
@@ -36,7 +36,8 @@ from market.api import MarketApi, SliceDescriber, build_market_app
 from market.loops import Poller, run_housekeeping, run_recruitment_loop
 from market.policy import MarketPolicy
 from market.state import Market
-from market.store import MEMORY_DB, Store, mask_url, open_store
+from market.store import MEMORY_DB, Store, mask_url
+from market.stores import open_store
 from swarm.config import Multiaddr, Port, PosFloat
 from swarm.errors import ConfigError, RemoteProtocolError, SliceError, SwarmError, TransportError
 from swarm.protocol.coordinator import slots_decoder

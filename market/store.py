@@ -17,9 +17,9 @@ Rules:
   few commits. Commits are small (one request's facts) and do not fsync, so the market calls the
   store on its event loop (the server opens it and loads it first in a worker thread); schema
   version in ``PRAGMA user_version``; a newer schema is refused.
-- No I/O in constructors: ``open_sqlite_store(path)`` opens the file; ``open_store(db)`` picks the
-  back-end from ``--db``: ``:memory:``, ``postgresql://...`` / ``postgres://...`` (``market.store_pg``,
-  imported only then), ``sqlite:PATH`` or a plain path (SQLite).
+- No I/O in constructors: ``open_sqlite_store(path)`` opens the file; ``market.stores.open_store(db)``
+  picks the back-end from ``--db``: ``:memory:``, ``postgresql://...`` / ``postgres://...``
+  (``market.store_pg``), ``sqlite:PATH`` or a plain path (SQLite).
 - A database URL is shown only through ``mask_url`` (its password, in the authority or the query,
   becomes ``***``): no message, log line or exception names a password.
 """
@@ -68,7 +68,6 @@ __all__ = [
     "is_postgres_url",
     "mask_url",
     "open_sqlite_store",
-    "open_store",
     "snapshot_of",
     "sqlite_path",
 ]
@@ -300,14 +299,3 @@ def mask_url(url: str) -> str:
             netloc = userinfo.split(":", 1)[0] + ":***@" + hostport
     query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def open_store(db: str) -> Store:
-    """The store ``--db`` names (module rules); raises ``StoreError`` when it cannot be used."""
-    if db == MEMORY_DB:
-        return InMemoryStore()
-    if is_postgres_url(db):
-        from market.store_pg import open_postgres_store
-
-        return open_postgres_store(db)
-    return open_sqlite_store(sqlite_path(db))

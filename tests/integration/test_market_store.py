@@ -33,7 +33,8 @@ from market.core.records import (
     VolunteerRow,
     coverage_key,
 )
-from market.store import Delete, InMemoryStore, MemoryBacking, Put, Store, open_sqlite_store, open_store
+from market.store import Delete, InMemoryStore, MemoryBacking, Put, Store, open_sqlite_store
+from market.stores import open_store
 from swarm.dispatch_map import LayerRanges, RangeReplicas, Replica
 from swarm.errors import StoreError
 

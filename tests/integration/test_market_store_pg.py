@@ -26,8 +26,9 @@ from market.core.records import HeldState, ModelRow, Table
 from market.migrate import read_sqlite_rows
 from market.policy import MarketPolicy
 from market.state import Market, Offer
-from market.store import InMemoryStore, mask_url, open_sqlite_store, open_store
+from market.store import InMemoryStore, mask_url, open_sqlite_store
 from market.store_pg import PostgresStore, open_postgres_store
+from market.stores import open_store
 from swarm.errors import StoreError
 from swarm.lockfile import hold
 from swarm.protocol.market import (
