@@ -1,12 +1,14 @@
 """Market API throughput with 1,000 simulated volunteers: requests/s and latency of
 ``POST /api/expert-volunteer`` and ``POST /api/expert-coverage`` (DESIGN §11 benchmark format).
 
-    python benchmarks/market.py [--quick | --smoke] [--json OUT] [--volunteers N] [--concurrency C]
+    python benchmarks/market.py [--quick | --smoke] [--json OUT] [--volunteers N] [--concurrency C] [--postgresql]
 
 ``--smoke`` (``make test``: ``tests/benchmarks``): 20 volunteers, 4 connections, 2 rounds, no demo topology.
 
 The market runs as its own process (``moe-swarm market`` via ``market.cli``) on loopback, with a
-SQLite database in a temporary directory (and once more with ``--db :memory:`` for comparison);
+SQLite database in a temporary directory (and once more with ``--db :memory:`` for comparison; with
+``--postgresql`` also on a throwaway local PostgreSQL server, ``tests/pgserver.py``: Debian's binaries,
+fsync and synchronous_commit off, like SQLite's WAL with synchronous=NORMAL no fsync per commit);
 this process runs the simulated volunteers (httpx, ``--concurrency`` connections) and a fake
 coordinator that answers ``/slots`` and the slice ``HEAD``s the market makes to learn each new
 slice's size and sha256. The hosted model has 64 layers x 64 experts (enough 4-expert slices for
@@ -286,6 +288,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="moe-swarm-bench-market-") as tmp:
         cases += await run_store("sqlite", str(Path(tmp) / "market.db"), n, args.concurrency, rounds)
+        if args.postgresql:
+            from tests.pgserver import PgServer, find_bindir
+
+            bindir = find_bindir()
+            if bindir is None:
+                raise SystemExit("--postgresql: no PostgreSQL server binaries (apt-get install postgresql)")
+            server = PgServer(bindir)
+            try:
+                await trio.to_thread.run_sync(server.start)
+                url = await trio.to_thread.run_sync(server.database)
+                cases += await run_store("postgresql", url, n, args.concurrency, rounds)
+            finally:
+                await trio.to_thread.run_sync(server.stop)
         cases += await run_store("memory", ":memory:", n, args.concurrency, rounds)
     return {"benchmark": "market", "volunteers": n, "concurrency": args.concurrency,
             "model_shape": f"{N_LAYER} layers x {N_EXPERT} experts, {SLICE}-expert slices", "cases": cases}
@@ -299,6 +314,8 @@ def main() -> None:
     ap.add_argument("--volunteers", type=int, default=None, help="simulated volunteers (default 1000; 200 quick)")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent client connections")
     ap.add_argument("--no-topology", action="store_true", help="skip the recruitment timings in the demo topology")
+    ap.add_argument("--postgresql", action="store_true",
+                    help="also run the market on a throwaway local PostgreSQL server (--db postgresql://...)")
     args = ap.parse_args()
     if args.smoke:
         args.concurrency, args.no_topology = 4, True

@@ -4,13 +4,20 @@
 [--poll-interval S] [--saturation-threshold N] [--base-target N] [--boost N] [--lease-s S]
 [--heartbeat-ttl-s S] [--cooldown-s S] [--rise-s S] [--hold-s S] ...``
 
+``moe-swarm market migrate --from sqlite:PATH --to postgresql://USER:PASSWORD@HOST:PORT/DB`` moves a
+stopped market's SQLite database into an empty PostgreSQL one (``market.migrate``) and prints the rows
+moved per table.
+
 Rules:
 - Flags are parsed once into a frozen config (constraints checked: ``ConfigError``); the token falls
   back to ``MOE_SWARM_TOKEN``, read here at the edge; ``--db :memory:`` keeps the state in the
-  process only (tests, throwaway demos).
+  process only (tests, throwaway demos); ``--db postgresql://...`` keeps it in a PostgreSQL database
+  (``market.store_pg``); anything else (or ``sqlite:PATH``) is a SQLite file. A database URL is only
+  ever printed with its password masked.
 - Importing this module imports nothing heavy (``--help``); ``run`` imports the server.
 - ``run`` holds ``DB.lock`` (``swarm.lockfile``) for the process's life: one market per database
-  file; a second exits 2 naming the holder's PID. A port in use is one line too (``swarm.preflight``).
+  file; a second exits 2 naming the holder's PID (a PostgreSQL database: its advisory lock,
+  ``market.store_pg``). A port in use is one line too (``swarm.preflight``).
 """
 
 from __future__ import annotations
@@ -32,13 +39,15 @@ _HOST, _PORT, _POLL_INTERVAL_S, _POLL_TIMEOUT_S = "127.0.0.1", 8090, 2.0, 1.0
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``market`` on an ``argparse`` subparsers object; ``func(ns) -> int`` runs it."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "market", usage="%(prog)s (--token TOKEN | --insecure-no-token) [--db FILE] [--port PORT] [options]",
+        "market", usage="%(prog)s (--token TOKEN | --insecure-no-token) [--db FILE|URL] [--port PORT] [options]\n"
+                                "       %(prog)s migrate --from sqlite:PATH --to postgresql://...",
         help="run the demand market: registry, recruitment, dispatch maps (HTTP API)",
         description="Run the demand market: coordinators register their models, volunteers are recruited for the "
                     "scarcest experts, dispatch maps tell coordinators who serves what; a dashboard at /.")
     d = MarketPolicy()
     s = p.add_argument_group("server")
-    s.add_argument("--db", default=None, help="SQLite database, one market each (default: DATA_DIR/market.db; "
+    s.add_argument("--db", default=None, help="SQLite database file (or sqlite:PATH), or postgresql://USER:PASSWORD@"
+                                             "HOST:PORT/DB; one market each (default: DATA_DIR/market.db; "
                                              "':memory:' = volatile)")
     s.add_argument("--data-dir", default=None, help="where the default database lives (default ~/.local/share/moe-swarm/market)")
     s.add_argument("--host", default=_HOST, help="bind address")
@@ -103,7 +112,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--quarantine-s", type=float, default=d.quarantine_s,
                    help="how long a volunteer a coordinator caught answering wrongly is refused")
     p.set_defaults(func=run)
+    sub = p.add_subparsers(dest="market_command", required=False, metavar="migrate",
+                           title="subcommands (instead of running the market)")
+    m = sub.add_parser("migrate", usage="%(prog)s --from sqlite:PATH --to postgresql://USER:PASSWORD@HOST:PORT/DB",
+                       help="move a stopped market's SQLite database into an empty PostgreSQL database",
+                       description="Move every row of a SQLite market database (any schema this market knows) into "
+                                   "an empty PostgreSQL database, then compare both row for row. Stop the market "
+                                   "first.")
+    m.add_argument("--from", dest="source", required=True, metavar="sqlite:PATH", help="the SQLite database")
+    m.add_argument("--to", dest="target", required=True, metavar="postgresql://...", help="the PostgreSQL database")
+    m.set_defaults(func=run_migrate)
     return p
+
+
+def run_migrate(ns: argparse.Namespace) -> int:
+    from market.migrate import migrate
+    from market.store import mask_url
+
+    moved = migrate(ns.source, ns.target)
+    for table, n in moved.items():
+        print(f"{table.value}: {n}")
+    print(f"migrated {sum(moved.values())} rows from {ns.source} to {mask_url(ns.target)} (read back and compared)",
+          flush=True)
+    return 0
 
 
 def config_from_args(ns: argparse.Namespace) -> Any:
@@ -111,8 +142,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
     from swarm.config import build_config
 
     db = ns.db if ns.db is not None else os.path.join(data_dir_for("market", ns.data_dir), "market.db")
-    if db != ":memory:":
-        db = os.path.expanduser(db)
+    if db != ":memory:" and not db.startswith(("postgresql://", "postgres://")):
+        db = "sqlite:" + os.path.expanduser(db.removeprefix("sqlite:")) if db.startswith("sqlite:") else os.path.expanduser(db)
     raw = {
         "db": db,
         "host": ns.host,
@@ -159,14 +190,17 @@ def run(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
     from market.server import MEMORY_DB, serve_market
+    from market.store import is_postgres_url, mask_url, sqlite_path
     from swarm.lockfile import hold
     from swarm.preflight import check_port_free
     from swarm.service import run_announced
 
     cfg = config_from_args(ns)
     with contextlib.ExitStack() as stack:
-        if cfg.db != MEMORY_DB:  # one market per database file: a second would interleave its writes
-            stack.enter_context(hold(Path(cfg.db + ".lock"), flag="--db", shown=cfg.db, what="market"))
+        # one market per database file: a second would interleave its writes (PostgreSQL: an advisory lock)
+        if cfg.db != MEMORY_DB and not is_postgres_url(cfg.db):
+            path = sqlite_path(cfg.db)
+            stack.enter_context(hold(Path(path + ".lock"), flag="--db", shown=path, what="market"))
         check_port_free(cfg.host, cfg.port, "--port")
-        run_announced(serve_market, cfg, lambda url: f"market ready at {url} (db {cfg.db})")
+        run_announced(serve_market, cfg, lambda url: f"market ready at {url} (db {mask_url(cfg.db)})")
     return 0

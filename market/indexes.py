@@ -24,6 +24,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import msgspec
@@ -377,6 +378,34 @@ class Indexes:
                     row[e] += share
         self._heat_version[model_id] = self._heat_version.get(model_id, 0) + 1
         self.touch(model_id)
+
+    def reloaded(self, snap: Snapshot, now: float) -> Indexes:
+        """Fresh indexes of ``snap`` (the store after it refused a batch) with this one's runtime facts:
+        polls, volunteers' last words, loads and sequence marks (replays stay refused), recruitment
+        states, served and routed counts, heat. ``snap``'s "dropped" rows were dropped at start."""
+        ix = Indexes(self.policy)
+        ix.load(snap, now)
+        for url, p in self.polls.items():
+            if url in ix.coordinators:
+                ix.polls[url] = p
+        for peer, o in self.volunteers.items():
+            lv = ix.volunteers.get(peer)
+            if lv is None:
+                if not o.stored:  # in memory only (it holds nothing): runtime, kept as it was
+                    ix.volunteers[peer] = o
+                continue
+            mark = max((lv.row.epoch, lv.row.sequence), (o.row.epoch, o.row.sequence))
+            row = msgspec.structs.replace(lv.row, epoch=mark[0], sequence=mark[1])
+            ix.volunteers[peer] = LiveVolunteer(row, o.last_seen, o.load, row != lv.row, o.last_serve_ms,
+                                                o.display_name, share_slices=o.share_slices, stored=True,
+                                                paused=o.paused, download=o.download)
+        for mid, st in self.recruit.items():
+            if mid in ix.models:
+                ix.recruit[mid] = dataclasses.replace(st, recruiting=ix.recruiting(mid))
+        ix.served, ix.reported = self.served, self.reported
+        ix.routed = {mid: r for mid, r in self.routed.items() if mid in ix.models}
+        ix.restore_heat(self)
+        return ix
 
     def restore_heat(self, old: Indexes) -> None:
         """Take ``old``'s routed-row heat (runtime) for the models still registered."""

@@ -5,8 +5,8 @@
   the loop's rhythm, and is recorded as a failed poll). Ticks are scheduled on trio's clock, so
   the loop runs under ``trio.testing.MockClock``.
 - ``run_housekeeping``: calls ``Market.tick`` every ``tick_s`` and wakes dispatch-map long-polls
-  when a map changed. A failing store write is logged and retried at the next tick; it never
-  stops the market.
+  when a map changed. A failing store write is retried at the next tick (logged once per run of
+  failures, and when it works again); it never stops the market.
 - ``MapWatch``: long-poll support (``GET /api/expert-dispatch-map?after=V&wait_s=S``).
 
 Rules: the market object is only touched from the trio thread; ``clock()`` gives the market's
@@ -92,12 +92,20 @@ async def run_housekeeping(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     task_status.started()
+    failing = False
     while True:
         try:
             rep = market.tick(clock())
-        except SwarmError:
-            log.exception("market tick failed; retrying at the next tick")
+        except SwarmError as exc:
+            if not failing:  # once per outage (a database down for minutes would log every tick)
+                log.exception("market tick failed; retrying at every tick")
+            else:
+                log.debug("market tick failed again: %s", exc)
+            failing = True
         else:
+            if failing:
+                log.warning("market tick works again")
+            failing = False
             if rep.changed_maps:
                 watch.notify()
         await trio.sleep(tick_s)

@@ -6,6 +6,9 @@ Rules:
   the loops run; cancelling it stops the loops and the server, flushes the volunteers' sequence
   numbers and closes the store (a new ``serve_market`` on the same file continues where this
   one stopped).
+- The store (``market.stores.open_store``: SQLite, PostgreSQL or memory) is opened and first loaded in
+  a worker thread (a database server may take seconds to answer); the ``Market`` then calls it from the
+  trio thread, one small batch per committing request (``market.state``'s rules).
 - The market's clock is the wall clock (``time.time``): leases, ages and retirement marks are
   persisted and must stay meaningful across restarts.
 - Outbound HTTP (coordinator ``/slots`` polls, ``HEAD`` of slice files) uses one httpx client;
@@ -33,7 +36,8 @@ from market.api import MarketApi, SliceDescriber, build_market_app
 from market.loops import Poller, run_housekeeping, run_recruitment_loop
 from market.policy import MarketPolicy
 from market.state import Market
-from market.store import InMemoryStore, Store, open_sqlite_store
+from market.store import MEMORY_DB, Store, mask_url
+from market.stores import open_store
 from swarm.config import Multiaddr, Port, PosFloat
 from swarm.errors import ConfigError, RemoteProtocolError, SliceError, SwarmError, TransportError
 from swarm.protocol.coordinator import slots_decoder
@@ -42,12 +46,11 @@ __all__ = ["MEMORY_DB", "MarketConfig", "make_slice_describer", "make_slots_poll
 
 log = logging.getLogger(__name__)
 
-MEMORY_DB = ":memory:"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class MarketConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    db: str  # SQLite file, or ":memory:" for a volatile in-process store
+    db: str  # SQLite file (or sqlite:PATH), postgresql://... (market.store_pg), or ":memory:" (volatile, in-process)
     host: str = "127.0.0.1"
     port: Port = 8090
     # operator token (POST /api/models, reports, dispatch maps); required unless insecure_no_token; never
@@ -61,12 +64,6 @@ class MarketConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     describe_timeout_s: PosFloat = 20.0
     seed: int | None = None  # RNG seed (tie-breaks, lease ids, jitter); None = from the OS
     policy: MarketPolicy = MarketPolicy()
-
-
-def open_store(db: str) -> Store:
-    if db == MEMORY_DB:
-        return InMemoryStore()
-    return open_sqlite_store(db)
 
 
 def make_slots_poller(client: httpx.AsyncClient) -> Poller:
@@ -135,10 +132,12 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
     policy = msgspec.structs.replace(
         cfg.policy, poll_stale_s=max(cfg.policy.poll_stale_s, 2 * cfg.poll_interval_s + cfg.poll_timeout_s)
     )
-    store = open_store(cfg.db)
+    # opening (a PostgreSQL connect, schema checks) and the first load may take seconds: worker threads
+    store: Store = await trio.to_thread.run_sync(open_store, cfg.db)
     try:
-        market = Market(store, policy, now=clock(), rng=random.Random(cfg.seed),
-                        net_salt=hashlib.sha256(b"moe-swarm-net\0" + (cfg.token or "").encode()).digest())
+        market = await trio.to_thread.run_sync(partial(
+            Market, store, policy, now=clock(), rng=random.Random(cfg.seed),
+            net_salt=hashlib.sha256(b"moe-swarm-net\0" + (cfg.token or "").encode()).digest()))
         try:
             timeout = httpx.Timeout(cfg.describe_timeout_s, connect=min(5.0, cfg.describe_timeout_s))
             async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
@@ -177,7 +176,7 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
                     log.info(
                         "market serving at %s (db %s; %d models, %d coordinators, %d volunteers with coverage)",
                         url,
-                        cfg.db,
+                        mask_url(cfg.db),
                         len(market.ix.models),
                         len(market.ix.coordinators),
                         market.ix.live_volunteers(),

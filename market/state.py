@@ -21,7 +21,8 @@ Rules:
   (``StoreError``: a full disk, say; the API answers 503 ``store_error``) changes nothing either:
   memory and store change together or not at all. The durable facts are reloaded from the store
   (which applied none of the batch), the runtime ones (polls, heartbeat times, loads, the sequence
-  marks) are kept, and the call's events are dropped (``_restore``).
+  marks) are kept, and the call's events are dropped (``_restore``). A store that cannot be read back
+  either (a database server gone) fails every call that may commit until it can (``_begin``).
 - The dispatch map of a model is rebuilt by ``tick`` when something it depends on changed; its
   ``version`` grows exactly when its content changes, and keeps growing across restarts.
 - Age-out: while the target falls, surplus holdings get ``retiring_since = now`` (out of the map at
@@ -38,7 +39,6 @@ Rules:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections import Counter
@@ -182,12 +182,16 @@ class Market:
         self._unlisted_since: dict[str, float] = {}  # model -> since when no coordinator lists it (runtime)
         self.journal = Journal()  # the event log, the charts' history, call rates: for people (runtime)
         self._polled: dict[str, tuple[int, int]] = {}  # peer -> last (epoch, sequence) of a poll (runtime)
+        self._stale: float | None = None  # when a refused batch could not be read back (``_begin``)
         dropped = self.ix.load(store.load(), now)
         if dropped:
             store.apply(dropped)
 
     def _begin(self) -> None:
-        """The start of a call that may commit: what ``_restore`` rolls the event log back to."""
+        """The start of a call that may commit: what ``_restore`` rolls the event log back to; while the store
+        could not be read back (``_stale``), it is read first, and the call fails while it still cannot be."""
+        if self._stale is not None:
+            self._restore(self._stale, refused=False)
         self.journal.mark()
 
     def _commit(self, changes: list[Change], now: float) -> None:
@@ -199,37 +203,25 @@ class Market:
             self._restore(now)
             raise
 
-    def _restore(self, now: float) -> None:
+    def _restore(self, now: float, *, refused: bool = True) -> None:
         """After the store refused a batch (and so applied none of it): memory as the store has it, plus
-        the runtime facts the store never holds (module rules)."""
-        old = self.ix
-        ix = Indexes(self.policy)
-        ix.load(self.store.load(), now)  # its "dropped" rows were dropped at start already
-        for url, p in old.polls.items():
-            if url in ix.coordinators:
-                ix.polls[url] = p
-        for peer, o in old.volunteers.items():
-            lv = ix.volunteers.get(peer)
-            if lv is None:
-                if not o.stored:  # in memory only (it holds nothing): runtime, kept as it was
-                    ix.volunteers[peer] = o
-                continue
-            mark = max((lv.row.epoch, lv.row.sequence), (o.row.epoch, o.row.sequence))  # replays stay refused
-            row = msgspec.structs.replace(lv.row, epoch=mark[0], sequence=mark[1])
-            ix.volunteers[peer] = LiveVolunteer(row, o.last_seen, o.load, row != lv.row, o.last_serve_ms,
-                                                o.display_name, share_slices=o.share_slices, stored=True,
-                                                paused=o.paused, download=o.download)
-        for mid, st in old.recruit.items():
-            if mid in ix.models:
-                ix.recruit[mid] = dataclasses.replace(st, recruiting=ix.recruiting(mid))
-        ix.served, ix.reported = old.served, old.reported
-        ix.routed = {mid: r for mid, r in old.routed.items() if mid in ix.models}
-        ix.restore_heat(old)
-        self.ix = ix
-        self.addresses.keep_open_leases(ix)
-        self.journal.rollback()
-        self.counters["store_failures"] += 1
-        log.error("the store refused a batch: memory rolled back to it")
+        the runtime facts the store never holds (module rules, ``Indexes.reloaded``)."""
+        if refused:
+            self.journal.rollback()
+            self.counters["store_failures"] += 1
+        try:
+            self.ix = self.ix.reloaded(self.store.load(), now)
+        except StoreError:
+            if self._stale is None:
+                log.error("the store cannot be read back: calls that may commit fail until it can")
+                self._stale = now
+            raise
+        self._stale = None
+        self.addresses.keep_open_leases(self.ix)
+        if refused:
+            log.error("the store refused a batch: memory rolled back to it")
+        else:
+            log.warning("the store answers again: memory reloaded from it")
 
     def download_sources(self, model_id: str) -> list[str]:
         """Coordinators hosting ``model_id``, best first (``market.core.sources``)."""

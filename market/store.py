@@ -15,13 +15,20 @@ Rules:
 - SQLite: WAL journal, ``synchronous=NORMAL``: a committed batch survives the process being
   killed (the WAL is in the OS page cache); only an OS crash or power loss may lose the last
   few commits. Commits are small (one request's facts) and do not fsync, so the market calls the
-  store on its event loop; schema version in ``PRAGMA user_version``; a newer schema is refused.
-- No I/O in constructors: ``open_sqlite_store(path)`` opens the file.
+  store on its event loop (the server opens it and loads it first in a worker thread); schema
+  version in ``PRAGMA user_version``; a newer schema is refused.
+- No I/O in constructors: ``open_sqlite_store(path)`` opens the file; ``market.stores.open_store(db)``
+  picks the back-end from ``--db``: ``:memory:``, ``postgresql://...`` / ``postgres://...``
+  (``market.store_pg``), ``sqlite:PATH`` or a plain path (SQLite).
+- A database URL is shown only through ``mask_url`` (its password, in the authority or the query,
+  becomes ``***``): no message, log line or exception names a password.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -49,12 +56,20 @@ from swarm.errors import StoreError
 __all__ = [
     "Change",
     "Delete",
+    "MEMORY_DB",
     "InMemoryStore",
     "MemoryBacking",
     "Put",
+    "SCHEMA_VERSION",
     "SqliteStore",
     "Store",
+    "decode_row",
+    "encode_changes",
+    "is_postgres_url",
+    "mask_url",
     "open_sqlite_store",
+    "snapshot_of",
+    "sqlite_path",
 ]
 
 # 2 added the quarantine table, 3 the credit ledger; an older database moves forward on open (its new tables are created)
@@ -96,7 +111,7 @@ _encoder = msgspec.json.Encoder()
 _decoders: Final = {t: msgspec.json.Decoder(cls) for t, cls in _ROW_TYPES.items()}
 
 
-def _encode(changes: Sequence[Change]) -> list[tuple[Table, str, bytes | None]]:
+def encode_changes(changes: Sequence[Change]) -> list[tuple[Table, str, bytes | None]]:
     out: list[tuple[Table, str, bytes | None]] = []
     for c in changes:
         match c:
@@ -109,14 +124,14 @@ def _encode(changes: Sequence[Change]) -> list[tuple[Table, str, bytes | None]]:
     return out
 
 
-def _decode(table: Table, key: str, body: bytes) -> Any:
+def decode_row(table: Table, key: str, body: bytes) -> Any:
     try:
         return _decoders[table].decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise StoreError(f"{table} row {key!r} is unreadable: {exc}", code="store_corrupt") from exc
 
 
-def _snapshot(rows: dict[Table, list[Any]]) -> Snapshot:
+def snapshot_of(rows: dict[Table, list[Any]]) -> Snapshot:
     return Snapshot(
         models=rows[Table.MODELS],
         coordinators=rows[Table.COORDINATORS],
@@ -151,13 +166,13 @@ class InMemoryStore:
 
     def load(self) -> Snapshot:
         self._check()
-        return _snapshot(
-            {t: [_decode(t, k, v) for k, v in sorted(rows.items())] for t, rows in self.backing.tables.items()}
+        return snapshot_of(
+            {t: [decode_row(t, k, v) for k, v in sorted(rows.items())] for t, rows in self.backing.tables.items()}
         )
 
     def apply(self, changes: Sequence[Change]) -> None:
         self._check()
-        encoded = _encode(changes)  # validate everything before touching anything: all or nothing
+        encoded = encode_changes(changes)  # validate everything before touching anything: all or nothing
         for table, key, body in encoded:
             if body is None:
                 self.backing.tables[table].pop(key, None)
@@ -171,7 +186,7 @@ class InMemoryStore:
 
 
 class SqliteStore:
-    """A ``Store`` in one SQLite file (WAL). Use ``open_sqlite_store``; one thread only."""
+    """A ``Store`` in one SQLite file (WAL). Use ``open_sqlite_store``; one thread at a time."""
 
     def __init__(self, conn: sqlite3.Connection, path: str) -> None:
         self._conn: sqlite3.Connection | None = conn
@@ -188,14 +203,14 @@ class SqliteStore:
         rows: dict[Table, list[Any]] = {}
         try:
             for t in Table:
-                rows[t] = [_decode(t, k, b) for k, b in conn.execute(f"SELECT key, body FROM {t.value} ORDER BY key")]
+                rows[t] = [decode_row(t, k, b) for k, b in conn.execute(f"SELECT key, body FROM {t.value} ORDER BY key")]
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read {self.path}: {exc}") from exc
-        return _snapshot(rows)
+        return snapshot_of(rows)
 
     def apply(self, changes: Sequence[Change]) -> None:
         conn = self._c()
-        encoded = _encode(changes)
+        encoded = encode_changes(changes)
         if not encoded:
             return
         try:
@@ -230,7 +245,9 @@ def open_sqlite_store(path: str | Path) -> SqliteStore:
     if p != ":memory:":
         Path(p).parent.mkdir(parents=True, exist_ok=True)
     try:
-        conn = sqlite3.connect(p, isolation_level=None, timeout=5.0)
+        # check_same_thread off: the server opens it in a worker thread, then calls it from the trio thread
+        # (one thread at a time, never concurrently)
+        conn = sqlite3.connect(p, isolation_level=None, timeout=5.0, check_same_thread=False)
     except sqlite3.Error as exc:
         raise StoreError(f"cannot open market database {p}: {exc}", code="store_unavailable") from exc
     try:
@@ -254,3 +271,31 @@ def open_sqlite_store(path: str | Path) -> SqliteStore:
         conn.close()
         raise
     return SqliteStore(conn, p)
+
+
+MEMORY_DB: Final = ":memory:"
+_PG_SCHEMES: Final = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(db: str) -> bool:
+    return db.startswith(_PG_SCHEMES)
+
+
+def sqlite_path(db: str) -> str:
+    """The SQLite file ``db`` names: ``sqlite:PATH`` or a plain path."""
+    return db.removeprefix("sqlite:")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password (``user:PASSWORD@`` or ``?password=``) shown as ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return re.sub(r"(//[^/@:]*:)[^@/]*@", r"\1***@", url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        if ":" in userinfo:
+            netloc = userinfo.split(":", 1)[0] + ":***@" + hostport
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,30 @@ def golden_model() -> Any:
     from swarm.model.gguf import GGUFModel
 
     return GGUFModel(GOLDEN_GGUF)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Any]:
+    """One throwaway PostgreSQL server for the session (``tests/pgserver.py``); skips, saying why, only
+    where Debian's ``postgresql`` package (the ``postgres`` and ``initdb`` binaries) is absent."""
+    from tests.pgserver import PgServer, find_bindir
+
+    bindir = find_bindir()
+    if bindir is None:
+        pytest.skip("PostgreSQL server binaries (postgres, initdb) not found: apt-get install postgresql")
+    server = PgServer(bindir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server: Any) -> str:
+    """A new empty database on the session's PostgreSQL server."""
+    url: str = pg_server.database()
+    return url
 
 
 @pytest.fixture

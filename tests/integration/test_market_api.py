@@ -87,6 +87,15 @@ async def coordinator(nursery: trio.Nursery) -> FakeCoordinator:
     return state
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def market_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The market's ``--db`` for the tests run on both durable back-ends (PostgreSQL: ``pg_url``)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "market.db")
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
 def market_cfg(tmp_path: Path, **kw: Any) -> MarketConfig:
     return MarketConfig(db=str(tmp_path / "market.db"), port=0, token=TOKEN, relays=("/ip4/127.0.0.1/tcp/4001/p2p/R",),
                         poll_interval_s=0.1, poll_timeout_s=0.5, tick_s=0.05, seed=1, policy=POLICY, **kw)
@@ -136,8 +145,8 @@ def error_code(r: httpx.Response) -> tuple[int, str]:
     return r.status_code, r.json()["error"]["code"]
 
 
-async def test_register_pull_cover_and_dispatch(tmp_path: Path, coordinator: FakeCoordinator) -> None:
-    async with running_market(market_cfg(tmp_path)) as c:
+async def test_register_pull_cover_and_dispatch(tmp_path: Path, coordinator: FakeCoordinator, market_db: str) -> None:
+    async with running_market(msgspec.structs.replace(market_cfg(tmp_path), db=market_db)) as c:
         r = await register(c, coordinator.url)
         assert r.status_code == 200, r.text
         assert r.json()["dispatch_map_paths"] == {MID: f"/api/expert-dispatch-map?model={MID}"}
@@ -330,10 +339,10 @@ async def _map_with_version(c: httpx.AsyncClient, version: int) -> dict[str, Any
     return m if m["version"] >= version else None
 
 
-async def test_kill_and_restart_keeps_registrations(tmp_path: Path, coordinator: FakeCoordinator) -> None:
+async def test_kill_and_restart_keeps_registrations(tmp_path: Path, coordinator: FakeCoordinator, market_db: str) -> None:
     kp = key(6)
     pid = peer_id_of(kp)
-    cfg = market_cfg(tmp_path)
+    cfg = msgspec.structs.replace(market_cfg(tmp_path), db=market_db)
     async with running_market(cfg) as c:
         await register(c, coordinator.url, epoch=3)
         a = (await poll(c, kp, max_experts=8)).json()
@@ -515,3 +524,33 @@ async def test_an_idle_connection_outlives_the_heartbeat_interval(tmp_path: Path
         await trio.sleep(MarketPolicy().heartbeat_s + 1.0)  # idle past a default heartbeat interval (5 s), hypercorn's default
         assert (await exchange()).startswith(b"HTTP/1.1 200")
         await stream.aclose()
+
+
+async def test_a_database_outage_answers_503_then_the_market_carries_on(tmp_path: Path, coordinator: FakeCoordinator,
+                                                                       pg_server: Any) -> None:
+    """A real market on PostgreSQL; the server stops: requests that would change state answer 503
+    ``store_error`` (nothing decided from memory the database lacks); it starts again: the market carries
+    on, with what was committed before and nothing from the outage."""
+    cfg = msgspec.structs.replace(market_cfg(tmp_path), db=pg_server.database(),
+                                  policy=msgspec.structs.replace(POLICY, lease_s=600.0))  # outlives the outage
+    async with running_market(cfg) as c:
+        assert (await register(c, coordinator.url)).status_code == 200
+        first = (await poll(c, key(30), max_experts=4)).json()
+        assert first["kind"] == "assignment"
+        await trio.to_thread.run_sync(pg_server.halt)
+        try:
+            for n in (31, 32):
+                assert error_code(await poll(c, key(n), max_experts=4)) == (503, "store_error")
+        finally:
+            await trio.to_thread.run_sync(pg_server.resume)
+
+        async def assigned() -> Any:
+            r = await poll(c, key(33), max_experts=4)
+            return r.json() if r.status_code == 200 else None
+
+        later = await eventually(assigned, within=30, interval=0.2)
+        assert later["kind"] == "assignment" and later["lease_id"] != first["lease_id"]
+        again = (await poll(c, key(30), max_experts=4)).json()
+        assert again["lease_id"] == first["lease_id"]  # the lease from before the outage
+        leases = (await c.get(f"/api/leases/{first['lease_id']}")).json()
+        assert leases["peer_id"] == peer_id_of(key(30))

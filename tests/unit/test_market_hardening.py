@@ -1,7 +1,8 @@
 """What a hostile stranger or a careless operator could still do to the market (issue 31), at the
 state level (``market.state.Market`` over an in-memory store, no event loop):
 
-- a store that refuses a batch leaves memory as the store has it (item 8);
+- a store that refuses a batch leaves memory as the store has it (item 8); one that cannot be read back
+  either fails every call that may commit until it can (issue 29);
 - a holding counts only while it can be proven: ``loading`` has a download deadline, the per-address cap
   counts holdings (item 2);
 - throwaway identities cost no rows and are forgotten soon; identities per address are bounded (item 5);
@@ -153,6 +154,53 @@ def test_a_refused_registration_is_not_hosted_and_the_volunteer_counter_survives
         m.heartbeat(hb("a", 7), 4.0)
     m.heartbeat(hb("a", 8, (s.layer, s.lo, s.hi, SERVING)), 4.0)
     assert list(m.ix.coverage["a"]) == [s]
+
+
+class DownStore(FlakyStore):
+    """A store whose server is gone while ``down`` is set: writes and reads fail (PostgreSQL unreachable)."""
+
+    def __init__(self, backing: MemoryBacking | None = None) -> None:
+        super().__init__(backing)
+        self.down = False
+
+    def load(self) -> Any:
+        if self.down:
+            raise StoreError("connection refused", code="store_error")
+        return super().load()
+
+    def apply(self, changes: Sequence[Change]) -> None:
+        if self.down and changes:
+            raise StoreError("connection refused", code="store_error")
+        super().apply(changes)
+
+
+def test_a_store_that_cannot_be_read_back_fails_every_call_that_may_commit_until_it_can() -> None:
+    """The refused batch cannot be undone by reloading while the store is unreadable: no later call decides
+    from that memory (each raises ``StoreError``: 503); once the store answers, memory is the store's."""
+    store = DownStore()
+    m = market(store=store)
+    m.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    s = leased(m, "a", 1.0)
+    m.heartbeat(hb("a", 1, (s.layer, s.lo, s.hi, SERVING)), 1.5)
+    m.tick(2.0)
+    store.down = True
+    with pytest.raises(StoreError):
+        m.volunteer(VolunteerRequest("b", max_experts=4), 3.0)  # a lease decided, its write refused
+    for call in (lambda: m.volunteer(VolunteerRequest("c", max_experts=4), 3.1),
+                 lambda: m.heartbeat(hb("a", 2, (s.layer, s.lo, s.hi, SERVING)), 3.2),
+                 lambda: m.register(RegisterModels(URL, [manifest()], epoch=11), 3.3),
+                 lambda: m.tick(3.4)):
+        with pytest.raises(StoreError):
+            call()
+    store.down = False
+    got = m.volunteer(VolunteerRequest("c", max_experts=4), 4.0)
+    assert isinstance(got, Offer)
+    assert "b" not in m.ix.lease_of and list(m.ix.lease_of) == ["c"]
+    assert m.ix.counts == m.ix.recount()
+    restarted = market(store=DownStore(store.backing))
+    after, again = durable(m), durable(restarted)
+    for k in ("models", "coordinators", "coverage", "leases", "quarantined", "maps"):
+        assert after[k] == again[k], k
 
 
 # -- item 2: a holding counts only while it can be proven ----------------------------------------------------

@@ -1,0 +1,327 @@
+"""The market's ``Store`` in a PostgreSQL database (shell: psycopg 3 + psycopg-pool; blocking calls).
+
+Same contract as ``market.store`` (the one conformance suite runs on all three back-ends): ``apply`` is
+one transaction, ``load`` returns every row sorted by key, a closed store raises ``store_closed``.
+
+Rules:
+- Layout: the SQLite one (one table per ``market.core.records.Table``, ``key text PRIMARY KEY, body
+  bytea NOT NULL``, bodies the same msgspec JSON) plus ``market_schema (id = 1, version)``; rows move
+  between the two byte for byte (``market.migrate``). Tables live in the connection's current schema
+  (``?options=-csearch_path%3DNAME`` in the URL picks another).
+- Opening (``open_postgres_store``) connects once directly, so an unreachable server, a bad URL or a
+  refused login is one clear ``StoreError`` (``store_unavailable``) naming the URL with its password
+  masked; takes the market lock (below); then, under a transaction-scoped advisory lock (two markets starting at once do not race on
+  ``CREATE TABLE``), checks the schema: a newer ``version`` -> ``store_schema`` naming both versions;
+  a table of ours with other columns (not a market database, or a damaged one) -> ``store_schema``;
+  otherwise creates what is missing and records ``SCHEMA_VERSION``.
+- One market per database until replicas are supported (issue 29): a session advisory lock
+  (``pg_try_advisory_lock``) held by a connection of its own for the store's life; a second market (or a
+  ``migrate`` into it) is refused with ``store_in_use``. The lock goes with its session (also when the
+  process is killed, or the database restarts). Every write is fenced: its transaction first checks in
+  ``pg_locks`` that our lock session still holds the lock; when it does not (a database restart ended
+  it), the lock is taken again on a new connection and the write retried once; when another market took
+  it meanwhile, the write fails with ``store_in_use`` (the market then refuses calls until it can read
+  the store again, ``market.state``) -- two markets never both write.
+- Reads and writes go through a small ``psycopg_pool.ConnectionPool``. A connection found dead (a database
+  restart) at a call's first statement -- nothing sent but ``BEGIN`` and the fence -- is dropped, the
+  pool's idle ones checked (``ConnectionPool.check``), and the call retried once on a fresh one, so a restart costs no failed call and no extra round trip per call; a
+  failure later in a write is not retried (its commit may be ambiguous: ``market.state`` reloads). A call
+  that cannot get a connection within ``GETCONN_S`` (1 s) raises ``StoreError``; after such a
+  connection-level failure every call fails at once (naming the cause) for ``DOWN_RETRY_S`` (5 s): a
+  database outage blocks the market's event loop for about 1 s in 6, not on every request.
+- ``close()`` closes the pool, releases the lock and closes its connection; idempotent.
+- Calls block: the market opens and first loads in a worker thread (``market.server``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from market.core.records import Snapshot, Table
+from market.store import SCHEMA_VERSION, Change, decode_row, encode_changes, mask_url, snapshot_of
+from swarm.errors import StoreError
+
+__all__ = ["PostgresStore", "open_postgres_store"]
+
+SCHEMA_TABLE: Final = "market_schema"
+_SETUP_LOCK: Final = 0x6D6F65_0001  # pg_advisory_xact_lock key while creating / checking tables
+_MARKET_LOCK: Final = 0x6D6F65_0002  # pg_try_advisory_lock key held by the one market of a database
+# is the market lock still held by session %s? (a bigint key is (classid, objid) = (high, low) 32 bits, objsubid 1)
+_FENCE: Final = ("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s "
+                 f"AND objsubid = 1 AND classid = {_MARKET_LOCK >> 32} AND objid = {_MARKET_LOCK & 0xFFFFFFFF})")
+_COLUMNS: Final = {"key": "text", "body": "bytea"}
+DOWN_RETRY_S: Final = 5.0  # after a connection-level failure, calls fail at once for this long
+GETCONN_S: Final = 1.0  # the longest a call waits for a pooled connection (the market calls from its event loop)
+
+
+def _one_line(exc: BaseException, url: str) -> str:
+    """``exc``'s message on one line, with ``url`` and any password in it masked."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = text.replace(url, mask_url(url))
+    m = re.search(r"//[^/@:]*:([^@/]+)@", url)
+    if m:
+        text = text.replace(m.group(1), "***")
+    return text
+
+
+def _tables() -> list[Table]:
+    return list(Table)
+
+
+class _LockLost(Exception):
+    """The fence found our market lock gone (inside ``apply``)."""
+
+
+class PostgresStore:
+    """A ``Store`` in PostgreSQL. Use ``open_postgres_store``; calls from one thread at a time."""
+
+    def __init__(self, url: str, lock_conn: psycopg.Connection[Any], pool: ConnectionPool[Any], timeout_s: float) -> None:
+        self.url = url
+        self.shown = mask_url(url)
+        self._lock_conn: psycopg.Connection[Any] | None = lock_conn
+        self._lock_pid = lock_conn.info.backend_pid
+        self._pool: ConnectionPool[Any] | None = pool
+        self._timeout_s = timeout_s
+        self._mutex = threading.Lock()
+        self.commits = 0
+        self.relocked = 0  # times the market lock was taken again (after a database restart)
+        self._down_until = -math.inf  # fail at once until then (module rules)
+        self._down_why = ""
+
+    def _p(self) -> ConnectionPool[Any]:
+        if self._pool is None:
+            raise StoreError("store is closed", code="store_closed")
+        if time.monotonic() < self._down_until:
+            raise StoreError(f"market database {self.shown} is unreachable: {self._down_why} (next try within "
+                             f"{DOWN_RETRY_S:g} s)")
+        return self._pool
+
+    def _failed(self, exc: psycopg.Error) -> None:
+        """A connection-level failure: calls fail at once for ``DOWN_RETRY_S`` (module rules)."""
+        if isinstance(exc, psycopg.OperationalError):
+            self._down_until = time.monotonic() + DOWN_RETRY_S
+            self._down_why = _one_line(exc, self.url)
+
+    def raw(self) -> dict[Table, list[tuple[str, bytes]]]:
+        """Every ``(key, body)`` as stored, sorted by key (``market.migrate`` compares them)."""
+        try:
+            return raw_rows(self._p(), self.url)
+        except StoreError as exc:
+            if isinstance(exc.__cause__, psycopg.Error):
+                self._failed(exc.__cause__)
+            raise
+
+    def load(self) -> Snapshot:
+        rows: dict[Table, list[Any]] = {}
+        for t, got in self.raw().items():
+            rows[t] = [decode_row(t, k, b) for k, b in got]
+        return snapshot_of(rows)
+
+    def apply(self, changes: Sequence[Change]) -> None:
+        pool = self._p()
+        encoded = encode_changes(changes)
+        if not encoded:
+            return
+        retry_dead, retry_lock = True, True  # once each: a dead pooled connection, a lost lock
+        while True:
+            fenced = False
+            try:
+                with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+                    got = cur.execute(_FENCE, (self._lock_pid,)).fetchone()
+                    fenced = True
+                    if not got or not got[0]:
+                        raise _LockLost
+                    _write(cur, encoded)
+            except _LockLost:
+                if not retry_lock:
+                    raise StoreError(f"market database {self.shown}: the market lock is lost", code="store_in_use") from None
+                retry_lock = False
+                self._relock()
+                continue
+            except psycopg.OperationalError as exc:
+                if retry_dead and not fenced and not isinstance(exc, PoolTimeout):  # a dead connection, nothing written
+                    retry_dead = False
+                    pool.check()  # the other idle connections died with it: replaced too
+                    continue
+                self._failed(exc)
+                raise StoreError(f"cannot write market database {self.shown}: {_one_line(exc, self.url)}") from exc
+            except psycopg.Error as exc:
+                raise StoreError(f"cannot write market database {self.shown}: {_one_line(exc, self.url)}") from exc
+            self.commits += 1
+            return
+
+    def _relock(self) -> None:
+        """Take the market lock again on a new connection (``store_in_use`` when another market has it)."""
+        conn = _take_lock(self.url, self.shown, self._timeout_s)
+        with self._mutex:
+            old, self._lock_conn = self._lock_conn, conn
+            self._lock_pid = conn.info.backend_pid
+        self.relocked += 1
+        if old is not None:
+            old.close()
+
+    def write_raw(self, rows: dict[Table, list[tuple[str, bytes]]]) -> None:
+        """Insert ``rows`` as they are (``market.migrate``) in one transaction; the tables must be empty."""
+        try:
+            with self._p().connection() as conn, conn.transaction(), conn.cursor() as cur:
+                for t in _tables():
+                    cur.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(t.value)))
+                    got = cur.fetchone()
+                    if got is not None and got[0]:
+                        raise StoreError(f"market database {self.shown} already holds {got[0]} {t.value} rows: migrate "
+                                         "into an empty database", code="store_not_empty")
+                for t, items in rows.items():
+                    cur.executemany(sql.SQL("INSERT INTO {} (key, body) VALUES (%s, %s)").format(sql.Identifier(t.value)),
+                                    list(items))
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot write market database {self.shown}: {_one_line(exc, self.url)}") from exc
+
+    def close(self) -> None:
+        with self._mutex:
+            pool, self._pool = self._pool, None
+            lock_conn, self._lock_conn = self._lock_conn, None
+        try:
+            if pool is not None:
+                pool.close()
+        finally:
+            if lock_conn is not None:
+                try:  # released now, not when the server notices the session ended: a restart may follow at once
+                    lock_conn.execute("SELECT pg_advisory_unlock(%s)", (_MARKET_LOCK,))
+                except psycopg.Error:
+                    pass  # a dead session holds nothing
+                lock_conn.close()
+
+
+def _write(cur: psycopg.Cursor[Any], encoded: list[tuple[Table, str, bytes | None]]) -> None:
+    """The batch in order: runs of one table and one kind, one ``executemany`` (pipelined) each."""
+    i = 0
+    while i < len(encoded):
+        table, _, body = encoded[i]
+        j = i
+        while j < len(encoded) and encoded[j][0] is table and (encoded[j][2] is None) == (body is None):
+            j += 1
+        name = sql.Identifier(table.value)
+        if body is None:
+            cur.executemany(sql.SQL("DELETE FROM {} WHERE key = %s").format(name), [(k,) for _, k, _ in encoded[i:j]])
+        else:
+            cur.executemany(sql.SQL("INSERT INTO {} (key, body) VALUES (%s, %s) ON CONFLICT (key) "
+                                    "DO UPDATE SET body = EXCLUDED.body").format(name),
+                            [(k, b) for _, k, b in encoded[i:j]])
+        i = j
+
+
+def raw_rows(pool: ConnectionPool[Any], url: str) -> dict[Table, list[tuple[str, bytes]]]:
+    """Every ``(key, body)`` of every table, sorted by key (code point order, as ``sorted``), in one
+    repeatable-read snapshot; a dead connection is replaced once (reads may be repeated)."""
+    for attempt in (1, 2):
+        try:
+            with pool.connection() as conn:
+                return _read_all(conn)
+        except psycopg.OperationalError as exc:
+            if attempt == 1 and not isinstance(exc, PoolTimeout):  # a dead connection: once more
+                pool.check()
+                continue
+            raise StoreError(f"cannot read market database {mask_url(url)}: {_one_line(exc, url)}") from exc
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot read market database {mask_url(url)}: {_one_line(exc, url)}") from exc
+    raise AssertionError("unreachable")
+
+
+def _read_all(conn: psycopg.Connection[Any]) -> dict[Table, list[tuple[str, bytes]]]:
+    out: dict[Table, list[tuple[str, bytes]]] = {}
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        for t in _tables():
+            cur.execute(sql.SQL("SELECT key, body FROM {}").format(sql.Identifier(t.value)))
+            out[t] = sorted((str(k), bytes(b)) for k, b in cur.fetchall())
+    return out
+
+
+def _check_schema(conn: psycopg.Connection[Any], shown: str) -> None:
+    """Create what is missing, refuse a newer or foreign layout (module rules). In a transaction."""
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
+    names = [SCHEMA_TABLE, *(t.value for t in _tables())]
+    found: dict[str, dict[str, str]] = {}
+    for table, column, dtype in conn.execute(
+            "SELECT table_name, column_name, data_type FROM information_schema.columns "
+            "WHERE table_schema = current_schema() AND table_name = ANY(%s)", (names,)):
+        found.setdefault(str(table), {})[str(column)] = str(dtype)
+    if SCHEMA_TABLE in found:
+        if found[SCHEMA_TABLE] != {"id": "smallint", "version": "integer"}:
+            raise StoreError(f"market database {shown}: table {SCHEMA_TABLE} has columns "
+                             f"{sorted(found[SCHEMA_TABLE])}, not a moe-swarm market's", code="store_schema")
+        row = conn.execute(f"SELECT version FROM {SCHEMA_TABLE} WHERE id = 1").fetchone()
+        version = int(row[0]) if row is not None else 0
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"market database {shown} has schema {version}, this market knows up to {SCHEMA_VERSION}",
+                             code="store_schema")
+    for t in _tables():
+        cols = found.get(t.value)
+        if cols is not None and cols != _COLUMNS:
+            shape = ", ".join(f"{c} {d}" for c, d in sorted(cols.items()))
+            raise StoreError(f"market database {shown}: table {t.value} has columns ({shape}), not (key text, body "
+                             "bytea): not a moe-swarm market database, or a damaged one", code="store_schema")
+    conn.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA_TABLE} (id smallint PRIMARY KEY CHECK (id = 1), "
+                 "version integer NOT NULL)")
+    for t in _tables():
+        conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (key text PRIMARY KEY, body bytea NOT NULL)")
+                     .format(sql.Identifier(t.value)))
+    conn.execute(f"INSERT INTO {SCHEMA_TABLE} (id, version) VALUES (1, %s) "
+                 "ON CONFLICT (id) DO UPDATE SET version = EXCLUDED.version", (SCHEMA_VERSION,))
+
+
+def _take_lock(url: str, shown: str, timeout_s: float) -> psycopg.Connection[Any]:
+    """A new autocommit connection holding the market lock (``store_in_use`` when another market has it)."""
+    try:
+        conn = psycopg.connect(url, connect_timeout=max(1, round(timeout_s)), autocommit=True)
+    except (psycopg.Error, ValueError) as exc:
+        raise StoreError(f"cannot open market database {shown}: {_one_line(exc, url)}",
+                         code="store_unavailable") from None
+    try:
+        got = conn.execute("SELECT pg_try_advisory_lock(%s)", (_MARKET_LOCK,)).fetchone()
+    except psycopg.Error as exc:
+        conn.close()
+        raise StoreError(f"cannot open market database {shown}: {_one_line(exc, url)}",
+                         code="store_unavailable") from None
+    if not got or not got[0]:
+        conn.close()
+        raise StoreError(f"market database {shown} is in use by another moe-swarm market (one market per "
+                         "database); stop it first", code="store_in_use")
+    return conn
+
+
+def open_postgres_store(url: str, *, timeout_s: float = 5.0, pool_size: int = 2) -> PostgresStore:
+    """Connect to ``url`` (``postgresql://user:password@host:port/dbname?...``), check or create the
+    schema and take the database's market lock (module rules)."""
+    shown = mask_url(url)
+    conn = _take_lock(url, shown, timeout_s)
+    pool: ConnectionPool[Any] | None = None
+    try:
+        try:
+            with conn.transaction():
+                _check_schema(conn, shown)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot open market database {shown}: {_one_line(exc, url)}",
+                             code="store_unavailable") from None
+        pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), open=False, timeout=min(timeout_s, GETCONN_S),
+                              kwargs={"connect_timeout": max(1, round(timeout_s))}, name="moe-swarm-market")
+        try:
+            pool.open(wait=True, timeout=timeout_s)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot open market database {shown}: {_one_line(exc, url)}",
+                             code="store_unavailable") from None
+        return PostgresStore(url, conn, pool, timeout_s)
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        conn.close()
+        raise
