@@ -242,7 +242,8 @@ _GRAPH_TIME: dict[int, list[float]] = {}  # thread ident -> [seconds inside ggml
 def graph_time(ident: int | None = None) -> tuple[float, int]:
     """The seconds a thread (default: the calling one) has spent inside ``ggml_graph_compute`` and the
     graphs it computed, since the process started: what a step spends in ggml's own compute, against
-    everything around it (``benchmarks/engine.py``'s breakdown). Each thread writes only its own entry."""
+    everything around it (``benchmarks/engine.py``'s breakdown). Each thread writes only its own entry;
+    a new thread may get a finished one's ident and go on from its count, so readers take differences."""
     acc = _GRAPH_TIME.get(threading.get_ident() if ident is None else ident)
     return (acc[0], int(acc[1])) if acc is not None else (0.0, 0)
 
