@@ -138,7 +138,9 @@ def check_engine(result: dict[str, Any]) -> None:
         c = cases[name]
         assert c["tokens_per_s"] > 0 and c["concurrency"] == int(name[-1]) and c["kernel"] == "ggml", c
         if name.startswith("decode"):  # the step's breakdown: some of it in ggml's graphs, never more than all
-            assert 0.0 < c["graph_share"] < 1.0 and 0.0 < c["outside_graph_ms"] < c["step_ms"], c
+            # (the tiny model's decode may end before its first token reaches the trio side: share 0)
+            assert 0.0 <= c["graph_share"] < 1.0 and 0.0 < c["outside_graph_ms"] <= c["step_ms"], c
+            assert 0.0 < c["case_graph_share"] < 1.0, c
     assert cases["rss"]["rss_mb"] > cases["rss"]["rss_before_load_mb"] > 0 and cases["rss"]["file_mb"] > 0
 
 
