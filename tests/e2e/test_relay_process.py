@@ -49,9 +49,13 @@ async def test_relay_restart_mid_generation(procs: list[Proc], tmp_path: Path) -
     port = relay_addr.split("/tcp/")[1].split("/")[0]
     map_path = tmp_path / "map.json"
     map_path.write_text(json.dumps({"model_id": model_id_for(GOLDEN_GGUF), "version": 0, "layers": []}))
-    # --no-hole-punch: the traffic stays on the relay, so restarting the relay matters
+    # --no-hole-punch and --no-lanes: the traffic stays on the relay, so restarting the relay matters (a data
+    # lane is a direct TCP connection the volunteer dials out to the coordinator: once it is open the expert
+    # calls no longer cross the relay and its death costs nothing, which made this test depend on whether the
+    # lane had opened before the kill)
     coord = Proc(cli("coordinator", "--dispatch", "offload", *UNVERIFIED, "--model", str(GOLDEN_GGUF), "--port", "0", "--data-dir", str(tmp_path / "c"),
-                     "--expert-timeout", "1.0", "--dispatch-map", str(map_path), "--no-hole-punch"), tmp_path / "coordinator.log")
+                     "--expert-timeout", "1.0", "--dispatch-map", str(map_path), "--no-hole-punch", "--no-lanes"),
+                 tmp_path / "coordinator.log")
     procs.append(coord)
     url = (await wait_for_line(coord, "coordinator ready at ")).split()[-1]
     async with httpx.AsyncClient(base_url=url, timeout=60) as h:
