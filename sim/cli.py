@@ -25,16 +25,25 @@ __all__ = ["add_parser", "run", "summary"]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``simulate`` on a CLI's subparsers; ``func(ns) -> int`` runs it."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "simulate", usage="%(prog)s SCENARIO.toml [--seed N] [--out DIR]",
+        "simulate", usage="%(prog)s SCENARIO.toml [--seed N] [--out DIR] | --calibrate MODEL.gguf [--threads N] [--out DIR]",
         help="simulate a swarm at scale over the real market and volunteer cores (logical time, deterministic)",
         description="Run a scenario (benchmarks/scenarios/*.toml) in logical time: the market's request handling "
                     "and the volunteers' lifecycle are the real code; downloads, churn, NAT and the coordinator's "
                     "load are declared by the scenario. The same scenario and seed give the same report, byte "
                     "for byte.")
-    parser.add_argument("scenario", type=Path, metavar="SCENARIO.toml", help="the scenario file")
+    parser.add_argument("scenario", type=Path, nargs="?", metavar="SCENARIO.toml",
+                        help="the scenario file: a swarm (market + volunteers) or a [serving] grid (sim.serving_run)")
     parser.add_argument("--seed", type=int, default=0, help="the random seed (same seed, same report)")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="write report.json here (default: print the summary only)")
+    parser.add_argument("--calibrate", type=Path, default=None, metavar="MODEL.gguf",
+                        help="measure the serving costs of this model on this machine (the real engine and kernels) and "
+                             "write them as a cost file (--out DIR/costs.toml, else printed)")
+    parser.add_argument("--threads", type=int, default=2, help="with --calibrate: the coordinator's compute threads")
+    parser.add_argument("--rtt-json", type=Path, default=None, metavar="JSON",
+                        help="with --calibrate: a benchmarks/expert_rtt.py JSON whose remote_null case gives the "
+                             "per-call protocol cost")
+    parser.add_argument("--no-plots", action="store_true", help="a [serving] scenario: write report.json only")
     parser.set_defaults(func=run)
     return parser
 
@@ -60,10 +69,17 @@ def summary(report: dict[str, Any]) -> list[str]:
 
 def run(ns: argparse.Namespace) -> int:
     from sim.engine import Simulation
-    from sim.scenario import load_scenario
+    from sim.scenario import ScenarioError, load_scenario
+    from sim.serving_run import is_serving
 
     if ns.log_level != "DEBUG":  # the market logs every episode and drop at INFO: thousands of lines here
         logging.getLogger("market").setLevel(logging.WARNING)
+    if ns.calibrate is not None:
+        return _calibrate(ns)
+    if ns.scenario is None:
+        raise ScenarioError("simulate needs SCENARIO.toml (or --calibrate MODEL.gguf)")
+    if is_serving(ns.scenario):
+        return _serving(ns)
     sc = load_scenario(ns.scenario)
     t0 = time.perf_counter()
     report = Simulation(sc, ns.seed).run()
@@ -74,4 +90,39 @@ def run(ns: argparse.Namespace) -> int:
     for line in summary(report):
         print(line)
     print(f"simulated {sc.duration_s:g} s in {wall:.1f} s of wall time", file=sys.stderr)
+    return 0
+
+
+def _calibrate(ns: argparse.Namespace) -> int:
+    from sim.costs import calibrate, dump_costs
+    from sim.scenario import ScenarioError
+
+    if not ns.calibrate.is_file():
+        raise ScenarioError(f"--calibrate: no model file {ns.calibrate}")
+    text = dump_costs(calibrate(ns.calibrate, threads=ns.threads, rtt_json=ns.rtt_json))
+    if ns.out is not None:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        (ns.out / "costs.toml").write_text(text)
+        print(f"wrote {ns.out / 'costs.toml'}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _serving(ns: argparse.Namespace) -> int:
+    from sim.serving_run import load_serving, plot, run_serving, serving_summary
+
+    sc, costs, cfg = load_serving(ns.scenario)
+    t0 = time.perf_counter()
+    report = run_serving(sc, costs, cfg, ns.seed)
+    wall = time.perf_counter() - t0
+    if ns.out is not None:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        (ns.out / "report.json").write_text(json.dumps(report, sort_keys=True, indent=1) + "\n")
+        if not ns.no_plots:
+            for p in plot(report, ns.out):
+                print(f"wrote {p}", file=sys.stderr)
+    for line in serving_summary(report):
+        print(line)
+    print(f"simulated {len(report['points'])} points in {wall:.1f} s of wall time", file=sys.stderr)
     return 0

@@ -1,0 +1,161 @@
+"""What the serving simulation declares instead of computing: the seconds each piece of work takes.
+
+Rules:
+- A cost file is TOML (``[costs]``), every key declared here, unknown keys refused naming the key (the
+  scenario's rule). Times are seconds, measured alone (no other work on the machine); the simulator's
+  processor sharing stretches them when work overlaps on one machine's cores.
+- ``dense(rows)`` is one MoE layer's dense work for a batch of ``rows`` decode rows (attention, norms,
+  router; on the coordinator's ``threads``); ``head(rows)`` the output head once a step; ``experts(pairs)``
+  one local expert call of ``pairs`` routed (row, expert) pairs on the coordinator; ``worker(pairs)`` the
+  same on one volunteer thread at speed 1. ``coord_call_s`` is the coordinator's CPU per remote call (encode,
+  send, receive, decode), ``worker_proto_s`` the volunteer's; ``wake_s`` a process waking for a message;
+  ``row_bytes`` the activations of one row, each way.
+- ``calibrate`` measures the compute costs here with the real engine and ggml kernels (one process,
+  the model's own graphs, a timed expert backend: ``benchmarks/offload.py``'s ``bound`` method) at
+  ``threads`` for the coordinator and 1 for a volunteer; the per-call costs are taken from a measured
+  ``benchmarks/expert_rtt.py`` JSON when one is given, else from this machine's last measured values
+  (DESIGN §11 benchmark notes: protocol 0.97-1.13 ms per call at batch 1, 0.1-0.3 ms per wake-up).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from sim.scenario import ScenarioError
+
+__all__ = ["Costs", "calibrate", "dump_costs", "load_costs"]
+
+NonNeg = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    dense_layer_s: NonNeg  # one layer's dense work, fixed part
+    dense_row_s: NonNeg  # ... and per decode row
+    head_s: NonNeg = 0.0
+    head_row_s: NonNeg = 0.0
+    expert_call_s: NonNeg = 0.0  # one local expert call, fixed part (coordinator threads)
+    expert_pair_s: NonNeg  # per routed (row, expert) pair (coordinator threads)
+    worker_call_s: NonNeg = 0.0  # one call on a volunteer thread, fixed part (speed 1)
+    worker_pair_s: NonNeg  # per pair on one volunteer thread (speed 1)
+    coord_call_s: NonNeg = 0.0005  # coordinator CPU per remote call (the protocol's share at its end)
+    worker_proto_s: NonNeg = 0.0005  # a volunteer's protocol CPU per call
+    wake_s: NonNeg = 0.0002  # a process waking for a message (each end of a call)
+    row_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4096
+    threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # the coordinator threads the above were measured with
+    source: str = ""  # where the numbers come from (a file, "calibrated on <host> <date>")
+
+    def dense(self, rows: int) -> float:
+        return self.dense_layer_s + self.dense_row_s * rows
+
+    def head(self, rows: int) -> float:
+        return self.head_s + self.head_row_s * rows
+
+    def experts(self, pairs: int) -> float:
+        return self.expert_call_s + self.expert_pair_s * pairs
+
+    def worker(self, pairs: int, speed: float) -> float:
+        return (self.worker_call_s + self.worker_pair_s * pairs) / speed
+
+
+def load_costs(path: Path) -> Costs:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ScenarioError(f"cost file {path}: {exc}") from None
+    try:
+        return msgspec.convert(raw.get("costs", raw), Costs)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"cost file {path}: {exc}") from None
+
+
+def dump_costs(c: Costs) -> str:
+    lines = ["# moe-swarm simulate --calibrate: seconds, measured alone (sim/costs.py)", "[costs]"]
+    for k, v in msgspec.structs.asdict(c).items():
+        lines.append(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"')
+    return "\n".join(lines) + "\n"
+
+
+def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` (a, b >= 0)."""
+    if len(xs) < 2:
+        return 0.0, max(ys[0] / max(xs[0], 1), 0.0)
+    b, a = statistics.linear_regression(xs, ys)
+    if a < 0:
+        return 0.0, max(sum(ys) / max(sum(xs), 1), 0.0)
+    return a, max(b, 0.0)
+
+
+def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tuple[dict[int, tuple[float, float]], Any]:
+    """Per batch size: the median (dense + head, experts) seconds of a decode step, the experts timed apart
+    from the dense graphs at ``threads``."""
+    import torch
+
+    from coordinator.dispatch.layer import LayerCall
+    from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
+    from swarm.model.gguf import GGUFModel
+    from swarm.model.kernels import KernelBackend, configure_threads
+
+    configure_threads(threads, KernelBackend.GGML)
+    model = GGUFModel(path)
+    spent = [0.0]
+
+    class Timed(LocalExperts):
+        def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
+            return False
+
+        def service(self, call: LayerCall) -> bool:
+            t = time.perf_counter()
+            r = super().service(call)
+            spent[0] += time.perf_counter() - t
+            return r
+
+    tr = Transformer(model, Timed(model))
+    out: dict[int, tuple[float, float]] = {}
+    for b in batches:
+        caches = [KVCache(tr.cfg, 64 + steps, torch.float16) for _ in range(b)]
+        tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % 50 for j in range(8)], 0) for i, c in enumerate(caches)])
+        got: list[tuple[float, float]] = []
+        for s in range(steps + 2):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            tr.forward([SeqChunk(c, [5], 8 + s) for c in caches])
+            dt = time.perf_counter() - t
+            if s >= 2:
+                got.append((dt - spent[0], spent[0]))
+        out[b] = (statistics.median(g[0] for g in got), statistics.median(g[1] for g in got))
+    return out, tr.cfg
+
+
+def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 8), steps: int = 12,
+              rtt_json: Path | None = None) -> Costs:
+    """Measure the compute costs of ``path`` on this machine (see the module's rules). Runs the engine in
+    this process at ``threads`` (the coordinator) and then at 1 (a volunteer's thread)."""
+    import json
+    import platform
+
+    coord, cfg = _step_parts(path, threads, list(batches), steps)
+    vol, _ = _step_parts(path, 1, list(batches), steps)
+    n_layer, top_k = int(cfg.n_layer), int(cfg.n_expert_used)
+    xs = list(batches)
+    # the dense part of a step: n_layer dense layers + the head; the head is not separable here, so it is
+    # folded into the layers' fixed part (head_s 0)
+    da, db = _fit(xs, [coord[b][0] / n_layer for b in xs])
+    ea, eb = _fit([b * top_k for b in xs], [coord[b][1] / n_layer for b in xs])
+    wa, wb = _fit([b * top_k for b in xs], [vol[b][1] / n_layer for b in xs])
+    coord_call, wake = 0.0005, 0.0002
+    if rtt_json is not None:
+        cases = json.loads(rtt_json.read_text())["cases"]
+        null = [c for c in cases if c.get("case") == "remote_null" and c.get("batch") == 1]
+        if null:
+            coord_call = float(null[0]["median_ms"]) / 1000 / 2  # the protocol's round trip, half at each end
+            wake = 0.0
+    return Costs(dense_layer_s=da, dense_row_s=db, expert_call_s=ea, expert_pair_s=eb, worker_call_s=wa,
+                 worker_pair_s=wb, coord_call_s=coord_call, worker_proto_s=coord_call, wake_s=wake,
+                 row_bytes=4 * int(cfg.d_model), threads=threads,
+                 source=f"calibrated on {platform.node()} {time.strftime('%Y-%m-%d')} from {path.name}")

@@ -1,0 +1,406 @@
+"""Serving in logical time: a coordinator decoding its sessions, the real dispatch core placing every MoE
+layer's ranges on its own cores or on volunteers with their own (or shared) cores.
+
+What it drives, unchanged: ``coordinator.core.dispatch.DispatchCore`` (placement, earliest finish, the split
+check, trials, probation, verification, hedges, deadlines, quarantine) through its events and effects,
+as ``coordinator.dispatch.dispatcher`` does (including the engine's whole-layer fast path:
+``local_only_pairs``). What it declares: the seconds of work (``sim.costs.Costs``), the network (a round
+trip and a bandwidth per link), the routing (each row's ``top_k`` experts drawn uniformly from the seed).
+
+Rules:
+- One batch per step: every session decodes one token per step (the engine's single batch, no session
+  groups); a step is the ``n_layer`` MoE layers, each its dense work then its experts, then the head.
+- Machines share their cores by processor sharing: a job of ``threads`` threads measured alone at ``w``
+  seconds progresses at ``min(1, cores / threads running)`` of its speed, so work on one machine slows
+  what else runs there (``cores = "shared"``: the volunteers run on the coordinator's machine, as
+  ``benchmarks/offload.py`` does; ``"own"``: each volunteer has a machine of one core).
+- The coordinator runs one local expert call at a time (its local runner) and each volunteer one call
+  at a time; a remote call costs the coordinator ``coord_call_s`` of CPU (one thread) before it leaves
+  and a wake-up when it returns, and the volunteer a wake-up, ``worker_proto_s`` and the compute.
+- A cancelled call's answer is not delivered (the shell drops it); a call a volunteer has not started
+  is removed from its queue.
+- A liar answers wrongly: a ``Compare`` of its call says unequal; a layer combined from an unchecked
+  answer of a liar makes that step's tokens wrong (counted).
+- Time: a heap ordered by ``(time, sequence)``; randomness from ``random.Random(seed)`` streams: the same
+  point and seed give the same numbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.core.dispatch import DispatchCore
+from coordinator.core.events import (
+    CallId,
+    Cancel,
+    CancelTimer,
+    Combine,
+    Compare,
+    Compared,
+    DispatchConfig,
+    Effect,
+    Event,
+    Fail,
+    Forget,
+    Hedge,
+    LayerRanLocally,
+    LayerReady,
+    LoadSample,
+    LocalDone,
+    Quarantine,
+    RangeWork,
+    RemoteDone,
+    RunLocal,
+    SendRemote,
+    Settle,
+    Settled,
+    StartTimer,
+    StepId,
+    Timer,
+    TimerFired,
+    WorkersListed,
+)
+from sim.costs import Costs
+
+__all__ = ["Point", "PointResult", "ServingSim"]
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration to simulate."""
+
+    costs: Costs
+    n_layer: int
+    n_expert: int
+    top_k: int
+    ranges_per_layer: int
+    sessions: int
+    slots: int
+    volunteers: int  # each holds every range (a replica of each)
+    speed: float  # a volunteer thread's speed, relative to the calibration's
+    rtt_s: float
+    bandwidth: float  # bytes/s each way
+    shared_cores: bool
+    machine_cores: int  # the coordinator's machine
+    coordinator_threads: int
+    warmup_s: float
+    measure_s: float
+    liars: int = 0  # of the volunteers
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    seed: int = 0
+
+
+@dataclass
+class PointResult:
+    tokens_per_s: float
+    steps: int
+    wrong_tokens: int
+    decisions: dict[str, int]
+    remote_calls: int
+    quarantined: int
+    remote_rows: int
+    local_rows: int
+    fallback_rows: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"tokens_per_s": round(self.tokens_per_s, 3), "steps": self.steps, "wrong_tokens": self.wrong_tokens,
+                "decisions": dict(sorted(self.decisions.items())), "remote_calls": self.remote_calls,
+                "quarantined": self.quarantined, "remote_rows": self.remote_rows, "local_rows": self.local_rows,
+                "fallback_rows": self.fallback_rows}
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.heap: list[tuple[float, int, Callable[[], None]]] = []
+        self.seq = 0
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (max(t, self.now), self.seq, fn))
+
+
+class _Machine:
+    """Processor sharing over ``cores``: each job progresses at ``min(1, cores / threads running)``."""
+
+    def __init__(self, clock: _Clock, cores: int) -> None:
+        self.clock, self.cores = clock, cores
+        self.jobs: dict[int, list[Any]] = {}  # id -> [remaining s, threads, on_done]
+        self.last = 0.0
+        self.version = 0
+        self.ids = 0
+
+    def _rate(self) -> float:
+        n = sum(j[1] for j in self.jobs.values())
+        return min(1.0, self.cores / n) if n else 1.0
+
+    def _advance(self) -> None:
+        now = self.clock.now
+        r = self._rate()
+        for j in self.jobs.values():
+            j[0] -= (now - self.last) * r
+        self.last = now
+
+    def _schedule(self) -> None:
+        self.version += 1
+        if not self.jobs:
+            return
+        r = self._rate()
+        t = self.clock.now + max(0.0, min(j[0] for j in self.jobs.values())) / r
+        v = self.version
+        self.clock.at(t, lambda: self._due(v))
+
+    def _due(self, v: int) -> None:
+        if v != self.version:
+            return
+        self._advance()
+        done = [(k, j) for k, j in self.jobs.items() if j[0] <= 1e-9]
+        for k, _ in done:
+            del self.jobs[k]
+        self._schedule()
+        for _, j in done:
+            j[2]()
+
+    def run(self, seconds: float, threads: int, on_done: Callable[[], None]) -> None:
+        self._advance()
+        self.ids += 1
+        self.jobs[self.ids] = [seconds, threads, on_done]
+        self._schedule()
+
+
+class _Fifo:
+    """One job at a time on a machine (a runner thread): ``submit`` queues, ``drop`` removes a queued one."""
+
+    def __init__(self, machine: _Machine, threads: int) -> None:
+        self.machine, self.threads = machine, threads
+        self.queue: list[tuple[Any, Callable[[], float], Callable[[float], None]]] = []
+        self.busy = False
+
+    def submit(self, key: Any, work: Callable[[], float], on_done: Callable[[float], None]) -> None:
+        self.queue.append((key, work, on_done))
+        self._next()
+
+    def drop(self, key: Any) -> bool:
+        for i, q in enumerate(self.queue):
+            if q[0] == key:
+                del self.queue[i]
+                return True
+        return False
+
+    def _next(self) -> None:
+        if self.busy or not self.queue:
+            return
+        _, work, on_done = self.queue.pop(0)
+        self.busy = True
+        start = self.machine.clock.now
+
+        def done() -> None:
+            self.busy = False
+            on_done(self.machine.clock.now - start)
+            self._next()
+
+        self.machine.run(work(), self.threads, done)
+
+
+@dataclass
+class _Layer:
+    step: StepId
+    layer: int
+    ranges: tuple[RangeWork, ...]
+
+
+class ServingSim:
+    """One point: run ``warmup_s + measure_s`` simulated seconds, count the tokens of the measured window."""
+
+    def __init__(self, p: Point) -> None:
+        self.p = p
+        self.clock = _Clock()
+        self.rng = random.Random(p.seed)
+        self.coord = _Machine(self.clock, p.machine_cores)
+        self.local = _Fifo(self.coord, p.coordinator_threads)
+        self.peers = [f"v{i}" for i in range(p.volunteers)]
+        self.liars = set(self.peers[: p.liars])
+        if p.shared_cores:
+            self.vol_fifo = {v: _Fifo(self.coord, 1) for v in self.peers}
+        else:
+            self.vol_fifo = {v: _Fifo(_Machine(self.clock, 1), 1) for v in self.peers}
+        self.core = DispatchCore(p.dispatch, n_layer=p.n_layer, n_expert=p.n_expert, rng=random.Random(p.seed + 1))
+        self.timers: dict[Timer, int] = {}
+        self.timer_seq = 0
+        self.calls: dict[CallId, tuple[_Layer, int, str | None]] = {}  # call -> (layer, range index, peer)
+        self.cancelled: set[CallId] = set()
+        self.layers: dict[StepId, _Layer] = {}
+        self.step_ids = 0
+        self.tainted = False  # the step under way used an unchecked liar's answer
+        self.tokens = 0
+        self.steps = 0
+        self.wrong = 0
+        self.remote_calls = 0
+        self.width = p.n_expert // p.ranges_per_layer
+        self.end = p.warmup_s + p.measure_s
+
+    # -- the run ---------------------------------------------------------------------------------------
+    def run(self) -> PointResult:
+        if self.peers:
+            self._handle(WorkersListed(frozenset(self.peers)))
+        self._sample()
+        self._step()
+        while self.clock.heap:
+            t, _, fn = heapq.heappop(self.clock.heap)
+            if t > self.end:
+                break
+            self.clock.now = t
+            fn()
+        rows = self.core.rows
+        return PointResult(tokens_per_s=self.tokens / self.p.measure_s, steps=self.steps, wrong_tokens=self.wrong,
+                           decisions={str(k): v for k, v in self.core.decisions.items()},
+                           remote_calls=self.remote_calls, quarantined=self.core.quarantines,
+                           remote_rows=sum(r.remote_rows for r in rows), local_rows=sum(r.local_rows for r in rows),
+                           fallback_rows=sum(r.fallback_rows for r in rows))
+
+    def _sample(self) -> None:
+        self._handle(LoadSample(self.p.sessions, self.p.slots))
+        self.clock.at(self.clock.now + self.p.dispatch.sample_interval_s, self._sample)
+
+    def _step(self) -> None:
+        self.tainted = False
+        self._layer(0)
+
+    def _layer(self, layer: int) -> None:
+        if layer == self.p.n_layer:
+            self.coord.run(self.p.costs.head(self.p.sessions), self.p.coordinator_threads, self._token)
+            return
+        self.coord.run(self.p.costs.dense(self.p.sessions), self.p.coordinator_threads, lambda: self._moe(layer))
+
+    def _token(self) -> None:
+        if self.tainted:
+            self.wrong += self.p.sessions
+        if self.clock.now >= self.p.warmup_s:
+            self.tokens += self.p.sessions
+            self.steps += 1
+        self._step()
+
+    def _route(self, layer: int) -> tuple[RangeWork, ...]:
+        k, n = self.p.top_k, self.p.n_expert
+        rows: dict[int, set[int]] = {}
+        pairs: Counter[int] = Counter()
+        for row in range(self.p.sessions):
+            for e in self.rng.sample(range(n), k):
+                r = e // self.width
+                rows.setdefault(r, set()).add(row)
+                pairs[r] += 1
+        return tuple(RangeWork(r * self.width, (r + 1) * self.width, len(rows[r]), pairs[r], tuple(self.peers), True)
+                     for r in sorted(pairs))
+
+    def _moe(self, layer: int) -> None:
+        ranges = self._route(layer)
+        n_pairs = sum(r.pairs for r in ranges)
+        bound, reason = self.core.local_only_pairs(self.clock.now)
+        if n_pairs <= bound:  # the engine's fast path: the whole layer inside its own graph
+            def ran(seconds: float) -> None:
+                self._handle(LayerRanLocally(layer, ranges, reason, seconds))
+                self._layer(layer + 1)
+            start = self.clock.now
+            self.coord.run(self.p.costs.experts(n_pairs), self.p.coordinator_threads, lambda: ran(self.clock.now - start))
+            return
+        self.step_ids += 1
+        sid = StepId(self.step_ids)
+        self.layers[sid] = _Layer(sid, layer, ranges)
+        self._handle(LayerReady(sid, layer, ranges))
+
+    # -- events in, effects out ---------------------------------------------------------------------------
+    def _handle(self, ev: Event) -> None:
+        todo: list[Event] = [ev]
+        while todo:
+            e = todo.pop(0)
+            for eff in self.core.handle(e, self.clock.now):
+                todo += self._effect(eff)
+
+    def _effect(self, e: Effect) -> list[Event]:
+        now = self.clock.now
+        if isinstance(e, RunLocal) or (isinstance(e, Hedge) and e.peer is None):
+            L = self.layers[e.step]
+            self.calls[e.call] = (L, e.index, None)
+            pairs, call = L.ranges[e.index].pairs, e.call
+            self.local.submit(call, lambda: self.p.costs.experts(pairs), lambda s: self._local_done(call, s))
+        elif isinstance(e, SendRemote | Hedge):
+            assert e.peer is not None
+            L = self.layers[e.step]
+            self.calls[e.call] = (L, e.index, e.peer)
+            self._send(e.call, L.ranges[e.index], e.peer)
+        elif isinstance(e, Cancel):
+            self.cancelled.add(e.call)
+            got = self.calls.get(e.call)
+            if got is not None:
+                fifo = self.local if got[2] is None else self.vol_fifo[got[2]]
+                fifo.drop(e.call)
+        elif isinstance(e, StartTimer):
+            self.timer_seq += 1
+            timer, token = e.timer, self.timer_seq
+            self.timers[timer] = token
+            self.clock.at(e.at, lambda: self._timer(timer, token))
+        elif isinstance(e, CancelTimer):
+            self.timers.pop(e.timer, None)
+        elif isinstance(e, Compare):
+            return [Compared(e.remote, e.peer not in self.liars and (e.peer_b is None or e.peer_b not in self.liars))]
+        elif isinstance(e, Settle):
+            return [Settled(e.a, e.peer_a not in self.liars, e.peer_b not in self.liars)]
+        elif isinstance(e, Combine):
+            for c in e.calls:
+                got = self.calls.get(c)
+                if got is not None and got[2] in self.liars:
+                    self.tainted = True
+            self.layers.pop(e.step, None)
+            layer = e.layer
+            self.clock.at(now, lambda: self._layer(layer + 1))
+        elif isinstance(e, Fail):  # the shell waits for coverage and retries; here: computed from the GGUF
+            L = self.layers.pop(e.step)
+            self.coord.run(self.p.costs.experts(sum(r.pairs for r in L.ranges)), self.p.coordinator_threads,
+                           lambda: self._layer(L.layer + 1))
+        elif isinstance(e, Forget | Quarantine):
+            pass
+        return []
+
+    def _timer(self, t: Timer, token: int) -> None:
+        if self.timers.get(t) != token:
+            return
+        del self.timers[t]
+        self._handle(TimerFired(t))
+
+    def _local_done(self, call: CallId, seconds: float) -> None:
+        if call in self.cancelled:
+            return
+        self._handle(LocalDone(call, seconds))
+
+    def _send(self, call: CallId, r: RangeWork, peer: str) -> None:
+        p, c = self.p, self.p.costs
+        self.remote_calls += 1
+        one_way = p.rtt_s / 2 + r.rows * c.row_bytes / p.bandwidth
+
+        def arrive() -> None:
+            if call in self.cancelled:
+                return
+            speed = p.speed
+            self.vol_fifo[peer].submit(call, lambda: c.wake_s + c.worker_proto_s + c.worker(r.pairs, speed),
+                                       lambda _s: self.clock.at(self.clock.now + one_way, back))
+
+        def back() -> None:
+            if call in self.cancelled:
+                return
+            self.coord.run(c.wake_s, 1, lambda: None if call in self.cancelled else
+                           self._handle(RemoteDone(call, int(self.clock.now * 1000))))
+
+        self.coord.run(c.coord_call_s, 1, lambda: self.clock.at(self.clock.now + one_way, arrive))
+
+
+def local_only(p: Point) -> Point:
+    """The same point with nobody to offload to (the baseline)."""
+    return Point(**{**p.__dict__, "volunteers": 0, "liars": 0})
+

@@ -1,0 +1,150 @@
+"""A serving scenario (``[serving]`` in the TOML): a grid of points, each simulated with and without the
+volunteers (``sim.serving``), into a report and plots.
+
+Rules:
+- Every key is declared; an unknown key, a negative or zero rate, an impossible shape (experts not divisible
+  into the ranges, ``top_k`` above the experts, more liars than volunteers, sessions above the slots) is refused
+  with one line naming the key (``ScenarioError``, exit 2).
+- ``costs`` names a cost file (relative to the scenario) or is a table of ``sim.costs.Costs``'s keys.
+- The grid is sessions x rtt_ms x speed; each point runs the adaptive dispatcher with the volunteers and the
+  same point with none (local-only), from the same seed; ``gain`` is their tokens/s ratio.
+- ``[serving.dispatch]`` overrides ``DispatchConfig`` fields (the coordinator's defaults otherwise).
+- The report holds simulated quantities only (same scenario and seed, same bytes); plots are written beside it
+  when matplotlib is importable (a PNG per volunteer speed: gain against sessions, a line per round trip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from coordinator.core.events import DispatchConfig
+from sim.costs import Costs, load_costs
+from sim.scenario import ScenarioError
+from sim.serving import Point, ServingSim, local_only
+
+__all__ = ["ServingScenario", "is_serving", "load_serving", "plot", "run_serving", "serving_summary"]
+
+Pos = Annotated[float, msgspec.Meta(gt=0.0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ServingScenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    costs: str | Costs
+    n_layer: PosInt
+    n_expert: PosInt
+    top_k: PosInt
+    ranges_per_layer: PosInt = 4
+    slots: PosInt = 64
+    sessions: list[PosInt]
+    rtt_ms: list[Annotated[float, msgspec.Meta(ge=0.0)]] = msgspec.field(default_factory=lambda: [1.0])
+    speed: list[Pos] = msgspec.field(default_factory=lambda: [1.0])
+    volunteers: Annotated[int, msgspec.Meta(ge=0)] = 1
+    liars: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cores: Literal["own", "shared"] = "own"
+    machine_cores: PosInt = 2
+    coordinator_threads: PosInt = 2
+    bandwidth_bytes_per_s: Pos = 125_000_000.0
+    warmup_s: Pos = 30.0
+    measure_s: Pos = 20.0
+    dispatch: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def is_serving(path: Path) -> bool:
+    try:
+        return "serving" in tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+
+
+def load_serving(path: Path) -> tuple[ServingScenario, Costs, DispatchConfig]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ScenarioError(f"{path}: {exc}") from None
+    unknown = set(raw) - {"serving"}
+    if unknown:
+        raise ScenarioError(f"{path}: unknown key $.{sorted(unknown)[0]} (a serving scenario has only [serving])")
+    try:
+        sc = msgspec.convert(raw["serving"], ServingScenario)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"{path}: {str(exc).replace('$.', '$.serving.')}") from None
+    costs = sc.costs if isinstance(sc.costs, Costs) else load_costs((path.parent / sc.costs).resolve())
+    if sc.n_expert % sc.ranges_per_layer:
+        raise ScenarioError(f"{path}: $.serving.ranges_per_layer ({sc.ranges_per_layer}) must divide n_expert ({sc.n_expert})")
+    if sc.top_k > sc.n_expert:
+        raise ScenarioError(f"{path}: $.serving.top_k ({sc.top_k}) is above n_expert ({sc.n_expert})")
+    if sc.liars > sc.volunteers:
+        raise ScenarioError(f"{path}: $.serving.liars ({sc.liars}) is above volunteers ({sc.volunteers})")
+    if max(sc.sessions) > sc.slots:
+        raise ScenarioError(f"{path}: $.serving.sessions ({max(sc.sessions)}) is above slots ({sc.slots})")
+    fields = {f.name for f in dataclasses.fields(DispatchConfig)}
+    bad = sorted(set(sc.dispatch) - fields)
+    if bad:
+        raise ScenarioError(f"{path}: unknown key $.serving.dispatch.{bad[0]}")
+    try:
+        cfg = DispatchConfig(**sc.dispatch)
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{path}: $.serving.dispatch: {exc}") from None
+    return sc, costs, cfg
+
+
+def run_serving(sc: ServingScenario, costs: Costs, cfg: DispatchConfig, seed: int) -> dict[str, Any]:
+    points = []
+    for speed in sc.speed:
+        for rtt in sc.rtt_ms:
+            for n in sc.sessions:
+                p = Point(costs=costs, n_layer=sc.n_layer, n_expert=sc.n_expert, top_k=sc.top_k,
+                          ranges_per_layer=sc.ranges_per_layer, sessions=n, slots=sc.slots, volunteers=sc.volunteers,
+                          speed=speed, rtt_s=rtt / 1000, bandwidth=sc.bandwidth_bytes_per_s,
+                          shared_cores=sc.cores == "shared", machine_cores=sc.machine_cores,
+                          coordinator_threads=sc.coordinator_threads, warmup_s=sc.warmup_s, measure_s=sc.measure_s,
+                          liars=sc.liars, dispatch=cfg, seed=seed)
+                a = ServingSim(p).run()
+                b = ServingSim(local_only(p)).run()
+                points.append({"sessions": n, "rtt_ms": rtt, "speed": speed,
+                               "gain": round(a.tokens_per_s / b.tokens_per_s, 4) if b.tokens_per_s else None,
+                               "adaptive": a.as_json(), "local_only": b.as_json()})
+    return {"kind": "serving", "seed": seed, "costs": msgspec.to_builtins(costs),
+            "scenario": {k: v for k, v in msgspec.to_builtins(sc).items() if k != "costs"}, "points": points}
+
+
+def serving_summary(report: dict[str, Any]) -> list[str]:
+    lines = ["speed  rtt_ms  sessions  local tok/s  adaptive tok/s  gain  remote rows  wrong tokens"]
+    for p in report["points"]:
+        a, b = p["adaptive"], p["local_only"]
+        lines.append(f"{p['speed']:>5g}  {p['rtt_ms']:>6g}  {p['sessions']:>8}  {b['tokens_per_s']:>11.1f}  "
+                     f"{a['tokens_per_s']:>14.1f}  {p['gain']:.3f}  {a['remote_rows']:>11}  {a['wrong_tokens']:>12}")
+    return lines
+
+
+def plot(report: dict[str, Any], out: Path) -> list[Path]:
+    """One PNG per volunteer speed: the gain against sessions, a line per round trip (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    pts = report["points"]
+    for speed in sorted({p["speed"] for p in pts}):
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        for rtt in sorted({p["rtt_ms"] for p in pts}):
+            xs = [p for p in pts if p["speed"] == speed and p["rtt_ms"] == rtt]
+            ax.plot([p["sessions"] for p in xs], [p["gain"] for p in xs], marker="o", label=f"RTT {rtt:g} ms")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sessions")
+        ax.set_ylabel("tokens/s, adaptive / local-only")
+        ax.set_title(f"offload gain, volunteers at {speed:g}x a coordinator thread")
+        ax.legend()
+        fig.tight_layout()
+        path = out / f"gain-speed-{speed:g}.png"
+        fig.savefig(path, metadata={"Software": None})
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,126 @@
+"""The serving simulation (``sim.serving``): the real dispatch core over declared costs, in logical time."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.core.events import DispatchConfig
+from sim.costs import Costs, calibrate, dump_costs, load_costs
+from sim.scenario import ScenarioError
+from sim.serving import Point, ServingSim, _Clock, _Machine, local_only
+from sim.serving_run import load_serving, run_serving
+from tests.conftest import GOLDEN_GGUF
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "benchmarks" / "scenarios" / "serving-smoke.toml"
+COSTS = Costs(dense_layer_s=0.0004, dense_row_s=0.0002, expert_call_s=0.0003, expert_pair_s=0.0002,
+              worker_call_s=0.0001, worker_pair_s=0.0002, threads=2)
+
+
+def point(**over: object) -> Point:
+    kw: dict[str, object] = dict(costs=COSTS, n_layer=4, n_expert=32, top_k=4, ranges_per_layer=4, sessions=16, slots=32,
+                                 volunteers=2, speed=2.0, rtt_s=0.001, bandwidth=1.25e8, shared_cores=False,
+                                 machine_cores=2, coordinator_threads=2, warmup_s=20.0, measure_s=10.0)
+    kw.update(over)
+    return Point(**kw)  # type: ignore[arg-type]
+
+
+def test_processor_sharing() -> None:
+    clock = _Clock()
+    m = _Machine(clock, 2)
+    done: dict[str, float] = {}
+    m.run(1.0, 2, lambda: done.update(two=clock.now))  # alone: 1 s
+    m.run(0.5, 1, lambda: done.update(one=clock.now))  # 3 threads on 2 cores: each at 2/3
+    while clock.heap:
+        t, _, fn = heapq.heappop(clock.heap)
+        clock.now = t
+        fn()
+    assert done["one"] == pytest.approx(0.75)  # 0.5 s of work at 2/3
+    assert done["two"] == pytest.approx(0.75 + 0.5)  # 0.5 done by 0.75, the rest alone at full speed
+
+
+def test_idle_local_only_matches_the_step_time() -> None:
+    """One session: idle, every layer on the engine's fast path; tokens/s is the declared step's inverse."""
+    p = point(sessions=1)
+    step = p.n_layer * (COSTS.dense(1) + COSTS.experts(4)) + COSTS.head(1)
+    r = ServingSim(p).run()
+    assert abs(r.tokens_per_s - 1 / step) <= 1 / p.measure_s + 1e-9
+    assert r.remote_calls == 0 and r.decisions == {"idle_local": r.decisions["idle_local"]}
+
+
+def test_fast_near_volunteers_pay_under_load_slow_far_ones_do_not_hurt() -> None:
+    fast = point()
+    a, b = ServingSim(fast).run(), ServingSim(local_only(fast)).run()
+    assert a.remote_rows > 0 and a.tokens_per_s > 1.2 * b.tokens_per_s
+    far = point(speed=0.5, rtt_s=0.040)
+    a, b = ServingSim(far).run(), ServingSim(local_only(far)).run()
+    assert a.tokens_per_s >= 0.9 * b.tokens_per_s  # the split check keeps the rows here
+    assert a.wrong_tokens == 0
+
+
+def test_a_liar_is_quarantined_and_no_token_is_wrong_where_the_coordinator_holds_the_experts() -> None:
+    r = ServingSim(point(liars=1)).run()
+    assert r.quarantined == 1
+    assert r.wrong_tokens == 0
+    assert r.remote_rows > 0  # the honest volunteer still serves
+
+
+def test_the_same_seed_gives_the_same_report(tmp_path: Path) -> None:
+    sc, costs, cfg = load_serving(SMOKE)
+    one = json.dumps(run_serving(sc, costs, cfg, 3), sort_keys=True)
+    assert one == json.dumps(run_serving(sc, costs, cfg, 3), sort_keys=True)
+    rep = json.loads(one)
+    assert {(p["sessions"], p["rtt_ms"]) for p in rep["points"]} == {(1, 1.0), (1, 40.0), (16, 1.0), (16, 40.0)}
+    assert all(p["gain"] is not None and math.isfinite(p["gain"]) for p in rep["points"])
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("sessions = [1]\nbogus = 1", "bogus"),
+    ("sessions = [1]\nranges_per_layer = 3", "ranges_per_layer"),
+    ("sessions = [1]\nliars = 3", "liars"),
+    ("sessions = [-1]", "sessions"),
+    ("sessions = [64]", "sessions"),
+    ("sessions = [1]\n[serving.dispatch]\nnot_a_field = 1", "dispatch.not_a_field"),
+])
+def test_bad_scenarios_are_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text('[serving]\ncosts = "%s"\nn_layer = 2\nn_expert = 8\ntop_k = 2\nslots = 8\nvolunteers = 2\n'
+                 % (ROOT / "benchmarks" / "scenarios" / "costs" / "bench.toml") + text + "\n")
+    with pytest.raises(ScenarioError, match=key.replace(".", r"\.")):
+        load_serving(f)
+    run = subprocess.run([sys.executable, "-m", "swarm.cli", "simulate", str(f)], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and key in run.stderr
+
+
+def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "swarm.cli", "simulate", str(SMOKE), "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["kind"] == "serving" and len(rep["points"]) == 4
+    png = (tmp_path / "gain-speed-2.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "gain" in run.stdout
+
+
+def test_calibrate_measures_a_model_and_writes_a_cost_file(tmp_path: Path) -> None:
+    c = calibrate(GOLDEN_GGUF, threads=1, batches=(1, 2, 4), steps=3)
+    assert c.expert_pair_s > 0 and c.worker_pair_s > 0 and c.dense_layer_s + c.dense_row_s > 0
+    f = tmp_path / "costs.toml"
+    f.write_text(dump_costs(c))
+    assert load_costs(f) == c
+
+
+def test_dispatch_config_overrides_reach_the_core(tmp_path: Path) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text(SMOKE.read_text().replace('"costs/bench.toml"', f'"{SMOKE.parent / "costs" / "bench.toml"}"')
+                 + "\n[serving.dispatch]\nverify_rate = 1.0\n")
+    _, _, cfg = load_serving(f)
+    assert cfg == DispatchConfig(verify_rate=1.0)
