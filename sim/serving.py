@@ -8,8 +8,12 @@ as ``coordinator.dispatch.dispatcher`` does (including the engine's whole-layer 
 trip and a bandwidth per link), the routing (each row's ``top_k`` experts drawn uniformly from the seed).
 
 Rules:
-- One batch per step: every session decodes one token per step (the engine's single batch, no session
-  groups); a step is the ``n_layer`` MoE layers, each its dense work then its experts, then the head.
+- Every session decodes one token per step; a step is the ``n_layer`` MoE layers, each its dense work then
+  its experts, then the head. One batch, unless the layers must wait for volunteers (a backbone:
+  ``held=False``, or offload mode): then the sessions go in groups that advance through the layers on
+  their own, as many as the real ``PipelineModel`` and ``GroupArms`` pick from what the simulated layers
+  measured (the dispatcher's samples: dense half, volunteer time, the rest of the round trip). The
+  engine thread (dense, head, whole local layers) runs one job at a time; so does the local runner.
 - Machines share their cores by processor sharing: a job of ``threads`` threads measured alone at ``w``
   seconds progresses at ``min(1, cores / threads running)`` of its speed, so work on one machine slows
   what else runs there (``cores = "shared"``: the volunteers run on the coordinator's machine, as
@@ -21,6 +25,8 @@ Rules:
   is removed from its queue.
 - A liar answers wrongly: a ``Compare`` of its call says unequal; a layer combined from an unchecked
   answer of a liar makes that step's tokens wrong (counted).
+- Sessions arrive one every ``RAMP_STEPS`` steps from the start, then all decode until the end; tokens/s
+  counts the steps that end in the measured window (after ``warmup_s``).
 - Time: a heap ordered by ``(time, sequence)``; randomness from ``random.Random(seed)`` streams: the same
   point and seed give the same numbers.
 """
@@ -43,6 +49,7 @@ from coordinator.core.events import (
     Compare,
     Compared,
     DispatchConfig,
+    DispatchMode,
     Effect,
     Event,
     Fail,
@@ -65,11 +72,12 @@ from coordinator.core.events import (
     TimerFired,
     WorkersListed,
 )
+from coordinator.core.pipeline import GroupArms, PipelineModel, group_cuts
 from sim.costs import Costs
 
 __all__ = ["Point", "PointResult", "ServingSim"]
 
-_EPS = 1e-12
+RAMP_STEPS = 2  # steps between two sessions' arrivals at the start
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,8 @@ class Point:
     warmup_s: float
     measure_s: float
     liars: int = 0  # of the volunteers
+    held: bool = True  # the coordinator holds every expert (False: a backbone, every range remote)
+    rtt_sigma: float = 0.0  # each volunteer's round trip is rtt_s x lognormal(0, sigma)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     seed: int = 0
 
@@ -108,12 +118,15 @@ class PointResult:
     remote_rows: int
     local_rows: int
     fallback_rows: int
+    groups: dict[int, int]  # steps per number of session groups
+    failed_layers: int
 
     def as_json(self) -> dict[str, Any]:
         return {"tokens_per_s": round(self.tokens_per_s, 3), "steps": self.steps, "wrong_tokens": self.wrong_tokens,
                 "decisions": dict(sorted(self.decisions.items())), "remote_calls": self.remote_calls,
                 "quarantined": self.quarantined, "remote_rows": self.remote_rows, "local_rows": self.local_rows,
-                "fallback_rows": self.fallback_rows}
+                "fallback_rows": self.fallback_rows, "groups": {str(k): v for k, v in sorted(self.groups.items())},
+                "failed_layers": self.failed_layers}
 
 
 class _Clock:
@@ -210,10 +223,28 @@ class _Fifo:
 
 
 @dataclass
+class _Step:
+    groups_left: int
+    sessions: int
+    tainted: bool = False  # a layer of it was combined from an unchecked liar's answer
+
+
+@dataclass
+class _Group:
+    step: _Step
+    rows: int
+    dense_s: float = 0.0  # the dense half before the layer under way
+
+
+@dataclass
 class _Layer:
     step: StepId
     layer: int
     ranges: tuple[RangeWork, ...]
+    group: _Group
+    placed: float
+    volunteer_s: float = 0.0  # the longest arrival-to-answer time at a volunteer
+    answered: bool = False
 
 
 class ServingSim:
@@ -224,13 +255,21 @@ class ServingSim:
         self.clock = _Clock()
         self.rng = random.Random(p.seed)
         self.coord = _Machine(self.clock, p.machine_cores)
-        self.local = _Fifo(self.coord, p.coordinator_threads)
+        self.engine = _Fifo(self.coord, p.coordinator_threads)  # the engine thread: dense, head, whole layers
+        self.local = _Fifo(self.coord, p.coordinator_threads)  # the local runner: RunLocal ranges
         self.peers = [f"v{i}" for i in range(p.volunteers)]
         self.liars = set(self.peers[: p.liars])
         if p.shared_cores:
             self.vol_fifo = {v: _Fifo(self.coord, 1) for v in self.peers}
         else:
             self.vol_fifo = {v: _Fifo(_Machine(self.clock, 1), 1) for v in self.peers}
+        spread = random.Random(p.seed + 2)
+        self.rtt = {v: p.rtt_s * (spread.lognormvariate(0.0, p.rtt_sigma) if p.rtt_sigma else 1.0) for v in self.peers}
+        self.pipeline = PipelineModel()
+        self.arms = GroupArms()
+        self.layer_end: float | None = None
+        self.groups_used: Counter[int] = Counter()
+        self.fails = 0
         self.core = DispatchCore(p.dispatch, n_layer=p.n_layer, n_expert=p.n_expert, rng=random.Random(p.seed + 1))
         self.timers: dict[Timer, int] = {}
         self.timer_seq = 0
@@ -238,9 +277,9 @@ class ServingSim:
         self.cancelled: set[CallId] = set()
         self.layers: dict[StepId, _Layer] = {}
         self.step_ids = 0
-        self.tainted = False  # the step under way used an unchecked liar's answer
         self.tokens = 0
         self.steps = 0
+        self.steps_all = 0
         self.wrong = 0
         self.remote_calls = 0
         self.width = p.n_expert // p.ranges_per_layer
@@ -263,57 +302,89 @@ class ServingSim:
                            decisions={str(k): v for k, v in self.core.decisions.items()},
                            remote_calls=self.remote_calls, quarantined=self.core.quarantines,
                            remote_rows=sum(r.remote_rows for r in rows), local_rows=sum(r.local_rows for r in rows),
-                           fallback_rows=sum(r.fallback_rows for r in rows))
+                           fallback_rows=sum(r.fallback_rows for r in rows), groups=dict(self.groups_used),
+                           failed_layers=self.fails)
+
+    def _active(self) -> int:
+        """Sessions decoding now: they arrive one per ``RAMP_STEPS`` steps from the start (as requests do:
+        the dispatcher's cost models see layers of several sizes), then all of them."""
+        return min(self.p.sessions, 1 + self.steps_all // RAMP_STEPS)
 
     def _sample(self) -> None:
-        self._handle(LoadSample(self.p.sessions, self.p.slots))
+        self._handle(LoadSample(self._active(), self.p.slots))
         self.clock.at(self.clock.now + self.p.dispatch.sample_interval_s, self._sample)
 
     def _step(self) -> None:
-        self.tainted = False
-        self._layer(0)
+        """A step: the sessions in ``G`` groups (one unless the layers must wait for volunteers: the
+        dispatcher's ``groups``, the real ``PipelineModel`` and ``GroupArms``), each through the layers."""
+        n = self._active()
+        g = 1
+        if self.peers and n >= 2 and (not self.p.held or self.p.dispatch.mode is DispatchMode.OFFLOAD):
+            g = self.arms.pick(n, n, self.pipeline.groups(n, n), self.clock.now, self.layer_end)
+        cuts = group_cuts([1] * n, g)
+        st = _Step(groups_left=len(cuts) - 1, sessions=n)
+        self.groups_used[len(cuts) - 1] += 1
+        for i in range(len(cuts) - 1):
+            self._layer(_Group(st, cuts[i + 1] - cuts[i]), 0)
 
-    def _layer(self, layer: int) -> None:
+    def _layer(self, grp: _Group, layer: int) -> None:
         if layer == self.p.n_layer:
-            self.coord.run(self.p.costs.head(self.p.sessions), self.p.coordinator_threads, self._token)
+            self.engine.submit(None, lambda: self.p.costs.head(grp.rows), lambda _s: self._done(grp))
             return
-        self.coord.run(self.p.costs.dense(self.p.sessions), self.p.coordinator_threads, lambda: self._moe(layer))
 
-    def _token(self) -> None:
-        if self.tainted:
-            self.wrong += self.p.sessions
+        def dense_done(seconds: float) -> None:
+            grp.dense_s = seconds
+            self._moe(grp, layer)
+
+        self.engine.submit(None, lambda: self.p.costs.dense(grp.rows), dense_done)
+
+    def _done(self, grp: _Group) -> None:
+        st = grp.step
+        st.groups_left -= 1
+        if st.groups_left:
+            return
+        self.steps_all += 1
+        if st.tainted:
+            self.wrong += st.sessions
         if self.clock.now >= self.p.warmup_s:
-            self.tokens += self.p.sessions
+            self.tokens += st.sessions
             self.steps += 1
         self._step()
 
-    def _route(self, layer: int) -> tuple[RangeWork, ...]:
+    def _route(self, rows_n: int) -> tuple[RangeWork, ...]:
         k, n = self.p.top_k, self.p.n_expert
         rows: dict[int, set[int]] = {}
         pairs: Counter[int] = Counter()
-        for row in range(self.p.sessions):
+        for row in range(rows_n):
             for e in self.rng.sample(range(n), k):
                 r = e // self.width
                 rows.setdefault(r, set()).add(row)
                 pairs[r] += 1
-        return tuple(RangeWork(r * self.width, (r + 1) * self.width, len(rows[r]), pairs[r], tuple(self.peers), True)
-                     for r in sorted(pairs))
+        return tuple(RangeWork(r * self.width, (r + 1) * self.width, len(rows[r]), pairs[r], tuple(self.peers),
+                               self.p.held) for r in sorted(pairs))
 
-    def _moe(self, layer: int) -> None:
-        ranges = self._route(layer)
+    def _moe(self, grp: _Group, layer: int) -> None:
+        ranges = self._route(grp.rows)
         n_pairs = sum(r.pairs for r in ranges)
         bound, reason = self.core.local_only_pairs(self.clock.now)
-        if n_pairs <= bound:  # the engine's fast path: the whole layer inside its own graph
+        if self.p.held and n_pairs <= bound:  # the engine's fast path: the whole layer inside its own graph
             def ran(seconds: float) -> None:
                 self._handle(LayerRanLocally(layer, ranges, reason, seconds))
-                self._layer(layer + 1)
-            start = self.clock.now
-            self.coord.run(self.p.costs.experts(n_pairs), self.p.coordinator_threads, lambda: ran(self.clock.now - start))
+                self._layer(grp, layer + 1)
+
+            self.engine.submit(None, lambda: self.p.costs.experts(n_pairs), ran)
             return
         self.step_ids += 1
         sid = StepId(self.step_ids)
-        self.layers[sid] = _Layer(sid, layer, ranges)
+        self.layers[sid] = _Layer(sid, layer, ranges, grp, placed=self.clock.now)
         self._handle(LayerReady(sid, layer, ranges))
+
+    def _combined(self, L: _Layer) -> None:
+        now = self.clock.now
+        self.layer_end = now
+        if L.answered:  # what the session groups are chosen by (the dispatcher's sample)
+            self.pipeline.sample(L.group.rows, L.group.dense_s, L.volunteer_s, (now - L.placed) - L.volunteer_s)
+        self._layer(L.group, L.layer + 1)
 
     # -- events in, effects out ---------------------------------------------------------------------------
     def _handle(self, ev: Event) -> None:
@@ -334,7 +405,7 @@ class ServingSim:
             assert e.peer is not None
             L = self.layers[e.step]
             self.calls[e.call] = (L, e.index, e.peer)
-            self._send(e.call, L.ranges[e.index], e.peer)
+            self._send(e.call, L, L.ranges[e.index], e.peer)
         elif isinstance(e, Cancel):
             self.cancelled.add(e.call)
             got = self.calls.get(e.call)
@@ -353,17 +424,17 @@ class ServingSim:
         elif isinstance(e, Settle):
             return [Settled(e.a, e.peer_a not in self.liars, e.peer_b not in self.liars)]
         elif isinstance(e, Combine):
+            L = self.layers.pop(e.step)
             for c in e.calls:
                 got = self.calls.get(c)
                 if got is not None and got[2] in self.liars:
-                    self.tainted = True
-            self.layers.pop(e.step, None)
-            layer = e.layer
-            self.clock.at(now, lambda: self._layer(layer + 1))
+                    L.group.step.tainted = True
+            self.clock.at(now, lambda: self._combined(L))
         elif isinstance(e, Fail):  # the shell waits for coverage and retries; here: computed from the GGUF
-            L = self.layers.pop(e.step)
-            self.coord.run(self.p.costs.experts(sum(r.pairs for r in L.ranges)), self.p.coordinator_threads,
-                           lambda: self._layer(L.layer + 1))
+            F = self.layers.pop(e.step)
+            self.fails += 1
+            self.engine.submit(None, lambda: self.p.costs.experts(sum(r.pairs for r in F.ranges)),
+                               lambda _s: self._combined(F))
         elif isinstance(e, Forget | Quarantine):
             pass
         return []
@@ -379,21 +450,26 @@ class ServingSim:
             return
         self._handle(LocalDone(call, seconds))
 
-    def _send(self, call: CallId, r: RangeWork, peer: str) -> None:
+    def _send(self, call: CallId, L: _Layer, r: RangeWork, peer: str) -> None:
         p, c = self.p, self.p.costs
         self.remote_calls += 1
-        one_way = p.rtt_s / 2 + r.rows * c.row_bytes / p.bandwidth
+        one_way = self.rtt[peer] / 2 + r.rows * c.row_bytes / p.bandwidth
 
         def arrive() -> None:
             if call in self.cancelled:
                 return
-            speed = p.speed
-            self.vol_fifo[peer].submit(call, lambda: c.wake_s + c.worker_proto_s + c.worker(r.pairs, speed),
-                                       lambda _s: self.clock.at(self.clock.now + one_way, back))
+            t0 = self.clock.now
+            self.vol_fifo[peer].submit(call, lambda: c.wake_s + c.worker_proto_s + c.worker(r.pairs, p.speed),
+                                       lambda _s: answered(self.clock.now - t0))
+
+        def answered(volunteer_s: float) -> None:
+            L.volunteer_s = max(L.volunteer_s, volunteer_s)
+            self.clock.at(self.clock.now + one_way, back)
 
         def back() -> None:
             if call in self.cancelled:
                 return
+            L.answered = True
             self.coord.run(c.wake_s, 1, lambda: None if call in self.cancelled else
                            self._handle(RemoteDone(call, int(self.clock.now * 1000))))
 
@@ -401,6 +477,6 @@ class ServingSim:
 
 
 def local_only(p: Point) -> Point:
-    """The same point with nobody to offload to (the baseline)."""
-    return Point(**{**p.__dict__, "volunteers": 0, "liars": 0})
+    """The same point with nobody to offload to and every expert here (the baseline: all-local)."""
+    return Point(**{**p.__dict__, "volunteers": 0, "liars": 0, "held": True})
 

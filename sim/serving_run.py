@@ -7,7 +7,10 @@ Rules:
   with one line naming the key (``ScenarioError``, exit 2).
 - ``costs`` names a cost file (relative to the scenario) or is a table of ``sim.costs.Costs``'s keys.
 - The grid is sessions x rtt_ms x speed; each point runs the adaptive dispatcher with the volunteers and the
-  same point with none (local-only), from the same seed; ``gain`` is their tokens/s ratio.
+  same point with none and every expert held (local-only / all-local), from the same seed; ``gain`` is their
+  tokens/s ratio. ``coordinator_holds = "none"`` is a backbone: every range goes to the volunteers (session
+  groups chosen by the real ``PipelineModel``/``GroupArms``); ``rtt_sigma`` spreads the volunteers' round
+  trips (lognormal around ``rtt_ms``).
 - ``[serving.dispatch]`` overrides ``DispatchConfig`` fields (the coordinator's defaults otherwise).
 - The report holds simulated quantities only (same scenario and seed, same bytes); plots are written beside it
   when matplotlib is importable (a PNG per volunteer speed: gain against sessions, a line per round trip).
@@ -45,6 +48,8 @@ class ServingScenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     speed: list[Pos] = msgspec.field(default_factory=lambda: [1.0])
     volunteers: Annotated[int, msgspec.Meta(ge=0)] = 1
     liars: Annotated[int, msgspec.Meta(ge=0)] = 0
+    coordinator_holds: Literal["all", "none"] = "all"  # "none": a backbone (every range remote; baseline all-local)
+    rtt_sigma: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # each volunteer's RTT: rtt_ms x lognormal(0, sigma)
     cores: Literal["own", "shared"] = "own"
     machine_cores: PosInt = 2
     coordinator_threads: PosInt = 2
@@ -103,7 +108,8 @@ def run_serving(sc: ServingScenario, costs: Costs, cfg: DispatchConfig, seed: in
                           speed=speed, rtt_s=rtt / 1000, bandwidth=sc.bandwidth_bytes_per_s,
                           shared_cores=sc.cores == "shared", machine_cores=sc.machine_cores,
                           coordinator_threads=sc.coordinator_threads, warmup_s=sc.warmup_s, measure_s=sc.measure_s,
-                          liars=sc.liars, dispatch=cfg, seed=seed)
+                          liars=sc.liars, held=sc.coordinator_holds == "all", rtt_sigma=sc.rtt_sigma, dispatch=cfg,
+                          seed=seed)
                 a = ServingSim(p).run()
                 b = ServingSim(local_only(p)).run()
                 points.append({"sessions": n, "rtt_ms": rtt, "speed": speed,
@@ -114,11 +120,13 @@ def run_serving(sc: ServingScenario, costs: Costs, cfg: DispatchConfig, seed: in
 
 
 def serving_summary(report: dict[str, Any]) -> list[str]:
-    lines = ["speed  rtt_ms  sessions  local tok/s  adaptive tok/s  gain  remote rows  wrong tokens"]
+    lines = ["speed  rtt_ms  sessions  local tok/s  swarm tok/s  per session  gain  remote rows  groups  wrong tokens"]
     for p in report["points"]:
         a, b = p["adaptive"], p["local_only"]
+        groups = ",".join(f"{k}x{v}" for k, v in a["groups"].items())
         lines.append(f"{p['speed']:>5g}  {p['rtt_ms']:>6g}  {p['sessions']:>8}  {b['tokens_per_s']:>11.1f}  "
-                     f"{a['tokens_per_s']:>14.1f}  {p['gain']:.3f}  {a['remote_rows']:>11}  {a['wrong_tokens']:>12}")
+                     f"{a['tokens_per_s']:>11.1f}  {a['tokens_per_s'] / p['sessions']:>11.2f}  {p['gain']:.3f}  "
+                     f"{a['remote_rows']:>11}  {groups:>6}  {a['wrong_tokens']:>12}")
     return lines
 
 
