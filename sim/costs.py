@@ -5,14 +5,17 @@ Rules:
   scenario's rule). Times are seconds, measured alone (no other work on the machine); the simulator's
   processor sharing stretches them when work overlaps on one machine's cores.
 - ``dense(rows)`` is one MoE layer's dense work for a batch of ``rows`` decode rows (attention, norms,
-  router; on the coordinator's ``threads``); ``head(rows)`` the output head once a step; ``experts(pairs)``
+  router; on the coordinator's ``threads``); ``head(rows)`` the output head once a step (``step_s`` the
+  runtime's own work per step: scheduling, sampling, streaming); ``experts(pairs)``
   one local expert call of ``pairs`` routed (row, expert) pairs on the coordinator; ``worker(pairs)`` the
   same on one volunteer thread at speed 1. ``coord_call_s`` is the coordinator's CPU per remote call (encode,
-  send, receive, decode), ``worker_proto_s`` the volunteer's; ``wake_s`` a process waking for a message;
+  send, receive, decode), ``worker_proto_s`` the volunteer's; ``wire_s`` the transport's round trip on
+  loopback; ``coord_layer_s`` the dispatcher's own work per remote layer on the engine's path; ``wake_s`` a process waking for a message;
   ``row_bytes`` the activations of one row, each way.
 - ``calibrate`` measures the compute costs here with the real engine and ggml kernels (one process,
   the model's own graphs, a timed expert backend: ``benchmarks/offload.py``'s ``bound`` method) at
-  ``threads`` for the coordinator and 1 for a volunteer; the per-call costs are taken from a measured
+  ``threads`` for the coordinator and 1 for a volunteer, and ``step_s`` from a 1-session decode through
+  the real ``EngineRuntime`` (its step less the engine's); the per-call costs are taken from a measured
   ``benchmarks/expert_rtt.py`` JSON when one is given, else from this machine's last measured values
   (DESIGN §11 benchmark notes: protocol 0.97-1.13 ms per call at batch 1, 0.1-0.3 ms per wake-up).
 """
@@ -38,6 +41,7 @@ class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     dense_layer_s: NonNeg  # one layer's dense work, fixed part
     dense_row_s: NonNeg  # ... and per decode row
     head_s: NonNeg = 0.0
+    step_s: NonNeg = 0.0  # the runtime's own work per step on the engine's path (scheduling, sampling, streaming)
     head_row_s: NonNeg = 0.0
     expert_call_s: NonNeg = 0.0  # one local expert call, fixed part (coordinator threads)
     expert_pair_s: NonNeg  # per routed (row, expert) pair (coordinator threads)
@@ -46,6 +50,9 @@ class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     coord_call_s: NonNeg = 0.0005  # coordinator CPU per remote call (the protocol's share at its end)
     worker_proto_s: NonNeg = 0.0005  # a volunteer's protocol CPU per call
     wake_s: NonNeg = 0.0002  # a process waking for a message (each end of a call)
+    wire_s: NonNeg = 0.0  # the transport's own round trip on loopback (both stacks), beside the declared RTT
+    coord_layer_s: NonNeg = 0.0  # the coordinator's machinery per remote layer on the engine's path (placing,
+    # handing the calls to the network thread and the answers back, combining): from a measured breakdown
     row_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4096
     threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # the coordinator threads the above were measured with
     source: str = ""  # where the numbers come from (a file, "calibrated on <host> <date>")
@@ -132,6 +139,45 @@ def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tup
     return out, tr.cfg
 
 
+def _runtime_step(path: Path, threads: int, n_decode: int = 24) -> float:
+    """Seconds per decode token of one session through the real ``EngineRuntime`` (scheduler, sampling,
+    the event stream; no HTTP), after a warm-up request."""
+    import trio
+
+    from coordinator.core.scheduler import Emit, Finish, GenParams
+    from coordinator.engine.runtime import EngineRuntime
+    from swarm.model.gguf import GGUFModel
+    from swarm.model.kernels import KernelBackend, configure_threads
+    from swarm.text.tokenizer import Tokenizer
+
+    configure_threads(threads, KernelBackend.GGML)
+    model = GGUFModel(path)
+    rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=1, n_ctx=128)
+    per_token: list[float] = []
+
+    async def one(prompt: list[int]) -> float:
+        h = rt.submit(prompt, GenParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True))
+        first: float | None = None
+        async for ev in h.events:
+            if isinstance(ev, Emit) and ev.token_ids and first is None:
+                first = time.perf_counter()
+            if isinstance(ev, Finish):
+                break
+        assert first is not None
+        return (time.perf_counter() - first) / (n_decode - 1)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(rt.serve)
+            await one([5, 6, 7, 8])
+            for i in range(3):
+                per_token.append(await one([9 + i, 10, 11, 12]))
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    return statistics.median(per_token)
+
+
 def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 8), steps: int = 12,
               rtt_json: Path | None = None) -> Costs:
     """Measure the compute costs of ``path`` on this machine (see the module's rules). Runs the engine in
@@ -140,14 +186,15 @@ def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 
     import platform
 
     coord, cfg = _step_parts(path, threads, list(batches), steps)
+    runtime = _runtime_step(path, threads)
     vol, _ = _step_parts(path, 1, list(batches), steps)
-    n_layer, top_k = int(cfg.n_layer), int(cfg.n_expert_used)
+    n_layer, n_moe, top_k = int(cfg.n_layer), int(cfg.n_moe_layer), int(cfg.n_expert_used)
     xs = list(batches)
     # the dense part of a step: n_layer dense layers + the head; the head is not separable here, so it is
     # folded into the layers' fixed part (head_s 0)
     da, db = _fit(xs, [coord[b][0] / n_layer for b in xs])
-    ea, eb = _fit([b * top_k for b in xs], [coord[b][1] / n_layer for b in xs])
-    wa, wb = _fit([b * top_k for b in xs], [vol[b][1] / n_layer for b in xs])
+    ea, eb = _fit([b * top_k for b in xs], [coord[b][1] / n_moe for b in xs])
+    wa, wb = _fit([b * top_k for b in xs], [vol[b][1] / n_moe for b in xs])
     coord_call, wake = 0.0005, 0.0002
     if rtt_json is not None:
         cases = json.loads(rtt_json.read_text())["cases"]
@@ -155,7 +202,10 @@ def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 
         if null:
             coord_call = float(null[0]["median_ms"]) / 1000 / 2  # the protocol's round trip, half at each end
             wake = 0.0
-    return Costs(dense_layer_s=da, dense_row_s=db, expert_call_s=ea, expert_pair_s=eb, worker_call_s=wa,
+    # the runtime's own work per step: its measured 1-session decode step less the engine's (dense + head +
+    # a whole local layer of top_k pairs per MoE layer, as the fits give it)
+    step_s = max(0.0, runtime - (n_layer * (da + db) + n_moe * (ea + eb * top_k)))
+    return Costs(step_s=step_s, dense_layer_s=da, dense_row_s=db, expert_call_s=ea, expert_pair_s=eb, worker_call_s=wa,
                  worker_pair_s=wb, coord_call_s=coord_call, worker_proto_s=coord_call, wake_s=wake,
                  row_bytes=4 * int(cfg.d_model), threads=threads,
                  source=f"calibrated on {platform.node()} {time.strftime('%Y-%m-%d')} from {path.name}")

@@ -23,6 +23,8 @@ Rules:
   and a wake-up when it returns, and the volunteer a wake-up, ``worker_proto_s`` and the compute.
 - A cancelled call's answer is not delivered (the shell drops it); a call a volunteer has not started
   is removed from its queue.
+- Range ``r`` of layer ``l`` is held by ``replicas`` volunteers in turn from ``(l x ranges + r) mod volunteers``
+  (0: every volunteer holds every range).
 - A liar answers wrongly: a ``Compare`` of its call says unequal; a layer combined from an unchecked
   answer of a liar makes that step's tokens wrong (counted).
 - Sessions arrive one every ``RAMP_STEPS`` steps from the start, then all decode until the end; tokens/s
@@ -103,6 +105,7 @@ class Point:
     liars: int = 0  # of the volunteers
     held: bool = True  # the coordinator holds every expert (False: a backbone, every range remote)
     rtt_sigma: float = 0.0  # each volunteer's round trip is rtt_s x lognormal(0, sigma)
+    replicas: int = 0  # volunteers holding each range, in turn over (layer, range) (0: every volunteer)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     seed: int = 0
 
@@ -226,6 +229,7 @@ class _Fifo:
 class _Step:
     groups_left: int
     sessions: int
+    n_groups: int
     tainted: bool = False  # a layer of it was combined from an unchecked liar's answer
 
 
@@ -283,6 +287,9 @@ class ServingSim:
         self.wrong = 0
         self.remote_calls = 0
         self.width = p.n_expert // p.ranges_per_layer
+        k = min(p.replicas or p.volunteers, p.volunteers)
+        self.holders = [[tuple(self.peers[(layer * p.ranges_per_layer + r + j) % p.volunteers] for j in range(k))
+                         for r in range(p.ranges_per_layer)] for layer in range(p.n_layer)]
         self.end = p.warmup_s + p.measure_s
 
     # -- the run ---------------------------------------------------------------------------------------
@@ -322,14 +329,15 @@ class ServingSim:
         if self.peers and n >= 2 and (not self.p.held or self.p.dispatch.mode is DispatchMode.OFFLOAD):
             g = self.arms.pick(n, n, self.pipeline.groups(n, n), self.clock.now, self.layer_end)
         cuts = group_cuts([1] * n, g)
-        st = _Step(groups_left=len(cuts) - 1, sessions=n)
+        st = _Step(groups_left=len(cuts) - 1, sessions=n, n_groups=len(cuts) - 1)
         self.groups_used[len(cuts) - 1] += 1
         for i in range(len(cuts) - 1):
             self._layer(_Group(st, cuts[i + 1] - cuts[i]), 0)
 
     def _layer(self, grp: _Group, layer: int) -> None:
         if layer == self.p.n_layer:
-            self.engine.submit(None, lambda: self.p.costs.head(grp.rows), lambda _s: self._done(grp))
+            self.engine.submit(None, lambda: self.p.costs.head(grp.rows) + self.p.costs.step_s / grp.step.n_groups,
+                               lambda _s: self._done(grp))
             return
 
         def dense_done(seconds: float) -> None:
@@ -351,7 +359,7 @@ class ServingSim:
             self.steps += 1
         self._step()
 
-    def _route(self, rows_n: int) -> tuple[RangeWork, ...]:
+    def _route(self, layer: int, rows_n: int) -> tuple[RangeWork, ...]:
         k, n = self.p.top_k, self.p.n_expert
         rows: dict[int, set[int]] = {}
         pairs: Counter[int] = Counter()
@@ -360,11 +368,11 @@ class ServingSim:
                 r = e // self.width
                 rows.setdefault(r, set()).add(row)
                 pairs[r] += 1
-        return tuple(RangeWork(r * self.width, (r + 1) * self.width, len(rows[r]), pairs[r], tuple(self.peers),
+        return tuple(RangeWork(r * self.width, (r + 1) * self.width, len(rows[r]), pairs[r], self.holders[layer][r],
                                self.p.held) for r in sorted(pairs))
 
     def _moe(self, grp: _Group, layer: int) -> None:
-        ranges = self._route(grp.rows)
+        ranges = self._route(layer, grp.rows)
         n_pairs = sum(r.pairs for r in ranges)
         bound, reason = self.core.local_only_pairs(self.clock.now)
         if self.p.held and n_pairs <= bound:  # the engine's fast path: the whole layer inside its own graph
@@ -384,7 +392,10 @@ class ServingSim:
         self.layer_end = now
         if L.answered:  # what the session groups are chosen by (the dispatcher's sample)
             self.pipeline.sample(L.group.rows, L.group.dense_s, L.volunteer_s, (now - L.placed) - L.volunteer_s)
-        self._layer(L.group, L.layer + 1)
+        if self.p.costs.coord_layer_s > 0:
+            self.engine.submit(None, lambda: self.p.costs.coord_layer_s, lambda _s: self._layer(L.group, L.layer + 1))
+        else:
+            self._layer(L.group, L.layer + 1)
 
     # -- events in, effects out ---------------------------------------------------------------------------
     def _handle(self, ev: Event) -> None:
@@ -453,7 +464,7 @@ class ServingSim:
     def _send(self, call: CallId, L: _Layer, r: RangeWork, peer: str) -> None:
         p, c = self.p, self.p.costs
         self.remote_calls += 1
-        one_way = self.rtt[peer] / 2 + r.rows * c.row_bytes / p.bandwidth
+        one_way = self.rtt[peer] / 2 + c.wire_s / 2 + r.rows * c.row_bytes / p.bandwidth
 
         def arrive() -> None:
             if call in self.cancelled:

@@ -47,6 +47,7 @@ class ServingScenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     rtt_ms: list[Annotated[float, msgspec.Meta(ge=0.0)]] = msgspec.field(default_factory=lambda: [1.0])
     speed: list[Pos] = msgspec.field(default_factory=lambda: [1.0])
     volunteers: Annotated[int, msgspec.Meta(ge=0)] = 1
+    replicas: Annotated[int, msgspec.Meta(ge=0)] = 0  # volunteers holding each range (0: all of them)
     liars: Annotated[int, msgspec.Meta(ge=0)] = 0
     coordinator_holds: Literal["all", "none"] = "all"  # "none": a backbone (every range remote; baseline all-local)
     rtt_sigma: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # each volunteer's RTT: rtt_ms x lognormal(0, sigma)
@@ -83,6 +84,8 @@ def load_serving(path: Path) -> tuple[ServingScenario, Costs, DispatchConfig]:
         raise ScenarioError(f"{path}: $.serving.ranges_per_layer ({sc.ranges_per_layer}) must divide n_expert ({sc.n_expert})")
     if sc.top_k > sc.n_expert:
         raise ScenarioError(f"{path}: $.serving.top_k ({sc.top_k}) is above n_expert ({sc.n_expert})")
+    if sc.coordinator_holds == "none" and sc.volunteers == 0:
+        raise ScenarioError(f"{path}: $.serving.volunteers is 0 and coordinator_holds is none: nobody computes the experts")
     if sc.liars > sc.volunteers:
         raise ScenarioError(f"{path}: $.serving.liars ({sc.liars}) is above volunteers ({sc.volunteers})")
     if max(sc.sessions) > sc.slots:
@@ -108,7 +111,7 @@ def run_serving(sc: ServingScenario, costs: Costs, cfg: DispatchConfig, seed: in
                           speed=speed, rtt_s=rtt / 1000, bandwidth=sc.bandwidth_bytes_per_s,
                           shared_cores=sc.cores == "shared", machine_cores=sc.machine_cores,
                           coordinator_threads=sc.coordinator_threads, warmup_s=sc.warmup_s, measure_s=sc.measure_s,
-                          liars=sc.liars, held=sc.coordinator_holds == "all", rtt_sigma=sc.rtt_sigma, dispatch=cfg,
+                          liars=sc.liars, replicas=sc.replicas, held=sc.coordinator_holds == "all", rtt_sigma=sc.rtt_sigma, dispatch=cfg,
                           seed=seed)
                 a = ServingSim(p).run()
                 b = ServingSim(local_only(p)).run()

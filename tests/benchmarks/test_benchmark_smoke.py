@@ -170,7 +170,19 @@ def check_gateway(result: dict[str, Any]) -> None:
     assert on["ttft_mean_ms"] > 0 and off["ttft_mean_ms"] > 0 and ratio["ttft_mean_ratio"] > 0, ratio
 
 
+def check_sim_validate(result: dict[str, Any]) -> None:
+    check_design_shape(result, "sim_validate")
+    kinds = {(c["case"], c["input"]) for c in result["cases"]}
+    assert ("all_local", False) in kinds and ("backbone", True) in kinds, kinds  # the one measured input: the backbone's
+    for c in result["cases"]:
+        assert c["measured_tokens_per_s"] > 0 and c["predicted_tokens_per_s"] > 0, c
+        assert c["error"] == pytest.approx(c["predicted_tokens_per_s"] / c["measured_tokens_per_s"] - 1, abs=1e-3), c
+        assert sum(c["groups"].values()) > 0, c  # steps were simulated
+    assert result["worst_error"] >= 0
+
+
 SMOKE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "sim_validate": check_sim_validate,
     "gateway": check_gateway,
     "capacity": check_capacity,
     "engine": check_engine,
