@@ -25,8 +25,8 @@ Rules:
   is removed from its queue.
 - Range ``r`` of layer ``l`` is held by ``replicas`` volunteers in turn from ``(l x ranges + r) mod volunteers``
   (0: every volunteer holds every range).
-- A liar answers wrongly: a ``Compare`` of its call says unequal; a layer combined from an unchecked
-  answer of a liar makes that step's tokens wrong (counted).
+- A liar answers wrongly after its first ``lie_after_calls`` calls (0: from the first; more: a sleeper): a
+  ``Compare`` of such a call says unequal; a layer combined from one makes that step's tokens wrong (counted).
 - Sessions arrive one every ``RAMP_STEPS`` steps from the start, then all decode until the end; tokens/s
   counts the steps that end in the measured window (after ``warmup_s``).
 - Time: a heap ordered by ``(time, sequence)``; randomness from ``random.Random(seed)`` streams: the same
@@ -105,6 +105,7 @@ class Point:
     liars: int = 0  # of the volunteers
     held: bool = True  # the coordinator holds every expert (False: a backbone, every range remote)
     rtt_sigma: float = 0.0  # each volunteer's round trip is rtt_s x lognormal(0, sigma)
+    lie_after_calls: int = 0  # a liar answers its first N calls honestly (a sleeper), then lies
     replicas: int = 0  # volunteers holding each range, in turn over (layer, range) (0: every volunteer)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     seed: int = 0
@@ -123,13 +124,18 @@ class PointResult:
     fallback_rows: int
     groups: dict[int, int]  # steps per number of session groups
     failed_layers: int
-
+    liars_quarantined: int = 0
+    calls_to_quarantine: tuple[int, ...] = ()  # per quarantined liar: its calls from its first lie to the quarantine
+    honest_quarantined: int = 0
+    verified_rows: int = 0  # rows computed twice to check an answer (the honest work verification costs)
     def as_json(self) -> dict[str, Any]:
         return {"tokens_per_s": round(self.tokens_per_s, 3), "steps": self.steps, "wrong_tokens": self.wrong_tokens,
                 "decisions": dict(sorted(self.decisions.items())), "remote_calls": self.remote_calls,
                 "quarantined": self.quarantined, "remote_rows": self.remote_rows, "local_rows": self.local_rows,
                 "fallback_rows": self.fallback_rows, "groups": {str(k): v for k, v in sorted(self.groups.items())},
-                "failed_layers": self.failed_layers}
+                "failed_layers": self.failed_layers, "liars_quarantined": self.liars_quarantined,
+                "calls_to_quarantine": list(self.calls_to_quarantine), "honest_quarantined": self.honest_quarantined,
+                "verified_rows": self.verified_rows}
 
 
 class _Clock:
@@ -263,6 +269,7 @@ class ServingSim:
         self.local = _Fifo(self.coord, p.coordinator_threads)  # the local runner: RunLocal ranges
         self.peers = [f"v{i}" for i in range(p.volunteers)]
         self.liars = set(self.peers[: p.liars])
+        self.lies: set[CallId] = set()  # calls a liar answered wrongly
         if p.shared_cores:
             self.vol_fifo = {v: _Fifo(self.coord, 1) for v in self.peers}
         else:
@@ -286,6 +293,8 @@ class ServingSim:
         self.steps_all = 0
         self.wrong = 0
         self.remote_calls = 0
+        self.calls_to: Counter[str] = Counter()  # remote calls sent to each volunteer
+        self.quarantined_after: dict[str, int] = {}  # a quarantined volunteer: the calls it had been sent
         self.width = p.n_expert // p.ranges_per_layer
         k = min(p.replicas or p.volunteers, p.volunteers)
         self.holders = [[tuple(self.peers[(layer * p.ranges_per_layer + r + j) % p.volunteers] for j in range(k))
@@ -310,7 +319,12 @@ class ServingSim:
                            remote_calls=self.remote_calls, quarantined=self.core.quarantines,
                            remote_rows=sum(r.remote_rows for r in rows), local_rows=sum(r.local_rows for r in rows),
                            fallback_rows=sum(r.fallback_rows for r in rows), groups=dict(self.groups_used),
-                           failed_layers=self.fails)
+                           failed_layers=self.fails,
+                           liars_quarantined=sum(1 for v in self.quarantined_after if v in self.liars),
+                           calls_to_quarantine=tuple(sorted(n - self.p.lie_after_calls for v, n in self.quarantined_after.items()
+                                                            if v in self.liars)),
+                           honest_quarantined=sum(1 for v in self.quarantined_after if v not in self.liars),
+                           verified_rows=sum(r.verified_rows for r in rows))
 
     def _active(self) -> int:
         """Sessions decoding now: they arrive one per ``RAMP_STEPS`` steps from the start (as requests do:
@@ -431,14 +445,14 @@ class ServingSim:
         elif isinstance(e, CancelTimer):
             self.timers.pop(e.timer, None)
         elif isinstance(e, Compare):
-            return [Compared(e.remote, e.peer not in self.liars and (e.peer_b is None or e.peer_b not in self.liars))]
+            return [Compared(e.remote, e.remote not in self.lies and e.local not in self.lies)]
         elif isinstance(e, Settle):
-            return [Settled(e.a, e.peer_a not in self.liars, e.peer_b not in self.liars)]
+            return [Settled(e.a, e.a not in self.lies, e.b not in self.lies)]
         elif isinstance(e, Combine):
             L = self.layers.pop(e.step)
             for c in e.calls:
                 got = self.calls.get(c)
-                if got is not None and got[2] in self.liars:
+                if c in self.lies:
                     L.group.step.tainted = True
             self.clock.at(now, lambda: self._combined(L))
         elif isinstance(e, Fail):  # the shell waits for coverage and retries; here: computed from the GGUF
@@ -446,7 +460,9 @@ class ServingSim:
             self.fails += 1
             self.engine.submit(None, lambda: self.p.costs.experts(sum(r.pairs for r in F.ranges)),
                                lambda _s: self._combined(F))
-        elif isinstance(e, Forget | Quarantine):
+        elif isinstance(e, Quarantine):
+            self.quarantined_after.setdefault(e.peer, self.calls_to.get(e.peer, 0))
+        elif isinstance(e, Forget):
             pass
         return []
 
@@ -464,6 +480,9 @@ class ServingSim:
     def _send(self, call: CallId, L: _Layer, r: RangeWork, peer: str) -> None:
         p, c = self.p, self.p.costs
         self.remote_calls += 1
+        self.calls_to[peer] += 1
+        if peer in self.liars and self.calls_to[peer] > p.lie_after_calls:
+            self.lies.add(call)
         one_way = self.rtt[peer] / 2 + c.wire_s / 2 + r.rows * c.row_bytes / p.bandwidth
 
         def arrive() -> None:

@@ -6,7 +6,7 @@ Rules:
   into the ranges, ``top_k`` above the experts, more liars than volunteers, sessions above the slots) is refused
   with one line naming the key (``ScenarioError``, exit 2).
 - ``costs`` names a cost file (relative to the scenario) or is a table of ``sim.costs.Costs``'s keys.
-- The grid is sessions x rtt_ms x speed; each point runs the adaptive dispatcher with the volunteers and the
+- The grid is liars x speed x rtt_ms x sessions; each point runs the adaptive dispatcher with the volunteers and the
   same point with none and every expert held (local-only / all-local), from the same seed; ``gain`` is their
   tokens/s ratio. ``coordinator_holds = "none"`` is a backbone: every range goes to the volunteers (session
   groups chosen by the real ``PipelineModel``/``GroupArms``); ``rtt_sigma`` spreads the volunteers' round
@@ -48,7 +48,8 @@ class ServingScenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     speed: list[Pos] = msgspec.field(default_factory=lambda: [1.0])
     volunteers: Annotated[int, msgspec.Meta(ge=0)] = 1
     replicas: Annotated[int, msgspec.Meta(ge=0)] = 0  # volunteers holding each range (0: all of them)
-    liars: Annotated[int, msgspec.Meta(ge=0)] = 0
+    liars: list[Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=lambda: [0])  # an axis of the grid
+    lie_after_calls: Annotated[int, msgspec.Meta(ge=0)] = 0  # a liar's honest calls first (a sleeper)
     coordinator_holds: Literal["all", "none"] = "all"  # "none": a backbone (every range remote; baseline all-local)
     rtt_sigma: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # each volunteer's RTT: rtt_ms x lognormal(0, sigma)
     cores: Literal["own", "shared"] = "own"
@@ -86,8 +87,8 @@ def load_serving(path: Path) -> tuple[ServingScenario, Costs, DispatchConfig]:
         raise ScenarioError(f"{path}: $.serving.top_k ({sc.top_k}) is above n_expert ({sc.n_expert})")
     if sc.coordinator_holds == "none" and sc.volunteers == 0:
         raise ScenarioError(f"{path}: $.serving.volunteers is 0 and coordinator_holds is none: nobody computes the experts")
-    if sc.liars > sc.volunteers:
-        raise ScenarioError(f"{path}: $.serving.liars ({sc.liars}) is above volunteers ({sc.volunteers})")
+    if max(sc.liars) > sc.volunteers:
+        raise ScenarioError(f"{path}: $.serving.liars ({max(sc.liars)}) is above volunteers ({sc.volunteers})")
     if max(sc.sessions) > sc.slots:
         raise ScenarioError(f"{path}: $.serving.sessions ({max(sc.sessions)}) is above slots ({sc.slots})")
     fields = {f.name for f in dataclasses.fields(DispatchConfig)}
@@ -103,33 +104,33 @@ def load_serving(path: Path) -> tuple[ServingScenario, Costs, DispatchConfig]:
 
 def run_serving(sc: ServingScenario, costs: Costs, cfg: DispatchConfig, seed: int) -> dict[str, Any]:
     points = []
-    for speed in sc.speed:
-        for rtt in sc.rtt_ms:
-            for n in sc.sessions:
-                p = Point(costs=costs, n_layer=sc.n_layer, n_expert=sc.n_expert, top_k=sc.top_k,
-                          ranges_per_layer=sc.ranges_per_layer, sessions=n, slots=sc.slots, volunteers=sc.volunteers,
-                          speed=speed, rtt_s=rtt / 1000, bandwidth=sc.bandwidth_bytes_per_s,
-                          shared_cores=sc.cores == "shared", machine_cores=sc.machine_cores,
-                          coordinator_threads=sc.coordinator_threads, warmup_s=sc.warmup_s, measure_s=sc.measure_s,
-                          liars=sc.liars, replicas=sc.replicas, held=sc.coordinator_holds == "all", rtt_sigma=sc.rtt_sigma, dispatch=cfg,
-                          seed=seed)
-                a = ServingSim(p).run()
-                b = ServingSim(local_only(p)).run()
-                points.append({"sessions": n, "rtt_ms": rtt, "speed": speed,
-                               "gain": round(a.tokens_per_s / b.tokens_per_s, 4) if b.tokens_per_s else None,
-                               "adaptive": a.as_json(), "local_only": b.as_json()})
+    grid = [(liars, speed, rtt, n) for liars in sc.liars for speed in sc.speed for rtt in sc.rtt_ms for n in sc.sessions]
+    for liars, speed, rtt, n in grid:
+        p = Point(costs=costs, n_layer=sc.n_layer, n_expert=sc.n_expert, top_k=sc.top_k,
+                  ranges_per_layer=sc.ranges_per_layer, sessions=n, slots=sc.slots, volunteers=sc.volunteers,
+                  speed=speed, rtt_s=rtt / 1000, bandwidth=sc.bandwidth_bytes_per_s, shared_cores=sc.cores == "shared",
+                  machine_cores=sc.machine_cores, coordinator_threads=sc.coordinator_threads, warmup_s=sc.warmup_s,
+                  measure_s=sc.measure_s, liars=liars, lie_after_calls=sc.lie_after_calls, replicas=sc.replicas, held=sc.coordinator_holds == "all",
+                  rtt_sigma=sc.rtt_sigma, dispatch=cfg, seed=seed)
+        a = ServingSim(p).run()
+        b = ServingSim(local_only(p)).run()
+        points.append({"sessions": n, "rtt_ms": rtt, "speed": speed, "liars": liars,
+                       "gain": round(a.tokens_per_s / b.tokens_per_s, 4) if b.tokens_per_s else None,
+                       "adaptive": a.as_json(), "local_only": b.as_json()})
     return {"kind": "serving", "seed": seed, "costs": msgspec.to_builtins(costs),
             "scenario": {k: v for k, v in msgspec.to_builtins(sc).items() if k != "costs"}, "points": points}
 
 
 def serving_summary(report: dict[str, Any]) -> list[str]:
-    lines = ["speed  rtt_ms  sessions  local tok/s  swarm tok/s  per session  gain  remote rows  groups  wrong tokens"]
+    lines = ["liars  speed  rtt_ms  sessions  local tok/s  swarm tok/s  per session  gain  remote rows  groups  wrong tokens"
+             "  quarantined (calls to)"]
     for p in report["points"]:
         a, b = p["adaptive"], p["local_only"]
         groups = ",".join(f"{k}x{v}" for k, v in a["groups"].items())
-        lines.append(f"{p['speed']:>5g}  {p['rtt_ms']:>6g}  {p['sessions']:>8}  {b['tokens_per_s']:>11.1f}  "
+        q = f"{a['liars_quarantined']}/{p['liars']} ({','.join(map(str, a['calls_to_quarantine']))})" if p["liars"] else "-"
+        lines.append(f"{p['liars']:>5}  {p['speed']:>5g}  {p['rtt_ms']:>6g}  {p['sessions']:>8}  {b['tokens_per_s']:>11.1f}  "
                      f"{a['tokens_per_s']:>11.1f}  {a['tokens_per_s'] / p['sessions']:>11.2f}  {p['gain']:.3f}  "
-                     f"{a['remote_rows']:>11}  {groups:>6}  {a['wrong_tokens']:>12}")
+                     f"{a['remote_rows']:>11}  {groups:>6}  {a['wrong_tokens']:>12}  {q}")
     return lines
 
 
@@ -144,8 +145,9 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     pts = report["points"]
     for speed in sorted({p["speed"] for p in pts}):
         fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        liars = min(p["liars"] for p in pts)  # the honest swarm (or the fewest liars the grid has)
         for rtt in sorted({p["rtt_ms"] for p in pts}):
-            xs = [p for p in pts if p["speed"] == speed and p["rtt_ms"] == rtt]
+            xs = [p for p in pts if p["speed"] == speed and p["rtt_ms"] == rtt and p["liars"] == liars]
             ax.plot([p["sessions"] for p in xs], [p["gain"] for p in xs], marker="o", label=f"RTT {rtt:g} ms")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)

@@ -67,7 +67,8 @@ def test_fast_near_volunteers_pay_under_load_slow_far_ones_do_not_hurt() -> None
 
 def test_a_liar_is_quarantined_and_no_token_is_wrong_where_the_coordinator_holds_the_experts() -> None:
     r = ServingSim(point(liars=1)).run()
-    assert r.quarantined == 1
+    assert r.quarantined == 1 and r.liars_quarantined == 1 and r.honest_quarantined == 0
+    assert len(r.calls_to_quarantine) == 1 and r.calls_to_quarantine[0] >= 1
     assert r.wrong_tokens == 0
     assert r.remote_rows > 0  # the honest volunteer still serves
 
@@ -84,7 +85,7 @@ def test_the_same_seed_gives_the_same_report(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "key"), [
     ("sessions = [1]\nbogus = 1", "bogus"),
     ("sessions = [1]\nranges_per_layer = 3", "ranges_per_layer"),
-    ("sessions = [1]\nliars = 3", "liars"),
+    ("sessions = [1]\nliars = [3]", "liars"),
     ("sessions = [-1]", "sessions"),
     ("sessions = [64]", "sessions"),
     ("sessions = [1]\n[serving.dispatch]\nnot_a_field = 1", "dispatch.not_a_field"),
@@ -124,3 +125,11 @@ def test_dispatch_config_overrides_reach_the_core(tmp_path: Path) -> None:
                  + "\n[serving.dispatch]\nverify_rate = 1.0\n")
     _, _, cfg = load_serving(f)
     assert cfg == DispatchConfig(verify_rate=1.0)
+
+
+def test_a_sleeper_lies_after_its_honest_calls_and_is_caught_by_sampling() -> None:
+    """Honest for its first 200 calls (proven, out of probation), then wrong: the default 5 % sample
+    catches it; until then its unchecked answers may make tokens wrong (the coordinator used them)."""
+    r = ServingSim(point(liars=1, lie_after_calls=200, measure_s=40.0)).run()
+    assert r.liars_quarantined == 1 and r.honest_quarantined == 0
+    assert r.calls_to_quarantine[0] >= 1  # calls from its first lie: not caught before it lied
