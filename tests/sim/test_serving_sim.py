@@ -132,4 +132,5 @@ def test_a_sleeper_lies_after_its_honest_calls_and_is_caught_by_sampling() -> No
     catches it; until then its unchecked answers may make tokens wrong (the coordinator used them)."""
     r = ServingSim(point(liars=1, lie_after_calls=200, measure_s=40.0)).run()
     assert r.liars_quarantined == 1 and r.honest_quarantined == 0
-    assert r.calls_to_quarantine[0] >= 1  # calls from its first lie: not caught before it lied
+    assert 1 <= r.calls_to_quarantine[0] <= 100  # sampled at 5 %: caught within tens of calls of its first lie
+    assert r.wrong_tokens > 0  # the exposure sampling leaves (a liar from its first call causes none: above)
