@@ -89,13 +89,15 @@ def dump_costs(c: Costs) -> str:
 
 
 def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
-    """Least squares ``y = a + b x`` (a, b >= 0)."""
+    """Least squares ``y = a + b x`` with ``a, b >= 0``; where noise gives a negative part, the line through
+    the origin and the points' centre (``b = sum y / sum x``)."""
+    through_origin = (0.0, max(sum(ys) / max(sum(xs), 1), 0.0))
     if len(xs) < 2:
-        return 0.0, max(ys[0] / max(xs[0], 1), 0.0)
+        return through_origin
     b, a = statistics.linear_regression(xs, ys)
-    if a < 0:
-        return 0.0, max(sum(ys) / max(sum(xs), 1), 0.0)
-    return a, max(b, 0.0)
+    if a < 0 or b <= 0:
+        return through_origin
+    return a, b
 
 
 def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tuple[dict[int, tuple[float, float]], Any]:

@@ -27,8 +27,8 @@ Rules:
   (0: every volunteer holds every range).
 - A liar answers wrongly after its first ``lie_after_calls`` calls (0: from the first; more: a sleeper): a
   ``Compare`` of such a call says unequal; a layer combined from one makes that step's tokens wrong (counted).
-- Sessions arrive one every ``RAMP_STEPS`` steps from the start, then all decode until the end; tokens/s
-  counts the steps that end in the measured window (after ``warmup_s``).
+- Sessions arrive evenly over the first half of ``warmup_s`` (a step takes those that have arrived when it
+  starts), then all decode until the end; tokens/s counts the steps that end in the measured window.
 - Time: a heap ordered by ``(time, sequence)``; randomness from ``random.Random(seed)`` streams: the same
   point and seed give the same numbers.
 """
@@ -79,7 +79,6 @@ from sim.costs import Costs
 
 __all__ = ["Point", "PointResult", "ServingSim"]
 
-RAMP_STEPS = 2  # steps between two sessions' arrivals at the start
 
 
 @dataclass(frozen=True)
@@ -327,9 +326,10 @@ class ServingSim:
                            verified_rows=sum(r.verified_rows for r in rows))
 
     def _active(self) -> int:
-        """Sessions decoding now: they arrive one per ``RAMP_STEPS`` steps from the start (as requests do:
-        the dispatcher's cost models see layers of several sizes), then all of them."""
-        return min(self.p.sessions, 1 + self.steps_all // RAMP_STEPS)
+        """Sessions decoding now: they arrive evenly over the first half of the warm-up (as requests do: the
+        dispatcher's cost models see layers of several sizes), then all of them."""
+        ramp = self.p.warmup_s / 2
+        return min(self.p.sessions, 1 + int(self.clock.now / ramp * self.p.sessions)) if ramp > 0 else self.p.sessions
 
     def _sample(self) -> None:
         self._handle(LoadSample(self._active(), self.p.slots))

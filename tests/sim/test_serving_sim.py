@@ -112,7 +112,7 @@ def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
 
 
 def test_calibrate_measures_a_model_and_writes_a_cost_file(tmp_path: Path) -> None:
-    c = calibrate(GOLDEN_GGUF, threads=1, batches=(1, 2, 4), steps=3)
+    c = calibrate(GOLDEN_GGUF, threads=1, batches=(1, 2, 4), steps=5)
     assert c.expert_pair_s > 0 and c.worker_pair_s > 0 and c.dense_layer_s + c.dense_row_s > 0
     f = tmp_path / "costs.toml"
     f.write_text(dump_costs(c))
@@ -134,3 +134,12 @@ def test_a_sleeper_lies_after_its_honest_calls_and_is_caught_by_sampling() -> No
     assert r.liars_quarantined == 1 and r.honest_quarantined == 0
     assert 1 <= r.calls_to_quarantine[0] <= 100  # sampled at 5 %: caught within tens of calls of its first lie
     assert r.wrong_tokens > 0  # the exposure sampling leaves (a liar from its first call causes none: above)
+
+
+def test_the_cost_fit_never_goes_negative() -> None:
+    from sim.costs import _fit
+
+    assert _fit([1, 2, 4], [1.0, 2.0, 4.0]) == pytest.approx((0.0, 1.0), abs=1e-9)
+    assert _fit([1, 2, 4], [2.0, 3.0, 5.0]) == pytest.approx((1.0, 1.0))
+    a, b = _fit([1, 2, 4], [3.0, 2.0, 1.0])  # noise: a falling cost is the line through the origin
+    assert a == 0.0 and b == pytest.approx(6.0 / 7.0)
