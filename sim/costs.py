@@ -100,97 +100,35 @@ def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
     return a, b
 
 
-def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tuple[dict[int, tuple[float, float]], Any]:
-    """Per batch size: the median (dense + head, experts) seconds of a decode step, the experts timed apart
-    from the dense graphs at ``threads``."""
-    import torch
+def _measure(path: Path, threads: int, batches: list[int], steps: int, runtime: bool) -> dict[str, Any]:
+    """``coordinator.calibrate`` in a process of its own (ggml's and torch's threads are process-wide, and
+    the simulator stays torch-free): its JSON."""
+    import json
+    import subprocess
+    import sys
 
-    from coordinator.dispatch.layer import LayerCall
-    from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
-    from swarm.model.gguf import GGUFModel
-    from swarm.model.kernels import KernelBackend, configure_threads
-
-    configure_threads(threads, KernelBackend.GGML)
-    model = GGUFModel(path)
-    spent = [0.0]
-
-    class Timed(LocalExperts):
-        def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
-            return False
-
-        def service(self, call: LayerCall) -> bool:
-            t = time.perf_counter()
-            r = super().service(call)
-            spent[0] += time.perf_counter() - t
-            return r
-
-    tr = Transformer(model, Timed(model))
-    out: dict[int, tuple[float, float]] = {}
-    for b in batches:
-        caches = [KVCache(tr.cfg, 64 + steps, torch.float16) for _ in range(b)]
-        tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % 50 for j in range(8)], 0) for i, c in enumerate(caches)])
-        got: list[tuple[float, float]] = []
-        for s in range(steps + 2):
-            spent[0] = 0.0
-            t = time.perf_counter()
-            tr.forward([SeqChunk(c, [5], 8 + s) for c in caches])
-            dt = time.perf_counter() - t
-            if s >= 2:
-                got.append((dt - spent[0], spent[0]))
-        out[b] = (statistics.median(g[0] for g in got), statistics.median(g[1] for g in got))
-    return out, tr.cfg
-
-
-def _runtime_step(path: Path, threads: int, n_decode: int = 24) -> float:
-    """Seconds per decode token of one session through the real ``EngineRuntime`` (scheduler, sampling,
-    the event stream; no HTTP), after a warm-up request."""
-    import trio
-
-    from coordinator.core.scheduler import Emit, Finish, GenParams
-    from coordinator.engine.runtime import EngineRuntime
-    from swarm.model.gguf import GGUFModel
-    from swarm.model.kernels import KernelBackend, configure_threads
-    from swarm.text.tokenizer import Tokenizer
-
-    configure_threads(threads, KernelBackend.GGML)
-    model = GGUFModel(path)
-    rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=1, n_ctx=128)
-    per_token: list[float] = []
-
-    async def one(prompt: list[int]) -> float:
-        h = rt.submit(prompt, GenParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True))
-        first: float | None = None
-        async for ev in h.events:
-            if isinstance(ev, Emit) and ev.token_ids and first is None:
-                first = time.perf_counter()
-            if isinstance(ev, Finish):
-                break
-        assert first is not None
-        return (time.perf_counter() - first) / (n_decode - 1)
-
-    async def main() -> None:
-        async with trio.open_nursery() as n:
-            await n.start(rt.serve)
-            await one([5, 6, 7, 8])
-            for i in range(3):
-                per_token.append(await one([9 + i, 10, 11, 12]))
-            n.cancel_scope.cancel()
-
-    trio.run(main)
-    return statistics.median(per_token)
+    args = [sys.executable, "-m", "coordinator.calibrate", "--model", str(path), "--threads", str(threads),
+            "--steps", str(steps), "--batches", *map(str, batches)] + (["--runtime"] if runtime else [])
+    r = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise ScenarioError(f"--calibrate {path}: the measurement failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
 
 
 def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 8), steps: int = 12,
               rtt_json: Path | None = None) -> Costs:
-    """Measure the compute costs of ``path`` on this machine (see the module's rules). Runs the engine in
-    this process at ``threads`` (the coordinator) and then at 1 (a volunteer's thread)."""
+    """Measure the compute costs of ``path`` on this machine (see the module's rules): the engine at
+    ``threads`` (the coordinator) and then at 1 (a volunteer's thread), each in a process of its own."""
     import json
     import platform
 
-    coord, cfg = _step_parts(path, threads, list(batches), steps)
-    runtime = _runtime_step(path, threads)
-    vol, _ = _step_parts(path, 1, list(batches), steps)
-    n_layer, n_moe, top_k = int(cfg.n_layer), int(cfg.n_moe_layer), int(cfg.n_expert_used)
+    m_coord = _measure(path, threads, list(batches), steps, runtime=True)
+    m_vol = _measure(path, 1, list(batches), steps, runtime=False)
+    coord = {int(b): tuple(v) for b, v in m_coord["steps"].items()}
+    vol = {int(b): tuple(v) for b, v in m_vol["steps"].items()}
+    runtime = float(m_coord["runtime_step_s"])
+    n_layer, n_moe, top_k = int(m_coord["n_layer"]), int(m_coord["n_moe_layer"]), int(m_coord["top_k"])
     xs = list(batches)
     # the dense part of a step: n_layer dense layers + the head; the head is not separable here, so it is
     # folded into the layers' fixed part (head_s 0)
@@ -209,5 +147,5 @@ def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 
     step_s = max(0.0, runtime - (n_layer * (da + db) + n_moe * (ea + eb * top_k)))
     return Costs(step_s=step_s, dense_layer_s=da, dense_row_s=db, expert_call_s=ea, expert_pair_s=eb, worker_call_s=wa,
                  worker_pair_s=wb, coord_call_s=coord_call, worker_proto_s=coord_call, wake_s=wake,
-                 row_bytes=4 * int(cfg.d_model), threads=threads,
+                 row_bytes=4 * int(m_coord["d_model"]), threads=threads,
                  source=f"calibrated on {platform.node()} {time.strftime('%Y-%m-%d')} from {path.name}")

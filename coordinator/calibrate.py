@@ -1,0 +1,121 @@
+"""``python -m coordinator.calibrate``: what ``moe-swarm simulate --calibrate`` measures, in a process of its own.
+
+Rules:
+- ``--model GGUF --threads N --batches B... --steps S [--runtime]``: the engine on the model at ``N`` ggml
+  threads (``configure_threads``, as ``--threads`` does), decode steps at each batch size with a timed expert
+  backend (every expert outside the dense graphs, ``benchmarks/offload.py``'s ``bound`` method): the median
+  dense+head and expert seconds of a step; with ``--runtime`` also the seconds per decode token of one
+  session through the real ``EngineRuntime`` (scheduler, sampling, the event stream; no HTTP).
+- The last line of stdout is one JSON object: ``{n_layer, n_moe_layer, top_k, d_model, steps: {batch:
+  [dense_s, experts_s]}, runtime_step_s}``. ``sim.costs.calibrate`` runs it and fits the costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tuple[dict[int, tuple[float, float]], Any]:
+    """Per batch size: the median (dense + head, experts) seconds of a decode step, the experts timed apart
+    from the dense graphs at ``threads``."""
+    import torch
+
+    from coordinator.dispatch.layer import LayerCall
+    from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
+    from swarm.model.gguf import GGUFModel
+    from swarm.model.kernels import KernelBackend, configure_threads
+
+    configure_threads(threads, KernelBackend.GGML)
+    model = GGUFModel(path)
+    spent = [0.0]
+
+    class Timed(LocalExperts):
+        def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
+            return False
+
+        def service(self, call: LayerCall) -> bool:
+            t = time.perf_counter()
+            r = super().service(call)
+            spent[0] += time.perf_counter() - t
+            return r
+
+    tr = Transformer(model, Timed(model))
+    out: dict[int, tuple[float, float]] = {}
+    for b in batches:
+        caches = [KVCache(tr.cfg, 64 + steps, torch.float16) for _ in range(b)]
+        tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % 50 for j in range(8)], 0) for i, c in enumerate(caches)])
+        got: list[tuple[float, float]] = []
+        for s in range(steps + 2):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            tr.forward([SeqChunk(c, [5], 8 + s) for c in caches])
+            dt = time.perf_counter() - t
+            if s >= 2:
+                got.append((dt - spent[0], spent[0]))
+        out[b] = (statistics.median(g[0] for g in got), statistics.median(g[1] for g in got))
+    return out, tr.cfg
+
+
+def _runtime_step(path: Path, threads: int, n_decode: int = 24) -> float:
+    """Seconds per decode token of one session through the real ``EngineRuntime`` (scheduler, sampling,
+    the event stream; no HTTP), after a warm-up request."""
+    import trio
+
+    from coordinator.core.scheduler import Emit, Finish, GenParams
+    from coordinator.engine.runtime import EngineRuntime
+    from swarm.model.gguf import GGUFModel
+    from swarm.model.kernels import KernelBackend, configure_threads
+    from swarm.text.tokenizer import Tokenizer
+
+    configure_threads(threads, KernelBackend.GGML)
+    model = GGUFModel(path)
+    rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=1, n_ctx=128)
+    per_token: list[float] = []
+
+    async def one(prompt: list[int]) -> float:
+        h = rt.submit(prompt, GenParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True))
+        first: float | None = None
+        async for ev in h.events:
+            if isinstance(ev, Emit) and ev.token_ids and first is None:
+                first = time.perf_counter()
+            if isinstance(ev, Finish):
+                break
+        assert first is not None
+        return (time.perf_counter() - first) / (n_decode - 1)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(rt.serve)
+            await one([5, 6, 7, 8])
+            for i in range(3):
+                per_token.append(await one([9 + i, 10, 11, 12]))
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    return statistics.median(per_token)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m coordinator.calibrate", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--runtime", action="store_true")
+    a = ap.parse_args()
+    parts, cfg = _step_parts(a.model, a.threads, a.batches, a.steps)
+    runtime = _runtime_step(a.model, a.threads) if a.runtime else None
+    print(json.dumps({"n_layer": int(cfg.n_layer), "n_moe_layer": int(cfg.n_moe_layer), "top_k": int(cfg.n_expert_used),
+                      "d_model": int(cfg.d_model), "steps": {str(b): list(v) for b, v in parts.items()},
+                      "runtime_step_s": runtime}))
+
+
+if __name__ == "__main__":
+    main()
