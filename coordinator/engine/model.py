@@ -49,6 +49,7 @@ from coordinator.engine.block import (
     SharedFFN,
     SharedOut,
 )
+from coordinator.engine.stack import LayerSpec, StackGraph
 from swarm.model.gguf import GGUFModel, LayerWeights, ModelConfig, QTensor, SharedExpert
 from swarm.model.kernels import KernelBackend, compute_threads
 from swarm.model.kernels.dense import Linear
@@ -222,6 +223,8 @@ KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama
 class _GgmlDense:
     """The ggml graphs of every layer's dense halves and the head (``coordinator.engine.block``)."""
 
+    stack: StackGraph | None
+
     def __init__(self, model: GGUFModel) -> None:
         cfg = model.config
         self.attn_in: list[AttnIn | MlaIn] = []
@@ -271,6 +274,22 @@ class _GgmlDense:
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
+        # decode steps whose every layer is computed here: all layers in one graph (no attention sinks:
+        # gpt-oss's gate is not fused either)
+        moe_of = {b: i for i, b in enumerate(cfg.moe_layers)}
+        specs: list[LayerSpec] = []
+        swa = frozenset(cfg.swa_layers)
+        for li, L in enumerate(model.layers):
+            ml = moe_of.get(li)
+            fused = self.attn_out_moe[li]
+            if L.sinks is not None or (ml is not None and fused is None) or (ml is None and self.attn_out[li].n_expert):
+                break
+            specs.append(LayerSpec(attn_in=self.attn_in[li], moe=fused if ml is not None else None, moe_layer=ml,
+                                   dense=self.attn_out[li] if ml is None else None, window=cfg.n_swa if li in swa else 0))
+        else:
+            self.stack = StackGraph(specs, self.attn, d=cfg.d_model, max_rows=FUSED_MAX_ROWS)
+        if len(specs) != cfg.n_layer:
+            self.stack = None
 
 
 @dataclass(eq=False)
@@ -285,6 +304,7 @@ class _Group:
     layer: int = 0  # the next layer whose dense half runs
     pending: LayerCall | None = None
     shared: np.ndarray | None = None
+    here: list[bool] | None = None  # whole_layer_here per expert layer, asked at the step's start
 
     def finish(self, experts: ExpertBackend) -> None:
         """The started layer's MoE into the residual (llama.cpp: (routed + shared) + residual, float32 adds)."""
@@ -498,9 +518,15 @@ class Transformer:
             groups.append(_Group(chunks[a:b], [(s - s0, e - s0) for s, e in bounds[a:b]], xn[s0:e0], pos_np[s0:e0]))
         if len(groups) == 1:
             one = groups[0]
-            for li in range(cfg.n_layer):
-                self._layer_ggml(gd, li, one, None)
-                one.finish(self.experts)
+            if gd.stack is not None and n_tok <= FUSED_MAX_ROWS and gd.stack.fits([len(c.tokens) for c in chunks]):
+                # asked once per layer and step: the stacked graph if every layer is computed here
+                one.here = [self.experts.whole_layer_here(ml, n_tok * cfg.n_expert_used) for ml in range(cfg.n_moe_layer)]
+                if all(one.here):
+                    self._stack_ggml(gd.stack, one)
+            if one.layer == 0:
+                for li in range(cfg.n_layer):
+                    self._layer_ggml(gd, li, one, None)
+                    one.finish(self.experts)
         else:
             self._run_groups(gd, groups)
         xn = groups[0].xn if len(groups) == 1 else np.concatenate([g.xn for g in groups])
@@ -509,6 +535,17 @@ class Transformer:
         xs = rows[0] if len(rows) == 1 else np.concatenate(rows)
         logits = torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs)))
         return list(torch.split(logits, [len(r) for r in rows])) if len(rows) > 1 else [logits]
+
+    def _stack_ggml(self, stack: StackGraph, mb: _Group) -> None:
+        """Every layer of one group in one graph (``coordinator.engine.stack``); the backend hears of each
+        MoE layer's experts (its time: the graph's, shared evenly)."""
+        t0 = time.perf_counter()
+        seqs = [(e - s, c.pos, c.cache.k_np, c.cache.v_np) for c, (s, e) in zip(mb.chunks, mb.bounds, strict=True)]
+        mb.xn, ids = stack(mb.xn, mb.pos, seqs, compute_threads(mb.xn.shape[0] * stack.macs))
+        mb.layer = self.cfg.n_layer
+        share = (time.perf_counter() - t0) / max(1, len(ids))
+        for ml, e in ids:
+            self.experts.ran_here(ml, e, share)
 
     def _run_groups(self, gd: _GgmlDense, groups: list[_Group]) -> None:
         """Advance every group through the layers, each on its own: a group whose layer is in flight
@@ -565,7 +602,8 @@ class Transformer:
         moe_layer = self._moe_of[li]
         fused = gd.attn_out_moe[li]
         if fused is not None and moe_layer is not None and n_tok <= FUSED_MAX_ROWS \
-                and self.experts.whole_layer_here(moe_layer, n_tok * cfg.n_expert_used):
+                and (mb.here[moe_layer] if mb.here is not None
+                     else self.experts.whole_layer_here(moe_layer, n_tok * cfg.n_expert_used)):
             t1 = time.perf_counter()
             mb.xn, ids_np = fused(attn, xn, compute_threads(n_tok * fused.macs))
             self.experts.ran_here(moe_layer, ids_np, time.perf_counter() - t1)
