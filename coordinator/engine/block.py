@@ -689,7 +689,11 @@ class Head(_Graphs):
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
         g.ggml_set_input(x)
-        return {"x": (x, (b, self.d), "f32")}, [g.ggml_mul_mat(ctx, self._w, _rms(ctx, x, self._norm, self.eps))]
+        return {"x": (x, (b, self.d), "f32")}, [self.ops(ctx, x)]
+
+    def ops(self, ctx: Any, x: Any) -> Any:
+        """The graph's ops on a given ``x [d, b]``: the logits ``[n_vocab, b]``."""
+        return g.ggml_mul_mat(ctx, self._w, _rms(ctx, x, self._norm, self.eps))
 
     def __call__(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -287,7 +287,10 @@ class _GgmlDense:
             specs.append(LayerSpec(attn_in=self.attn_in[li], moe=fused if ml is not None else None, moe_layer=ml,
                                    dense=self.attn_out[li] if ml is None else None, window=cfg.n_swa if li in swa else 0))
         else:
-            self.stack = StackGraph(specs, self.attn, d=cfg.d_model, max_rows=FUSED_MAX_ROWS)
+            emb = model.token_embd.table
+            self.stack = StackGraph(specs, self.attn, self.head,
+                                    DenseWeight(np.ascontiguousarray(emb.raw).reshape(-1), int(emb.qtype), *emb.shape),
+                                    max_rows=FUSED_MAX_ROWS)
         if len(specs) != cfg.n_layer:
             self.stack = None
 
@@ -488,15 +491,14 @@ class Transformer:
                 raise ValueError(f"sequence exceeds the context ({c.pos + len(c.tokens)} > {c.cache.n_ctx})")
             bounds.append((start, start + len(c.tokens)))
             start += len(c.tokens)
-        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        pos = torch.cat([torch.arange(c.pos, c.pos + len(c.tokens)) for c in chunks])
-        x = self.model.token_embd(tokens)
+        tokens = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=start)
+        pos = np.concatenate([np.arange(c.pos, c.pos + len(c.tokens), dtype=np.int64) for c in chunks])
         if self._ggml is not None:
-            return self._forward_ggml(self._ggml, chunks, bounds, x, pos)
-        return self._forward_torch(chunks, bounds, x, pos)
+            return self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)
+        return self._forward_torch(chunks, bounds, self.model.token_embd(torch.from_numpy(tokens)), torch.from_numpy(pos))
 
-    def _forward_ggml(self, gd: _GgmlDense, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
-                      pos: torch.Tensor) -> list[torch.Tensor]:
+    def _forward_ggml(self, gd: _GgmlDense, chunks: list[SeqChunk], bounds: list[tuple[int, int]], tokens: np.ndarray,
+                      pos: np.ndarray) -> list[torch.Tensor]:
         """Each layer: one graph to q/k/v, the new rows into the caches, one attention graph for every
         sequence, one graph to the router; the experts through ``self.experts``. numpy in between.
 
@@ -505,12 +507,19 @@ class Transformer:
         half computes (``_run_groups``). Every kernel is batch-invariant, so the bits do not depend
         on the grouping."""
         cfg = self.cfg
-        n_tok = x.shape[0]
-        pos_np = pos.to(torch.int32).numpy()
-        xn = x.numpy()
+        n_tok = len(tokens)
+        pos_np = pos.astype(np.int32)
         for c in chunks:
             c.cache.begin(c.pos + len(c.tokens))
         n_groups = min(len(chunks), max(1, self.experts.groups(len(chunks), n_tok)))
+        here: list[bool] | None = None
+        if n_groups == 1 and gd.stack is not None and n_tok <= FUSED_MAX_ROWS \
+                and gd.stack.fits([len(c.tokens) for c in chunks]):
+            # asked once per layer and step: the whole step in one graph if every layer is computed here
+            here = [self.experts.whole_layer_here(ml, n_tok * cfg.n_expert_used) for ml in range(cfg.n_moe_layer)]
+            if all(here):
+                return self._stack_ggml(gd.stack, chunks, bounds, tokens, pos_np)
+        xn = self.model.token_embd(torch.from_numpy(tokens)).numpy()
         cuts = group_cuts([e - s for s, e in bounds], n_groups)
         groups: list[_Group] = []
         for a, b in itertools.pairwise(cuts):
@@ -518,15 +527,10 @@ class Transformer:
             groups.append(_Group(chunks[a:b], [(s - s0, e - s0) for s, e in bounds[a:b]], xn[s0:e0], pos_np[s0:e0]))
         if len(groups) == 1:
             one = groups[0]
-            if gd.stack is not None and n_tok <= FUSED_MAX_ROWS and gd.stack.fits([len(c.tokens) for c in chunks]):
-                # asked once per layer and step: the stacked graph if every layer is computed here
-                one.here = [self.experts.whole_layer_here(ml, n_tok * cfg.n_expert_used) for ml in range(cfg.n_moe_layer)]
-                if all(one.here):
-                    self._stack_ggml(gd.stack, one)
-            if one.layer == 0:
-                for li in range(cfg.n_layer):
-                    self._layer_ggml(gd, li, one, None)
-                    one.finish(self.experts)
+            one.here = here
+            for li in range(cfg.n_layer):
+                self._layer_ggml(gd, li, one, None)
+                one.finish(self.experts)
         else:
             self._run_groups(gd, groups)
         xn = groups[0].xn if len(groups) == 1 else np.concatenate([g.xn for g in groups])
@@ -536,16 +540,22 @@ class Transformer:
         logits = torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs)))
         return list(torch.split(logits, [len(r) for r in rows])) if len(rows) > 1 else [logits]
 
-    def _stack_ggml(self, stack: StackGraph, mb: _Group) -> None:
-        """Every layer of one group in one graph (``coordinator.engine.stack``); the backend hears of each
-        MoE layer's experts (its time: the graph's, shared evenly)."""
+    def _stack_ggml(self, stack: StackGraph, chunks: list[SeqChunk], bounds: list[tuple[int, int]], tokens: np.ndarray,
+                    pos: np.ndarray) -> list[torch.Tensor]:
+        """The whole step in one graph (``coordinator.engine.stack``); the backend hears of each MoE
+        layer's experts (its time: the graph's, shared evenly)."""
         t0 = time.perf_counter()
-        seqs = [(e - s, c.pos, c.cache.k_np, c.cache.v_np) for c, (s, e) in zip(mb.chunks, mb.bounds, strict=True)]
-        mb.xn, ids = stack(mb.xn, mb.pos, seqs, compute_threads(mb.xn.shape[0] * stack.macs))
-        mb.layer = self.cfg.n_layer
+        seqs = [(e - s, c.pos, c.cache.k_np, c.cache.v_np) for c, (s, e) in zip(chunks, bounds, strict=True)]
+        every = all(c.all_logits or e - s == 1 for c, (s, e) in zip(chunks, bounds, strict=True))
+        rows = None if every else np.concatenate([np.arange(s, e) if c.all_logits else np.arange(e - 1, e)
+                                                  for c, (s, e) in zip(chunks, bounds, strict=True)])
+        logits, ids = stack(tokens, pos, seqs, compute_threads(len(tokens) * stack.macs), rows)
         share = (time.perf_counter() - t0) / max(1, len(ids))
         for ml, e in ids:
             self.experts.ran_here(ml, e, share)
+        out = torch.from_numpy(logits)
+        sizes = [e - s if c.all_logits else 1 for c, (s, e) in zip(chunks, bounds, strict=True)]
+        return list(torch.split(out, sizes)) if len(sizes) > 1 else [out]
 
     def _run_groups(self, gd: _GgmlDense, groups: list[_Group]) -> None:
         """Advance every group through the layers, each on its own: a group whose layer is in flight

@@ -1,12 +1,12 @@
 """A decode step's layers as one ggml graph (shell over native code), as llama.cpp computes its forward.
 
 When every layer of a step is computed here (the idle path: the expert backend's ``whole_layer_here``
-for every MoE layer), the engine runs all of them as one graph instead of four per layer with Python,
-ctypes and numpy between them: per layer the ops of ``AttnIn``/``MlaIn`` (norm, q/k/v, q/k norms,
+for every MoE layer), the engine runs the step as one graph instead of four per layer with Python,
+ctypes and numpy between them: the token ids' embedding rows (``get_rows``), then per layer the ops of ``AttnIn``/``MlaIn`` (norm, q/k/v, q/k norms,
 RoPE), the new K/V rows written into each sequence's cache (``ggml_cpy`` into views of it, f32 -> the
 cache's type, as llama.cpp writes its cache), the attention of each sequence (``Attention``'s ops on
 in-place views of its cache), and the ops of ``AttnOutMoE`` (output projection, residual, router,
-top-k, experts, combine) or, in a dense block, ``AttnOut`` and its FFN.
+top-k, experts, combine) or, in a dense block, ``AttnOut`` and its FFN; then ``Head``'s ops on every row.
 
 Rules:
 - The same ops on the same shapes as the per-layer graphs, hence the same bits (tested against the
@@ -16,7 +16,7 @@ Rules:
 - Decode-sized steps only: each sequence's rows <= ``MAX_SEQ_ROWS`` (their attention then has the
   exact row count the per-layer path uses: ``_bucket(n) == n``), all rows <= the fused MoE's bucket.
 - Built once per (row bucket, rows and context of each sequence, cache type, threads) and reused:
-  per step only data is rebound, never a graph rebuilt. The rows' embeddings and positions and
+  per step only data is rebound, never a graph rebuilt. The rows' token ids and positions and
   each sequence's causal mask are written into input tensors; the cache writes' destinations
   (``tensor->data`` of the ``ggml_cpy`` nodes) move to the step's positions; the attention's
   cache views, mask, scores and softmax take the step's ``n_kv`` (the used rows rounded up to
@@ -38,9 +38,19 @@ from typing import Any
 import ggml.ggml as g
 import numpy as np
 
-from coordinator.engine.block import Attention, AttnIn, AttnOut, AttnOutMoE, MlaIn, _Graphs
+from coordinator.engine.block import Attention, AttnIn, AttnOut, AttnOutMoE, DenseWeight, Head, MlaIn, _Graphs
 from swarm.errors import KernelError
-from swarm.model.kernels.ggml import _bucket, _Ctx, _f32_view, _i32_view, _Plan
+from swarm.model.kernels.ggml import (
+    _as_raw,
+    _bucket,
+    _Ctx,
+    _f32_view,
+    _i32_view,
+    _Plan,
+    _type_id,
+    _weight_tensor,
+    row_nbytes,
+)
 
 __all__ = ["MAX_SEQ_ROWS", "LayerSpec", "StackGraph"]
 
@@ -102,17 +112,26 @@ def _set_shape(st: Any, ne: tuple[int, ...], nb: tuple[int, ...]) -> None:
 
 
 class StackGraph:
-    """Every layer of a decode step in one graph: ``(x_next [n, d], [(expert layer, experts [n, k] int64,
-    ascending)])`` from rows ``x`` at positions ``pos`` of sequences whose K/V caches are ``caches``."""
+    """A decode step in one graph, from token ids to logits: the embedding's rows (``get_rows`` on the
+    stored table, as ``swarm.model.kernels.ggml.GgmlGetRows``), every layer, the head (``Head``'s ops,
+    on every row). Returns ``(logits [n, n_vocab], [(expert layer, experts [n, k] int64, ascending)])``."""
 
-    def __init__(self, layers: list[LayerSpec], attn: Attention, *, d: int, max_rows: int, max_graphs: int = 8) -> None:
+    def __init__(self, layers: list[LayerSpec], attn: Attention, head: Head, embd: DenseWeight, *, max_rows: int,
+                 max_graphs: int = 8) -> None:
         if not layers:
             raise KernelError("a stack needs layers")
-        self.layers, self.attn, self.d = layers, attn, d
+        d = embd.in_features
+        if head.d != d:
+            raise KernelError("the embedding and the head differ in width")
+        self.layers, self.attn, self.head, self.d, self.n_vocab = layers, attn, head, d, head.n_vocab
         self.max_rows, self.max_graphs = int(max_rows), int(max_graphs)
         self.macs = sum(s.attn_in.macs + (s.moe.macs if s.moe is not None else s.dense.macs if s.dense is not None else 0)
-                        for s in layers)
-        blocks: list[_Graphs] = []
+                        for s in layers) + head.macs
+        tid = _type_id(embd.qtype)
+        self._embd_raw = _as_raw(embd.raw, row_nbytes(tid, d) * embd.out_features, "token_embd")
+        self._wctx = _Ctx(4 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
+        self._embd = _weight_tensor(self._wctx, tid, (d, embd.out_features), self._embd_raw, "token_embd")
+        blocks: list[_Graphs] = [head]
         for s in layers:
             blocks += [s.attn_in] + [b for b in (s.moe, s.dense) if b is not None]
         # the family builders among the layers' blocks: their leaves may point at another member's weights
@@ -150,7 +169,8 @@ class StackGraph:
             keep.append(t)
             return t
 
-        x = io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, d, b))
+        tok = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, b))
+        x = g.ggml_get_rows(c, self._embd, tok)  # [d, b]
         pos = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, b))
         ar = io(g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, 1, self._n_expert, b)) if self._n_expert else None
         zero = io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, d, b)) if self._n_expert else None
@@ -213,8 +233,9 @@ class StackGraph:
                 assert spec.dense is not None
                 o = spec.dense.ops(c, a, cur, b)
                 cur = g.ggml_add(c, o[0], o[-1])  # a dense block: x2 + its FFN
-        g.ggml_set_output(cur)
-        g.ggml_build_forward_expand(graph, cur)
+        logits = self.head.ops(c, cur)  # [n_vocab, b]
+        g.ggml_set_output(logits)
+        g.ggml_build_forward_expand(graph, logits)
         for _, t in ids_out:
             g.ggml_build_forward_expand(graph, t)
         galloc = g.ggml_gallocr_new(_cpu_buffer_type())
@@ -223,8 +244,8 @@ class StackGraph:
                 g.ggml_gallocr_free(galloc)
             ctx.free()
             raise MemoryError("ggml_gallocr_alloc_graph failed")
-        built = _Built(ctx, galloc, _Plan(ctx, graph, n_threads, 0), _f32_view(x, (b, d)), _i32_view(pos, (b,)),
-                       _f32_view(cur, (b, d)), [(ml, _f32_view(t, (b, int(g.ggml_nelements(t)) // b))) for ml, t in ids_out],
+        built = _Built(ctx, galloc, _Plan(ctx, graph, n_threads, 0), _i32_view(tok, (b,)), _i32_view(pos, (b,)),
+                       _f32_view(logits, (b, self.n_vocab)), [(ml, _f32_view(t, (b, int(g.ggml_nelements(t)) // b))) for ml, t in ids_out],
                        seqs)
         built.x[:] = 0
         built.pos[:] = 0
@@ -239,15 +260,18 @@ class StackGraph:
         return built
 
     # -- compute ----------------------------------------------------------------------------------
-    def __call__(self, x: np.ndarray, pos: np.ndarray, seqs: list[tuple[int, int, np.ndarray, np.ndarray]],
-                 n_threads: int) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
-        """``x [n, d]`` float32, ``pos [n]``; ``seqs`` per sequence (in row order): ``(rows, first
+    def __call__(self, tokens: np.ndarray, pos: np.ndarray, seqs: list[tuple[int, int, np.ndarray, np.ndarray]],
+                 n_threads: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """``tokens [n]`` (in range), ``pos [n]``; ``rows``: the rows whose logits to return (default all);
+        ``seqs`` per sequence (in row order): ``(rows, first
         position, K cache [n_layer, n_ctx, Hkv, hdk], V cache [n_layer, Hkv, hdv, n_ctx])``, caches
         C-contiguous, of one type, already holding zeros past the step's rows (``KVCache.begin``)."""
         ns = tuple(n for n, *_ in seqs)
         n_tok = sum(ns)
-        if x.shape != (n_tok, self.d) or pos.shape != (n_tok,) or not self.fits(list(ns)):
-            raise KernelError(f"a stack step of {ns} rows does not fit x {x.shape}")
+        if tokens.shape != (n_tok,) or pos.shape != (n_tok,) or not self.fits(list(ns)):
+            raise KernelError(f"a stack step of {ns} rows does not fit tokens {tokens.shape}")
+        if n_tok and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
+            raise KernelError(f"token id out of range 0..{self.n_vocab - 1}")
         dt = {kc.dtype for _, _, kc, _ in seqs} | {vc.dtype for _, _, _, vc in seqs}
         if len(dt) != 1 or next(iter(dt)) not in (np.float16, np.float32):
             raise KernelError(f"KV caches of one type (f16 or f32), got {dt}")
@@ -267,7 +291,7 @@ class StackGraph:
             ptrs = [([kc.ctypes.data + li * kc[0].nbytes for li in range(n_layer)],
                      [vc.ctypes.data + li * vc[0].nbytes for li in range(n_layer)]) for _, _, kc, vc in seqs]
             built = self._graphs[key] = self._build(ns, n_ctxs, int(tid), n_threads, ptrs)
-        built.x[:n_tok] = x
+        built.x[:n_tok] = tokens
         built.pos[:n_tok] = pos
         for view, value in built.consts:  # rewritten every step: no allocator reuse can leave them stale
             view[:] = value
@@ -308,9 +332,11 @@ class StackGraph:
             for blk in self._builders:
                 blk._bind()
             built.plan.compute(n_threads)
-        return built.out[:n_tok].copy(), [(ml, v[:n_tok].astype(np.int64)) for ml, v in built.ids]
+        out = built.out[:n_tok].copy() if rows is None else built.out[rows]
+        return out, [(ml, v[:n_tok].astype(np.int64)) for ml, v in built.ids]
 
     def close(self) -> None:
         for b in self._graphs.values():
             b.free()
         self._graphs.clear()
+        self._wctx.free()

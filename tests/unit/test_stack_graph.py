@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coordinator.engine.model import KV_PAD, KVCache, LocalExperts, SeqChunk, Transformer
+from swarm.errors import KernelError
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels.ggml import graph_time
 from tests.conftest import FIXTURES
@@ -104,8 +105,33 @@ def test_one_graph_per_step_built_once() -> None:
         _, n0 = graph_time()
         tok = int(tr.forward([SeqChunk(cache, [tok], pos)])[0][-1].argmax())
         pos += 1
-        assert graph_time()[1] - n0 == 3  # the embedding's rows, every layer, the head
+        assert graph_time()[1] - n0 == 1  # token ids to logits: one graph
     assert len(stack._graphs) == len(built) == 1 and all(stack._graphs[k] is built[k] for k in built)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny-q8_0", "deepseek2-tiny-q8_0"])
+def test_small_chunks_of_several_rows(name: str) -> None:
+    """Chunks of 2-5 rows (a short prompt, draft tokens), with and without every row's logits."""
+    model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
+    outs = []
+    stacked = Transformer(model, LocalExperts(model))
+    for tr in (stacked, _per_layer(model)):
+        caches = [KVCache(tr.cfg, 64, torch.float16) for _ in range(3)]
+        got = tr.forward([SeqChunk(caches[0], [5, 6, 7], 0), SeqChunk(caches[1], [8, 9], 0, all_logits=True),
+                          SeqChunk(caches[2], [1], 0)])
+        got += tr.forward([SeqChunk(caches[0], [9, 10, 11, 12, 13], 3, all_logits=True), SeqChunk(caches[2], [4, 4], 1)])
+        outs.append(got)
+    assert stacked._ggml is not None and stacked._ggml.stack is not None and len(stacked._ggml.stack._graphs) == 2
+    assert [o.shape[0] for o in outs[0]] == [1, 2, 1, 5, 1]
+    for x, y in zip(*outs, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_token_out_of_range_is_refused() -> None:
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
+    tr = Transformer(model, LocalExperts(model))
+    with pytest.raises(KernelError, match="out of range"):
+        tr.forward([SeqChunk(KVCache(tr.cfg, 16), [tr.cfg.n_vocab], 0)])
 
 
 def test_not_stacked_where_a_layer_may_go_elsewhere() -> None:
