@@ -12,6 +12,10 @@ Rules:
   padded to ``KV_PAD`` rows as llama.cpp pads its own) and the head is one graph: llama.cpp's own ops, so its
   numbers (tests: within 1.6e-6 of llama.cpp on Q8_0, Q4_0 and Q4_K_M files). The torch path (the
   reference backend) computes the same math with torch ops.
+- A decode-sized step whose every layer is computed here (``ExpertBackend.whole_layer_here`` for every
+  expert layer, one group) runs as one ggml graph from token ids to logits (``coordinator.engine.stack``),
+  built once per shape and rebound per step: the per-layer graphs' bits (tested), no Python between
+  layers. Any other step (prefill, a layer that may go remote, several groups) takes the per-layer path.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
   per architecture; q/k/v biases where the file has them; q/k RMSNorm before RoPE per head or over
   the whole projection where the architecture has it; GQA maps query head h to kv head
@@ -528,9 +532,18 @@ class Transformer:
         if len(groups) == 1:
             one = groups[0]
             one.here = here
-            for li in range(cfg.n_layer):
+            # runs of layers computed here, between remote layers: one graph each (``coordinator.engine.stack``)
+            segments = self._segments(here) if here is not None else {}
+            li = 0
+            while li < cfg.n_layer:
+                end = segments.get(li)
+                if end is not None and gd.stack is not None:
+                    self._segment_ggml(gd.stack, one, li, end)
+                    li = end
+                    continue
                 self._layer_ggml(gd, li, one, None)
                 one.finish(self.experts)
+                li += 1
         else:
             self._run_groups(gd, groups)
         xn = groups[0].xn if len(groups) == 1 else np.concatenate([g.xn for g in groups])
@@ -556,6 +569,30 @@ class Transformer:
         out = torch.from_numpy(logits)
         sizes = [e - s if c.all_logits else 1 for c, (s, e) in zip(chunks, bounds, strict=True)]
         return list(torch.split(out, sizes)) if len(sizes) > 1 else [out]
+
+    def _segments(self, here: list[bool]) -> dict[int, int]:
+        """First layer -> end of each run of consecutive layers computed here (dense blocks and expert
+        layers ``here`` allows)."""
+        runs: dict[int, int] = {}
+        start: int | None = None
+        for li in range(self.cfg.n_layer + 1):
+            ml = self._moe_of[li] if li < self.cfg.n_layer else None
+            local = li < self.cfg.n_layer and (ml is None or here[ml])
+            if local and start is None:
+                start = li
+            elif not local and start is not None:
+                runs[start] = li
+                start = None
+        return runs
+
+    def _segment_ggml(self, stack: StackGraph, mb: _Group, lo: int, hi: int) -> None:
+        """Layers ``lo .. hi-1`` of one group in one graph, from its residual rows to the next."""
+        t0 = time.perf_counter()
+        seqs = [(e - s, c.pos, c.cache.k_np, c.cache.v_np) for c, (s, e) in zip(mb.chunks, mb.bounds, strict=True)]
+        mb.xn, ids = stack(mb.xn, mb.pos, seqs, compute_threads(mb.xn.shape[0] * stack.macs), span=(lo, hi))
+        share = (time.perf_counter() - t0) / max(1, len(ids))
+        for ml, e in ids:
+            self.experts.ran_here(ml, e, share)
 
     def _run_groups(self, gd: _GgmlDense, groups: list[_Group]) -> None:
         """Advance every group through the layers, each on its own: a group whose layer is in flight

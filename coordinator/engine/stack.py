@@ -8,6 +8,11 @@ cache's type, as llama.cpp writes its cache), the attention of each sequence (``
 in-place views of its cache), and the ops of ``AttnOutMoE`` (output projection, residual, router,
 top-k, experts, combine) or, in a dense block, ``AttnOut`` and its FFN; then ``Head``'s ops on every row.
 
+A step where some expert layers may go elsewhere runs each run of consecutive local layers (a
+*segment*, between two remote layers) as one graph from the residual rows to the next residual; a
+remote layer ends a segment and runs on the per-layer graphs (its routed-expert inputs go to the
+dispatcher, its combine is the next segment's input).
+
 Rules:
 - The same ops on the same shapes as the per-layer graphs, hence the same bits (tested against the
   per-layer path on every architecture it covers, f32 and f16 caches, 1-16 sequences). Each layer's
@@ -15,7 +20,7 @@ Rules:
   re-points (``_Graphs._bind``) is pointed back at its own weights before every compute.
 - Decode-sized steps only: each sequence's rows <= ``MAX_SEQ_ROWS`` (their attention then has the
   exact row count the per-layer path uses: ``_bucket(n) == n``), all rows <= the fused MoE's bucket.
-- Built once per (row bucket, rows and context of each sequence, cache type, threads) and reused:
+- Built once per (layers, row bucket, rows and context of each sequence, cache type, threads) and reused:
   per step only data is rebound, never a graph rebuilt. The rows' token ids and positions and
   each sequence's causal mask are written into input tensors; the cache writes' destinations
   (``tensor->data`` of the ``ggml_cpy`` nodes) move to the step's positions; the attention's
@@ -117,7 +122,7 @@ class StackGraph:
     on every row). Returns ``(logits [n, n_vocab], [(expert layer, experts [n, k] int64, ascending)])``."""
 
     def __init__(self, layers: list[LayerSpec], attn: Attention, head: Head, embd: DenseWeight, *, max_rows: int,
-                 max_graphs: int = 8) -> None:
+                 max_graphs: int = 16) -> None:
         if not layers:
             raise KernelError("a stack needs layers")
         d = embd.in_features
@@ -147,14 +152,16 @@ class StackGraph:
         return sum(rows) <= self.max_rows and all(0 < n <= MAX_SEQ_ROWS for n in rows)
 
     # -- build ------------------------------------------------------------------------------------
-    def _build(self, ns: tuple[int, ...], n_ctxs: tuple[int, ...], tid: int, n_threads: int,
+    def _build(self, span: tuple[int, int], ns: tuple[int, ...], n_ctxs: tuple[int, ...], tid: int, n_threads: int,
                ptrs: list[tuple[list[int], list[int]]]) -> _Built:
         at, d = self.attn, self.d
         H, Hkv, hdk, hdv = at.H, at.Hkv, at.hdk, at.hdv
         es = 2 if tid == g.GGML_TYPE_F16 else 4
         b = _bucket(sum(ns), self.max_rows)
         n_tok = sum(ns)
-        n_layer, n_seq = len(self.layers), len(ns)
+        lo, hi = span
+        whole = span == (0, len(self.layers))
+        n_layer, n_seq = hi - lo, len(ns)
         k_max = max((s.moe.ex.k for s in self.layers if s.moe is not None), default=0)
         nodes = 64 + n_layer * (160 + 4 * k_max + 24 * n_seq)
         ctx = _Ctx(2 * nodes * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(nodes, False) + 4096,
@@ -169,19 +176,24 @@ class StackGraph:
             keep.append(t)
             return t
 
-        tok = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, b))
-        x = g.ggml_get_rows(c, self._embd, tok)  # [d, b]
+        if whole:  # token ids in
+            tok = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, b))
+            x = g.ggml_get_rows(c, self._embd, tok)  # [d, b]
+        else:  # a segment: the residual rows in
+            tok = x = io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, d, b))
         pos = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, b))
-        ar = io(g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, 1, self._n_expert, b)) if self._n_expert else None
-        zero = io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, d, b)) if self._n_expert else None
+        moe = any(s.moe is not None for s in self.layers[lo:hi])  # (inputs no node reads get no memory)
+        ar = io(g.ggml_new_tensor_3d(c, g.GGML_TYPE_F32, 1, self._n_expert, b)) if moe else None
+        zero = io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, d, b)) if moe else None
         seqs = [_Seq(n, n_ctx) for n, n_ctx in zip(ns, n_ctxs, strict=True)]
-        windows = sorted({s.window for s in self.layers})
+        windows = sorted({s.window for s in self.layers[lo:hi]})
         for sq in seqs:
             for w in windows:
                 sq.masks[w] = (io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, sq.n_ctx, sq.n)), np.empty(0, np.float32))
         ids_out: list[tuple[int, Any]] = []
         cur = x
-        for li, spec in enumerate(self.layers):
+        for li in range(lo, hi):
+            spec = self.layers[li]
             q, k, v = spec.attn_in.ops(c, cur, pos, b)
             outs = []
             s0 = 0
@@ -233,7 +245,7 @@ class StackGraph:
                 assert spec.dense is not None
                 o = spec.dense.ops(c, a, cur, b)
                 cur = g.ggml_add(c, o[0], o[-1])  # a dense block: x2 + its FFN
-        logits = self.head.ops(c, cur)  # [n_vocab, b]
+        logits = self.head.ops(c, cur) if whole else cur  # [n_vocab, b] or the residual [d, b]
         g.ggml_set_output(logits)
         g.ggml_build_forward_expand(graph, logits)
         for _, t in ids_out:
@@ -244,8 +256,9 @@ class StackGraph:
                 g.ggml_gallocr_free(galloc)
             ctx.free()
             raise MemoryError("ggml_gallocr_alloc_graph failed")
-        built = _Built(ctx, galloc, _Plan(ctx, graph, n_threads, 0), _i32_view(tok, (b,)), _i32_view(pos, (b,)),
-                       _f32_view(logits, (b, self.n_vocab)), [(ml, _f32_view(t, (b, int(g.ggml_nelements(t)) // b))) for ml, t in ids_out],
+        built = _Built(ctx, galloc, _Plan(ctx, graph, n_threads, 0),
+                       _i32_view(tok, (b,)) if whole else _f32_view(tok, (b, d)), _i32_view(pos, (b,)),
+                       _f32_view(logits, (b, self.n_vocab if whole else d)), [(ml, _f32_view(t, (b, int(g.ggml_nelements(t)) // b))) for ml, t in ids_out],
                        seqs)
         built.x[:] = 0
         built.pos[:] = 0
@@ -261,36 +274,46 @@ class StackGraph:
 
     # -- compute ----------------------------------------------------------------------------------
     def __call__(self, tokens: np.ndarray, pos: np.ndarray, seqs: list[tuple[int, int, np.ndarray, np.ndarray]],
-                 n_threads: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
-        """``tokens [n]`` (in range), ``pos [n]``; ``rows``: the rows whose logits to return (default all);
+                 n_threads: int, rows: np.ndarray | None = None, span: tuple[int, int] | None = None
+                 ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """``tokens [n]`` (in range), ``pos [n]``; ``rows``: the rows whose logits to return (default all).
+        ``span`` ``(lo, hi)``, not all layers: a segment, layers ``lo .. hi-1`` only, from the residual
+        rows ``tokens [n, d]`` (float32) to the next residual ``[n, d]`` (``rows`` unused).
         ``seqs`` per sequence (in row order): ``(rows, first
         position, K cache [n_layer, n_ctx, Hkv, hdk], V cache [n_layer, Hkv, hdv, n_ctx])``, caches
         C-contiguous, of one type, already holding zeros past the step's rows (``KVCache.begin``)."""
         ns = tuple(n for n, *_ in seqs)
         n_tok = sum(ns)
-        if tokens.shape != (n_tok,) or pos.shape != (n_tok,) or not self.fits(list(ns)):
-            raise KernelError(f"a stack step of {ns} rows does not fit tokens {tokens.shape}")
-        if n_tok and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
+        n_all = len(self.layers)
+        span = (0, n_all) if span is None else span
+        lo, hi = span
+        whole = span == (0, n_all)
+        if not 0 <= lo < hi <= n_all:
+            raise KernelError(f"layers {lo}..{hi} are not a segment of {n_all}")
+        want = (n_tok,) if whole else (n_tok, self.d)
+        if tokens.shape != want or pos.shape != (n_tok,) or not self.fits(list(ns)):
+            raise KernelError(f"a stack step of {ns} rows does not fit {tokens.shape}")
+        if whole and n_tok and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
             raise KernelError(f"token id out of range 0..{self.n_vocab - 1}")
         dt = {kc.dtype for _, _, kc, _ in seqs} | {vc.dtype for _, _, _, vc in seqs}
         if len(dt) != 1 or next(iter(dt)) not in (np.float16, np.float32):
             raise KernelError(f"KV caches of one type (f16 or f32), got {dt}")
         tid = g.GGML_TYPE_F16 if next(iter(dt)) == np.float16 else g.GGML_TYPE_F32
-        at, n_layer = self.attn, len(self.layers)
+        at, n_layer = self.attn, hi - lo
         for _, p0, kc, vc in seqs:
-            if kc.shape[0] != n_layer or kc.shape[2:] != (at.Hkv, at.hdk) or vc.shape != (n_layer, at.Hkv, at.hdv, kc.shape[1]) \
+            if kc.shape[0] != n_all or kc.shape[2:] != (at.Hkv, at.hdk) or vc.shape != (n_all, at.Hkv, at.hdv, kc.shape[1]) \
                     or not kc.flags.c_contiguous or not vc.flags.c_contiguous or p0 < 0:
                 raise KernelError("stack caches do not match the attention's shapes")
         n_ctxs = tuple(int(kc.shape[1]) for _, _, kc, _ in seqs)
-        key = (ns, n_ctxs, int(tid), n_threads)
+        key = (span, ns, n_ctxs, int(tid), n_threads)
         built = self._graphs.get(key)
         es = 2 if tid == g.GGML_TYPE_F16 else 4
         if built is None:
             if len(self._graphs) >= self.max_graphs:
                 self._graphs.pop(next(iter(self._graphs))).free()
-            ptrs = [([kc.ctypes.data + li * kc[0].nbytes for li in range(n_layer)],
-                     [vc.ctypes.data + li * vc[0].nbytes for li in range(n_layer)]) for _, _, kc, vc in seqs]
-            built = self._graphs[key] = self._build(ns, n_ctxs, int(tid), n_threads, ptrs)
+            ptrs = [([kc.ctypes.data + li * kc[0].nbytes for li in range(n_all)],
+                     [vc.ctypes.data + li * vc[0].nbytes for li in range(n_all)]) for _, _, kc, vc in seqs]
+            built = self._graphs[key] = self._build(span, ns, n_ctxs, int(tid), n_threads, ptrs)
         built.x[:n_tok] = tokens
         built.pos[:n_tok] = pos
         for view, value in built.consts:  # rewritten every step: no allocator reuse can leave them stale
@@ -300,8 +323,8 @@ class StackGraph:
             used, n_ctx = p0 + n, sq.n_ctx
             if used > n_ctx:
                 raise KernelError("rows beyond the cache")
-            kbase, vbase = kc.ctypes.data, vc.ctypes.data
             kl, vl = kc[0].nbytes, vc[0].nbytes
+            kbase, vbase = kc.ctypes.data + lo * kl, vc.ctypes.data + lo * vl  # the segment's first layer
             if sq.bound != (kbase, vbase):  # another sequence's caches: the views move
                 for li in range(n_layer):
                     sq.kread[li].data = kbase + li * kl
