@@ -287,16 +287,13 @@ class _GgmlDense:
             ml = moe_of.get(li)
             fused = self.attn_out_moe[li]
             if L.sinks is not None or (ml is not None and fused is None) or (ml is None and self.attn_out[li].n_expert):
-                break
+                break  # a layer the stack does not compute: every step takes the per-layer path
             specs.append(LayerSpec(attn_in=self.attn_in[li], moe=fused if ml is not None else None, moe_layer=ml,
                                    dense=self.attn_out[li] if ml is None else None, window=cfg.n_swa if li in swa else 0))
-        else:
-            emb = model.token_embd.table
-            self.stack = StackGraph(specs, self.attn, self.head,
-                                    DenseWeight(np.ascontiguousarray(emb.raw).reshape(-1), int(emb.qtype), *emb.shape),
-                                    max_rows=FUSED_MAX_ROWS)
-        if len(specs) != cfg.n_layer:
-            self.stack = None
+        emb = model.token_embd.table
+        self.stack = StackGraph(
+            specs, self.attn, self.head, DenseWeight(np.ascontiguousarray(emb.raw).reshape(-1), int(emb.qtype), *emb.shape),
+            max_rows=FUSED_MAX_ROWS) if len(specs) == cfg.n_layer else None
 
 
 @dataclass(eq=False)
