@@ -57,25 +57,26 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def engine_graph_s() -> float:
-    """Seconds the engine thread has spent inside ``ggml_graph_compute`` so far (``graph_time``)."""
+def engine_graph() -> tuple[float, int]:
+    """Seconds the engine thread has spent inside ``ggml_graph_compute`` so far and the graphs it computed
+    (``graph_time``)."""
     for t in threading.enumerate():
         if t.name == "engine" and t.ident is not None:
-            return graph_time(t.ident)[0]
-    return 0.0
+            return graph_time(t.ident)
+    return 0.0, 0
 
 
-async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tuple[float, float, float]:
+async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tuple[float, float, tuple[float, int]]:
     """Returns (prefill seconds = time to first token, decode seconds for the remaining tokens, the
-    engine thread's graph seconds when the first token came)."""
+    engine thread's graph seconds and count when the first token came)."""
     t0 = time.perf_counter()
     h = rt.submit(prompt, GenParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True))
     t_first: float | None = None
-    g_first = 0.0
+    g_first = (0.0, 0)
     async for ev in h.events:
         if isinstance(ev, Emit) and ev.token_ids and t_first is None:
             t_first = time.perf_counter()
-            g_first = engine_graph_s()
+            g_first = engine_graph()
         if isinstance(ev, Finish):
             break
     t_end = time.perf_counter()
@@ -84,16 +85,17 @@ async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tu
 
 
 async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_decode: int
-                   ) -> tuple[float, float, float, float]:
+                   ) -> tuple[float, float, float, float, float]:
     """Prefill and aggregate decode tokens/s of ``conc`` concurrent requests (prompts differ per rep),
     and the shares of the decode phase (from the last first token to the end, as the trio side sees
-    them come) and of the whole case the engine thread spent inside ggml's graph compute. With a tiny
-    model the engine can finish before its first token is delivered: the decode share is then 0."""
+    them come) and of the whole case the engine thread spent inside ggml's graph compute, and the graphs
+    it computed per decode step in that phase. With a tiny model the engine can finish before its first
+    token is delivered: the decode share is then 0."""
     vocab = rt.model.config.n_vocab
     prompts = [[(7 * i + 13 * j + rep) % (vocab - 3) for j in range(prompt_len)] for i in range(conc)]
-    results: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * conc
+    results: list[tuple[float, float, tuple[float, int]]] = [(0.0, 0.0, (0.0, 0))] * conc
     t0 = time.perf_counter()
-    g0 = engine_graph_s()
+    g0, _ = engine_graph()
 
     async def go(i: int) -> None:
         results[i] = await one_request(rt, prompts[i], n_decode)
@@ -102,12 +104,12 @@ async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_de
         for i in range(conc):
             n.start_soon(go, i)
     wall = time.perf_counter() - t0
-    g_end = engine_graph_s()
+    g_end, n_end = engine_graph()
     last = max(range(conc), key=lambda i: results[i][0])
-    prefill_wall, g_decode = results[last][0], results[last][2]
+    prefill_wall, (g_decode, n_decode_0) = results[last][0], results[last][2]
     decode_wall = wall - prefill_wall
     return (conc * prompt_len / prefill_wall, conc * (n_decode - 1) / decode_wall, (g_end - g_decode) / decode_wall,
-            (g_end - g0) / wall)
+            (g_end - g0) / wall, (n_end - n_decode_0) / max(1, n_decode - 1))
 
 
 async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int,
@@ -120,11 +122,13 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
         dec: list[float] = []
         share: list[float] = []
         case_share: list[float] = []  # over the whole case, prefill included
+        graphs: list[float] = []  # ggml graphs per decode step (1: token ids to logits in one graph)
         ref_pre: list[float] = []
         ref_dec: list[float] = []
         version = ""
         for rep in range(reps):
-            p, d, gs, whole = await one_case(rt, conc, rep, prompt_len, n_decode)
+            p, d, gs, whole, per_step = await one_case(rt, conc, rep, prompt_len, n_decode)
+            graphs.append(per_step)
             pre.append(p)
             dec.append(d)
             share.append(gs)
@@ -145,6 +149,7 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
                 c["graph_share"] = round(statistics.median(share), 4)
                 c["case_graph_share"] = round(statistics.median(case_share), 4)
                 c["outside_graph_ms"] = round(step_ms * (1.0 - statistics.median(share)), 3)
+                c["graphs_per_step"] = round(statistics.median(graphs), 2)
             if theirs:
                 c["llamacpp_tokens_per_s"] = round(statistics.median(theirs), 2)
                 c["llamacpp_version"] = version
@@ -259,7 +264,8 @@ def main() -> None:
             ref = c.get("llamacpp_tokens_per_s")
             extra = f" {ref:>10.2f} {c['tokens_per_s'] / ref:>7.2f}" if ref else ""
             split = (f"   step {c['step_ms']:.2f} ms: {100 * c['graph_share']:.0f} % in ggml graphs, "
-                     f"{c['outside_graph_ms']:.2f} ms outside") if "graph_share" in c else ""
+                     f"{c['outside_graph_ms']:.2f} ms outside, {c['graphs_per_step']:.1f} graphs a step"
+                     if "graph_share" in c else "")
             print(f"{c['case']:<12} {c['tokens_per_s']:>10.2f}{extra}{split}")
     mem = result["cases"][-1]
     print(f"resident memory {mem['rss_mb']:.0f} MB (model file {mem['file_mb']:.0f} MB, "

@@ -295,6 +295,11 @@ class AttnIn(_QkvIn):
         pos = g.ggml_new_tensor_1d(ctx, g.GGML_TYPE_I32, b)
         g.ggml_set_input(x)
         g.ggml_set_input(pos)
+        return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, list(self.ops(ctx, x, pos, b))
+
+    def ops(self, ctx: Any, x: Any, pos: Any, b: int) -> tuple[Any, Any, Any]:
+        """The graph's ops on given tensors ``x [d, b]`` and ``pos [b]``: ``(q, k, v)`` (``q [hdk, H, b]``,
+        ``k [hdk, Hkv, b]``, ``v [Hkv*hdv, b]``; ``coordinator.engine.stack`` builds them into its own graph)."""
         h = _rms(ctx, x, self._norm, self.eps)
         q = _biased(ctx, g.ggml_mul_mat(ctx, self._wq, h), self._bq)
         k = _biased(ctx, g.ggml_mul_mat(ctx, self._wk, h), self._bk)
@@ -307,9 +312,7 @@ class AttnIn(_QkvIn):
         if not self.qk_norm_full and self._qn is not None and self._kn is not None:  # per head
             q = _rms(ctx, q, self._qn, self.eps)
             k = _rms(ctx, k, self._kn, self.eps)
-        q = self._rope(ctx, q, pos)
-        k = self._rope(ctx, k, pos)
-        return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, [q, k, v]
+        return self._rope(ctx, q, pos), self._rope(ctx, k, pos), v
 
 class MlaIn(_QkvIn):
     """Multi-head latent attention's input half (DeepSeek-V2), with llama.cpp's absorption of
@@ -365,11 +368,15 @@ class MlaIn(_QkvIn):
         return _rope_ext(ctx, t, pos, self.dr, self.mode, self.rope_base, self.rope_args)
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
-        H, kvl, dn, dr = self.H, self.kvl, self.dn, self.dr
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
         pos = g.ggml_new_tensor_1d(ctx, g.GGML_TYPE_I32, b)
         g.ggml_set_input(x)
         g.ggml_set_input(pos)
+        return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, list(self.ops(ctx, x, pos, b))
+
+    def ops(self, ctx: Any, x: Any, pos: Any, b: int) -> tuple[Any, Any, Any]:
+        """``AttnIn.ops`` of MLA: ``(q [kv_lora+dr, H, b], k [kv_lora+dr, 1, b], v [kv_lora, b])``."""
+        H, kvl, dn, dr = self.H, self.kvl, self.dn, self.dr
         h = _rms(ctx, x, self._norm, self.eps)
         if len(self._wq) == 1:
             q = g.ggml_mul_mat(ctx, self._wq[0], h)
@@ -388,7 +395,7 @@ class MlaIn(_QkvIn):
         q_abs = g.ggml_mul_mat(ctx, self._wkb, g.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [kv_lora, b, H]
         q_out = g.ggml_concat(ctx, g.ggml_permute(ctx, q_abs, 0, 2, 1, 3), q_pe, 0)  # [kv_lora + dr, H, b]
         k_out = g.ggml_concat(ctx, g.ggml_reshape_3d(ctx, kv_c, kvl, 1, b), k_pe, 0)  # [kv_lora + dr, 1, b]
-        return {"x": (x, (b, self.d), "f32"), "pos": (pos, (b,), "i32")}, [q_out, k_out, kv_c]
+        return q_out, k_out, kv_c
 
 @dataclass(frozen=True)
 class HeadWeights:
@@ -512,6 +519,10 @@ class AttnOut(_Graphs):
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
         g.ggml_set_input(a)
         g.ggml_set_input(x)
+        return {"a": (a, (b, self.a), "f32"), "x": (x, (b, self.d), "f32")}, self.ops(ctx, a, x, b)
+
+    def ops(self, ctx: Any, a: Any, x: Any, b: int) -> list[Any]:
+        """The graph's ops on given tensors ``a [A, b]``, ``x [d, b]``: ``[x2, h, (probs), (shared)]``."""
         att = a
         if self.v_b is not None and self._wvb is not None:  # per head: [kv_lora] -> [d_v], as llama.cpp's v_mla
             vb = self.v_b
@@ -526,7 +537,7 @@ class AttnOut(_Graphs):
             outs.append(g.ggml_soft_max(ctx, logits) if self.softmax else logits)
         if self._sh is not None:
             outs.append(_shared_ffn(ctx, self._sh, h))
-        return {"a": (a, (b, self.a), "f32"), "x": (x, (b, self.d), "f32")}, outs
+        return outs
 
     def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -603,13 +614,21 @@ class AttnOutMoE(AttnOut):
 
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         inputs, outs = super()._build(ctx, b)
-        x2, h, probs = outs[0], outs[1], outs[2]
-        shared = outs[3] if self._sh is not None else None
-        e, d, n, k = self.ex, self.d, self.ex.n_expert, self.ex.k
+        n, d = self.ex.n_expert, self.d
         ar = g.ggml_new_tensor_3d(ctx, g.GGML_TYPE_F32, 1, n, b)  # each row: 0, 1, .., n_expert-1
         zero = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, d, b)
         for t in (ar, zero):
             g.ggml_set_input(t)
+        inputs["ar"] = (ar, (b, n), "f32")
+        inputs["zero"] = (zero, (b, d), "f32")
+        return inputs, list(self.moe_ops(ctx, outs, ar, zero, b))
+
+    def moe_ops(self, ctx: Any, outs: list[Any], ar: Any, zero: Any, b: int) -> tuple[Any, Any]:
+        """The MoE on ``AttnOut.ops``'s ``outs``, with the inputs ``ar [1, n_expert, b]`` (each row 0 ..
+        n_expert-1) and ``zero [d, b]`` (zeros): ``(x_next [d, b], experts [k, b] as floats, ascending)``."""
+        x2, h, probs = outs[0], outs[1], outs[2]
+        shared = outs[3] if self._sh is not None else None
+        e, d, n, k = self.ex, self.d, self.ex.n_expert, self.ex.k
         ids = g.ggml_top_k(ctx, probs, k)  # [k, b]
         w = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, n, b), ids)  # [1, k, b]
         if e.norm_topk:
@@ -634,9 +653,7 @@ class AttnOutMoE(AttnOut):
             acc = g.ggml_add(ctx, acc, shared)
         xn = g.ggml_add(ctx, x2, acc)
         sorted_ids = g.ggml_get_rows(ctx, idxf, order)  # [1, k, b]
-        inputs["ar"] = (ar, (b, n), "f32")
-        inputs["zero"] = (zero, (b, d), "f32")
-        return inputs, [xn, g.ggml_cont(ctx, sorted_ids)]
+        return xn, g.ggml_cont(ctx, sorted_ids)
 
     def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1  # type: ignore[override]
                  ) -> tuple[np.ndarray, np.ndarray]:
@@ -672,7 +689,11 @@ class Head(_Graphs):
     def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
         x = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, self.d, b)
         g.ggml_set_input(x)
-        return {"x": (x, (b, self.d), "f32")}, [g.ggml_mul_mat(ctx, self._w, _rms(ctx, x, self._norm, self.eps))]
+        return {"x": (x, (b, self.d), "f32")}, [self.ops(ctx, x)]
+
+    def ops(self, ctx: Any, x: Any) -> Any:
+        """The graph's ops on a given ``x [d, b]``: the logits ``[n_vocab, b]``."""
+        return g.ggml_mul_mat(ctx, self._w, _rms(ctx, x, self._norm, self.eps))
 
     def __call__(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -12,6 +12,10 @@ Rules:
   padded to ``KV_PAD`` rows as llama.cpp pads its own) and the head is one graph: llama.cpp's own ops, so its
   numbers (tests: within 1.6e-6 of llama.cpp on Q8_0, Q4_0 and Q4_K_M files). The torch path (the
   reference backend) computes the same math with torch ops.
+- A decode-sized step whose every layer is computed here (``ExpertBackend.whole_layer_here`` for every
+  expert layer, one group) runs as one ggml graph from token ids to logits (``coordinator.engine.stack``),
+  built once per shape and rebound per step: the per-layer graphs' bits (tested), no Python between
+  layers. Any other step (prefill, a layer that may go remote, several groups) takes the per-layer path.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
   per architecture; q/k/v biases where the file has them; q/k RMSNorm before RoPE per head or over
   the whole projection where the architecture has it; GQA maps query head h to kv head
@@ -49,6 +53,7 @@ from coordinator.engine.block import (
     SharedFFN,
     SharedOut,
 )
+from coordinator.engine.stack import LayerSpec, StackGraph
 from swarm.model.gguf import GGUFModel, LayerWeights, ModelConfig, QTensor, SharedExpert
 from swarm.model.kernels import KernelBackend, compute_threads
 from swarm.model.kernels.dense import Linear
@@ -222,6 +227,8 @@ KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama
 class _GgmlDense:
     """The ggml graphs of every layer's dense halves and the head (``coordinator.engine.block``)."""
 
+    stack: StackGraph | None
+
     def __init__(self, model: GGUFModel) -> None:
         cfg = model.config
         self.attn_in: list[AttnIn | MlaIn] = []
@@ -271,6 +278,22 @@ class _GgmlDense:
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
+        # decode steps whose every layer is computed here: all layers in one graph (no attention sinks:
+        # gpt-oss's gate is not fused either)
+        moe_of = {b: i for i, b in enumerate(cfg.moe_layers)}
+        specs: list[LayerSpec] = []
+        swa = frozenset(cfg.swa_layers)
+        for li, L in enumerate(model.layers):
+            ml = moe_of.get(li)
+            fused = self.attn_out_moe[li]
+            if L.sinks is not None or (ml is not None and fused is None) or (ml is None and self.attn_out[li].n_expert):
+                break  # a layer the stack does not compute: every step takes the per-layer path
+            specs.append(LayerSpec(attn_in=self.attn_in[li], moe=fused if ml is not None else None, moe_layer=ml,
+                                   dense=self.attn_out[li] if ml is None else None, window=cfg.n_swa if li in swa else 0))
+        emb = model.token_embd.table
+        self.stack = StackGraph(
+            specs, self.attn, self.head, DenseWeight(np.ascontiguousarray(emb.raw).reshape(-1), int(emb.qtype), *emb.shape),
+            max_rows=FUSED_MAX_ROWS) if len(specs) == cfg.n_layer else None
 
 
 @dataclass(eq=False)
@@ -285,6 +308,7 @@ class _Group:
     layer: int = 0  # the next layer whose dense half runs
     pending: LayerCall | None = None
     shared: np.ndarray | None = None
+    here: list[bool] | None = None  # whole_layer_here per expert layer, asked at the step's start
 
     def finish(self, experts: ExpertBackend) -> None:
         """The started layer's MoE into the residual (llama.cpp: (routed + shared) + residual, float32 adds)."""
@@ -468,15 +492,14 @@ class Transformer:
                 raise ValueError(f"sequence exceeds the context ({c.pos + len(c.tokens)} > {c.cache.n_ctx})")
             bounds.append((start, start + len(c.tokens)))
             start += len(c.tokens)
-        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        pos = torch.cat([torch.arange(c.pos, c.pos + len(c.tokens)) for c in chunks])
-        x = self.model.token_embd(tokens)
+        tokens = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=start)
+        pos = np.concatenate([np.arange(c.pos, c.pos + len(c.tokens), dtype=np.int64) for c in chunks])
         if self._ggml is not None:
-            return self._forward_ggml(self._ggml, chunks, bounds, x, pos)
-        return self._forward_torch(chunks, bounds, x, pos)
+            return self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)
+        return self._forward_torch(chunks, bounds, self.model.token_embd(torch.from_numpy(tokens)), torch.from_numpy(pos))
 
-    def _forward_ggml(self, gd: _GgmlDense, chunks: list[SeqChunk], bounds: list[tuple[int, int]], x: torch.Tensor,
-                      pos: torch.Tensor) -> list[torch.Tensor]:
+    def _forward_ggml(self, gd: _GgmlDense, chunks: list[SeqChunk], bounds: list[tuple[int, int]], tokens: np.ndarray,
+                      pos: np.ndarray) -> list[torch.Tensor]:
         """Each layer: one graph to q/k/v, the new rows into the caches, one attention graph for every
         sequence, one graph to the router; the experts through ``self.experts``. numpy in between.
 
@@ -485,12 +508,19 @@ class Transformer:
         half computes (``_run_groups``). Every kernel is batch-invariant, so the bits do not depend
         on the grouping."""
         cfg = self.cfg
-        n_tok = x.shape[0]
-        pos_np = pos.to(torch.int32).numpy()
-        xn = x.numpy()
+        n_tok = len(tokens)
+        pos_np = pos.astype(np.int32)
         for c in chunks:
             c.cache.begin(c.pos + len(c.tokens))
         n_groups = min(len(chunks), max(1, self.experts.groups(len(chunks), n_tok)))
+        here: list[bool] | None = None
+        if n_groups == 1 and gd.stack is not None and n_tok <= FUSED_MAX_ROWS \
+                and gd.stack.fits([len(c.tokens) for c in chunks]):
+            # asked once per layer and step: the whole step in one graph if every layer is computed here
+            here = [self.experts.whole_layer_here(ml, n_tok * cfg.n_expert_used) for ml in range(cfg.n_moe_layer)]
+            if all(here):
+                return self._stack_ggml(gd.stack, chunks, bounds, tokens, pos_np)
+        xn = self.model.token_embd(torch.from_numpy(tokens)).numpy()
         cuts = group_cuts([e - s for s, e in bounds], n_groups)
         groups: list[_Group] = []
         for a, b in itertools.pairwise(cuts):
@@ -498,9 +528,19 @@ class Transformer:
             groups.append(_Group(chunks[a:b], [(s - s0, e - s0) for s, e in bounds[a:b]], xn[s0:e0], pos_np[s0:e0]))
         if len(groups) == 1:
             one = groups[0]
-            for li in range(cfg.n_layer):
+            one.here = here
+            # runs of layers computed here, between remote layers: one graph each (``coordinator.engine.stack``)
+            segments = self._segments(here) if here is not None else {}
+            li = 0
+            while li < cfg.n_layer:
+                end = segments.get(li)
+                if end is not None and gd.stack is not None:
+                    self._segment_ggml(gd.stack, one, li, end)
+                    li = end
+                    continue
                 self._layer_ggml(gd, li, one, None)
                 one.finish(self.experts)
+                li += 1
         else:
             self._run_groups(gd, groups)
         xn = groups[0].xn if len(groups) == 1 else np.concatenate([g.xn for g in groups])
@@ -509,6 +549,47 @@ class Transformer:
         xs = rows[0] if len(rows) == 1 else np.concatenate(rows)
         logits = torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs)))
         return list(torch.split(logits, [len(r) for r in rows])) if len(rows) > 1 else [logits]
+
+    def _stack_ggml(self, stack: StackGraph, chunks: list[SeqChunk], bounds: list[tuple[int, int]], tokens: np.ndarray,
+                    pos: np.ndarray) -> list[torch.Tensor]:
+        """The whole step in one graph (``coordinator.engine.stack``); the backend hears of each MoE
+        layer's experts (its time: the graph's, shared evenly)."""
+        t0 = time.perf_counter()
+        seqs = [(e - s, c.pos, c.cache.k_np, c.cache.v_np) for c, (s, e) in zip(chunks, bounds, strict=True)]
+        every = all(c.all_logits or e - s == 1 for c, (s, e) in zip(chunks, bounds, strict=True))
+        rows = None if every else np.concatenate([np.arange(s, e) if c.all_logits else np.arange(e - 1, e)
+                                                  for c, (s, e) in zip(chunks, bounds, strict=True)])
+        logits, ids = stack(tokens, pos, seqs, compute_threads(len(tokens) * stack.macs), rows)
+        share = (time.perf_counter() - t0) / max(1, len(ids))
+        for ml, e in ids:
+            self.experts.ran_here(ml, e, share)
+        out = torch.from_numpy(logits)
+        sizes = [e - s if c.all_logits else 1 for c, (s, e) in zip(chunks, bounds, strict=True)]
+        return list(torch.split(out, sizes)) if len(sizes) > 1 else [out]
+
+    def _segments(self, here: list[bool]) -> dict[int, int]:
+        """First layer -> end of each run of consecutive layers computed here (dense blocks and expert
+        layers ``here`` allows)."""
+        runs: dict[int, int] = {}
+        start: int | None = None
+        for li in range(self.cfg.n_layer + 1):
+            ml = self._moe_of[li] if li < self.cfg.n_layer else None
+            local = li < self.cfg.n_layer and (ml is None or here[ml])
+            if local and start is None:
+                start = li
+            elif not local and start is not None:
+                runs[start] = li
+                start = None
+        return runs
+
+    def _segment_ggml(self, stack: StackGraph, mb: _Group, lo: int, hi: int) -> None:
+        """Layers ``lo .. hi-1`` of one group in one graph, from its residual rows to the next."""
+        t0 = time.perf_counter()
+        seqs = [(e - s, c.pos, c.cache.k_np, c.cache.v_np) for c, (s, e) in zip(mb.chunks, mb.bounds, strict=True)]
+        mb.xn, ids = stack(mb.xn, mb.pos, seqs, compute_threads(mb.xn.shape[0] * stack.macs), span=(lo, hi))
+        share = (time.perf_counter() - t0) / max(1, len(ids))
+        for ml, e in ids:
+            self.experts.ran_here(ml, e, share)
 
     def _run_groups(self, gd: _GgmlDense, groups: list[_Group]) -> None:
         """Advance every group through the layers, each on its own: a group whose layer is in flight
@@ -565,7 +646,8 @@ class Transformer:
         moe_layer = self._moe_of[li]
         fused = gd.attn_out_moe[li]
         if fused is not None and moe_layer is not None and n_tok <= FUSED_MAX_ROWS \
-                and self.experts.whole_layer_here(moe_layer, n_tok * cfg.n_expert_used):
+                and (mb.here[moe_layer] if mb.here is not None
+                     else self.experts.whole_layer_here(moe_layer, n_tok * cfg.n_expert_used)):
             t1 = time.perf_counter()
             mb.xn, ids_np = fused(attn, xn, compute_threads(n_tok * fused.macs))
             self.experts.ran_here(moe_layer, ids_np, time.perf_counter() - t1)

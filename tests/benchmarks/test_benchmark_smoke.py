@@ -141,6 +141,7 @@ def check_engine(result: dict[str, Any]) -> None:
             # (the tiny model's decode may end before its first token reaches the trio side: share 0)
             assert 0.0 <= c["graph_share"] < 1.0 and 0.0 < c["outside_graph_ms"] <= c["step_ms"], c
             assert 0.0 < c["case_graph_share"] < 1.0, c
+            assert c["graphs_per_step"] >= 0.0, c  # 1 where a step is one graph (0 when the window held none)
     assert cases["rss"]["rss_mb"] > cases["rss"]["rss_before_load_mb"] > 0 and cases["rss"]["file_mb"] > 0
 
 

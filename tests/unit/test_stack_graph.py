@@ -1,0 +1,163 @@
+"""A decode step's layers as one ggml graph (``coordinator.engine.stack``): the bits of the per-layer graphs
+on every architecture it covers, f32 and f16 caches, 1-16 sequences at staggered positions, across the
+KV padding boundaries (the graph's ``n_kv`` rebound, not rebuilt) and with caches changing places
+between steps; one graph per step, built once per shape and reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.engine.model import KV_PAD, KVCache, LocalExperts, SeqChunk, Transformer
+from swarm.errors import KernelError
+from swarm.model.gguf import GGUFModel
+from swarm.model.kernels.ggml import graph_time
+from tests.conftest import FIXTURES
+
+STACKING = ["qwen3moe-tiny-q8_0", "qwen3moe-small-w224-q4_k_m", "olmoe-tiny-q8_0", "qwen2moe-tiny-q8_0",
+            "mixtral-spm-tiny-q8_0", "deepseek2-tiny-q8_0", "qwen3moe-tiny-f32"]
+
+
+def _run(tr: Transformer, n_seq: int, steps: int, dtype: torch.dtype, *, swap: bool = False) -> list[torch.Tensor]:
+    """Prompts of different lengths (positions staggered around the KV padding), then ``steps`` greedy
+    decode steps of every sequence together; ``swap``: the sequences' order reverses every step (each
+    graph slot meets another cache)."""
+    vocab = tr.cfg.n_vocab
+    caches = [KVCache(tr.cfg, 96, dtype) for _ in range(n_seq)]
+    prompts = [[(7 * j + 5 * i + 1) % (vocab - 3) for j in range(KV_PAD - 6 + 3 * i)] for i in range(n_seq)]
+    first = tr.forward([SeqChunk(c, p, 0) for c, p in zip(caches, prompts, strict=True)])
+    toks = [int(o[-1].argmax()) for o in first]
+    pos = [len(p) for p in prompts]
+    out: list[torch.Tensor] = [torch.cat([o[-1:] for o in first])]
+    order = list(range(n_seq))
+    for _ in range(steps):
+        if swap:
+            order.reverse()
+        logits = tr.forward([SeqChunk(caches[i], [toks[i]], pos[i]) for i in order])
+        by_seq = {i: lg[-1] for i, lg in zip(order, logits, strict=True)}
+        toks = [int(by_seq[i].argmax()) for i in range(n_seq)]
+        pos = [p + 1 for p in pos]
+        out.append(torch.stack([by_seq[i] for i in range(n_seq)]))
+    return out
+
+
+def _per_layer(model: GGUFModel) -> Transformer:
+    tr = Transformer(model, LocalExperts(model))
+    assert tr._ggml is not None
+    tr._ggml.stack = None  # the per-layer graphs (each layer's MoE still fused into its AttnOut graph)
+    return tr
+
+
+@pytest.mark.parametrize("name", STACKING)
+def test_the_stacked_step_gives_the_per_layer_bits(name: str) -> None:
+    model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
+    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
+    assert stacked._ggml is not None and stacked._ggml.stack is not None
+    for dtype in (torch.float32, torch.float16):
+        for n_seq in (1, 3):
+            a, b = _run(stacked, n_seq, 10, dtype), _run(plain, n_seq, 10, dtype)
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                assert torch.equal(x, y), (name, dtype, n_seq, i, (x - y).abs().max())
+
+
+@pytest.mark.parametrize("n_seq", [2, 8, 16])
+def test_many_sequences_and_moving_caches(n_seq: int) -> None:
+    model = GGUFModel(FIXTURES / "golden" / "qwen2moe-tiny-q8_0.gguf")
+    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
+    for x, y in zip(_run(stacked, n_seq, 4, torch.float16, swap=True), _run(plain, n_seq, 4, torch.float16, swap=True),
+                    strict=True):
+        assert torch.equal(x, y), n_seq
+
+
+def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-small-w224-q4_k_m.gguf")
+    tr = Transformer(model, LocalExperts(model))
+    vocab = tr.cfg.n_vocab
+    prompts = [[(11 * j + 3 * i + 2) % (vocab - 3) for j in range(9 + i)] for i in range(16)]
+    caches = [KVCache(tr.cfg, 64) for _ in prompts]
+    for c, p in zip(caches, prompts, strict=True):
+        tr.forward([SeqChunk(c, p, 0)])
+    kept = [(c.k.clone(), c.v.clone()) for c in caches]
+    alone = [tr.forward([SeqChunk(c, [5 + i], len(p))])[0] for i, (c, p) in enumerate(zip(caches, prompts, strict=True))]
+    for n in (1, 2, 3, 8, 16):
+        for c, (k, v) in zip(caches, kept, strict=True):
+            c.k.copy_(k)
+            c.v.copy_(v)
+        together = tr.forward([SeqChunk(c, [5 + i], len(p)) for i, (c, p) in enumerate(zip(caches[:n], prompts[:n],
+                                                                                            strict=True))])
+        for i in range(n):
+            assert torch.equal(together[i], alone[i]), (n, i)
+
+
+def test_one_graph_per_step_built_once() -> None:
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
+    tr = Transformer(model, LocalExperts(model))
+    assert tr._ggml is not None and tr._ggml.stack is not None
+    stack = tr._ggml.stack
+    cache = KVCache(tr.cfg, 128)
+    tr.forward([SeqChunk(cache, list(range(1, 12)), 0)])  # 11 rows: a prefill, not stacked
+    assert not stack._graphs
+    tok = int(tr.forward([SeqChunk(cache, [4], 11)])[0][-1].argmax())
+    built = dict(stack._graphs)
+    pos = 12
+    for _ in range(2 * KV_PAD):  # through two padding boundaries
+        _, n0 = graph_time()
+        tok = int(tr.forward([SeqChunk(cache, [tok], pos)])[0][-1].argmax())
+        pos += 1
+        assert graph_time()[1] - n0 == 1  # token ids to logits: one graph
+    assert len(stack._graphs) == len(built) == 1 and all(stack._graphs[k] is built[k] for k in built)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny-q8_0", "deepseek2-tiny-q8_0"])
+def test_small_chunks_of_several_rows(name: str) -> None:
+    """Chunks of 2-5 rows (a short prompt, draft tokens), with and without every row's logits."""
+    model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
+    outs = []
+    stacked = Transformer(model, LocalExperts(model))
+    for tr in (stacked, _per_layer(model)):
+        caches = [KVCache(tr.cfg, 64, torch.float16) for _ in range(3)]
+        got = tr.forward([SeqChunk(caches[0], [5, 6, 7], 0), SeqChunk(caches[1], [8, 9], 0, all_logits=True),
+                          SeqChunk(caches[2], [1], 0)])
+        got += tr.forward([SeqChunk(caches[0], [9, 10, 11, 12, 13], 3, all_logits=True), SeqChunk(caches[2], [4, 4], 1)])
+        outs.append(got)
+    assert stacked._ggml is not None and stacked._ggml.stack is not None and len(stacked._ggml.stack._graphs) == 2
+    assert [o.shape[0] for o in outs[0]] == [1, 2, 1, 5, 1]
+    for x, y in zip(*outs, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_token_out_of_range_is_refused() -> None:
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
+    tr = Transformer(model, LocalExperts(model))
+    with pytest.raises(KernelError, match="out of range"):
+        tr.forward([SeqChunk(KVCache(tr.cfg, 16), [tr.cfg.n_vocab], 0)])
+
+
+class SomeRemote(LocalExperts):
+    """Expert layer 1 (and 3) may go elsewhere: the engine takes the layer path there (here computed locally)."""
+
+    def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
+        return layer not in (1, 3)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny-q8_0", "deepseek2-tiny-q8_0", "qwen2moe-tiny-q8_0"])
+def test_segments_between_remote_layers(name: str) -> None:
+    """Each run of local layers between the remote ones is one graph; the bits of the per-layer path."""
+    model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
+    seg = Transformer(model, SomeRemote(model))
+    plain = Transformer(model, SomeRemote(model))
+    assert seg._ggml is not None and seg._ggml.stack is not None and plain._ggml is not None
+    plain._ggml.stack = None
+    for dtype in (torch.float32, torch.float16):
+        for x, y in zip(_run(seg, 3, 6, dtype, swap=True), _run(plain, 3, 6, dtype, swap=True), strict=True):
+            assert torch.equal(x, y), (name, dtype)
+    moe = list(model.config.moe_layers)
+    remote = {moe[1], moe[3]} if len(moe) > 3 else {moe[1]}
+    spans = {k[0] for k in seg._ggml.stack._graphs}
+    want = set()
+    lo = 0
+    for li in sorted(remote) + [model.config.n_layer]:
+        if li > lo:
+            want.add((lo, li))
+        lo = li + 1
+    assert spans == want, (spans, want)
