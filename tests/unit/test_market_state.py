@@ -11,6 +11,7 @@ import pytest
 
 from market.core.assign import NoOfferReason
 from market.core.records import CoverageRow, HeldState, ModelManifest, SliceRef
+from market.core.recruit import SpeedReport
 from market.policy import MarketPolicy
 from market.state import Market, NoOffer, Offer
 from market.store import InMemoryStore, MemoryBacking, Put
@@ -244,6 +245,19 @@ def test_views_and_recruitment_share_one_saturation_rule() -> None:
         assert m.demand(now).models[0].saturated_now is want
         assert m.ix.saturated_now(MID, now) is want
         assert not view.saturated  # one poll is no sustained load (hysteresis: rise_s)
+
+
+def test_the_speed_signal_of_a_coordinator_with_a_floor_replaces_busy() -> None:
+    """A coordinator reporting its floor and mean active tps is saturated by them (busy 4 of 4 at 12 tps
+    against a floor of 5, with room for one more: not saturated; 1 busy below the floor: saturated); a bad
+    number in its report says nothing (busy decides)."""
+    m = registered()
+    m.record_poll(URL, 4, 4, 0.0, speed=SpeedReport(12.0, 5.0, 8.0))
+    assert not m.ix.saturated_now(MID, 1.0)
+    m.record_poll(URL, 1, 4, 2.0, speed=SpeedReport(4.5, 5.0, 3.0))
+    assert m.ix.saturated_now(MID, 3.0) and m.recruitment(3.0).models[0].coordinators[0].saturated
+    m.record_poll(URL, 1, 4, 4.0, speed=SpeedReport(float("nan"), 5.0, None))
+    assert not m.ix.saturated_now(MID, 5.0)
 
 
 def test_the_recruitment_view_says_what_each_volunteer_does() -> None:
