@@ -64,26 +64,17 @@ from coordinator.api.schemas import (
     decode_completion,
     gen_params,
 )
-from coordinator.core.admission import Verdict
 from coordinator.core.scheduler import Emit, Finish, FinishReason, GenParams
-from coordinator.engine.runtime import EngineFailed, EngineRuntime, RequestHandle
+from coordinator.engine.runtime import EngineFailed, EngineRuntime, OverCapacity, RequestHandle
 from swarm.errors import RequestError, SwarmError
 from swarm.http_io import close_if_unread, read_body
 from swarm.protocol.coordinator import CapacityReport, Health, MarketLinkStatus, SlotInfo
 from swarm.protocol.http import encode_error
 from swarm.text.chat import render_chat
 
-__all__ = ["OverCapacity", "build_app", "error_response"]
+__all__ = ["build_app", "error_response"]
 
 MAX_SESSION_ID = 256
-
-
-class OverCapacity(RequestError):
-    """429: admitting the request would take the sessions' mean speed below the floor."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message, code="over_capacity", status=429)
-        self.retry_after_s = retry_after_s
 
 
 def error_response(exc: SwarmError | RequestError, status: int | None = None, headers: dict[str, str] | None = None) -> Response:
@@ -341,26 +332,9 @@ def build_app(
         if sid is not None and len(sid) > MAX_SESSION_ID:
             raise RequestError(f"X-Session-Id has {len(sid)} characters; at most {MAX_SESSION_ID}",
                                code="invalid_session_id")
-        held: float | None = None
-        while True:
-            d, now = rt.decide(ids, session_id=sid, overcommit=req.overcommit, held_since=held)
-            if d.verdict is Verdict.ADMIT:
-                handle = rt.submit(ids, params, prompt_param=prompt_param, continuation=continuation)
-                rt.admitted(ids, sid)
-                return handle, ({"X-Sessions-Remaining": "0"} if d.sessions_remaining == 0 else None)
-            if d.verdict is Verdict.REJECT:
-                info = rt.capacity().capacity
-                mean = f"{info.mean_active_tps:.2f}" if info.mean_active_tps is not None else "unknown"
-                proj = (f"{info.projected_mean_tps_if_admitted:.2f}" if info.projected_mean_tps_if_admitted is not None
-                        else "unknown")
-                raise OverCapacity(f"over capacity ({d.reason}): {info.active_sessions} sessions at a mean of {mean} "
-                                   f"tokens/s; one more would give {proj}, below the floor of {info.tps_floor} "
-                                   "(retry later, another coordinator, or \"overcommit\": true)",
-                                   d.retry_after_s or 1.0)
-            held = now if held is None else held
-            wait = max(0.0, (d.recheck_at if d.recheck_at is not None else now) - now)
-            with trio.move_on_after(wait):
-                await rt.wait_changed()
+        handle, d = await rt.admit(ids, params, session_id=sid, overcommit=req.overcommit, prompt_param=prompt_param,
+                                   continuation=continuation)
+        return handle, ({"X-Sessions-Remaining": "0"} if d.sessions_remaining == 0 else None)
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")

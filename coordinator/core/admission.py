@@ -6,8 +6,9 @@ measures the speed each session experiences and decides whether a new one may st
 Speed rules:
 - ``started(sid, now)`` when a request is admitted; ``tokens(sid, n, now)`` when ``n`` decode tokens
   of it are sampled at ``now`` (a speculative step emits several at once); ``ended(sid, now)``.
-- A session's tps EWMA (``alpha``) is over the intervals between its token deliveries: ``n / (now -
-  last)``; its first delivery (the token the prefill samples) only starts the clock.
+- A session's tps EWMA (``alpha``) is over the intervals between its token deliveries: an EWMA of the
+  seconds per token ``(now - last) / n``, inverted (a rate averaged as its inverse, so jitter between
+  steps does not inflate it); its first delivery (the token the prefill samples) only starts the clock.
 - A session is *warming* from its start until it has decoded ``settle_tokens`` tokens or ``settle_s``
   have passed, whichever first. Warming sessions, and sessions with no EWMA yet, are left out of
   ``mean_active_tps`` (the mean of the others' EWMAs; None when there are none). ``decode_tps`` is the
@@ -143,7 +144,11 @@ class _Session:
     started: float
     decoded: int = 0
     last_at: float | None = None
-    tps: float | None = None
+    spt: float | None = None  # EWMA of seconds per decode token
+
+    @property
+    def tps(self) -> float | None:
+        return None if self.spt is None else 1.0 / self.spt
 
 
 @dataclass
@@ -181,9 +186,9 @@ class AdmissionCore:
         if s.last_at is not None:
             s.decoded += n
             if now > s.last_at:
-                inst = n / (now - s.last_at)
+                inst = (now - s.last_at) / n
                 a = self.policy.alpha
-                s.tps = inst if s.tps is None else (1 - a) * s.tps + a * inst
+                s.spt = inst if s.spt is None else (1 - a) * s.spt + a * inst
             else:
                 return  # the same instant: counted, and the next interval carries these tokens' time
         s.last_at = now

@@ -66,8 +66,8 @@ from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
 from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
-__all__ = ["CapacityInfo", "EngineFailed", "EngineRuntime", "EngineStats", "PrefixCacheInfo", "RequestHandle",
-           "prefix_salt"]
+__all__ = ["CapacityInfo", "EngineFailed", "EngineRuntime", "EngineStats", "OverCapacity", "PrefixCacheInfo",
+           "RequestHandle", "prefix_salt"]
 
 SESSION_SALT = b"moe-swarm-session-v1"
 
@@ -104,6 +104,14 @@ class EngineStats:
     decode_tps_ewma: float = 0.0  # aggregate generated tokens/s over recent steps
     prompt_tps_ewma: float = 0.0
     last_step_ms: float = 0.0
+
+
+class OverCapacity(RequestError):
+    """429: admitting the request would take the sessions' mean speed below the floor (``retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, code="over_capacity", status=429)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -608,6 +616,32 @@ class EngineRuntime:
             self.admission.remember((len(prompt), h), now, length=len(prompt))
             if session_id:
                 self.admission.remember(("sid", session_id), now)
+
+    async def admit(self, prompt: list[int], params: GenParams, *, session_id: str | None = None,
+                    overcommit: bool = False, prompt_param: str = "prompt", continuation: bool = True
+                    ) -> tuple[RequestHandle, Decision]:
+        """Decide, holding while told to (woken by tokens and endings, bounded by the policy), then submit:
+        the handle and the decision. Raises ``OverCapacity`` when refused, ``RequestError`` as ``submit``."""
+        held: float | None = None
+        while True:
+            d, now = self.decide(prompt, session_id=session_id, overcommit=overcommit, held_since=held)
+            if d.verdict is Verdict.ADMIT:
+                handle = self.submit(prompt, params, prompt_param=prompt_param, continuation=continuation)
+                self.admitted(prompt, session_id)
+                return handle, d
+            if d.verdict is Verdict.REJECT:
+                info = self.capacity().capacity
+                mean = f"{info.mean_active_tps:.2f}" if info.mean_active_tps is not None else "unknown"
+                proj = (f"{info.projected_mean_tps_if_admitted:.2f}" if info.projected_mean_tps_if_admitted is not None
+                        else "unknown")
+                raise OverCapacity(f"over capacity ({d.reason}): {info.active_sessions} sessions at a mean of {mean} "
+                                   f"tokens/s; one more would give {proj}, below the floor of {info.tps_floor} "
+                                   "(retry later, another coordinator, or \"overcommit\": true)",
+                                   d.retry_after_s or 1.0)
+            held = now if held is None else held
+            wait = max(0.0, (d.recheck_at if d.recheck_at is not None else now) - now)
+            with trio.move_on_after(wait):
+                await self.wait_changed()
 
     async def wait_changed(self) -> None:
         """Until a session's tokens arrive or a session ends (the trio side)."""

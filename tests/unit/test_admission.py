@@ -36,10 +36,10 @@ def test_session_tps_is_an_ewma_of_token_intervals_and_the_first_token_only_star
     assert c.session_tps(1) is None
     c.tokens(1, 1, 3.5)
     assert c.session_tps(1) == pytest.approx(2.0)
-    c.tokens(1, 3, 4.0)  # a speculative step: 3 tokens in 0.5 s
-    assert c.session_tps(1) == pytest.approx(0.5 * 2.0 + 0.5 * 6.0)
+    c.tokens(1, 3, 4.0)  # a speculative step: 3 tokens in 0.5 s; averaged as seconds per token
+    assert c.session_tps(1) == pytest.approx(1 / (0.5 * 0.5 + 0.5 / 6))
     c.tokens(1, 2, 4.0)  # the same instant: counted, no interval
-    assert c.session_tps(1) == pytest.approx(4.0)
+    assert c.session_tps(1) == pytest.approx(3.0)
     assert c.sessions[1].decoded == 6
 
 
