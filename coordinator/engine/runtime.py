@@ -35,6 +35,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -585,9 +586,10 @@ class EngineRuntime:
             self.admission.ended(rid, now)
         self._sessions &= live
 
-    def _session_keys(self, prompt: list[int], session_id: str | None) -> list[object]:
-        keys: list[object] = [("sid", session_id)] if session_id else []
-        lengths = [n for n in self.admission.remembered_lengths() if n < len(prompt)]
+    def _session_keys(self, prompt: list[int], session_id: str | None, lengths: list[int]) -> list[Hashable]:
+        """The keys a continuation of ``prompt`` would be remembered by (hashed without the lock)."""
+        keys: list[Hashable] = [("sid", session_id)] if session_id else []
+        lengths = [n for n in lengths if n < len(prompt)]
         if lengths:
             hs = prefix_hashes(prompt, SESSION_SALT, limit=lengths[0])
             keys.extend((n, hs[n]) for n in lengths)
@@ -597,10 +599,13 @@ class EngineRuntime:
                held_since: float | None = None) -> tuple[Decision, float]:
         """Whether a new request may start now (``coordinator.core.admission``), and ``now``. On ADMIT the
         caller submits at once (no await in between); ``admitted`` then remembers its keys."""
+        with self._lock:
+            lengths = self.admission.remembered_lengths()
+        keys = self._session_keys(prompt, session_id, lengths)
         now = time.monotonic()
         with self._lock:
             self._sync_sessions(now)
-            cont = self.admission.continues(self._session_keys(prompt, session_id), now)
+            cont = self.admission.continues(keys, now)
             d = self.admission.decide(now, continuation=cont, overcommit=overcommit, held_since=held_since)
             if d.verdict is not Verdict.HOLD or held_since is None:
                 key = (str(d.verdict), str(d.reason))
