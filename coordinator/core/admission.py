@@ -21,8 +21,10 @@ Projection rules:
   the aggregate's growth ``g = m1 (n + 1) / (m0 n)`` (1.0: the aggregate was shared by one more; below
   1: it fell). ``growth`` is an EWMA of the observed ``g`` (``drop_alpha``), clamped to [0.05, 2]; before
   the first observation it is 1.0 (the model: today's aggregate shared by ``n + 1``).
-- ``projected(k)`` = ``m n / (n + k) * growth ** k``: the mean with ``k`` more sessions (``m`` the mean now,
-  ``n`` the sessions now). The observed drop per admit is ``m - projected(1)``.
+- ``projected(k)`` = ``m c / (n + k) * growth ** (n - c + k)``: the mean with ``k`` more sessions (``m`` the
+  mean now over the ``c`` sessions it counts, ``n`` the sessions now: the ``n - c`` warming or unmeasured
+  ones are admits the mean does not show yet, projected like the ``k`` new ones). The observed drop per
+  admit is ``m - projected(1)`` when every session is counted.
 
 Admission rules (``decide``), in order; the first that applies wins:
 1. a continuation of a running session (the shell tells: an ``X-Session-Id`` it knows, or a prompt that
@@ -247,11 +249,12 @@ class AdmissionCore:
 
     # -- projection ----------------------------------------------------------------------------
     def projected(self, k: int, now: float) -> float | None:
-        m = self.mean_active_tps(now)
+        counted = [s.tps for sid, s in self.sessions.items() if s.tps is not None and not self.warming(sid, now)]
         n = len(self.sessions)
-        if m is None or n == 0:
+        if not counted:
             return None
-        return m * n / (n + k) * self.growth**k
+        m, c = sum(counted) / len(counted), len(counted)
+        return m * c / (n + k) * self.growth ** (n - c + k)
 
     # -- continuations -------------------------------------------------------------------------
     def remember(self, key: Hashable, now: float, *, length: int | None = None) -> None:
@@ -353,7 +356,7 @@ class AdmissionCore:
             can, reason, headroom = False, Reason.SLOTS_FULL, 0
         elif floor is None:
             can, reason, headroom = True, Reason.NO_FLOOR, fit
-        elif settling:
+        elif settling and now < now + p.hold_s:  # as ``decide`` holds (hold_s 0: nothing is held)
             can, reason, headroom = False, Reason.SETTLING, fit
         else:
             can, reason = self._fits(now)

@@ -278,3 +278,20 @@ def test_policy_rejects_bad_values() -> None:
         AdmissionPolicy(tps_floor=0.0)
     with pytest.raises(ValueError, match="settle_tokens"):
         AdmissionPolicy(settle_tokens=0)
+
+
+def test_warming_sessions_count_in_the_projection_though_not_in_the_mean() -> None:
+    """A burst of admits past their hold's bound: each warming one is projected as an admit the mean does not
+    show yet, so the burst stops where the floor does."""
+    c = core(tps_floor=3.0, mode="enforced", settle_tokens=48, settle_s=5.0, hold_s=1.0)
+    c.started(1, 0.0)
+    t = run_tokens(c, [1], {1: 10.0}, 0.0, 6.0)  # 10 tps, settled
+    admitted = 1
+    for sid in range(2, 10):
+        if c.decide(t, held_since=t - 1.0).verdict is not Verdict.ADMIT:  # past the hold: rule 5
+            break
+        c.started(sid, t)
+        admitted += 1
+    assert c.mean_active_tps(t) == pytest.approx(10.0)
+    assert admitted == 3  # 10 * 1/3 = 3.33 >= 3; 10 * 1/4 = 2.5 < 3
+    assert c.projected(1, t) == pytest.approx(2.5)
