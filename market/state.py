@@ -826,11 +826,13 @@ class Market:
                 self.ix.touch(mid)
                 rp = self.ix.recruit_policy
                 if new.recruiting:
-                    why = (f"busy >= {rp.saturation_threshold} for {new.saturated_for(now):.0f} s (--rise-s {rp.rise_s:g}): "
+                    why = (f"busy >= {rp.saturation_threshold} (or below a tps floor) for {new.saturated_for(now):.0f} s "
+                           f"(--rise-s {rp.rise_s:g}): "
                            f"target +{self.policy.boost}, recruiting")
                 else:
                     idle = now - new.last_saturated_at if new.last_saturated_at is not None else rp.hold_s
-                    why = f"below {rp.saturation_threshold} busy for {idle:.0f} s (--hold-s {rp.hold_s:g}): boost ended"
+                    why = (f"below {rp.saturation_threshold} busy (and above any tps floor) for {idle:.0f} s "
+                           f"(--hold-s {rp.hold_s:g}): boost ended")
                 log.info("model %s: %s", mid, ("saturated: " if new.recruiting else "unsaturated: ") + why)
                 self._event("saturated" if new.recruiting else "unsaturated", now, model_id=mid, detail=why)
         for mid in sorted(self.ix.dirty_ageout):

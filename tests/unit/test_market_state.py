@@ -304,8 +304,8 @@ def test_a_flapping_load_logs_one_saturated_and_one_unsaturated_event() -> None:
         targets.append(view.effective_target)
     got = [(e.kind, e.at_ms, e.detail) for e in m.events().events if e.kind in ("saturated", "unsaturated")]
     assert [(k, at) for k, at, _ in got] == [("saturated", 2000), ("unsaturated", 48000)]
-    assert got[0][2] == "busy >= 2 for 2 s (--rise-s 2): target +1, recruiting"
-    assert got[1][2] == "below 2 busy for 10 s (--hold-s 10): boost ended"
+    assert got[0][2] == "busy >= 2 (or below a tps floor) for 2 s (--rise-s 2): target +1, recruiting"
+    assert got[1][2] == "below 2 busy (and above any tps floor) for 10 s (--hold-s 10): boost ended"
     assert sat_views == [False] * 2 + [True] * 46 + [False] * 12
     assert targets == [1] * 2 + [2] * 46 + [1] * 12  # the boost follows the signal: one rise, one fall
 
