@@ -13,7 +13,9 @@ the path the API's requests take: ``EngineRuntime.admit``), greedy sessions that
    settle window (48 tokens / 5 s; the smoke run: 0.5 s). N users arrive one per ``arrival_s``; a
    refused user retries after its ``Retry-After`` (at least ``arrival_s``). Every 0.1 s the coordinator's ``mean_active_tps`` is
    sampled; ``below_floor_longest_s`` is the longest run of samples below the floor with more than one
-   session running (one session alone below it is the machine's speed, not an admission's doing).
+   session running (one session alone below it is the machine's speed, not an admission's doing);
+   ``below_floor_after_admit_longest_s`` the longest of those runs that began within two settle windows of
+   an admit (the others: the speed drifting with the sessions unchanged, e.g. other processes' load).
    ``admitted`` is the sessions running at the end (none ends by itself: each may decode its context).
 
 Pass: ``below_floor_longest_s <= settle_s`` (one settle window: 48 tokens or ``settle_s``, whichever first,
@@ -151,17 +153,30 @@ async def _ramp(rt: EngineRuntime, cfg: RampConfig, params: GenParams, vocab: in
     return admitted, samples, refused, len(sessions)
 
 
-def _longest_below(samples: list[tuple[float, int, float | None]], floor: float) -> float:
-    """The longest run of samples below the floor while admission had admitted more than one session (one
-    session alone below the floor is the machine's speed, which no admission decision changes)."""
-    longest, since = 0.0, None
+def _runs_below(samples: list[tuple[float, int, float | None]], floor: float, settle_s: float
+                ) -> tuple[float, float]:
+    """The longest run of samples below the floor while more than one session ran (one session alone below
+    the floor is the machine's speed, which no admission decision changes), and the longest such run that
+    began within two settle windows of an admit (the others began with the sessions unchanged for longer:
+    the machine's speed drifting under the same load, e.g. other processes on a shared machine)."""
+    longest = after_admit = 0.0
+    since: float | None = None
+    caused = False
+    last_admit = -1e9
+    prev_k = 0
     for t, k, m in samples:
+        if k > prev_k:
+            last_admit = t
+        prev_k = k
         if m is not None and m < floor and k > 1:
-            since = t if since is None else since
+            if since is None:
+                since, caused = t, t - last_admit <= 2 * settle_s
             longest = max(longest, t - since)
+            if caused:
+                after_admit = max(after_admit, t - since)
         else:
             since = None
-    return longest
+    return longest, after_admit
 
 
 async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any]]:
@@ -189,7 +204,7 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
         growth = rt.admission.growth
         observed = rt.admission.observed
         n.cancel_scope.cancel()
-    longest = _longest_below(samples, floor)
+    longest, after_admit = _runs_below(samples, floor, cfg.settle_s)
     means = [m for t, _, m in samples if m is not None and t >= cfg.ramp_s * 0.75]
     fixed = {"case": "admission_ramp/fixed", "sessions": list(curve),
              "fixed_mean_tokens_per_s": [round(v, 3) for v in curve.values()],
@@ -204,6 +219,8 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
         "settle_window_s": cfg.settle_s,
         "settle_tokens": cfg.settle_tokens,
         "never_below_longer_than_settle": longest <= cfg.settle_s,
+        "below_floor_after_admit_longest_s": round(after_admit, 3),
+        "after_admit_within_settle": after_admit <= cfg.settle_s,
         "refusals": refused,
         "admits_observed": observed,
         "growth_per_admit": round(growth, 4),
@@ -226,5 +243,6 @@ def print_ramp(cases: list[dict[str, Any]]) -> None:
     print(f"floor {ramp['tps_floor_tokens_per_s']:.2f} tok/s: admitted {ramp['admitted_sessions']} (best fixed "
           f"{ramp['best_fixed_sessions']}; within one: {ramp['admitted_within_one']}), mean below the floor at most "
           f"{ramp['below_floor_longest_s']:.2f} s (settle window {ramp['settle_window_s']} s: "
-          f"{ramp['never_below_longer_than_settle']}), {ramp['refusals']} refusals, "
+          f"{ramp['never_below_longer_than_settle']}; runs that began after an admit: at most "
+          f"{ramp['below_floor_after_admit_longest_s']:.2f} s), {ramp['refusals']} refusals, "
           f"{ramp['admits_observed']} admits observed, growth/admit {ramp['growth_per_admit']}")
