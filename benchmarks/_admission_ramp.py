@@ -201,7 +201,7 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
     async with trio.open_nursery() as n:
         await n.start(rt.serve)
         admitted, samples, refused, _ = await _ramp(rt, cfg, params, vocab, floor)
-        growth = rt.admission.growth
+        scaling = rt.admission.scaling
         observed = rt.admission.observed
         n.cancel_scope.cancel()
     longest, after_admit = _runs_below(samples, floor, cfg.settle_s)
@@ -223,7 +223,7 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
         "after_admit_within_settle": after_admit <= cfg.settle_s,
         "refusals": refused,
         "admits_observed": observed,
-        "growth_per_admit": round(growth, 4),
+        "scaling_per_admit": round(scaling, 4),
         "end_mean_active_tokens_per_s": round(statistics.mean(means), 3) if means else None,
         "ramp_s": cfg.ramp_s,
         "arrival_s": cfg.arrival_s,
@@ -245,4 +245,4 @@ def print_ramp(cases: list[dict[str, Any]]) -> None:
           f"{ramp['below_floor_longest_s']:.2f} s (settle window {ramp['settle_window_s']} s: "
           f"{ramp['never_below_longer_than_settle']}; runs that began after an admit: at most "
           f"{ramp['below_floor_after_admit_longest_s']:.2f} s), {ramp['refusals']} refusals, "
-          f"{ramp['admits_observed']} admits observed, growth/admit {ramp['growth_per_admit']}")
+          f"{ramp['admits_observed']} admits observed, scaling/admit {ramp['scaling_per_admit']}")

@@ -151,8 +151,9 @@ class _EngineCollector(Collector):
         yield gauge1("moe_swarm_admission_headroom_sessions", "More sessions the floor and the free slots allow", m,
                      cap.headroom_sessions)
         yield gauge1("moe_swarm_admission_settling", "1 while a session is in its settle window", m, float(cap.settling))
-        yield gauge1("moe_swarm_admission_growth_per_admit", "Observed aggregate decode tps growth per admitted "
-                     "session (EWMA; 1.0: the model, before any observation)", m, cap.growth_per_admit)
+        yield gauge1("moe_swarm_admission_scaling_per_admit", "The share of one more session's speed the aggregate "
+                     "decode tps gained per admit, observed (EWMA; 0: the model before any observation, the "
+                     "aggregate shared by one more; 1: every session kept its speed)", m, cap.scaling_per_admit)
         sess = GaugeMetricFamily("moe_swarm_sessions", "Running sessions, by state", labels=["model", "state"])
         sess.add_metric([m, "active"], cap.active_sessions - cap.warming_sessions)
         sess.add_metric([m, "warming"], cap.warming_sessions)
@@ -323,7 +324,7 @@ def build_app(
             settle_remaining_ms=c.settle_remaining_ms, reason=str(c.reason), mean_active_tps=rnd(c.mean_active_tps),
             tps_floor=c.tps_floor, active_sessions=c.active_sessions, slots=info.slots, queue=info.queue,
             admission=c.admission, decode_tps=rnd(c.decode_tps), warming_sessions=c.warming_sessions,
-            growth_per_admit=round(c.growth_per_admit, 4), admits_observed=c.admits_observed))
+            scaling_per_admit=round(c.scaling_per_admit, 4), admits_observed=c.admits_observed))
 
     async def admit(request: Request, req: ChatRequest | CompletionRequest, ids: list[int], params: GenParams,
                     *, prompt_param: str, continuation: bool) -> tuple[RequestHandle, dict[str, str] | None]:

@@ -18,13 +18,15 @@ Speed rules:
 Projection rules:
 - An admit that started while ``n >= 1`` sessions had a mean ``m0`` is *observed* when its settle
   window ends, if the set of sessions then is exactly those ``n`` plus it and the mean ``m1`` is known:
-  the aggregate's growth ``g = m1 (n + 1) / (m0 n)`` (1.0: the aggregate was shared by one more; below
-  1: it fell). ``growth`` is an EWMA of the observed ``g`` (``drop_alpha``), clamped to [0.05, 2]; before
-  the first observation it is 1.0 (the model: today's aggregate shared by ``n + 1``).
-- ``projected(k)`` = ``m c / (n + k) * growth ** (n - c + k)``: the mean with ``k`` more sessions (``m`` the
-  mean now over the ``c`` sessions it counts, ``n`` the sessions now: the ``n - c`` warming or unmeasured
-  ones are admits the mean does not show yet, projected like the ``k`` new ones). The observed drop per
-  admit is ``m - projected(1)`` when every session is counted.
+  its *scaling* ``e = m1 (n + 1) / m0 - n``, the share of one more session's speed the aggregate gained
+  (``T(n+1) = T(n) (1 + e / n)``: 0 = the aggregate was shared by one more, 1 = every session kept its
+  speed), clamped to [0, 1] (adding a session never speeds the others up; a noisy window must not make
+  the projection grow). ``scaling`` is an EWMA of the observed ``e`` (``drop_alpha``); before the first
+  observation it is 0 (the model: today's aggregate shared by ``n + 1``).
+- ``projected(k)``: the mean with ``k`` more sessions, ``m * prod((j + e) / (j + 1) for j in c .. n+k-1)``
+  (``m`` the mean now over the ``c`` sessions it counts, ``n`` the sessions now: the ``n - c`` warming or
+  unmeasured ones are admits the mean does not show yet, projected like the ``k`` new ones). Never above
+  ``m``. The observed drop per admit is ``m - projected(1)`` when every session is counted.
 
 Admission rules (``decide``), in order; the first that applies wins:
 1. a continuation of a running session (the shell tells: an ``X-Session-Id`` it knows, or a prompt that
@@ -64,7 +66,6 @@ __all__ = [
 
 Mode = Literal["advisory", "enforced"]
 OnSaturation = Literal["reject", "warn", "queue"]
-GROWTH_MIN, GROWTH_MAX = 0.05, 2.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class AdmissionPolicy:
     hold_s: float = 10.0  # the bound of a hold (settling, or a queued request under on_saturation=queue)
     retry_after_s: float = 2.0  # the least Retry-After of a rejection
     alpha: float = 0.2  # a session's tps EWMA
-    drop_alpha: float = 0.5  # the EWMA of observed growth per admit
+    drop_alpha: float = 0.5  # the EWMA of observed scaling per admit
     session_ttl_s: float = 600.0  # a finished session's continuations are recognised this long
     max_remembered: int = 4096  # continuation keys kept (least recently used dropped)
 
@@ -136,7 +137,7 @@ class Capacity:
     tps_floor: float | None
     active_sessions: int
     warming_sessions: int
-    growth_per_admit: float
+    scaling_per_admit: float
     admits_observed: int
     admission: Mode
 
@@ -166,7 +167,7 @@ class _Pending:
 class AdmissionCore:
     policy: AdmissionPolicy
     sessions: dict[Hashable, _Session] = field(default_factory=dict)
-    growth: float = 1.0
+    scaling: float = 0.0
     observed: int = 0
     _pending: list[_Pending] = field(default_factory=list)
     _recent: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
@@ -226,7 +227,7 @@ class AdmissionCore:
         return max(left, default=0.0)
 
     def _observe(self, now: float) -> None:
-        """Settle windows that ended: their admits' growth, when the sessions are those it was measured on."""
+        """Settle windows that ended: their admits' scaling, when the sessions are those it was measured on."""
         keep: list[_Pending] = []
         for p in self._pending:
             if self.warming(p.sid, now):
@@ -240,10 +241,9 @@ class AdmissionCore:
                     keep.append(p)  # no decode token yet (a long prefill): wait for its first measurement
                 continue
             n = len(p.before)
-            g = m1 * (n + 1) / (p.mean_before * n)
-            g = min(GROWTH_MAX, max(GROWTH_MIN, g))
+            e = min(1.0, max(0.0, m1 * (n + 1) / p.mean_before - n))
             a = self.policy.drop_alpha
-            self.growth = g if self.observed == 0 else (1 - a) * self.growth + a * g
+            self.scaling = e if self.observed == 0 else (1 - a) * self.scaling + a * e
             self.observed += 1
         self._pending = keep
 
@@ -254,7 +254,9 @@ class AdmissionCore:
         if not counted:
             return None
         m, c = sum(counted) / len(counted), len(counted)
-        return m * c / (n + k) * self.growth ** (n - c + k)
+        for j in range(c, n + k):
+            m *= (j + self.scaling) / (j + 1)
+        return m
 
     # -- continuations -------------------------------------------------------------------------
     def remember(self, key: Hashable, now: float, *, length: int | None = None) -> None:
@@ -366,7 +368,7 @@ class AdmissionCore:
                         settling=settling, settle_remaining_ms=int(math.ceil(settle * 1000)), reason=reason,
                         mean_active_tps=self.mean_active_tps(now), decode_tps=self.decode_tps(), tps_floor=floor,
                         active_sessions=n, warming_sessions=sum(1 for sid in self.sessions if self.warming(sid, now)),
-                        growth_per_admit=self.growth, admits_observed=self.observed, admission=p.mode)
+                        scaling_per_admit=self.scaling, admits_observed=self.observed, admission=p.mode)
 
     def _headroom(self, now: float, free_slots: int) -> int:
         floor = self.policy.tps_floor

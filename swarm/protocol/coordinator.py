@@ -71,7 +71,7 @@ class CapacityReport(msgspec.Struct, frozen=True, kw_only=True):
     admission: str  # advisory | enforced
     decode_tps: float | None = None
     warming_sessions: int = 0
-    growth_per_admit: float = 1.0
+    scaling_per_admit: float = 0.0
     admits_observed: int = 0
 
 
