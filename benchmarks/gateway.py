@@ -17,8 +17,12 @@ prefill tokens <= 0.2x) and whether every request's tokens were identical.
 
 ``--smoke`` (``make test``): the ``tiny`` model, a 64-token system prompt, 3 users, 4 tokens a turn.
 The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
-Cases (b) and (c) of the issue (two coordinators behind the gateway, an admission ramp) are not here
-yet: they need the gateway and admission control.
+Case (c), ``admission_ramp`` (``benchmarks/_admission_ramp.py`` says how): 1 -> 12 sessions arriving
+against a floor set from the measured fixed-choice curve, admission enforced; the coordinator's mean
+active tps below the floor for at most one settle window, and the sessions admitted within one of the
+best fixed choice. ``--smoke`` (alias ``--quick``): the ``small`` model, 1 -> 4 sessions, a 0.5 s settle window.
+``--cases a,c`` picks cases (default: all here). Case (b) (two coordinators behind the gateway) is not
+here yet: it needs the gateway.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/market.py must not shadow the market package)
 
+from _admission_ramp import RampConfig, print_ramp, run_ramp_case  # noqa: E402
 from _results import write_json  # noqa: E402
 
 from coordinator.core.scheduler import Emit, Finish, GenParams  # noqa: E402
@@ -132,6 +137,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or physical_cores()
     configure_threads(threads, KernelBackend.GGML)
     model = GGUFModel(path)
+    cases: list[dict[str, Any]] = []
+    if "c" in args.cases:
+        if args.smoke:  # the tiny model's 512 tokens of context end a session in half a second: "small" (2,048)
+            small = ROOT / "benchmarks" / ".cache" / "small-qwen3moe.gguf"
+            if not small.exists():
+                make_model(arch="qwen3moe", size="small", seed=0, out=small)
+            cfg = RampConfig(max_sessions=4, window_s=1.0, arrival_s=0.3, ramp_s=6.0, settle_s=0.5)
+            cases += await run_ramp_case(GGUFModel(small), cfg)
+        else:
+            cases += await run_ramp_case(model, RampConfig())
+    if "a" not in args.cases:
+        return {"benchmark": "gateway", "model": path.name, "threads": threads, "cases": cases}
     n_sys, n_users, n_msg, n_decode = (64, 3, 8, 4) if args.smoke else (512, 8, 24, 16)
     rng = random.Random(0)
     vocab = model.config.n_vocab
@@ -148,26 +165,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_target_ratio": 0.2,
         "tokens_identical": tokens_on == tokens_off,
     }
-    return {"benchmark": "gateway", "model": path.name, "threads": threads, "cases": [off, on, ratio]}
+    return {"benchmark": "gateway", "model": path.name, "threads": threads, "cases": [off, on, ratio, *cases]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="the tiny model, a 64-token system prompt, 3 users (make test)")
+    ap.add_argument("--smoke", "--quick", action="store_true",
+                    help="the tiny model, a 64-token system prompt, 3 users; ramp 1 -> 4 (make test)")
+    ap.add_argument("--cases", default="a,c", help="which cases: a (shared prompt), c (admission ramp)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")
     args = ap.parse_args()
     result = trio.run(main_async, args)
+    by_name = {c["case"]: c for c in result["cases"]}
+    if "shared_prompt/off" in by_name:
+        print_shared(by_name)
+    if "admission_ramp" in by_name:
+        print_ramp(result["cases"])
+    write_json(args.json, result)
+
+
+def print_shared(by_name: dict[str, dict[str, Any]]) -> None:
     print(f"{'case':<22}{'TTFT mean ms':>14}{'TTFT p50 ms':>13}{'1st turn':>10}{'2nd turn':>10}{'prefill tok':>13}"
           f"{'cached tok':>12}{'wall s':>9}")
-    for c in result["cases"][:2]:
+    for c in (by_name["shared_prompt/off"], by_name["shared_prompt/on"]):
         print(f"{c['case']:<22}{c['ttft_mean_ms']:>14.1f}{c['ttft_median_ms']:>13.1f}{c['ttft_first_turn_mean_ms']:>10.1f}"
               f"{c['ttft_second_turn_mean_ms']:>10.1f}{c['prefill_tokens']:>13}{c['cached_tokens']:>12}{c['wall_s']:>9.2f}")
-    r = result["cases"][2]
+    r = by_name["shared_prompt/ratio"]
     print(f"on/off: TTFT {r['ttft_mean_ratio']}x (target <= {r['ttft_target_ratio']}x), prefill tokens "
           f"{r['prefill_tokens_ratio']}x (target <= {r['prefill_target_ratio']}x), tokens identical: {r['tokens_identical']}")
-    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ _FLAGS = {"n_batch": "--batch-size", "prefix_cache_mem": "--prefix-cache-mem",
           "serve_ttl_s": "--serve-ttl", "origins": "--origin", "split_check_s": "--split-check",
           "verify_probation_calls": "--verify-probation", "verify_disk_rate": "--verify-disk-rate",
           "hold_proof": "--no-hold-proof", "missing_wait_s": "--missing-wait", "lanes": "--no-lanes",
-          "aliases": "--alias"}
+          "aliases": "--alias", "tps_floor": "--tps-floor", "on_saturation": "--on-saturation",
+          "guarantee_min_sessions": "--guarantee-min-sessions", "settle_tokens": "--settle-tokens",
+          "settle_s": "--settle-time", "admission_hold_s": "--admission-hold"}
 
 
 def _cache_size(text: str) -> int:
@@ -131,6 +133,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     v.add_argument("--no-hold-proof", action="store_true",
                    help="give listed volunteers work without first checking they hold their slices (hold challenge)")
 
+    a = c.add_argument_group("admission: the speed sessions experience")
+    a.add_argument("--tps-floor", type=float, default=None, metavar="TPS",
+                   help="keep the running sessions' mean decode tokens/s at or above this: a new request that would "
+                        "take it below waits or is refused (--admission enforced); default: no floor")
+    a.add_argument("--admission", choices=["advisory", "enforced"], default="advisory",
+                   help="advisory: /capacity and /slots report what the floor allows, every request starts; "
+                        "enforced: new requests are held or refused by it")
+    a.add_argument("--on-saturation", choices=["reject", "warn", "queue"], default="reject",
+                   help="a new request past the floor (enforced): 429 with Retry-After, or start it with the header "
+                        "X-Sessions-Remaining: 0, or hold it (up to --admission-hold seconds, then 429)")
+    a.add_argument("--guarantee-min-sessions", type=int, default=0, metavar="N",
+                   help="always admit up to N running sessions, whatever their speed")
+    a.add_argument("--settle-tokens", type=int, default=48, metavar="N",
+                   help="after each admit, its session's first N decode tokens are its settle window (new "
+                        "requests wait meanwhile; its speed is not counted yet)")
+    a.add_argument("--settle-time", type=float, default=5.0, metavar="SECONDS",
+                   help="... or this many seconds from its admission, whichever ends first")
+    a.add_argument("--admission-hold", type=float, default=10.0, metavar="SECONDS",
+                   help="the longest a new request is held (settle window, --on-saturation queue)")
+
     s = c.add_argument_group("speculative decoding")
     s.add_argument("--draft", choices=["none", "ngram", "model", "self"], default="ngram",
                    help="the drafter of requests that name none (a request's 'draft' field chooses its own): "
@@ -193,6 +215,13 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "prefix_cache_mem": ns.prefix_cache_mem,
         "prefix_cache_dir": ns.prefix_cache_dir,
         "prefix_cache_disk": ns.prefix_cache_disk,
+        "tps_floor": ns.tps_floor,
+        "admission": ns.admission,
+        "on_saturation": ns.on_saturation,
+        "guarantee_min_sessions": ns.guarantee_min_sessions,
+        "settle_tokens": ns.settle_tokens,
+        "settle_s": ns.settle_time,
+        "admission_hold_s": ns.admission_hold,
     }, flags=_FLAGS)
     if cfg.local_experts.strip() != "all" and cfg.market is None and cfg.dispatch_map is None and cfg.on_missing != "disk":
         raise ConfigError(f"--local-experts {cfg.local_experts}: the experts not computed here need volunteers, and "

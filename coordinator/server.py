@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from coordinator.api.app import build_app
 from coordinator.api.slices import slice_routes
+from coordinator.core.admission import AdmissionPolicy
 from coordinator.core.dispatch import DispatchConfig, DispatchMode
 from coordinator.core.local_experts import parse_local_experts
 from coordinator.dispatch.dispatcher import Dispatcher
@@ -52,7 +53,7 @@ from swarm.protocol.expert import Dtype
 from swarm.protocol.manifest import MAX_ORIGINS
 from swarm.text.tokenizer import Tokenizer
 
-__all__ = ["CoordinatorConfig", "dispatch_config", "load_runtime", "serve_coordinator"]
+__all__ = ["CoordinatorConfig", "admission_policy", "dispatch_config", "load_runtime", "serve_coordinator"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,15 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # the disk tier: prefixes RAM evicts are written here (at most prefix_cache_disk bytes) and read back on a hit
     prefix_cache_dir: str | None = None
     prefix_cache_disk: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 4 << 30
+    # admission with a floor (coordinator.core.admission; DESIGN §11 /capacity): the mean decode tps of the
+    # running sessions kept at or above tps_floor (None: no floor); "advisory" only reports, "enforced" acts
+    tps_floor: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] | None = None
+    admission: Literal["advisory", "enforced"] = "advisory"
+    on_saturation: Literal["reject", "warn", "queue"] = "reject"
+    guarantee_min_sessions: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
+    settle_tokens: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 48  # the settle window after an admit ...
+    settle_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 5.0  # ... whichever ends first
+    admission_hold_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 10.0  # the bound of a held request
 
 
 def open_model(ref: str, kernel: KernelBackend) -> GGUFModel:
@@ -178,7 +188,13 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
                          kv_type=cfg.kv_type, drafters=drafters, draft=cfg.draft, draft_max=cfg.draft_max,
                          prefix_cache_bytes=cfg.prefix_cache_mem,
                          prefix_cache_dir=Path(cfg.prefix_cache_dir) if cfg.prefix_cache_dir else None,
-                         prefix_cache_disk_bytes=cfg.prefix_cache_disk)
+                         prefix_cache_disk_bytes=cfg.prefix_cache_disk, admission=admission_policy(cfg))
+
+
+def admission_policy(cfg: CoordinatorConfig) -> AdmissionPolicy:
+    return AdmissionPolicy(tps_floor=cfg.tps_floor, mode=cfg.admission, on_saturation=cfg.on_saturation,
+                           guarantee_min_sessions=cfg.guarantee_min_sessions, settle_tokens=cfg.settle_tokens,
+                           settle_s=cfg.settle_s, hold_s=cfg.admission_hold_s)
 
 
 def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from market.core.recruit import SpeedReport
 from market.state import Market
 from swarm.errors import SwarmError
 
@@ -28,8 +29,10 @@ __all__ = ["Clock", "MapWatch", "Poller", "run_housekeeping", "run_recruitment_l
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-# coordinator URL -> (busy, slots) or (busy, slots, decode tokens/s of its busy slots); raises SwarmError
-Poller = Callable[[str], Awaitable[tuple[int, int] | tuple[int, int, float]]]
+# coordinator URL -> (busy, slots) or (busy, slots, decode tokens/s of its busy slots[, its speed report]);
+# raises SwarmError
+Poller = Callable[[str], Awaitable[tuple[int, int] | tuple[int, int, float]
+                                   | tuple[int, int, float, SpeedReport | None]]]
 
 
 class MapWatch:
@@ -58,7 +61,8 @@ async def _poll_one(market: Market, poll: Poller, url: str, clock: Clock, timeou
         except SwarmError as exc:
             error = f"{exc.code}: {exc.message}"
         else:
-            market.record_poll(url, got[0], got[1], clock(), tps=float(got[2]) if len(got) > 2 else 0.0)
+            market.record_poll(url, got[0], got[1], clock(), tps=float(got[2]) if len(got) > 2 else 0.0,
+                               speed=got[3] if len(got) > 3 else None)
             return
     market.record_poll_failure(url, error, clock())
     log.debug("poll of %s failed: %s", url, error)

@@ -33,6 +33,7 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from market.api import MarketApi, SliceDescriber, build_market_app
+from market.core.recruit import SpeedReport
 from market.loops import Poller, run_housekeeping, run_recruitment_loop
 from market.policy import MarketPolicy
 from market.state import Market
@@ -69,7 +70,7 @@ class MarketConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 def make_slots_poller(client: httpx.AsyncClient) -> Poller:
     """``GET {url}/slots`` -> ``(busy, slots)``; ``TransportError`` / ``RemoteProtocolError`` on failure."""
 
-    async def poll(url: str) -> tuple[int, int, float]:
+    async def poll(url: str) -> tuple[int, int, float, SpeedReport | None]:
         try:
             r = await client.get(url.rstrip("/") + "/slots")
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
@@ -80,8 +81,11 @@ def make_slots_poller(client: httpx.AsyncClient) -> Poller:
             slots = slots_decoder.decode(r.content)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise RemoteProtocolError(f"GET {url}/slots: unexpected body: {exc}", code="bad_slots") from exc
+        first = slots[0] if slots else None
+        speed = None if first is None else SpeedReport(first.mean_active_tps, first.tps_floor,
+                                                       first.projected_mean_tps_if_admitted)
         return (sum(1 for s in slots if s.is_processing), len(slots),
-                float(sum(s.tps_ewma for s in slots if s.is_processing)))
+                float(sum(s.tps_ewma for s in slots if s.is_processing)), speed)
 
     return poll
 

@@ -66,7 +66,7 @@ from market.core.records import (
     Table,
     VolunteerRow,
 )
-from market.core.recruit import Holding, PollView, RecruitState, observe, plan_ageout, step
+from market.core.recruit import Holding, PollView, RecruitState, SpeedReport, observe, plan_ageout, step
 from market.core.registry import (
     ACCEPTED,
     address_key,
@@ -152,6 +152,11 @@ class TickReport:
     retired: int = 0
     restored: int = 0
     recruiting_changed: list[str] = field(default_factory=list)
+
+
+def _finite(x: float | None) -> float | None:
+    """A reported speed, or None when it is no usable number (a coordinator's bad report says nothing)."""
+    return x if x is not None and math.isfinite(x) and x >= 0 else None
 
 
 def _http_error(message: str, code: str, status: int = 400, param: str | None = None) -> RequestError:
@@ -314,10 +319,15 @@ class Market:
         self.counters["registrations"] += 1
         return RegisterAck(req.url, ids, req.epoch, {mid: f"/api/expert-dispatch-map?model={mid}" for mid in ids})
 
-    def record_poll(self, url: str, busy: int, slots: int, now: float, *, tps: float = 0.0) -> None:
+    def record_poll(self, url: str, busy: int, slots: int, now: float, *, tps: float = 0.0,
+                    speed: SpeedReport | None = None) -> None:
+        """A successful ``/slots`` poll; ``speed``: the coordinator's experienced speed and floor, when it
+        reports them (``market.core.recruit``'s saturation rule)."""
         if url in self.ix.coordinators:
             p = self.ix.polls.setdefault(url, PollRecord(since=now))
-            p.ok, p.at, p.error, p.last_ok = True, now, None, PollView(busy, slots, now)
+            sp = speed if speed is not None else SpeedReport()
+            p.ok, p.at, p.error, p.last_ok = True, now, None, PollView(
+                busy, slots, now, _finite(sp.mean_active_tps), _finite(sp.tps_floor), _finite(sp.projected_tps))
             p.tps = tps if math.isfinite(tps) and tps >= 0 else 0.0
             if p.down:
                 p.down = False
@@ -816,11 +826,13 @@ class Market:
                 self.ix.touch(mid)
                 rp = self.ix.recruit_policy
                 if new.recruiting:
-                    why = (f"busy >= {rp.saturation_threshold} for {new.saturated_for(now):.0f} s (--rise-s {rp.rise_s:g}): "
+                    why = (f"busy >= {rp.saturation_threshold} (or below a tps floor) for {new.saturated_for(now):.0f} s "
+                           f"(--rise-s {rp.rise_s:g}): "
                            f"target +{self.policy.boost}, recruiting")
                 else:
                     idle = now - new.last_saturated_at if new.last_saturated_at is not None else rp.hold_s
-                    why = f"below {rp.saturation_threshold} busy for {idle:.0f} s (--hold-s {rp.hold_s:g}): boost ended"
+                    why = (f"below {rp.saturation_threshold} busy (and above any tps floor) for {idle:.0f} s "
+                           f"(--hold-s {rp.hold_s:g}): boost ended")
                 log.info("model %s: %s", mid, ("saturated: " if new.recruiting else "unsaturated: ") + why)
                 self._event("saturated" if new.recruiting else "unsaturated", now, model_id=mid, detail=why)
         for mid in sorted(self.ix.dirty_ageout):

@@ -6,6 +6,12 @@ Rules:
 - A client that disconnects (streamed or not) has its request cancelled, which frees its slot
   before the engine plans its next step.
 - Past the bounded queue: 503 with ``Retry-After``.
+- Admission (``coordinator.core.admission``, flags ``--tps-floor``, ``--admission``, ``--on-saturation``):
+  a new request is decided before it is submitted; held while the core says HOLD (woken by every token
+  and every ending); rejected with 429, ``Retry-After`` and code ``over_capacity``; admitted past
+  saturation under ``warn`` with ``X-Sessions-Remaining: 0``. ``X-Session-Id`` (at most 256 characters)
+  names a session whose later requests are continuations; a body's ``"overcommit": true`` bypasses.
+  ``GET /capacity`` says what the next request would meet (DESIGN §11).
 - Every body is a ``coordinator.api.schemas`` Struct (errors: ``swarm.protocol.http``'s), encoded by
   this module's one encoder.
 - Model names: one model is hosted, so any ``model`` a request gives (or none) means it, as with
@@ -16,6 +22,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -57,15 +64,17 @@ from coordinator.api.schemas import (
     decode_completion,
     gen_params,
 )
-from coordinator.core.scheduler import Emit, Finish, FinishReason
-from coordinator.engine.runtime import EngineFailed, EngineRuntime, RequestHandle
+from coordinator.core.scheduler import Emit, Finish, FinishReason, GenParams
+from coordinator.engine.runtime import EngineFailed, EngineRuntime, OverCapacity, RequestHandle
 from swarm.errors import RequestError, SwarmError
 from swarm.http_io import close_if_unread, read_body
-from swarm.protocol.coordinator import Health, MarketLinkStatus, SlotInfo
+from swarm.protocol.coordinator import CapacityReport, Health, MarketLinkStatus, SlotInfo
 from swarm.protocol.http import encode_error
 from swarm.text.chat import render_chat
 
 __all__ = ["build_app", "error_response"]
+
+MAX_SESSION_ID = 256
 
 
 def error_response(exc: SwarmError | RequestError, status: int | None = None, headers: dict[str, str] | None = None) -> Response:
@@ -123,6 +132,38 @@ class _EngineCollector(Collector):
         yield rate
         yield per
         yield from self._prefixes()
+        yield from self._admission()
+
+    def _admission(self) -> Iterable[Metric]:
+        """Experienced speed and admission (``coordinator.core.admission``)."""
+        info = self.rt.capacity()
+        cap, m = info.capacity, self.model_id
+        for name, doc, value in (
+                ("mean_active_tps", "Mean decode tokens/s of the running sessions past their settle window (EWMA each)",
+                 cap.mean_active_tps),
+                ("sessions_decode_tps", "Aggregate decode tokens/s: the sum of the running sessions' EWMAs", cap.decode_tps),
+                ("tps_floor", "The mean active tps admission keeps (--tps-floor)", cap.tps_floor),
+                ("projected_mean_tps_if_admitted", "The mean active tps projected with one more session",
+                 cap.projected_mean_tps_if_admitted)):
+            if value is not None:
+                yield gauge1(f"moe_swarm_{name}", doc, m, value)
+        yield gauge1("moe_swarm_admission_can_admit", "1 while a new request would be admitted now", m, float(cap.can_admit))
+        yield gauge1("moe_swarm_admission_headroom_sessions", "More sessions the floor and the free slots allow", m,
+                     cap.headroom_sessions)
+        yield gauge1("moe_swarm_admission_settling", "1 while a session is in its settle window", m, float(cap.settling))
+        yield gauge1("moe_swarm_admission_scaling_per_admit", "The share of one more session's speed the aggregate "
+                     "decode tps gained per admit, observed (EWMA; 0: the model before any observation, the "
+                     "aggregate shared by one more; 1: every session kept its speed)", m, cap.scaling_per_admit)
+        sess = GaugeMetricFamily("moe_swarm_sessions", "Running sessions, by state", labels=["model", "state"])
+        sess.add_metric([m, "active"], cap.active_sessions - cap.warming_sessions)
+        sess.add_metric([m, "warming"], cap.warming_sessions)
+        yield sess
+        dec = CounterMetricFamily("moe_swarm_admission_decisions", "Admission decisions on new requests, by verdict "
+                                  "and reason (a held request counts as held, then as its outcome)",
+                                  labels=["model", "verdict", "reason"])
+        for (verdict, reason), n in sorted(self.rt.decisions.items()):
+            dec.add_metric([m, verdict, reason], n)
+        yield dec
 
     def _prefixes(self) -> Iterable[Metric]:
         """The kept prefixes (``--prefix-cache-mem``, ``--prefix-cache-dir``): lookups by outcome and
@@ -159,6 +200,12 @@ class _EngineCollector(Collector):
             yield g
 
 
+def gauge1(name: str, doc: str, model: str, value: float) -> Metric:
+    g = GaugeMetricFamily(name, doc, labels=["model"])
+    g.add_metric([model], value)
+    return g
+
+
 def counter(name: str, doc: str, model: str, value: float) -> Metric:
     c = CounterMetricFamily(name, doc, labels=["model"])
     c.add_metric([model], value)
@@ -169,8 +216,8 @@ _encoder = msgspec.json.Encoder()
 DEFAULT_MAX_BODY = 8 << 20  # bytes of one API request body (--max-body)
 
 
-def _json(body: msgspec.Struct | list[SlotInfo] | dict[str, Any]) -> Response:
-    return Response(_encoder.encode(body), media_type="application/json")
+def _json(body: msgspec.Struct | list[SlotInfo] | dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(body), media_type="application/json", headers=headers)
 
 
 def _sse(body: ChatCompletionChunk | CompletionChunk) -> bytes:
@@ -251,14 +298,44 @@ def build_app(
                             slots_idle=rt.n_slots - busy, slots_processing=busy,
                             peer_id=peer_id, market=market, coverage_holes=holes))
 
+    def rnd(x: float | None) -> float | None:
+        return None if x is None else round(x, 3)
+
     async def slots(_: Request) -> Response:
         out = []
+        cap = rt.capacity().capacity
         for s in rt.slots():
             draft, acceptance, length = rt.draft_of(s.req_id)
+            tps, warming = rt.session_speed(s.req_id)
             out.append(SlotInfo(id=s.id, is_processing=s.is_processing, n_ctx=s.n_ctx, n_prompt=s.n_prompt,
-                                n_decoded=s.n_decoded, tps_ewma=round(s.tps_ewma, 3), draft=draft,
-                                draft_acceptance=acceptance, draft_length=length))
+                                n_decoded=s.n_decoded, tps_ewma=round(tps if tps is not None else s.tps_ewma, 3),
+                                draft=draft, draft_acceptance=acceptance, draft_length=length, warming=warming,
+                                mean_active_tps=rnd(cap.mean_active_tps), decode_tps=rnd(cap.decode_tps),
+                                tps_floor=cap.tps_floor,
+                                projected_mean_tps_if_admitted=rnd(cap.projected_mean_tps_if_admitted)))
         return _json(out)
+
+    async def capacity(_: Request) -> Response:
+        info = rt.capacity()
+        c = info.capacity
+        return _json(CapacityReport(
+            can_admit=c.can_admit, projected_mean_tps_if_admitted=rnd(c.projected_mean_tps_if_admitted),
+            headroom_sessions=c.headroom_sessions, kv_headroom_pct=info.kv_headroom_pct, settling=c.settling,
+            settle_remaining_ms=c.settle_remaining_ms, reason=str(c.reason), mean_active_tps=rnd(c.mean_active_tps),
+            tps_floor=c.tps_floor, active_sessions=c.active_sessions, slots=info.slots, queue=info.queue,
+            admission=c.admission, decode_tps=rnd(c.decode_tps), warming_sessions=c.warming_sessions,
+            scaling_per_admit=round(c.scaling_per_admit, 4), admits_observed=c.admits_observed))
+
+    async def admit(request: Request, req: ChatRequest | CompletionRequest, ids: list[int], params: GenParams,
+                    *, prompt_param: str, continuation: bool) -> tuple[RequestHandle, dict[str, str] | None]:
+        """Decide (holding while told to), then submit: the handle and the answer's extra headers."""
+        sid = request.headers.get("x-session-id") or None
+        if sid is not None and len(sid) > MAX_SESSION_ID:
+            raise RequestError(f"X-Session-Id has {len(sid)} characters; at most {MAX_SESSION_ID}",
+                               code="invalid_session_id")
+        handle, d = await rt.admit(ids, params, session_id=sid, overcommit=req.overcommit, prompt_param=prompt_param,
+                                   continuation=continuation)
+        return handle, ({"X-Sessions-Remaining": "0"} if d.sessions_remaining == 0 else None)
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -269,10 +346,10 @@ def build_app(
             check_model(req.model)
             params = gen_params(req, default_max_tokens=rt.n_ctx, max_tokens_override=req.max_completion_tokens)
             ids = await chat_ids(req.messages, generation=True)
-            handle = rt.submit(ids, params, prompt_param="messages", continuation=False)
+            handle, headers = await admit(request, req, ids, params, prompt_param="messages", continuation=False)
         except SwarmError as exc:
             return _err(exc)
-        return await _respond(request, req, handle, chat=True)
+        return await _respond(request, req, handle, chat=True, headers=headers)
 
     async def completions(request: Request) -> Response:
         try:
@@ -286,24 +363,27 @@ def build_app(
                 ids = await encode(str(p[0]), "prompt")
             else:
                 ids = [int(x) for x in p]
-            handle = rt.submit(ids, params, prompt_param="prompt")
+            handle, headers = await admit(request, req, ids, params, prompt_param="prompt", continuation=True)
         except SwarmError as exc:
             return _err(exc)
-        return await _respond(request, req, handle, chat=False)
+        return await _respond(request, req, handle, chat=False, headers=headers)
 
     def _err(exc: SwarmError) -> Response:
+        if isinstance(exc, OverCapacity):
+            return error_response(exc, headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
         if isinstance(exc, RequestError) and exc.status == 503:
             return error_response(exc, headers={"Retry-After": "1"})
         return error_response(exc, headers=close_if_unread(exc))
 
-    async def _respond(request: Request, req: ChatRequest | CompletionRequest, handle: RequestHandle, *, chat: bool) -> Response:
+    async def _respond(request: Request, req: ChatRequest | CompletionRequest, handle: RequestHandle, *, chat: bool,
+                       headers: dict[str, str] | None = None) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         t0 = time.time()
         if req.stream:
             return StreamingResponse(
                 _stream(req, handle, rid, int(t0), chat=chat),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
             )
         text: list[str] = []
         ids: list[int] = []
@@ -349,11 +429,11 @@ def build_app(
             return _json(ChatCompletion(
                 id=rid, created=int(t0), model=model_id, usage=_usage(finish),
                 choices=(ChatChoice(finish_reason=reason, message=AssistantMessage(content=content), token_ids=token_ids),),
-            ))
+            ), headers)
         return _json(Completion(
             id=rid, created=int(t0), model=model_id, usage=_usage(finish),
             choices=(CompletionChoice(finish_reason=reason, text=content, token_ids=token_ids),),
-        ))
+        ), headers)
 
     async def _stream(req: ChatRequest | CompletionRequest, handle: RequestHandle, rid: str, created: int, *, chat: bool) -> AsyncIterator[bytes]:
         def chunk(
@@ -411,6 +491,7 @@ def build_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
+        Route("/capacity", capacity, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *prefix_routes(rt, max_body=max_body, render=prefix_ids, error=_err),
         *page_routes(),  # the chat page at /

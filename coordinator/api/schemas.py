@@ -83,6 +83,8 @@ class _Common(msgspec.Struct, kw_only=True):
     # control tokens (``<|im_start|>``, ``<|im_end|>``) are left out of the text unless this is false (an
     # extension, vLLM's name; llama-server leaves them out too)
     skip_special_tokens: bool = True
+    # admission (an extension): start even past the coordinator's tps floor (coordinator.core.admission)
+    overcommit: bool = False
 
 
 class ChatRequest(_Common, kw_only=True):

@@ -19,6 +19,12 @@ Rules:
   request's rows copied out of its slot, evicted copies freed, a kept prefix's rows copied into a
   new request's slot), so the new request prefills only the rest of its prompt. A copy is the rows'
   bits, and every kernel is batch-invariant, so the request computes what a full prefill computes.
+- Experienced speed and admission (``coordinator.core.admission``, under the same lock): a request the
+  scheduler takes is a session from ``submit`` until it leaves the scheduler (finished, cancelled,
+  failed); the engine thread reports each step's sampled tokens per session. The API asks ``decide``
+  before it submits (no await in between, so two requests never both see the same free room) and
+  waits on ``wait_changed`` while held. A continuation: a remembered ``X-Session-Id``, or a prompt
+  that starts with (and is longer than) a prompt admitted within the policy's TTL.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ import math
 import os
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import trio
 
-from coordinator.core.prefixes import PrefixIndex, PrefixStats
+from coordinator.core.admission import AdmissionCore, AdmissionPolicy, Capacity, Decision, Verdict
+from coordinator.core.prefixes import PrefixIndex, PrefixStats, prefix_hashes
 from coordinator.core.scheduler import (
     Admitted,
     Emit,
@@ -59,7 +67,10 @@ from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
 from swarm.text.tokenizer import StreamDecoder, Tokenizer
 
-__all__ = ["EngineFailed", "EngineRuntime", "EngineStats", "PrefixCacheInfo", "RequestHandle", "prefix_salt"]
+__all__ = ["CapacityInfo", "EngineFailed", "EngineRuntime", "EngineStats", "OverCapacity", "PrefixCacheInfo",
+           "RequestHandle", "prefix_salt"]
+
+SESSION_SALT = b"moe-swarm-session-v1"
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +105,25 @@ class EngineStats:
     decode_tps_ewma: float = 0.0  # aggregate generated tokens/s over recent steps
     prompt_tps_ewma: float = 0.0
     last_step_ms: float = 0.0
+
+
+class OverCapacity(RequestError):
+    """429: admitting the request would take the sessions' mean speed below the floor (``retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, code="over_capacity", status=429)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class CapacityInfo:
+    """The admission core's capacity with what the runtime knows: free slots, queue, KV room."""
+
+    capacity: Capacity
+    slots: int
+    free_slots: int
+    queue: int
+    kv_headroom_pct: float
 
 
 @dataclass(frozen=True)
@@ -147,6 +177,7 @@ class EngineRuntime:
         prefix_min_tokens: int = 4,
         prefix_cache_dir: Path | None = None,
         prefix_cache_disk_bytes: int = 0,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         """``drafters`` by name, ``draft`` the default of a request that names none (``none``: no
         speculation), ``draft_max`` the most tokens a step drafts; ``prefix_cache_bytes`` the RAM kept
@@ -187,6 +218,10 @@ class EngineRuntime:
         self.default_draft = draft
         self.draft_max = draft_max
         self.drafts: dict[str, DraftStats] = {name: DraftStats() for name in self.drafters}
+        self.admission = AdmissionCore(admission or AdmissionPolicy())
+        self.decisions: dict[tuple[str, str], int] = {}  # (verdict, reason) -> requests decided so
+        self._sessions: set[int] = set()  # request ids the admission core tracks
+        self._changed: trio.Event | None = None
 
     @property
     def n_slots(self) -> int:
@@ -211,11 +246,12 @@ class EngineRuntime:
 
     # -- trio side ---------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: GenParams, *, prompt_param: str = "prompt",
-               continuation: bool = True) -> RequestHandle:
+               continuation: bool = True, session: bool = True) -> RequestHandle:
         """Queue a request; raises ``RequestError`` (status 503 when the queue is full); ``prompt_param``
         is the body field errors about the prompt name (``messages`` for chat). ``continuation``: the
         text continues the prompt's (a completion: an SPM model's first " Paris" keeps its space, as
-        llama.cpp's token_to_piece streams it); False for a chat reply, which starts its own text."""
+        llama.cpp's token_to_piece streams it); False for a chat reply, which starts its own text.
+        ``session``: the admission core measures it as a session (False: an internal request)."""
         if self._token is None:
             raise RuntimeError("engine is not running")
         for t in prompt:
@@ -250,12 +286,18 @@ class EngineRuntime:
                     )
                 raise RequestError("the prompt is empty", code="empty_prompt", param=prompt_param)
         self.stats.requests_total += 1
+        if session:
+            with self._lock:
+                self.admission.started(req_id, now)
+                self._sessions.add(req_id)
         self._wake.set()
         return RequestHandle(req_id, len(prompt), recv)
 
     def cancel(self, req_id: int) -> None:
+        now = time.monotonic()
         with self._lock:
-            effects = self.sched.cancel(req_id, time.monotonic())
+            effects = self.sched.cancel(req_id, now)
+            self._sync_sessions(now)
         self._deliver(effects)
 
     def slots(self) -> list[SlotView]:
@@ -294,7 +336,7 @@ class EngineRuntime:
             return entry
         # a prompt of its own: its rows are kept as it ends (its one sampled token is never fed)
         h = self.submit(tokens, GenParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                        prompt_param=param)
+                        prompt_param=param, session=False)
         async for ev in h.events:
             if isinstance(ev, EngineFailed):
                 raise RequestError(ev.message, code=ev.code, status=ev.status)
@@ -344,6 +386,8 @@ class EngineRuntime:
             if isinstance(eff, Finish | EngineFailed):
                 self._reqs.pop(eff.req_id, None)
                 st.send.close()
+        if effects:
+            self._notify()
 
     def _post(self, effects: list[Event]) -> None:
         if effects and self._token is not None:
@@ -428,6 +472,7 @@ class EngineRuntime:
                 if self.sched.slot_of(e.req_id) is not None:
                     self.sched.cancel(e.req_id, time.monotonic())
                     failed.append(EngineFailed(e.req_id, message, code, status))
+            self._sync_sessions(time.monotonic())
         self._post(failed)
 
     def _propose(self, plan: list[StepEntry]) -> dict[int, tuple[str, list[int]]]:
@@ -488,6 +533,8 @@ class EngineRuntime:
                     return sample(row, temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
 
                 emitted = verify(proposed, target)
+                if e.req_id in self._sessions:
+                    self.admission.tokens(e.req_id, len(emitted), now)
                 if broken:
                     # never sample from (or keep decoding, or keep the rows of) a sequence whose numbers broke
                     self.sched.cancel(e.req_id, now, keep=False)
@@ -512,6 +559,7 @@ class EngineRuntime:
                     if self.sched.slot_of(e.req_id) != e.slot:  # finished (EOS, stop, length): the rest is not its
                         break
             self._account(n_gen, n_prompt, dt)
+            self._sync_sessions(now)
         self._post(out)
 
     def _account(self, n_gen: int, n_prompt: int, dt: float) -> None:
@@ -527,3 +575,107 @@ class EngineRuntime:
         if n_prompt > 1:
             inst = n_prompt / dt
             s.prompt_tps_ewma = inst if s.prompt_tps_ewma == 0 else (1 - a) * s.prompt_tps_ewma + a * inst
+
+    # -- admission (coordinator.core.admission) -------------------------------------------------------
+    def _sync_sessions(self, now: float) -> None:
+        """Sessions that left the scheduler (finished, cancelled, failed) end (the lock is held)."""
+        if not self._sessions:
+            return
+        live = {s.req.id for s in self.sched.slots if s.req is not None} | {r.id for r in self.sched.queue}
+        for rid in self._sessions - live:
+            self.admission.ended(rid, now)
+        self._sessions &= live
+
+    def _session_keys(self, prompt: list[int], session_id: str | None, lengths: list[int]) -> list[Hashable]:
+        """The keys a continuation of ``prompt`` would be remembered by (hashed without the lock)."""
+        keys: list[Hashable] = [("sid", session_id)] if session_id else []
+        lengths = [n for n in lengths if n < len(prompt)]
+        if lengths:
+            hs = prefix_hashes(prompt, SESSION_SALT, limit=lengths[0])
+            keys.extend((n, hs[n]) for n in lengths)
+        return keys
+
+    def decide(self, prompt: list[int], *, session_id: str | None = None, overcommit: bool = False,
+               held_since: float | None = None) -> tuple[Decision, float]:
+        """Whether a new request may start now (``coordinator.core.admission``), and ``now``. On ADMIT the
+        caller submits at once (no await in between); ``admitted`` then remembers its keys."""
+        with self._lock:
+            lengths = self.admission.remembered_lengths()
+        keys = self._session_keys(prompt, session_id, lengths)
+        now = time.monotonic()
+        with self._lock:
+            self._sync_sessions(now)
+            cont = self.admission.continues(keys, now)
+            d = self.admission.decide(now, continuation=cont, overcommit=overcommit, held_since=held_since)
+            if d.verdict is not Verdict.HOLD or held_since is None:
+                key = (str(d.verdict), str(d.reason))
+                self.decisions[key] = self.decisions.get(key, 0) + 1
+        return d, now
+
+    def admitted(self, prompt: list[int], session_id: str | None) -> None:
+        """Remember an admitted request's keys: a later prompt that extends this one (or names the same
+        session) continues it."""
+        now = time.monotonic()
+        h = prefix_hashes(prompt, SESSION_SALT)[-1]
+        with self._lock:
+            self.admission.remember((len(prompt), h), now, length=len(prompt))
+            if session_id:
+                self.admission.remember(("sid", session_id), now)
+
+    async def admit(self, prompt: list[int], params: GenParams, *, session_id: str | None = None,
+                    overcommit: bool = False, prompt_param: str = "prompt", continuation: bool = True
+                    ) -> tuple[RequestHandle, Decision]:
+        """Decide, holding while told to (woken by tokens and endings, bounded by the policy), then submit:
+        the handle and the decision. Raises ``OverCapacity`` when refused, ``RequestError`` as ``submit``."""
+        held: float | None = None
+        while True:
+            d, now = self.decide(prompt, session_id=session_id, overcommit=overcommit, held_since=held)
+            if d.verdict is Verdict.ADMIT:
+                handle = self.submit(prompt, params, prompt_param=prompt_param, continuation=continuation)
+                self.admitted(prompt, session_id)
+                return handle, d
+            if d.verdict is Verdict.REJECT:
+                info = self.capacity().capacity
+                mean = f"{info.mean_active_tps:.2f}" if info.mean_active_tps is not None else "unknown"
+                proj = (f"{info.projected_mean_tps_if_admitted:.2f}" if info.projected_mean_tps_if_admitted is not None
+                        else "unknown")
+                raise OverCapacity(f"over capacity ({d.reason}): {info.active_sessions} sessions at a mean of {mean} "
+                                   f"tokens/s; one more would give {proj}, below the floor of {info.tps_floor} "
+                                   "(retry later, another coordinator, or \"overcommit\": true)",
+                                   d.retry_after_s or 1.0)
+            held = now if held is None else held
+            wait = max(0.0, (d.recheck_at if d.recheck_at is not None else now) - now)
+            with trio.move_on_after(wait):
+                await self.wait_changed()
+
+    async def wait_changed(self) -> None:
+        """Until a session's tokens arrive or a session ends (the trio side)."""
+        if self._changed is None:
+            self._changed = trio.Event()
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def capacity(self) -> CapacityInfo:
+        now = time.monotonic()
+        with self._lock:
+            self._sync_sessions(now)
+            views = self.sched.views()
+            busy = sum(1 for v in views if v.is_processing)
+            queue = self.sched.queue_depth()
+            free = max(0, self.n_slots - busy - queue)
+            used = sum(min(v.n_ctx, v.n_prompt + v.n_decoded) for v in views if v.is_processing)
+            cap = self.admission.capacity(now, free_slots=free)
+        total = self.n_slots * self.n_ctx
+        return CapacityInfo(cap, self.n_slots, free, queue, round(100.0 * (total - used) / total, 2))
+
+    def session_speed(self, req_id: int | None) -> tuple[float | None, bool]:
+        """A running request's decode tps EWMA and whether it is warming."""
+        if req_id is None:
+            return None, False
+        now = time.monotonic()
+        with self._lock:
+            return self.admission.session_tps(req_id), self.admission.warming(req_id, now)

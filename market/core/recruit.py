@@ -1,10 +1,13 @@
 """Recruitment and age-out (pure: no I/O, no clock; ``now`` is given).
 
 Rules:
-- A coordinator is saturated when its last successful ``/slots`` poll showed
-  ``busy >= threshold`` (default 2) and is at most ``poll_stale_s`` old
-  (``coordinator_saturated``, the one definition: recruitment and the dashboard both use it). An
-  older poll says nothing; a failed poll is no observation.
+- A coordinator is saturated when its last successful ``/slots`` poll, at most ``poll_stale_s`` old,
+  showed the speed its sessions experience at its floor: it reports a ``tps_floor`` and a
+  ``mean_active_tps`` (coordinator.core.admission), and the mean, or the mean projected with one
+  more session, is below the floor (it could not admit another at the floor). A coordinator that
+  reports no floor or no measured mean (an older one; none set; nothing measured yet) falls back to
+  ``busy >= threshold`` (default 2). ``coordinator_saturated`` is the one definition: recruitment and
+  the dashboard both use it. An older poll says nothing; a failed poll is no observation.
 - A model is saturated while any coordinator hosting it is (DESIGN §11).
 - Hysteresis (``step``): the model's saturation signal (``RecruitState.recruiting``: the views'
   ``saturated``, and the boost) is smoothed, so a load that flaps between polls gives one steady
@@ -45,11 +48,13 @@ __all__ = [
     "PollView",
     "RecruitPolicy",
     "RecruitState",
+    "SpeedReport",
     "coordinator_saturated",
     "is_fresh",
     "is_saturated",
     "observe",
     "plan_ageout",
+    "speed_saturated",
     "step",
 ]
 
@@ -73,6 +78,26 @@ class PollView:
     busy: int
     slots: int
     at: float
+    mean_active_tps: float | None = None  # the coordinator's experienced speed, when it reports one
+    tps_floor: float | None = None
+    projected_tps: float | None = None  # its mean projected with one more session
+
+
+@dataclass(frozen=True)
+class SpeedReport:
+    """What a coordinator's ``/slots`` says of its sessions' speed (all None from one that does not measure it)."""
+
+    mean_active_tps: float | None = None
+    tps_floor: float | None = None
+    projected_tps: float | None = None
+
+
+def speed_saturated(poll: PollView) -> bool | None:
+    """The speed signal: below the floor now or with one more session; None when the poll carries none."""
+    floor, mean = poll.tps_floor, poll.mean_active_tps
+    if floor is None or mean is None:
+        return None
+    return mean < floor or (poll.projected_tps is not None and poll.projected_tps < floor)
 
 
 def is_fresh(poll: PollView, now: float, policy: RecruitPolicy) -> bool:
@@ -81,7 +106,10 @@ def is_fresh(poll: PollView, now: float, policy: RecruitPolicy) -> bool:
 
 def coordinator_saturated(poll: PollView | None, now: float, policy: RecruitPolicy) -> bool:
     """Whether one coordinator, by its last successful poll, is saturated at ``now``."""
-    return poll is not None and is_fresh(poll, now, policy) and is_saturated(poll.busy, policy.saturation_threshold)
+    if poll is None or not is_fresh(poll, now, policy):
+        return False
+    by_speed = speed_saturated(poll)
+    return by_speed if by_speed is not None else is_saturated(poll.busy, policy.saturation_threshold)
 
 
 @dataclass(frozen=True)

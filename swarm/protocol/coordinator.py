@@ -22,6 +22,8 @@ __all__ = [
     "MarketLinkStatus",
     "ModeChange",
     "SlotInfo",
+    "CapacityReport",
+    "capacity_decoder",
     "WorkerReport",
     "dispatch_decoder",
     "health_decoder",
@@ -41,6 +43,36 @@ class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
     draft: str | None = None  # speculative decoding: the running request's drafter (None: none)
     draft_acceptance: float | None = None  # its accepted / proposed drafts so far (EWMA)
     draft_length: int | None = None  # the tokens its next step will draft
+    # experienced speed (coordinator.core.admission): ``tps_ewma`` is the session's decode tps EWMA;
+    # ``warming``: in its settle window (left out of the mean). The rest is the coordinator's, the same on
+    # every entry (the array keeps llama-server's shape): None from coordinators that do not measure it
+    warming: bool = False
+    mean_active_tps: float | None = None
+    decode_tps: float | None = None  # aggregate: the sum of the sessions' EWMAs
+    tps_floor: float | None = None  # --tps-floor (None: none)
+    projected_mean_tps_if_admitted: float | None = None
+
+
+class CapacityReport(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /capacity`` (DESIGN §11): what the next new request would meet (coordinator.core.admission)."""
+
+    can_admit: bool
+    projected_mean_tps_if_admitted: float | None
+    headroom_sessions: int
+    kv_headroom_pct: float
+    settling: bool
+    settle_remaining_ms: int
+    reason: str
+    mean_active_tps: float | None
+    tps_floor: float | None
+    active_sessions: int
+    slots: int
+    queue: int
+    admission: str  # advisory | enforced
+    decode_tps: float | None = None
+    warming_sessions: int = 0
+    scaling_per_admit: float = 0.0
+    admits_observed: int = 0
 
 
 class MarketLinkStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,5 +246,6 @@ class DispatchReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 slots_decoder = msgspec.json.Decoder(list[SlotInfo])
+capacity_decoder = msgspec.json.Decoder(CapacityReport)
 health_decoder = msgspec.json.Decoder(Health)
 dispatch_decoder = msgspec.json.Decoder(DispatchReport)

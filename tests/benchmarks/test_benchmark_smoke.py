@@ -169,6 +169,16 @@ def check_gateway(result: dict[str, Any]) -> None:
     assert on["cached_tokens"] >= (on["users"] - 1) * on["system_tokens"] and on["kept_bytes"] > 0, on
     assert ratio["tokens_identical"] is True and 0 < ratio["prefill_tokens_ratio"] < 1, ratio
     assert on["ttft_mean_ms"] > 0 and off["ttft_mean_ms"] > 0 and ratio["ttft_mean_ratio"] > 0, ratio
+    # case (c), the admission ramp: its plumbing (the pass criteria are the full run's, on the bench model; a
+    # smoke run on a shared machine measures noise)
+    fixed, ramp = cases["admission_ramp/fixed"], cases["admission_ramp"]
+    n = len(fixed["sessions"])
+    assert fixed["sessions"] == list(range(1, n + 1)) and all(v > 0 for v in fixed["fixed_mean_tokens_per_s"]), fixed
+    assert ramp["tps_floor_tokens_per_s"] > 0 and 1 <= ramp["best_fixed_sessions"] <= n, ramp
+    assert 0 <= ramp["admitted_sessions"] <= n and ramp["below_floor_longest_s"] >= 0, ramp
+    assert ramp["admitted_within_one"] == (abs(ramp["admitted_sessions"] - ramp["best_fixed_sessions"]) <= 1), ramp
+    assert ramp["timeline"] and all(0 <= k <= n for _, k, _ in ramp["timeline"]), ramp
+    assert any(m is not None and m > 0 for _, _, m in ramp["timeline"]), ramp  # the coordinator measured its sessions
 
 
 def check_sim_validate(result: dict[str, Any]) -> None:

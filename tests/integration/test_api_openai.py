@@ -248,8 +248,15 @@ async def test_health_slots_metrics(coordinator_url: str) -> None:
         slots = (await h.get("/slots")).json()
         assert [s["id"] for s in slots] == [0, 1, 2, 3]
         assert set(slots[0]) == {"id", "is_processing", "n_ctx", "n_prompt", "n_decoded", "tps_ewma", "draft",
-                                 "draft_acceptance", "draft_length"}
+                                 "draft_acceptance", "draft_length", "warming", "mean_active_tps", "decode_tps",
+                                 "tps_floor", "projected_mean_tps_if_admitted"}
         assert slots[0]["draft"] is None  # an idle slot drafts nothing
+        assert slots[0]["tps_floor"] is None and slots[0]["mean_active_tps"] is None  # no floor, no session
+        cap = (await h.get("/capacity")).json()
+        assert {k: cap[k] for k in ("can_admit", "reason", "admission", "active_sessions", "slots", "queue",
+                                    "headroom_sessions", "kv_headroom_pct", "settling")} == {
+            "can_admit": True, "reason": "no_floor", "admission": "advisory", "active_sessions": 0, "slots": 4,
+            "queue": 0, "headroom_sessions": 4, "kv_headroom_pct": 100.0, "settling": False}
         m = (await h.get("/metrics")).text
         assert "moe_swarm_generated_tokens_total" in m and "moe_swarm_busy_slots" in m
         assert "moe_swarm_draft_tokens_total" in m and "moe_swarm_draft_acceptance" in m

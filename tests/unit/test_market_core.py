@@ -304,6 +304,15 @@ def test_observe(polls: list[PollView | None], now: float, want: Observation | N
         (PollView(1, 4, 8.0), 10.0, False),  # below the threshold
         (PollView(4, 4, 5.0), 10.0, True),  # exactly poll_stale_s old: still fresh
         (PollView(4, 4, 4.9), 10.0, False),  # stale: says nothing
+        # the speed signal (a coordinator reporting a floor and a mean) replaces busy >= threshold
+        (PollView(4, 4, 8.0, mean_active_tps=12.0, tps_floor=5.0, projected_tps=9.0), 10.0, False),  # room at the floor
+        (PollView(1, 4, 8.0, mean_active_tps=6.0, tps_floor=5.0, projected_tps=4.0), 10.0, True),  # one more: below
+        (PollView(1, 4, 8.0, mean_active_tps=4.0, tps_floor=5.0), 10.0, True),  # below the floor now
+        (PollView(1, 4, 4.9, mean_active_tps=4.0, tps_floor=5.0), 10.0, False),  # stale
+        # no floor, or no measurement yet: busy >= threshold, as from an older coordinator
+        (PollView(3, 4, 8.0, mean_active_tps=4.0, tps_floor=None), 10.0, True),
+        (PollView(1, 4, 8.0, mean_active_tps=None, tps_floor=5.0), 10.0, False),
+        (PollView(2, 4, 8.0, mean_active_tps=None, tps_floor=5.0), 10.0, True),
     ],
 )
 def test_coordinator_saturated(poll: PollView | None, now: float, want: bool) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from market.core.assign import NoOfferReason
 from market.core.records import CoverageRow, HeldState, ModelManifest, SliceRef
+from market.core.recruit import SpeedReport
 from market.policy import MarketPolicy
 from market.state import Market, NoOffer, Offer
 from market.store import InMemoryStore, MemoryBacking, Put
@@ -246,6 +247,19 @@ def test_views_and_recruitment_share_one_saturation_rule() -> None:
         assert not view.saturated  # one poll is no sustained load (hysteresis: rise_s)
 
 
+def test_the_speed_signal_of_a_coordinator_with_a_floor_replaces_busy() -> None:
+    """A coordinator reporting its floor and mean active tps is saturated by them (busy 4 of 4 at 12 tps
+    against a floor of 5, with room for one more: not saturated; 1 busy below the floor: saturated); a bad
+    number in its report says nothing (busy decides)."""
+    m = registered()
+    m.record_poll(URL, 4, 4, 0.0, speed=SpeedReport(12.0, 5.0, 8.0))
+    assert not m.ix.saturated_now(MID, 1.0)
+    m.record_poll(URL, 1, 4, 2.0, speed=SpeedReport(4.5, 5.0, 3.0))
+    assert m.ix.saturated_now(MID, 3.0) and m.recruitment(3.0).models[0].coordinators[0].saturated
+    m.record_poll(URL, 1, 4, 4.0, speed=SpeedReport(float("nan"), 5.0, None))
+    assert not m.ix.saturated_now(MID, 5.0)
+
+
 def test_the_recruitment_view_says_what_each_volunteer_does() -> None:
     """Download progress from the volunteer's heartbeat, calls/s from coordinator reports only."""
     m = registered()
@@ -290,8 +304,8 @@ def test_a_flapping_load_logs_one_saturated_and_one_unsaturated_event() -> None:
         targets.append(view.effective_target)
     got = [(e.kind, e.at_ms, e.detail) for e in m.events().events if e.kind in ("saturated", "unsaturated")]
     assert [(k, at) for k, at, _ in got] == [("saturated", 2000), ("unsaturated", 48000)]
-    assert got[0][2] == "busy >= 2 for 2 s (--rise-s 2): target +1, recruiting"
-    assert got[1][2] == "below 2 busy for 10 s (--hold-s 10): boost ended"
+    assert got[0][2] == "busy >= 2 (or below a tps floor) for 2 s (--rise-s 2): target +1, recruiting"
+    assert got[1][2] == "below 2 busy (and above any tps floor) for 10 s (--hold-s 10): boost ended"
     assert sat_views == [False] * 2 + [True] * 46 + [False] * 12
     assert targets == [1] * 2 + [2] * 46 + [1] * 12  # the boost follows the signal: one rise, one fall
 

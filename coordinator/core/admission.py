@@ -1,0 +1,384 @@
+"""Experienced speed and admission with a floor (pure core: no clock, no I/O; ``now`` is given).
+
+A *session* here is one request while the coordinator runs it (queued or in a slot). The core
+measures the speed each session experiences and decides whether a new one may start.
+
+Speed rules:
+- ``started(sid, now)`` when a request is admitted; ``tokens(sid, n, now)`` when ``n`` decode tokens
+  of it are sampled at ``now`` (a speculative step emits several at once); ``ended(sid, now)``.
+- A session's tps EWMA (``alpha``) is over the intervals between its token deliveries: an EWMA of the
+  seconds per token ``(now - last) / n``, inverted (a rate averaged as its inverse, so jitter between
+  steps does not inflate it); its first delivery (the token the prefill samples) only starts the clock.
+- A session is *warming* from its start until it has decoded ``settle_tokens`` tokens or ``settle_s``
+  have passed, whichever first. Warming sessions, and sessions with no EWMA yet, are left out of
+  ``mean_active_tps`` (the mean of the others' EWMAs; None when there are none). ``decode_tps`` is the
+  sum of every session's EWMA (aggregate; None when no session has one).
+- *Settling*: while any session is warming. The settle window after an admit is that session's warming.
+
+Projection rules:
+- An admit that started while ``n >= 1`` sessions had a mean ``m0`` is *observed* when its settle
+  window ends, if the set of sessions then is exactly those ``n`` plus it and the mean ``m1`` is known:
+  its *scaling* ``e = m1 (n + 1) / m0 - n``, the share of one more session's speed the aggregate gained
+  (``T(n+1) = T(n) (1 + e / n)``: 0 = the aggregate was shared by one more, 1 = every session kept its
+  speed), clamped to [0, 1] (adding a session never speeds the others up; a noisy window must not make
+  the projection grow). ``scaling`` is an EWMA of the observed ``e`` (``drop_alpha``); before the first
+  observation it is 0 (the model: today's aggregate shared by ``n + 1``).
+- ``projected(k)``: the mean with ``k`` more sessions, ``m * prod((j + e) / (j + 1) for j in c .. n+k-1)``
+  (``m`` the mean now over the ``c`` sessions it counts, ``n`` the sessions now: the ``n - c`` warming or
+  unmeasured ones are admits the mean does not show yet, projected like the ``k`` new ones). Never above
+  ``m``. The observed drop per admit is ``m - projected(1)`` when every session is counted.
+
+Admission rules (``decide``), in order; the first that applies wins:
+1. a continuation of a running session (the shell tells: an ``X-Session-Id`` it knows, or a prompt that
+   starts with a recent prompt: ``remember``/``continues``) is admitted; so is a request with
+   ``"overcommit": true``;
+2. fewer than ``guarantee_min_sessions`` sessions: admitted;
+3. no floor, or ``advisory`` mode: admitted (``capacity`` still says what enforcing would do);
+4. settling: held (``HOLD``, recheck at the window's end) until the hold started ``hold_s`` ago; a hold
+   past its bound goes on to rule 5 without the settle window;
+5. no session, or no measured mean (nothing to protect, or nothing known), or ``projected(1) >= floor``:
+   admitted; else saturated, per ``on_saturation``: ``reject`` -> ``REJECT`` with ``retry_after_s``;
+   ``warn`` -> admitted with ``sessions_remaining = 0``; ``queue`` -> held until the bound, then rejected.
+A session that is admitted is the shell's to ``start`` at once (before anything else is decided).
+
+``capacity`` is rule 5's answer for one more ordinary request at ``now`` (``can_admit``), with
+``headroom_sessions``: how many more ordinary sessions fit (by the projection and the free slots; at
+least what ``guarantee_min_sessions`` still guarantees).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+__all__ = [
+    "AdmissionCore",
+    "AdmissionPolicy",
+    "Capacity",
+    "Decision",
+    "Reason",
+    "Verdict",
+]
+
+Mode = Literal["advisory", "enforced"]
+OnSaturation = Literal["reject", "warn", "queue"]
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    tps_floor: float | None = None  # None: no floor, nothing is gated
+    mode: Mode = "advisory"
+    on_saturation: OnSaturation = "reject"
+    guarantee_min_sessions: int = 0
+    settle_tokens: int = 48
+    settle_s: float = 5.0
+    hold_s: float = 10.0  # the bound of a hold (settling, or a queued request under on_saturation=queue)
+    retry_after_s: float = 2.0  # the least Retry-After of a rejection
+    alpha: float = 0.2  # a session's tps EWMA
+    drop_alpha: float = 0.5  # the EWMA of observed scaling per admit
+    session_ttl_s: float = 600.0  # a finished session's continuations are recognised this long
+    max_remembered: int = 4096  # continuation keys kept (least recently used dropped)
+
+    def __post_init__(self) -> None:
+        if self.tps_floor is not None and not (self.tps_floor > 0 and math.isfinite(self.tps_floor)):
+            raise ValueError("tps_floor must be a positive number")
+        if self.guarantee_min_sessions < 0 or self.settle_tokens < 1 or self.settle_s < 0 or self.hold_s < 0:
+            raise ValueError("guarantee_min_sessions >= 0, settle_tokens >= 1, settle_s >= 0, hold_s >= 0")
+        if not (0 < self.alpha <= 1 and 0 < self.drop_alpha <= 1):
+            raise ValueError("alpha and drop_alpha in (0, 1]")
+
+
+class Verdict(StrEnum):
+    ADMIT = "admit"
+    HOLD = "hold"
+    REJECT = "reject"
+
+
+class Reason(StrEnum):
+    CONTINUATION = "continuation"
+    OVERCOMMIT = "overcommit"
+    GUARANTEED = "guaranteed"  # below guarantee_min_sessions
+    NO_FLOOR = "no_floor"
+    ADVISORY = "advisory"  # a floor, but only reported
+    IDLE = "idle"  # no session running
+    UNMEASURED = "unmeasured"  # sessions run, none measured yet (and not settling)
+    SETTLING = "settling"
+    ABOVE_FLOOR = "projected_above_floor"
+    BELOW_FLOOR = "projected_below_floor"
+    SLOTS_FULL = "slots_full"  # capacity only: every slot busy (a request would queue)
+    HOLD_EXPIRED = "hold_expired"  # a queued request's hold ran out
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: Reason
+    recheck_at: float | None = None  # HOLD: decide again then (or sooner, when sessions change)
+    retry_after_s: float | None = None  # REJECT
+    sessions_remaining: int | None = None  # warn: admitted past saturation (0)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """``GET /capacity`` (DESIGN §11), but ``kv_headroom_pct``, ``slots`` and ``queue``, which the shell knows."""
+
+    can_admit: bool
+    projected_mean_tps_if_admitted: float | None
+    headroom_sessions: int
+    settling: bool
+    settle_remaining_ms: int
+    reason: Reason
+    mean_active_tps: float | None
+    decode_tps: float | None
+    tps_floor: float | None
+    active_sessions: int
+    warming_sessions: int
+    scaling_per_admit: float
+    admits_observed: int
+    admission: Mode
+
+
+@dataclass
+class _Session:
+    started: float
+    decoded: int = 0
+    last_at: float | None = None
+    spt: float | None = None  # EWMA of seconds per decode token
+
+    @property
+    def tps(self) -> float | None:
+        return None if self.spt is None else 1.0 / self.spt
+
+
+@dataclass
+class _Pending:
+    """An admit waiting for its settle window to end, to be observed."""
+
+    sid: Hashable
+    before: frozenset[Hashable]
+    mean_before: float
+
+
+@dataclass
+class AdmissionCore:
+    policy: AdmissionPolicy
+    sessions: dict[Hashable, _Session] = field(default_factory=dict)
+    scaling: float = 0.0
+    observed: int = 0
+    _pending: list[_Pending] = field(default_factory=list)
+    _recent: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
+    _lengths: dict[int, int] = field(default_factory=dict)  # remembered prompt lengths -> how many
+
+    # -- speed ------------------------------------------------------------------------------------
+    def started(self, sid: Hashable, now: float) -> None:
+        if sid in self.sessions:
+            return
+        m = self.mean_active_tps(now)
+        if m is not None and self.sessions:
+            self._pending.append(_Pending(sid, frozenset(self.sessions), m))
+        self.sessions[sid] = _Session(now)
+
+    def tokens(self, sid: Hashable, n: int, now: float) -> None:
+        s = self.sessions.get(sid)
+        if s is None or n <= 0:
+            return
+        if s.last_at is not None:
+            s.decoded += n
+            if now > s.last_at:
+                inst = (now - s.last_at) / n
+                a = self.policy.alpha
+                s.spt = inst if s.spt is None else (1 - a) * s.spt + a * inst
+            else:
+                return  # the same instant: counted, and the next interval carries these tokens' time
+        s.last_at = now
+        self._observe(now)
+
+    def ended(self, sid: Hashable, now: float) -> None:
+        if self.sessions.pop(sid, None) is not None:
+            self._pending = [p for p in self._pending if p.sid != sid and sid not in p.before]
+            self._observe(now)
+
+    def warming(self, sid: Hashable, now: float) -> bool:
+        s = self.sessions.get(sid)
+        if s is None:
+            return False
+        return s.decoded < self.policy.settle_tokens and now - s.started < self.policy.settle_s
+
+    def session_tps(self, sid: Hashable) -> float | None:
+        s = self.sessions.get(sid)
+        return s.tps if s is not None else None
+
+    def mean_active_tps(self, now: float) -> float | None:
+        xs = [s.tps for sid, s in self.sessions.items() if s.tps is not None and not self.warming(sid, now)]
+        return sum(xs) / len(xs) if xs else None
+
+    def decode_tps(self) -> float | None:
+        xs = [s.tps for s in self.sessions.values() if s.tps is not None]
+        return sum(xs) if xs else None
+
+    def settle_remaining_s(self, now: float) -> float:
+        """Until the last warming session stops warming by time (it may stop sooner by tokens)."""
+        p = self.policy
+        left = [s.started + p.settle_s - now for sid, s in self.sessions.items() if self.warming(sid, now)]
+        return max(left, default=0.0)
+
+    def _observe(self, now: float) -> None:
+        """Settle windows that ended: their admits' scaling, when the sessions are those it was measured on."""
+        keep: list[_Pending] = []
+        for p in self._pending:
+            if self.warming(p.sid, now):
+                keep.append(p)
+                continue
+            if set(self.sessions) != p.before | {p.sid}:
+                continue  # sessions came or went meanwhile: the change is not this admit's alone
+            m1 = self.mean_active_tps(now)
+            if m1 is None:
+                if self.sessions[p.sid].tps is None and now - self.sessions[p.sid].started < 4 * self.policy.settle_s:
+                    keep.append(p)  # no decode token yet (a long prefill): wait for its first measurement
+                continue
+            n = len(p.before)
+            e = min(1.0, max(0.0, m1 * (n + 1) / p.mean_before - n))
+            a = self.policy.drop_alpha
+            self.scaling = e if self.observed == 0 else (1 - a) * self.scaling + a * e
+            self.observed += 1
+        self._pending = keep
+
+    # -- projection ----------------------------------------------------------------------------
+    def projected(self, k: int, now: float) -> float | None:
+        counted = [s.tps for sid, s in self.sessions.items() if s.tps is not None and not self.warming(sid, now)]
+        n = len(self.sessions)
+        if not counted:
+            return None
+        m, c = sum(counted) / len(counted), len(counted)
+        for j in range(c, n + k):
+            m *= (j + self.scaling) / (j + 1)
+        return m
+
+    # -- continuations -------------------------------------------------------------------------
+    def remember(self, key: Hashable, now: float, *, length: int | None = None) -> None:
+        """A session key (an ``X-Session-Id``, or a prompt's hash at ``length`` tokens) seen at ``now``."""
+        if key not in self._recent and length is not None:
+            self._lengths[length] = self._lengths.get(length, 0) + 1
+        self._recent[key] = now
+        self._recent.move_to_end(key)
+        self._expire(now)
+        while len(self._recent) > self.policy.max_remembered:
+            self._drop(next(iter(self._recent)))
+
+    def _drop(self, key: Hashable) -> None:
+        del self._recent[key]
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int):
+            n = self._lengths.get(key[0], 0) - 1
+            if n > 0:
+                self._lengths[key[0]] = n
+            else:
+                self._lengths.pop(key[0], None)
+
+    def _expire(self, now: float) -> None:
+        ttl = self.policy.session_ttl_s
+        while self._recent:
+            key, at = next(iter(self._recent.items()))
+            if now - at <= ttl:
+                break
+            self._drop(key)
+
+    def remembered_lengths(self) -> list[int]:
+        """The prompt lengths a continuation may extend (longest first): the shell hashes a prompt at these."""
+        return sorted(self._lengths, reverse=True)
+
+    def continues(self, keys: Sequence[Hashable], now: float) -> bool:
+        """Whether any of ``keys`` is a remembered session key (refreshed then)."""
+        self._expire(now)
+        for k in keys:
+            if k in self._recent:
+                self._recent[k] = now
+                self._recent.move_to_end(k)
+                return True
+        return False
+
+    # -- decisions -----------------------------------------------------------------------------
+    def decide(self, now: float, *, continuation: bool = False, overcommit: bool = False,
+               held_since: float | None = None) -> Decision:
+        """Whether a new request may start now (see the module rules); ``held_since``: when its hold began."""
+        p = self.policy
+        if continuation:
+            return Decision(Verdict.ADMIT, Reason.CONTINUATION)
+        if overcommit:
+            return Decision(Verdict.ADMIT, Reason.OVERCOMMIT)
+        if len(self.sessions) < p.guarantee_min_sessions:
+            return Decision(Verdict.ADMIT, Reason.GUARANTEED)
+        if p.tps_floor is None:
+            return Decision(Verdict.ADMIT, Reason.NO_FLOOR)
+        if p.mode == "advisory":
+            return Decision(Verdict.ADMIT, Reason.ADVISORY)
+        since = now if held_since is None else held_since
+        deadline = since + p.hold_s
+        if self.settle_remaining_s(now) > 0 and now < deadline:
+            return Decision(Verdict.HOLD, Reason.SETTLING, recheck_at=min(deadline, now + self.settle_remaining_s(now)))
+        ok, reason = self._fits(now)
+        if ok:
+            return Decision(Verdict.ADMIT, reason)
+        match p.on_saturation:
+            case "warn":
+                return Decision(Verdict.ADMIT, reason, sessions_remaining=0)
+            case "queue" if now < deadline:
+                return Decision(Verdict.HOLD, reason, recheck_at=deadline)
+            case _:
+                return Decision(Verdict.REJECT, Reason.HOLD_EXPIRED if p.on_saturation == "queue" else reason,
+                                retry_after_s=self._retry_after(now))
+
+    def _fits(self, now: float) -> tuple[bool, Reason]:
+        """Rule 5: would one more session keep the projected mean at the floor?"""
+        floor = self.policy.tps_floor
+        if not self.sessions:
+            return True, Reason.IDLE
+        proj = self.projected(1, now)
+        if proj is None or floor is None:
+            return True, Reason.UNMEASURED
+        return (True, Reason.ABOVE_FLOOR) if proj >= floor else (False, Reason.BELOW_FLOOR)
+
+    def _retry_after(self, now: float) -> float:
+        return max(self.policy.retry_after_s, self.settle_remaining_s(now))
+
+    def capacity(self, now: float, *, free_slots: int) -> Capacity:
+        p = self.policy
+        n = len(self.sessions)
+        settle = self.settle_remaining_s(now)
+        settling = settle > 0
+        floor = p.tps_floor
+        guaranteed = max(0, p.guarantee_min_sessions - n)
+        fit = free_slots if floor is None else self._headroom(now, free_slots)
+        if guaranteed > 0:
+            can, reason, headroom = True, Reason.GUARANTEED, max(guaranteed, fit)
+        elif free_slots <= 0:
+            can, reason, headroom = False, Reason.SLOTS_FULL, 0
+        elif floor is None:
+            can, reason, headroom = True, Reason.NO_FLOOR, fit
+        elif settling and now < now + p.hold_s:  # as ``decide`` holds (hold_s 0: nothing is held)
+            can, reason, headroom = False, Reason.SETTLING, fit
+        else:
+            can, reason = self._fits(now)
+            headroom = fit if can else 0
+        proj = self.projected(1, now)
+        return Capacity(can_admit=can, projected_mean_tps_if_admitted=proj, headroom_sessions=headroom,
+                        settling=settling, settle_remaining_ms=int(math.ceil(settle * 1000)), reason=reason,
+                        mean_active_tps=self.mean_active_tps(now), decode_tps=self.decode_tps(), tps_floor=floor,
+                        active_sessions=n, warming_sessions=sum(1 for sid in self.sessions if self.warming(sid, now)),
+                        scaling_per_admit=self.scaling, admits_observed=self.observed, admission=p.mode)
+
+    def _headroom(self, now: float, free_slots: int) -> int:
+        floor = self.policy.tps_floor
+        assert floor is not None
+        if not self.sessions or self.mean_active_tps(now) is None:
+            return max(0, free_slots)
+        k = 0
+        while k < free_slots:
+            proj = self.projected(k + 1, now)
+            if proj is None or proj < floor:
+                break
+            k += 1
+        return k
