@@ -51,14 +51,12 @@ import msgspec
 from market.addresses import AddressBook
 from market.core.assign import Budget, ModelSupply, NoOfferReason, choose_slice, jittered, new_lease_id
 from market.core.credit import credit_row, flops_per_pair
-from market.core.demand import contribution
-from market.core.directive import Reason, directive, in_cooldown, wire_directive
+from market.core.directive import Reason, directive, wire_directive
 from market.core.records import (
     CoordinatorRow,
     CoverageRow,
     HeldState,
     LeaseRow,
-    MapRow,
     ModelRow,
     QuarantineRow,
     RecruitRow,
@@ -66,7 +64,7 @@ from market.core.records import (
     Table,
     VolunteerRow,
 )
-from market.core.recruit import Holding, PollView, RecruitState, observe, plan_ageout, step
+from market.core.recruit import PollView, RecruitState, observe, step
 from market.core.registry import (
     ACCEPTED,
     address_key,
@@ -80,11 +78,12 @@ from market.core.registry import (
     registration_is_stale,
 )
 from market.core.sources import PeerCandidate, rank_origins, rank_peer_sources, rank_sources
-from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
+from market.core.wiring import load_bucket
 from market.indexes import Indexes, LiveVolunteer, PollRecord
 from market.journal import Journal
 from market.policy import MarketPolicy
 from market.store import Change, Delete, Put, Store
+from market.upkeep import age_out, drop_unprovable, rebuild_map
 from market.views import (
     credit_board,
     demand_view,
@@ -97,7 +96,6 @@ from market.views import (
 from swarm.core.rng import Rng
 from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError, StoreError
-from swarm.protocol.expert import PROTOCOL_VERSION as EXPERT_PROTOCOL_VERSION
 from swarm.protocol.market import (
     CoordinatorReport,
     CoverageAck,
@@ -768,7 +766,6 @@ class Market:
         return wire_directive(row.slice, d, dispatched=row.dispatched)
 
     # -- time -----------------------------------------------------------------------------------
-    # -- time -----------------------------------------------------------------------------------
 
     def tick(self, now: float) -> TickReport:
         """Expire silent volunteers and lapsed leases, step recruitment, age out, rebuild maps."""
@@ -799,7 +796,7 @@ class Market:
                 rep.expired_leases += 1
                 self._event("lease_expired", now, peer_id=lease.peer_id, s=lease.slice)
                 self.counters["leases_expired"] += 1
-        self._drop_unprovable(now, changes)
+        drop_unprovable(self, now, changes)
         if now - self._last_gc >= 10.0:
             self._last_gc = now
             self._forget_idle_identities(now)
@@ -824,10 +821,10 @@ class Market:
                 log.info("model %s: %s", mid, ("saturated: " if new.recruiting else "unsaturated: ") + why)
                 self._event("saturated" if new.recruiting else "unsaturated", now, model_id=mid, detail=why)
         for mid in sorted(self.ix.dirty_ageout):
-            self._age_out(mid, now, changes, rep)
+            age_out(self, mid, now, changes, rep)
         self.ix.dirty_ageout.clear()
         for mid in sorted(self.ix.dirty_maps):
-            if self._rebuild_map(mid, changes):
+            if rebuild_map(self, mid, changes):
                 rep.changed_maps.append(mid)
         self.ix.dirty_maps.clear()
         if now - self._last_flush >= self.policy.flush_s:
@@ -862,106 +859,6 @@ class Market:
             if any(reps[e] <= 1 and not held[s.layer][e] for e in range(s.lo, s.hi)):
                 return True
         return False
-
-    def _drop_unprovable(self, now: float, changes: list[Change]) -> None:
-        """A holding counts only while it can be proven (DESIGN §12). Its row goes (the volunteer's next
-        heartbeat listing it is told ``release`` with the reason; it gets no new lease for that slice for
-        ``dropped_penalty_s``) and its experts are recruited again, when
-        - it is ``loading`` past its download deadline: ``since`` + ``download_grace_s`` + the slice's
-          bytes at ``download_floor_bytes_per_s`` (``download_overdue``): reporting ``loading`` for ever
-          is squatting, not downloading;
-        - it is ``serving`` and no coordinator reported it proved (hold challenge or verified answers)
-          within ``proof_grace_s`` of starting to serve (``unproven``; 0 = off)."""
-        grace = self.policy.proof_grace_s
-        due = self._proof_due
-        live: set[tuple[str, SliceRef]] = set()
-        for peer, rows in list(self.ix.coverage.items()):
-            for s, row in list(rows.items()):
-                if row.state is HeldState.LOADING:
-                    if now < row.since + self._download_allowance(s):
-                        continue
-                    reason, detail = Reason.OVERDUE, f"still loading {now - row.since:.0f} s after it was leased"
-                elif row.state is HeldState.SERVING and not row.proved and grace > 0:
-                    k = (peer, s)
-                    live.add(k)
-                    if now < due.setdefault(k, now + grace):
-                        continue
-                    reason, detail = Reason.UNPROVEN, f"no proof of holding within {grace:.0f} s"
-                else:
-                    continue
-                self.ix.del_cov(row, changes)
-                self.ix.dirty_maps.add(s.model_id)
-                self.ix.dirty_ageout.add(s.model_id)
-                self._mark_dropped(peer, s, reason, now)
-                self.counters[f"coverage_{reason.value}"] += 1
-                self._event(reason.value, now, peer_id=peer, s=s, detail=detail)
-                log.info("volunteer %s: %s dropped (%s: %s)", peer, s, reason.value, detail)
-        for k in list(due):
-            if k not in live:
-                del due[k]
-
-    def _download_allowance(self, s: SliceRef) -> float:
-        """How long a slice may stay ``loading``: a fixed grace plus its bytes at a generous floor rate."""
-        m = self.ix.models.get(s.model_id)
-        size = (s.hi - s.lo) * m.manifest.bytes_per_expert[s.layer] if m is not None else 0
-        p = self.policy
-        return p.download_grace_s + (size + p.header_allowance) / p.download_floor_bytes_per_s
-
-    def _age_out(self, model_id: str, now: float, changes: list[Change], rep: TickReport) -> None:
-        m = self.ix.models[model_id].manifest
-        rows = self.ix.by_model[model_id]
-        holdings = [
-            Holding(
-                key=k,
-                peer_id=r.peer_id,
-                layer=r.slice.layer,
-                lo=r.slice.lo,
-                hi=r.slice.hi,
-                since=r.since,
-                serving=r.state is HeldState.SERVING,
-                served=r.served,
-                counted=contribution(r) is not None,
-                restorable=(
-                    r.state is not HeldState.DRAINING and in_cooldown(r.retiring_since, now, self.policy.cooldown_s)
-                ),
-            )
-            for k, r in rows.items()
-        ]
-        plan = plan_ageout(m.n_layer, m.n_expert, self.ix.targets(model_id), holdings)
-        for k in plan.restore:
-            self.ix.put_cov(msgspec.structs.replace(rows[k], retiring_since=None), changes)
-            rep.restored += 1
-            self.counters["restored"] += 1
-            self._event("restored", now, peer_id=rows[k].peer_id, s=rows[k].slice)
-        for k in plan.retire:
-            self.ix.put_cov(msgspec.structs.replace(rows[k], retiring_since=now), changes)
-            rep.retired += 1
-            self.counters["retired"] += 1
-            self._event("draining", now, peer_id=rows[k].peer_id, s=rows[k].slice, detail="surplus")
-        # a just-retired or restored row re-dirtied the model for age-out; the plan is already stable
-        if plan.restore or plan.retire:
-            log.info("model %s: age-out retired %d, restored %d", model_id, len(plan.retire), len(plan.restore))
-
-    def _rebuild_map(self, model_id: str, changes: list[Change]) -> bool:
-        serving: list[ServingSlice] = []
-        for (peer, s), r in self.ix.by_model[model_id].items():
-            if r.dispatched:
-                v = self.ix.volunteers.get(peer)
-                addrs = tuple(v.row.addrs) if v else ()
-                load = v.load if v else 0.0
-                protocols = tuple(v.row.protocols) if v else ()
-                serving.append(
-                    ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.served, load, r.since, peer, r.proved), protocols,
-                                 v.row.net if v else "")
-                )
-        layers = build_layers(serving, protocol=EXPERT_PROTOCOL_VERSION)
-        cur = self.ix.maps.get(model_id, MapRow(model_id, 0, []))
-        if layers == cur.layers:
-            return False
-        new = MapRow(model_id, cur.version + 1, layers)
-        self.ix.maps[model_id] = new
-        changes.append(Put(new))
-        return True
 
     # -- views (market.views) -------------------------------------------------------------------
 

@@ -1,0 +1,176 @@
+"""Several market replicas on one database: the seam and the catch-up (sans-IO: the link does the I/O).
+
+A ``ReplicaLink`` is a store that other markets write too (``market.store_pg``). ``market.state.Market``
+uses it so that no replica decides from its own memory alone:
+
+Rules:
+- Every call that may commit (``Market``'s registrations, polls, heartbeats, reports, ticks) starts with
+  ``begin_call``: the link opens a transaction, takes the database's one write lock (held until the
+  call commits or ends) and returns what other replicas committed since this replica last read
+  (``Catchup``: the changes in commit order, or a whole ``Snapshot`` when the change feed no longer
+  reaches back that far). ``apply_catchup`` brings the indexes up to date with it before the call
+  decides. Decisions are thus serialised across replicas and each one sees every earlier one: a lease
+  is granted once, a credit row is read-modified-written by one replica at a time.
+- ``end_call(ok)`` commits what the call left open (its counter claims) or rolls back after a failure.
+- Replay protection is shared: ``claim_counter(peer, epoch, sequence)`` is an atomic conditional
+  upsert; False means some replica already accepted that counter or a newer one (``replayed``).
+- Soft state (volunteers' last heartbeat times and loads) stays in each replica's memory and is
+  exchanged through the database at most once per ``share_s`` (``exchange_seen``: one row per volunteer
+  heard since the last exchange, and the rows others wrote since the last read).
+- One replica leads (``leads``: a session lock of the database; another takes over when its session
+  ends): it alone runs the tick's decisions (expiry, lease expiry, recruitment, age-out, dispatch maps,
+  proofs), so boosts and map versions are computed in one place and read by every replica as rows.
+- ``apply_catchup`` is the incremental twin of ``Indexes.load``: each change's row replaces the indexed
+  one (coverage and leases re-counted), a delete removes it; runtime facts (heartbeat times, loads,
+  polls) are kept; re-applying a change the replica made itself changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from market.core.records import (
+    CoordinatorRow,
+    CoverageRow,
+    CreditRow,
+    LeaseRow,
+    MapRow,
+    ModelRow,
+    QuarantineRow,
+    RecruitRow,
+    SliceRef,
+    Snapshot,
+    Table,
+    VolunteerRow,
+)
+from market.core.recruit import RecruitState
+from market.indexes import Indexes, LiveVolunteer, PollRecord
+
+__all__ = ["Catchup", "FeedChange", "ReplicaLink", "apply_catchup"]
+
+FeedChange = tuple[Table, str, Any]  # (table, key, row) -- row None: deleted
+
+
+@dataclass(frozen=True)
+class Catchup:
+    changes: list[FeedChange]
+    snapshot: Snapshot | None = None  # the feed was pruned past this replica's position: everything
+
+
+@runtime_checkable
+class ReplicaLink(Protocol):
+    def begin_call(self) -> Catchup: ...
+
+    def end_call(self, ok: bool) -> None: ...
+
+    def claim_counter(self, peer_id: str, epoch: int, sequence: int) -> bool: ...
+
+    def exchange_seen(self, heard: Sequence[tuple[str, float, float]], since: float) -> list[tuple[str, float, float]]: ...
+
+    def leads(self) -> bool: ...
+
+
+def _coverage_ref(key: str) -> tuple[str, SliceRef] | None:
+    """``coverage_key``'s parts (``peer|model|layer|lo|hi``; a model id holds no ``|``)."""
+    parts = key.rsplit("|", 3)
+    head = parts[0].split("|", 1) if parts else []
+    if len(parts) != 4 or len(head) != 2:
+        return None
+    try:
+        return head[0], SliceRef(head[1], int(parts[1]), int(parts[2]), int(parts[3]))
+    except ValueError:
+        return None
+
+
+def apply_catchup(ix: Indexes, changes: Sequence[FeedChange], now: float) -> None:
+    """Bring ``ix`` up to date with ``changes`` (other replicas' commits, in order; module rules)."""
+    for table, key, row in changes:
+        match table:
+            case Table.MODELS:
+                if row is None:
+                    if key in ix.models:
+                        ix.drop_model(key, [])
+                elif isinstance(row, ModelRow):
+                    ix.add_model(row)
+                    ix.touch(key)
+            case Table.COORDINATORS:
+                if row is None:
+                    old = ix.coordinators.pop(key, None)
+                    ix.polls.pop(key, None)
+                elif isinstance(row, CoordinatorRow):
+                    old = ix.coordinators.get(key)
+                    ix.coordinators[key] = row
+                    ix.polls.setdefault(key, PollRecord(since=now))
+                    for mid in row.model_ids:
+                        if mid in ix.models:
+                            ix.touch(mid)
+                ix.coordinators_changed()
+                for mid in old.model_ids if old is not None else []:
+                    if mid in ix.models:
+                        ix.touch(mid)
+            case Table.VOLUNTEERS:
+                if row is None:
+                    ix.volunteers.pop(key, None)
+                elif isinstance(row, VolunteerRow):
+                    lv = ix.volunteers.get(key)
+                    if lv is None:
+                        ix.volunteers[key] = LiveVolunteer(row, last_seen=now)
+                    else:
+                        if (row.epoch, row.sequence) < (lv.row.epoch, lv.row.sequence):
+                            row = msgspec.structs.replace(row, epoch=lv.row.epoch, sequence=lv.row.sequence)
+                        lv.row, lv.stored = row, True
+                        lv.last_seen = max(lv.last_seen, now)
+                    for s in ix.coverage.get(key, {}):
+                        ix.dirty_maps.add(s.model_id)
+            case Table.COVERAGE:
+                ref = _coverage_ref(key)
+                if ref is None:
+                    continue
+                peer, s = ref
+                old_cov = ix.coverage.get(peer, {}).get(s)
+                if old_cov is not None:
+                    ix.index_cov(old_cov, -1)
+                if isinstance(row, CoverageRow) and ix.slice_problem(row.slice) is None:
+                    ix.index_cov(row)
+                    if peer not in ix.volunteers:
+                        ix.volunteers[peer] = LiveVolunteer(VolunteerRow(peer, 0, 0, now), last_seen=now)
+            case Table.LEASES:
+                old_lease = ix.leases.get(key)
+                if old_lease is not None:
+                    ix.index_lease(old_lease, -1)
+                if isinstance(row, LeaseRow) and ix.slice_problem(row.slice) is None:
+                    other = ix.lease_of.get(row.peer_id)
+                    if other is not None and other in ix.leases:
+                        ix.index_lease(ix.leases[other], -1)
+                    ix.index_lease(row)
+                    ix.dirty_ageout.add(row.slice.model_id)
+            case Table.MAPS:
+                if row is None:
+                    ix.maps.pop(key, None)
+                elif isinstance(row, MapRow) and key in ix.models:
+                    cur = ix.maps.get(key)
+                    if cur is None or row.version >= cur.version:
+                        ix.maps[key] = row
+            case Table.RECRUITMENT:
+                if row is None:
+                    ix.recruit.pop(key, None)
+                elif isinstance(row, RecruitRow) and key in ix.models:
+                    st = ix.recruit.get(key)
+                    if st is None or st.recruiting != row.recruiting:
+                        ix.recruit[key] = RecruitState(row.recruiting, row.changed_at,
+                                                       last_saturated_at=now if row.recruiting else None)
+                        ix.touch(key)
+            case Table.QUARANTINE:
+                if row is None:
+                    ix.quarantined.pop(key, None)
+                elif isinstance(row, QuarantineRow):
+                    ix.quarantined[key] = row
+            case Table.CREDIT:
+                if row is None:
+                    ix.credit.pop(key, None)
+                elif isinstance(row, CreditRow):
+                    ix.credit[key] = row
