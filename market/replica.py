@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
 
@@ -50,8 +50,10 @@ from market.core.records import (
 from market.core.recruit import RecruitState
 from market.indexes import Indexes, LiveVolunteer, PollRecord
 
-__all__ = ["Catchup", "FeedChange", "ReplicaLink", "apply_catchup"]
+__all__ = ["Catchup", "FEED_KEEP", "FeedChange", "ReplicaLink", "apply_catchup", "exchange_seen"]
 
+FEED_KEEP: Final = 200_000  # feed rows kept (a replica further behind reloads everything)
+SEEN_KEEP_S: Final = 24 * 3600.0  # heartbeat marks older than this are dropped
 FeedChange = tuple[Table, str, Any]  # (table, key, row) -- row None: deleted
 
 
@@ -72,6 +74,24 @@ class ReplicaLink(Protocol):
     def exchange_seen(self, heard: Sequence[tuple[str, float, float]], since: float) -> list[tuple[str, float, float]]: ...
 
     def leads(self) -> bool: ...
+
+    def prune(self, keep: int, seen_before: float) -> None: ...
+
+
+def exchange_seen(link: ReplicaLink, ix: Indexes, heard: dict[str, tuple[float, float]], read_at: float, now: float, *,
+                  prune: bool) -> float:
+    """Inside a call: write the marks heard since the last exchange (then forgets them), read those the others
+    wrote since ``read_at`` (a second of slack: another replica's mark may carry an older ``now``) and take the
+    newer ones; the leader also prunes the feed and old marks. Returns the new ``read_at``."""
+    got = link.exchange_seen([(p, at, load) for p, (at, load) in heard.items()], read_at - 1.0)
+    heard.clear()
+    for peer, at, load in got:
+        lv = ix.volunteers.get(peer)
+        if lv is not None and at > lv.last_seen:
+            lv.last_seen, lv.load = at, load
+    if prune:
+        link.prune(FEED_KEEP, now - SEEN_KEEP_S)
+    return now
 
 
 def _coverage_ref(key: str) -> tuple[str, SliceRef] | None:

@@ -39,12 +39,13 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Concatenate, Final, ParamSpec, TypeVar
 
 import msgspec
 
@@ -82,6 +83,7 @@ from market.core.wiring import load_bucket
 from market.indexes import Indexes, LiveVolunteer, PollRecord
 from market.journal import Journal
 from market.policy import MarketPolicy
+from market.replica import ReplicaLink, apply_catchup, exchange_seen
 from market.store import Change, Delete, Put, Store
 from market.upkeep import age_out, drop_unprovable, rebuild_map
 from market.views import (
@@ -152,15 +154,40 @@ class TickReport:
     recruiting_changed: list[str] = field(default_factory=list)
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _call(fn: Callable[Concatenate[Market, _P], _R]) -> Callable[Concatenate[Market, _P], _R]:
+    """A call that may commit: ``Market._end`` after it, told whether it returned."""
+
+    @functools.wraps(fn)
+    def run(market: Market, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        ok = False
+        try:
+            out = fn(market, *args, **kwargs)
+            ok = True
+        finally:
+            market._end(ok)
+        return out
+
+    return run
+
+
 def _http_error(message: str, code: str, status: int = 400, param: str | None = None) -> RequestError:
     return RequestError(message, code=code, status=status, param=param)
 
 
 class Market:
-    def __init__(self, store: Store, policy: MarketPolicy, *, now: float, rng: Rng, net_salt: bytes = b"") -> None:
+    def __init__(self, store: Store, policy: MarketPolicy, *, now: float, rng: Rng, net_salt: bytes = b"",
+                 link: ReplicaLink | None = None) -> None:
         """``net_salt``: the secret network tags are hashed with (the server derives it from its token, so
-        a restart keeps them)."""
+        a restart keeps them). ``link``: the store as other replicas share it (``market.replica``)."""
         self.store = store
+        self._link = link
+        self.leading = link is None  # runs the tick's decisions (``market.replica``: one leader)
+        self._heard: dict[str, tuple[float, float]] = {}  # peer -> (when, load) heard since the last exchange
+        self._seen_read_at = -math.inf
         self.policy = policy
         self.rng = rng
         self._net_salt = net_salt  # network tags name no address
@@ -185,12 +212,39 @@ class Market:
         if dropped:
             store.apply(dropped)
 
-    def _begin(self) -> None:
+    def _begin(self, now: float) -> None:
         """The start of a call that may commit: what ``_restore`` rolls the event log back to; while the store
-        could not be read back (``_stale``), it is read first, and the call fails while it still cannot be."""
+        could not be read back (``_stale``), it is read first, and the call fails while it still cannot be.
+        A replica first takes the database's write lock and catches up with the others (``market.replica``)."""
         if self._stale is not None:
             self._restore(self._stale, refused=False)
+        if self._link is not None:
+            catch = self._link.begin_call()
+            if catch.snapshot is not None:
+                self.ix = self.ix.reloaded(catch.snapshot, now)
+                self.addresses.keep_open_leases(self.ix)
+            elif catch.changes:
+                apply_catchup(self.ix, catch.changes, now)
         self.journal.mark()
+
+    def _end(self, ok: bool) -> None:
+        """The end of a call (``_call``): a replica commits what is left open, or rolls it back."""
+        if self._link is None:
+            return
+        if ok:
+            self._link.end_call(True)
+            return
+        try:
+            self._link.end_call(False)
+        except StoreError:
+            log.debug("rolling a failed call back failed too", exc_info=True)
+
+    def _claim(self, peer_id: str, epoch: int, sequence: int, what: str) -> None:
+        """A replica's counter check against every replica's (``market.replica``): 409 when replayed."""
+        if self._link is not None and not self._link.claim_counter(peer_id, epoch, sequence):
+            self.counters[f"{what}_replayed_sequence"] += 1
+            raise _http_error(f"{what} epoch/sequence {epoch}/{sequence} is not newer than one another market "
+                              "replica accepted", "replayed_sequence", status=409)
 
     def _commit(self, changes: list[Change], now: float) -> None:
         if not changes:
@@ -245,11 +299,12 @@ class Market:
 
     # -- coordinators ---------------------------------------------------------------------------
 
+    @_call
     def register(self, req: RegisterModels, now: float) -> RegisterAck:
         """``POST /api/models``. Errors: ``bad_manifest``, ``bad_epoch`` (400: more than ``max_epoch_ahead_s``
         ahead), ``stale_registration``, ``manifest_conflict`` and ``too_many_models`` (409: past ``max_models``).
         The URL is kept without a trailing slash."""
-        self._begin()
+        self._begin(now)
         req = msgspec.structs.replace(req, url=req.url.rstrip("/"))
         seen: set[str] = set()
         for m in req.models:
@@ -376,12 +431,13 @@ class Market:
 
     # -- volunteers: pull -----------------------------------------------------------------------
 
+    @_call
     def volunteer(self, req: VolunteerRequest, now: float, *, address: str = "") -> Offer | NoOffer:
         """``POST /api/expert-volunteer``: the scarcest slice that fits, as a fresh lease. ``(epoch,
         sequence)``, when given, must be newer than the volunteer's last poll or heartbeat (409
         ``replayed_sequence`` / ``stale_epoch``); ``address`` (the client's IP) holds at most
         ``max_leases_per_address`` open leases."""
-        self._begin()
+        self._begin(now)
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
         if address and not self._note_address(req.peer_id, address, now):
@@ -469,9 +525,10 @@ class Market:
             for p in list(self._dropped)[: max(1, len(self._dropped) // 10)]:
                 del self._dropped[p]
 
+    @_call
     def cancel_lease(self, lease_id: str, now: float) -> None:
         """Undo a lease the shell could not complete (no coordinator described the slice file)."""
-        self._begin()
+        self._begin(now)
         lease = self.ix.leases.get(lease_id)
         if lease is not None:
             changes: list[Change] = []
@@ -480,6 +537,7 @@ class Market:
 
     # -- volunteers: coverage heartbeats ---------------------------------------------------------
 
+    @_call
     def heartbeat(self, hb: CoverageHeartbeat, now: float, *, address: str = "") -> CoverageAck:
         """``POST /api/expert-coverage`` (signature already verified by the shell). ``address``: the
         client's IP. An identity is stored once it holds something; until then it lives in memory only
@@ -488,7 +546,7 @@ class Market:
         Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400),
         ``too_many_identities`` (429: a new identity at an address with ``max_identities_per_address``).
         """
-        self._begin()
+        self._begin(now)
         address = address_key(address)
         if address and not self._note_address(hb.peer_id, address, now):
             self.counters["heartbeats_identity_cap"] += 1
@@ -509,6 +567,9 @@ class Market:
                 verdict.value,
                 status=409,
             )
+        self._claim(hb.peer_id, hb.epoch, hb.sequence, "heartbeat")
+        if self._link is not None:
+            self._heard[hb.peer_id] = (now, hb.load)
         reported: dict[SliceRef, HeldState] = {}
         serves: dict[SliceRef, int] = {}
         refused: list[SliceDirective] = []
@@ -609,6 +670,7 @@ class Market:
             self.counters[f"polls_{verdict.value}"] += 1
             raise _http_error(f"poll epoch/sequence {epoch}/{sequence} is not newer than the last accepted",
                               verdict.value, status=409)
+        self._claim(peer_id, epoch, sequence, "poll")
         self._polled[peer_id] = (epoch, sequence)
         if len(self._polled) > 100_000:  # bounded: the oldest entries go (a heartbeat row keeps its own)
             for k in list(self._polled)[:10_000]:
@@ -617,6 +679,7 @@ class Market:
     def quarantine_of(self, peer_id: str, now: float) -> QuarantineRow | None:
         return self.ix.quarantine_of(peer_id, now)
 
+    @_call
     def report(self, rep: CoordinatorReport, now: float) -> ReportAck:
         """``POST /api/coordinator-report`` (operator token checked by the shell). What an operator token
         may do here is bounded (DESIGN §12):
@@ -631,7 +694,7 @@ class Market:
           lease and refuses it for ``quarantine_s``; the evidence is kept with the quarantine (persisted)
           -- if the worker holds that range of the model (else ``ignored``).
         Errors: ``unknown_coordinator``, ``unknown_model`` (404), ``missing_evidence``, ``bad_evidence`` (400)."""
-        self._begin()
+        self._begin(now)
         url = rep.url.rstrip("/")
         if url not in self.ix.coordinators:
             raise _http_error(f"coordinator {url[:200]!r} is not registered", "unknown_coordinator", status=404, param="url")
@@ -767,11 +830,21 @@ class Market:
 
     # -- time -----------------------------------------------------------------------------------
 
+    @_call
     def tick(self, now: float) -> TickReport:
-        """Expire silent volunteers and lapsed leases, step recruitment, age out, rebuild maps."""
-        self._begin()
+        """Expire silent volunteers and lapsed leases, step recruitment, age out, rebuild maps. A replica
+        that does not lead only catches up and exchanges its heartbeat marks (``market.replica``)."""
+        self._begin(now)
         rep = TickReport()
         changes: list[Change] = []
+        if self._link is not None:
+            self.leading = self._link.leads()
+            if now - self._seen_read_at >= self.policy.share_s:
+                self._seen_read_at = exchange_seen(self._link, self.ix, self._heard, self._seen_read_at, now,
+                                                   prune=self.leading)
+            if not self.leading:
+                self.journal.sample(self.ix, now)
+                return rep
         ttl = self.policy.heartbeat_ttl_s
         short = min(ttl, self.policy.sole_replica_ttl_s)
         for peer, v in list(self.ix.volunteers.items()):
@@ -832,9 +905,10 @@ class Market:
         self._commit(changes, now)
         return rep
 
+    @_call
     def flush(self, now: float) -> None:
         """Write every volunteer's latest sequence number (periodically, and before closing)."""
-        self._begin()
+        self._begin(now)
         changes: list[Change] = []
         self._flush(changes, now)
         self._commit(changes, now)
