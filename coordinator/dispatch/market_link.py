@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import httpx
 import msgspec
@@ -35,6 +36,7 @@ from coordinator.core.market_outage import MarketOutage, Problem, ProblemKind
 from coordinator.dispatch.dispatcher import Dispatcher
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
+from swarm.failover import client_transport
 from swarm.preflight import token_refusal
 from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.http import error_code, error_message
@@ -67,11 +69,13 @@ class MarketLink:
         timeout_s: float = 2.0,
         report_s: float = 5.0,
         local_experts: list[tuple[int, int, int]] | None = None,
+        replicas: Sequence[str] = (),
     ) -> None:
         """``local_experts``: the (layer, lo, hi) this coordinator computes itself (None: all of them),
         sent in the registration so the market gives the others more replicas."""
         self.local_experts = local_experts
         self.base = market_url.rstrip("/")
+        self.replicas = list(replicas)  # the same market's other replicas (swarm.failover)
         self.dispatcher = dispatcher
         self.manifest = manifest
         self.advertise_url = advertise_url
@@ -165,7 +169,9 @@ class MarketLink:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client, trio.open_nursery() as n:
+        transport = client_transport(self.base, self.replicas)
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers, transport=transport) as client, \
+                trio.open_nursery() as n:
             n.start_soon(self._register_loop, client)
             n.start_soon(self._map_loop, client)
             n.start_soon(self._report_loop, client)
