@@ -188,6 +188,7 @@ class Market:
         self.leading = link is None  # runs the tick's decisions (``market.replica``: one leader)
         self._heard: dict[str, tuple[float, float]] = {}  # peer -> (when, load) heard since the last exchange
         self._seen_read_at = -math.inf
+        self._report_marks: dict[str, tuple[int, int]] = {}  # coordinator|model -> last numbered report (runtime)
         self.policy = policy
         self.rng = rng
         self._net_salt = net_salt  # network tags name no address
@@ -713,6 +714,13 @@ class Market:
             if problem:
                 raise _http_error(f"the quarantine evidence of {w.peer_id[:128]!r}: {problem}", "bad_evidence",
                                   param="workers")
+        if rep.sequence > 0:  # a numbered report lands once (a resend after a lost answer is refused)
+            key = f"report|{url}|{rep.model_id}"
+            if (rep.epoch, rep.sequence) <= self._report_marks.get(key, (-1, -1)):
+                self.counters["report_replayed_sequence"] += 1
+                raise _http_error(f"report {rep.epoch}/{rep.sequence} was accepted already", "replayed_sequence",
+                                  status=409)
+            self._claim(key, rep.epoch, rep.sequence, "report")
         per_pair = flops_per_pair(m.manifest.d_model, m.manifest.d_expert)
         cap = self.policy.max_report_pairs
         changes: list[Change] = []
@@ -771,6 +779,8 @@ class Market:
                 routed[k] = min(_INT64_MAX, routed.get(k, 0) + rr.rows)
         self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, min(cap, rr.rows)) for rr in rep.ranges], now)
         self._commit(changes, now)
+        if rep.sequence > 0:  # only once it landed: a resend of a refused batch is accepted
+            self._report_marks[f"report|{url}|{rep.model_id}"] = (rep.epoch, rep.sequence)
         self.journal.reported(url, rep.model_id, answered, now)
         self.counters["reports"] += 1
         return ReportAck(len(rep.workers), newly, ignored)

@@ -11,7 +11,10 @@ Rules:
 - Report: ``POST /api/coordinator-report`` every ``report_s`` with each worker's answered calls,
   rows and verified answers since the last report, and at once when the dispatcher quarantines a
   worker (with the evidence), so the market stops counting and assigning it. A report that fails
-  is retried with the next one (its counts are added to it; quarantines are kept until sent). It
+  is retried with the next one (its counts are added to it; quarantines are kept until sent); a report
+  that may have landed (the connection broke after it was sent: a market replica killed) is sent again
+  as it is, numbered (``epoch``, ``sequence``), and a ``409 replayed_sequence`` answer means it had
+  landed: its counts land once, never twice, never lost. It
   also lists each worker's slices that passed our hold challenge (sent at once when one passes: the
   market counts a slice as a replica only once proved) and the rows routed to each range since the
   last report (load-weighted targets).
@@ -75,6 +78,9 @@ class MarketLink:
         sent in the registration so the market gives the others more replicas."""
         self.local_experts = local_experts
         self.base = market_url.rstrip("/")
+        self._report_epoch = int(time.time() * 1000)  # numbered reports (CoordinatorReport.sequence)
+        self._report_seq = 0
+        self._unsent: CoordinatorReport | None = None  # a report whose answer never came: sent again as it is
         self.replicas = list(replicas)  # the same market's other replicas (swarm.failover)
         self.dispatcher = dispatcher
         self.manifest = manifest
@@ -214,14 +220,23 @@ class MarketLink:
             self._report_now = trio.Event()
             if not self.registered:
                 continue
-            body = self.report_body()
+            body = self._unsent
+            if body is None:
+                self._report_seq += 1
+                body = msgspec.structs.replace(self.report_body(), epoch=self._report_epoch, sequence=self._report_seq)
             try:
                 r = await client.post(f"{self.base}/api/coordinator-report", content=msgspec.json.encode(body),
                                       headers={"content-type": "application/json"})
             except httpx.HTTPError as exc:
+                # maybe acted on (the market died mid-request): the same numbered report again, never its counts
+                # in a new one; not sent at all: its counts go into the next report
+                self._unsent = None if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else body
                 self._failed("report", self._unreachable(exc))
                 continue
-            if r.status_code // 100 != 2:
+            self._unsent = None
+            if r.status_code == 409 and error_code(r.content) == "replayed_sequence" and body.sequence == self._report_seq:
+                log.info("report %d had landed before its answer was lost: counted once", body.sequence)
+            elif r.status_code // 100 != 2:
                 self._failed("report", self._answered(r))
                 continue
             self._ok("report")

@@ -235,3 +235,21 @@ def test_a_database_restart_mid_run_loses_nothing_and_both_replicas_carry_on(pg_
     finally:
         sa.close()
         sb.close()
+
+
+def test_a_numbered_report_resent_to_the_other_replica_is_counted_once(pair: Any) -> None:
+    """A coordinator whose report's answer was lost (the replica died after committing it) sends it again, as
+    it is, to another replica: refused as replayed there, so its pairs count once; the next one counts."""
+    a, b = pair
+    a.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    got = a.volunteer(poll("12D3KooWc", 1), 1.0)
+    assert isinstance(got, Offer)
+    rep = CoordinatorReport(url=URL, model_id=MID, epoch=7, sequence=1,
+                            workers=[ReportedWorker(peer_id="12D3KooWc", calls=1, rows=1, pairs=10)])
+    a.report(rep, 2.0)
+    with pytest.raises(RequestError) as ei:
+        b.report(rep, 2.5)
+    assert (ei.value.status, ei.value.code) == (409, "replayed_sequence")
+    b.report(msgspec.structs.replace(rep, sequence=2), 3.0)
+    a.tick(4.0)
+    assert a.ix.credit["12D3KooWc"].pairs == 20
