@@ -80,6 +80,11 @@ _REPLICA_DDL: Final = (
     "CREATE TABLE IF NOT EXISTS market_seen (peer text PRIMARY KEY, at double precision NOT NULL, load real NOT NULL)",
 )
 _COLUMNS: Final = {"key": "text", "body": "bytea"}
+# a database that stops answering (a partition that drops packets rather than refusing them) fails a
+# connection within seconds, never blocks a call for ever: unacknowledged data for 5 s, or an idle link
+# whose keepalives go unanswered
+_NET_KW: Final[dict[str, Any]] = {"tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5,
+                                  "keepalives_interval": 2, "keepalives_count": 2}
 DOWN_RETRY_S: Final = 5.0  # after a connection-level failure, calls fail at once for this long
 GETCONN_S: Final = 1.0  # the longest a call waits for a pooled connection (the market calls from its event loop)
 
@@ -518,7 +523,7 @@ def _take_lock(url: str, shown: str, timeout_s: float, *, shared: bool = False) 
     """A new autocommit connection holding the market lock, exclusive or ``shared`` (replicas)
     (``store_in_use`` when another market holds it the other way)."""
     try:
-        conn = psycopg.connect(url, connect_timeout=max(1, round(timeout_s)), autocommit=True)
+        conn = psycopg.connect(url, connect_timeout=max(1, round(timeout_s)), autocommit=True, **_NET_KW)
     except (psycopg.Error, ValueError) as exc:
         raise StoreError(f"cannot open market database {shown}: {_one_line(exc, url)}",
                          code="store_unavailable") from None
@@ -550,7 +555,7 @@ def open_postgres_store(url: str, *, timeout_s: float = 5.0, pool_size: int = 3,
             raise StoreError(f"cannot open market database {shown}: {_one_line(exc, url)}",
                              code="store_unavailable") from None
         pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), open=False, timeout=min(timeout_s, GETCONN_S),
-                              kwargs={"connect_timeout": max(1, round(timeout_s))}, name="moe-swarm-market")
+                              kwargs={"connect_timeout": max(1, round(timeout_s)), **_NET_KW}, name="moe-swarm-market")
         try:
             pool.open(wait=True, timeout=timeout_s)
         except psycopg.Error as exc:
