@@ -484,7 +484,10 @@ class Market:
             self._commit(changes, now)
             self.counters["no_offer_address_cap"] += 1
             return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
-        lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
+        lease_id = new_lease_id(self.rng)
+        while lease_id in self.ix.leases or lease_id in self.ix.cov_by_lease:  # replicas seeded alike draw alike
+            lease_id = new_lease_id(self.rng)
+        lease = LeaseRow(lease_id, req.peer_id, res.slice, now, now + self.policy.lease_s)
         self._event("assigned", now, peer_id=req.peer_id, s=res.slice, detail=f"scarcity {res.scarcity:.2f}")
         if address:
             self.addresses.leased(lease.lease_id, address)

@@ -32,7 +32,9 @@ class FailoverTransport(httpx.AsyncBaseTransport):
     def __init__(self, bases: Sequence[str], inner: httpx.AsyncBaseTransport | None = None) -> None:
         if not bases:
             raise ValueError("FailoverTransport needs at least one base URL")
-        self.bases = [httpx.URL(b.rstrip("/")) for b in bases]
+        self.bases = [httpx.URL(b) for b in bases]
+        # each base as "scheme://host:port/prefix" without a trailing slash: a path below it is appended
+        self._roots = [f"{u.scheme}://{u.netloc.decode('ascii')}{u.raw_path.decode('ascii').rstrip('/')}" for u in self.bases]
         self.inner = inner if inner is not None else httpx.AsyncHTTPTransport()
         self.current = 0  # the replica that answered last
         self.failovers = 0
@@ -40,9 +42,10 @@ class FailoverTransport(httpx.AsyncBaseTransport):
     def _target(self, url: httpx.URL) -> str | None:
         """The path below ``bases[0]`` that ``url`` addresses (with its query), or None: another origin."""
         p = self.bases[0]
-        if (url.scheme, url.host, url.port) != (p.scheme, p.host, p.port) or not url.raw_path.startswith(p.raw_path):
+        prefix = p.raw_path.rstrip(b"/")
+        if (url.scheme, url.host, url.port) != (p.scheme, p.host, p.port) or not url.raw_path.startswith(prefix):
             return None
-        return url.raw_path[len(p.raw_path):].decode("ascii")
+        return url.raw_path[len(prefix):].decode("ascii")
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         rest = self._target(request.url)
@@ -53,7 +56,7 @@ class FailoverTransport(httpx.AsyncBaseTransport):
         last: Exception | None = None
         for k in range(n):
             i = (self.current + k) % n
-            url = httpx.URL(str(self.bases[i]) + rest)
+            url = httpx.URL(self._roots[i] + rest)
             headers = request.headers.copy()
             headers["host"] = url.netloc.decode("ascii")
             req = httpx.Request(request.method, url, headers=headers, content=body, extensions=request.extensions)

@@ -253,3 +253,21 @@ def test_a_numbered_report_resent_to_the_other_replica_is_counted_once(pair: Any
     b.report(msgspec.structs.replace(rep, sequence=2), 3.0)
     a.tick(4.0)
     assert a.ix.credit["12D3KooWc"].pairs == 20
+
+
+def test_replicas_seeded_alike_never_give_two_leases_one_id(pg_url: str) -> None:
+    """``--seed`` makes lease ids reproducible; two replicas with the same seed draw the same ids, and a
+    second lease under the first one's id would replace it: the id is drawn again while it is taken."""
+    a, sa = replica(pg_url, 7)
+    b, sb = replica(pg_url, 7)
+    try:
+        a.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+        x = a.volunteer(poll("12D3KooWx", 1), 1.0)
+        y = b.volunteer(poll("12D3KooWy", 1), 1.0)
+        assert isinstance(x, Offer) and isinstance(y, Offer) and x.lease.lease_id != y.lease.lease_id
+        again = b.volunteer(poll("12D3KooWx", 2), 2.0)
+        assert isinstance(again, Offer) and again.lease == x.lease  # x's lease stands
+        assert b.ix.counts == b.ix.recount()
+    finally:
+        sa.close()
+        sb.close()
