@@ -248,17 +248,26 @@ class PostgresStore:
             conn: psycopg.Connection[Any] | None = None
             try:
                 conn = pool.getconn()
-                with conn.cursor() as cur:
-                    pruned, top = self._fenced(cur)
+                with conn.cursor() as cur, conn.cursor() as fence, conn.cursor() as feed:
+                    # one round trip (a pipeline): the lock, then -- each statement its own snapshot, taken once
+                    # the lock is ours -- the fence and feed position, and the feed rows past ours
+                    with conn.pipeline():
+                        cur.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
+                        fence.execute(_FENCE_AND_FEED, (self._lock_pid,))
+                        feed.execute("SELECT seq, tbl, key, body FROM market_feed WHERE seq > %s ORDER BY seq",
+                                     (self._seq,))
+                    got = fence.fetchone()
+                    if not got or not got[0]:
+                        raise _LockLost
                     fenced = True
+                    pruned, top = int(got[1]), int(got[2])
+                    rows = feed.fetchall()
                     if self._seq < pruned:  # the feed no longer reaches back to us: everything, in this snapshot
                         catch = Catchup([], _snapshot(cur))
-                    elif top > self._seq:
-                        cur.execute("SELECT tbl, key, body FROM market_feed WHERE seq > %s ORDER BY seq", (self._seq,))
-                        catch = Catchup([(Table(t), str(k), None if b is None else decode_row(Table(t), str(k), bytes(b)))
-                                         for t, k, b in cur.fetchall()])
                     else:
-                        catch = Catchup([])
+                        top = max([top, *(int(r[0]) for r in rows)])
+                        catch = Catchup([(Table(t), str(k), None if b is None else decode_row(Table(t), str(k), bytes(b)))
+                                         for _, t, k, b in rows])
             except _LockLost:
                 _discard(pool, conn)
                 if not retry_lock:
