@@ -11,6 +11,9 @@ Rules:
   reaches back that far). ``apply_catchup`` brings the indexes up to date with it before the call
   decides. Decisions are thus serialised across replicas and each one sees every earlier one: a lease
   is granted once, a credit row is read-modified-written by one replica at a time.
+- One exception: a re-poll of an open lease (``Market._renewal``) decides nothing new, so it takes no lock:
+  it claims its counter alone (one statement) and answers from memory that caught up at most ``fresh_s``
+  ago (every tick catches up); older memory, or anything but a live lease, goes the locked way.
 - ``end_call(ok)`` commits what the call left open (its counter claims) or rolls back after a failure.
 - Replay protection is shared: ``claim_counter(peer, epoch, sequence)`` is an atomic conditional
   upsert; False means some replica already accepted that counter or a newer one (``replayed``).

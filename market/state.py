@@ -188,6 +188,7 @@ class Market:
         self.leading = link is None  # runs the tick's decisions (``market.replica``: one leader)
         self._heard: dict[str, tuple[float, float]] = {}  # peer -> (when, load) heard since the last exchange
         self._seen_read_at = -math.inf
+        self._caught_up_at = now  # when memory last caught up with the other replicas (the load, ``_begin``)
         self._report_marks: dict[str, tuple[int, int]] = {}  # coordinator|model -> last numbered report (runtime)
         self.policy = policy
         self.rng = rng
@@ -226,6 +227,7 @@ class Market:
                 self.addresses.keep_open_leases(self.ix)
             elif catch.changes:
                 apply_catchup(self.ix, catch.changes, now)
+            self._caught_up_at = now
         self.journal.mark()
 
     def _end(self, ok: bool) -> None:
@@ -438,6 +440,9 @@ class Market:
         sequence)``, when given, must be newer than the volunteer's last poll or heartbeat (409
         ``replayed_sequence`` / ``stale_epoch``); ``address`` (the client's IP) holds at most
         ``max_leases_per_address`` open leases."""
+        renewed = self._renewal(req, now, address)
+        if renewed is not None:
+            return renewed
         self._begin(now)
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
@@ -497,6 +502,33 @@ class Market:
         self._commit(changes, now)
         self.counters["offers"] += 1
         return self._offer(lease, now, res.scarcity, res.est_bytes)
+
+    def _renewal(self, req: VolunteerRequest, now: float, address: str) -> Offer | None:
+        """A replica's re-poll of an open lease, without the write lock (``market.replica``): it decides
+        nothing new -- the lease and its expiry are the database's, read at most ``fresh_s`` ago -- so only
+        the counter is claimed (one statement; 503 when the database cannot be reached). None: the locked
+        path answers (anything else, or memory older than ``fresh_s``)."""
+        if self._link is None or now - self._caught_up_at > self.policy.fresh_s or req.epoch is None \
+                or req.sequence is None or (req.max_bytes is None and req.max_experts is None):
+            return None
+        lease_id = self.ix.lease_of.get(req.peer_id)
+        lease = self.ix.leases.get(lease_id) if lease_id is not None else None
+        live = self.ix.volunteers.get(req.peer_id)
+        if lease is None or lease.expires_at <= now or self.quarantine_of(req.peer_id, now) is not None \
+                or (live is not None and live.paused):
+            return None
+        if address and not self._note_address(req.peer_id, address, now):
+            return None
+        if check_heartbeat(self._known_counter(req.peer_id), req.epoch, req.sequence) not in ACCEPTED:
+            return None  # the locked path says why
+        if not self._link.claim_counter(req.peer_id, req.epoch, req.sequence):
+            self.counters["poll_replayed_sequence"] += 1
+            raise _http_error(f"poll epoch/sequence {req.epoch}/{req.sequence} is not newer than one another market "
+                              "replica accepted", "replayed_sequence", status=409)
+        self._polled[req.peer_id] = (req.epoch, req.sequence)
+        self.counters["offers_renewed"] += 1
+        self.counters["offers_renewed_unlocked"] += 1
+        return self._offer(lease, now, 0.0, 0, renewed=True)
 
     # -- addresses and identities (runtime) ----------------------------------------------------
 

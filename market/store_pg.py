@@ -316,9 +316,11 @@ class PostgresStore:
     def claim_counter(self, peer_id: str, epoch: int, sequence: int) -> bool:
         """Accept ``(epoch, sequence)`` for ``peer_id`` unless some replica accepted it or a newer one."""
         conn = self._call
-        if conn is None:
-            raise StoreError("claim_counter outside a call", code="store_error")
         try:
+            if conn is None:  # on its own (a re-poll without the write lock): one statement, committed
+                with self._p().connection() as own:
+                    got = own.execute(_CLAIM, (peer_id, epoch, sequence)).fetchone()
+                return got is not None
             got = conn.execute(_CLAIM, (peer_id, epoch, sequence)).fetchone()
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.OperationalError):

@@ -271,3 +271,20 @@ def test_replicas_seeded_alike_never_give_two_leases_one_id(pg_url: str) -> None
     finally:
         sa.close()
         sb.close()
+
+
+def test_a_re_poll_takes_no_lock_but_its_counter_is_still_shared(pair: Any) -> None:
+    a, b = pair
+    a.register(RegisterModels(URL, [manifest()], epoch=10), 0.0)
+    first = a.volunteer(poll("12D3KooWq", 1), 1.0)
+    assert isinstance(first, Offer)
+    b.tick(1.1)  # b catches up (as every tick does)
+    calls = b.store.calls  # type: ignore[attr-defined]
+    again = b.volunteer(poll("12D3KooWq", 2), 1.5)
+    assert isinstance(again, Offer) and again.renewed and again.lease == first.lease
+    assert b.counters["offers_renewed_unlocked"] == 1 and b.store.calls == calls  # type: ignore[attr-defined]
+    with pytest.raises(RequestError) as ei:
+        a.volunteer(poll("12D3KooWq", 2), 1.6)
+    assert ei.value.code == "replayed_sequence"
+    late = b.volunteer(poll("12D3KooWq", 3), 1.1 + POLICY.fresh_s + 0.5)  # memory too old: the locked way
+    assert isinstance(late, Offer) and late.lease == first.lease and b.counters["offers_renewed_unlocked"] == 1
