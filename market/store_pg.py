@@ -14,14 +14,23 @@ Rules:
   ``CREATE TABLE``), checks the schema: a newer ``version`` -> ``store_schema`` naming both versions;
   a table of ours with other columns (not a market database, or a damaged one) -> ``store_schema``;
   otherwise creates what is missing and records ``SCHEMA_VERSION``.
-- One market per database until replicas are supported (issue 29): a session advisory lock
-  (``pg_try_advisory_lock``) held by a connection of its own for the store's life; a second market (or a
-  ``migrate`` into it) is refused with ``store_in_use``. The lock goes with its session (also when the
-  process is killed, or the database restarts). Every write is fenced: its transaction first checks in
-  ``pg_locks`` that our lock session still holds the lock; when it does not (a database restart ended
-  it), the lock is taken again on a new connection and the write retried once; when another market took
-  it meanwhile, the write fails with ``store_in_use`` (the market then refuses calls until it can read
-  the store again, ``market.state``) -- two markets never both write.
+- One market per database, or replicas: a session advisory lock (``pg_try_advisory_lock``) held by a
+  connection of its own for the store's life, exclusive for a lone market (a second market, a replica or a
+  ``migrate`` into it is refused with ``store_in_use``), shared by replicas (``shared=True``, ``--replica``;
+  a lone market is then refused). The lock goes with its session (also when the process is killed, or the
+  database restarts). Every write is fenced: its transaction first takes the write lock
+  (``pg_advisory_xact_lock``, until commit) and checks in ``pg_locks`` that our lock session still holds
+  the market lock; when it does not (a database restart ended it), the lock is taken again on a new
+  connection and the write retried once; when another market took it meanwhile, the write fails with
+  ``store_in_use`` (the market then refuses calls until it can read the store again, ``market.state``).
+- Replicas (``market.replica``): every batch is also appended to ``market_feed`` in its transaction;
+  ``begin_call`` opens a call's transaction (the write lock, the fence and the feed rows past this
+  replica's position in one pipelined round trip), ``apply`` writes and commits it, ``end_call`` commits
+  or rolls back what is left; ``load`` moves the position to its snapshot; a position behind
+  ``market_sync.pruned_through`` reads everything. ``market_counters`` holds the replay counters,
+  ``market_seen`` the heartbeat marks, a second session lock the leader. These tables hold no market row:
+  ``migrate`` moves none of them.
+- Connections fail within seconds on a silent network (``tcp_user_timeout``, keepalives), never block.
 - Reads and writes go through a small ``psycopg_pool.ConnectionPool``. A connection found dead (a database
   restart) at a call's first statement -- nothing sent but ``BEGIN`` and the fence -- is dropped, the
   pool's idle ones checked (``ConnectionPool.check``), and the call retried once on a fresh one, so a restart costs no failed call and no extra round trip per call; a
