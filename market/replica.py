@@ -109,8 +109,10 @@ def _coverage_ref(key: str) -> tuple[str, SliceRef] | None:
         return None
 
 
-def apply_catchup(ix: Indexes, changes: Sequence[FeedChange], now: float) -> None:
-    """Bring ``ix`` up to date with ``changes`` (other replicas' commits, in order; module rules)."""
+def apply_catchup(ix: Indexes, changes: Sequence[FeedChange], now: float) -> set[str]:
+    """Bring ``ix`` up to date with ``changes`` (other replicas' commits, in order; module rules); returns
+    the models whose published dispatch map changed (their long polls are woken)."""
+    maps: set[str] = set()
     for table, key, row in changes:
         match table:
             case Table.MODELS:
@@ -176,8 +178,9 @@ def apply_catchup(ix: Indexes, changes: Sequence[FeedChange], now: float) -> Non
                     ix.maps.pop(key, None)
                 elif isinstance(row, MapRow) and key in ix.models:
                     cur = ix.maps.get(key)
-                    if cur is None or row.version >= cur.version:
+                    if cur is None or row.version > cur.version:
                         ix.maps[key] = row
+                        maps.add(key)
             case Table.RECRUITMENT:
                 if row is None:
                     ix.recruit.pop(key, None)
@@ -197,3 +200,4 @@ def apply_catchup(ix: Indexes, changes: Sequence[FeedChange], now: float) -> Non
                     ix.credit.pop(key, None)
                 elif isinstance(row, CreditRow):
                     ix.credit[key] = row
+    return maps

@@ -188,6 +188,7 @@ class Market:
         self.leading = link is None  # runs the tick's decisions (``market.replica``: one leader)
         self._heard: dict[str, tuple[float, float]] = {}  # peer -> (when, load) heard since the last exchange
         self._seen_read_at = -math.inf
+        self._maps_arrived: set[str] = set()  # maps another replica published (the next tick reports them)
         self._caught_up_at = now  # when memory last caught up with the other replicas (the load, ``_begin``)
         self._report_marks: dict[str, tuple[int, int]] = {}  # coordinator|model -> last numbered report (runtime)
         self.policy = policy
@@ -226,7 +227,7 @@ class Market:
                 self.ix = self.ix.reloaded(catch.snapshot, now)
                 self.addresses.keep_open_leases(self.ix)
             elif catch.changes:
-                apply_catchup(self.ix, catch.changes, now)
+                self._maps_arrived |= apply_catchup(self.ix, catch.changes, now)
             self._caught_up_at = now
         self.journal.mark()
 
@@ -883,6 +884,8 @@ class Market:
         rep = TickReport()
         changes: list[Change] = []
         if self._link is not None:
+            rep.changed_maps.extend(sorted(self._maps_arrived))
+            self._maps_arrived.clear()
             self.leading = self._link.leads()
             if now - self._seen_read_at >= self.policy.share_s:
                 self._seen_read_at = exchange_seen(self._link, self.ix, self._heard, self._seen_read_at, now,

@@ -175,8 +175,8 @@ def test_one_leader_ticks_and_the_others_read_its_boost_and_maps(pg_url: str) ->
         got = b.volunteer(poll("12D3KooWm", 1), 30.0)
         assert isinstance(got, Offer)
         b.heartbeat(hb("12D3KooWm", 2, got.lease.slice, HeldState.SERVING), 31.0)
-        a.tick(31.5)  # the leader builds the map; b reads it as a row
-        b.tick(31.6)
+        assert MID in a.tick(31.5).changed_maps  # the leader builds the map; b reads it as a row
+        assert MID in b.tick(31.6).changed_maps  # (and wakes its map long polls)
         assert a.dispatch_map(MID) == b.dispatch_map(MID) and a.map_version(MID) == b.map_version(MID) > 0
         assert [r.replicas[0].peer_id for la in b.dispatch_map(MID).layers for r in la.ranges if r.replicas] == \
             ["12D3KooWm"]
