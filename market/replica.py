@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import msgspec
 
@@ -51,9 +51,15 @@ from market.core.records import (
     VolunteerRow,
 )
 from market.core.recruit import RecruitState
+from market.core.registry import ACCEPTED, check_heartbeat
 from market.indexes import Indexes, LiveVolunteer, PollRecord
+from swarm.errors import RequestError
+from swarm.protocol.market import VolunteerRequest
 
-__all__ = ["Catchup", "FEED_KEEP", "FeedChange", "ReplicaLink", "apply_catchup", "exchange_seen"]
+if TYPE_CHECKING:
+    from market.state import Market, Offer
+
+__all__ = ["Catchup", "FEED_KEEP", "FeedChange", "ReplicaLink", "apply_catchup", "exchange_seen", "renew_unlocked"]
 
 FEED_KEEP: Final = 200_000  # feed rows kept (a replica further behind reloads everything)
 SEEN_KEEP_S: Final = 24 * 3600.0  # heartbeat marks older than this are dropped
@@ -201,3 +207,31 @@ def apply_catchup(ix: Indexes, changes: Sequence[FeedChange], now: float) -> set
                 elif isinstance(row, CreditRow):
                     ix.credit[key] = row
     return maps
+
+
+def renew_unlocked(m: Market, req: VolunteerRequest, now: float, address: str) -> Offer | None:
+    """A replica's re-poll of an open lease, without the write lock (``market.replica``): it decides
+    nothing new -- the lease and its expiry are the database's, read at most ``fresh_s`` ago -- so only
+    the counter is claimed (one statement; 503 when the database cannot be reached). None: the locked
+    path answers (anything else, or memory older than ``fresh_s``)."""
+    if m._link is None or now - m._caught_up_at > m.policy.fresh_s or req.epoch is None \
+            or req.sequence is None or (req.max_bytes is None and req.max_experts is None):
+        return None
+    lease_id = m.ix.lease_of.get(req.peer_id)
+    lease = m.ix.leases.get(lease_id) if lease_id is not None else None
+    live = m.ix.volunteers.get(req.peer_id)
+    if lease is None or lease.expires_at <= now or m.quarantine_of(req.peer_id, now) is not None \
+            or (live is not None and live.paused):
+        return None
+    if address and not m._note_address(req.peer_id, address, now):
+        return None
+    if check_heartbeat(m._known_counter(req.peer_id), req.epoch, req.sequence) not in ACCEPTED:
+        return None  # the locked path says why
+    if not m._link.claim_counter(req.peer_id, req.epoch, req.sequence):
+        m.counters["poll_replayed_sequence"] += 1
+        raise RequestError(f"poll epoch/sequence {req.epoch}/{req.sequence} is not newer than one another market "
+                           "replica accepted", code="replayed_sequence", status=409)
+    m._polled[req.peer_id] = (req.epoch, req.sequence)
+    m.counters["offers_renewed"] += 1
+    m.counters["offers_renewed_unlocked"] += 1
+    return m._offer(lease, now, 0.0, 0, renewed=True)

@@ -83,7 +83,7 @@ from market.core.wiring import load_bucket
 from market.indexes import Indexes, LiveVolunteer, PollRecord
 from market.journal import Journal
 from market.policy import MarketPolicy
-from market.replica import ReplicaLink, apply_catchup, exchange_seen
+from market.replica import ReplicaLink, apply_catchup, exchange_seen, renew_unlocked
 from market.store import Change, Delete, Put, Store
 from market.upkeep import age_out, drop_unprovable, rebuild_map
 from market.views import (
@@ -441,7 +441,7 @@ class Market:
         sequence)``, when given, must be newer than the volunteer's last poll or heartbeat (409
         ``replayed_sequence`` / ``stale_epoch``); ``address`` (the client's IP) holds at most
         ``max_leases_per_address`` open leases."""
-        renewed = self._renewal(req, now, address)
+        renewed = renew_unlocked(self, req, now, address)
         if renewed is not None:
             return renewed
         self._begin(now)
@@ -503,33 +503,6 @@ class Market:
         self._commit(changes, now)
         self.counters["offers"] += 1
         return self._offer(lease, now, res.scarcity, res.est_bytes)
-
-    def _renewal(self, req: VolunteerRequest, now: float, address: str) -> Offer | None:
-        """A replica's re-poll of an open lease, without the write lock (``market.replica``): it decides
-        nothing new -- the lease and its expiry are the database's, read at most ``fresh_s`` ago -- so only
-        the counter is claimed (one statement; 503 when the database cannot be reached). None: the locked
-        path answers (anything else, or memory older than ``fresh_s``)."""
-        if self._link is None or now - self._caught_up_at > self.policy.fresh_s or req.epoch is None \
-                or req.sequence is None or (req.max_bytes is None and req.max_experts is None):
-            return None
-        lease_id = self.ix.lease_of.get(req.peer_id)
-        lease = self.ix.leases.get(lease_id) if lease_id is not None else None
-        live = self.ix.volunteers.get(req.peer_id)
-        if lease is None or lease.expires_at <= now or self.quarantine_of(req.peer_id, now) is not None \
-                or (live is not None and live.paused):
-            return None
-        if address and not self._note_address(req.peer_id, address, now):
-            return None
-        if check_heartbeat(self._known_counter(req.peer_id), req.epoch, req.sequence) not in ACCEPTED:
-            return None  # the locked path says why
-        if not self._link.claim_counter(req.peer_id, req.epoch, req.sequence):
-            self.counters["poll_replayed_sequence"] += 1
-            raise _http_error(f"poll epoch/sequence {req.epoch}/{req.sequence} is not newer than one another market "
-                              "replica accepted", "replayed_sequence", status=409)
-        self._polled[req.peer_id] = (req.epoch, req.sequence)
-        self.counters["offers_renewed"] += 1
-        self.counters["offers_renewed_unlocked"] += 1
-        return self._offer(lease, now, 0.0, 0, renewed=True)
 
     # -- addresses and identities (runtime) ----------------------------------------------------
 
