@@ -72,6 +72,16 @@ def start_market(db: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.05)
 
 
+def stop(p: subprocess.Popen[bytes]) -> int:
+    """Wait for a terminated market; one that does not end within 30 s is killed (never left behind)."""
+    try:
+        return p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(10)
+        raise
+
+
 class Proxy:
     """A TCP proxy in front of PostgreSQL that the test can cut (every connection closed, new ones refused)
     and restore (listening again on the same port)."""
@@ -172,7 +182,7 @@ async def replicas(pg_url: str, tmp_path: Path) -> AsyncIterator[tuple[list[subp
             if p.poll() is None:
                 p.terminate()
         for p in procs:
-            await trio.to_thread.run_sync(p.wait, 30)
+            await trio.to_thread.run_sync(stop, p)
 
 
 async def test_kill_9_of_one_replica_under_load_loses_no_lease_and_no_credit(
@@ -292,4 +302,4 @@ async def test_a_replica_cut_off_from_the_database_answers_503_and_catches_up_af
         for p in (pa, pb):
             p.terminate()
         for p in (pa, pb):  # the proxy runs on this event loop: the markets close through it
-            assert await trio.to_thread.run_sync(p.wait, 30) == 0
+            assert await trio.to_thread.run_sync(stop, p) == 0
