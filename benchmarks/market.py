@@ -2,13 +2,16 @@
 ``POST /api/expert-volunteer`` and ``POST /api/expert-coverage`` (DESIGN §11 benchmark format).
 
     python benchmarks/market.py [--quick | --smoke] [--json OUT] [--volunteers N] [--concurrency C] [--postgresql]
+                                [--replicas R [R ...] --db postgresql]
 
 ``--smoke`` (``make test``: ``tests/benchmarks``): 20 volunteers, 4 connections, 2 rounds, no demo topology.
 
 The market runs as its own process (``moe-swarm market`` via ``market.cli``) on loopback, with a
 SQLite database in a temporary directory (and once more with ``--db :memory:`` for comparison; with
 ``--postgresql`` also on a throwaway local PostgreSQL server, ``tests/pgserver.py``: Debian's binaries,
-fsync and synchronous_commit off, like SQLite's WAL with synchronous=NORMAL no fsync per commit);
+fsync and synchronous_commit off, like SQLite's WAL with synchronous=NORMAL no fsync per commit; with
+``--replicas 1 2 4 --db postgresql`` also 1, 2 and 4 market replicas (``--replica``) on one fresh database each,
+the client's connections spread over them: cases ``.../postgresql-rR``);
 this process runs the simulated volunteers (httpx, ``--concurrency`` connections) and a fake
 coordinator that answers ``/slots`` and the slice ``HEAD``s the market makes to learn each new
 slice's size and sha256. The hosted model has 64 layers x 64 experts (enough 4-expert slices for
@@ -80,12 +83,12 @@ def fake_coordinator() -> Starlette:
     return Starlette(routes=[Route("/slots", slots), Route("/v1/slices/{m}/{layer}/{span}", slice_file)])
 
 
-def start_market(db: str) -> tuple[subprocess.Popen[str], str]:
+def start_market(db: str, replica: bool = False) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-c", RUNNER, "market", "--db", db, "--port", "0", "--token", "bench", "--seed", "1",
          "--heartbeat-ttl-s", "600", "--lease-s", "600", "--max-leases-per-address", "100000",  # all on loopback
-         "--max-identities-per-address", "100000"],
+         "--max-identities-per-address", "100000", *(["--replica"] if replica else [])],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )
     assert proc.stdout is not None
@@ -100,8 +103,9 @@ class RawConn:
     """A minimal HTTP/1.1 keep-alive client (the market answers with Content-Length): httpx costs ~3 ms
     of client CPU per request on trio, which would make this benchmark measure the client."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, addr: tuple[str, int] = ("", 0)) -> None:
         self.stream = stream
+        self.addr = addr
         self.buf = bytearray()
 
     async def request(self, method: str, path: str, body: bytes = b"", extra: str = "") -> tuple[int, bytes]:
@@ -128,16 +132,18 @@ class RawConn:
 
 
 class Pool:
-    """Keep-alive connections; one that the server closed is replaced and the request retried once
-    (a server may close an idle keep-alive connection at any time; this happens rarely here)."""
+    """Keep-alive connections, spread over the market replicas at ``addrs`` (connection i to replica
+    i mod R); one that the server closed is replaced (same replica) and the request retried once (a
+    server may close an idle keep-alive connection at any time; this happens rarely here)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, addrs: list[tuple[str, int]]) -> None:
+        self.addrs = addrs
         self.free: list[RawConn] = []
         self.reconnects = 0
 
     async def open(self, n: int) -> None:
-        self.free = [RawConn(await trio.open_tcp_stream(self.host, self.port)) for _ in range(n)]
+        self.free = [RawConn(await trio.open_tcp_stream(*a), a)
+                     for a in (self.addrs[i % len(self.addrs)] for i in range(max(n, len(self.addrs))))]
 
     async def request(self, method: str, path: str, body: bytes = b"", extra: str = "") -> tuple[int, bytes]:
         conn = self.free.pop()
@@ -146,7 +152,7 @@ class Pool:
         except (ConnectionError, trio.BrokenResourceError):
             await conn.stream.aclose()
             self.reconnects += 1
-            conn = RawConn(await trio.open_tcp_stream(self.host, self.port))
+            conn = RawConn(await trio.open_tcp_stream(*conn.addr), conn.addr)
             return await conn.request(method, path, body, extra)
         finally:
             self.free.append(conn)
@@ -184,7 +190,9 @@ def case(name: str, store: str, wall: float, lat: list[float], **extra: Any) -> 
     }
 
 
-async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) -> list[dict[str, Any]]:
+async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int, replicas: int = 0) -> list[dict[str, Any]]:
+    """``replicas`` > 0: that many market processes with ``--replica`` on ``db`` (PostgreSQL), the
+    connections spread over them."""
     keys = [create_new_key_pair(i.to_bytes(4, "big") * 8) for i in range(n)]
     peers = [peer_id_of(k) for k in keys]
     out: list[dict[str, Any]] = []
@@ -193,10 +201,11 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
         hc.bind = ["127.0.0.1:0"]
         hc.accesslog = None
         coord_url = (await nursery.start(serve, fake_coordinator(), hc))[0]
-        proc, url = await trio.to_thread.run_sync(start_market, db)
+        started = [await trio.to_thread.run_sync(start_market, db, replicas > 0) for _ in range(max(1, replicas))]
+        url = started[0][1]
         try:
-            host, port = url.removeprefix("http://").split(":")
-            pool = Pool(host, int(port))
+            addrs = [(h, int(pt)) for h, pt in (u.removeprefix("http://").split(":") for _, u in started)]
+            pool = Pool(addrs)
             await pool.open(concurrency)
 
             async def post(path: str, body: bytes, signature: str = "") -> bytes:
@@ -239,7 +248,7 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
                 async def repoll(i: int) -> None:
                     again = json.loads(await post("/api/expert-volunteer", *rebodies[i]))
                     if again.get("lease_id") != got[i].get("lease_id"):
-                        raise SystemExit(f"volunteer {i} got a different lease on a re-poll")
+                        raise SystemExit(f"volunteer {i} got a different lease on a re-poll: {got[i]} then {again}")
 
                 wall, lat = await timed(n, concurrency, repoll)
                 out.append(case("expert-volunteer-repoll", store, wall, lat, volunteers=n))
@@ -276,8 +285,10 @@ async def run_store(store: str, db: str, n: int, concurrency: int, rounds: int) 
                 for c_ in out:
                     c_["reconnects"] = pool.reconnects
         finally:
-            proc.terminate()
-            await trio.to_thread.run_sync(proc.wait)
+            for proc, _ in started:
+                proc.terminate()
+            for proc, _ in started:
+                await trio.to_thread.run_sync(proc.wait)
         nursery.cancel_scope.cancel()
     return out
 
@@ -288,7 +299,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="moe-swarm-bench-market-") as tmp:
         cases += await run_store("sqlite", str(Path(tmp) / "market.db"), n, args.concurrency, rounds)
-        if args.postgresql:
+        if args.postgresql or args.replicas:
             from tests.pgserver import PgServer, find_bindir
 
             bindir = find_bindir()
@@ -297,8 +308,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             server = PgServer(bindir)
             try:
                 await trio.to_thread.run_sync(server.start)
-                url = await trio.to_thread.run_sync(server.database)
-                cases += await run_store("postgresql", url, n, args.concurrency, rounds)
+                if args.postgresql:
+                    url = await trio.to_thread.run_sync(server.database)
+                    cases += await run_store("postgresql", url, n, args.concurrency, rounds)
+                for r in args.replicas or []:  # a fresh database each: every lease is new again
+                    url = await trio.to_thread.run_sync(server.database)
+                    cases += await run_store(f"postgresql-r{r}", url, n, args.concurrency, rounds, replicas=r)
             finally:
                 await trio.to_thread.run_sync(server.stop)
         cases += await run_store("memory", ":memory:", n, args.concurrency, rounds)
@@ -316,6 +331,11 @@ def main() -> None:
     ap.add_argument("--no-topology", action="store_true", help="skip the recruitment timings in the demo topology")
     ap.add_argument("--postgresql", action="store_true",
                     help="also run the market on a throwaway local PostgreSQL server (--db postgresql://...)")
+    ap.add_argument("--replicas", type=int, nargs="+", default=None, metavar="R",
+                    help="also R market replicas (--replica) on one throwaway PostgreSQL database, the client "
+                         "connections spread over them, for each R given (e.g. --replicas 1 2 4)")
+    ap.add_argument("--db", choices=["postgresql"], default=None,
+                    help="the database of the --replicas cases (PostgreSQL: the only one replicas share)")
     args = ap.parse_args()
     if args.smoke:
         args.concurrency, args.no_topology = 4, True
@@ -328,11 +348,13 @@ def main() -> None:
         result["cases"] += timings
     print(f"\nmarket benchmark: {result['volunteers']} volunteers, {result['concurrency']} connections, "
           f"{result['model_shape']}")
-    print(f"{'case':<32} {'requests':>8} {'req/s':>9} {'median ms':>10} {'p99 ms':>8}")
+    result["load_average"] = list(os.getloadavg())  # the machine is shared: what else ran beside it
+    print(f"{'case':<40} {'requests':>8} {'req/s':>9} {'median ms':>10} {'p99 ms':>8}")
     for c in result["cases"]:
         if "requests" in c:
-            print(f"{c['case']:<32} {c['requests']:>8} {c['requests_per_s']:>9.1f} {c['median_ms']:>10.2f} "
+            print(f"{c['case']:<40} {c['requests']:>8} {c['requests_per_s']:>9.1f} {c['median_ms']:>10.2f} "
                   f"{c['p99_ms']:>8.2f}")
+    print(f"load average after the run: {' '.join(f'{x:.2f}' for x in result['load_average'])}")
     if timings:
         print("\ndemo topology (market + coordinator + 3 volunteers, real processes):")
         print(f"{'case':<32} {'rounds':>8} {'median ms':>10} {'max ms':>8}")

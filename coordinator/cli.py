@@ -75,8 +75,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="identity key and slice cache, one coordinator each (default ~/.local/share/moe-swarm/coordinator)")
 
     k = c.add_argument_group("market and volunteers")
-    k.add_argument("--market", default=None, metavar="URL",
-                   help="register with this market (e.g. http://127.0.0.1:8090) and follow its dispatch map")
+    k.add_argument("--market", action="append", default=None, metavar="URL",
+                   help="register with this market (e.g. http://127.0.0.1:8090) and follow its dispatch map; repeat "
+                        "it for replicas of one market (--market URL --market URL2): failed over in turn")
     k.add_argument("--token", default=None, help="operator token for the market (or MOE_SWARM_TOKEN)")
     k.add_argument("--advertise-url", default=None, metavar="URL",
                    help="this coordinator's URL as volunteers reach it (default: the bound URL)")
@@ -182,7 +183,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "p2p_listen": tuple(ns.p2p_listen or ["/ip4/127.0.0.1/tcp/0"]),
         "expert_timeout_s": ns.expert_timeout,
         "wire_dtype": ns.wire_dtype,
-        "market": ns.market,
+        "market": ns.market[0] if ns.market else None,
+        "market_replicas": tuple(ns.market[1:]) if ns.market else (),
         "advertise_url": ns.advertise_url,
         "token": env_token(ns.token),
         "hole_punch": not ns.no_hole_punch,
@@ -249,6 +251,6 @@ def run(ns: argparse.Namespace) -> int:
         preflight.check_port_free(cfg.host, cfg.port, "--port")
         preflight.check_listen_addrs(cfg.p2p_listen, "--p2p-listen")
         if cfg.market is not None:
-            preflight.check_market(cfg.market, token=cfg.token, operator=True)
+            preflight.check_any_market([cfg.market, *cfg.market_replicas], token=cfg.token, operator=True)
         run_announced(serve_coordinator, cfg, lambda url: f"coordinator ready at {url}")
     return 0

@@ -76,6 +76,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     expert_timeout_s: PosFloat = 3.0
     wire_dtype: Dtype = Dtype.FLOAT32
     market: HttpUrl | None = None  # follow this market's dispatch map and register with it
+    market_replicas: tuple[HttpUrl, ...] = ()  # more replicas of the same market, failed over to (swarm.failover)
     advertise_url: HttpUrl | None = None  # our URL as the market and volunteers should reach it
     token: str | None = None  # operator token for the market
     hole_punch: bool = True  # upgrade relayed connections to volunteers with DCUtR
@@ -277,6 +278,7 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, task_status: trio.TaskSta
                 if cfg.market is not None:
                     link = MarketLink(cfg.market, dispatcher, manifest,
                                       advertise_url=cfg.advertise_url or url, token=cfg.token,
+                                      replicas=cfg.market_replicas,
                                       local_experts=None if local.all else local.ranges())
                     links.append(link)
                     await nursery.start(link.serve)

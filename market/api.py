@@ -114,12 +114,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from market.core.assign import NoOfferReason
-from market.loops import Clock, MapWatch
+from market.loops import Clock, MapWatch, MarketGate
 from market.state import Market, NoOffer, Offer
 from market.views import remote_and_holes
 from swarm.core.histogram import Histogram
@@ -160,6 +162,7 @@ class MarketApi:
     clock: Clock
     describe_slice: SliceDescriber
     watch: MapWatch = field(default_factory=MapWatch)
+    gate: MarketGate = field(default_factory=MarketGate)  # threaded for PostgreSQL (market.loops)
     token: str | None = None
     relays: list[str] = field(default_factory=list)
     describe_timeout_s: float = 10.0
@@ -400,6 +403,22 @@ class _MetricsPage:
         return self.text
 
 
+class _ReadGate:
+    """ASGI middleware: a read (``GET``/``HEAD``) holds the gate while it runs, so a threaded market's call
+    never changes the indexes under it (the dispatch map's long poll takes it itself, around its reads)."""
+
+    def __init__(self, app: ASGIApp, gate: MarketGate) -> None:
+        self.app, self.gate = app, gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (not self.gate.threaded or scope["type"] != "http" or scope.get("method") not in ("GET", "HEAD")
+                or scope.get("path") == "/api/expert-dispatch-map"):
+            await self.app(scope, receive, send)
+            return
+        async with self.gate.reading():
+            await self.app(scope, receive, send)
+
+
 def build_market_app(api: MarketApi) -> Starlette:
     m = api.market
     registry = CollectorRegistry()
@@ -431,7 +450,7 @@ def build_market_app(api: MarketApi) -> Starlette:
             # no credentials either: the URL is shown on the public recruitment page
             raise RequestError("url must be a plain http(s)://host[:port][/prefix] base URL (no credentials)",
                                code="bad_url", param="url")
-        ack = m.register(req, api.clock())
+        ack = await api.gate.call(lambda: m.register(req, api.clock()))
         log.info("coordinator %s registered %s", req.url, ", ".join(ack.model_ids) or "no models")
         return _json(ack)
 
@@ -457,7 +476,7 @@ def build_market_app(api: MarketApi) -> Starlette:
     async def coordinator_report(request: Request) -> Response:
         check_token(request)
         rep = _decode(report_decoder, await _read_body(request))
-        ack = m.report(rep, api.clock())
+        ack = await api.gate.call(lambda: m.report(rep, api.clock()))
         for peer in ack.quarantined:
             log.warning("volunteer %s quarantined on the report of %s", peer, rep.url)
         return _json(ack)
@@ -487,12 +506,13 @@ def build_market_app(api: MarketApi) -> Starlette:
         if req.epoch is None or req.sequence is None:
             raise RequestError("a poll carries the volunteer's (epoch, sequence)", code="invalid_body", param="sequence")
         host = request.client.host if request.client is not None else ""
-        res = m.volunteer(req, api.clock(), address=host)
+        res = await api.gate.call(lambda: m.volunteer(req, api.clock(), address=host))
         if isinstance(res, NoOffer):
             return nothing(res.reason.value, res.retry_after_s)
         found = await describe(res)
         if found is None:
-            m.cancel_lease(res.lease.lease_id, api.clock())
+            lease_id = res.lease.lease_id
+            await api.gate.call(lambda: m.cancel_lease(lease_id, api.clock()))
             return nothing(
                 NoOfferReason.COORDINATOR_UNREACHABLE.value,
                 _UNREACHABLE_RETRY_S,
@@ -549,7 +569,8 @@ def build_market_app(api: MarketApi) -> Starlette:
         if not check_signed(request, raw, hb.peer_id, hb.sent_at_ms):
             verify_body(hb.peer_id, hb, hb.signature)  # the body-signature scheme, accepted for one release
             m.counters["heartbeats_legacy_signature"] += 1
-        ack = m.heartbeat(hb, api.clock(), address=request.client.host if request.client is not None else "")
+        host = request.client.host if request.client is not None else ""
+        ack = await api.gate.call(lambda: m.heartbeat(hb, api.clock(), address=host))
         return _json(msgspec.structs.replace(ack, relays=list(api.relays)))
 
     @_guarded
@@ -561,12 +582,14 @@ def build_market_app(api: MarketApi) -> Starlette:
     async def dispatch_map(request: Request) -> Response:
         check_token(request)  # volunteers' addresses: for the coordinators (operators) only (DESIGN §12)
         model = _required_param(request, "model")
-        m.dispatch_map(model)  # 404 for an unknown model before any waiting
+        async with api.gate.reading():
+            m.dispatch_map(model)  # 404 for an unknown model before any waiting
         after = _int_param(request, "after")
         if after is not None:
             wait_s = _float_param(request, "wait_s", 10.0, 0.0, _MAX_WAIT_S)
             await api.watch.wait_until(lambda: m.map_version(model) > after, wait_s)
-        dm = m.dispatch_map(model)
+        async with api.gate.reading():
+            dm = m.dispatch_map(model)
         etag = f'"{dm.version}"'
         if request.headers.get("if-none-match") == etag:
             return Response(status_code=304, headers={"etag": etag})
@@ -634,6 +657,7 @@ def build_market_app(api: MarketApi) -> Starlette:
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(_ReadGate, gate=api.gate)],
     )
     app.state.request_stats = stats
     return app

@@ -49,6 +49,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--db", default=None, help="SQLite database file (or sqlite:PATH), or postgresql://USER:PASSWORD@"
                                              "HOST:PORT/DB; one market each (default: DATA_DIR/market.db; "
                                              "':memory:' = volatile)")
+    s.add_argument("--replica", action="store_true",
+                   help="share the PostgreSQL database of --db with other market replicas (each started with --replica): "
+                        "leases and assignments stay exclusive across them; volunteers and coordinators list every "
+                        "replica (--market URL --market URL2)")
     s.add_argument("--data-dir", default=None, help="where the default database lives (default ~/.local/share/moe-swarm/market)")
     s.add_argument("--host", default=_HOST, help="bind address")
     s.add_argument("--port", type=int, default=_PORT, help="port (0: any free port)")
@@ -154,6 +158,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "poll_interval_s": ns.poll_interval,
         "poll_timeout_s": ns.poll_timeout,
         "seed": ns.seed,
+        "replica": ns.replica,
         "policy": {
             "saturation_threshold": ns.saturation_threshold,
             "base_target": ns.base_target,

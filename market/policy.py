@@ -44,6 +44,9 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cooldown_s: NonNegFloat = 10.0  # retired (not dispatched) this long before "release"
     retry_after_s: PosFloat = 5.0
     flush_s: PosFloat = 5.0
+    # a replica answers a re-poll of an open lease from memory caught up at most this long ago (market.replica)
+    fresh_s: PosFloat = 1.0
+    share_s: PosFloat = 1.0  # replicas exchange heartbeat marks through the database this often (market.replica)
     header_allowance: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024  # slice header + slack, in bytes
     volunteer_gc_s: PosFloat = 7 * 24 * 3600.0  # forget silent volunteers without coverage after this
     quarantine_s: PosFloat = 7 * 24 * 3600.0  # a volunteer caught answering wrongly is refused this long

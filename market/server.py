@@ -34,10 +34,11 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from market.api import MarketApi, SliceDescriber, build_market_app
 from market.core.recruit import SpeedReport
-from market.loops import Poller, run_housekeeping, run_recruitment_loop
+from market.loops import MarketGate, Poller, run_housekeeping, run_recruitment_loop
 from market.policy import MarketPolicy
+from market.replica import ReplicaLink
 from market.state import Market
-from market.store import MEMORY_DB, Store, mask_url
+from market.store import MEMORY_DB, Store, is_postgres_url, mask_url
 from market.stores import open_store
 from swarm.config import Multiaddr, Port, PosFloat
 from swarm.errors import ConfigError, RemoteProtocolError, SliceError, SwarmError, TransportError
@@ -64,6 +65,7 @@ class MarketConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tick_s: PosFloat = 0.25
     describe_timeout_s: PosFloat = 20.0
     seed: int | None = None  # RNG seed (tie-breaks, lease ids, jitter); None = from the OS
+    replica: bool = False  # share the PostgreSQL database with other market replicas (market.replica)
     policy: MarketPolicy = MarketPolicy()
 
 
@@ -137,11 +139,18 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
         cfg.policy, poll_stale_s=max(cfg.policy.poll_stale_s, 2 * cfg.poll_interval_s + cfg.poll_timeout_s)
     )
     # opening (a PostgreSQL connect, schema checks) and the first load may take seconds: worker threads
-    store: Store = await trio.to_thread.run_sync(open_store, cfg.db)
+    if cfg.replica and not is_postgres_url(cfg.db):
+        raise ConfigError(f"--replica needs a PostgreSQL database (--db postgresql://...), not {mask_url(cfg.db)}",
+                          code="bad_flag")
+    store: Store = await trio.to_thread.run_sync(partial(open_store, cfg.db, replica=cfg.replica))
+    # a PostgreSQL market decides under the database's write lock (market.replica): its calls wait on the
+    # database, so they run in a worker thread (market.loops.MarketGate)
+    link = store if isinstance(store, ReplicaLink) else None
+    gate = MarketGate(threaded=link is not None)
     try:
         market = await trio.to_thread.run_sync(partial(
             Market, store, policy, now=clock(), rng=random.Random(cfg.seed),
-            net_salt=hashlib.sha256(b"moe-swarm-net\0" + (cfg.token or "").encode()).digest()))
+            net_salt=hashlib.sha256(b"moe-swarm-net\0" + (cfg.token or "").encode()).digest(), link=link))
         try:
             timeout = httpx.Timeout(cfg.describe_timeout_s, connect=min(5.0, cfg.describe_timeout_s))
             async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
@@ -152,6 +161,7 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
                     token=cfg.token,
                     relays=list(cfg.relays),
                     describe_timeout_s=cfg.describe_timeout_s,
+                    gate=gate,
                 )
                 app = build_market_app(api)
                 hc = HyperConfig()
@@ -164,7 +174,8 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
                 # server closing it ("Server disconnected without sending a response": a failed heartbeat)
                 hc.keep_alive_timeout = max(30.0, 2 * policy.heartbeat_s)
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(partial(run_housekeeping, market, api.watch, clock=clock, tick_s=cfg.tick_s))
+                    await nursery.start(partial(run_housekeeping, market, api.watch, clock=clock, tick_s=cfg.tick_s,
+                                                    gate=gate))
                     await nursery.start(
                         partial(
                             run_recruitment_loop,
@@ -173,6 +184,7 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
                             clock=clock,
                             interval_s=cfg.poll_interval_s,
                             timeout_s=cfg.poll_timeout_s,
+                            gate=gate,
                         )
                     )
                     binds = await nursery.start(hypercorn_serve, app, hc)
@@ -188,7 +200,8 @@ async def serve_market(cfg: MarketConfig, *, task_status: trio.TaskStatus[str] =
                     task_status.started(url)
         finally:
             try:
-                market.flush(clock())
+                with trio.CancelScope(shield=True):
+                    await gate.call(lambda: market.flush(clock()))
             except SwarmError:
                 log.exception("could not flush volunteer sequence numbers")
     finally:

@@ -39,26 +39,25 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Concatenate, Final, ParamSpec, TypeVar
 
 import msgspec
 
 from market.addresses import AddressBook
 from market.core.assign import Budget, ModelSupply, NoOfferReason, choose_slice, jittered, new_lease_id
 from market.core.credit import credit_row, flops_per_pair
-from market.core.demand import contribution
-from market.core.directive import Reason, directive, in_cooldown, wire_directive
+from market.core.directive import Reason, directive, wire_directive
 from market.core.records import (
     CoordinatorRow,
     CoverageRow,
     HeldState,
     LeaseRow,
-    MapRow,
     ModelRow,
     QuarantineRow,
     RecruitRow,
@@ -66,7 +65,7 @@ from market.core.records import (
     Table,
     VolunteerRow,
 )
-from market.core.recruit import Holding, PollView, RecruitState, SpeedReport, observe, plan_ageout, step
+from market.core.recruit import PollView, RecruitState, SpeedReport, observe, step
 from market.core.registry import (
     ACCEPTED,
     address_key,
@@ -80,11 +79,13 @@ from market.core.registry import (
     registration_is_stale,
 )
 from market.core.sources import PeerCandidate, rank_origins, rank_peer_sources, rank_sources
-from market.core.wiring import ServingSlice, build_layers, load_bucket, preference
+from market.core.wiring import load_bucket
 from market.indexes import Indexes, LiveVolunteer, PollRecord
 from market.journal import Journal
 from market.policy import MarketPolicy
+from market.replica import ReplicaLink, apply_catchup, exchange_seen, renew_unlocked
 from market.store import Change, Delete, Put, Store
+from market.upkeep import age_out, drop_unprovable, rebuild_map
 from market.views import (
     credit_board,
     demand_view,
@@ -97,7 +98,6 @@ from market.views import (
 from swarm.core.rng import Rng
 from swarm.dispatch_map import DispatchMap
 from swarm.errors import RequestError, StoreError
-from swarm.protocol.expert import PROTOCOL_VERSION as EXPERT_PROTOCOL_VERSION
 from swarm.protocol.market import (
     CoordinatorReport,
     CoverageAck,
@@ -159,15 +159,43 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) and x >= 0 else None
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _call(fn: Callable[Concatenate[Market, _P], _R]) -> Callable[Concatenate[Market, _P], _R]:
+    """A call that may commit: ``Market._end`` after it, told whether it returned."""
+
+    @functools.wraps(fn)
+    def run(market: Market, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        ok = False
+        try:
+            out = fn(market, *args, **kwargs)
+            ok = True
+        finally:
+            market._end(ok)
+        return out
+
+    return run
+
+
 def _http_error(message: str, code: str, status: int = 400, param: str | None = None) -> RequestError:
     return RequestError(message, code=code, status=status, param=param)
 
 
 class Market:
-    def __init__(self, store: Store, policy: MarketPolicy, *, now: float, rng: Rng, net_salt: bytes = b"") -> None:
+    def __init__(self, store: Store, policy: MarketPolicy, *, now: float, rng: Rng, net_salt: bytes = b"",
+                 link: ReplicaLink | None = None) -> None:
         """``net_salt``: the secret network tags are hashed with (the server derives it from its token, so
-        a restart keeps them)."""
+        a restart keeps them). ``link``: the store as other replicas share it (``market.replica``)."""
         self.store = store
+        self._link = link
+        self.leading = link is None  # runs the tick's decisions (``market.replica``: one leader)
+        self._heard: dict[str, tuple[float, float]] = {}  # peer -> (when, load) heard since the last exchange
+        self._seen_read_at = -math.inf
+        self._maps_arrived: set[str] = set()  # maps another replica published (the next tick reports them)
+        self._caught_up_at = now  # when memory last caught up with the other replicas (the load, ``_begin``)
+        self._report_marks: dict[str, tuple[int, int]] = {}  # coordinator|model -> last numbered report (runtime)
         self.policy = policy
         self.rng = rng
         self._net_salt = net_salt  # network tags name no address
@@ -192,12 +220,40 @@ class Market:
         if dropped:
             store.apply(dropped)
 
-    def _begin(self) -> None:
+    def _begin(self, now: float) -> None:
         """The start of a call that may commit: what ``_restore`` rolls the event log back to; while the store
-        could not be read back (``_stale``), it is read first, and the call fails while it still cannot be."""
+        could not be read back (``_stale``), it is read first, and the call fails while it still cannot be.
+        A replica first takes the database's write lock and catches up with the others (``market.replica``)."""
         if self._stale is not None:
             self._restore(self._stale, refused=False)
+        if self._link is not None:
+            catch = self._link.begin_call()
+            if catch.snapshot is not None:
+                self.ix = self.ix.reloaded(catch.snapshot, now)
+                self.addresses.keep_open_leases(self.ix)
+            elif catch.changes:
+                self._maps_arrived |= apply_catchup(self.ix, catch.changes, now)
+            self._caught_up_at = now
         self.journal.mark()
+
+    def _end(self, ok: bool) -> None:
+        """The end of a call (``_call``): a replica commits what is left open, or rolls it back."""
+        if self._link is None:
+            return
+        if ok:
+            self._link.end_call(True)
+            return
+        try:
+            self._link.end_call(False)
+        except StoreError:
+            log.debug("rolling a failed call back failed too", exc_info=True)
+
+    def _claim(self, peer_id: str, epoch: int, sequence: int, what: str) -> None:
+        """A replica's counter check against every replica's (``market.replica``): 409 when replayed."""
+        if self._link is not None and not self._link.claim_counter(peer_id, epoch, sequence):
+            self.counters[f"{what}_replayed_sequence"] += 1
+            raise _http_error(f"{what} epoch/sequence {epoch}/{sequence} is not newer than one another market "
+                              "replica accepted", "replayed_sequence", status=409)
 
     def _commit(self, changes: list[Change], now: float) -> None:
         if not changes:
@@ -252,11 +308,12 @@ class Market:
 
     # -- coordinators ---------------------------------------------------------------------------
 
+    @_call
     def register(self, req: RegisterModels, now: float) -> RegisterAck:
         """``POST /api/models``. Errors: ``bad_manifest``, ``bad_epoch`` (400: more than ``max_epoch_ahead_s``
         ahead), ``stale_registration``, ``manifest_conflict`` and ``too_many_models`` (409: past ``max_models``).
         The URL is kept without a trailing slash."""
-        self._begin()
+        self._begin(now)
         req = msgspec.structs.replace(req, url=req.url.rstrip("/"))
         seen: set[str] = set()
         for m in req.models:
@@ -388,12 +445,16 @@ class Market:
 
     # -- volunteers: pull -----------------------------------------------------------------------
 
+    @_call
     def volunteer(self, req: VolunteerRequest, now: float, *, address: str = "") -> Offer | NoOffer:
         """``POST /api/expert-volunteer``: the scarcest slice that fits, as a fresh lease. ``(epoch,
         sequence)``, when given, must be newer than the volunteer's last poll or heartbeat (409
         ``replayed_sequence`` / ``stale_epoch``); ``address`` (the client's IP) holds at most
         ``max_leases_per_address`` open leases."""
-        self._begin()
+        renewed = renew_unlocked(self, req, now, address)
+        if renewed is not None:
+            return renewed
+        self._begin(now)
         if req.max_bytes is None and req.max_experts is None:
             raise _http_error("give max_bytes or max_experts (or both)", "missing_budget", param="max_bytes")
         if address and not self._note_address(req.peer_id, address, now):
@@ -439,7 +500,10 @@ class Market:
             self._commit(changes, now)
             self.counters["no_offer_address_cap"] += 1
             return NoOffer(NoOfferReason.ADDRESS_CAP, jittered(self.rng, self.policy.retry_after_s))
-        lease = LeaseRow(new_lease_id(self.rng), req.peer_id, res.slice, now, now + self.policy.lease_s)
+        lease_id = new_lease_id(self.rng)
+        while lease_id in self.ix.leases or lease_id in self.ix.cov_by_lease:  # replicas seeded alike draw alike
+            lease_id = new_lease_id(self.rng)
+        lease = LeaseRow(lease_id, req.peer_id, res.slice, now, now + self.policy.lease_s)
         self._event("assigned", now, peer_id=req.peer_id, s=res.slice, detail=f"scarcity {res.scarcity:.2f}")
         if address:
             self.addresses.leased(lease.lease_id, address)
@@ -481,9 +545,10 @@ class Market:
             for p in list(self._dropped)[: max(1, len(self._dropped) // 10)]:
                 del self._dropped[p]
 
+    @_call
     def cancel_lease(self, lease_id: str, now: float) -> None:
         """Undo a lease the shell could not complete (no coordinator described the slice file)."""
-        self._begin()
+        self._begin(now)
         lease = self.ix.leases.get(lease_id)
         if lease is not None:
             changes: list[Change] = []
@@ -492,6 +557,7 @@ class Market:
 
     # -- volunteers: coverage heartbeats ---------------------------------------------------------
 
+    @_call
     def heartbeat(self, hb: CoverageHeartbeat, now: float, *, address: str = "") -> CoverageAck:
         """``POST /api/expert-coverage`` (signature already verified by the shell). ``address``: the
         client's IP. An identity is stored once it holds something; until then it lives in memory only
@@ -500,7 +566,7 @@ class Market:
         Errors: ``stale_epoch`` / ``replayed_sequence`` (409), ``duplicate_slice`` (400),
         ``too_many_identities`` (429: a new identity at an address with ``max_identities_per_address``).
         """
-        self._begin()
+        self._begin(now)
         address = address_key(address)
         if address and not self._note_address(hb.peer_id, address, now):
             self.counters["heartbeats_identity_cap"] += 1
@@ -521,6 +587,9 @@ class Market:
                 verdict.value,
                 status=409,
             )
+        self._claim(hb.peer_id, hb.epoch, hb.sequence, "heartbeat")
+        if self._link is not None:
+            self._heard[hb.peer_id] = (now, hb.load)
         reported: dict[SliceRef, HeldState] = {}
         serves: dict[SliceRef, int] = {}
         refused: list[SliceDirective] = []
@@ -621,6 +690,7 @@ class Market:
             self.counters[f"polls_{verdict.value}"] += 1
             raise _http_error(f"poll epoch/sequence {epoch}/{sequence} is not newer than the last accepted",
                               verdict.value, status=409)
+        self._claim(peer_id, epoch, sequence, "poll")
         self._polled[peer_id] = (epoch, sequence)
         if len(self._polled) > 100_000:  # bounded: the oldest entries go (a heartbeat row keeps its own)
             for k in list(self._polled)[:10_000]:
@@ -629,6 +699,7 @@ class Market:
     def quarantine_of(self, peer_id: str, now: float) -> QuarantineRow | None:
         return self.ix.quarantine_of(peer_id, now)
 
+    @_call
     def report(self, rep: CoordinatorReport, now: float) -> ReportAck:
         """``POST /api/coordinator-report`` (operator token checked by the shell). What an operator token
         may do here is bounded (DESIGN §12):
@@ -643,7 +714,7 @@ class Market:
           lease and refuses it for ``quarantine_s``; the evidence is kept with the quarantine (persisted)
           -- if the worker holds that range of the model (else ``ignored``).
         Errors: ``unknown_coordinator``, ``unknown_model`` (404), ``missing_evidence``, ``bad_evidence`` (400)."""
-        self._begin()
+        self._begin(now)
         url = rep.url.rstrip("/")
         if url not in self.ix.coordinators:
             raise _http_error(f"coordinator {url[:200]!r} is not registered", "unknown_coordinator", status=404, param="url")
@@ -662,6 +733,13 @@ class Market:
             if problem:
                 raise _http_error(f"the quarantine evidence of {w.peer_id[:128]!r}: {problem}", "bad_evidence",
                                   param="workers")
+        if rep.sequence > 0:  # a numbered report lands once (a resend after a lost answer is refused)
+            key = f"report|{url}|{rep.model_id}"
+            if (rep.epoch, rep.sequence) <= self._report_marks.get(key, (-1, -1)):
+                self.counters["report_replayed_sequence"] += 1
+                raise _http_error(f"report {rep.epoch}/{rep.sequence} was accepted already", "replayed_sequence",
+                                  status=409)
+            self._claim(key, rep.epoch, rep.sequence, "report")
         per_pair = flops_per_pair(m.manifest.d_model, m.manifest.d_expert)
         cap = self.policy.max_report_pairs
         changes: list[Change] = []
@@ -720,6 +798,8 @@ class Market:
                 routed[k] = min(_INT64_MAX, routed.get(k, 0) + rr.rows)
         self.ix.add_heat(rep.model_id, [(rr.layer, rr.lo, rr.hi, min(cap, rr.rows)) for rr in rep.ranges], now)
         self._commit(changes, now)
+        if rep.sequence > 0:  # only once it landed: a resend of a refused batch is accepted
+            self._report_marks[f"report|{url}|{rep.model_id}"] = (rep.epoch, rep.sequence)
         self.journal.reported(url, rep.model_id, answered, now)
         self.counters["reports"] += 1
         return ReportAck(len(rep.workers), newly, ignored)
@@ -778,13 +858,24 @@ class Market:
         return wire_directive(row.slice, d, dispatched=row.dispatched)
 
     # -- time -----------------------------------------------------------------------------------
-    # -- time -----------------------------------------------------------------------------------
 
+    @_call
     def tick(self, now: float) -> TickReport:
-        """Expire silent volunteers and lapsed leases, step recruitment, age out, rebuild maps."""
-        self._begin()
+        """Expire silent volunteers and lapsed leases, step recruitment, age out, rebuild maps. A replica
+        that does not lead only catches up and exchanges its heartbeat marks (``market.replica``)."""
+        self._begin(now)
         rep = TickReport()
         changes: list[Change] = []
+        if self._link is not None:
+            rep.changed_maps.extend(sorted(self._maps_arrived))
+            self._maps_arrived.clear()
+            self.leading = self._link.leads()
+            if now - self._seen_read_at >= self.policy.share_s:
+                self._seen_read_at = exchange_seen(self._link, self.ix, self._heard, self._seen_read_at, now,
+                                                   prune=self.leading)
+            if not self.leading:
+                self.journal.sample(self.ix, now)
+                return rep
         ttl = self.policy.heartbeat_ttl_s
         short = min(ttl, self.policy.sole_replica_ttl_s)
         for peer, v in list(self.ix.volunteers.items()):
@@ -809,7 +900,7 @@ class Market:
                 rep.expired_leases += 1
                 self._event("lease_expired", now, peer_id=lease.peer_id, s=lease.slice)
                 self.counters["leases_expired"] += 1
-        self._drop_unprovable(now, changes)
+        drop_unprovable(self, now, changes)
         if now - self._last_gc >= 10.0:
             self._last_gc = now
             self._forget_idle_identities(now)
@@ -836,10 +927,10 @@ class Market:
                 log.info("model %s: %s", mid, ("saturated: " if new.recruiting else "unsaturated: ") + why)
                 self._event("saturated" if new.recruiting else "unsaturated", now, model_id=mid, detail=why)
         for mid in sorted(self.ix.dirty_ageout):
-            self._age_out(mid, now, changes, rep)
+            age_out(self, mid, now, changes, rep)
         self.ix.dirty_ageout.clear()
         for mid in sorted(self.ix.dirty_maps):
-            if self._rebuild_map(mid, changes):
+            if rebuild_map(self, mid, changes):
                 rep.changed_maps.append(mid)
         self.ix.dirty_maps.clear()
         if now - self._last_flush >= self.policy.flush_s:
@@ -847,9 +938,10 @@ class Market:
         self._commit(changes, now)
         return rep
 
+    @_call
     def flush(self, now: float) -> None:
         """Write every volunteer's latest sequence number (periodically, and before closing)."""
-        self._begin()
+        self._begin(now)
         changes: list[Change] = []
         self._flush(changes, now)
         self._commit(changes, now)
@@ -874,106 +966,6 @@ class Market:
             if any(reps[e] <= 1 and not held[s.layer][e] for e in range(s.lo, s.hi)):
                 return True
         return False
-
-    def _drop_unprovable(self, now: float, changes: list[Change]) -> None:
-        """A holding counts only while it can be proven (DESIGN §12). Its row goes (the volunteer's next
-        heartbeat listing it is told ``release`` with the reason; it gets no new lease for that slice for
-        ``dropped_penalty_s``) and its experts are recruited again, when
-        - it is ``loading`` past its download deadline: ``since`` + ``download_grace_s`` + the slice's
-          bytes at ``download_floor_bytes_per_s`` (``download_overdue``): reporting ``loading`` for ever
-          is squatting, not downloading;
-        - it is ``serving`` and no coordinator reported it proved (hold challenge or verified answers)
-          within ``proof_grace_s`` of starting to serve (``unproven``; 0 = off)."""
-        grace = self.policy.proof_grace_s
-        due = self._proof_due
-        live: set[tuple[str, SliceRef]] = set()
-        for peer, rows in list(self.ix.coverage.items()):
-            for s, row in list(rows.items()):
-                if row.state is HeldState.LOADING:
-                    if now < row.since + self._download_allowance(s):
-                        continue
-                    reason, detail = Reason.OVERDUE, f"still loading {now - row.since:.0f} s after it was leased"
-                elif row.state is HeldState.SERVING and not row.proved and grace > 0:
-                    k = (peer, s)
-                    live.add(k)
-                    if now < due.setdefault(k, now + grace):
-                        continue
-                    reason, detail = Reason.UNPROVEN, f"no proof of holding within {grace:.0f} s"
-                else:
-                    continue
-                self.ix.del_cov(row, changes)
-                self.ix.dirty_maps.add(s.model_id)
-                self.ix.dirty_ageout.add(s.model_id)
-                self._mark_dropped(peer, s, reason, now)
-                self.counters[f"coverage_{reason.value}"] += 1
-                self._event(reason.value, now, peer_id=peer, s=s, detail=detail)
-                log.info("volunteer %s: %s dropped (%s: %s)", peer, s, reason.value, detail)
-        for k in list(due):
-            if k not in live:
-                del due[k]
-
-    def _download_allowance(self, s: SliceRef) -> float:
-        """How long a slice may stay ``loading``: a fixed grace plus its bytes at a generous floor rate."""
-        m = self.ix.models.get(s.model_id)
-        size = (s.hi - s.lo) * m.manifest.bytes_per_expert[s.layer] if m is not None else 0
-        p = self.policy
-        return p.download_grace_s + (size + p.header_allowance) / p.download_floor_bytes_per_s
-
-    def _age_out(self, model_id: str, now: float, changes: list[Change], rep: TickReport) -> None:
-        m = self.ix.models[model_id].manifest
-        rows = self.ix.by_model[model_id]
-        holdings = [
-            Holding(
-                key=k,
-                peer_id=r.peer_id,
-                layer=r.slice.layer,
-                lo=r.slice.lo,
-                hi=r.slice.hi,
-                since=r.since,
-                serving=r.state is HeldState.SERVING,
-                served=r.served,
-                counted=contribution(r) is not None,
-                restorable=(
-                    r.state is not HeldState.DRAINING and in_cooldown(r.retiring_since, now, self.policy.cooldown_s)
-                ),
-            )
-            for k, r in rows.items()
-        ]
-        plan = plan_ageout(m.n_layer, m.n_expert, self.ix.targets(model_id), holdings)
-        for k in plan.restore:
-            self.ix.put_cov(msgspec.structs.replace(rows[k], retiring_since=None), changes)
-            rep.restored += 1
-            self.counters["restored"] += 1
-            self._event("restored", now, peer_id=rows[k].peer_id, s=rows[k].slice)
-        for k in plan.retire:
-            self.ix.put_cov(msgspec.structs.replace(rows[k], retiring_since=now), changes)
-            rep.retired += 1
-            self.counters["retired"] += 1
-            self._event("draining", now, peer_id=rows[k].peer_id, s=rows[k].slice, detail="surplus")
-        # a just-retired or restored row re-dirtied the model for age-out; the plan is already stable
-        if plan.restore or plan.retire:
-            log.info("model %s: age-out retired %d, restored %d", model_id, len(plan.retire), len(plan.restore))
-
-    def _rebuild_map(self, model_id: str, changes: list[Change]) -> bool:
-        serving: list[ServingSlice] = []
-        for (peer, s), r in self.ix.by_model[model_id].items():
-            if r.dispatched:
-                v = self.ix.volunteers.get(peer)
-                addrs = tuple(v.row.addrs) if v else ()
-                load = v.load if v else 0.0
-                protocols = tuple(v.row.protocols) if v else ()
-                serving.append(
-                    ServingSlice(peer, s.layer, s.lo, s.hi, addrs, preference(r.served, load, r.since, peer, r.proved), protocols,
-                                 v.row.net if v else "")
-                )
-        layers = build_layers(serving, protocol=EXPERT_PROTOCOL_VERSION)
-        cur = self.ix.maps.get(model_id, MapRow(model_id, 0, []))
-        if layers == cur.layers:
-            return False
-        new = MapRow(model_id, cur.version + 1, layers)
-        self.ix.maps[model_id] = new
-        changes.append(Put(new))
-        return True
 
     # -- views (market.views) -------------------------------------------------------------------
 

@@ -10,11 +10,12 @@ from market.store import MEMORY_DB, InMemoryStore, Store, is_postgres_url, open_
 __all__ = ["open_store"]
 
 
-def open_store(db: str) -> Store:
+def open_store(db: str, *, replica: bool = False) -> Store:
+    """``replica``: a PostgreSQL store shared with other market replicas (``market.replica``)."""
     if db == MEMORY_DB:
         return InMemoryStore()
     if is_postgres_url(db):
         from market.store_pg import open_postgres_store
 
-        return open_postgres_store(db)
+        return open_postgres_store(db, shared=replica)
     return open_sqlite_store(sqlite_path(db))

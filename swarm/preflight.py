@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from swarm.errors import ConfigError
@@ -99,6 +99,19 @@ def check_reachable(url: str, flag: str, what: str) -> dict[str, Any]:
         raise ConfigError(f"{flag} {url}: answered HTTP {r.status_code} on /health, not as a moe-swarm {what} does",
                           code=f"not_a_{what}")
     return body
+
+
+def check_any_market(urls: Sequence[str], flag: str = "--market", *, token: str | None = None,
+                     operator: bool = False) -> None:
+    """Some replica of the market (``urls``: ``--market`` given several times) answers: ``check_market`` of
+    each in turn; the last one's ``ConfigError`` when none does."""
+    for i, url in enumerate(urls):
+        try:
+            check_market(url, flag, token=token, operator=operator)
+            return
+        except ConfigError:
+            if i == len(urls) - 1:
+                raise
 
 
 def check_market(url: str, flag: str = "--market", *, token: str | None = None, operator: bool = False) -> None:

@@ -61,8 +61,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
     g.add_argument("--no-progress", action="store_true", help="no download progress bar")
     p = v.add_argument_group("pull mode (--market)")
-    p.add_argument("--market", default=None, metavar="URL",
-                   help="take the scarcest slice this market offers, e.g. http://127.0.0.1:8090")
+    p.add_argument("--market", action="append", default=None, metavar="URL",
+                   help="take the scarcest slice this market offers, e.g. http://127.0.0.1:8090; repeat it for "
+                        "replicas of one market (--market URL --market URL2): failed over in turn")
     p.add_argument("--max-memory", type=size_flag, default=None, metavar="SIZE",
                    help="this process's peak memory (RSS), e.g. 5G; the slices get what its baseline leaves "
                         "(default 2G, or only --max-experts when that is given)")
@@ -127,7 +128,8 @@ def pull_config_from_args(ns: argparse.Namespace) -> Any:
     if max_memory is None and ns.max_experts is None:
         max_memory = 2 << 30
     return build_config(PullVolunteerConfig, {
-        "market": ns.market, "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
+        "market": ns.market[0], "market_replicas": tuple(ns.market[1:]),
+        "data_dir": data_dir_for("volunteer", ns.data_dir), "listen": _listen(ns),
         "announce": tuple(ns.announce or ()),
         "max_memory": max_memory, "max_experts": ns.max_experts, "max_slices": ns.max_slices,
         "share_slices": not ns.no_share, "share_rate_bytes_per_s": float(ns.share_rate), "models": tuple(ns.models or ()),
@@ -229,7 +231,7 @@ def run(ns: argparse.Namespace) -> int:
     with hold(Path(cfg.data_dir) / LOCK_NAME, flag="--data-dir", shown=cfg.data_dir, what="volunteer"):
         preflight.check_listen_addrs(cfg.listen, "--listen")
         if ns.market:
-            preflight.check_market(cfg.market)
+            preflight.check_any_market([cfg.market, *cfg.market_replicas])
         else:
             preflight.check_reachable(cfg.coordinator, "--coordinator", "coordinator")
         _serve(ns, cfg)

@@ -58,6 +58,7 @@ import trio
 
 from swarm.config import HttpUrl, Multiaddr, PosFloat, PosInt
 from swarm.errors import ConfigError, SwarmError
+from swarm.failover import client_transport
 from swarm.ids import SliceKey
 from swarm.model.fetch import fetch_slice
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend
@@ -108,6 +109,7 @@ class PullVolunteerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     """``moe-swarm volunteer --market``'s settings (built by ``volunteer.cli``)."""
 
     market: HttpUrl
+    market_replicas: tuple[HttpUrl, ...] = ()  # more replicas of the same market, failed over to (swarm.failover)
     data_dir: str
     listen: tuple[Multiaddr, ...] = ("/ip4/127.0.0.1/tcp/0",)  # empty: reachable only through relays
     # the addresses coordinators should dial instead of what this host sees of itself (a port forward,
@@ -607,7 +609,8 @@ async def serve_pull_volunteer(
         await trio.Path(probe_path).write_text(json.dumps(probe) + "\n")
     key_pair = await trio.to_thread.run_sync(load_or_create_identity, data_dir / "identity.key")
     server = ExpertServer([], threads=cfg.threads, kernel=cfg.kernel)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
+                                 transport=client_transport(cfg.market, cfg.market_replicas)) as client:
         relays = cfg.relays or await _market_relays(client, cfg.market)
         if not cfg.listen and not relays:
             raise ConfigError("reachable only through relays, but neither --relay nor the market names one")

@@ -11,7 +11,10 @@ Rules:
 - Report: ``POST /api/coordinator-report`` every ``report_s`` with each worker's answered calls,
   rows and verified answers since the last report, and at once when the dispatcher quarantines a
   worker (with the evidence), so the market stops counting and assigning it. A report that fails
-  is retried with the next one (its counts are added to it; quarantines are kept until sent). It
+  is retried with the next one (its counts are added to it; quarantines are kept until sent); a report
+  that may have landed (the connection broke after it was sent: a market replica killed) is sent again
+  as it is, numbered (``epoch``, ``sequence``), and a ``409 replayed_sequence`` answer means it had
+  landed: its counts land once, never twice, never lost. It
   also lists each worker's slices that passed our hold challenge (sent at once when one passes: the
   market counts a slice as a replica only once proved) and the rows routed to each range since the
   last report (load-weighted targets).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import httpx
 import msgspec
@@ -35,6 +39,7 @@ from coordinator.core.market_outage import MarketOutage, Problem, ProblemKind
 from coordinator.dispatch.dispatcher import Dispatcher
 from swarm.dispatch_map import decode_dispatch_map
 from swarm.errors import SwarmError
+from swarm.failover import client_transport
 from swarm.preflight import token_refusal
 from swarm.protocol.coordinator import MarketLinkStatus
 from swarm.protocol.http import error_code, error_message
@@ -67,11 +72,16 @@ class MarketLink:
         timeout_s: float = 2.0,
         report_s: float = 5.0,
         local_experts: list[tuple[int, int, int]] | None = None,
+        replicas: Sequence[str] = (),
     ) -> None:
         """``local_experts``: the (layer, lo, hi) this coordinator computes itself (None: all of them),
         sent in the registration so the market gives the others more replicas."""
         self.local_experts = local_experts
         self.base = market_url.rstrip("/")
+        self._report_epoch = int(time.time() * 1000)  # numbered reports (CoordinatorReport.sequence)
+        self._report_seq = 0
+        self._unsent: CoordinatorReport | None = None  # a report whose answer never came: sent again as it is
+        self.replicas = list(replicas)  # the same market's other replicas (swarm.failover)
         self.dispatcher = dispatcher
         self.manifest = manifest
         self.advertise_url = advertise_url
@@ -165,7 +175,9 @@ class MarketLink:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client, trio.open_nursery() as n:
+        transport = client_transport(self.base, self.replicas)
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers, transport=transport) as client, \
+                trio.open_nursery() as n:
             n.start_soon(self._register_loop, client)
             n.start_soon(self._map_loop, client)
             n.start_soon(self._report_loop, client)
@@ -208,14 +220,23 @@ class MarketLink:
             self._report_now = trio.Event()
             if not self.registered:
                 continue
-            body = self.report_body()
+            body = self._unsent
+            if body is None:
+                self._report_seq += 1
+                body = msgspec.structs.replace(self.report_body(), epoch=self._report_epoch, sequence=self._report_seq)
             try:
                 r = await client.post(f"{self.base}/api/coordinator-report", content=msgspec.json.encode(body),
                                       headers={"content-type": "application/json"})
             except httpx.HTTPError as exc:
+                # maybe acted on (the market died mid-request): the same numbered report again, never its counts
+                # in a new one; not sent at all: its counts go into the next report
+                self._unsent = None if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else body
                 self._failed("report", self._unreachable(exc))
                 continue
-            if r.status_code // 100 != 2:
+            self._unsent = None
+            if r.status_code == 409 and error_code(r.content) == "replayed_sequence" and body.sequence == self._report_seq:
+                log.info("report %d had landed before its answer was lost: counted once", body.sequence)
+            elif r.status_code // 100 != 2:
                 self._failed("report", self._answered(r))
                 continue
             self._ok("report")

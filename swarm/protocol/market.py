@@ -273,6 +273,10 @@ class CoordinatorReport(msgspec.Struct, forbid_unknown_fields=True):
     model_id: ModelId
     workers: Annotated[list[ReportedWorker], msgspec.Meta(max_length=4096)] = []
     ranges: Annotated[list[RoutedRange], msgspec.Meta(max_length=65536)] = []
+    # (epoch, sequence) of this report (0, 0: unnumbered): a report resent after an answer that never came is
+    # refused as replayed (409 replayed_sequence) by every market replica, so its counts land once
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    sequence: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
 
 
 class ReportAck(msgspec.Struct):
