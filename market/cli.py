@@ -93,7 +93,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--cooldown-s", type=float, default=d.cooldown_s,
                    help="a surplus volunteer is undispatched this long before it is told to release")
     r.add_argument("--retry-after-s", type=float, default=d.retry_after_s,
-                   help="when idle volunteers should ask again if nothing is needed")
+                   help="when idle volunteers should ask again if nothing is needed (the least wait)")
+    r.add_argument("--idle-poll-rate", type=float, default=d.idle_poll_rate,
+                   help="'nothing needed' polls a second to pace the idle volunteers to: their wait grows with their "
+                        "number (0: always --retry-after-s)")
+    r.add_argument("--max-idle-retry-s", type=float, default=d.max_idle_retry_s,
+                   help="the longest wait an idle volunteer is told (a recruitment boost reaches it within this)")
     v = p.add_argument_group("volunteers")
     v.add_argument("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s,
                    help="a volunteer silent this long expires")
@@ -170,6 +175,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
             "sole_replica_ttl_s": ns.sole_replica_ttl_s,
             "cooldown_s": ns.cooldown_s,
             "retry_after_s": ns.retry_after_s,
+            "idle_poll_rate": ns.idle_poll_rate,
+            "max_idle_retry_s": ns.max_idle_retry_s,
             "max_leases_per_address": ns.max_leases_per_address,
             "quarantine_s": ns.quarantine_s,
             "proof_grace_s": ns.proof_grace_s,

@@ -43,6 +43,10 @@ class MarketPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     sole_replica_ttl_s: PosFloat = 8.0
     cooldown_s: NonNegFloat = 10.0  # retired (not dispatched) this long before "release"
     retry_after_s: PosFloat = 5.0
+    # "nothing needed" polls a second the market paces its idle volunteers to (market.core.pacing: the retry
+    # grows with their number, up to max_idle_retry_s; 0: always retry_after_s)
+    idle_poll_rate: NonNegFloat = 200.0
+    max_idle_retry_s: PosFloat = 120.0
     flush_s: PosFloat = 5.0
     # a replica answers a re-poll of an open lease from memory caught up at most this long ago (market.replica)
     fresh_s: PosFloat = 1.0

@@ -53,6 +53,7 @@ from market.addresses import AddressBook
 from market.core.assign import Budget, ModelSupply, NoOfferReason, choose_slice, jittered, new_lease_id
 from market.core.credit import credit_row, flops_per_pair
 from market.core.directive import Reason, directive, wire_directive
+from market.core.pacing import IdlePacing
 from market.core.records import (
     CoordinatorRow,
     CoverageRow,
@@ -211,6 +212,7 @@ class Market:
         self._dropped: dict[str, dict[SliceRef, tuple[Reason, float]]] = {}
         self._n_dropped = 0
         self.addresses = AddressBook()  # which identities speak from which IP address (runtime)
+        self.pacing = IdlePacing(rate=policy.idle_poll_rate, max_s=policy.max_idle_retry_s)  # runtime, per replica
         self._last_gc = -math.inf
         self._unlisted_since: dict[str, float] = {}  # model -> since when no coordinator lists it (runtime)
         self.journal = Journal()  # the event log, the charts' history, call rates: for people (runtime)
@@ -495,7 +497,7 @@ class Market:
         if isinstance(res, NoOfferReason):
             self._commit(changes, now)
             self.counters[f"no_offer_{res.value}"] += 1
-            return NoOffer(res, jittered(self.rng, self.policy.retry_after_s))
+            return NoOffer(res, jittered(self.rng, self.pacing.retry_after(req.peer_id, self.policy.retry_after_s, now)))
         if address and self.addresses.holdings(address, self.ix) >= self.policy.max_leases_per_address:
             self._commit(changes, now)
             self.counters["no_offer_address_cap"] += 1

@@ -108,6 +108,19 @@ def test_pull_needs_a_budget_and_a_host() -> None:
     assert isinstance(res, NoOffer) and res.reason.value == "budget_too_small"
 
 
+def test_idle_volunteers_are_told_to_wait_longer_the_more_of_them_wait() -> None:
+    """market.core.pacing in the market: "nothing needed" answers carry a retry that grows with the idle
+    pollers (policy.idle_poll_rate), so their polls stay near that rate however many there are."""
+    m = new_market()
+    first = m.volunteer(VolunteerRequest("p0", max_experts=4), 0.0)
+    assert isinstance(first, NoOffer) and 4.0 <= first.retry_after_s <= 6.0
+    for i in range(1, 4000):
+        res = m.volunteer(VolunteerRequest(f"p{i}", max_experts=4), i * 0.001)
+    assert isinstance(res, NoOffer) and res.reason.value == "no_models"
+    want = 4000 / m.policy.idle_poll_rate  # 20 s at the default 200/s
+    assert 0.8 * want <= res.retry_after_s <= 1.2 * want  # jittered by +-20 %
+
+
 def test_lease_is_renewed_not_duplicated_then_consumed_by_coverage() -> None:
     m = registered()
     a = m.volunteer(VolunteerRequest("p", max_experts=4), 1.0)
