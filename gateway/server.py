@@ -149,6 +149,8 @@ class Gateway:
     kept: dict[str, int]  # coordinator -> advertised prefixes at the last poll
 
     def handle(self, ev: Event) -> list[Effect]:
+        if isinstance(ev, AttemptFailed | Timeout | Refused):
+            log.info("rid=%d attempt=%d: %s", ev.rid, ev.attempt, ev)
         out = self.router.handle(ev, trio.current_time())
         for e in out:
             if isinstance(e, Send):
