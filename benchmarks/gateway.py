@@ -17,20 +17,37 @@ prefill tokens <= 0.2x) and whether every request's tokens were identical.
 
 ``--smoke`` (``make test``): the ``tiny`` model, a 64-token system prompt, 3 users, 4 tokens a turn.
 The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
-Cases (b) and (c) of the issue (two coordinators behind the gateway, an admission ramp) are not here
-yet: they need the gateway and admission control.
+
+Case (b), ``scale_out`` (``case_scale_out``; ``--case b``): real processes -- a market, coordinators and
+``moe-swarm gateway`` -- and 8 concurrent streamed sessions (greedy, ``ignore_eos``, distinct 32-token
+prompts, 64 tokens each) sent to the gateway, once with one coordinator (``--slots 8``: all 8 sessions
+batched) and once with two (``--slots 4`` each); every coordinator runs ``--threads 1`` pinned to a core of
+its own (``taskset -c 0`` / ``-c 1``; the market, gateway and client are not pinned). ``tokens_per_s`` is
+all sessions' tokens over the wall time from the first request to the last token; ``per_coordinator``
+counts the sessions each coordinator answered (``x-moe-swarm-coordinator``); ``load_avg_1m_before`` /
+``_after`` are ``/proc/loadavg``'s (the machine may be shared). The ``scale_out/ratio`` case: two / one
+(target >= 1.7x) and whether every session's tokens were identical in both runs. ``--smoke``: the tiny
+model, 4 sessions of 8 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +155,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     system = [rng.randrange(3, vocab) for _ in range(n_sys)]
     users = [([rng.randrange(3, vocab) for _ in range(n_msg)], [rng.randrange(3, vocab) for _ in range(n_msg)])
              for _ in range(n_users)]
+    if "a" not in args.case:
+        return {"benchmark": "gateway", "model": path.name, "threads": threads, "cases": []}
     off, tokens_off = await run_case(model, 0, system, users, n_decode)
     on, tokens_on = await run_case(model, CACHE_MEM, system, users, n_decode)
     ratio = {
@@ -151,14 +170,164 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "gateway", "model": path.name, "threads": threads, "cases": [off, on, ratio]}
 
 
+# case (b): two coordinators behind the gateway vs one ------------------------------------------------------
+
+class _Proc:
+    def __init__(self, work: Path, name: str, args: list[str], core: int | None = None) -> None:
+        cmd = [sys.executable, "-m", "swarm.cli", "--log-level", "INFO", *args]
+        if core is not None and shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(core), *cmd]
+        self.log = work / f"{name}.log"
+        self.fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        self.p = subprocess.Popen(cmd, stdout=self.fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+    def ready(self, prefix: str, within_s: float = 600.0) -> str:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.log.name}: exited {self.p.returncode}:\n{self.log.read_text()[-3000:]}")
+            for line in self.log.read_text(errors="replace").splitlines():
+                if line.startswith(prefix):
+                    return line[len(prefix):].split()[0].rstrip("/")
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.log.name}: no {prefix!r} within {within_s} s")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.fh.close()
+
+
+def _load_avg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def _stream(url: str, model: str, prompt: list[int], n: int, out: dict[str, Any]) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    ids: list[int] = []
+    with httpx.Client(timeout=httpx.Timeout(900.0)) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        out["coordinator"] = r.headers.get("x-moe-swarm-coordinator", "")
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"a session failed: {chunk['error']}")
+                for ch in chunk["choices"]:
+                    ids.extend(ch.get("token_ids") or [])
+    out["ids"], out["end"] = ids, time.monotonic()
+
+
+def _scale_out_run(model_path: Path, n_coords: int, prompts: list[list[int]], n_tokens: int, work: Path
+                   ) -> tuple[dict[str, Any], list[list[int]]]:
+    procs: list[_Proc] = []
+    try:
+        market = _Proc(work, f"market{n_coords}", ["market", "--db", str(work / f"market{n_coords}.db"), "--port", "0",
+                                                   "--token", "t0k", "--poll-interval", "0.5"])
+        procs.append(market)
+        murl = market.ready("market ready at ")
+        slots = str(8 // n_coords)
+        urls = []
+        for i in range(n_coords):
+            c = _Proc(work, f"coord{n_coords}-{i}", ["coordinator", "--model", str(model_path), "--port", "0",
+                                                    "--market", murl, "--token", "t0k", "--threads", "1", "--slots",
+                                                    slots, "--data-dir", str(work / f"c{n_coords}-{i}")], core=i)
+            procs.append(c)
+            urls.append(c.ready("coordinator ready at "))
+        gw = _Proc(work, f"gateway{n_coords}", ["gateway", "--market", murl, "--port", "0", "--poll-interval", "0.5"])
+        procs.append(gw)
+        gurl = gw.ready("gateway ready at ")
+        deadline = time.monotonic() + 60
+        while True:
+            health = httpx.get(gurl + "/health", timeout=10).json()
+            if sum(c["polled"] for c in health["coordinators"]) == n_coords and health["models"]:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not see {n_coords} coordinators: {health}")
+            time.sleep(0.1)
+        model = health["models"][0]
+        for u in urls:  # warm-up, each coordinator directly
+            httpx.post(u + "/v1/completions", json={"model": model, "prompt": prompts[0], "max_tokens": 2},
+                       timeout=600).raise_for_status()
+        load_before = _load_avg()
+        results: list[dict[str, Any]] = [{} for _ in prompts]
+        threads = [threading.Thread(target=_stream, args=(gurl, model, p, n_tokens, results[i]))
+                   for i, p in enumerate(prompts)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any("end" not in r for r in results):
+            raise RuntimeError("a session did not finish (see the logs in " + str(work) + ")")
+        wall = max(r["end"] for r in results) - t0
+        tokens = sum(len(r["ids"]) for r in results)
+        per = {u: sum(r["coordinator"] == u for r in results) for u in urls}
+        case = {"case": f"scale_out/{n_coords}", "coordinators": n_coords, "slots_each": int(slots),
+                "threads_each": 1, "sessions": len(prompts), "tokens_per_session": n_tokens, "tokens": tokens,
+                "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+                "per_coordinator": sorted(per.values(), reverse=True),
+                "load_avg_1m_before": load_before, "load_avg_1m_after": _load_avg()}
+        return case, [r["ids"] for r in results]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def case_scale_out(model_path: Path, smoke: bool) -> list[dict[str, Any]]:
+    """Case (b): aggregate tokens/s of 8 sessions through the gateway, two coordinators vs one."""
+    n_sessions, n_tokens = (4, 8) if smoke else (8, 64)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 200) for _ in range(32)] for _ in range(n_sessions)]
+    with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
+        one, ids_one = _scale_out_run(model_path, 1, prompts, n_tokens, Path(tmp))
+        two, ids_two = _scale_out_run(model_path, 2, prompts, n_tokens, Path(tmp))
+    ratio = {"case": "scale_out/ratio", "tokens_per_s_ratio": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
+             "target_ratio": 1.7, "tokens_identical": ids_one == ids_two}
+    return [one, two, ratio]
+
+
+def print_scale_out(cases: list[dict[str, Any]]) -> None:
+    print(f"{'case':<18}{'coords':>7}{'slots':>6}{'sessions':>9}{'tokens':>8}{'wall s':>9}{'tok/s':>9}"
+          f"{'per coord':>11}{'load 1m':>13}")
+    for c in cases:
+        if "coordinators" in c:
+            print(f"{c['case']:<18}{c['coordinators']:>7}{c['slots_each']:>6}{c['sessions']:>9}{c['tokens']:>8}"
+                  f"{c['wall_s']:>9.2f}{c['tokens_per_s']:>9.2f}{'/'.join(map(str, c['per_coordinator'])):>11}"
+                  f"{c['load_avg_1m_before']:>6.2f}->{c['load_avg_1m_after']:<5.2f}")
+        else:
+            print(f"two/one: {c['tokens_per_s_ratio']}x (target >= {c['target_ratio']}x), tokens identical: "
+                  f"{c['tokens_identical']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="the tiny model, a 64-token system prompt, 3 users (make test)")
+    ap.add_argument("--smoke", "--quick", action="store_true",
+                    help="the tiny model, a 64-token system prompt, 3 users (make test)")
+    ap.add_argument("--case", action="append", choices=["a", "b"], default=None,
+                    help="run only these cases (repeatable; default: all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")
     args = ap.parse_args()
+    args.case = args.case or ["a", "b"]
     result = trio.run(main_async, args)
+    if "b" in args.case:
+        size = "tiny" if args.smoke else "bench"
+        path = Path(args.model) if args.model else ROOT / "benchmarks" / ".cache" / f"{size}-qwen3moe.gguf"
+        scale = case_scale_out(path, args.smoke)
+        result["cases"].extend(scale)
+        print_scale_out(scale)
+    if "a" not in args.case:
+        write_json(args.json, result)
+        return
     print(f"{'case':<22}{'TTFT mean ms':>14}{'TTFT p50 ms':>13}{'1st turn':>10}{'2nd turn':>10}{'prefill tok':>13}"
           f"{'cached tok':>12}{'wall s':>9}")
     for c in result["cases"][:2]:

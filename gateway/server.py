@@ -515,7 +515,8 @@ def build_gateway_app(gw: Gateway) -> Starlette:
     async def health(_: Request) -> Response:
         now = trio.current_time()
         coords = [{"url": u, "down": gw.router.is_down(u, now), "inflight": gw.router.inflight(u),
-                   "kept_prefixes": gw.kept.get(u, 0), "capacity": u not in gw.no_capacity}
+                   "polled": gw.router.coords[u].polled_at is not None, "kept_prefixes": gw.kept.get(u, 0),
+                   "capacity": u not in gw.no_capacity}
                   for u in gw.router.coordinators()]
         body = {"status": "ok" if gw.router.models() else "degraded", "models": gw.router.models(),
                 "coordinators": coords, "tokenizers": sorted(gw.texts)}

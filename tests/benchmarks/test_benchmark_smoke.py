@@ -168,6 +168,12 @@ def check_gateway(result: dict[str, Any]) -> None:
     assert on["cached_tokens"] >= (on["users"] - 1) * on["system_tokens"] and on["kept_bytes"] > 0, on
     assert ratio["tokens_identical"] is True and 0 < ratio["prefill_tokens_ratio"] < 1, ratio
     assert on["ttft_mean_ms"] > 0 and off["ttft_mean_ms"] > 0 and ratio["ttft_mean_ratio"] > 0, ratio
+    # case (b): the gateway spread the sessions over both coordinators; the same tokens either way
+    one, two, scale = cases["scale_out/1"], cases["scale_out/2"], cases["scale_out/ratio"]
+    assert one["per_coordinator"] == [one["sessions"]] and sum(two["per_coordinator"]) == two["sessions"], two
+    assert min(two["per_coordinator"]) >= 1, two
+    assert one["tokens"] == two["tokens"] == one["sessions"] * one["tokens_per_session"], (one, two)
+    assert scale["tokens_identical"] is True and scale["tokens_per_s_ratio"] > 0, scale
 
 
 SMOKE: dict[str, Callable[[dict[str, Any]], None]] = {
