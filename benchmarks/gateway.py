@@ -2,7 +2,7 @@
 with the coordinator's prefix cache on and off -- time to first token and prompt tokens computed
 (DESIGN §11 benchmark format).
 
-    python benchmarks/gateway.py [--smoke] [--json OUT] [--model PATH] [--threads N]
+    python benchmarks/gateway.py [--smoke|--quick] [--cases a,b] [--json OUT] [--model PATH] [--threads N]
 
 Case (a), ``shared_prompt``: a 512-token system prompt shared by 8 users; each sends two turns (a
 24-token message, then the conversation so far -- system prompt, message, the reply's tokens -- and
@@ -18,16 +18,16 @@ prefill tokens <= 0.2x) and whether every request's tokens were identical.
 ``--smoke`` (``make test``): the ``tiny`` model, a 64-token system prompt, 3 users, 4 tokens a turn.
 The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
 
-Case (b), ``scale_out`` (``case_scale_out``; ``--case b``): real processes -- a market, coordinators and
+Case (b), ``scale_out`` (``case_scale_out``; ``--cases b``): real processes -- a market, coordinators and
 ``moe-swarm gateway`` -- and 8 concurrent streamed sessions (greedy, ``ignore_eos``, distinct 32-token
-prompts, 64 tokens each) sent to the gateway, once with one coordinator (``--slots 8``: all 8 sessions
-batched) and once with two (``--slots 4`` each); every coordinator runs ``--threads 1`` pinned to a core of
-its own (``taskset -c 0`` / ``-c 1``; the market, gateway and client are not pinned). ``tokens_per_s`` is
+prompts, 64 tokens each) sent to the gateway: ``1x4`` one coordinator with ``--slots 4`` (4 sessions wait),
+``2x4`` two of them, ``1x8`` one with ``--slots 8`` (all 8 batched: the strongest single coordinator); every
+coordinator runs ``--threads 1`` pinned to a core of its own (``taskset -c 0`` / ``-c 1``; the market, gateway and client are not pinned). ``tokens_per_s`` is
 all sessions' tokens over the wall time from the first request to the last token; ``per_coordinator``
 counts the sessions each coordinator answered (``x-moe-swarm-coordinator``); ``load_avg_1m_before`` /
-``_after`` are ``/proc/loadavg``'s (the machine may be shared). The ``scale_out/ratio`` case: two / one
-(target >= 1.7x) and whether every session's tokens were identical in both runs. ``--smoke``: the tiny
-model, 4 sessions of 8 tokens.
+``_after`` are ``/proc/loadavg``'s (the machine may be shared). The ``scale_out/ratio`` case: 2x4 / 1x4
+(target >= 1.7x), 2x4 / 1x8, and whether every session's tokens were identical in every run. ``--smoke``:
+the tiny model, 4 sessions of 8 tokens, no 1x8 run.
 """
 
 from __future__ import annotations
@@ -225,23 +225,23 @@ def _stream(url: str, model: str, prompt: list[int], n: int, out: dict[str, Any]
     out["ids"], out["end"] = ids, time.monotonic()
 
 
-def _scale_out_run(model_path: Path, n_coords: int, prompts: list[list[int]], n_tokens: int, work: Path
+def _scale_out_run(model_path: Path, n_coords: int, n_slots: int, prompts: list[list[int]], n_tokens: int, work: Path
                    ) -> tuple[dict[str, Any], list[list[int]]]:
     procs: list[_Proc] = []
     try:
-        market = _Proc(work, f"market{n_coords}", ["market", "--db", str(work / f"market{n_coords}.db"), "--port", "0",
-                                                   "--token", "t0k", "--poll-interval", "0.5"])
+        tag = f"{n_coords}x{n_slots}"
+        market = _Proc(work, f"market{tag}", ["market", "--db", str(work / f"market{tag}.db"), "--port", "0",
+                                              "--token", "t0k", "--poll-interval", "0.5"])
         procs.append(market)
         murl = market.ready("market ready at ")
-        slots = str(8 // n_coords)
         urls = []
         for i in range(n_coords):
-            c = _Proc(work, f"coord{n_coords}-{i}", ["coordinator", "--model", str(model_path), "--port", "0",
-                                                    "--market", murl, "--token", "t0k", "--threads", "1", "--slots",
-                                                    slots, "--data-dir", str(work / f"c{n_coords}-{i}")], core=i)
+            c = _Proc(work, f"coord{tag}-{i}", ["coordinator", "--model", str(model_path), "--port", "0",
+                                               "--market", murl, "--token", "t0k", "--threads", "1", "--slots",
+                                               str(n_slots), "--data-dir", str(work / f"c{tag}-{i}")], core=i)
             procs.append(c)
             urls.append(c.ready("coordinator ready at "))
-        gw = _Proc(work, f"gateway{n_coords}", ["gateway", "--market", murl, "--port", "0", "--poll-interval", "0.5"])
+        gw = _Proc(work, f"gateway{tag}", ["gateway", "--market", murl, "--port", "0", "--poll-interval", "0.5"])
         procs.append(gw)
         gurl = gw.ready("gateway ready at ")
         deadline = time.monotonic() + 60
@@ -270,7 +270,7 @@ def _scale_out_run(model_path: Path, n_coords: int, prompts: list[list[int]], n_
         wall = max(r["end"] for r in results) - t0
         tokens = sum(len(r["ids"]) for r in results)
         per = {u: sum(r["coordinator"] == u for r in results) for u in urls}
-        case = {"case": f"scale_out/{n_coords}", "coordinators": n_coords, "slots_each": int(slots),
+        case = {"case": f"scale_out/{tag}", "coordinators": n_coords, "slots_each": n_slots,
                 "threads_each": 1, "sessions": len(prompts), "tokens_per_session": n_tokens, "tokens": tokens,
                 "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
                 "per_coordinator": sorted(per.values(), reverse=True),
@@ -287,11 +287,18 @@ def case_scale_out(model_path: Path, smoke: bool) -> list[dict[str, Any]]:
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 200) for _ in range(32)] for _ in range(n_sessions)]
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
-        one, ids_one = _scale_out_run(model_path, 1, prompts, n_tokens, Path(tmp))
-        two, ids_two = _scale_out_run(model_path, 2, prompts, n_tokens, Path(tmp))
-    ratio = {"case": "scale_out/ratio", "tokens_per_s_ratio": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
-             "target_ratio": 1.7, "tokens_identical": ids_one == ids_two}
-    return [one, two, ratio]
+        one, ids_one = _scale_out_run(model_path, 1, 4, prompts, n_tokens, Path(tmp))
+        two, ids_two = _scale_out_run(model_path, 2, 4, prompts, n_tokens, Path(tmp))
+        cases = [one, two]
+        ratio: dict[str, Any] = {"case": "scale_out/ratio",
+                                 "tokens_per_s_ratio": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
+                                 "target_ratio": 1.7, "tokens_identical": ids_one == ids_two}
+        if not smoke:  # the strongest single coordinator: all 8 sessions batched in one
+            wide, ids_wide = _scale_out_run(model_path, 1, 8, prompts, n_tokens, Path(tmp))
+            cases.append(wide)
+            ratio["tokens_per_s_ratio_vs_1x8"] = round(two["tokens_per_s"] / wide["tokens_per_s"], 3)
+            ratio["tokens_identical"] = ratio["tokens_identical"] and ids_wide == ids_one
+    return [*cases, ratio]
 
 
 def print_scale_out(cases: list[dict[str, Any]]) -> None:
@@ -303,21 +310,23 @@ def print_scale_out(cases: list[dict[str, Any]]) -> None:
                   f"{c['wall_s']:>9.2f}{c['tokens_per_s']:>9.2f}{'/'.join(map(str, c['per_coordinator'])):>11}"
                   f"{c['load_avg_1m_before']:>6.2f}->{c['load_avg_1m_after']:<5.2f}")
         else:
-            print(f"two/one: {c['tokens_per_s_ratio']}x (target >= {c['target_ratio']}x), tokens identical: "
-                  f"{c['tokens_identical']}")
+            vs8 = f", two / one with 8 slots {c['tokens_per_s_ratio_vs_1x8']}x" if "tokens_per_s_ratio_vs_1x8" in c else ""
+            print(f"two / one (4 slots each): {c['tokens_per_s_ratio']}x (target >= {c['target_ratio']}x){vs8}, "
+                  f"tokens identical: {c['tokens_identical']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", "--quick", action="store_true",
                     help="the tiny model, a 64-token system prompt, 3 users (make test)")
-    ap.add_argument("--case", action="append", choices=["a", "b"], default=None,
-                    help="run only these cases (repeatable; default: all)")
+    ap.add_argument("--cases", default="a,b", help="which cases: a (shared prompt), b (two coordinators vs one)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")
     args = ap.parse_args()
-    args.case = args.case or ["a", "b"]
+    args.case = {c.strip() for c in args.cases.split(",") if c.strip()}
+    if not args.case <= {"a", "b"}:
+        ap.error(f"--cases: unknown case(s) {', '.join(sorted(args.case - {'a', 'b'}))} (known: a, b)")
     result = trio.run(main_async, args)
     if "b" in args.case:
         size = "tiny" if args.smoke else "bench"

@@ -316,9 +316,19 @@ async def _offer(gw: Gateway, s: Send, path: str, raw: bytes, headers: dict[str,
             return Timeout(s.rid, s.attempt), None
     except httpx.HTTPError as exc:
         if resp is not None:
-            await resp.aclose()
+            await _close(resp)
         return AttemptFailed(s.rid, s.attempt, f"{type(exc).__name__}: {exc}"), None
+    except BaseException:  # cancelled (the client went away): the upstream connection is closed, not leaked
+        if resp is not None:
+            await _close(resp)
+        raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _close(resp: httpx.Response) -> None:
+    """Close an upstream response even while being cancelled (bounded: a stuck peer cannot hold us)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+        await resp.aclose()
 
 
 def _number(s: str) -> bool:
@@ -424,11 +434,11 @@ def _respond(gw: Gateway, rid: int, send: Send, up: _Upstream) -> Response:
                 if isinstance(eff, EndStream):
                     yield b"data: " + encode_error(502, eff.code, eff.message) + b"\n\n"
         finally:
-            await up.resp.aclose()
-            if not finished:
+            if not finished:  # the client went away: the router first, then the upstream (closing it cancels)
                 gw.handle(ClientGone(rid))
             elif gw.router.reqs.get(rid) is not None:
                 gw.handle(Finished(rid, send.attempt))
+            await _close(up.resp)
 
     return StreamingResponse(body(), status_code=up.resp.status_code, media_type=ctype,
                              headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

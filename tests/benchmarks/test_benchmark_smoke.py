@@ -169,7 +169,7 @@ def check_gateway(result: dict[str, Any]) -> None:
     assert ratio["tokens_identical"] is True and 0 < ratio["prefill_tokens_ratio"] < 1, ratio
     assert on["ttft_mean_ms"] > 0 and off["ttft_mean_ms"] > 0 and ratio["ttft_mean_ratio"] > 0, ratio
     # case (b): the gateway spread the sessions over both coordinators; the same tokens either way
-    one, two, scale = cases["scale_out/1"], cases["scale_out/2"], cases["scale_out/ratio"]
+    one, two, scale = cases["scale_out/1x4"], cases["scale_out/2x4"], cases["scale_out/ratio"]
     assert one["per_coordinator"] == [one["sessions"]] and sum(two["per_coordinator"]) == two["sessions"], two
     assert min(two["per_coordinator"]) >= 1, two
     assert one["tokens"] == two["tokens"] == one["sessions"] * one["tokens_per_session"], (one, two)

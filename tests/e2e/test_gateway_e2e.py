@@ -119,6 +119,20 @@ async def test_prefix_locality_and_kill_9_before_the_first_token(procs: list[Pro
         metrics = (await h.get(gurl + "/metrics")).text
         assert "moe_swarm_gateway_failovers_total 1.0" in metrics
 
+        # the last coordinator dies mid-stream: the stream ends with an error event, never silently
+        events: list[str] = []
+        async with h.stream("POST", gurl + "/v1/completions", json={**body(model, prompt, max_tokens=2000),
+                                                                    "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        coords[other].p.send_signal(signal.SIGKILL)
+        assert "[DONE]" not in events and len(events) < 2000
+        assert json.loads(events[-1])["error"]["code"] == "coordinator_failed"
+        assert "moe_swarm_gateway_stream_errors_total 1.0" in (await h.get(gurl + "/metrics")).text
+
 
 async def test_openai_client_and_bad_input_through_the_gateway(procs: list[Proc], tmp_path: Path) -> None:  # noqa: F811
     _, gurl, coords, model = await two_behind_a_gateway(procs, tmp_path)
@@ -167,3 +181,19 @@ async def test_openai_client_and_bad_input_through_the_gateway(procs: list[Proc]
             assert (via.status_code, via.json()["error"]["code"]) == (status_code, code) == \
                 (to.status_code, to.json()["error"]["code"]), (raw[:40], via.text, to.text)
         assert (await h.get(gurl + "/health")).json()["status"] == "ok"
+
+        # a client that goes away mid-stream: the coordinator's slot is freed (the cancellation passed through)
+        async with h.stream("POST", gurl + "/v1/completions", json={**body(model, [5, 6, 7], max_tokens=4000),
+                                                                    "stream": True}) as r:
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ")
+                if n == 3:
+                    break
+        chosen = r.headers["x-moe-swarm-coordinator"]
+
+        async def slot_freed() -> bool:
+            return not any(s["is_processing"] for s in (await h.get(chosen + "/slots")).json())
+
+        await eventually(slot_freed, within=10)
+        assert "moe_swarm_gateway_cancelled_total 1.0" in (await h.get(gurl + "/metrics")).text
