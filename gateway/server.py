@@ -6,7 +6,8 @@ Rules:
   the router: every ``poll_interval_s`` the markets' ``GET /api/coordinators`` (the union over markets;
   a market that does not answer keeps the last list) and every listed coordinator's ``GET /capacity``
   (``/slots`` when it answers 404: older coordinators) and ``GET /v1/prefixes`` (``kept_hashes``,
-  ``hash_salt``), each bounded by ``poll_timeout_s``. The router's clock is ``trio.current_time()``.
+  ``hash_salt``), each bounded by ``poll_timeout_s``; ``/capacity`` is asked again every ``REPROBE_POLLS``
+  polls of a coordinator that lacked it. The router's clock is ``trio.current_time()``.
 - A request is read as the coordinator reads it (``max_body``: 413 ``body_too_large``; malformed JSON 400
   ``invalid_json``; a body of the wrong shape 400 ``invalid_parameter``), forwarded byte for byte, and its
   answer passed through unchanged (status, body, SSE events), with ``x-moe-swarm-coordinator`` naming the
@@ -25,10 +26,11 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import httpx
 import msgspec
@@ -80,6 +82,7 @@ __all__ = ["GatewayConfig", "build_gateway_app", "serve_gateway"]
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 8 << 20  # the coordinator's (coordinator.api.app.DEFAULT_MAX_BODY)
 COORDINATOR_HEADER = "x-moe-swarm-coordinator"
+REPROBE_POLLS = 30  # a coordinator without /capacity is asked again after this many polls through /slots
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -145,7 +148,7 @@ class Gateway:
     client: httpx.AsyncClient
     cfg: GatewayConfig
     ids: itertools.count[int]
-    no_capacity: set[str]  # coordinators whose /capacity answered 404 (polled through /slots)
+    no_capacity: dict[str, int]  # coordinators whose /capacity answered 404 -> polls since (through /slots)
     kept: dict[str, int]  # coordinator -> advertised prefixes at the last poll
 
     def handle(self, ev: Event) -> list[Effect]:
@@ -198,11 +201,15 @@ async def poll_one(gw: Gateway, url: str) -> None:
 
 async def _load_of(gw: Gateway, url: str) -> Load:
     cap: Capacity | None = None
-    if url not in gw.no_capacity:
+    since = gw.no_capacity.get(url)
+    if since is not None:
+        gw.no_capacity[url] = since + 1
+    if since is None or since >= REPROBE_POLLS:  # an upgraded coordinator is found again
         r = await gw.client.get(url + "/capacity")
         if r.status_code == 404:
-            gw.no_capacity.add(url)
+            gw.no_capacity[url] = 0
         else:
+            gw.no_capacity.pop(url, None)
             r.raise_for_status()
             c = _capacity.decode(r.content)
             cap = Capacity(c.can_admit, "enforced" if c.admission == "enforced" else "advisory",
@@ -238,7 +245,7 @@ async def poll_coordinators(gw: Gateway) -> None:
 class _Upstream:
     resp: httpx.Response
     buffered: list[bytes]
-    rest: AsyncIterator[bytes] | None  # streamed: the events after the buffered ones
+    rest: AsyncGenerator[bytes, None] | None  # streamed: the events after the buffered ones
     done: bool  # the buffered events already hold the end ([DONE])
 
 
@@ -267,13 +274,14 @@ def _event_kind(event: bytes) -> str:
     return "other"
 
 
-async def _events(resp: httpx.Response, rest: bytes) -> AsyncIterator[bytes]:
+async def _events(resp: httpx.Response, rest: bytes) -> AsyncGenerator[bytes, None]:
     """The upstream's SSE events, whole, as they arrive; ``rest``: bytes read already."""
     buf = rest
-    async for chunk in resp.aiter_raw():
-        events, buf = _split_events(buf + chunk)
-        for e in events:
-            yield e
+    async with aclosing(cast(AsyncGenerator[bytes, None], resp.aiter_raw())) as raw:
+        async for chunk in raw:
+            events, buf = _split_events(buf + chunk)
+            for e in events:
+                yield e
     if buf.strip():
         yield buf
 
@@ -299,17 +307,24 @@ async def _offer(gw: Gateway, s: Send, path: str, raw: bytes, headers: dict[str,
                 await resp.aread()
                 return FirstToken(s.rid, s.attempt), _Upstream(resp, [resp.content], None, True)
             buffered: list[bytes] = []
-            it = _events(resp, b"")
-            async for ev in it:
-                kind = _event_kind(ev)
-                if kind == "error":
-                    await resp.aclose()
-                    return AttemptFailed(s.rid, s.attempt, ev.decode(errors="replace")[:300]), None
-                buffered.append(ev)
-                if kind in ("token", "done"):
-                    return FirstToken(s.rid, s.attempt), _Upstream(resp, buffered, it, kind == "done")
-            await resp.aclose()
-            return AttemptFailed(s.rid, s.attempt, "the stream ended before its first token"), None
+            it: AsyncGenerator[bytes, None] | None = _events(resp, b"")
+            try:
+                assert it is not None
+                async for ev in it:
+                    kind = _event_kind(ev)
+                    if kind == "error":
+                        break
+                    buffered.append(ev)
+                    if kind in ("token", "done"):
+                        up = _Upstream(resp, buffered, it, kind == "done")
+                        it = None  # handed over
+                        return FirstToken(s.rid, s.attempt), up
+                else:
+                    ev = b"the stream ended before its first token"
+            finally:
+                if it is not None:
+                    await _close(resp, it)
+            return AttemptFailed(s.rid, s.attempt, ev.decode(errors="replace")[:300]), None
         if scope.cancelled_caught:
             if resp is not None:
                 await resp.aclose()
@@ -325,9 +340,19 @@ async def _offer(gw: Gateway, s: Send, path: str, raw: bytes, headers: dict[str,
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def _close(resp: httpx.Response) -> None:
-    """Close an upstream response even while being cancelled (bounded: a stuck peer cannot hold us)."""
+async def _drain(events: AsyncGenerator[bytes, None]) -> None:
+    """Read what follows ``[DONE]`` (nothing: the coordinator closes the stream), so the readers end."""
+    with trio.move_on_after(1.0):
+        async for _ in events:
+            pass
+
+
+async def _close(resp: httpx.Response, events: AsyncGenerator[bytes, None] | None = None) -> None:
+    """Close an upstream response (and the generator reading it) even while being cancelled (bounded: a
+    stuck peer cannot hold us)."""
     with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+        if events is not None:
+            await events.aclose()
         await resp.aclose()
 
 
@@ -387,7 +412,7 @@ async def route_request(gw: Gateway, request: Request, path: str) -> Response:
             nursery.cancel_scope.cancel()
         if gone:
             if outcome is not None and outcome[1] is not None:
-                await outcome[1].resp.aclose()
+                await _close(outcome[1].resp, outcome[1].rest)
             gw.handle(ClientGone(rid))
             return Response(status_code=499)
         assert outcome is not None
@@ -396,7 +421,7 @@ async def route_request(gw: Gateway, request: Request, path: str) -> Response:
         if any(isinstance(e, Commit) for e in effects) and up is not None:
             return _respond(gw, rid, send, up)
         if up is not None:  # aborted (stale): close it
-            await up.resp.aclose()
+            await _close(up.resp, up.rest)
 
 
 def _respond(gw: Gateway, rid: int, send: Send, up: _Upstream) -> Response:
@@ -413,6 +438,8 @@ def _respond(gw: Gateway, rid: int, send: Send, up: _Upstream) -> Response:
                 yield e
             if up.done:
                 finished = True
+                if up.rest is not None:
+                    await _drain(up.rest)
                 return
             assert up.rest is not None
             try:
@@ -421,6 +448,7 @@ def _respond(gw: Gateway, rid: int, send: Send, up: _Upstream) -> Response:
                     yield e
                     if kind == "done":
                         finished = True
+                        await _drain(up.rest)
                         return
                     if kind == "error":  # the coordinator ended it with its own error event
                         finished = True
@@ -438,7 +466,7 @@ def _respond(gw: Gateway, rid: int, send: Send, up: _Upstream) -> Response:
                 gw.handle(ClientGone(rid))
             elif gw.router.reqs.get(rid) is not None:
                 gw.handle(Finished(rid, send.attempt))
-            await _close(up.resp)
+            await _close(up.resp, up.rest)
 
     return StreamingResponse(body(), status_code=up.resp.status_code, media_type=ctype,
                              headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -557,7 +585,7 @@ async def serve_gateway(cfg: GatewayConfig, *, task_status: trio.TaskStatus[str]
     policy = RouterPolicy(offer_timeout_s=cfg.offer_timeout_s, stale_after_s=cfg.stale_after_s, backoff_s=cfg.backoff_s)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=cfg.poll_timeout_s, limits=limits) as client:
-        gw = Gateway(Router(policy), texts, client, cfg, itertools.count(1), set(), {})
+        gw = Gateway(Router(policy), texts, client, cfg, itertools.count(1), {}, {})
         hc = HyperConfig()
         hc.bind = [f"{cfg.host}:{cfg.port}"]
         hc.accesslog = None

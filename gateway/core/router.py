@@ -20,8 +20,9 @@ Rules:
   requests there; priors from ``RouterPolicy`` until measured.
 - **Stale state**: a poll older than ``stale_after_s`` is not trusted: its ``/capacity`` answer is ignored
   (neither a refusal nor a headroom counts) and the score gets ``stale_penalty_s``; a coordinator never
-  polled scores as idle plus that penalty. ``down_after_fails`` failed polls in a row mark it down for
-  ``backoff_s`` (a partition); a good poll brings it back.
+  polled scores as idle plus that penalty. ``down_after_fails`` failed polls in a row mark it unreachable
+  (a partition) until a poll succeeds. A coordinator whose attempt failed or timed out is left out for
+  ``backoff_s`` whatever its polls say (one that answers polls but not requests must not flap).
 - **Offers and fencing**: every attempt is ``(rid, attempt)`` with ``attempt`` growing per request; an
   event for another attempt than the request's current one, or for a finished request, changes nothing,
   except that a late first token of an old attempt is aborted (it can never complete a newer one).
@@ -233,7 +234,8 @@ class _Coord:
     load: Load | None = None
     polled_at: float | None = None
     poll_fails: int = 0
-    down_until: float = float("-inf")
+    down_until: float = float("-inf")  # an attempt failed or timed out there: left out until then
+    unreachable: bool = False  # its last ``down_after_fails`` polls failed (a partition): left out until one answers
     refusing_until: float = float("-inf")
     inflight: int = 0
     prefill_s: float | None = None
@@ -291,7 +293,7 @@ class Router:
 
     def is_down(self, url: str, now: float) -> bool:
         c = self.coords.get(url)
-        return c is not None and c.down_until > now
+        return c is not None and (c.down_until > now or c.unreachable)
 
     def cached_tokens(self, url: str, tokens: Iterable[int] | None, n_prompt: int) -> int:
         """The longest advertised prefix of ``tokens`` at ``url`` (at most ``n_prompt - 1``)."""
@@ -321,15 +323,14 @@ class Router:
             case Polled(url, load):
                 c = self.coords.get(url)
                 if c is not None:
-                    c.load, c.polled_at, c.poll_fails = load, now, 0
-                    c.down_until = float("-inf")  # it answers again
+                    c.load, c.polled_at, c.poll_fails, c.unreachable = load, now, 0, False
                 return []
             case PollFailed(url, _):
                 c = self.coords.get(url)
                 if c is not None:
                     c.poll_fails += 1
                     if c.poll_fails >= self.policy.down_after_fails:
-                        c.down_until = max(c.down_until, now + self.policy.backoff_s)
+                        c.unreachable = True
                 return []
             case Arrive():
                 if ev.rid in self.reqs:
@@ -431,7 +432,7 @@ class Router:
         (down, refusing, or refusing by its fresh capacity under enforced admission)."""
         p = self.policy
         c = self.coords.get(url)
-        if c is None or c.down_until > now or c.refusing_until > now:
+        if c is None or c.down_until > now or c.unreachable or c.refusing_until > now:
             return None
         fresh = self._fresh(c, now)
         cap = c.load.capacity if c.load is not None and fresh else None
@@ -470,7 +471,7 @@ class Router:
                 c = self.coords.get(u)
                 if c is not None and c.refusing_until > now:
                     r.refusals.append(c.refusing_until - now)
-                elif c is not None and c.down_until <= now and c.load is not None and c.load.capacity is not None:
+                elif c is not None and not self.is_down(u, now) and c.load is not None and c.load.capacity is not None:
                     r.refusals.append(max(c.load.capacity.settle_remaining_s, 1.0))  # its own capacity refused
                 continue
             scored.append((s[0], u, s[1], s[2]))

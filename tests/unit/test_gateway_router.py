@@ -275,3 +275,14 @@ def test_measured_prefill_rate_steers_later_choices() -> None:
     r.handle(Finished(1, 1), 2.5)
     s2 = only_send(r.handle(Arrive(2, M, 200), 3.0))
     assert s2.url == B and dict(s2.scores)[A] == pytest.approx(200 * 0.01 + 0.05, rel=1e-3)
+
+
+def test_a_good_poll_does_not_clear_a_failed_attempts_backoff() -> None:
+    """A coordinator that answers polls but timed out on a request stays out for ``backoff_s``."""
+    r = router(backoff_s=5.0)
+    s = only_send(r.handle(Arrive(1, M, 8), 0.0))
+    only_send(r.handle(Timeout(1, 1), s.deadline))
+    r.handle(Polled(A, Load(slots=4, active=0)), s.deadline + 1.0)
+    assert r.is_down(A, s.deadline + 1.0)
+    assert only_send(r.handle(Arrive(2, M, 8), s.deadline + 1.0)).url == B
+    assert not r.is_down(A, s.deadline + 5.0)
