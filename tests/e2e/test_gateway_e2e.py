@@ -183,14 +183,17 @@ async def test_openai_client_and_bad_input_through_the_gateway(procs: list[Proc]
         assert (await h.get(gurl + "/health")).json()["status"] == "ok"
 
         # a client that goes away mid-stream: the coordinator's slot is freed (the cancellation passed through)
-        async with h.stream("POST", gurl + "/v1/completions", json={**body(model, [5, 6, 7], max_tokens=4000),
-                                                                    "stream": True}) as r:
-            n = 0
-            async for line in r.aiter_lines():
-                n += line.startswith("data: ")
-                if n == 3:
-                    break
-        chosen = r.headers["x-moe-swarm-coordinator"]
+        def leave_after_3_events() -> str:  # a sync client: leaving mid-stream leaves no async generator behind
+            with httpx.Client(timeout=30) as sc, sc.stream("POST", gurl + "/v1/completions", json={
+                    **body(model, [5, 6, 7], max_tokens=4000), "stream": True}) as r:
+                n = 0
+                for line in r.iter_lines():
+                    n += line.startswith("data: ")
+                    if n == 3:
+                        break
+                return r.headers["x-moe-swarm-coordinator"]
+
+        chosen = await trio.to_thread.run_sync(leave_after_3_events)
 
         async def slot_freed() -> bool:
             return not any(s["is_processing"] for s in (await h.get(chosen + "/slots")).json())
