@@ -63,6 +63,7 @@ from gateway.core.router import (
     Load,
     Polled,
     PollFailed,
+    Rearm,
     Refused,
     Router,
     RouterPolicy,
@@ -288,47 +289,43 @@ async def _events(resp: httpx.Response, rest: bytes) -> AsyncGenerator[bytes, No
 
 async def _offer(gw: Gateway, s: Send, path: str, raw: bytes, headers: dict[str, str], stream: bool
                  ) -> tuple[Event, _Upstream | None]:
-    """One attempt until its first token: the event for the router and, for a first token, the open upstream."""
+    """One attempt until its first token: the event for the router and, for a first token, the open upstream.
+    Its deadline is kept by the caller's watchdog (cancelled: the upstream is closed)."""
     req = gw.client.build_request("POST", s.url + path, content=raw, headers=headers,
                                   timeout=httpx.Timeout(None, connect=gw.cfg.offer_timeout_s))
     resp: httpx.Response | None = None
     try:
-        with trio.move_on_at(s.deadline) as scope:
-            resp = await gw.client.send(req, stream=True)
-            if resp.status_code in (429, 503):
-                retry = resp.headers.get("retry-after", "1")
-                await resp.aclose()
-                return Refused(s.rid, s.attempt, resp.status_code, float(retry) if _number(retry) else 1.0), None
-            if resp.status_code >= 500:
-                body = await resp.aread()
-                await resp.aclose()
-                return AttemptFailed(s.rid, s.attempt, f"{resp.status_code}: {body[:200]!r}"), None
-            if resp.status_code != 200 or not stream:
-                await resp.aread()
-                return FirstToken(s.rid, s.attempt), _Upstream(resp, [resp.content], None, True)
-            buffered: list[bytes] = []
-            it: AsyncGenerator[bytes, None] | None = _events(resp, b"")
-            try:
-                assert it is not None
-                async for ev in it:
-                    kind = _event_kind(ev)
-                    if kind == "error":
-                        break
-                    buffered.append(ev)
-                    if kind in ("token", "done"):
-                        up = _Upstream(resp, buffered, it, kind == "done")
-                        it = None  # handed over
-                        return FirstToken(s.rid, s.attempt), up
-                else:
-                    ev = b"the stream ended before its first token"
-            finally:
-                if it is not None:
-                    await _close(resp, it)
-            return AttemptFailed(s.rid, s.attempt, ev.decode(errors="replace")[:300]), None
-        if scope.cancelled_caught:
-            if resp is not None:
-                await resp.aclose()
-            return Timeout(s.rid, s.attempt), None
+        resp = await gw.client.send(req, stream=True)
+        if resp.status_code in (429, 503):
+            retry = resp.headers.get("retry-after", "1")
+            await resp.aclose()
+            return Refused(s.rid, s.attempt, resp.status_code, float(retry) if _number(retry) else 1.0), None
+        if resp.status_code >= 500:
+            body = await resp.aread()
+            await resp.aclose()
+            return AttemptFailed(s.rid, s.attempt, f"{resp.status_code}: {body[:200]!r}"), None
+        if resp.status_code != 200 or not stream:
+            await resp.aread()
+            return FirstToken(s.rid, s.attempt), _Upstream(resp, [resp.content], None, True)
+        buffered: list[bytes] = []
+        it: AsyncGenerator[bytes, None] | None = _events(resp, b"")
+        try:
+            assert it is not None
+            async for ev in it:
+                kind = _event_kind(ev)
+                if kind == "error":
+                    break
+                buffered.append(ev)
+                if kind in ("token", "done"):
+                    up = _Upstream(resp, buffered, it, kind == "done")
+                    it = None  # handed over
+                    return FirstToken(s.rid, s.attempt), up
+            else:
+                ev = b"the stream ended before its first token"
+        finally:
+            if it is not None:
+                await _close(resp, it)
+        return AttemptFailed(s.rid, s.attempt, ev.decode(errors="replace")[:300]), None
     except httpx.HTTPError as exc:
         if resp is not None:
             await _close(resp)
@@ -399,6 +396,8 @@ async def route_request(gw: Gateway, request: Request, path: str) -> Response:
         if send is None:  # pragma: no cover - the router always sends or answers
             return error_response(500, "router_error", "the router neither sent nor answered")
         outcome: tuple[Event, _Upstream | None] | None = None
+        timed_out: list[Effect] | None = None
+        offer_scope = trio.CancelScope()
         async with trio.open_nursery() as nursery:
             async def watch() -> None:
                 nonlocal gone
@@ -407,9 +406,30 @@ async def route_request(gw: Gateway, request: Request, path: str) -> Response:
                 gone = True
                 nursery.cancel_scope.cancel()
 
+            async def watchdog(s: Send, offer_scope: trio.CancelScope) -> None:
+                """The attempt's deadline: the router decides (give up on it, or Rearm: wait longer)."""
+                nonlocal timed_out
+                deadline = s.deadline
+                while True:
+                    await trio.sleep_until(deadline)
+                    effs = gw.handle(Timeout(s.rid, s.attempt))
+                    rearm = next((e for e in effs if isinstance(e, Rearm)), None)
+                    if rearm is None:
+                        timed_out = effs
+                        offer_scope.cancel()
+                        return
+                    deadline = rearm.deadline
+
             nursery.start_soon(watch)
-            outcome = await _offer(gw, send, path, raw, fwd, peek.stream)
+            nursery.start_soon(watchdog, send, offer_scope)
+            with offer_scope:
+                outcome = await _offer(gw, send, path, raw, fwd, peek.stream)
             nursery.cancel_scope.cancel()
+        if timed_out is not None and not gone:
+            if outcome is not None and outcome[1] is not None:  # it answered as its deadline passed: too late
+                await _close(outcome[1].resp, outcome[1].rest)
+            effects = timed_out
+            continue
         if gone:
             if outcome is not None and outcome[1] is not None:
                 await _close(outcome[1].resp, outcome[1].rest)

@@ -28,7 +28,8 @@ Rules:
   except that a late first token of an old attempt is aborted (it can never complete a newer one).
   ``Send`` carries the attempt's deadline (``offer_timeout_s + ttft_slack * predicted``; a non-streamed
   request also waits for its tokens: ``+ ttft_slack * max_tokens * decode_s_per_token``); the shell reports
-  ``Timeout`` at it.
+  ``Timeout`` at it. A timeout when no other candidate could take the request keeps the attempt (``Rearm``
+  with a deadline ``offer_timeout_s`` later): a busy but working coordinator is better than a 503.
 - **Before the first token** (nothing sent to the client yet) a failure, timeout or refusal moves the
   request to the next candidate, transparently (``Send`` with the next attempt); a failed or timed-out
   coordinator is down for ``backoff_s``. The first token ``Commit``s the attempt: from then on the shell
@@ -51,7 +52,8 @@ from swarm.core.prefix_hash import prefix_hashes
 
 __all__ = [
     "Abort", "Answer", "Arrive", "AttemptFailed", "Capacity", "ClientGone", "Commit", "Effect", "EndStream", "Event",
-    "Finished", "FirstToken", "Listed", "Load", "PollFailed", "Polled", "Refused", "Router", "RouterPolicy", "Send",
+    "Finished", "FirstToken", "Listed", "Load", "PollFailed", "Polled", "Rearm", "Refused", "Router", "RouterPolicy",
+    "Send",
     "Timeout",
 ]
 
@@ -194,6 +196,15 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Rearm:
+    """The attempt timed out but no other coordinator could take it: keep waiting until ``deadline``."""
+
+    rid: int
+    attempt: int
+    deadline: float
+
+
+@dataclass(frozen=True)
 class Commit:
     rid: int
     attempt: int
@@ -220,7 +231,7 @@ class EndStream:
     message: str
 
 
-Effect = Send | Abort | Commit | Answer | EndStream
+Effect = Send | Abort | Rearm | Commit | Answer | EndStream
 
 
 class Phase(Enum):
@@ -261,6 +272,7 @@ class Counters:
     failovers: int = 0
     refused: int = 0
     timeouts: int = 0
+    rearmed: int = 0
     stream_errors: int = 0
     no_coordinator: int = 0
     cancelled: int = 0
@@ -372,6 +384,10 @@ class Router:
             case Timeout():
                 if r.phase is Phase.COMMITTED:
                     return []  # the deadline is for the first token only
+                if not any(u not in r.tried and self.score(u, r.arrive, now) is not None
+                           for u in self.hosts.get(r.arrive.model, ())):
+                    self.counters.rearmed += 1  # nobody else to ask: waiting beats a 503
+                    return [Rearm(r.arrive.rid, r.attempt, now + self.policy.offer_timeout_s)]
                 self.counters.timeouts += 1
                 return self._fail(r, now, "timeout", f"no first token from {r.url} by its deadline", abort=True)
             case Refused(_, _, status, retry_after_s):

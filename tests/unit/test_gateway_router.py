@@ -23,6 +23,7 @@ from gateway.core.router import (
     Load,
     Polled,
     PollFailed,
+    Rearm,
     Refused,
     Router,
     RouterPolicy,
@@ -286,3 +287,13 @@ def test_a_good_poll_does_not_clear_a_failed_attempts_backoff() -> None:
     assert r.is_down(A, s.deadline + 1.0)
     assert only_send(r.handle(Arrive(2, M, 8), s.deadline + 1.0)).url == B
     assert not r.is_down(A, s.deadline + 5.0)
+
+
+def test_a_timeout_with_no_one_else_to_ask_keeps_waiting() -> None:
+    """The only coordinator is slow, not dead: its attempt is kept (Rearm), never aborted into a 503."""
+    r = router(offer_timeout_s=2.0)
+    r.handle(Listed(M, (A,)), 0.0)
+    s = only_send(r.handle(Arrive(1, M, 8), 0.0))
+    assert r.handle(Timeout(1, 1), s.deadline) == [Rearm(1, 1, s.deadline + 2.0)]
+    assert not r.is_down(A, s.deadline) and r.inflight(A) == 1 and r.counters.rearmed == 1
+    assert r.handle(FirstToken(1, 1), s.deadline + 1.0) == [Commit(1, 1)]
