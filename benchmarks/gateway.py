@@ -24,7 +24,9 @@ prompts, 64 tokens each) sent to the gateway: ``1x4`` one coordinator with ``--s
 ``2x4`` two of them, ``1x8`` one with ``--slots 8`` (all 8 batched: the strongest single coordinator); every
 coordinator runs ``--threads 1`` pinned to a core of its own (``taskset -c 0`` / ``-c 1``; the market, gateway and client are not pinned). ``tokens_per_s`` is
 all sessions' tokens over the wall time from the first request to the last token; ``per_coordinator``
-counts the sessions each coordinator answered (``x-moe-swarm-coordinator``); ``load_avg_1m_before`` /
+counts the sessions each coordinator answered (``x-moe-swarm-coordinator``); ``coordinator_cpu_s`` the CPU
+time the coordinators used meanwhile, ``core_share`` that over ``wall_s`` x coordinators (how much of its
+pinned core each one got: below 1 on a shared machine), ``tokens_per_cpu_s`` tokens over that CPU time; ``load_avg_1m_before`` /
 ``_after`` are ``/proc/loadavg``'s (the machine may be shared). The ``scale_out/ratio`` case: 2x4 / 1x4
 (target >= 1.7x), 2x4 / 1x8, and whether every session's tokens were identical in every run. ``--smoke``:
 the tiny model, 4 sessions of 8 tokens, no 1x8 run.
@@ -204,6 +206,12 @@ class _Proc:
         self.fh.close()
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _load_avg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -257,6 +265,8 @@ def _scale_out_run(model_path: Path, n_coords: int, n_slots: int, prompts: list[
             httpx.post(u + "/v1/completions", json={"model": model, "prompt": prompts[0], "max_tokens": 2},
                        timeout=600).raise_for_status()
         load_before = _load_avg()
+        coord_procs = procs[1:1 + n_coords]
+        cpu0 = [_cpu_s(c.p.pid) for c in coord_procs]
         results: list[dict[str, Any]] = [{} for _ in prompts]
         threads = [threading.Thread(target=_stream, args=(gurl, model, p, n_tokens, results[i]))
                    for i, p in enumerate(prompts)]
@@ -268,12 +278,15 @@ def _scale_out_run(model_path: Path, n_coords: int, n_slots: int, prompts: list[
         if any("end" not in r for r in results):
             raise RuntimeError("a session did not finish (see the logs in " + str(work) + ")")
         wall = max(r["end"] for r in results) - t0
+        cpu = sum(_cpu_s(c.p.pid) - c0 for c, c0 in zip(coord_procs, cpu0, strict=True))
         tokens = sum(len(r["ids"]) for r in results)
         per = {u: sum(r["coordinator"] == u for r in results) for u in urls}
         case = {"case": f"scale_out/{tag}", "coordinators": n_coords, "slots_each": n_slots,
                 "threads_each": 1, "sessions": len(prompts), "tokens_per_session": n_tokens, "tokens": tokens,
                 "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
                 "per_coordinator": sorted(per.values(), reverse=True),
+                "coordinator_cpu_s": round(cpu, 2), "tokens_per_cpu_s": round(tokens / cpu, 2) if cpu else 0.0,
+                "core_share": round(cpu / (wall * n_coords), 3),
                 "load_avg_1m_before": load_before, "load_avg_1m_after": _load_avg()}
         return case, [r["ids"] for r in results]
     finally:
@@ -303,11 +316,12 @@ def case_scale_out(model_path: Path, smoke: bool) -> list[dict[str, Any]]:
 
 def print_scale_out(cases: list[dict[str, Any]]) -> None:
     print(f"{'case':<18}{'coords':>7}{'slots':>6}{'sessions':>9}{'tokens':>8}{'wall s':>9}{'tok/s':>9}"
-          f"{'per coord':>11}{'load 1m':>13}")
+          f"{'per coord':>11}{'core share':>11}{'tok/cpu-s':>10}{'load 1m':>13}")
     for c in cases:
         if "coordinators" in c:
             print(f"{c['case']:<18}{c['coordinators']:>7}{c['slots_each']:>6}{c['sessions']:>9}{c['tokens']:>8}"
                   f"{c['wall_s']:>9.2f}{c['tokens_per_s']:>9.2f}{'/'.join(map(str, c['per_coordinator'])):>11}"
+                  f"{c['core_share']:>11.2f}{c['tokens_per_cpu_s']:>10.2f}"
                   f"{c['load_avg_1m_before']:>6.2f}->{c['load_avg_1m_after']:<5.2f}")
         else:
             vs8 = f", two / one with 8 slots {c['tokens_per_s_ratio_vs_1x8']}x" if "tokens_per_s_ratio_vs_1x8" in c else ""
