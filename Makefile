@@ -55,7 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/offload.py --json benchmarks/results/offload.json
 
 lint: $(STAMP)
-	$(BIN)/ruff check swarm coordinator volunteer relay market sim tests benchmarks
+	$(BIN)/ruff check swarm coordinator volunteer relay market gateway sim tests benchmarks
 	$(BIN)/mypy
 
 clean:

@@ -55,6 +55,8 @@ Endpoints (bodies are JSON of the Structs in ``swarm.protocol.market``):
   holder's remaining heartbeat TTL). A volunteer asked for slice bytes over ``/moe-swarm/slice/1``
   checks the asker's lease here. No token: lease ids are unguessable, and the answer names only a peer id
   and a slice (``/api/moe/recruitment`` shows both), never an address.
+- ``GET /api/coordinators[?model=ID]`` -> ``CoordinatorDirectory`` (``market.directory``): each model's
+  coordinators, for gateways.
 - ``GET /api/moe/recruitment`` -> ``RecruitmentView``; ``GET /api/volunteers/{peer_id}`` ->
   ``VolunteerCredit`` (404 ``unknown_volunteer``); ``GET /api/volunteers?limit=N`` -> ``CreditBoard``
   (by recent average credit); ``GET /metrics`` (Prometheus);
@@ -121,6 +123,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from market.core.assign import NoOfferReason
+from market.directory import directory_view
 from market.loops import Clock, MapWatch, MarketGate
 from market.state import Market, NoOffer, Offer
 from market.views import remote_and_holes
@@ -596,6 +599,10 @@ def build_market_app(api: MarketApi) -> Starlette:
         return _json(dm, headers={"etag": etag, "cache-control": "no-cache"})
 
     @_guarded
+    async def coordinators(request: Request) -> Response:  # gateways' view (market/directory.py)
+        return _json(directory_view(m.ix, api.clock(), request.query_params.get("model")))
+
+    @_guarded
     async def recruitment(_: Request) -> Response:
         return _json(m.recruitment(api.clock()))
 
@@ -646,6 +653,7 @@ def build_market_app(api: MarketApi) -> Starlette:
             Route("/api/expert-demand", demand, methods=["GET"]),
             Route("/api/expert-dispatch-map", dispatch_map, methods=["GET"]),
             Route("/api/moe/recruitment", recruitment, methods=["GET"]),
+            Route("/api/coordinators", coordinators, methods=["GET"]),
             Route("/api/volunteers", credit_board, methods=["GET"]),
             Route("/api/events", events, methods=["GET"]),
             Route("/api/history", history, methods=["GET"]),

@@ -47,6 +47,7 @@ BUILTIN_ROLES: Final[dict[str, str]] = {
     "volunteer": "volunteer.cli:add_parser",
     "relay": "relay.cli:add_parser",
     "simulate": "sim.cli:add_parser",
+    "gateway": "gateway.cli:add_parser",
 }
 
 

@@ -42,22 +42,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from swarm.core.prefix_hash import HASH_BYTES, prefix_hashes
+
 __all__ = ["TIERS", "Drop", "Hit", "Keep", "PrefixEffect", "PrefixIndex", "PrefixStats", "Spill", "Tier", "TierStats",
            "Unlink", "prefix_hashes"]
-
-HASH_BYTES = 16
-
-
-def prefix_hashes(tokens: Sequence[int], salt: bytes, *, limit: int | None = None) -> list[bytes]:
-    """``h[0..n]`` of ``tokens`` (``n = min(len(tokens), limit)``): ``h[i]`` names ``tokens[0:i]``."""
-    n = len(tokens) if limit is None else min(limit, len(tokens))
-    h = hashlib.blake2b(salt, digest_size=HASH_BYTES).digest()
-    out = [h]
-    for t in tokens[:n]:
-        h = hashlib.blake2b(h + int(t).to_bytes(4, "little"), digest_size=HASH_BYTES).digest()
-        out.append(h)
-    return out
-
 
 @dataclass(frozen=True)
 class Keep:

@@ -180,6 +180,13 @@ def check_gateway(result: dict[str, Any]) -> None:
     assert ramp["timeline"] and all(0 <= k <= n for _, k, _ in ramp["timeline"]), ramp
     assert any(m is not None and m > 0 for _, _, m in ramp["timeline"]), ramp  # the coordinator measured its sessions
 
+    # case (b): the gateway spread the sessions over both coordinators; the same tokens either way
+    one, two, scale = cases["scale_out/1x4"], cases["scale_out/2x4"], cases["scale_out/ratio"]
+    assert one["per_coordinator"] == [one["sessions"]] and sum(two["per_coordinator"]) == two["sessions"], two
+    assert min(two["per_coordinator"]) >= 1, two
+    assert one["tokens"] == two["tokens"] == one["sessions"] * one["tokens_per_session"], (one, two)
+    assert scale["tokens_identical"] is True and scale["tokens_per_s_ratio"] > 0, scale
+
 
 def check_sim_validate(result: dict[str, Any]) -> None:
     check_design_shape(result, "sim_validate")

@@ -150,8 +150,8 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
          "moe-swarm: error: unknown option --log-levl; did you mean --log-level? (see 'moe-swarm --help')"),
         (["cordinator", "--model", "m.gguf"],
          "moe-swarm: error: unknown command 'cordinator'; did you mean coordinator? (commands: make-model, market, "
-         "coordinator, volunteer, relay, simulate) (see 'moe-swarm --help')"),
-        ([], "moe-swarm: error: choose a command: make-model, market, coordinator, volunteer, relay, simulate (see 'moe-swarm --help')"),
+         "coordinator, volunteer, relay, simulate, gateway) (see 'moe-swarm --help')"),
+        ([], "moe-swarm: error: choose a command: make-model, market, coordinator, volunteer, relay, simulate, gateway (see 'moe-swarm --help')"),
         (["volunteer", "--market", "http://m:8090", "--max-memory", "5"],
          "moe-swarm volunteer: error: argument --max-memory: '5' has no unit: write 5G, 5M or 5B (bytes) "
          "(see 'moe-swarm volunteer --help')"),

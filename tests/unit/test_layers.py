@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLES = ("coordinator", "market", "volunteer", "relay")
+ROLES = ("coordinator", "market", "volunteer", "relay", "gateway")
 # ``sim`` (the simulator) is application layer like ``swarm/cli.py``: it drives the roles' cores, no role imports it
 PACKAGES = ("swarm", *ROLES, "sim")
 # foreign modules a core may use: the standard library's pure parts and msgspec (typed data)

@@ -1,0 +1,1 @@
+"""moe-swarm gateway: one OpenAI endpoint for every coordinator a market lists."""

@@ -1,0 +1,1 @@
+"""The gateway's pure cores (no clock, I/O or trio)."""
