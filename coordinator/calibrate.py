@@ -4,10 +4,11 @@ Rules:
 - ``--model GGUF --threads N --batches B... --steps S [--runtime]``: the engine on the model at ``N`` ggml
   threads (``configure_threads``, as ``--threads`` does), decode steps at each batch size with a timed expert
   backend (every expert outside the dense graphs, ``benchmarks/offload.py``'s ``bound`` method): the median
-  dense+head and expert seconds of a step; with ``--runtime`` also the seconds per decode token of one
-  session through the real ``EngineRuntime`` (scheduler, sampling, the event stream; no HTTP).
+  dense+head and expert seconds of a step; with ``--runtime`` also the seconds per decode step of 1
+  and of 4 sessions through the real ``EngineRuntime`` (the whole-step graph, scheduler, sampling, the event
+  stream; no HTTP).
 - The last line of stdout is one JSON object: ``{n_layer, n_moe_layer, top_k, d_model, steps: {batch:
-  [dense_s, experts_s]}, runtime_step_s}``. ``sim.costs.calibrate`` runs it and fits the costs.
+  [dense_s, experts_s]}, runtime_steps: {sessions: step_s} | null}``. ``sim.costs.calibrate`` runs it and fits the costs.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tup
     return out, tr.cfg
 
 
-def _runtime_step(path: Path, threads: int, n_decode: int = 24) -> float:
-    """Seconds per decode token of one session through the real ``EngineRuntime`` (scheduler, sampling,
-    the event stream; no HTTP), after a warm-up request."""
+def _runtime_steps(path: Path, threads: int, sessions: list[int], n_decode: int = 24) -> dict[int, float]:
+    """Seconds per decode step with ``n`` sessions decoding together through the real ``EngineRuntime``
+    (its whole-step graph where every layer is here, scheduler, sampling, the event stream; no HTTP): the
+    last session's decode time after every first token over its steps, the median of 3 rounds."""
     import trio
 
     from coordinator.core.scheduler import Emit, Finish, GenParams
@@ -76,30 +78,39 @@ def _runtime_step(path: Path, threads: int, n_decode: int = 24) -> float:
 
     configure_threads(threads, KernelBackend.GGML)
     model = GGUFModel(path)
-    rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=1, n_ctx=128)
-    per_token: list[float] = []
+    rt = EngineRuntime(model, Tokenizer.from_gguf_fields(model.fields), n_slots=max(sessions), n_ctx=128)
+    out: dict[int, list[float]] = {n: [] for n in sessions}
 
-    async def one(prompt: list[int]) -> float:
+    async def one(prompt: list[int], firsts: list[float], ends: list[float]) -> None:
         h = rt.submit(prompt, GenParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True))
-        first: float | None = None
+        first = True
         async for ev in h.events:
-            if isinstance(ev, Emit) and ev.token_ids and first is None:
-                first = time.perf_counter()
+            if isinstance(ev, Emit) and ev.token_ids and first:
+                firsts.append(time.perf_counter())
+                first = False
             if isinstance(ev, Finish):
                 break
-        assert first is not None
-        return (time.perf_counter() - first) / (n_decode - 1)
+        ends.append(time.perf_counter())
+
+    async def round_(n: int, salt: int) -> float:
+        firsts: list[float] = []
+        ends: list[float] = []
+        async with trio.open_nursery() as nn:
+            for i in range(n):
+                nn.start_soon(one, [9 + i + salt, 10, 11, 12], firsts, ends)
+        return (max(ends) - max(firsts)) / (n_decode - 1)
 
     async def main() -> None:
-        async with trio.open_nursery() as n:
-            await n.start(rt.serve)
-            await one([5, 6, 7, 8])
-            for i in range(3):
-                per_token.append(await one([9 + i, 10, 11, 12]))
-            n.cancel_scope.cancel()
+        async with trio.open_nursery() as nurse:
+            await nurse.start(rt.serve)
+            await round_(max(sessions), 0)  # warm-up: graphs built, pages read
+            for n in sessions:
+                for r in range(3):
+                    out[n].append(await round_(n, 10 * r + 1))
+            nurse.cancel_scope.cancel()
 
     trio.run(main)
-    return statistics.median(per_token)
+    return {n: statistics.median(v) for n, v in out.items()}
 
 
 def main() -> None:
@@ -111,10 +122,10 @@ def main() -> None:
     ap.add_argument("--runtime", action="store_true")
     a = ap.parse_args()
     parts, cfg = _step_parts(a.model, a.threads, a.batches, a.steps)
-    runtime = _runtime_step(a.model, a.threads) if a.runtime else None
+    runtime = _runtime_steps(a.model, a.threads, [1, 4]) if a.runtime else None
     print(json.dumps({"n_layer": int(cfg.n_layer), "n_moe_layer": int(cfg.n_moe_layer), "top_k": int(cfg.n_expert_used),
                       "d_model": int(cfg.d_model), "steps": {str(b): list(v) for b, v in parts.items()},
-                      "runtime_step_s": runtime}))
+                      "runtime_steps": {str(n): v for n, v in runtime.items()} if runtime else None}))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Rules:
   processor sharing stretches them when work overlaps on one machine's cores.
 - ``dense(rows)`` is one MoE layer's dense work for a batch of ``rows`` decode rows (attention, norms,
   router; on the coordinator's ``threads``); ``head(rows)`` the output head once a step (``step_s`` the
-  runtime's own work per step: scheduling, sampling, streaming); ``experts(pairs)``
+  serving path's own work per token: sampling, streaming, HTTP); ``experts(pairs)``
   one local expert call of ``pairs`` routed (row, expert) pairs on the coordinator; ``worker(pairs)`` the
   same on one volunteer thread at speed 1. ``coord_call_s`` is the coordinator's CPU per remote call (encode,
   send, receive, decode), ``worker_proto_s`` the volunteer's; ``wire_s`` the transport's round trip on
@@ -14,8 +14,9 @@ Rules:
   ``row_bytes`` the activations of one row, each way.
 - ``calibrate`` measures the compute costs here with the real engine and ggml kernels (one process,
   the model's own graphs, a timed expert backend: ``benchmarks/offload.py``'s ``bound`` method) at
-  ``threads`` for the coordinator and 1 for a volunteer, and ``step_s`` from a 1-session decode through
-  the real ``EngineRuntime`` (its step less the engine's); the per-call costs are taken from a measured
+  ``threads`` for the coordinator and 1 for a volunteer, and ``local_layer`` (a layer the engine computes
+  whole: since the one-graph-per-step engine, dense and experts in one graph, cheaper than their parts)
+  from 1- and 4-session decodes through the real ``EngineRuntime``; the per-call costs are taken from a measured
   ``benchmarks/expert_rtt.py`` JSON when one is given, else from this machine's last measured values
   (DESIGN §11 benchmark notes: protocol 0.97-1.13 ms per call at batch 1, 0.1-0.3 ms per wake-up).
 """
@@ -41,7 +42,11 @@ class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     dense_layer_s: NonNeg  # one layer's dense work, fixed part
     dense_row_s: NonNeg  # ... and per decode row
     head_s: NonNeg = 0.0
-    step_s: NonNeg = 0.0  # the runtime's own work per step on the engine's path (scheduling, sampling, streaming)
+    step_s: NonNeg = 0.0  # the serving path's own work per token on the engine's path (sampling, streaming, HTTP)
+    # a layer the engine computes whole, in its one graph per step (dense and experts fused, the runtime's
+    # work included): local_layer_s + local_layer_row_s x rows; 0 and 0: dense(rows) + experts(pairs)
+    local_layer_s: NonNeg = 0.0
+    local_layer_row_s: NonNeg = 0.0
     head_row_s: NonNeg = 0.0
     expert_call_s: NonNeg = 0.0  # one local expert call, fixed part (coordinator threads)
     expert_pair_s: NonNeg  # per routed (row, expert) pair (coordinator threads)
@@ -62,6 +67,12 @@ class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     def head(self, rows: int) -> float:
         return self.head_s + self.head_row_s * rows
+
+    def fused_experts(self, rows: int, pairs: int) -> float:
+        """The experts' part of a whole local layer (its dense part already ran: ``dense(rows)``)."""
+        if self.local_layer_s == 0.0 and self.local_layer_row_s == 0.0:
+            return self.experts(pairs)
+        return max(0.0, self.local_layer_s + self.local_layer_row_s * rows - self.dense(rows))
 
     def experts(self, pairs: int) -> float:
         return self.expert_call_s + self.expert_pair_s * pairs
@@ -127,7 +138,7 @@ def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 
     m_vol = _measure(path, 1, list(batches), steps, runtime=False)
     coord = {int(b): tuple(v) for b, v in m_coord["steps"].items()}
     vol = {int(b): tuple(v) for b, v in m_vol["steps"].items()}
-    runtime = float(m_coord["runtime_step_s"])
+    runtime = {int(n): float(v) for n, v in m_coord["runtime_steps"].items()}
     n_layer, n_moe, top_k = int(m_coord["n_layer"]), int(m_coord["n_moe_layer"]), int(m_coord["top_k"])
     xs = list(batches)
     # the dense part of a step: n_layer dense layers + the head; the head is not separable here, so it is
@@ -142,10 +153,10 @@ def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 
         if null:
             coord_call = float(null[0]["median_ms"]) / 1000 / 2  # the protocol's round trip, half at each end
             wake = 0.0
-    # the runtime's own work per step: its measured 1-session decode step less the engine's (dense + head +
-    # a whole local layer of top_k pairs per MoE layer, as the fits give it)
-    step_s = max(0.0, runtime - (n_layer * (da + db) + n_moe * (ea + eb * top_k)))
-    return Costs(step_s=step_s, dense_layer_s=da, dense_row_s=db, expert_call_s=ea, expert_pair_s=eb, worker_call_s=wa,
+    # a whole local layer (the engine's one graph per step, the runtime's work included): its measured steps
+    # at 1 and 4 sessions over the layers
+    la, lb = _fit(sorted(runtime), [runtime[n] / n_layer for n in sorted(runtime)])
+    return Costs(local_layer_s=la, local_layer_row_s=lb, dense_layer_s=da, dense_row_s=db, expert_call_s=ea, expert_pair_s=eb, worker_call_s=wa,
                  worker_pair_s=wb, coord_call_s=coord_call, worker_proto_s=coord_call, wake_s=wake,
                  row_bytes=4 * int(m_coord["d_model"]), threads=threads,
                  source=f"calibrated on {platform.node()} {time.strftime('%Y-%m-%d')} from {path.name}")

@@ -19,8 +19,10 @@ Rules:
   what else runs there (``cores = "shared"``: the volunteers run on the coordinator's machine, as
   ``benchmarks/offload.py`` does; ``"own"``: each volunteer has a machine of one core).
 - The coordinator runs one local expert call at a time (its local runner) and each volunteer one call
-  at a time; a remote call costs the coordinator ``coord_call_s`` of CPU (one thread) before it leaves
-  and a wake-up when it returns, and the volunteer a wake-up, ``worker_proto_s`` and the compute.
+  at a time; a remote call costs the coordinator ``coord_call_s`` and half the loopback ``wire_s`` of CPU
+  (one thread) before it leaves and a wake-up when it returns, and the volunteer a wake-up,
+  ``worker_proto_s``, the other half of ``wire_s`` and the compute (the network stacks' work is CPU: on
+  shared cores it slows with everything else); the round trip and the bytes over the bandwidth are delay.
 - A cancelled call's answer is not delivered (the shell drops it); a call a volunteer has not started
   is removed from its queue.
 - Range ``r`` of layer ``l`` is held by ``replicas`` volunteers in turn from ``(l x ranges + r) mod volunteers``
@@ -350,7 +352,7 @@ class ServingSim:
 
     def _layer(self, grp: _Group, layer: int) -> None:
         if layer == self.p.n_layer:
-            self.engine.submit(None, lambda: self.p.costs.head(grp.rows) + self.p.costs.step_s / grp.step.n_groups,
+            self.engine.submit(None, lambda: self.p.costs.head(grp.rows) + self.p.costs.step_s * grp.rows,
                                lambda _s: self._done(grp))
             return
 
@@ -394,7 +396,7 @@ class ServingSim:
                 self._handle(LayerRanLocally(layer, ranges, reason, seconds))
                 self._layer(grp, layer + 1)
 
-            self.engine.submit(None, lambda: self.p.costs.experts(n_pairs), ran)
+            self.engine.submit(None, lambda: self.p.costs.fused_experts(grp.rows, n_pairs), ran)
             return
         self.step_ids += 1
         sid = StepId(self.step_ids)
@@ -483,13 +485,13 @@ class ServingSim:
         self.calls_to[peer] += 1
         if peer in self.liars and self.calls_to[peer] > p.lie_after_calls:
             self.lies.add(call)
-        one_way = self.rtt[peer] / 2 + c.wire_s / 2 + r.rows * c.row_bytes / p.bandwidth
+        one_way = self.rtt[peer] / 2 + r.rows * c.row_bytes / p.bandwidth  # the wire's loopback part is CPU: below
 
         def arrive() -> None:
             if call in self.cancelled:
                 return
             t0 = self.clock.now
-            self.vol_fifo[peer].submit(call, lambda: c.wake_s + c.worker_proto_s + c.worker(r.pairs, p.speed),
+            self.vol_fifo[peer].submit(call, lambda: c.wake_s + c.worker_proto_s + c.wire_s / 2 + c.worker(r.pairs, p.speed),
                                        lambda _s: answered(self.clock.now - t0))
 
         def answered(volunteer_s: float) -> None:
@@ -503,7 +505,7 @@ class ServingSim:
             self.coord.run(c.wake_s, 1, lambda: None if call in self.cancelled else
                            self._handle(RemoteDone(call, int(self.clock.now * 1000))))
 
-        self.coord.run(c.coord_call_s, 1, lambda: self.clock.at(self.clock.now + one_way, arrive))
+        self.coord.run(c.coord_call_s + c.wire_s / 2, 1, lambda: self.clock.at(self.clock.now + one_way, arrive))
 
 
 def local_only(p: Point) -> Point:

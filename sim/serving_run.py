@@ -11,7 +11,8 @@ Rules:
   tokens/s ratio. ``coordinator_holds = "none"`` is a backbone: every range goes to the volunteers (session
   groups chosen by the real ``PipelineModel``/``GroupArms``); ``rtt_sigma`` spreads the volunteers' round
   trips (lognormal around ``rtt_ms``).
-- ``[serving.dispatch]`` overrides ``DispatchConfig`` fields (the coordinator's defaults otherwise).
+- ``[serving.dispatch]`` overrides ``DispatchConfig`` fields; the rest are what ``moe-swarm coordinator``
+  gives its core by default (``COORDINATOR_DISPATCH``: where they differ from ``DispatchConfig``'s own).
 - The report holds simulated quantities only (same scenario and seed, same bytes); plots are written beside it
   when matplotlib is importable (a PNG per volunteer speed: gain against sessions, a line per round trip).
 """
@@ -30,10 +31,16 @@ from sim.costs import Costs, load_costs
 from sim.scenario import ScenarioError
 from sim.serving import Point, ServingSim, local_only
 
-__all__ = ["ServingScenario", "is_serving", "load_serving", "plot", "run_serving", "serving_summary"]
+__all__ = ["COORDINATOR_DISPATCH", "ServingScenario", "is_serving", "load_serving", "plot", "run_serving", "serving_summary"]
 
 Pos = Annotated[float, msgspec.Meta(gt=0.0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+# what ``moe-swarm coordinator`` gives its dispatch core where DispatchConfig's own defaults differ
+# (``coordinator.server.dispatch_config`` at the coordinator's defaults; a test keeps them equal): the
+# simulated coordinator is the real one as shipped
+COORDINATOR_DISPATCH: dict[str, Any] = {"verify_disk_rate": 0.02}
 
 
 class ServingScenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -96,7 +103,7 @@ def load_serving(path: Path) -> tuple[ServingScenario, Costs, DispatchConfig]:
     if bad:
         raise ScenarioError(f"{path}: unknown key $.serving.dispatch.{bad[0]}")
     try:
-        cfg = DispatchConfig(**sc.dispatch)
+        cfg = DispatchConfig(**{**COORDINATOR_DISPATCH, **sc.dispatch})
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{path}: $.serving.dispatch: {exc}") from None
     return sc, costs, cfg

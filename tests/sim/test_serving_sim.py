@@ -124,7 +124,14 @@ def test_dispatch_config_overrides_reach_the_core(tmp_path: Path) -> None:
     f.write_text(SMOKE.read_text().replace('"costs/bench.toml"', f'"{SMOKE.parent / "costs" / "bench.toml"}"')
                  + "\n[serving.dispatch]\nverify_rate = 1.0\n")
     _, _, cfg = load_serving(f)
-    assert cfg == DispatchConfig(verify_rate=1.0)
+    assert cfg == DispatchConfig(verify_rate=1.0, verify_disk_rate=0.02)
+
+
+def test_the_simulated_coordinator_has_the_real_ones_dispatch_defaults() -> None:
+    from coordinator.server import CoordinatorConfig, dispatch_config
+    from sim.serving_run import COORDINATOR_DISPATCH
+
+    assert dispatch_config(CoordinatorConfig(model="m.gguf")) == DispatchConfig(**COORDINATOR_DISPATCH)
 
 
 def test_a_sleeper_lies_after_its_honest_calls_and_is_caught_by_sampling() -> None:
