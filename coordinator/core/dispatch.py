@@ -62,7 +62,9 @@ Rules (the machines' own rules are in their modules):
   be placed here anyway -- idle (unbounded), or under load when no trial or probe is due and even the
   fastest live proven worker's estimate for the smallest call (its latency EWMA with the per-pair
   part taken out, once known; plus its calls in flight) is no earlier than the local finish of the
-  whole layer (``(backlog + pairs) x seconds per pair``; ties go local).
+  whole layer (``(backlog + pairs) x seconds per pair``; ties go local). A due trial or probe makes the
+  shell ask only once ``ask_interval_s`` has passed since the last ``LayerReady``: between, the layers
+  keep the fast path.
 - ``Combine(step, calls)`` once every range of the layer has a result: the winning call of each
   range, in ascending ``lo`` (DESIGN §3: the same kernel on the same rows wherever it ran, summed
   in the same order, whoever won).
@@ -245,6 +247,7 @@ class DispatchCore(VerificationFlow):
         self._request_ids = 0
         self._winners: dict[CallId, bool] = {}  # winning call -> answered remotely (until its layer combines)
         self._last_now = 0.0  # the time of the event being handled (for cancels deep in a decision)
+        self._asked_at = -math.inf  # the last LayerReady (local_only_pairs: ask_interval_s)
 
     # -- the machines' state, as the shell's report reads it ------------------------------------------
     @property
@@ -316,15 +319,18 @@ class DispatchCore(VerificationFlow):
         reason = (self._split_reason() if local_arm else
                   Reason.SERVE_TTL if self.state is LoadState.SERVE_TTL else Reason.LOAD_EARLIEST_FINISH_LOCAL)
         best = math.inf
+        ask = now - self._asked_at >= c.ask_interval_s  # a trial or probe may claim a layer now
         for p, w in self.table.workers.items():
             if not self.table.is_live(p, now):
                 continue
             if not w.proven:
-                if self.state is LoadState.LOADED and w.trial_due:
+                if ask and self.state is LoadState.LOADED and w.trial_due:
                     return 0.0, reason  # its trial is due: the shell must ask
                 continue
             if self._probe_due(w, now):
-                return 0.0, reason  # its estimate is stale, or it is in probation: the shell must ask
+                if ask:
+                    return 0.0, reason  # its estimate is stale, or it is in probation: the shell must ask
+                continue
             if w.probation_left > 0:
                 continue  # not a candidate yet (below)
             best = min(best, self._remote_estimate(p, now, 0))  # the smallest call's: every range here for sure
@@ -377,6 +383,7 @@ class DispatchCore(VerificationFlow):
                 self.nets.clear()
                 self.nets.update((p, n) for p, n in nets if n)
             case LayerReady(layer=layer, ranges=ranges):
+                self._asked_at = now
                 for rw in ranges:
                     self.routed[(layer, rw.lo, rw.hi)] += rw.rows
                 self._mode(now, out)

@@ -143,6 +143,11 @@ class DispatchConfig:
     # under load, a proven worker without a latency sample for this long is probed (0: never): an
     # estimate is only refreshed by calls, so one slow early answer must not keep it idle for good
     probe_interval_s: float = 2.0
+    # with only trials or probes due, the shell is told to hand a layer to the core (not compute it whole in
+    # the engine's own graph) at most this often: between, layers keep the fast path (with many listed
+    # volunteers some trial or probe is nearly always due; moe-swarm simulate's liars-all.toml: 100
+    # volunteers cost 32 % of local-only's tokens/s before)
+    ask_interval_s: float = 0.25
     # under load, measure whether remote shares pay here: windows local / split / local of this
     # length, the winner held for split_hold_s; the split must win by split_margin (0: no check)
     split_check_s: float = 3.0
