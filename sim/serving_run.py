@@ -159,8 +159,9 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent sessions")
-        ax.set_ylabel("tokens/s, adaptive / local-only")
-        ax.set_title(f"offload gain, volunteers at {speed:g}x a coordinator thread")
+        backbone = report["scenario"].get("coordinator_holds") == "none"
+        ax.set_ylabel("tokens/s, backbone / all-local" if backbone else "tokens/s, adaptive / local-only")
+        ax.set_title(f"{'backbone' if backbone else 'offload gain'}, volunteers at {speed:g}x a coordinator thread")
         ax.legend()
         fig.tight_layout()
         path = out / f"gain-speed-{speed:g}.png"
