@@ -220,28 +220,13 @@ def bound(path: Path, sessions: int) -> dict[str, Any]:
     alone, so the alone and shared windows alternate)."""
     import torch
 
-    from coordinator.dispatch.layer import LayerCall
-    from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
+    from coordinator.calibrate import timed_transformer
+    from coordinator.engine.model import KVCache, SeqChunk
     from swarm.model.gguf import GGUFModel
     from swarm.model.kernels import KernelBackend, configure_threads
 
     configure_threads(1, KernelBackend.GGML)
-    model = GGUFModel(path)
-    spent = [0.0]
-
-    class Timed(LocalExperts):
-        """Every expert here, timed apart from the dense graphs (not fused into the layer's graph)."""
-
-        def whole_layer_here(self, layer: int, n_pairs: int) -> bool:
-            return False
-
-        def service(self, call: LayerCall) -> bool:
-            t = time.perf_counter()
-            r = super().service(call)
-            spent[0] += time.perf_counter() - t
-            return r
-
-    tr = Transformer(model, Timed(model))
+    tr, spent = timed_transformer(GGUFModel(path))  # every expert here, timed apart from the dense graphs
     caches = [KVCache(tr.cfg, 256, torch.float16) for _ in range(sessions)]
     tr.forward([SeqChunk(c, [(11 * i + 7 * j + 3) % PROMPT_VOCAB[0] for j in range(16)], 0) for i, c in enumerate(caches)])
     toks, pos = [5] * sessions, 16

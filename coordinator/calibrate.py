@@ -20,21 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "timed_transformer"]
 
 
-def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tuple[dict[int, tuple[float, float]], Any]:
-    """Per batch size: the median (dense + head, experts) seconds of a decode step, the experts timed apart
-    from the dense graphs at ``threads``."""
-    import torch
-
+def timed_transformer(model: Any) -> tuple[Any, list[float]]:
+    """A ``Transformer`` over ``model`` whose experts are computed outside the dense graphs (never the
+    whole-layer path) and timed: ``spent[0]`` adds the seconds each expert call took (reset it per step).
+    ``benchmarks/offload.py``'s ``bound`` case uses it too."""
     from coordinator.dispatch.layer import LayerCall
-    from coordinator.engine.model import KVCache, LocalExperts, SeqChunk, Transformer
-    from swarm.model.gguf import GGUFModel
-    from swarm.model.kernels import KernelBackend, configure_threads
+    from coordinator.engine.model import LocalExperts, Transformer
 
-    configure_threads(threads, KernelBackend.GGML)
-    model = GGUFModel(path)
     spent = [0.0]
 
     class Timed(LocalExperts):
@@ -47,7 +42,20 @@ def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tup
             spent[0] += time.perf_counter() - t
             return r
 
-    tr = Transformer(model, Timed(model))
+    return Transformer(model, Timed(model)), spent
+
+
+def _step_parts(path: Path, threads: int, batches: list[int], steps: int) -> tuple[dict[int, tuple[float, float]], Any]:
+    """Per batch size: the median (dense + head, experts) seconds of a decode step, the experts timed apart
+    from the dense graphs at ``threads``."""
+    import torch
+
+    from coordinator.engine.model import KVCache, SeqChunk
+    from swarm.model.gguf import GGUFModel
+    from swarm.model.kernels import KernelBackend, configure_threads
+
+    configure_threads(threads, KernelBackend.GGML)
+    tr, spent = timed_transformer(GGUFModel(path))
     out: dict[int, tuple[float, float]] = {}
     for b in batches:
         caches = [KVCache(tr.cfg, 64 + steps, torch.float16) for _ in range(b)]
