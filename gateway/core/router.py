@@ -10,7 +10,8 @@ Rules:
 - **Score** = predicted time to first token (seconds, the lowest wins, ties by URL):
   ``max(queue_delay, load) + uncached_prompt_tokens * prefill_s_per_token + decode_s_per_token`` where
   ``sessions = max(polled active + queued, this gateway's attempts in flight there)``,
-  ``queue_delay = max(0, sessions + 1 - slots) / slots * request_s + settle_remaining_s``,
+  ``queue_delay = max(0, sessions + 1 - slots) / slots * request_s`` plus ``settle_remaining_s`` where the
+  coordinator enforces admission (only then does it hold a new request while it settles),
   ``load = min(sessions, slots) * decode_s_per_token`` (a new prompt shares the batched step with the
   running sessions). ``uncached = n_prompt - cached``, ``cached`` = the longest prefix of the prompt whose
   chain hash (``swarm.core.prefix_hash``, salted with the coordinator's ``hash_salt``) the coordinator
@@ -462,7 +463,7 @@ class Router:
             slots, sessions = 1, c.inflight
         request_s = c.request_s if c.request_s is not None else p.request_prior_s
         queue_s = max(0, sessions + 1 - slots) / slots * request_s
-        if cap is not None:
+        if cap is not None and cap.admission == "enforced":  # an advisory coordinator admits while settling
             queue_s += cap.settle_remaining_s
         load_s = min(sessions, slots) * decode_s
         wait = max(queue_s, load_s)

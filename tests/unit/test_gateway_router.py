@@ -115,10 +115,22 @@ def test_advisory_refusal_is_a_penalty_and_settling_a_delay() -> None:
     r.handle(Polled(A, Load(slots=4, active=1, mean_active_tps=20.0,
                             capacity=Capacity(can_admit=False, admission="advisory"))), 0.0)
     r.handle(Polled(B, Load(slots=4, active=1, mean_active_tps=20.0,
-                            capacity=Capacity(can_admit=True, settle_remaining_s=0.5))), 0.0)
+                            capacity=Capacity(can_admit=True, admission="enforced", settle_remaining_s=0.5))), 0.0)
     s = only_send(r.handle(Arrive(1, M, 8), 0.1))
     assert s.url == B and s.predicted_ttft_s == pytest.approx(0.5 + 8 * 0.002 + 0.05)
     assert dict(s.scores)[A] > 2.0
+
+
+def test_an_advisory_coordinator_settling_is_no_delay() -> None:
+    """Only an enforcing coordinator holds a new request while it settles: an advisory one's settle window
+    (after a warm-up request, say) must not send every request elsewhere (benchmark case (b) on a quiet
+    machine: all 8 sessions went to one of two coordinators)."""
+    r = router()
+    for u in (A, B):
+        r.handle(Polled(u, Load(slots=4, active=0, mean_active_tps=20.0,
+                                capacity=Capacity(can_admit=True, settle_remaining_s=4.8 if u == B else 0.0))), 0.0)
+    urls = [only_send(r.handle(Arrive(i, M, 8), 0.1)).url for i in range(1, 9)]
+    assert urls.count(A) == 4 and urls.count(B) == 4
 
 
 def test_partition_marks_down_and_a_good_poll_brings_back() -> None:
