@@ -80,6 +80,7 @@ class MarketLink:
         self.base = market_url.rstrip("/")
         self._report_epoch = int(time.time() * 1000)  # numbered reports (CoordinatorReport.sequence)
         self._report_seq = 0
+        self._numbered = True  # False once a market from before numbered reports refused the fields
         self._unsent: CoordinatorReport | None = None  # a report whose answer never came: sent again as it is
         self.replicas = list(replicas)  # the same market's other replicas (swarm.failover)
         self.dispatcher = dispatcher
@@ -223,7 +224,9 @@ class MarketLink:
             body = self._unsent
             if body is None:
                 self._report_seq += 1
-                body = msgspec.structs.replace(self.report_body(), epoch=self._report_epoch, sequence=self._report_seq)
+                body = self.report_body()
+                if self._numbered:
+                    body = msgspec.structs.replace(body, epoch=self._report_epoch, sequence=self._report_seq)
             try:
                 r = await client.post(f"{self.base}/api/coordinator-report", content=msgspec.json.encode(body),
                                       headers={"content-type": "application/json"})
@@ -236,6 +239,14 @@ class MarketLink:
             self._unsent = None
             if r.status_code == 409 and error_code(r.content) == "replayed_sequence" and body.sequence == self._report_seq:
                 log.info("report %d had landed before its answer was lost: counted once", body.sequence)
+            elif r.status_code == 400 and body.sequence and (b"`epoch`" in r.content or b"`sequence`" in r.content):
+                # a market from before numbered reports (unknown fields refused): unnumbered from now on, and this
+                # report's counts go into the next one (schema evolution: it never counted)
+                self._numbered = False
+                log.warning("market %s does not know numbered reports: reporting unnumbered (a report resent after "
+                            "a lost answer may count twice there)", self.base)
+                self._failed("report", self._answered(r))
+                continue
             elif r.status_code // 100 != 2:
                 self._failed("report", self._answered(r))
                 continue

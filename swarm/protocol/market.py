@@ -265,7 +265,7 @@ class RoutedRange(msgspec.Struct, forbid_unknown_fields=True):
     rows: NonNeg  # rows routed to the range since the last report
 
 
-class CoordinatorReport(msgspec.Struct, forbid_unknown_fields=True):
+class CoordinatorReport(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """``POST /api/coordinator-report`` (operator token; DESIGN §11): what a coordinator saw of its
     volunteers and its routing since its last report. One channel for trust, capacity and the dashboard."""
 
@@ -273,8 +273,9 @@ class CoordinatorReport(msgspec.Struct, forbid_unknown_fields=True):
     model_id: ModelId
     workers: Annotated[list[ReportedWorker], msgspec.Meta(max_length=4096)] = []
     ranges: Annotated[list[RoutedRange], msgspec.Meta(max_length=65536)] = []
-    # (epoch, sequence) of this report (0, 0: unnumbered): a report resent after an answer that never came is
-    # refused as replayed (409 replayed_sequence) by every market replica, so its counts land once
+    # (epoch, sequence) of this report (0, 0: unnumbered, and then not on the wire: a market from before the
+    # numbering refuses unknown fields): a report resent after an answer that never came is refused as
+    # replayed (409 replayed_sequence) by every market replica, so its counts land once
     epoch: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
     sequence: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
 
