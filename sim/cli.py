@@ -41,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "write them as a cost file (--out DIR/costs.toml, else printed)")
     parser.add_argument("--threads", type=int, default=2, help="with --calibrate: the coordinator's compute threads")
     parser.add_argument("--rtt-json", type=Path, default=None, metavar="JSON",
-                        help="with --calibrate: a benchmarks/expert_rtt.py JSON whose remote_null case gives the "
+                        help="with --calibrate: a benchmarks/expert_rtt.py JSON whose lane_null case (else remote_null) gives the "
                              "per-call protocol cost")
     parser.add_argument("--no-plots", action="store_true", help="a [serving] scenario: write report.json only")
     parser.set_defaults(func=run)

@@ -149,7 +149,9 @@ def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 
     coord_call, wake = 0.0005, 0.0002
     if rtt_json is not None:
         cases = json.loads(rtt_json.read_text())["cases"]
-        null = [c for c in cases if c.get("case") == "remote_null" and c.get("batch") == 1]
+        # the data lane's null call (the engine's calls take the lane), else the libp2p stream's
+        null = ([c for c in cases if c.get("case") == "lane_null" and c.get("batch") == 1]
+                or [c for c in cases if c.get("case") == "remote_null" and c.get("batch") == 1])
         if null:
             coord_call = float(null[0]["median_ms"]) / 1000 / 2  # the protocol's round trip, half at each end
             wake = 0.0

@@ -236,7 +236,6 @@ class _Fifo:
 class _Step:
     groups_left: int
     sessions: int
-    n_groups: int
     tainted: bool = False  # a layer of it was combined from an unchecked liar's answer
 
 
@@ -291,7 +290,6 @@ class ServingSim:
         self.step_ids = 0
         self.tokens = 0
         self.steps = 0
-        self.steps_all = 0
         self.wrong = 0
         self.remote_calls = 0
         self.calls_to: Counter[str] = Counter()  # remote calls sent to each volunteer
@@ -345,7 +343,7 @@ class ServingSim:
         if self.peers and n >= 2 and (not self.p.held or self.p.dispatch.mode is DispatchMode.OFFLOAD):
             g = self.arms.pick(n, n, self.pipeline.groups(n, n), self.clock.now, self.layer_end)
         cuts = group_cuts([1] * n, g)
-        st = _Step(groups_left=len(cuts) - 1, sessions=n, n_groups=len(cuts) - 1)
+        st = _Step(groups_left=len(cuts) - 1, sessions=n)
         self.groups_used[len(cuts) - 1] += 1
         for i in range(len(cuts) - 1):
             self._layer(_Group(st, cuts[i + 1] - cuts[i]), 0)
@@ -367,7 +365,6 @@ class ServingSim:
         st.groups_left -= 1
         if st.groups_left:
             return
-        self.steps_all += 1
         if st.tainted:
             self.wrong += st.sessions
         if self.clock.now >= self.p.warmup_s:
