@@ -44,8 +44,10 @@ Per case: ``tokens_per_s`` (decode, summed over sessions: (tokens - 1) / (last -
 tokens it generated), ``layer_breakdown_ms`` (the coordinator's ``/dispatch`` ``layer_path``: where a
 remote layer's time goes), ``acceptance`` (speculative drafts accepted / proposed; None without one),
 ``remote_share`` (the routed rows the volunteers answered over all routed rows: 1.0 once every
-worker is proven, as the cases are measured after a warm-up that waits for it) and ``verified_rows``
-(rows of the case also computed here to check an answer).
+worker is proven, as the cases are measured after a warm-up that waits for it), ``verified_rows``
+(rows of the case also computed here to check an answer) and ``network_ms_per_token`` (the CPU the
+coordinator's network thread -- trio: the API's streams, the dispatcher's protocol -- spent per token
+generated, from ``/proc``; None elsewhere).
 """
 
 from __future__ import annotations
@@ -187,11 +189,25 @@ def decode(url: str, model_id: str, sessions: int, n_tokens: int, draft: str = "
 THREADS = {"coordinator": 2, "volunteer": 1}
 
 
+PIDS: dict[str, int] = {}  # a coordinator's URL -> its process id
+
+
+def network_thread_cpu_s(url: str) -> float | None:
+    """The CPU seconds the coordinator's network thread (the main thread: trio, the API's streams and the
+    dispatcher's protocol) has used (Linux: /proc; None elsewhere)."""
+    pid = PIDS.get(url)
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_coordinator(procs: Procs, name: str, model: Path, sessions: int, *extra: str) -> str:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    procs.start(name, "coordinator", "--model", str(model), "--port", str(port), "--threads", str(THREADS["coordinator"]), "--slots",
-                str(max(4, sessions)), "--ctx-size", "1024", "--data-dir", str(procs.work / f"{procs.tag}-{name}"), *extra)
+    PIDS[url] = procs.start(name, "coordinator", "--model", str(model), "--port", str(port), "--threads", str(THREADS["coordinator"]), "--slots",
+                str(max(4, sessions)), "--ctx-size", "1024", "--data-dir", str(procs.work / f"{procs.tag}-{name}"), *extra).pid
     wait_for(f"{name} to start", lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, procs, 1800)
     return url
 
@@ -301,11 +317,15 @@ def run_case(url: str, model_id: str, kind: str, rtt: float, sessions: int, draf
              ref: dict[int, list[list[int]]] | None) -> tuple[dict[str, Any], list[list[int]]]:
     before = dispatch(url) if kind == "backbone" else None
     drafted = draft_counts(url, draft) if draft != "none" else None
+    net0 = network_thread_cpu_s(url)
     r = decode(url, model_id, sessions, n_tokens, draft)
+    net1 = network_thread_cpu_s(url)
     case: dict[str, Any] = {"case": kind, "rtt_ms": rtt, "sessions": sessions, "draft": draft,
                             "tokens_per_s": round(r["tokens_per_s"], 2), "ms_per_token": round(r["ms_per_token"], 2),
                             "round_trips_per_token": None, "acceptance": None, "tokens_identical": None,
-                            "layer_breakdown_ms": None, "remote_share": None, "verified_rows": None}
+                            "layer_breakdown_ms": None, "remote_share": None, "verified_rows": None,
+                            "network_ms_per_token": None if net0 is None or net1 is None else
+                            round(1000 * (net1 - net0) / (sessions * n_tokens), 4)}
     if ref is not None:
         case["tokens_identical"] = r["ids"] == ref[sessions]
     if before is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,69 +39,134 @@ sys.path.append(str(ROOT / "benchmarks"))  # _results (appended: benchmarks/mark
 
 from _results import write_json  # noqa: E402
 
-MACHINERY = ("place", "group", "to_trio", "core", "wake", "combine")
+ENGINE_PATH = ("place", "group", "combine")  # the remote layer's machinery on the engine thread
+NETWORK = ("encode", "to_trio", "core", "wake")  # ... and on the network thread (the hand-off, the core, the wake-up)
 
 
 def machinery(case: dict[str, Any]) -> dict[str, float]:
     """The dispatch machinery's costs (seconds) from a measured backbone case's layer breakdown (ms)."""
     b = case["layer_breakdown_ms"]
-    return {"coord_call_s": b.get("encode", 0.0) / 1000,
-            "coord_layer_s": sum(b.get(k, 0.0) for k in MACHINERY) / 1000,
+    return {"coord_call_s": sum(b.get(k, 0.0) for k in NETWORK) / 1000,
+            "coord_layer_s": sum(b.get(k, 0.0) for k in ENGINE_PATH) / 1000,
             "wire_s": b.get("wire", 0.0) / 1000,
             "worker_proto_s": b.get("queue", 0.0) / 1000,
             "wake_s": 0.0}
 
 
-def predict(measured: dict[str, Any], model: Path, seed: int) -> list[dict[str, Any]]:
-    import msgspec
-
-    from coordinator.core.events import DispatchConfig
-    from sim.costs import calibrate
-    from sim.serving import Point, ServingSim
-    from sim.serving_run import COORDINATOR_DISPATCH
-    from swarm.model.gguf import GGUFModel
-
-    cfg = GGUFModel(model).config
-    cases = [c for c in measured["cases"] if c["draft"] == "none"]
-    anchor = next(c for c in cases if c["case"] == "backbone" and c["rtt_ms"] == 0 and c["sessions"] == 1)
-    local1 = [c for c in cases if c["case"] == "all_local" and c["sessions"] == 1][-1]
-    costs = calibrate(model, threads=2)
-    n_layer = int(cfg.n_moe_layer)
-    # the serving path's own work per token beyond the runtime's (HTTP, streaming: what the calibration, which
-    # runs no server, cannot see): the all-local 1-session ms per token less the calibrated step
-    serve_s = max(0.0, local1["ms_per_token"] / 1000 - n_layer * (costs.local_layer_s + costs.local_layer_row_s))
-    costs = msgspec.structs.replace(costs, **machinery(anchor), step_s=serve_s,
-                                    source=costs.source + " + the all-local 1-session step + backbone rtt-0 breakdown")
-    n_vol = int(measured["volunteers"])
+def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One case per (case, rtt, sessions) over one or more backbone.py JSONs (drafter ``none``): within a run
+    the last all-local case of a key (the one adjacent to its backbone case), over the runs the median
+    tokens/s and ms per token; the breakdown of the median run."""
+    by: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        last: dict[tuple[str, float, int], dict[str, Any]] = {}
+        for c in run["cases"]:
+            if c["draft"] == "none":
+                last[(c["case"], float(c["rtt_ms"]), int(c["sessions"]))] = c
+        for k, c in last.items():
+            by.setdefault(k, []).append(c)
     out = []
-    seen: set[tuple[str, float, int]] = set()
-    for c in reversed(cases):  # the last all-local run of a session count: the one adjacent to its backbone case
-        key = (c["case"], c["rtt_ms"], c["sessions"])
-        if key in seen:
-            continue
-        seen.add(key)
-        backbone = c["case"] == "backbone"
-        p = Point(costs=costs, n_layer=int(cfg.n_moe_layer), n_expert=int(cfg.n_expert), top_k=int(cfg.n_expert_used),
-                  ranges_per_layer=1, sessions=int(c["sessions"]), slots=max(8, int(c["sessions"])),
-                  volunteers=n_vol if backbone else 0, speed=1.0, rtt_s=float(c["rtt_ms"]) / 1000, bandwidth=1e9,
-                  shared_cores=True, machine_cores=2, coordinator_threads=2, warmup_s=20.0, measure_s=20.0,
-                  held=not backbone, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
-        r = ServingSim(p).run()
-        err = r.tokens_per_s / c["tokens_per_s"] - 1 if c["tokens_per_s"] else None
-        out.append({"case": c["case"], "rtt_ms": c["rtt_ms"], "sessions": c["sessions"],
-                    "measured_tokens_per_s": c["tokens_per_s"], "predicted_tokens_per_s": round(r.tokens_per_s, 2),
-                    "error": None if err is None else round(err, 4), "input": c is anchor or c is local1,
-                    "groups": {str(k): v for k, v in sorted(r.groups.items())}})
-    out.sort(key=lambda x: (x["case"], x["rtt_ms"], x["sessions"]))
+    for (case, rtt, sessions), cs in sorted(by.items()):
+        cs = sorted(cs, key=lambda c: c["tokens_per_s"])
+        mid = cs[len(cs) // 2]
+        out.append({"case": case, "rtt_ms": rtt, "sessions": sessions, "runs": len(cs),
+                    "tokens_per_s": statistics.median(c["tokens_per_s"] for c in cs),
+                    "ms_per_token": statistics.median(c["ms_per_token"] for c in cs),
+                    "network_ms_per_token": statistics.median(nets) if (nets := [c["network_ms_per_token"] for c in cs
+                                                                                if c.get("network_ms_per_token")]) else None,
+                    "all_tokens_per_s": [c["tokens_per_s"] for c in cs],
+                    "layer_breakdown_ms": mid.get("layer_breakdown_ms")})
     return out
 
 
+def point(costs: Any, shape: dict[str, int], case: dict[str, Any], volunteers: int, seed: int) -> Any:
+    from coordinator.core.events import DispatchConfig
+    from sim.serving import Point
+    from sim.serving_run import COORDINATOR_DISPATCH
+
+    backbone = case["case"] == "backbone"
+    return Point(costs=costs, n_layer=shape["n_moe_layer"], n_expert=shape["n_expert"], top_k=shape["top_k"],
+                 ranges_per_layer=1, sessions=int(case["sessions"]), slots=max(8, int(case["sessions"])),
+                 volunteers=volunteers if backbone else 0, speed=1.0, rtt_s=float(case["rtt_ms"]) / 1000, bandwidth=1e9,
+                 shared_cores=True, machine_cores=2, coordinator_threads=2, warmup_s=20.0, measure_s=20.0,
+                 held=not backbone, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
+
+
+def fit_stream(costs: Any, shape: dict[str, int], local1: dict[str, Any], seed: int) -> Any:
+    """The API's streaming cost per token on the network thread (``stream_s``, what the calibration, which
+    runs no server, cannot see): the value whose simulated all-local 1-session rate is the measured one
+    (bisection; 0 when the engine alone is already slower than measured)."""
+    import msgspec
+
+    from sim.serving import ServingSim
+
+    def rate(stream_s: float) -> float:
+        c = msgspec.structs.replace(costs, stream_s=stream_s, step_s=0.0)
+        return ServingSim(point(c, shape, local1, 0, seed)).run().tokens_per_s
+
+    target = float(local1["tokens_per_s"])
+    lo, hi = 0.0, 0.005
+    if rate(lo) <= target:
+        return msgspec.structs.replace(costs, stream_s=0.0, step_s=0.0)
+    if rate(hi) > target:
+        return msgspec.structs.replace(costs, stream_s=hi, step_s=0.0)
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
+    return msgspec.structs.replace(costs, stream_s=(lo + hi) / 2, step_s=0.0)
+
+
+def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volunteers: int,
+            seed: int) -> tuple[list[dict[str, Any]], Any]:
+    """Every case simulated from ``costs`` (calibrated alone) and the two inputs: the all-local 1-session rate
+    (``stream_s``) and the backbone rtt-0 1-session breakdown (the dispatch machinery): the rows, the costs."""
+    import msgspec
+
+    from sim.serving import ServingSim
+
+    anchor = next(c for c in cases if c["case"] == "backbone" and c["rtt_ms"] == 0 and c["sessions"] == 1)
+    local1 = next(c for c in cases if c["case"] == "all_local" and c["rtt_ms"] == 0 and c["sessions"] == 1)
+    costs = msgspec.structs.replace(costs, **machinery(anchor))
+    if local1.get("network_ms_per_token"):  # measured: the network thread's CPU per token streamed, all-local
+        costs = msgspec.structs.replace(costs, stream_s=local1["network_ms_per_token"] / 1000, step_s=0.0,
+                                        source=costs.source + " + the all-local 1-session network thread + backbone rtt-0 breakdown")
+    else:  # a JSON from before backbone.py measured it: fitted to the all-local 1-session rate
+        costs = fit_stream(costs, shape, local1, seed)
+        costs = msgspec.structs.replace(costs, source=costs.source + " + the all-local 1-session rate + backbone rtt-0 breakdown")
+    out = []
+    for c in cases:
+        r = ServingSim(point(costs, shape, c, volunteers, seed)).run()
+        err = r.tokens_per_s / c["tokens_per_s"] - 1 if c["tokens_per_s"] else None
+        out.append({"case": c["case"], "rtt_ms": c["rtt_ms"], "sessions": c["sessions"], "runs": c.get("runs", 1),
+                    "measured_tokens_per_s": round(c["tokens_per_s"], 2), "predicted_tokens_per_s": round(r.tokens_per_s, 2),
+                    "error": None if err is None else round(err, 4), "input": c is anchor or c is local1,
+                    "groups": {str(k): v for k, v in sorted(r.groups.items())}})
+    return out, costs
+
+
+def shape_of(model: Path) -> dict[str, int]:
+    from swarm.model.gguf import GGUFModel
+
+    cfg = GGUFModel(model).config
+    return {"n_moe_layer": int(cfg.n_moe_layer), "n_expert": int(cfg.n_expert), "top_k": int(cfg.n_expert_used)}
+
+
 def main() -> None:
+    import msgspec
+
+    from sim.costs import Costs, calibrate, load_costs
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="backbone.py --quick (the small shape)")
     ap.add_argument("--smoke", action="store_true", help="backbone.py --smoke (tiny; make test)")
-    ap.add_argument("--backbone-json", type=Path, default=None, help="a backbone.py JSON already measured (with --model)")
-    ap.add_argument("--model", type=Path, default=None, help="the GGUF that JSON was measured on")
+    ap.add_argument("--repeat", type=int, default=None, help="backbone.py runs, medians per case (default 3; --smoke 1)")
+    ap.add_argument("--backbone-json", type=Path, nargs="+", default=None,
+                    help="backbone.py JSONs already measured (with --model): medians per case")
+    ap.add_argument("--model", type=Path, default=None, help="the GGUF those JSONs were measured on")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per completion of backbone.py (default 128 with --quick: long enough for steady decode, "
+                         "which the simulation predicts, to outweigh the start of each case)")
+    ap.add_argument("--costs", type=Path, default=None, help="a cost file calibrated on this machine (else calibrated here)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -109,13 +175,20 @@ def main() -> None:
     if a.backbone_json is None:
         size = "tiny" if a.smoke else "small"
         work = Path(tempfile.gettempdir()) / f"moe-swarm-backbone-{size}"
-        js = Path(tempfile.mkdtemp(prefix="sim-validate-")) / "backbone.json"
-        args = ["--smoke"] if a.smoke else ["--quick", "--draft", "none"]
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "backbone.py"), *args, "--work", str(work),
-                        "--json", str(js)], check=True, cwd=ROOT)
-        a.backbone_json, a.model = js, work / f"{size}.gguf"
-    measured = json.loads(a.backbone_json.read_text())
-    rows = predict(measured, a.model, a.seed)
+        out_dir = Path(tempfile.mkdtemp(prefix="sim-validate-"))
+        args = ["--smoke"] if a.smoke else ["--quick", "--draft", "none", "--tokens", str(a.tokens or 128)]
+        a.backbone_json = []
+        for i in range(a.repeat or (1 if a.smoke else 3)):
+            js = out_dir / f"backbone-{i}.json"
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "backbone.py"), *args, "--work", str(work),
+                            "--json", str(js)], check=True, cwd=ROOT)
+            a.backbone_json.append(js)
+        a.model = work / f"{size}.gguf"
+    runs = [json.loads(p.read_text()) for p in a.backbone_json]
+    cases = medians(runs)
+    shape = shape_of(a.model)
+    costs: Costs = load_costs(a.costs) if a.costs else calibrate(a.model, threads=2)
+    rows, fitted = predict(cases, costs, shape, int(runs[0]["volunteers"]), a.seed)
     print(f"\n{'case':<10} {'rtt ms':>6} {'sess':>4} {'measured':>9} {'predicted':>9} {'error':>7}  groups")
     for r in rows:
         err = "input" if r["input"] else ("-" if r["error"] is None else f"{100 * r['error']:+.1f}%")
@@ -123,9 +196,12 @@ def main() -> None:
         print(f"{r['case']:<10} {r['rtt_ms']:>6g} {r['sessions']:>4} {r['measured_tokens_per_s']:>9.2f} "
               f"{r['predicted_tokens_per_s']:>9.2f} {err:>7}  {groups}")
     worst = max((abs(r["error"]) for r in rows if not r["input"] and r["error"] is not None), default=0.0)
-    print(f"\nworst prediction error (inputs excluded): {100 * worst:.1f} % (target <= 20 %)")
-    write_json(a.json, {"benchmark": "sim_validate", "size": measured.get("size"), "volunteers": measured["volunteers"],
-                        "cases": rows, "worst_error": round(worst, 4)})
+    print(f"\nworst prediction error (inputs excluded): {100 * worst:.1f} % (target <= 20 %); "
+          f"fitted stream_s {1000 * fitted.stream_s:.3f} ms")
+    # what a test needs to simulate the same cases again: the measured medians, the shape, the costs calibrated
+    write_json(a.json, {"benchmark": "sim_validate", "size": runs[0].get("size"), "volunteers": runs[0]["volunteers"],
+                        "runs": len(runs), "shape": shape, "measured": cases, "costs": msgspec.to_builtins(costs),
+                        "fitted_stream_s": fitted.stream_s, "cases": rows, "worst_error": round(worst, 4)})
 
 
 if __name__ == "__main__":

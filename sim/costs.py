@@ -12,6 +12,10 @@ Rules:
   send, receive, decode), ``worker_proto_s`` the volunteer's; ``wire_s`` the transport's round trip on
   loopback; ``coord_layer_s`` the dispatcher's own work per remote layer on the engine's path; ``wake_s`` a process waking for a message;
   ``row_bytes`` the activations of one row, each way.
+- The coordinator's network thread (one trio thread: the API's streams and every remote call's protocol
+  and dispatch-core work) is one queue of its own: ``stream_s`` per token streamed, ``coord_call_s`` per
+  remote call (half as it leaves, half as its answer comes back). Work queued there waits for what is ahead of it (a step's
+  tokens streamed while the next step's first layer is handed off), and shares the machine's cores.
 - ``calibrate`` measures the compute costs here with the real engine and ggml kernels (one process,
   the model's own graphs, a timed expert backend: ``benchmarks/offload.py``'s ``bound`` method) at
   ``threads`` for the coordinator and 1 for a volunteer, and ``local_layer`` (a layer the engine computes
@@ -43,6 +47,8 @@ class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     dense_row_s: NonNeg  # ... and per decode row
     head_s: NonNeg = 0.0
     step_s: NonNeg = 0.0  # the serving path's own work per token on the engine's path (sampling, streaming, HTTP)
+    stream_s: NonNeg = 0.0  # per token on the coordinator's network thread (the API's streaming: one event per
+    # session and step), beside the engine: it delays the remote calls' hand-offs queued behind it
     # a layer the engine computes whole, in its one graph per step (dense and experts fused, the runtime's
     # work included): local_layer_s + local_layer_row_s x rows; 0 and 0: dense(rows) + experts(pairs)
     local_layer_s: NonNeg = 0.0

@@ -19,8 +19,10 @@ Rules:
   what else runs there (``cores = "shared"``: the volunteers run on the coordinator's machine, as
   ``benchmarks/offload.py`` does; ``"own"``: each volunteer has a machine of one core).
 - The coordinator runs one local expert call at a time (its local runner) and each volunteer one call
-  at a time; a remote call costs the coordinator ``coord_call_s`` and half the loopback ``wire_s`` of CPU
-  (one thread) before it leaves and a wake-up when it returns, and the volunteer a wake-up,
+  at a time; the coordinator's network thread (one queue: ``sim.costs``' rules) streams each step's
+  tokens (``stream_s`` each, while the engine goes on) and does a remote call's protocol: half of
+  ``coord_call_s`` and half the loopback ``wire_s`` before it leaves, a wake-up and the other half of
+  ``coord_call_s`` when its answer comes back; the volunteer pays a wake-up,
   ``worker_proto_s``, the other half of ``wire_s`` and the compute (the network stacks' work is CPU: on
   shared cores it slows with everything else); the round trip and the bytes over the bandwidth are delay.
 - A cancelled call's answer is not delivered (the shell drops it); a call a volunteer has not started
@@ -267,6 +269,7 @@ class ServingSim:
         self.coord = _Machine(self.clock, p.machine_cores)
         self.engine = _Fifo(self.coord, p.coordinator_threads)  # the engine thread: dense, head, whole layers
         self.local = _Fifo(self.coord, p.coordinator_threads)  # the local runner: RunLocal ranges
+        self.net = _Fifo(self.coord, 1)  # the network thread: the API's streams, the calls' protocol, the core
         self.peers = [f"v{i}" for i in range(p.volunteers)]
         self.liars = set(self.peers[: p.liars])
         self.lies: set[CallId] = set()  # calls a liar answered wrongly
@@ -352,6 +355,8 @@ class ServingSim:
         if layer == self.p.n_layer:
             self.engine.submit(None, lambda: self.p.costs.head(grp.rows) + self.p.costs.step_s * grp.rows,
                                lambda _s: self._done(grp))
+            if self.p.costs.stream_s > 0:  # each session's token streamed by the network thread (the engine goes on)
+                self.net.submit(None, lambda: self.p.costs.stream_s * grp.rows, lambda _s: None)
             return
 
         def dense_done(seconds: float) -> None:
@@ -499,10 +504,11 @@ class ServingSim:
             if call in self.cancelled:
                 return
             L.answered = True
-            self.coord.run(c.wake_s, 1, lambda: None if call in self.cancelled else
-                           self._handle(RemoteDone(call, int(self.clock.now * 1000))))
+            self.net.submit(None, lambda: c.wake_s + c.coord_call_s / 2, lambda _s: None if call in self.cancelled else
+                            self._handle(RemoteDone(call, int(self.clock.now * 1000))))
 
-        self.coord.run(c.coord_call_s + c.wire_s / 2, 1, lambda: self.clock.at(self.clock.now + one_way, arrive))
+        self.net.submit(None, lambda: c.coord_call_s / 2 + c.wire_s / 2,
+                        lambda _s: self.clock.at(self.clock.now + one_way, arrive))
 
 
 def local_only(p: Point) -> Point:
