@@ -14,7 +14,9 @@ Rules:
   ``row_bytes`` the activations of one row, each way.
 - The coordinator's network thread (one trio thread: the API's streams and every remote call's protocol
   and dispatch-core work) is one queue of its own: ``stream_s`` per token streamed, ``coord_call_s`` per
-  remote call (half as it leaves, half as its answer comes back). Work queued there waits for what is ahead of it (a step's
+  remote call (half as it leaves, half as its answer comes back). It holds Python's interpreter lock
+  throughout; the engine thread and the local runner hold it for their ``py_share_*`` of each job (the rest
+  is ggml's graphs, which release it): the lock is the coordinator's one queue of Python work. Work queued there waits for what is ahead of it (a step's
   tokens streamed while the next step's first layer is handed off), and shares the machine's cores.
 - ``calibrate`` measures the compute costs here with the real engine and ggml kernels (one process,
   the model's own graphs, a timed expert backend: ``benchmarks/offload.py``'s ``bound`` method) at
@@ -64,6 +66,11 @@ class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     wire_s: NonNeg = 0.0  # the transport's own round trip on loopback (both stacks), beside the declared RTT
     coord_layer_s: NonNeg = 0.0  # the coordinator's machinery per remote layer on the engine's path (placing,
     # handing the calls to the network thread and the answers back, combining): from a measured breakdown
+    # the share of the engine's work that holds Python's interpreter lock (outside ggml's graphs, which release
+    # it): the whole local layers' and the per-layer path's (dense halves, expert calls); the network thread
+    # holds it throughout, so these shares and its work go one at a time
+    py_share_local: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    py_share_dense: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     row_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4096
     threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # the coordinator threads the above were measured with
     source: str = ""  # where the numbers come from (a file, "calibrated on <host> <date>")
@@ -133,7 +140,7 @@ def _measure(path: Path, threads: int, batches: list[int], steps: int, runtime: 
     return out
 
 
-def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 8), steps: int = 12,
+def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 8), steps: int = 48,
               rtt_json: Path | None = None) -> Costs:
     """Measure the compute costs of ``path`` on this machine (see the module's rules): the engine at
     ``threads`` (the coordinator) and then at 1 (a volunteer's thread), each in a process of its own."""
@@ -167,4 +174,6 @@ def calibrate(path: Path, *, threads: int, batches: tuple[int, ...] = (1, 2, 4, 
     return Costs(local_layer_s=la, local_layer_row_s=lb, dense_layer_s=da, dense_row_s=db, expert_call_s=ea, expert_pair_s=eb, worker_call_s=wa,
                  worker_pair_s=wb, coord_call_s=coord_call, worker_proto_s=coord_call, wake_s=wake,
                  row_bytes=4 * int(m_coord["d_model"]), threads=threads,
+                 py_share_dense=float(m_coord.get("py_share_dense") or 0.0),
+                 py_share_local=float(m_coord.get("py_share_local") or 0.0),
                  source=f"calibrated on {platform.node()} {time.strftime('%Y-%m-%d')} from {path.name}")

@@ -201,15 +201,18 @@ class _Machine:
 
 
 class _Fifo:
-    """One job at a time on a machine (a runner thread): ``submit`` queues, ``drop`` removes a queued one."""
+    """One job at a time on a machine (a runner thread): ``submit`` queues, ``drop`` removes a queued one. With
+    ``gil`` (the process's interpreter lock, itself a ``_Fifo`` of one thread), a job's ``share`` of Python
+    runs there first -- one thread of the process at a time -- and the rest (ggml's graphs, which release
+    the lock) on the machine at ``threads``."""
 
-    def __init__(self, machine: _Machine, threads: int) -> None:
-        self.machine, self.threads = machine, threads
-        self.queue: list[tuple[Any, Callable[[], float], Callable[[float], None]]] = []
+    def __init__(self, machine: _Machine, threads: int, gil: _Fifo | None = None) -> None:
+        self.machine, self.threads, self.gil = machine, threads, gil
+        self.queue: list[tuple[Any, Callable[[], float], Callable[[float], None], float]] = []
         self.busy = False
 
-    def submit(self, key: Any, work: Callable[[], float], on_done: Callable[[float], None]) -> None:
-        self.queue.append((key, work, on_done))
+    def submit(self, key: Any, work: Callable[[], float], on_done: Callable[[float], None], share: float = 0.0) -> None:
+        self.queue.append((key, work, on_done, share))
         self._next()
 
     def drop(self, key: Any) -> bool:
@@ -222,7 +225,7 @@ class _Fifo:
     def _next(self) -> None:
         if self.busy or not self.queue:
             return
-        _, work, on_done = self.queue.pop(0)
+        _, work, on_done, share = self.queue.pop(0)
         self.busy = True
         start = self.machine.clock.now
 
@@ -231,7 +234,12 @@ class _Fifo:
             on_done(self.machine.clock.now - start)
             self._next()
 
-        self.machine.run(work(), self.threads, done)
+        w = work()
+        if self.gil is not None and share > 0.0:
+            rest = w * (1.0 - share)
+            self.gil.submit(None, lambda: w * share, lambda _s: self.machine.run(rest, self.threads, done))
+        else:
+            self.machine.run(w, self.threads, done)
 
 
 @dataclass
@@ -267,9 +275,11 @@ class ServingSim:
         self.clock = _Clock()
         self.rng = random.Random(p.seed)
         self.coord = _Machine(self.clock, p.machine_cores)
-        self.engine = _Fifo(self.coord, p.coordinator_threads)  # the engine thread: dense, head, whole layers
-        self.local = _Fifo(self.coord, p.coordinator_threads)  # the local runner: RunLocal ranges
-        self.net = _Fifo(self.coord, 1)  # the network thread: the API's streams, the calls' protocol, the core
+        # the network thread (the API's streams, the calls' protocol, the core): Python throughout, so it is the
+        # interpreter lock's queue itself; the engine thread and the local runner take it for their Python share
+        self.net = _Fifo(self.coord, 1)
+        self.engine = _Fifo(self.coord, p.coordinator_threads, self.net)  # the engine thread: dense, head, whole layers
+        self.local = _Fifo(self.coord, p.coordinator_threads, self.net)  # the local runner: RunLocal ranges
         self.peers = [f"v{i}" for i in range(p.volunteers)]
         self.liars = set(self.peers[: p.liars])
         self.lies: set[CallId] = set()  # calls a liar answered wrongly
@@ -354,7 +364,7 @@ class ServingSim:
     def _layer(self, grp: _Group, layer: int) -> None:
         if layer == self.p.n_layer:
             self.engine.submit(None, lambda: self.p.costs.head(grp.rows) + self.p.costs.step_s * grp.rows,
-                               lambda _s: self._done(grp))
+                               lambda _s: self._done(grp), self.p.costs.py_share_dense)
             if self.p.costs.stream_s > 0:  # each session's token streamed by the network thread (the engine goes on)
                 self.net.submit(None, lambda: self.p.costs.stream_s * grp.rows, lambda _s: None)
             return
@@ -363,7 +373,7 @@ class ServingSim:
             grp.dense_s = seconds
             self._moe(grp, layer)
 
-        self.engine.submit(None, lambda: self.p.costs.dense(grp.rows), dense_done)
+        self.engine.submit(None, lambda: self.p.costs.dense(grp.rows), dense_done, self.p.costs.py_share_dense)
 
     def _done(self, grp: _Group) -> None:
         st = grp.step
@@ -398,7 +408,7 @@ class ServingSim:
                 self._handle(LayerRanLocally(layer, ranges, reason, seconds))
                 self._layer(grp, layer + 1)
 
-            self.engine.submit(None, lambda: self.p.costs.fused_experts(grp.rows, n_pairs), ran)
+            self.engine.submit(None, lambda: self.p.costs.fused_experts(grp.rows, n_pairs), ran, self.p.costs.py_share_local)
             return
         self.step_ids += 1
         sid = StepId(self.step_ids)
@@ -411,7 +421,7 @@ class ServingSim:
         if L.answered:  # what the session groups are chosen by (the dispatcher's sample)
             self.pipeline.sample(L.group.rows, L.group.dense_s, L.volunteer_s, (now - L.placed) - L.volunteer_s)
         if self.p.costs.coord_layer_s > 0:
-            self.engine.submit(None, lambda: self.p.costs.coord_layer_s, lambda _s: self._layer(L.group, L.layer + 1))
+            self.engine.submit(None, lambda: self.p.costs.coord_layer_s, lambda _s: self._layer(L.group, L.layer + 1), 1.0)
         else:
             self._layer(L.group, L.layer + 1)
 
@@ -429,7 +439,8 @@ class ServingSim:
             L = self.layers[e.step]
             self.calls[e.call] = (L, e.index, None)
             pairs, call = L.ranges[e.index].pairs, e.call
-            self.local.submit(call, lambda: self.p.costs.experts(pairs), lambda s: self._local_done(call, s))
+            self.local.submit(call, lambda: self.p.costs.experts(pairs), lambda s: self._local_done(call, s),
+                              self.p.costs.py_share_dense)
         elif isinstance(e, SendRemote | Hedge):
             assert e.peer is not None
             L = self.layers[e.step]

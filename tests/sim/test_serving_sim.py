@@ -14,7 +14,7 @@ import pytest
 from coordinator.core.events import DispatchConfig
 from sim.costs import Costs, calibrate, dump_costs, load_costs
 from sim.scenario import ScenarioError
-from sim.serving import Point, ServingSim, _Clock, _Machine, local_only
+from sim.serving import Point, ServingSim, _Clock, _Fifo, _Machine, local_only
 from sim.serving_run import load_serving, run_serving
 from tests.conftest import GOLDEN_GGUF
 
@@ -44,6 +44,39 @@ def test_processor_sharing() -> None:
         fn()
     assert done["one"] == pytest.approx(0.75)  # 0.5 s of work at 2/3
     assert done["two"] == pytest.approx(0.75 + 0.5)  # 0.5 done by 0.75, the rest alone at full speed
+
+
+def _drain(clock: _Clock) -> None:
+    while clock.heap:
+        t, _, fn = heapq.heappop(clock.heap)
+        clock.now = t
+        fn()
+
+
+def test_the_interpreter_lock_serialises_python_and_not_the_graphs() -> None:
+    """An engine job's Python share waits for the network thread's work ahead of it on the lock; its
+    graph share (the lock released) overlaps the network thread's next job on the other core."""
+    clock = _Clock()
+    m = _Machine(clock, 2)
+    net = _Fifo(m, 1)
+    engine = _Fifo(m, 1, net)
+    done: dict[str, float] = {}
+    net.submit(None, lambda: 0.4, lambda _s: done.update(stream=clock.now))  # on the lock first
+    engine.submit(None, lambda: 1.0, lambda _s: done.update(step=clock.now), 0.5)  # 0.5 Python, 0.5 graph
+    net.submit(None, lambda: 0.4, lambda _s: done.update(call=clock.now))  # behind the engine's Python
+    _drain(clock)
+    assert done["stream"] == pytest.approx(0.4)
+    assert done["step"] == pytest.approx(0.4 + 0.5 + 0.5)  # its Python after the stream, then its graph
+    assert done["call"] == pytest.approx(0.4 + 0.5 + 0.4)  # while the graph runs on the other core
+    # without a Python share the engine's job overlaps the network thread's from the start
+    clock = _Clock()
+    m = _Machine(clock, 2)
+    net = _Fifo(m, 1)
+    engine = _Fifo(m, 1, net)
+    net.submit(None, lambda: 0.4, lambda _s: done.update(stream=clock.now))
+    engine.submit(None, lambda: 1.0, lambda _s: done.update(step=clock.now), 0.0)
+    _drain(clock)
+    assert done["step"] == pytest.approx(1.0)
 
 
 def test_idle_local_only_matches_the_step_time() -> None:
@@ -114,6 +147,7 @@ def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
 def test_calibrate_measures_a_model_and_writes_a_cost_file(tmp_path: Path) -> None:
     c = calibrate(GOLDEN_GGUF, threads=1, batches=(1, 2, 4), steps=5)
     assert c.expert_pair_s > 0 and c.worker_pair_s > 0 and c.dense_layer_s + c.dense_row_s > 0
+    assert 0 < c.py_share_dense < 1 and 0 < c.py_share_local < 1  # measured from ggml's graph time
     f = tmp_path / "costs.toml"
     f.write_text(dump_costs(c))
     assert load_costs(f) == c
