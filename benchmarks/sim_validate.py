@@ -17,6 +17,11 @@ Runs ``benchmarks/backbone.py`` (``--quick``: the ``small`` shape, rtt 0 and 20 
    all-local coordinator (every expert held, no volunteer) and the backbone (no expert held; the volunteers
    on the same 2 cores, each holding whole layers in turn, as the market hands them out here).
 
+``--offload`` (or ``--offload-json``) also runs ``benchmarks/offload.py`` (the bench model, 1 and 4 sessions, 96
+tokens, 2 repeats: the coordinator and one volunteer at one ggml thread each on the two cores, every expert held)
+and predicts its local and adaptive rates from the bench model calibrated at one thread and its local 1-session
+rate (an input: ``stream_s``).
+
 The table gives measured and predicted tokens/s and the error; the two 1-session rtt-0 cases above are inputs
 (their errors are not predictions'); target: every other case within 20 %. Threads: the calibration runs the
 engine alone (2 then 1 ggml threads); backbone.py's processes are described in its own docstring.
@@ -30,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +98,8 @@ def point(costs: Any, shape: dict[str, int], case: dict[str, Any], volunteers: i
                  held=not backbone, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
 
 
-def fit_stream(costs: Any, shape: dict[str, int], local1: dict[str, Any], seed: int) -> Any:
+def fit_stream(costs: Any, shape: dict[str, int], local1: dict[str, Any], seed: int,
+               make: Callable[[Any, dict[str, Any]], Any] | None = None) -> Any:
     """The API's streaming cost per token on the network thread (``stream_s``, what the calibration, which
     runs no server, cannot see): the value whose simulated all-local 1-session rate is the measured one
     (bisection; 0 when the engine alone is already slower than measured)."""
@@ -102,7 +109,7 @@ def fit_stream(costs: Any, shape: dict[str, int], local1: dict[str, Any], seed: 
 
     def rate(stream_s: float) -> float:
         c = msgspec.structs.replace(costs, stream_s=stream_s, step_s=0.0)
-        return ServingSim(point(c, shape, local1, 0, seed)).run().tokens_per_s
+        return ServingSim(make(c, local1) if make else point(c, shape, local1, 0, seed)).run().tokens_per_s
 
     target = float(local1["tokens_per_s"])
     lo, hi = 0.0, 0.005
@@ -144,6 +151,45 @@ def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volu
     return out, costs
 
 
+def offload_medians(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """``benchmarks/offload.py``'s local and adaptive cases: the median tokens/s over its repeats per (mode, rtt, sessions)."""
+    by: dict[tuple[str, float, int], list[float]] = {}
+    for c in run["cases"]:
+        if c["case"] in ("local", "adaptive"):
+            by.setdefault((c["case"], float(c["rtt_ms"]), int(c["sessions"])), []).append(float(c["tokens_per_s"]))
+    return [{"case": k[0], "rtt_ms": k[1], "sessions": k[2], "runs": len(v), "tokens_per_s": statistics.median(v),
+             "all_tokens_per_s": v} for k, v in sorted(by.items())]
+
+
+def predict_offload(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int],
+                    seed: int) -> tuple[list[dict[str, Any]], Any]:
+    """``offload.py``'s setup simulated: the coordinator at one ggml thread holding every expert, one volunteer
+    at one thread on the same two cores serving every layer in four ranges, local-only (no volunteer listed)
+    and adaptive; input: the local 1-session rate (``stream_s``)."""
+    from coordinator.core.events import DispatchConfig
+    from sim.serving import Point, ServingSim
+    from sim.serving_run import COORDINATOR_DISPATCH
+
+    def pt(c: Any, case: dict[str, Any]) -> Point:
+        return Point(costs=c, n_layer=shape["n_moe_layer"], n_expert=shape["n_expert"], top_k=shape["top_k"],
+                     ranges_per_layer=4, sessions=int(case["sessions"]), slots=max(8, int(case["sessions"])),
+                     volunteers=1 if case["case"] == "adaptive" else 0, speed=1.0, rtt_s=float(case["rtt_ms"]) / 1000,
+                     bandwidth=1e9, shared_cores=True, machine_cores=2, coordinator_threads=1, warmup_s=20.0,
+                     measure_s=20.0, held=True, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
+
+    local1 = next(c for c in cases if c["case"] == "local" and c["rtt_ms"] == 0 and c["sessions"] == 1)
+    costs = fit_stream(costs, shape, {**local1, "case": "all_local"}, seed, make=pt)
+    out = []
+    for c in cases:
+        r = ServingSim(pt(costs, c)).run()
+        err = r.tokens_per_s / c["tokens_per_s"] - 1
+        out.append({"case": f"offload_{c['case']}", "rtt_ms": c["rtt_ms"], "sessions": c["sessions"], "runs": c["runs"],
+                    "measured_tokens_per_s": round(c["tokens_per_s"], 2), "predicted_tokens_per_s": round(r.tokens_per_s, 2),
+                    "error": round(err, 4), "input": c is local1, "groups": {str(k): v for k, v in sorted(r.groups.items())},
+                    "remote_rows": r.remote_rows})
+    return out, costs
+
+
 def shape_of(model: Path) -> dict[str, int]:
     from swarm.model.gguf import GGUFModel
 
@@ -167,6 +213,9 @@ def main() -> None:
                     help="tokens per completion of backbone.py (default 128 with --quick: long enough for steady decode, "
                          "which the simulation predicts, to outweigh the start of each case)")
     ap.add_argument("--costs", type=Path, default=None, help="a cost file calibrated on this machine (else calibrated here)")
+    ap.add_argument("--offload", action="store_true",
+                    help="also offload.py (bench model, 1 and 4 sessions, 96 tokens, 2 repeats): local and adaptive")
+    ap.add_argument("--offload-json", type=Path, default=None, help="an offload.py JSON already measured (the bench model)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -195,6 +244,20 @@ def main() -> None:
         groups = ",".join(f"{k}x{v}" for k, v in r["groups"].items())
         print(f"{r['case']:<10} {r['rtt_ms']:>6g} {r['sessions']:>4} {r['measured_tokens_per_s']:>9.2f} "
               f"{r['predicted_tokens_per_s']:>9.2f} {err:>7}  {groups}")
+    off: dict[str, Any] | None = None
+    if a.offload and a.offload_json is None:
+        a.offload_json = Path(tempfile.mkdtemp(prefix="sim-validate-")) / "offload.json"
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--sessions", "1", "4", "--decode", "96",
+                        "--repeat", "2", "--json", str(a.offload_json)], check=True, cwd=ROOT)
+    if a.offload_json is not None:
+        bench = ROOT / "benchmarks" / ".cache" / "bench-qwen3moe.gguf"
+        off = json.loads(a.offload_json.read_text())
+        off_rows, off_costs = predict_offload(offload_medians(off), calibrate(bench, threads=1), shape_of(bench), a.seed)
+        rows += off_rows
+        for r in off_rows:
+            err = "input" if r["input"] else f"{100 * r['error']:+.1f}%"
+            print(f"{r['case']:<10} {r['rtt_ms']:>6g} {r['sessions']:>4} {r['measured_tokens_per_s']:>9.2f} "
+                  f"{r['predicted_tokens_per_s']:>9.2f} {err:>7}  remote rows {r['remote_rows']}")
     worst = max((abs(r["error"]) for r in rows if not r["input"] and r["error"] is not None), default=0.0)
     print(f"\nworst prediction error (inputs excluded): {100 * worst:.1f} % (target <= 20 %); "
           f"fitted stream_s {1000 * fitted.stream_s:.3f} ms")
