@@ -251,8 +251,12 @@ def main() -> None:
                         "--repeat", "2", "--json", str(a.offload_json)], check=True, cwd=ROOT)
     if a.offload_json is not None:
         bench = ROOT / "benchmarks" / ".cache" / "bench-qwen3moe.gguf"
-        off = json.loads(a.offload_json.read_text())
-        off_rows, off_costs = predict_offload(offload_medians(off), calibrate(bench, threads=1), shape_of(bench), a.seed)
+        off_measured, off_shape, off_calibrated = offload_medians(json.loads(a.offload_json.read_text())), shape_of(bench), \
+            calibrate(bench, threads=1)
+        off_rows, off_costs = predict_offload(off_measured, off_calibrated, off_shape, a.seed)
+        # what a test needs to simulate them again (tests/sim/test_validation.py)
+        off = {"measured": off_measured, "shape": off_shape, "costs": msgspec.to_builtins(off_calibrated),
+               "fitted_stream_s": off_costs.stream_s}
         rows += off_rows
         for r in off_rows:
             err = "input" if r["input"] else f"{100 * r['error']:+.1f}%"
@@ -264,7 +268,7 @@ def main() -> None:
     # what a test needs to simulate the same cases again: the measured medians, the shape, the costs calibrated
     write_json(a.json, {"benchmark": "sim_validate", "size": runs[0].get("size"), "volunteers": runs[0]["volunteers"],
                         "runs": len(runs), "shape": shape, "measured": cases, "costs": msgspec.to_builtins(costs),
-                        "fitted_stream_s": fitted.stream_s, "cases": rows, "worst_error": round(worst, 4)})
+                        "fitted_stream_s": fitted.stream_s, "offload": off, "cases": rows, "worst_error": round(worst, 4)})
 
 
 if __name__ == "__main__":
