@@ -221,6 +221,7 @@ def plain_softmax_gate(cfg: ModelConfig) -> bool:
 
 ATTN_BIG_WORK = 16_000_000  # attention multiply-accumulates from which it uses every thread (prefill)
 FUSED_MAX_ROWS = 16  # steps of up to this many rows compute a local layer's MoE inside its AttnOut graph
+STACK_MAX_ROWS = 1024  # a step's rows (each sequence's padded to its attention's bucket) in one stack graph
 KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama.cpp pads its view too)
 
 
@@ -293,7 +294,7 @@ class _GgmlDense:
         emb = model.token_embd.table
         self.stack = StackGraph(
             specs, self.attn, self.head, DenseWeight(np.ascontiguousarray(emb.raw).reshape(-1), int(emb.qtype), *emb.shape),
-            max_rows=FUSED_MAX_ROWS) if len(specs) == cfg.n_layer else None
+            max_rows=STACK_MAX_ROWS) if len(specs) == cfg.n_layer else None
 
 
 @dataclass(eq=False)
@@ -514,8 +515,7 @@ class Transformer:
             c.cache.begin(c.pos + len(c.tokens))
         n_groups = min(len(chunks), max(1, self.experts.groups(len(chunks), n_tok)))
         here: list[bool] | None = None
-        if n_groups == 1 and gd.stack is not None and n_tok <= FUSED_MAX_ROWS \
-                and gd.stack.fits([len(c.tokens) for c in chunks]):
+        if n_groups == 1 and gd.stack is not None and gd.stack.fits([len(c.tokens) for c in chunks]):
             # asked once per layer and step: the whole step in one graph if every layer is computed here
             here = [self.experts.whole_layer_here(ml, n_tok * cfg.n_expert_used) for ml in range(cfg.n_moe_layer)]
             if all(here):
