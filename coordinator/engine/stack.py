@@ -1,4 +1,4 @@
-"""A decode step's layers as one ggml graph (shell over native code), as llama.cpp computes its forward.
+"""A step's layers as one ggml graph (shell over native code), as llama.cpp computes its forward.
 
 When every layer of a step is computed here (the idle path: the expert backend's ``whole_layer_here``
 for every MoE layer), the engine runs the step as one graph instead of four per layer with Python,
@@ -18,14 +18,23 @@ Rules:
   per-layer path on every architecture it covers, f32 and f16 caches, 1-16 sequences). Each layer's
   ops come from its own block object (``ops``/``moe_ops``), on its own weight leaves: a leaf a family
   re-points (``_Graphs._bind``) is pointed back at its own weights before every compute.
-- Decode-sized steps only: each sequence's rows <= ``MAX_SEQ_ROWS`` (their attention then has the
-  exact row count the per-layer path uses: ``_bucket(n) == n``), all rows <= the fused MoE's bucket.
-- Built once per (layers, row bucket, rows and context of each sequence, cache type, threads) and reused:
-  per step only data is rebound, never a graph rebuilt. The rows' token ids and positions and
-  each sequence's causal mask are written into input tensors; the cache writes' destinations
-  (``tensor->data`` of the ``ggml_cpy`` nodes) move to the step's positions; the attention's
-  cache views, mask, scores and softmax take the step's ``n_kv`` (the used rows rounded up to
-  ``KV_PAD``) by setting their ``ne``/``nb`` -- their memory is sized for the whole context.
+- Decode steps and prefill chunks alike: each sequence's rows take a *slot* of the graph's rows, cut
+  as the per-layer attention cuts them (``Attention``: blocks of its ``max_rows``, the last one
+  bucketed, ``_bucket``); its rows first, then the padding rows of its last block, whose results
+  nobody reads (every op but the attention is row by row; the attention of a padding row is its
+  own, its mask the block's last row's). Each block's attention has the per-layer path's shapes. All
+  slots together <= ``max_rows``. The head computes the rows asked for only (``get_rows`` of them,
+  as many as the per-layer head's bucket).
+- Built once per (layers, blocks and context of each sequence, cache type, threads, head rows) and
+  reused, least recently used dropped past ``max_graphs`` or ``max_bytes`` of allocator memory: per
+  step only data is rebound, never a graph rebuilt. The rows' token ids and positions and
+  each block's causal mask are written into input tensors; the cache writes' destinations
+  (``tensor->data`` of the ``ggml_cpy`` nodes) move to the step's positions and take the step's row
+  count (a prefill chunk of any length in its bucket: ``ne`` of the cpy nodes and their views); the
+  attention's cache views, mask, scores and softmax take the step's ``n_kv`` (the used rows rounded
+  up to ``KV_PAD``) by setting their ``ne``/``nb`` -- their memory is sized for the whole context.
+- gpt-oss's attention sinks: each layer's sink logits join its softmax (``ggml_soft_max_add_sinks``,
+  as ``Attention``'s).
 - Memory: ggml's graph allocator (``ggml_gallocr``) places the intermediate tensors, reusing
   memory across layers as llama.cpp does; inputs and outputs are never reused (flagged output).
 - The cache writes are ordered before the attention that reads them: each layer's ``ggml_cpy``
@@ -57,9 +66,7 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["MAX_SEQ_ROWS", "LayerSpec", "StackGraph"]
-
-MAX_SEQ_ROWS = 8  # rows of one sequence in a stacked step (the attention's bucket is then exact)
+__all__ = ["LayerSpec", "StackGraph"]
 
 # ggml-python 0.0.45 declares this function's result as a NewType of int, so ctypes truncates the pointer
 # to 32 bits (a segfault in ggml_gallocr_new): our own prototype returns the whole pointer
@@ -77,6 +84,7 @@ class LayerSpec:
     moe_layer: int | None
     dense: AttnOut | None
     window: int = 0
+    sinks: np.ndarray | None = None  # gpt-oss: one attention-sink logit per head
 
 
 class _Blk:
@@ -157,8 +165,21 @@ class StackGraph:
                         for s in layers) + head.macs
         tid = _type_id(embd.qtype)
         self._embd_raw = _as_raw(embd.raw, row_nbytes(tid, d) * embd.out_features, "token_embd")
-        self._wctx = _Ctx(4 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
+        self._wctx = _Ctx((4 + len(layers)) * g.ggml_tensor_overhead() + 1024, no_alloc=True)
         self._embd = _weight_tensor(self._wctx, tid, (d, embd.out_features), self._embd_raw, "token_embd")
+        self._sinks: list[Any] = []  # per layer: its sinks as a leaf [H] (None without)
+        self._keep: list[np.ndarray] = []
+        for s in layers:
+            if s.sinks is None:
+                self._sinks.append(None)
+                continue
+            arr = np.ascontiguousarray(s.sinks, dtype=np.float32).reshape(-1)
+            if arr.shape != (attn.H,):
+                raise KernelError(f"sinks must be {attn.H} float32 values")
+            self._keep.append(arr)
+            st = g.ggml_new_tensor_1d(self._wctx.ctx, g.GGML_TYPE_F32, attn.H)
+            st.contents.data = arr.ctypes.data
+            self._sinks.append(st)
         blocks: list[_Graphs] = [head]
         for s in layers:
             blocks += [s.attn_in] + [b for b in (s.moe, s.dense) if b is not None]
@@ -261,6 +282,8 @@ class StackGraph:
                                         (s0 + bk.start) * q.contents.nb[2])
                     kq = g.ggml_mul_mat(c, kr, g.ggml_permute(c, qs, 0, 2, 1, 3))  # [n_ctx, b, H]
                     sm = g.ggml_soft_max_ext(c, kq, bk.masks[spec.window][0], ctypes.c_float(at.scale), ctypes.c_float(0.0))
+                    if self._sinks[li] is not None:  # as Attention's: a sink logit per head joins the softmax
+                        g.ggml_soft_max_add_sinks(sm, self._sinks[li])
                     kqv = g.ggml_mul_mat(c, vt, sm)  # [hdv, b, H]
                     outs.append(g.ggml_cont(c, g.ggml_permute(c, kqv, 0, 2, 1, 3)))  # [hdv, H, b]
                     bk.kread.append(kr.contents)

@@ -16,7 +16,8 @@ from swarm.model.kernels.ggml import graph_time
 from tests.conftest import FIXTURES
 
 STACKING = ["qwen3moe-tiny-q8_0", "qwen3moe-small-w224-q4_k_m", "olmoe-tiny-q8_0", "qwen2moe-tiny-q8_0",
-            "mixtral-spm-tiny-q8_0", "deepseek2-tiny-q8_0", "qwen3moe-tiny-f32"]
+            "mixtral-spm-tiny-q8_0", "deepseek2-tiny-q8_0", "qwen3moe-tiny-f32", "gpt-oss-tiny-q8_0", "gpt-oss-tiny-mxfp4_moe",
+            "gpt-oss-tiny-f32", "deepseek2-groups-tiny-f32"]
 
 
 def _run(tr: Transformer, n_seq: int, steps: int, dtype: torch.dtype, *, swap: bool = False) -> list[torch.Tensor]:
