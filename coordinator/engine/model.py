@@ -504,7 +504,10 @@ class Transformer:
             bounds.append((start, start + len(c.tokens)))
             start += len(c.tokens)
         tokens = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=start)
-        pos = np.concatenate([np.arange(c.pos, c.pos + len(c.tokens), dtype=np.int64) for c in chunks])
+        if all(len(c.tokens) == 1 for c in chunks):  # a decode step: one row each
+            pos = np.fromiter((c.pos for c in chunks), dtype=np.int64, count=start)
+        else:
+            pos = np.concatenate([np.arange(c.pos, c.pos + len(c.tokens), dtype=np.int64) for c in chunks])
         if self._ggml is not None:
             return self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)
         return self._forward_torch(chunks, bounds, self.model.token_embd(torch.from_numpy(tokens)), torch.from_numpy(pos))

@@ -363,8 +363,10 @@ class StackGraph:
         want = (n_tok,) if whole else (n_tok, self.d)
         if tokens.shape != want or pos.shape != (n_tok,) or not self.fits(list(ns)):
             raise KernelError(f"a stack step of {ns} rows does not fit {tokens.shape}")
-        if whole and n_tok and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
-            raise KernelError(f"token id out of range 0..{self.n_vocab - 1}")
+        if whole and n_tok:
+            tl = tokens.tolist() if n_tok <= 64 else [int(tokens.min()), int(tokens.max())]  # (a decode step: no numpy reductions)
+            if min(tl) < 0 or max(tl) >= self.n_vocab:
+                raise KernelError(f"token id out of range 0..{self.n_vocab - 1}")
         dt = {kc.dtype for _, _, kc, _ in seqs} | {vc.dtype for _, _, _, vc in seqs}
         if len(dt) != 1 or next(iter(dt)) not in (np.float16, np.float32):
             raise KernelError(f"KV caches of one type (f16 or f32), got {dt}")
@@ -450,7 +452,13 @@ class StackGraph:
                         _set_shape(mt, (n_kv, bk.b), (4, 4 * n_kv, 4 * n_kv * bk.b, 4 * n_kv * bk.b))
                     bk.n_kv = n_kv
                 for w, (_, mem) in bk.masks.items():
-                    mem[: bk.b * n_kv] = at._mask(bk.b, p, used, n_kv, w).reshape(-1)
+                    if bk.b == 1:  # a decode row (at position used - 1): its keys 0 .. used-1 (in its window)
+                        mem[:n_kv] = 0.0
+                        mem[used:n_kv] = -np.inf
+                        if w > 0 and used > w:
+                            mem[: used - w] = -np.inf
+                    else:
+                        mem[: bk.b * n_kv] = at._mask(bk.b, p, used, n_kv, w).reshape(-1)
         with ExitStack() as es_:
             for lock in self._locks:
                 es_.enter_context(lock)
