@@ -85,11 +85,12 @@ async def one_request(rt: EngineRuntime, prompt: list[int], n_decode: int) -> tu
 
 
 async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_decode: int
-                   ) -> tuple[float, float, float, float, float]:
+                   ) -> tuple[float, float, float, float, float, float]:
     """Prefill and aggregate decode tokens/s of ``conc`` concurrent requests (prompts differ per rep),
     and the shares of the decode phase (from the last first token to the end, as the trio side sees
-    them come) and of the whole case the engine thread spent inside ggml's graph compute, and the graphs
-    it computed per decode step in that phase. With a tiny model the engine can finish before its first
+    them come) and of the whole case the engine thread spent inside ggml's graph compute, the graphs
+    it computed per decode step in that phase, and the share of the prefill phase (to the last first
+    token) inside ggml's graph compute. With a tiny model the engine can finish before its first
     token is delivered: the decode share is then 0."""
     vocab = rt.model.config.n_vocab
     prompts = [[(7 * i + 13 * j + rep) % (vocab - 3) for j in range(prompt_len)] for i in range(conc)]
@@ -109,7 +110,7 @@ async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_de
     prefill_wall, (g_decode, n_decode_0) = results[last][0], results[last][2]
     decode_wall = wall - prefill_wall
     return (conc * prompt_len / prefill_wall, conc * (n_decode - 1) / decode_wall, (g_end - g_decode) / decode_wall,
-            (g_end - g0) / wall, (n_end - n_decode_0) / max(1, n_decode - 1))
+            (g_end - g0) / wall, (n_end - n_decode_0) / max(1, n_decode - 1), (g_decode - g0) / prefill_wall)
 
 
 async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int,
@@ -123,11 +124,13 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
         share: list[float] = []
         case_share: list[float] = []  # over the whole case, prefill included
         graphs: list[float] = []  # ggml graphs per decode step (1: token ids to logits in one graph)
+        pre_shares: list[float] = []  # the prefill phase's share inside ggml's graph compute
         ref_pre: list[float] = []
         ref_dec: list[float] = []
         version = ""
         for rep in range(reps):
-            p, d, gs, whole, per_step = await one_case(rt, conc, rep, prompt_len, n_decode)
+            p, d, gs, whole, per_step, pre_share = await one_case(rt, conc, rep, prompt_len, n_decode)
+            pre_shares.append(pre_share)
             graphs.append(per_step)
             pre.append(p)
             dec.append(d)
@@ -143,6 +146,10 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
                                  "prompt_tokens" if name == "prefill" else "decode_tokens":
                                      prompt_len if name == "prefill" else n_decode,
                                  "tokens_per_s": round(statistics.median(ours), 2)}
+            if name == "prefill":  # the prefill phase: inside ggml's graphs vs everything else
+                c["graph_share"] = round(statistics.median(pre_shares), 4)
+                c["outside_graph_ms"] = round(1000.0 * conc * prompt_len / statistics.median(ours)
+                                              * (1.0 - statistics.median(pre_shares)), 3)
             if name == "decode":  # issue 32's breakdown: a decode step inside ggml's graphs vs everything else
                 step_ms = 1000.0 * conc / statistics.median(ours)
                 c["step_ms"] = round(step_ms, 3)
@@ -265,7 +272,8 @@ def main() -> None:
             extra = f" {ref:>10.2f} {c['tokens_per_s'] / ref:>7.2f}" if ref else ""
             split = (f"   step {c['step_ms']:.2f} ms: {100 * c['graph_share']:.0f} % in ggml graphs, "
                      f"{c['outside_graph_ms']:.2f} ms outside, {c['graphs_per_step']:.1f} graphs a step"
-                     if "graph_share" in c else "")
+                     if "step_ms" in c else f"   {100 * c['graph_share']:.0f} % in ggml graphs, "
+                     f"{c['outside_graph_ms']:.1f} ms outside" if "graph_share" in c else "")
             print(f"{c['case']:<12} {c['tokens_per_s']:>10.2f}{extra}{split}")
     mem = result["cases"][-1]
     print(f"resident memory {mem['rss_mb']:.0f} MB (model file {mem['file_mb']:.0f} MB, "

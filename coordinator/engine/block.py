@@ -41,6 +41,8 @@ import numpy as np
 from swarm.errors import KernelError
 from swarm.model.gguf import RopeScaling
 from swarm.model.kernels.ggml import (
+    OAI_ALPHA,
+    OAI_LIMIT,
     _as_raw,
     _bucket,
     _Ctx,
@@ -52,7 +54,7 @@ from swarm.model.kernels.ggml import (
     row_nbytes,
 )
 
-__all__ = ["Attention", "AttnIn", "AttnOut", "AttnOutMoE", "DenseWeight", "Head", "HeadWeights", "MlaIn", "RoutedExperts",
+__all__ = ["Attention", "AttnIn", "AttnOut", "AttnOutMoE", "DenseWeight", "Gate", "Head", "HeadWeights", "MlaIn", "RoutedExperts",
            "SharedFFN", "SharedOut"]
 
 _NODES = 64
@@ -574,6 +576,82 @@ class RoutedExperts:
     norm_topk: bool
     scale: float = 1.0
     activation: str = "silu"
+    gating: str = "softmax"  # "softmax_topk" (gpt-oss): top-k of the logits, a softmax over those k
+    n_group: int = 0  # > 1: DeepSeek's grouped top-k (the n_group_used groups with the best two-expert sums)
+    n_group_used: int = 0
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # gpt-oss: F32 gate/up/down rows per expert
+
+
+def _gate_ops(ctx: Any, probs: Any, b: int, e: RoutedExperts) -> tuple[Any, Any]:
+    """A router's top-k on ``probs [n_expert, b]`` (softmax probabilities; the logits for a
+    "softmax_topk" gate): ``(ids [k, b] int32, weights [1, k, b])`` as llama.cpp's ``build_moe_ffn``
+    selects them -- with groups (``n_group`` > 1) the experts outside the ``n_group_used`` groups with
+    the largest sums of their two best are out (``set_rows`` of -inf rows), the weights are the
+    chosen probabilities (or the softmax of the chosen logits), renormalised where ``norm_topk`` (the
+    sum in double, one float32 division), times ``scale`` unless it is 1."""
+    n, k = e.n_expert, e.k
+    sel = probs
+    if e.n_group > 1:
+        per = n // e.n_group
+        grouped = g.ggml_reshape_3d(ctx, probs, per, e.n_group, b)
+        best = g.ggml_top_k(ctx, grouped, min(2, per))  # [2, groups, b]
+        two = g.ggml_get_rows(ctx, g.ggml_reshape_4d(ctx, grouped, 1, per, e.n_group, b), best)  # [1, 2, groups, b]
+        score = g.ggml_reshape_2d(ctx, g.ggml_sum_rows(ctx, g.ggml_reshape_3d(ctx, two, min(2, per), e.n_group, b)),
+                                  e.n_group, b)
+        keep = g.ggml_top_k(ctx, score, e.n_group_used)  # [n_group_used, b]
+        kept = g.ggml_get_rows(ctx, grouped, keep)  # [per, n_group_used, b]
+        out = g.ggml_scale_bias(ctx, grouped, ctypes.c_float(0.0), ctypes.c_float(-np.inf))
+        sel = g.ggml_reshape_2d(ctx, g.ggml_set_rows(ctx, out, kept, keep), n, b)
+    ids = g.ggml_top_k(ctx, sel, k)  # [k, b]
+    w = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, n, b), ids)  # [1, k, b]
+    if e.gating == "softmax_topk":
+        w = g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, g.ggml_reshape_2d(ctx, w, k, b)), 1, k, b)
+    if e.norm_topk:
+        w2 = g.ggml_reshape_2d(ctx, w, k, b)
+        w = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, w2, g.ggml_sum_rows(ctx, w2)), 1, k, b)
+    if e.scale != 1.0:
+        w = g.ggml_scale(ctx, w, ctypes.c_float(e.scale))
+    return ids, w
+
+
+class Gate(_Graphs):
+    """``_gate_ops`` alone: router rows ``[n, n_expert]`` -> ``(experts [n, k] int64, weights [n, k])``,
+    for the per-layer path of the gates ``Transformer.select_np`` does not compute (gpt-oss's top-k
+    softmax, DeepSeek's groups): the ops the fused MoE computes them with, so the same bits."""
+
+    def __init__(self, *, experts: RoutedExperts, max_rows: int = 256) -> None:
+        super().__init__(max_rows)
+        self.ex = experts
+        self.nodes = _NODES + 32
+        self._ar = np.arange(experts.n_expert, dtype=np.float32)
+
+    def _mem(self, b: int) -> int:
+        e = self.ex
+        return 4 * b * (8 * e.n_expert + 8 * e.k + 16)
+
+    def _build(self, ctx: Any, b: int) -> tuple[dict[str, tuple[Any, tuple[int, ...], str]], list[Any]]:
+        n, k = self.ex.n_expert, self.ex.k
+        p = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, n, b)
+        ar = g.ggml_new_tensor_3d(ctx, g.GGML_TYPE_F32, 1, n, b)
+        for t in (p, ar):
+            g.ggml_set_input(t)
+        ids, w = _gate_ops(ctx, p, b, self.ex)
+        idxf = g.ggml_get_rows(ctx, ar, ids)  # [1, k, b]: the experts' indices as floats (exact)
+        return ({"p": (p, (b, n), "f32"), "ar": (ar, (b, n), "f32")},
+                [g.ggml_cont(ctx, g.ggml_reshape_2d(ctx, idxf, k, b)), g.ggml_cont(ctx, g.ggml_reshape_2d(ctx, w, k, b))])
+
+    def __call__(self, probs: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        p = np.ascontiguousarray(probs, dtype=np.float32)
+        if p.ndim != 2 or p.shape[1] != self.ex.n_expert:
+            raise KernelError(f"router rows must be [n, {self.ex.n_expert}], got {p.shape}")
+        ar = self._ar
+
+        def fill(v: dict[str, np.ndarray], s: int, e: int) -> None:
+            v["p"][: e - s] = p[s:e]
+            v["ar"][:] = ar
+
+        ids, w = self._run(p.shape[0], n_threads, fill, 2)
+        return ids.astype(np.int64), w
 
 
 class AttnOutMoE(AttnOut):
@@ -583,8 +661,9 @@ class AttnOutMoE(AttnOut):
     division; ``ggml_sum_rows`` accumulates in double) -> the experts (``mul_mat_id``, as
     ``GgmlExpertKernel``) -> each output times its weight -> added into a zero row in ascending
     expert order (the slots ordered by ``argsort`` of the experts' indices) -> (+ the shared expert)
-    -> the new residual (SiLU experts without biases: the gates and experts of gpt-oss keep the
-    separate path). The bits of ``AttnOut``, ``select_np``, ``ExpertKernel.combined`` and the
+    -> the new residual (gpt-oss: the top-k softmax gate, biases added with ``add_id``, its clamped
+    SwiGLU, as ``GgmlExpertKernel``; DeepSeek's groups: ``_gate_ops``). The bits of ``AttnOut``,
+    ``select_np`` (else ``Gate``), ``ExpertKernel.combined`` and the
     adds in ``Transformer``, in one graph: a decode step's layer costs two graph calls instead of
     four and no Python in between. Returns ``(x_next, experts)``: each row's ``k`` experts,
     ascending (for the dispatcher's report). Exact ties in the top-k may pick another of the tied
@@ -595,18 +674,27 @@ class AttnOutMoE(AttnOut):
         family = kw.pop("family", None)
         super().__init__(family=None, **kw)
         e = experts
-        if self._wr is None or self.n_expert != e.n_expert or self.softmax is False:
-            raise KernelError("a fused MoE block needs its softmax router over the layer's experts")
-        if e.activation != "silu" or not 0 < e.k <= e.n_expert:
-            raise KernelError(f"fused MoE: activation {e.activation!r}, k {e.k} of {e.n_expert}")
+        if self._wr is None or self.n_expert != e.n_expert or self.softmax != (e.gating == "softmax"):
+            raise KernelError("a fused MoE block needs its router over the layer's experts (softmax, or the "
+                              "logits for a top-k softmax)")
+        if e.activation not in ("silu", "swiglu_oai") or not 0 < e.k <= e.n_expert \
+                or e.gating not in ("softmax", "softmax_topk"):
+            raise KernelError(f"fused MoE: activation {e.activation!r}, gating {e.gating!r}, k {e.k} of {e.n_expert}")
+        if e.n_group > 1 and (e.n_expert % e.n_group or not 0 < e.n_group_used <= e.n_group
+                              or e.k > e.n_group_used * (e.n_expert // e.n_group)):
+            raise KernelError(f"fused MoE: {e.n_group} groups ({e.n_group_used} used) do not fit {e.n_expert} experts, k {e.k}")
         d, f, n = self.d, e.width, e.n_expert
         self.ex = e
         self._we = tuple(self._dense3(HeadWeights(raw, t, n, out, inn), name) for raw, t, out, inn, name in (
             (e.gate, e.types[0], f, d, "gate_exps"), (e.up, e.types[1], f, d, "up_exps"), (e.down, e.types[2], d, f, "down_exps")))
+        self._eb = None if e.biases is None else tuple(
+            self._dense(DenseWeight(_as_raw(bias, 4 * m * n, name), int(g.GGML_TYPE_F32), n, m), name)
+            for bias, m, name in zip(e.biases, (f, f, d), ("gate_b", "up_b", "down_b"), strict=True))
         self.macs += e.k * 3 * d * f
-        self.nodes = _NODES + 4 * e.k + 32
+        self.nodes = _NODES + 4 * e.k + 48
         self._ar = np.arange(n, dtype=np.float32)  # the "ar" input of every row: 0 .. n_expert-1
-        self._share(family, (*self._sig, e.k, e.norm_topk, float(e.scale)))
+        self._share(family, (*self._sig, e.k, e.norm_topk, float(e.scale), e.activation, e.gating, e.n_group,
+                             e.n_group_used, e.biases is not None))
 
     def _mem(self, b: int) -> int:
         e = self.ex
@@ -628,19 +716,20 @@ class AttnOutMoE(AttnOut):
         n_expert-1) and ``zero [d, b]`` (zeros): ``(x_next [d, b], experts [k, b] as floats, ascending)``."""
         x2, h, probs = outs[0], outs[1], outs[2]
         shared = outs[3] if self._sh is not None else None
-        e, d, n, k = self.ex, self.d, self.ex.n_expert, self.ex.k
-        ids = g.ggml_top_k(ctx, probs, k)  # [k, b]
-        w = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, n, b), ids)  # [1, k, b]
-        if e.norm_topk:
-            w2 = g.ggml_reshape_2d(ctx, w, k, b)
-            w = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, w2, g.ggml_sum_rows(ctx, w2)), 1, k, b)
-        if e.scale != 1.0:
-            w = g.ggml_scale(ctx, w, ctypes.c_float(e.scale))
+        e, d, k = self.ex, self.d, self.ex.k
+        ids, w = _gate_ops(ctx, probs, b, e)
         xp = g.ggml_reshape_3d(ctx, h, d, 1, b)
         wg, wu, wd = self._we
         gt = g.ggml_mul_mat_id(ctx, wg, xp, ids)  # [f, k, b]
         ut = g.ggml_mul_mat_id(ctx, wu, xp, ids)
-        y = g.ggml_mul_mat_id(ctx, wd, g.ggml_swiglu_split(ctx, gt, ut), ids)  # [d, k, b]
+        if self._eb is not None:  # as GgmlExpertKernel: add_id after each projection
+            ut = g.ggml_add_id(ctx, ut, self._eb[1], ids)
+            gt = g.ggml_add_id(ctx, gt, self._eb[0], ids)
+        act = (g.ggml_swiglu_oai(ctx, gt, ut, ctypes.c_float(OAI_ALPHA), ctypes.c_float(OAI_LIMIT))
+               if e.activation == "swiglu_oai" else g.ggml_swiglu_split(ctx, gt, ut))
+        y = g.ggml_mul_mat_id(ctx, wd, act, ids)  # [d, k, b]
+        if self._eb is not None:
+            y = g.ggml_add_id(ctx, y, self._eb[2], ids)
         yw = g.ggml_mul(ctx, y, w)
         idxf = g.ggml_get_rows(ctx, ar, ids)  # [1, k, b]: the experts' indices as floats (exact)
         order = g.ggml_argsort(ctx, g.ggml_reshape_2d(ctx, idxf, k, b), g.GGML_SORT_ORDER_ASC)  # [k, b]

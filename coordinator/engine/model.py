@@ -12,10 +12,13 @@ Rules:
   padded to ``KV_PAD`` rows as llama.cpp pads its own) and the head is one graph: llama.cpp's own ops, so its
   numbers (tests: within 1.6e-6 of llama.cpp on Q8_0, Q4_0 and Q4_K_M files). The torch path (the
   reference backend) computes the same math with torch ops.
-- A decode-sized step whose every layer is computed here (``ExpertBackend.whole_layer_here`` for every
-  expert layer, one group) runs as one ggml graph from token ids to logits (``coordinator.engine.stack``),
-  built once per shape and rebound per step: the per-layer graphs' bits (tested), no Python between
-  layers. Any other step (prefill, a layer that may go remote, several groups) takes the per-layer path.
+- A step whose every layer is computed here (``ExpertBackend.whole_layer_here`` for every expert layer,
+  one group, up to ``STACK_MAX_ROWS`` padded rows: decode and prefill chunks alike) runs as one ggml
+  graph from token ids to logits (``coordinator.engine.stack``), built once per shape (a prefill: per
+  bucket) and rebound per step: the per-layer graphs' bits (tested on every architecture), no Python
+  between layers. Runs of local layers between remote ones are one graph each; several groups take
+  the per-layer path. The gates ``select_np`` does not compute (gpt-oss's top-k softmax, DeepSeek's
+  groups) are ggml ops on both paths (``Gate``, the fused MoE's), so both give the same bits.
 - Numerics follow llama.cpp: RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; NEOX or adjacent-pair RoPE
   per architecture; q/k/v biases where the file has them; q/k RMSNorm before RoPE per head or over
   the whole projection where the architecture has it; GQA maps query head h to kv head
@@ -46,6 +49,7 @@ from coordinator.engine.block import (
     AttnOutMoE,
     DenseWeight,
     Family,
+    Gate,
     Head,
     HeadWeights,
     MlaIn,
@@ -221,6 +225,7 @@ def plain_softmax_gate(cfg: ModelConfig) -> bool:
 
 ATTN_BIG_WORK = 16_000_000  # attention multiply-accumulates from which it uses every thread (prefill)
 FUSED_MAX_ROWS = 16  # steps of up to this many rows compute a local layer's MoE inside its AttnOut graph
+STACK_MAX_ROWS = 1024  # a step's rows (each sequence's padded to its attention's bucket) in one stack graph
 KV_PAD = 32  # the attention view covers the used rows rounded up to this (llama.cpp pads its view too)
 
 
@@ -243,24 +248,30 @@ class _GgmlDense:
                 v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b),
                 softmax=cfg.spec.gating == "softmax", family=fam))
         # decode-sized steps of a layer whose experts are all computed here: the routed MoE joins the
-        # AttnOut graph (AttnOutMoE), for the gates select_np computes (plain softmax, no groups)
+        # AttnOut graph (AttnOutMoE), for every gate (the ones select_np does not compute: Gate's ops)
         self.attn_out_moe: list[AttnOutMoE | None] = [None] * cfg.n_layer
-        if plain_softmax_gate(cfg):
-            for li, L in enumerate(model.layers):
-                st = L.experts
-                if st is None or L.router is None or st.biases is not None or st.activation != "silu":
-                    continue
-                sh = L.shared
-                ex = RoutedExperts(
-                    gate=st.gate_t.raw, up=st.up_t.raw, down=st.down_t.raw,
-                    types=(int(st.gate_t.qtype), int(st.up_t.qtype), int(st.down_t.qtype)),
-                    n_expert=st.n_expert, width=st.d_expert, k=cfg.n_expert_used, norm_topk=cfg.norm_topk,
-                    scale=cfg.expert_weights_scale)
-                self.attn_out_moe[li] = AttnOutMoE(
-                    experts=ex, max_rows=FUSED_MAX_ROWS, wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dwo(L.router),
-                    eps=cfg.rms_eps, bo=_np(L.bo),
-                    shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
-                    v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b), softmax=True, family=fam)
+        self.gate: Gate | None = None  # the per-layer path's top-k for gpt-oss's and DeepSeek's grouped gates
+        for li, L in enumerate(model.layers):
+            st = L.experts
+            if st is None or L.router is None or st.activation not in ("silu", "swiglu_oai"):
+                continue
+            sh = L.shared
+            ex = RoutedExperts(
+                gate=st.gate_t.raw, up=st.up_t.raw, down=st.down_t.raw,
+                types=(int(st.gate_t.qtype), int(st.up_t.qtype), int(st.down_t.qtype)),
+                n_expert=st.n_expert, width=st.d_expert, k=cfg.n_expert_used, norm_topk=cfg.norm_topk,
+                scale=cfg.expert_weights_scale, activation=st.activation, gating=cfg.spec.gating,
+                n_group=cfg.n_expert_groups, n_group_used=cfg.n_group_used,
+                biases=None if st.biases is None else tuple(  # type: ignore[arg-type]
+                    np.ascontiguousarray(b.raw).reshape(-1) for b in st.biases))
+            self.attn_out_moe[li] = AttnOutMoE(
+                experts=ex, max_rows=FUSED_MAX_ROWS, wo=_dw(L.wo), ffn_norm=L.ffn_norm.numpy(), router=_dwo(L.router),
+                eps=cfg.rms_eps, bo=_np(L.bo),
+                shared=None if sh is None else SharedFFN(_dw(sh.gate), _dw(sh.up), _dw(sh.down), _np(sh.gate_inp)),
+                v_b=_hw(L.mla.wv_b) if L.mla is not None else None, router_b=_np(L.router_b),
+                softmax=cfg.spec.gating == "softmax", family=fam)
+            if self.gate is None and not plain_softmax_gate(cfg):
+                self.gate = Gate(experts=ex)
         # layers with a shared expert: their AttnOut without it, and the shared expert alone, computed while
         # the routed experts are remote (the same ops: the same bits)
         self.attn_out_routed: list[AttnOut | None] = [None] * cfg.n_layer
@@ -278,22 +289,22 @@ class _GgmlDense:
         self.head = Head(output_norm=model.output_norm.numpy(), output=_dw(model.output), eps=cfg.rms_eps)
         self.attn = Attention(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k,
                               head_dim_v=cfg.head_dim_v, kv_pad=KV_PAD, scale=cfg.kq_scale)
-        # decode steps whose every layer is computed here: all layers in one graph (no attention sinks:
-        # gpt-oss's gate is not fused either)
+        # steps whose every layer is computed here: all layers in one graph
         moe_of = {b: i for i, b in enumerate(cfg.moe_layers)}
         specs: list[LayerSpec] = []
         swa = frozenset(cfg.swa_layers)
         for li, L in enumerate(model.layers):
             ml = moe_of.get(li)
             fused = self.attn_out_moe[li]
-            if L.sinks is not None or (ml is not None and fused is None) or (ml is None and self.attn_out[li].n_expert):
+            if (ml is not None and fused is None) or (ml is None and self.attn_out[li].n_expert):
                 break  # a layer the stack does not compute: every step takes the per-layer path
             specs.append(LayerSpec(attn_in=self.attn_in[li], moe=fused if ml is not None else None, moe_layer=ml,
-                                   dense=self.attn_out[li] if ml is None else None, window=cfg.n_swa if li in swa else 0))
+                                   dense=self.attn_out[li] if ml is None else None, window=cfg.n_swa if li in swa else 0,
+                                   sinks=_np(L.sinks)))
         emb = model.token_embd.table
         self.stack = StackGraph(
             specs, self.attn, self.head, DenseWeight(np.ascontiguousarray(emb.raw).reshape(-1), int(emb.qtype), *emb.shape),
-            max_rows=FUSED_MAX_ROWS) if len(specs) == cfg.n_layer else None
+            max_rows=STACK_MAX_ROWS) if len(specs) == cfg.n_layer else None
 
 
 @dataclass(eq=False)
@@ -493,7 +504,10 @@ class Transformer:
             bounds.append((start, start + len(c.tokens)))
             start += len(c.tokens)
         tokens = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=start)
-        pos = np.concatenate([np.arange(c.pos, c.pos + len(c.tokens), dtype=np.int64) for c in chunks])
+        if all(len(c.tokens) == 1 for c in chunks):  # a decode step: one row each
+            pos = np.fromiter((c.pos for c in chunks), dtype=np.int64, count=start)
+        else:
+            pos = np.concatenate([np.arange(c.pos, c.pos + len(c.tokens), dtype=np.int64) for c in chunks])
         if self._ggml is not None:
             return self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)
         return self._forward_torch(chunks, bounds, self.model.token_embd(torch.from_numpy(tokens)), torch.from_numpy(pos))
@@ -514,8 +528,7 @@ class Transformer:
             c.cache.begin(c.pos + len(c.tokens))
         n_groups = min(len(chunks), max(1, self.experts.groups(len(chunks), n_tok)))
         here: list[bool] | None = None
-        if n_groups == 1 and gd.stack is not None and n_tok <= FUSED_MAX_ROWS \
-                and gd.stack.fits([len(c.tokens) for c in chunks]):
+        if n_groups == 1 and gd.stack is not None and gd.stack.fits([len(c.tokens) for c in chunks]):
             # asked once per layer and step: the whole step in one graph if every layer is computed here
             here = [self.experts.whole_layer_here(ml, n_tok * cfg.n_expert_used) for ml in range(cfg.n_moe_layer)]
             if all(here):
@@ -661,7 +674,7 @@ class Transformer:
             assert shared is not None
             mb.xn = xn + shared
             return
-        ids, w = self.select_arrays(probs)
+        ids, w = gd.gate(probs) if gd.gate is not None else self.select_arrays(probs)
         dense_s = time.perf_counter() - t0
         call = self.experts.begin(moe_layer, hn, ids, w, waker=waker)
         call.timing.dense_s = dense_s

@@ -21,8 +21,10 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    if temperature <= 0.0:
-        return int(torch.argmax(logits).item())
+    if temperature <= 0.0:  # numpy's argmax: torch's (the first of equal maxima), without torch's op overhead
+        return int(logits.numpy().argmax()) if logits.dtype == torch.float32 and logits.device.type == "cpu" \
+            and not logits.requires_grad \
+            else int(torch.argmax(logits).item())
     probs = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)

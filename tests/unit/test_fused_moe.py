@@ -89,7 +89,7 @@ def test_the_backend_decides_and_hears(allow: bool) -> None:
     be = Counting(model, allow)
     tr = Transformer(model, be)
     out = _decode(tr, 2, 3)
-    steps = 3  # decode steps (the prompt is longer than FUSED_MAX_ROWS: never fused)
+    steps = 4  # the prompt (in the stack graph, asked too) and 3 decode steps
     assert be.asked == steps * model.config.n_moe_layer
     if not allow:
         assert be.ran == []
@@ -99,6 +99,28 @@ def test_the_backend_decides_and_hears(allow: bool) -> None:
     seen: list[Any] = []
     plain.select_np = lambda p, f=plain.select_np: seen.append(f(p)[0]) or f(p)  # type: ignore[method-assign]
     assert all(torch.equal(x, y) for a, b in zip(out, _decode(plain, 2, 3), strict=True) for x, y in zip(a, b, strict=True))
-    decode_ids = seen[model.config.n_moe_layer:]  # after the prompt's layers
-    for (_, ids), want in zip(be.ran, decode_ids, strict=True):
+    for (_, ids), want in zip(be.ran, seen, strict=True):
         assert np.array_equal(ids, np.sort(want, axis=1))
+
+
+@pytest.mark.parametrize("name", ["deepseek2-groups-tiny-f32", "gpt-oss-tiny-q8_0"])
+def test_the_gate_graph_selects_as_the_torch_gate(name: str) -> None:
+    """``Gate`` (the ggml path's top-k for the gates ``select_np`` does not compute): the experts of
+    ``select_torch``; DeepSeek's grouped weights bit for bit (gathered, renormalised in double, scaled),
+    gpt-oss's softmax over the chosen logits within float32 rounding (ggml's exp, not torch's)."""
+    model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
+    tr = Transformer(model, LocalExperts(model))
+    assert tr._ggml is not None and tr._ggml.gate is not None
+    rng = np.random.default_rng(3)
+    n = model.config.n_expert
+    logits = rng.standard_normal((40, n)).astype(np.float32) * 2
+    probs = logits if model.config.spec.gating == "softmax_topk" else torch.softmax(torch.from_numpy(logits), -1).numpy()
+    ids, w = tr._ggml.gate(probs)
+    t_ids, t_w = tr.select_torch(torch.from_numpy(probs))
+    order, t_order = np.argsort(ids, axis=1), np.argsort(t_ids.numpy(), axis=1)
+    assert np.array_equal(np.take_along_axis(ids, order, 1), np.take_along_axis(t_ids.numpy(), t_order, 1))
+    a, b = np.take_along_axis(w, order, 1), np.take_along_axis(t_w.numpy(), t_order, 1)
+    if model.config.n_expert_groups > 1:
+        assert np.array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)

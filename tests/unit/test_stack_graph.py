@@ -1,7 +1,8 @@
-"""A decode step's layers as one ggml graph (``coordinator.engine.stack``): the bits of the per-layer graphs
+"""A step's layers as one ggml graph (``coordinator.engine.stack``): the bits of the per-layer graphs
 on every architecture it covers, f32 and f16 caches, 1-16 sequences at staggered positions, across the
 KV padding boundaries (the graph's ``n_kv`` rebound, not rebuilt) and with caches changing places
-between steps; one graph per step, built once per shape and reused."""
+between steps; prefill chunks (bucketed, beyond the attention's row blocks, chunked at later positions);
+one graph per step, built once per shape (a prefill: per bucket) and reused."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from swarm.model.kernels.ggml import graph_time
 from tests.conftest import FIXTURES
 
 STACKING = ["qwen3moe-tiny-q8_0", "qwen3moe-small-w224-q4_k_m", "olmoe-tiny-q8_0", "qwen2moe-tiny-q8_0",
-            "mixtral-spm-tiny-q8_0", "deepseek2-tiny-q8_0", "qwen3moe-tiny-f32"]
+            "mixtral-spm-tiny-q8_0", "deepseek2-tiny-q8_0", "qwen3moe-tiny-f32", "gpt-oss-tiny-q8_0", "gpt-oss-tiny-mxfp4_moe",
+            "gpt-oss-tiny-f32", "deepseek2-groups-tiny-f32"]
 
 
 def _run(tr: Transformer, n_seq: int, steps: int, dtype: torch.dtype, *, swap: bool = False) -> list[torch.Tensor]:
@@ -95,8 +97,10 @@ def test_one_graph_per_step_built_once() -> None:
     assert tr._ggml is not None and tr._ggml.stack is not None
     stack = tr._ggml.stack
     cache = KVCache(tr.cfg, 128)
-    tr.forward([SeqChunk(cache, list(range(1, 12)), 0)])  # 11 rows: a prefill, not stacked
-    assert not stack._graphs
+    _, n0 = graph_time()
+    tr.forward([SeqChunk(cache, list(range(1, 12)), 0)])  # 11 rows: a prefill, one graph too (12 rows, one padding)
+    assert graph_time()[1] - n0 == 1 and len(stack._graphs) == 1
+    stack._graphs.clear()
     tok = int(tr.forward([SeqChunk(cache, [4], 11)])[0][-1].argmax())
     built = dict(stack._graphs)
     pos = 12
@@ -161,3 +165,68 @@ def test_segments_between_remote_layers(name: str) -> None:
             want.add((lo, li))
         lo = li + 1
     assert spans == want, (spans, want)
+
+
+def _prefill(tr: Transformer, plan: list[list[tuple[int, int, bool]]], n_ctx: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Steps of prefill chunks: per step, per sequence ``(sequence, rows, every row's logits)``; each
+    sequence continues where its last chunk ended."""
+    vocab = tr.cfg.n_vocab
+    n_seq = 1 + max(i for step in plan for i, _, _ in step)
+    caches = [KVCache(tr.cfg, n_ctx, dtype) for _ in range(n_seq)]
+    pos = [0] * n_seq
+    out: list[torch.Tensor] = []
+    for step in plan:
+        chunks = []
+        for i, n, every in step:
+            chunks.append(SeqChunk(caches[i], [(13 * (pos[i] + j) + 7 * i + 3) % (vocab - 3) for j in range(n)], pos[i],
+                                   all_logits=every))
+            pos[i] += n
+        out += tr.forward(chunks)
+    return out
+
+
+PREFILL_PLAN = [
+    [(0, 40, False)],  # one prompt (bucket 48: 8 padding rows)
+    [(0, 45, True), (1, 9, False), (2, 1, False)],  # the same bucket at a later position: the graph reused
+    [(1, 300, False), (0, 3, True)],  # beyond the attention's 256-row blocks: two blocks (256 + 48)
+    [(2, 130, True), (1, 17, False), (0, 1, False)],
+]
+
+
+@pytest.mark.parametrize("name", STACKING)
+def test_prefill_chunks_give_the_per_layer_bits(name: str) -> None:
+    model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
+    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
+    assert stacked._ggml is not None and stacked._ggml.stack is not None
+    for dtype in (torch.float32, torch.float16):
+        _, n0 = graph_time()
+        a = _prefill(stacked, PREFILL_PLAN, 400, dtype)
+        assert graph_time()[1] - n0 == len(PREFILL_PLAN)  # one graph a step
+        b = _prefill(plain, PREFILL_PLAN, 400, dtype)
+        assert [x.shape[0] for x in a] == [1, 45, 1, 1, 1, 3, 130, 1, 1]
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), (name, dtype, i, (x - y).abs().max())
+
+
+def test_a_prefill_bucket_is_built_once() -> None:
+    """Chunks of 33-48 rows share one graph (bucket 48): only the cache writes' row count and the data
+    change."""
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
+    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
+    assert stacked._ggml is not None and stacked._ggml.stack is not None
+    plan = [[(0, n, False)] for n in (33, 48, 40, 47, 34)]
+    a = _prefill(stacked, plan, 256, torch.float16)
+    assert len(stacked._ggml.stack._graphs) == 1
+    for x, y in zip(a, _prefill(plain, plan, 256, torch.float16), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_step_beyond_the_stack_takes_the_layer_path() -> None:
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
+    tr = Transformer(model, LocalExperts(model))
+    assert tr._ggml is not None and tr._ggml.stack is not None
+    stack = tr._ggml.stack
+    assert stack.fits([512, 1]) and not stack.fits([1000, 100]) and not stack.fits([0])
+    _, n0 = graph_time()
+    tr.forward([SeqChunk(KVCache(tr.cfg, 1200), [j % 300 for j in range(1100)], 0)])
+    assert graph_time()[1] - n0 > 1 and not stack._graphs
