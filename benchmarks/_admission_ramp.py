@@ -50,6 +50,7 @@ class RampConfig:
     settle_tokens: int = 48
     settle_s: float = 5.0
     sample_s: float = 0.1
+    trace_s: float = 1.0  # the per-second trace's period
 
 
 @dataclass
@@ -109,12 +110,35 @@ async def _fixed(rt: EngineRuntime, n: int, cfg: RampConfig, params: GenParams, 
     return statistics.mean(tps)
 
 
+def _load_avg() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def _trace_row(rt: EngineRuntime, t: float, prev: tuple[float, int, int, int], loadavg: float) -> dict[str, Any]:
+    """One row of the per-second trace: what the engine did since ``prev`` (t, steps, generated, prompt tokens)."""
+    info = rt.capacity()
+    cap = info.capacity
+    st = rt.stats
+    dt = max(t - prev[0], 1e-9)
+    steps = st.steps_total - prev[1]
+    views = [v for v in rt.slots() if v.is_processing]
+    ctx = [v.n_prompt + v.n_decoded for v in views]
+    return {"t": round(t, 2), "sessions": cap.active_sessions, "parked": cap.parked_sessions,
+            "mean_active_tps": None if cap.mean_active_tps is None else round(cap.mean_active_tps, 3),
+            "decode_tps": round((st.generated_tokens_total - prev[2]) / dt, 2),
+            "prefill_tokens": st.prompt_tokens_total - prev[3], "steps": steps,
+            "step_ms": round(1000 * dt / steps, 1) if steps else None,
+            "mean_ctx": round(statistics.mean(ctx)) if ctx else 0, "load_1m": loadavg}
+
+
 async def _ramp(rt: EngineRuntime, cfg: RampConfig, params: GenParams, vocab: int, floor: float
-                ) -> tuple[int, list[tuple[float, int, float | None]], int, int]:
+                ) -> tuple[int, list[tuple[float, int, float | None]], int, int, list[dict[str, Any]]]:
     """Users arriving one per ``arrival_s`` against the floor: the sessions at the end, the samples
-    (t, sessions, mean_active_tps), refusals and admits."""
+    (t, sessions, mean_active_tps), refusals, admits and the per-second trace."""
     sessions: list[_Session] = []
     samples: list[tuple[float, int, float | None]] = []
+    trace: list[dict[str, Any]] = []
     refused = 0
     t_start = time.monotonic()
     end = t_start + cfg.ramp_s
@@ -137,11 +161,21 @@ async def _ramp(rt: EngineRuntime, cfg: RampConfig, params: GenParams, vocab: in
     async def sample() -> None:
         while True:
             cap = rt.capacity().capacity
-            samples.append((time.monotonic() - t_start, cap.active_sessions, cap.mean_active_tps))
+            samples.append((time.monotonic() - t_start, cap.active_sessions - cap.parked_sessions, cap.mean_active_tps))
             await trio.sleep(cfg.sample_s)
+
+    async def tracer() -> None:
+        st = rt.stats
+        prev = (0.0, st.steps_total, st.generated_tokens_total, st.prompt_tokens_total)
+        while True:
+            await trio.sleep(cfg.trace_s)
+            t = time.monotonic() - t_start
+            trace.append(_trace_row(rt, t, prev, _load_avg()))
+            prev = (t, st.steps_total, st.generated_tokens_total, st.prompt_tokens_total)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sample)
+        nursery.start_soon(tracer)
         async with trio.open_nursery() as users:
             for i in range(cfg.max_sessions):
                 users.start_soon(user, i, nursery)
@@ -150,7 +184,7 @@ async def _ramp(rt: EngineRuntime, cfg: RampConfig, params: GenParams, vocab: in
         for s in sessions:
             rt.cancel(s.handle.req_id)
         nursery.cancel_scope.cancel()
-    return admitted, samples, refused, len(sessions)
+    return admitted, samples, refused, len(sessions), trace
 
 
 def _runs_below(samples: list[tuple[float, int, float | None]], floor: float, settle_s: float
@@ -200,7 +234,7 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
     rt = EngineRuntime(model, tok, n_slots=cfg.max_sessions, n_ctx=cfg.n_ctx, admission=policy)
     async with trio.open_nursery() as n:
         await n.start(rt.serve)
-        admitted, samples, refused, _ = await _ramp(rt, cfg, params, vocab, floor)
+        admitted, samples, refused, _, trace = await _ramp(rt, cfg, params, vocab, floor)
         scaling = rt.admission.scaling
         observed = rt.admission.observed
         n.cancel_scope.cancel()
@@ -227,6 +261,7 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
         "end_mean_active_tokens_per_s": round(statistics.mean(means), 3) if means else None,
         "ramp_s": cfg.ramp_s,
         "arrival_s": cfg.arrival_s,
+        "trace": trace,
         "timeline": [[round(t, 2), k, None if m is None else round(m, 3)] for t, k, m in samples[:: max(1, int(1 / cfg.sample_s))]],
     }
     return [fixed, ramp]
