@@ -168,7 +168,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         else:
             cfg = RampConfig()
             cfg = RampConfig(max_sessions=args.ramp_sessions or cfg.max_sessions, window_s=args.ramp_window_s or cfg.window_s,
-                             ramp_s=args.ramp_s or cfg.ramp_s, arrival_s=args.arrival_s or cfg.arrival_s)
+                             ramp_s=args.ramp_s or cfg.ramp_s, arrival_s=args.arrival_s or cfg.arrival_s,
+                             preempt=args.ramp_preempt)
             cases += await run_ramp_case(model, cfg)
     if "a" not in args.case:
         return {"benchmark": "gateway", "model": path.name, "threads": threads, "cases": cases}
@@ -359,6 +360,8 @@ def main() -> None:
     ap.add_argument("--ramp-window-s", type=float, default=None,
                     help="case (c): each fixed choice's measuring window (default 8 s)")
     ap.add_argument("--arrival-s", type=float, default=None, help="case (c): one user arrives this often (default 1 s)")
+    ap.add_argument("--ramp-preempt", choices=["park", "off"], default="park",
+                    help="case (c): the coordinator's --preempt (off: admission alone)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")
