@@ -52,7 +52,7 @@ async def run_all(rt: EngineRuntime, watch: Any = None) -> list[list[int]]:
         async with trio.open_nursery() as users:
             for i in range(len(PROMPTS)):
                 users.start_soon(drain, i)
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             if watch is not None:
                 users.start_soon(watch, rt)
         n.cancel_scope.cancel()
