@@ -71,7 +71,8 @@ rows; other processes take the CPU); admission cannot undo an admit, so the coor
   ``capacity``: ``can_admit`` false, no headroom). Continuations
   and ``overcommit`` still pass (rule 1).
 
-``capacity`` is rule 5's answer for one more ordinary request at ``now`` (``can_admit``), with
+``capacity`` is rule 5's answer for one more ordinary request at ``now`` (``can_admit``; its
+``projected_mean_tps_if_admitted`` counts the parked sessions as resumed first), with
 ``headroom_sessions``: how many more ordinary sessions fit (by the projection and the free slots; at
 least what ``guarantee_min_sessions`` still guarantees).
 """
@@ -465,17 +466,6 @@ class AdmissionCore:
                 return parked
         return []
 
-    def next_police_at(self, now: float) -> float | None:
-        """When ``police`` may act next by time alone (a park due, a bound reached), or None."""
-        p = self.policy
-        if not p.parks:
-            return None
-        ts: list[float] = []
-        if self._below_since is not None:
-            ts.append(self._below_since + p.park_after)
-        ts.extend(s.parked_at + p.max_park_s for s in self.sessions.values() if s.parked_at is not None)
-        return max(now, min(ts)) if ts else None
-
     # -- continuations -------------------------------------------------------------------------
     def remember(self, key: Hashable, now: float, *, length: int | None = None) -> None:
         """A session key (an ``X-Session-Id``, or a prompt's hash at ``length`` tokens) seen at ``now``."""
@@ -587,7 +577,7 @@ class AdmissionCore:
         else:
             can, reason = self._fits(now)
             headroom = fit if can else 0
-        proj = self.projected(1, now)
+        proj = self.projected(1 + len(self.parked()), now)  # the parked ones resume before a new one starts
         return Capacity(can_admit=can, projected_mean_tps_if_admitted=proj, headroom_sessions=headroom,
                         settling=settling, settle_remaining_ms=int(math.ceil(settle * 1000)), reason=reason,
                         mean_active_tps=self.mean_active_tps(now), decode_tps=self.decode_tps(), tps_floor=floor,

@@ -250,3 +250,12 @@ def test_policy_rejects_bad_parking_settings() -> None:
     for kw in ({"max_park_s": 0.0}, {"park_after_s": -1.0}, {"min_run_s": -1.0}, {"resume_margin": -0.1}):
         with pytest.raises(ValueError):
             policy(10.0, **kw)
+
+
+def test_the_projection_capacity_reports_counts_the_parked_sessions_as_resumed_first() -> None:
+    sim = Sim(AdmissionCore(policy(30.0)), 100.0, drift_at=10.0, drift=0.55)
+    run_users(sim, 3, 1.0, 20.0)
+    assert len(sim.parked) == 1
+    cap = sim.core.capacity(sim.now, free_slots=1)
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(sim.core.projected(2, sim.now))
+    assert cap.projected_mean_tps_if_admitted < sim.core.projected(1, sim.now)  # type: ignore[operator]
