@@ -16,7 +16,11 @@ the path the API's requests take: ``EngineRuntime.admit``), greedy sessions that
    session running (one session alone below it is the machine's speed, not an admission's doing);
    ``below_floor_after_admit_longest_s`` the longest of those runs that began within two settle windows of
    an admit (the others: the speed drifting with the sessions unchanged, e.g. other processes' load).
-   ``admitted`` is the sessions running at the end (none ends by itself: each may decode its context).
+   ``admitted`` is the sessions decoding at the end (running and not parked; a session that decoded its whole
+   context has ended); ``decoding_sessions_last_quarter`` their mean over the ramp's last quarter. With
+   ``preempt`` park (the default) the coordinator parks sessions while the mean stays below the floor; the
+   sessions sampled are the decoding ones. ``trace``: one row a second (sessions, parked, mean active tps,
+   decode tokens/s, prompt tokens computed, steps and ms a step, mean context, load average).
 
 Pass: ``below_floor_longest_s <= settle_s`` (one settle window: 48 tokens or ``settle_s``, whichever first,
 so at most ``settle_s``) and ``|admitted - best_fixed| <= 1``.
@@ -50,6 +54,8 @@ class RampConfig:
     settle_tokens: int = 48
     settle_s: float = 5.0
     sample_s: float = 0.1
+    trace_s: float = 1.0  # the per-second trace's period
+    preempt: str = "park"  # the ramp's --preempt (off: admission alone, as before parking)
 
 
 @dataclass
@@ -109,12 +115,35 @@ async def _fixed(rt: EngineRuntime, n: int, cfg: RampConfig, params: GenParams, 
     return statistics.mean(tps)
 
 
+def _load_avg() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def _trace_row(rt: EngineRuntime, t: float, prev: tuple[float, int, int, int], loadavg: float) -> dict[str, Any]:
+    """One row of the per-second trace: what the engine did since ``prev`` (t, steps, generated, prompt tokens)."""
+    info = rt.capacity()
+    cap = info.capacity
+    st = rt.stats
+    dt = max(t - prev[0], 1e-9)
+    steps = st.steps_total - prev[1]
+    views = [v for v in rt.slots() if v.is_processing]
+    ctx = [v.n_prompt + v.n_decoded for v in views]
+    return {"t": round(t, 2), "sessions": cap.active_sessions, "parked": cap.parked_sessions,
+            "mean_active_tps": None if cap.mean_active_tps is None else round(cap.mean_active_tps, 3),
+            "decode_tps": round((st.generated_tokens_total - prev[2]) / dt, 2),
+            "prefill_tokens": st.prompt_tokens_total - prev[3], "steps": steps,
+            "step_ms": round(1000 * dt / steps, 1) if steps else None,
+            "mean_ctx": round(statistics.mean(ctx)) if ctx else 0, "load_1m": loadavg}
+
+
 async def _ramp(rt: EngineRuntime, cfg: RampConfig, params: GenParams, vocab: int, floor: float
-                ) -> tuple[int, list[tuple[float, int, float | None]], int, int]:
+                ) -> tuple[int, list[tuple[float, int, float | None]], int, int, list[dict[str, Any]]]:
     """Users arriving one per ``arrival_s`` against the floor: the sessions at the end, the samples
-    (t, sessions, mean_active_tps), refusals and admits."""
+    (t, sessions, mean_active_tps), refusals, admits and the per-second trace."""
     sessions: list[_Session] = []
     samples: list[tuple[float, int, float | None]] = []
+    trace: list[dict[str, Any]] = []
     refused = 0
     t_start = time.monotonic()
     end = t_start + cfg.ramp_s
@@ -137,20 +166,30 @@ async def _ramp(rt: EngineRuntime, cfg: RampConfig, params: GenParams, vocab: in
     async def sample() -> None:
         while True:
             cap = rt.capacity().capacity
-            samples.append((time.monotonic() - t_start, cap.active_sessions, cap.mean_active_tps))
+            samples.append((time.monotonic() - t_start, cap.active_sessions - cap.parked_sessions, cap.mean_active_tps))
             await trio.sleep(cfg.sample_s)
+
+    async def tracer() -> None:
+        st = rt.stats
+        prev = (0.0, st.steps_total, st.generated_tokens_total, st.prompt_tokens_total)
+        while True:
+            await trio.sleep(cfg.trace_s)
+            t = time.monotonic() - t_start
+            trace.append(_trace_row(rt, t, prev, _load_avg()))
+            prev = (t, st.steps_total, st.generated_tokens_total, st.prompt_tokens_total)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sample)
+        nursery.start_soon(tracer)
         async with trio.open_nursery() as users:
             for i in range(cfg.max_sessions):
                 users.start_soon(user, i, nursery)
         await trio.sleep(max(0.0, end - time.monotonic()))
-        admitted = sum(1 for s in sessions if not s.done)
+        admitted = sum(1 for s in sessions if not s.done and not rt.admission.is_parked(s.handle.req_id))
         for s in sessions:
             rt.cancel(s.handle.req_id)
         nursery.cancel_scope.cancel()
-    return admitted, samples, refused, len(sessions)
+    return admitted, samples, refused, len(sessions), trace
 
 
 def _runs_below(samples: list[tuple[float, int, float | None]], floor: float, settle_s: float
@@ -195,17 +234,19 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
     half = cfg.max_sessions // 2
     floor = (curve[half] + curve[half + 1]) / 2
     best = max((k for k, v in curve.items() if v >= floor), default=1)
-    policy = AdmissionPolicy(tps_floor=floor, mode="enforced", on_saturation="reject",
+    policy = AdmissionPolicy(tps_floor=floor, mode="enforced", on_saturation="reject", preempt=cfg.preempt,  # type: ignore[arg-type]
                              settle_tokens=cfg.settle_tokens, settle_s=cfg.settle_s, retry_after_s=cfg.arrival_s)
     rt = EngineRuntime(model, tok, n_slots=cfg.max_sessions, n_ctx=cfg.n_ctx, admission=policy)
     async with trio.open_nursery() as n:
         await n.start(rt.serve)
-        admitted, samples, refused, _ = await _ramp(rt, cfg, params, vocab, floor)
+        admitted, samples, refused, _, trace = await _ramp(rt, cfg, params, vocab, floor)
         scaling = rt.admission.scaling
         observed = rt.admission.observed
+        parks, resumes, forced = rt.admission.parks_total, rt.admission.resumes_total, rt.admission.forced_resumes_total
         n.cancel_scope.cancel()
     longest, after_admit = _runs_below(samples, floor, cfg.settle_s)
     means = [m for t, _, m in samples if m is not None and t >= cfg.ramp_s * 0.75]
+    decoding = [k for t, k, _ in samples if t >= cfg.ramp_s * 0.75]  # unparked sessions, the last quarter
     fixed = {"case": "admission_ramp/fixed", "sessions": list(curve),
              "fixed_mean_tokens_per_s": [round(v, 3) for v in curve.values()],
              "aggregate_tokens_per_s": [round(v * k, 3) for k, v in curve.items()], "window_s": cfg.window_s}
@@ -221,12 +262,19 @@ async def run_ramp_case(model: GGUFModel, cfg: RampConfig) -> list[dict[str, Any
         "never_below_longer_than_settle": longest <= cfg.settle_s,
         "below_floor_after_admit_longest_s": round(after_admit, 3),
         "after_admit_within_settle": after_admit <= cfg.settle_s,
+        "decoding_sessions_last_quarter": round(statistics.mean(decoding), 2) if decoding else None,
+        "preempt": cfg.preempt,
+        "parks": parks,
+        "resumes": resumes,
+        "forced_resumes": forced,
+        "load_1m_mean": round(statistics.mean(r["load_1m"] for r in trace), 2) if trace else None,
         "refusals": refused,
         "admits_observed": observed,
         "scaling_per_admit": round(scaling, 4),
         "end_mean_active_tokens_per_s": round(statistics.mean(means), 3) if means else None,
         "ramp_s": cfg.ramp_s,
         "arrival_s": cfg.arrival_s,
+        "trace": trace,
         "timeline": [[round(t, 2), k, None if m is None else round(m, 3)] for t, k, m in samples[:: max(1, int(1 / cfg.sample_s))]],
     }
     return [fixed, ramp]
@@ -245,4 +293,7 @@ def print_ramp(cases: list[dict[str, Any]]) -> None:
           f"{ramp['below_floor_longest_s']:.2f} s (settle window {ramp['settle_window_s']} s: "
           f"{ramp['never_below_longer_than_settle']}; runs that began after an admit: at most "
           f"{ramp['below_floor_after_admit_longest_s']:.2f} s), {ramp['refusals']} refusals, "
-          f"{ramp['admits_observed']} admits observed, scaling/admit {ramp['scaling_per_admit']}")
+          f"{ramp['admits_observed']} admits observed, scaling/admit {ramp['scaling_per_admit']}; preempt "
+          f"{ramp.get('preempt')}: {ramp.get('parks')} parks, {ramp.get('resumes')} resumes ({ramp.get('forced_resumes')} "
+          f"by the bound), decoding sessions over the last quarter {ramp.get('decoding_sessions_last_quarter')}, "
+          f"load average {ramp.get('load_1m_mean')}")

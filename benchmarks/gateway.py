@@ -166,7 +166,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             cfg = RampConfig(max_sessions=4, window_s=1.0, arrival_s=0.3, ramp_s=6.0, settle_s=0.5)
             cases += await run_ramp_case(GGUFModel(small), cfg)
         else:
-            cases += await run_ramp_case(model, RampConfig())
+            cfg = RampConfig()
+            cfg = RampConfig(max_sessions=args.ramp_sessions or cfg.max_sessions, window_s=args.ramp_window_s or cfg.window_s,
+                             ramp_s=args.ramp_s or cfg.ramp_s, arrival_s=args.arrival_s or cfg.arrival_s,
+                             preempt=args.ramp_preempt)
+            cases += await run_ramp_case(model, cfg)
     if "a" not in args.case:
         return {"benchmark": "gateway", "model": path.name, "threads": threads, "cases": cases}
     n_sys, n_users, n_msg, n_decode = (64, 3, 8, 4) if args.smoke else (512, 8, 24, 16)
@@ -351,6 +355,13 @@ def main() -> None:
                     help="the tiny model, a 64-token system prompt, 3 users; 4 sessions of 8 tokens; ramp 1 -> 4 (make test)")
     ap.add_argument("--cases", default="a,b,c",
                     help="which cases: a (shared prompt), b (two coordinators vs one), c (admission ramp)")
+    ap.add_argument("--ramp-sessions", type=int, default=None, help="case (c): the most sessions offered (default 12)")
+    ap.add_argument("--ramp-s", type=float, default=None, help="case (c): how long the ramp runs (default 120 s)")
+    ap.add_argument("--ramp-window-s", type=float, default=None,
+                    help="case (c): each fixed choice's measuring window (default 8 s)")
+    ap.add_argument("--arrival-s", type=float, default=None, help="case (c): one user arrives this often (default 1 s)")
+    ap.add_argument("--ramp-preempt", choices=["park", "off"], default="park",
+                    help="case (c): the coordinator's --preempt (off: admission alone)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default=None, help="GGUF to measure (default: generated bench model)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")

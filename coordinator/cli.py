@@ -28,7 +28,8 @@ _FLAGS = {"n_batch": "--batch-size", "prefix_cache_mem": "--prefix-cache-mem",
           "hold_proof": "--no-hold-proof", "missing_wait_s": "--missing-wait", "lanes": "--no-lanes",
           "aliases": "--alias", "tps_floor": "--tps-floor", "on_saturation": "--on-saturation",
           "guarantee_min_sessions": "--guarantee-min-sessions", "settle_tokens": "--settle-tokens",
-          "settle_s": "--settle-time", "admission_hold_s": "--admission-hold"}
+          "settle_s": "--settle-time", "admission_hold_s": "--admission-hold",
+          "preempt": "--preempt", "max_park_s": "--max-park-time"}
 
 
 def _cache_size(text: str) -> int:
@@ -153,6 +154,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="... or this many seconds from its admission, whichever ends first")
     a.add_argument("--admission-hold", type=float, default=10.0, metavar="SECONDS",
                    help="the longest a new request is held (settle window, --on-saturation queue)")
+    a.add_argument("--preempt", choices=["park", "off"], default="park",
+                   help="enforced: while the mean stays below the floor past half a settle window, park the most "
+                        "recently admitted session (decode paused, KV kept, its stream waits; never the first "
+                        "--guarantee-min-sessions), resumed before any new admit once the projection allows")
+    a.add_argument("--max-park-time", type=float, default=30.0, metavar="SECONDS",
+                   help="a parked session resumes after this long whatever the projection (another is parked in "
+                        "its place: over-subscribed sessions take turns)")
 
     s = c.add_argument_group("speculative decoding")
     s.add_argument("--draft", choices=["none", "ngram", "model", "self"], default="ngram",
@@ -224,6 +232,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "settle_tokens": ns.settle_tokens,
         "settle_s": ns.settle_time,
         "admission_hold_s": ns.admission_hold,
+        "preempt": ns.preempt,
+        "max_park_s": ns.max_park_time,
     }, flags=_FLAGS)
     if cfg.local_experts.strip() != "all" and cfg.market is None and cfg.dispatch_map is None and cfg.on_missing != "disk":
         raise ConfigError(f"--local-experts {cfg.local_experts}: the experts not computed here need volunteers, and "

@@ -146,6 +146,8 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     settle_tokens: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 48  # the settle window after an admit ...
     settle_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 5.0  # ... whichever ends first
     admission_hold_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 10.0  # the bound of a held request
+    preempt: Literal["park", "off"] = "park"  # enforced: park sessions while the mean stays below the floor
+    max_park_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 30.0  # a parked session resumes by then
 
 
 def open_model(ref: str, kernel: KernelBackend) -> GGUFModel:
@@ -195,7 +197,8 @@ def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
 def admission_policy(cfg: CoordinatorConfig) -> AdmissionPolicy:
     return AdmissionPolicy(tps_floor=cfg.tps_floor, mode=cfg.admission, on_saturation=cfg.on_saturation,
                            guarantee_min_sessions=cfg.guarantee_min_sessions, settle_tokens=cfg.settle_tokens,
-                           settle_s=cfg.settle_s, hold_s=cfg.admission_hold_s)
+                           settle_s=cfg.settle_s, hold_s=cfg.admission_hold_s, preempt=cfg.preempt,
+                           max_park_s=cfg.max_park_s)
 
 
 def dispatch_config(cfg: CoordinatorConfig) -> DispatchConfig:

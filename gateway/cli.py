@@ -31,6 +31,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--poll-timeout", type=float, default=2.0, help="seconds a poll may take")
     t.add_argument("--offer-timeout", type=float, default=10.0,
                    help="seconds an attempt may take beyond its predicted time to first token")
+    t.add_argument("--stream-idle-timeout", type=float, default=60.0,
+                   help="seconds a coordinator may send nothing after a stream's first token; then the stream ends "
+                        "with an error event and the request is cancelled there (keep it above the coordinators' "
+                        "--max-park-time)")
     t.add_argument("--stale-after", type=float, default=5.0, help="seconds after which a coordinator's poll is stale")
     t.add_argument("--backoff", type=float, default=5.0, help="seconds a failed coordinator is left out")
     g.add_argument("--max-body", type=int, default=8 << 20, help="bytes of one request body (as the coordinator's)")
@@ -50,11 +54,12 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "poll_interval_s": ns.poll_interval,
         "poll_timeout_s": ns.poll_timeout,
         "offer_timeout_s": ns.offer_timeout,
+        "stream_idle_timeout_s": ns.stream_idle_timeout,
         "stale_after_s": ns.stale_after,
         "backoff_s": ns.backoff,
         "max_body": ns.max_body,
     }, flags={"markets": "--market", "models": "--model", "poll_interval_s": "--poll-interval",
-              "poll_timeout_s": "--poll-timeout", "offer_timeout_s": "--offer-timeout",
+              "poll_timeout_s": "--poll-timeout", "offer_timeout_s": "--offer-timeout", "stream_idle_timeout_s": "--stream-idle-timeout",
               "stale_after_s": "--stale-after", "backoff_s": "--backoff"})
 
 

@@ -16,7 +16,10 @@ Rules:
   attempt's first token (a streamed event with text, token ids or a finish reason; a whole answer when not
   streamed); a 429/503 is a refusal (``Retry-After``), a transport error, a 5xx, an error event or a stream
   ending early is a failure, and the deadline of ``Send`` a timeout: the router then moves on or answers.
-  After the first token, a failure ends the stream with an OpenAI-shaped error event (and no ``[DONE]``).
+  After the first token, a failure ends the stream with an OpenAI-shaped error event (and no ``[DONE]``);
+  so does a coordinator that sends nothing for ``stream_idle_timeout_s`` (``--stream-idle-timeout``:
+  stalled mid-stream): the error event names the stall, and the upstream is closed (which cancels the
+  request there). It must exceed the coordinators' ``--max-park-time`` (a parked session's stream waits).
 - A client that goes away closes the upstream connection (the coordinator cancels the request).
 """
 
@@ -94,6 +97,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     poll_interval_s: PosFloat = 1.0
     poll_timeout_s: PosFloat = 2.0
     offer_timeout_s: PosFloat = 10.0
+    stream_idle_timeout_s: PosFloat = 60.0  # after the first token: the longest gap between upstream events
     stale_after_s: PosFloat = 5.0
     backoff_s: PosFloat = 5.0
     max_body: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_BODY
@@ -151,6 +155,7 @@ class Gateway:
     ids: itertools.count[int]
     no_capacity: dict[str, int]  # coordinators whose /capacity answered 404 -> polls since (through /slots)
     kept: dict[str, int]  # coordinator -> advertised prefixes at the last poll
+    stalls: int = 0  # streams ended by --stream-idle-timeout
 
     def handle(self, ev: Event) -> list[Effect]:
         if isinstance(ev, AttemptFailed | Timeout | Refused):
@@ -462,8 +467,19 @@ def _respond(gw: Gateway, rid: int, send: Send, up: _Upstream) -> Response:
                     await _drain(up.rest)
                 return
             assert up.rest is not None
+            idle = gw.cfg.stream_idle_timeout_s
             try:
-                async for e in up.rest:
+                while True:
+                    with trio.move_on_after(idle) as stall:
+                        try:
+                            e = await up.rest.__anext__()
+                        except StopAsyncIteration:
+                            reason = "the stream ended without [DONE]"
+                            break
+                    if stall.cancelled_caught:
+                        reason = f"no event for {idle:g} s (stalled; --stream-idle-timeout)"
+                        gw.stalls += 1
+                        break
                     kind = _event_kind(e)
                     yield e
                     if kind == "done":
@@ -474,7 +490,6 @@ def _respond(gw: Gateway, rid: int, send: Send, up: _Upstream) -> Response:
                         finished = True
                         gw.handle(AttemptFailed(rid, send.attempt, "error event"))
                         return
-                reason = "the stream ended without [DONE]"
             except httpx.HTTPError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             finished = True
@@ -537,6 +552,8 @@ class _Collector(Collector):
             ("refused", "Attempts a coordinator refused (429/503)", c.refused),
             ("timeouts", "Attempts without a first token by their deadline", c.timeouts),
             ("stream_errors", "Streams ended with an error event after their first token", c.stream_errors),
+            ("stream_stalls", "Of those, streams whose coordinator sent nothing for --stream-idle-timeout",
+             self.gw.stalls),
             ("no_coordinator", "Requests answered 503: no coordinator for the model", c.no_coordinator),
             ("cancelled", "Requests whose client went away", c.cancelled),
             ("completed", "Requests answered", c.completed),

@@ -155,9 +155,18 @@ class _EngineCollector(Collector):
                      "decode tps gained per admit, observed (EWMA; 0: the model before any observation, the "
                      "aggregate shared by one more; 1: every session kept its speed)", m, cap.scaling_per_admit)
         sess = GaugeMetricFamily("moe_swarm_sessions", "Running sessions, by state", labels=["model", "state"])
-        sess.add_metric([m, "active"], cap.active_sessions - cap.warming_sessions)
+        sess.add_metric([m, "active"], cap.active_sessions - cap.warming_sessions - cap.parked_sessions)
         sess.add_metric([m, "warming"], cap.warming_sessions)
+        sess.add_metric([m, "parked"], cap.parked_sessions)
         yield sess
+        core = self.rt.admission
+        pk = CounterMetricFamily("moe_swarm_admission_preemptions", "Sessions parked (decode paused while the mean "
+                                 "active tps stayed below the floor) and resumed; forced: resumed by --max-park-time",
+                                 labels=["model", "event"])
+        pk.add_metric([m, "parked"], core.parks_total)
+        pk.add_metric([m, "resumed"], core.resumes_total)
+        pk.add_metric([m, "forced_resume"], core.forced_resumes_total)
+        yield pk
         dec = CounterMetricFamily("moe_swarm_admission_decisions", "Admission decisions on new requests, by verdict "
                                   "and reason (a held request counts as held, then as its outcome)",
                                   labels=["model", "verdict", "reason"])
@@ -311,7 +320,7 @@ def build_app(
                                 n_decoded=s.n_decoded, tps_ewma=round(tps if tps is not None else s.tps_ewma, 3),
                                 draft=draft, draft_acceptance=acceptance, draft_length=length, warming=warming,
                                 mean_active_tps=rnd(cap.mean_active_tps), decode_tps=rnd(cap.decode_tps),
-                                tps_floor=cap.tps_floor,
+                                tps_floor=cap.tps_floor, parked=s.parked,
                                 projected_mean_tps_if_admitted=rnd(cap.projected_mean_tps_if_admitted)))
         return _json(out)
 
@@ -324,7 +333,8 @@ def build_app(
             settle_remaining_ms=c.settle_remaining_ms, reason=str(c.reason), mean_active_tps=rnd(c.mean_active_tps),
             tps_floor=c.tps_floor, active_sessions=c.active_sessions, slots=info.slots, queue=info.queue,
             admission=c.admission, decode_tps=rnd(c.decode_tps), warming_sessions=c.warming_sessions,
-            scaling_per_admit=round(c.scaling_per_admit, 4), admits_observed=c.admits_observed))
+            scaling_per_admit=round(c.scaling_per_admit, 4), admits_observed=c.admits_observed,
+            parked_sessions=c.parked_sessions))
 
     async def admit(request: Request, req: ChatRequest | CompletionRequest, ids: list[int], params: GenParams,
                     *, prompt_param: str, continuation: bool) -> tuple[RequestHandle, dict[str, str] | None]:

@@ -32,16 +32,47 @@ Admission rules (``decide``), in order; the first that applies wins:
 1. a continuation of a running session (the shell tells: an ``X-Session-Id`` it knows, or a prompt that
    starts with a recent prompt: ``remember``/``continues``) is admitted; so is a request with
    ``"overcommit": true``;
-2. fewer than ``guarantee_min_sessions`` sessions: admitted;
+2. fewer than ``guarantee_min_sessions`` sessions: admitted (parked ones count);
 3. no floor, or ``advisory`` mode: admitted (``capacity`` still says what enforcing would do);
 4. settling: held (``HOLD``, recheck at the window's end) until the hold started ``hold_s`` ago; a hold
    past its bound goes on to rule 5 without the settle window;
-5. no session, or no measured mean (nothing to protect, or nothing known), or ``projected(1) >= floor``:
+5. a session is parked: saturated (``PARKED``, below); else no session, or no measured mean (nothing to protect, or nothing known), or ``projected(1) >= floor``:
    admitted; else saturated, per ``on_saturation``: ``reject`` -> ``REJECT`` with ``retry_after_s``;
    ``warn`` -> admitted with ``sessions_remaining = 0``; ``queue`` -> held until the bound, then rejected.
 A session that is admitted is the shell's to ``start`` at once (before anything else is decided).
 
-``capacity`` is rule 5's answer for one more ordinary request at ``now`` (``can_admit``), with
+Preemption by parking (``police``; enforced mode with a floor and ``preempt="park"`` only). The measured mean
+can fall below the floor with the sessions unchanged (their contexts grow, so each step attends over more
+rows; other processes take the CPU); admission cannot undo an admit, so the coordinator parks:
+- A *parked* session's decode is paused (its KV kept in its slot; its client's stream just waits); it is
+  left out of ``mean_active_tps``, the projection and the settle window, but still counts as a session
+  (it holds its slot, and ``guarantee_min_sessions``).
+- Park: when the mean has been below the floor for ``park_after_s`` (default half the settle window)
+  without a break and the measurement is *fresh* (every counted session decoded ``ceil(2 / alpha)`` tokens
+  since the last park or resume, or ``settle_s`` passed since it), the most recently admitted unparked
+  sessions are parked, as many as the projection inverted says bring the mean back to the floor (one
+  session fewer of ``n``: ``m * n / (n - 1 + scaling)``; at least one). Never parked: the
+  ``guarantee_min_sessions`` first admitted and the last session running; a session resumed less than
+  ``min_run_s`` ago only when no other can be (hysteresis yields to the floor). Parks repeat, one batch per fresh
+  measurement, while the mean stays below.
+- Resume (before any park is considered; at most one per call): the session parked longest resumes when
+  the mean is not below the floor, the measurement is fresh and ``projected`` with it back is at least
+  ``floor * (1 + resume_margin * (1 + f))`` (hysteresis; ``f``: the resumes in a row followed by a park
+  within ``min_run_s``, so a projection that was wrong once must clear a wider margin), or when nothing
+  else runs; and, whatever the projection,
+  once it has been parked ``max_park_s`` (the bound: a parked session always resumes). Every session due
+  resumes in the same call; when the mean is below the floor or the projection with them back is, as
+  many park candidates are parked in their place (a *swap*), so over-subscribed sessions take turns of
+  ``max_park_s`` rather than one waiting forever.
+- A resumed session restarts its clock (its tokens' interval spans the pause) and warms again: its settle
+  window is an admit's. A parked session that ends leaves the parked set.
+- No ordinary admit while a session is parked (``decide``: ``PARKED`` -- held, rejected or warned per
+  ``on_saturation``, as below the floor, but ``warn`` rejects too: no admit goes ahead of a parked session;
+  ``capacity``: ``can_admit`` false, no headroom). Continuations
+  and ``overcommit`` still pass (rule 1).
+
+``capacity`` is rule 5's answer for one more ordinary request at ``now`` (``can_admit``; its
+``projected_mean_tps_if_admitted`` counts the parked sessions as resumed first), with
 ``headroom_sessions``: how many more ordinary sessions fit (by the projection and the free slots; at
 least what ``guarantee_min_sessions`` still guarantees).
 """
@@ -60,12 +91,15 @@ __all__ = [
     "AdmissionPolicy",
     "Capacity",
     "Decision",
+    "Park",
+    "Resume",
     "Reason",
     "Verdict",
 ]
 
 Mode = Literal["advisory", "enforced"]
 OnSaturation = Literal["reject", "warn", "queue"]
+Preempt = Literal["park", "off"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +116,11 @@ class AdmissionPolicy:
     drop_alpha: float = 0.5  # the EWMA of observed scaling per admit
     session_ttl_s: float = 600.0  # a finished session's continuations are recognised this long
     max_remembered: int = 4096  # continuation keys kept (least recently used dropped)
+    preempt: Preempt = "park"  # enforced mode: park sessions while the mean stays below the floor
+    park_after_s: float | None = None  # below the floor this long without a break -> park (None: settle_s / 2)
+    max_park_s: float = 30.0  # a parked session resumes after this long, whatever the projection
+    min_run_s: float | None = None  # a resumed session is not parked again before this (None: 2 * settle_s)
+    resume_margin: float = 0.05  # resume only if the projection with it back is this share above the floor
 
     def __post_init__(self) -> None:
         if self.tps_floor is not None and not (self.tps_floor > 0 and math.isfinite(self.tps_floor)):
@@ -90,6 +129,22 @@ class AdmissionPolicy:
             raise ValueError("guarantee_min_sessions >= 0, settle_tokens >= 1, settle_s >= 0, hold_s >= 0")
         if not (0 < self.alpha <= 1 and 0 < self.drop_alpha <= 1):
             raise ValueError("alpha and drop_alpha in (0, 1]")
+        if (self.park_after_s is not None and self.park_after_s < 0) or self.max_park_s <= 0 \
+                or (self.min_run_s is not None and self.min_run_s < 0) or self.resume_margin < 0:
+            raise ValueError("park_after_s >= 0, max_park_s > 0, min_run_s >= 0, resume_margin >= 0")
+
+    @property
+    def park_after(self) -> float:
+        return self.settle_s / 2 if self.park_after_s is None else self.park_after_s
+
+    @property
+    def min_run(self) -> float:
+        return 2 * self.settle_s if self.min_run_s is None else self.min_run_s
+
+    @property
+    def parks(self) -> bool:
+        """Whether ``police`` acts at all."""
+        return self.preempt == "park" and self.mode == "enforced" and self.tps_floor is not None
 
 
 class Verdict(StrEnum):
@@ -111,6 +166,7 @@ class Reason(StrEnum):
     BELOW_FLOOR = "projected_below_floor"
     SLOTS_FULL = "slots_full"  # capacity only: every slot busy (a request would queue)
     HOLD_EXPIRED = "hold_expired"  # a queued request's hold ran out
+    PARKED = "parked_waiting"  # a parked session resumes before any new admit
 
 
 @dataclass(frozen=True)
@@ -120,6 +176,20 @@ class Decision:
     recheck_at: float | None = None  # HOLD: decide again then (or sooner, when sessions change)
     retry_after_s: float | None = None  # REJECT
     sessions_remaining: int | None = None  # warn: admitted past saturation (0)
+
+
+@dataclass(frozen=True)
+class Park:
+    """Pause ``sid``'s decode (its KV kept)."""
+
+    sid: Hashable
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Let ``sid`` decode again."""
+
+    sid: Hashable
 
 
 @dataclass(frozen=True)
@@ -140,14 +210,20 @@ class Capacity:
     scaling_per_admit: float
     admits_observed: int
     admission: Mode
+    parked_sessions: int = 0
 
 
 @dataclass
 class _Session:
     started: float
+    order: int = 0  # admission order (the first admitted is 0)
     decoded: int = 0
     last_at: float | None = None
     spt: float | None = None  # EWMA of seconds per decode token
+    mark: int = 0  # ``decoded`` at the last park or resume (freshness)
+    parked_at: float | None = None  # parked since (None: decoding)
+    resumed_at: float | None = None
+    parks: int = 0
 
     @property
     def tps(self) -> float | None:
@@ -172,20 +248,29 @@ class AdmissionCore:
     _pending: list[_Pending] = field(default_factory=list)
     _recent: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
     _lengths: dict[int, int] = field(default_factory=dict)  # remembered prompt lengths -> how many
+    _order: int = 0
+    _below_since: float | None = None  # the mean below the floor since (police)
+    _changed_at: float | None = None  # the last park or resume
+    parks_total: int = 0
+    resumes_total: int = 0
+    forced_resumes_total: int = 0  # resumed by the bound (max_park_s)
+    _last_resume_at: float | None = None
+    _resume_fails: int = 0  # resumes followed by a park within min_run_s (each raises the resume margin)
 
     # -- speed ------------------------------------------------------------------------------------
     def started(self, sid: Hashable, now: float) -> None:
         if sid in self.sessions:
             return
         m = self.mean_active_tps(now)
-        if m is not None and self.sessions:
+        if m is not None and self.sessions and not self.parked():
             self._pending.append(_Pending(sid, frozenset(self.sessions), m))
-        self.sessions[sid] = _Session(now)
+        self.sessions[sid] = _Session(now, order=self._order)
+        self._order += 1
 
     def tokens(self, sid: Hashable, n: int, now: float) -> None:
         s = self.sessions.get(sid)
-        if s is None or n <= 0:
-            return
+        if s is None or n <= 0 or s.parked_at is not None:
+            return  # a parked session's token from the step that ran as it was parked: not a speed
         if s.last_at is not None:
             s.decoded += n
             if now > s.last_at:
@@ -200,24 +285,40 @@ class AdmissionCore:
     def ended(self, sid: Hashable, now: float) -> None:
         if self.sessions.pop(sid, None) is not None:
             self._pending = [p for p in self._pending if p.sid != sid and sid not in p.before]
+            if not self.sessions:
+                self._below_since = None
             self._observe(now)
 
     def warming(self, sid: Hashable, now: float) -> bool:
         s = self.sessions.get(sid)
-        if s is None:
+        if s is None or s.parked_at is not None:
             return False
         return s.decoded < self.policy.settle_tokens and now - s.started < self.policy.settle_s
+
+    def parked(self) -> list[Hashable]:
+        """The parked sessions, parked longest first."""
+        ps = [(s.parked_at, s.order, sid) for sid, s in self.sessions.items() if s.parked_at is not None]
+        return [sid for _, _, sid in sorted(ps, key=lambda x: (x[0], x[1]))]
+
+    def is_parked(self, sid: Hashable) -> bool:
+        s = self.sessions.get(sid)
+        return s is not None and s.parked_at is not None
+
+    def _counted(self, now: float) -> list[float]:
+        """The speeds ``mean_active_tps`` averages: unparked, measured, past their settle window."""
+        return [s.tps for sid, s in self.sessions.items()
+                if s.tps is not None and s.parked_at is None and not self.warming(sid, now)]
 
     def session_tps(self, sid: Hashable) -> float | None:
         s = self.sessions.get(sid)
         return s.tps if s is not None else None
 
     def mean_active_tps(self, now: float) -> float | None:
-        xs = [s.tps for sid, s in self.sessions.items() if s.tps is not None and not self.warming(sid, now)]
+        xs = self._counted(now)
         return sum(xs) / len(xs) if xs else None
 
     def decode_tps(self) -> float | None:
-        xs = [s.tps for s in self.sessions.values() if s.tps is not None]
+        xs = [s.tps for s in self.sessions.values() if s.tps is not None and s.parked_at is None]
         return sum(xs) if xs else None
 
     def settle_remaining_s(self, now: float) -> float:
@@ -249,14 +350,121 @@ class AdmissionCore:
 
     # -- projection ----------------------------------------------------------------------------
     def projected(self, k: int, now: float) -> float | None:
-        counted = [s.tps for sid, s in self.sessions.items() if s.tps is not None and not self.warming(sid, now)]
-        n = len(self.sessions)
+        counted = self._counted(now)
+        n = sum(1 for s in self.sessions.values() if s.parked_at is None)
         if not counted:
             return None
         m, c = sum(counted) / len(counted), len(counted)
         for j in range(c, n + k):
             m *= (j + self.scaling) / (j + 1)
         return m
+
+    # -- preemption by parking -------------------------------------------------------------------
+    def _fresh(self, now: float) -> bool:
+        """Whether the mean reflects the last park or resume (module rules)."""
+        if self._changed_at is None or now - self._changed_at >= self.policy.settle_s:
+            return True
+        need = math.ceil(2 / self.policy.alpha)
+        return all(s.decoded - s.mark >= need for sid, s in self.sessions.items()
+                   if s.parked_at is None and s.tps is not None and not self.warming(sid, now))
+
+    def _park_candidates(self, now: float, *, besides: Hashable | None = None) -> list[Hashable]:
+        """The sessions that may be parked, most recently admitted first (module rules)."""
+        p = self.policy
+        ranked = sorted(self.sessions.items(), key=lambda kv: kv[1].order)
+        unparked = sum(1 for s in self.sessions.values() if s.parked_at is None)
+        room = unparked - max(1, p.guarantee_min_sessions)  # never the last one running: it slows nobody
+        free = [sid for sid, s in reversed(ranked[p.guarantee_min_sessions:]) if s.parked_at is None and sid != besides]
+        recent = [sid for sid in free if (r := self.sessions[sid].resumed_at) is not None and now - r < p.min_run]
+        # hysteresis yields to the floor: a session resumed lately is passed over while another can be parked
+        return ([sid for sid in free if sid not in recent] + recent)[:max(0, room)]
+
+    def _to_park(self, m: float, floor: float) -> int:
+        """How many to park so the projection comes back to the floor: the projection inverted (one session
+        fewer of ``n`` running: ``m * n / (n - 1 + e)``), at least one."""
+        n = sum(1 for s in self.sessions.values() if s.parked_at is None)
+        k = 0
+        while m < floor and n - k > 1:
+            j = n - k
+            m *= j / (j - 1 + self.scaling)
+            k += 1
+        return max(1, k)
+
+    def _mark(self, now: float) -> None:
+        self._changed_at = now
+        self._pending.clear()  # the sessions changed: no admit's observation is its own any more
+        for s in self.sessions.values():
+            s.mark = s.decoded
+
+    def _park(self, sid: Hashable, now: float) -> Park:
+        if self._last_resume_at is not None and now - self._last_resume_at < self.policy.min_run:
+            self._resume_fails = min(self._resume_fails + 1, 10)  # that resume was wrong: resume more warily
+            self._last_resume_at = None
+        s = self.sessions[sid]
+        s.parked_at = now
+        s.parks += 1
+        s.last_at = None  # the pause is no interval of its speed
+        self.parks_total += 1
+        return Park(sid)
+
+    def _resume(self, sid: Hashable, now: float) -> Resume:
+        s = self.sessions[sid]
+        s.parked_at = None
+        s.resumed_at = now
+        s.started, s.decoded, s.last_at = now, 0, None  # warms again, its clock restarted
+        self.resumes_total += 1
+        self._last_resume_at = now
+        return Resume(sid)
+
+    def police(self, now: float) -> list[Park | Resume]:
+        """Park or resume sessions (module rules); the shell pauses or resumes their decode at once."""
+        p = self.policy
+        if not p.parks:
+            out: list[Park | Resume] = [self._resume(sid, now) for sid in self.parked()]  # policy off: none stays parked
+            if out:
+                self._mark(now)
+            return out
+        floor = p.tps_floor
+        assert floor is not None
+        m = self.mean_active_tps(now)
+        below = m is not None and m < floor
+        if not below:
+            self._below_since = None
+        elif self._below_since is None:
+            self._below_since = now
+        if self._last_resume_at is not None and now - self._last_resume_at >= p.min_run:
+            self._resume_fails, self._last_resume_at = 0, None  # the last resume held
+        waiting = self.parked()
+        if waiting:
+            running = any(s.parked_at is None for s in self.sessions.values())
+            due = [sid for sid in waiting if now - (self.sessions[sid].parked_at or now) >= p.max_park_s]
+            if due:
+                acts: list[Park | Resume] = []
+                proj = self.projected(len(due), now)
+                if running and (below or (proj is not None and proj < floor)):
+                    swap = [c for c in self._park_candidates(now) if c not in due][:len(due)]
+                    acts.extend(self._park(c, now) for c in swap)
+                acts.extend(self._resume(sid, now) for sid in due)
+                self.forced_resumes_total += len(due)
+                self._mark(now)
+                return acts
+            if not running:
+                self._mark(now)
+                return [self._resume(waiting[0], now)]
+            if not below and self._fresh(now) and self.settle_remaining_s(now) <= 0:
+                proj = self.projected(1, now)
+                if proj is not None and proj >= floor * (1 + p.resume_margin * (1 + self._resume_fails)):
+                    act = self._resume(waiting[0], now)
+                    self._mark(now)
+                    return [act]
+        if below and m is not None and self._below_since is not None and now - self._below_since >= p.park_after \
+                and self._fresh(now):
+            cands = self._park_candidates(now)[:self._to_park(m, floor)]
+            if cands:
+                parked: list[Park | Resume] = [self._park(c, now) for c in cands]
+                self._mark(now)
+                return parked
+        return []
 
     # -- continuations -------------------------------------------------------------------------
     def remember(self, key: Hashable, now: float, *, length: int | None = None) -> None:
@@ -317,11 +525,13 @@ class AdmissionCore:
             return Decision(Verdict.ADMIT, Reason.ADVISORY)
         since = now if held_since is None else held_since
         deadline = since + p.hold_s
-        if self.settle_remaining_s(now) > 0 and now < deadline:
+        if self.settle_remaining_s(now) > 0 and now < deadline and not self.parked():
             return Decision(Verdict.HOLD, Reason.SETTLING, recheck_at=min(deadline, now + self.settle_remaining_s(now)))
         ok, reason = self._fits(now)
         if ok:
             return Decision(Verdict.ADMIT, reason)
+        if reason is Reason.PARKED and p.on_saturation != "queue":
+            return Decision(Verdict.REJECT, reason, retry_after_s=self._retry_after(now))  # warn too: never ahead of one
         match p.on_saturation:
             case "warn":
                 return Decision(Verdict.ADMIT, reason, sessions_remaining=0)
@@ -334,6 +544,8 @@ class AdmissionCore:
     def _fits(self, now: float) -> tuple[bool, Reason]:
         """Rule 5: would one more session keep the projected mean at the floor?"""
         floor = self.policy.tps_floor
+        if self.parked():
+            return False, Reason.PARKED
         if not self.sessions:
             return True, Reason.IDLE
         proj = self.projected(1, now)
@@ -358,21 +570,26 @@ class AdmissionCore:
             can, reason, headroom = False, Reason.SLOTS_FULL, 0
         elif floor is None:
             can, reason, headroom = True, Reason.NO_FLOOR, fit
+        elif self.parked():
+            can, reason, headroom = False, Reason.PARKED, 0
         elif settling and now < now + p.hold_s:  # as ``decide`` holds (hold_s 0: nothing is held)
             can, reason, headroom = False, Reason.SETTLING, fit
         else:
             can, reason = self._fits(now)
             headroom = fit if can else 0
-        proj = self.projected(1, now)
+        proj = self.projected(1 + len(self.parked()), now)  # the parked ones resume before a new one starts
         return Capacity(can_admit=can, projected_mean_tps_if_admitted=proj, headroom_sessions=headroom,
                         settling=settling, settle_remaining_ms=int(math.ceil(settle * 1000)), reason=reason,
                         mean_active_tps=self.mean_active_tps(now), decode_tps=self.decode_tps(), tps_floor=floor,
                         active_sessions=n, warming_sessions=sum(1 for sid in self.sessions if self.warming(sid, now)),
-                        scaling_per_admit=self.scaling, admits_observed=self.observed, admission=p.mode)
+                        scaling_per_admit=self.scaling, admits_observed=self.observed, admission=p.mode,
+                        parked_sessions=len(self.parked()))
 
     def _headroom(self, now: float, free_slots: int) -> int:
         floor = self.policy.tps_floor
         assert floor is not None
+        if self.parked():
+            return 0
         if not self.sessions or self.mean_active_tps(now) is None:
             return max(0, free_slots)
         k = 0

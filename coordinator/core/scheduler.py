@@ -10,6 +10,8 @@ Rules:
 - Stop strings: emitted text never contains a stop string, and text that could still become one
   is held back until it cannot. EOS ends a request unless ``ignore_eos``.
 - A cancelled request frees its slot at once (before the next step is planned).
+- A *parked* request (``park``; the admission core's preemption) keeps its slot and KV rows but is left
+  out of every step until ``resume``; nothing of it is lost (its pending token is fed when it resumes).
 - Reusable prefixes (with a ``coordinator.core.prefixes.PrefixIndex``): a slot knows the tokens whose
   rows its KV cache holds (``seq``: prompt and generated tokens fed, in position order). A finished
   request's ``seq`` is offered to the index as it ends; a newly admitted request looks its prompt up
@@ -191,6 +193,7 @@ class SlotView:
     n_decoded: int
     tps_ewma: float
     req_id: int | None
+    parked: bool = False
 
 
 class Scheduler:
@@ -208,6 +211,7 @@ class Scheduler:
         self.total_decoded = 0
         self.prefixes = prefixes
         self._ops: list[KvOp] = []
+        self.parked: set[int] = set()  # request ids left out of every step until resumed
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, req: GenRequest, now: float) -> list[Effect]:
@@ -245,6 +249,7 @@ class Scheduler:
 
     def cancel(self, req_id: int, now: float, *, keep: bool = True) -> list[Effect]:
         """``keep``: its KV rows may be kept as a prefix (False: its numbers broke)."""
+        self.parked.discard(req_id)
         for i, r in enumerate(self.queue):
             if r.id == req_id:
                 del self.queue[i]
@@ -259,7 +264,7 @@ class Scheduler:
         self._prepare()
         entries: list[StepEntry] = []
         budget = self.n_batch
-        active = [s for s in self.slots if s.req is not None and s.pending]
+        active = [s for s in self.slots if s.req is not None and s.pending and s.req.id not in self.parked]
         decoding = [s for s in active if s.t_prompt_done is not None]
         prefilling = sorted((s for s in active if s.t_prompt_done is None), key=lambda s: s.t_start)
         for s in decoding:
@@ -351,6 +356,7 @@ class Scheduler:
         if flush and (s.text or s.held_ids):
             out.append(Emit(s.req.id, s.text, tuple(s.held_ids)))
         out.append(Finish(s.req.id, reason, len(s.req.prompt), s.n_decoded, s.n_cached))
+        self.parked.discard(s.req.id)
         if self.prefixes is not None and keep and s.seq:
             self._offer(s.id, tuple(s.seq))
         s.seq = []
@@ -422,7 +428,17 @@ class Scheduler:
         return len(self.queue)
 
     def has_work(self) -> bool:
-        return any(s.req is not None and s.pending for s in self.slots)
+        return any(s.req is not None and s.pending and s.req.id not in self.parked for s in self.slots)
+
+    def park(self, req_id: int) -> bool:
+        """Leave a running or queued request out of every step (its slot and rows kept); whether it runs here."""
+        if self.slot_of(req_id) is None and all(r.id != req_id for r in self.queue):
+            return False
+        self.parked.add(req_id)
+        return True
+
+    def resume(self, req_id: int) -> None:
+        self.parked.discard(req_id)
 
     def views(self) -> list[SlotView]:
         return [
@@ -434,6 +450,7 @@ class Scheduler:
                 n_decoded=s.n_decoded if s.req is not None else 0,
                 tps_ewma=s.tps_ewma,
                 req_id=s.req.id if s.req is not None else None,
+                parked=s.req is not None and s.req.id in self.parked,
             )
             for s in self.slots
         ]

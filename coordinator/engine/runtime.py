@@ -25,6 +25,9 @@ Rules:
   before it submits (no await in between, so two requests never both see the same free room) and
   waits on ``wait_changed`` while held. A continuation: a remembered ``X-Session-Id``, or a prompt
   that starts with (and is longer than) a prompt admitted within the policy's TTL.
+- Preemption by parking: before planning each step (and every 50 ms while idle) the engine thread asks the
+  core's ``police`` and parks or resumes the sessions it names in the scheduler (a parked request keeps
+  its slot and KV rows, skips steps, and its stream waits); the trio side's held requests are woken then.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 import trio
 
-from coordinator.core.admission import AdmissionCore, AdmissionPolicy, Capacity, Decision, Verdict
+from coordinator.core.admission import AdmissionCore, AdmissionPolicy, Capacity, Decision, Park, Verdict
 from coordinator.core.prefixes import PrefixIndex, PrefixStats, prefix_hashes
 from coordinator.core.scheduler import (
     Admitted,
@@ -402,6 +405,7 @@ class EngineRuntime:
         self._adopt()
         while not self._stop:
             with self._lock:
+                self._police(time.monotonic())
                 plan = self.sched.plan()
                 ops = self.sched.take_kv_ops()
             if not plan and not ops:
@@ -577,6 +581,26 @@ class EngineRuntime:
             s.prompt_tps_ewma = inst if s.prompt_tps_ewma == 0 else (1 - a) * s.prompt_tps_ewma + a * inst
 
     # -- admission (coordinator.core.admission) -------------------------------------------------------
+    def _police(self, now: float) -> None:
+        """Park or resume what the admission core says (the lock is held)."""
+        if not self._sessions:
+            return
+        acts = self.admission.police(now)
+        for a in acts:
+            if isinstance(a, Park):
+                assert isinstance(a.sid, int)
+                self.sched.park(a.sid)
+                log.info("parked session %s (mean active tps below the floor)", a.sid)
+            else:
+                assert isinstance(a.sid, int)
+                self.sched.resume(a.sid)
+                log.info("resumed session %s", a.sid)
+        if acts and self._token is not None:
+            try:
+                self._token.run_sync_soon(self._notify)
+            except trio.RunFinishedError:
+                pass
+
     def _sync_sessions(self, now: float) -> None:
         """Sessions that left the scheduler (finished, cancelled, failed) end (the lock is held)."""
         if not self._sessions:

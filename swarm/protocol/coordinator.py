@@ -51,6 +51,7 @@ class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
     decode_tps: float | None = None  # aggregate: the sum of the sessions' EWMAs
     tps_floor: float | None = None  # --tps-floor (None: none)
     projected_mean_tps_if_admitted: float | None = None
+    parked: bool = False  # preempted by admission (--preempt park): decode paused, KV kept, the stream waits
 
 
 class CapacityReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +74,7 @@ class CapacityReport(msgspec.Struct, frozen=True, kw_only=True):
     warming_sessions: int = 0
     scaling_per_admit: float = 0.0
     admits_observed: int = 0
+    parked_sessions: int = 0  # of active_sessions: decode paused while the mean stays below the floor
 
 
 class MarketLinkStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -179,6 +179,11 @@ def check_gateway(result: dict[str, Any]) -> None:
     assert ramp["admitted_within_one"] == (abs(ramp["admitted_sessions"] - ramp["best_fixed_sessions"]) <= 1), ramp
     assert ramp["timeline"] and all(0 <= k <= n for _, k, _ in ramp["timeline"]), ramp
     assert any(m is not None and m > 0 for _, _, m in ramp["timeline"]), ramp  # the coordinator measured its sessions
+    # the per-second trace (why the mean moves: sessions, parked, prefill, steps, contexts, the machine's load)
+    assert ramp["preempt"] == "park" and ramp["parks"] >= 0 and ramp["resumes"] <= ramp["parks"], ramp
+    assert ramp["trace"] and {"sessions", "parked", "mean_active_tps", "decode_tps", "prefill_tokens", "steps",
+                              "mean_ctx", "load_1m"} <= ramp["trace"][0].keys(), ramp
+    assert all(0 <= r["parked"] <= r["sessions"] <= n for r in ramp["trace"]), ramp
 
     # case (b): the gateway spread the sessions over both coordinators; the same tokens either way
     one, two, scale = cases["scale_out/1x4"], cases["scale_out/2x4"], cases["scale_out/ratio"]

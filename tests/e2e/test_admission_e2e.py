@@ -152,3 +152,57 @@ async def test_warn_admits_past_the_floor_with_a_header(procs: list[Proc], tmp_p
         r = await h.post("/v1/completions", json={"prompt": prompt(1), "max_tokens": 2})
         assert r.status_code == 200 and r.headers["x-sessions-remaining"] == "0"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_parked_session_shows_on_capacity_slots_and_metrics_and_no_request_goes_ahead_of_it(
+        procs: list[Proc], tmp_path: Path, small_model: Path) -> None:  # noqa: F811
+    url = await start(procs, tmp_path, small_model, "--tps-floor", str(FLOOR), "--admission", "enforced",
+                      "--guarantee-min-sessions", "1", "--settle-tokens", "4", "--settle-time", "0.5",
+                      "--max-park-time", "600")
+    body: dict[str, Any] = {"max_tokens": 1900, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as h, trio.open_nursery() as nursery:
+        tokens = [0, 0]
+
+        async def session(i: int, extra: dict[str, Any]) -> None:
+            async with h.stream("POST", "/v1/completions", json={**body, "prompt": prompt(i), **extra}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        tokens[i] += 1
+
+        def more(i: int, than: int) -> Any:
+            async def check() -> bool:
+                return tokens[i] > than
+            return check
+
+        nursery.start_soon(session, 0, {})
+        await eventually(more(0, 0), within=30)
+        nursery.start_soon(session, 1, {"overcommit": True})  # past the floor by request: the one to park
+
+        async def parked() -> dict[str, Any] | None:
+            c = (await h.get("/capacity")).json()
+            return c if c["parked_sessions"] == 1 else None
+
+        cap = await eventually(parked, within=30)
+        assert (cap["can_admit"], cap["reason"], cap["headroom_sessions"], cap["active_sessions"]) == (
+            False, "parked_waiting", 0, 2)
+        slots = (await h.get("/slots")).json()
+        assert [s["parked"] for s in slots if s["is_processing"]] == [False, True]  # the first admitted keeps going
+        m = (await h.get("/metrics")).text
+        assert metric(m, "moe_swarm_sessions", state="parked") == 1
+        assert metric(m, "moe_swarm_admission_preemptions_total", event="parked") >= 1
+        # the parked stream waits (its tokens stop) while the first one's go on
+        await eventually(more(0, tokens[0] + 5), within=30)
+        n1 = tokens[1]
+        await eventually(more(0, tokens[0] + 5), within=30)
+        assert tokens[1] == n1 and (await h.get("/capacity")).json()["parked_sessions"] == 1
+
+        def third() -> openai.RateLimitError:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.RateLimitError) as exc:
+                c.completions.create(model="m", prompt=prompt(2), max_tokens=4)
+            return exc.value
+
+        err = await trio.to_thread.run_sync(third)
+        assert err.status_code == 429 and "parked_waiting" in err.message
+        nursery.cancel_scope.cancel()

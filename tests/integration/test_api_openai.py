@@ -249,7 +249,7 @@ async def test_health_slots_metrics(coordinator_url: str) -> None:
         assert [s["id"] for s in slots] == [0, 1, 2, 3]
         assert set(slots[0]) == {"id", "is_processing", "n_ctx", "n_prompt", "n_decoded", "tps_ewma", "draft",
                                  "draft_acceptance", "draft_length", "warming", "mean_active_tps", "decode_tps",
-                                 "tps_floor", "projected_mean_tps_if_admitted"}
+                                 "tps_floor", "projected_mean_tps_if_admitted", "parked"}
         assert slots[0]["draft"] is None  # an idle slot drafts nothing
         assert slots[0]["tps_floor"] is None and slots[0]["mean_active_tps"] is None  # no floor, no session
         cap = (await h.get("/capacity")).json()

@@ -31,8 +31,9 @@ ADMITS = {"can_admit": True, "admission": "enforced", "settle_remaining_ms": 0, 
 class StandIn:
     url: str = ""
     capacity: dict[str, Any] | None = field(default_factory=lambda: dict(ADMITS))  # None: 404 (an older one)
-    mode: str = "ok"  # ok | refuse | hang | truncate
+    mode: str = "ok"  # ok | refuse | hang | truncate | stall (after two tokens, sends nothing, keeps the socket)
     requests: int = 0
+    stream_closed: trio.Event = field(default_factory=trio.Event)  # a stream's generator was closed (cancelled)
     polls: dict[str, int] = field(default_factory=dict)
 
 
@@ -69,12 +70,17 @@ def standin_app(s: StandIn) -> Starlette:
             return JSONResponse({"id": "x", "choices": [{"text": "abc", "finish_reason": "stop"}], "by": s.url})
 
         async def events() -> Any:
-            for t in ("a", "b"):
-                yield chunk(t)
-            if s.mode == "truncate":
-                return
-            yield chunk("", "stop")
-            yield b"data: [DONE]\n\n"
+            try:
+                for t in ("a", "b"):
+                    yield chunk(t)
+                if s.mode == "truncate":
+                    return
+                if s.mode == "stall":
+                    await trio.sleep_forever()
+                yield chunk("", "stop")
+                yield b"data: [DONE]\n\n"
+            finally:
+                s.stream_closed.set()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -104,7 +110,7 @@ async def setup(nursery: trio.Nursery) -> tuple[str, list[StandIn]]:
 
     market = await serve_app(nursery, Starlette(routes=[Route("/api/coordinators", directory)]))
     cfg = GatewayConfig(markets=(market,), port=0, poll_interval_s=0.05, poll_timeout_s=0.5, offer_timeout_s=0.5,
-                        backoff_s=30.0)
+                        backoff_s=30.0, stream_idle_timeout_s=1.0)
     gw = await nursery.start(serve_gateway, cfg)
     async with httpx.AsyncClient(timeout=5) as h:
         async def polled() -> bool:
@@ -172,3 +178,25 @@ async def test_a_hang_falls_back_and_a_truncated_stream_ends_with_an_error(setup
         assert json.loads(lines[-1][6:])["error"]["code"] == "coordinator_failed"
         m = (await h.get(gw + "/metrics")).text
         assert "moe_swarm_gateway_timeouts_total 1.0" in m and "moe_swarm_gateway_stream_errors_total 1.0" in m
+
+
+async def test_a_coordinator_stalled_mid_stream_ends_it_with_an_error_event_and_is_cancelled(
+        setup: tuple[str, list[StandIn]]) -> None:
+    gw, (a, b) = setup
+    a.mode = b.mode = "stall"  # two tokens, then silence on an open socket
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "stream": True}
+    async with httpx.AsyncClient(timeout=10) as h:
+        t0 = trio.current_time()
+        async with h.stream("POST", gw + "/v1/completions", json=body) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        waited = trio.current_time() - t0
+        assert r.status_code == 200 and 1.0 <= waited < 8.0  # --stream-idle-timeout 1 s, not forever
+        assert "data: [DONE]" not in lines  # never a silent truncation: an error event ends it
+        assert [json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1]] == ["a", "b"]
+        err = json.loads(lines[-1][6:])["error"]
+        assert err["code"] == "coordinator_failed" and "stalled" in err["message"], err
+        stalled = a if a.requests else b
+        with trio.fail_after(5):
+            await stalled.stream_closed.wait()  # the upstream was closed: the coordinator's request is cancelled
+        m = (await h.get(gw + "/metrics")).text
+        assert "moe_swarm_gateway_stream_stalls_total 1.0" in m and "moe_swarm_gateway_stream_errors_total 1.0" in m
