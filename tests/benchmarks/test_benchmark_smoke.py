@@ -148,11 +148,13 @@ def check_engine(result: dict[str, Any]) -> None:
 def check_backbone(result: dict[str, Any]) -> None:
     check_design_shape(result, "backbone")
     fields = {"case", "rtt_ms", "sessions", "draft", "tokens_per_s", "ms_per_token", "round_trips_per_token",
-              "acceptance", "tokens_identical", "layer_breakdown_ms", "remote_share", "verified_rows"}
+              "acceptance", "tokens_identical", "layer_breakdown_ms", "remote_share", "verified_rows",
+              "network_ms_per_token"}
     kinds = {c["case"] for c in result["cases"]}
     assert kinds == {"all_local", "backbone"}, kinds
     for c in result["cases"]:
         assert set(c) == fields and c["tokens_per_s"] > 0, c
+        assert c["network_ms_per_token"] is not None and c["network_ms_per_token"] >= 0, c  # Linux: from /proc
         if c["case"] == "backbone":
             assert c["tokens_identical"] is True and c["round_trips_per_token"] > 0, c
             assert c["remote_share"] == 1.0, c  # measured in the steady state: every routed row on a volunteer

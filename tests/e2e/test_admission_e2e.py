@@ -43,6 +43,14 @@ def prompt(i: int) -> list[int]:
     return [30 + i * 50 + k for k in range(12)]
 
 
+def refused(url: str, tokens: list[int]) -> openai.RateLimitError:
+    """A request the official client sees refused (429: ``RateLimitError``, no retries)."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as exc:
+        c.completions.create(model="m", prompt=tokens, max_tokens=4)
+    return exc.value
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -76,13 +84,7 @@ async def test_enforced_floor_holds_then_rejects_and_lets_continuations_through(
         await first_token[1].wait()
 
         # bob is settling: a third request is held (not refused) until bob's window ends, then refused
-        def third() -> openai.RateLimitError:
-            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-            with pytest.raises(openai.RateLimitError) as exc:
-                c.completions.create(model="m", prompt=prompt(2), max_tokens=4)
-            return exc.value
-
-        err = await trio.to_thread.run_sync(third)
+        err = await trio.to_thread.run_sync(refused, url, prompt(2))
         assert err.status_code == 429 and err.code == "over_capacity"
         assert int(err.response.headers["retry-after"]) >= 1
         assert "below the floor" in err.message
@@ -197,12 +199,6 @@ async def test_a_parked_session_shows_on_capacity_slots_and_metrics_and_no_reque
         await eventually(more(0, tokens[0] + 5), within=30)
         assert tokens[1] == n1 and (await h.get("/capacity")).json()["parked_sessions"] == 1
 
-        def third() -> openai.RateLimitError:
-            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-            with pytest.raises(openai.RateLimitError) as exc:
-                c.completions.create(model="m", prompt=prompt(2), max_tokens=4)
-            return exc.value
-
-        err = await trio.to_thread.run_sync(third)
+        err = await trio.to_thread.run_sync(refused, url, prompt(2))
         assert err.status_code == 429 and "parked_waiting" in err.message
         nursery.cancel_scope.cancel()
