@@ -85,21 +85,21 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def point(costs: Any, shape: dict[str, int], case: dict[str, Any], volunteers: int, seed: int) -> Any:
+def point(costs: Any, shape: dict[str, int], case: dict[str, Any], seed: int, *, volunteers: int, held: bool,
+          ranges_per_layer: int = 1, threads: int = 2) -> Any:
+    """A measured case as a simulated point on this machine (2 cores shared by every process)."""
     from coordinator.core.events import DispatchConfig
     from sim.serving import Point
     from sim.serving_run import COORDINATOR_DISPATCH
 
-    backbone = case["case"] == "backbone"
     return Point(costs=costs, n_layer=shape["n_moe_layer"], n_expert=shape["n_expert"], top_k=shape["top_k"],
-                 ranges_per_layer=1, sessions=int(case["sessions"]), slots=max(8, int(case["sessions"])),
-                 volunteers=volunteers if backbone else 0, speed=1.0, rtt_s=float(case["rtt_ms"]) / 1000, bandwidth=1e9,
-                 shared_cores=True, machine_cores=2, coordinator_threads=2, warmup_s=20.0, measure_s=20.0,
-                 held=not backbone, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
+                 ranges_per_layer=ranges_per_layer, sessions=int(case["sessions"]), slots=max(8, int(case["sessions"])),
+                 volunteers=volunteers, speed=1.0, rtt_s=float(case["rtt_ms"]) / 1000, bandwidth=1e9,
+                 shared_cores=True, machine_cores=2, coordinator_threads=threads, warmup_s=20.0, measure_s=20.0,
+                 held=held, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
 
 
-def fit_stream(costs: Any, shape: dict[str, int], local1: dict[str, Any], seed: int,
-               make: Callable[[Any, dict[str, Any]], Any] | None = None) -> Any:
+def fit_stream(costs: Any, local1: dict[str, Any], make: Callable[[Any], Any]) -> Any:
     """The API's streaming cost per token on the network thread (``stream_s``, what the calibration, which
     runs no server, cannot see): the value whose simulated all-local 1-session rate is the measured one
     (bisection; 0 when the engine alone is already slower than measured)."""
@@ -109,7 +109,7 @@ def fit_stream(costs: Any, shape: dict[str, int], local1: dict[str, Any], seed: 
 
     def rate(stream_s: float) -> float:
         c = msgspec.structs.replace(costs, stream_s=stream_s, step_s=0.0)
-        return ServingSim(make(c, local1) if make else point(c, shape, local1, 0, seed)).run().tokens_per_s
+        return ServingSim(make(c)).run().tokens_per_s
 
     target = float(local1["tokens_per_s"])
     lo, hi = 0.0, 0.005
@@ -138,11 +138,12 @@ def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volu
         costs = msgspec.structs.replace(costs, stream_s=local1["network_ms_per_token"] / 1000, step_s=0.0,
                                         source=costs.source + " + the all-local 1-session network thread + backbone rtt-0 breakdown")
     else:  # a JSON from before backbone.py measured it: fitted to the all-local 1-session rate
-        costs = fit_stream(costs, shape, local1, seed)
+        costs = fit_stream(costs, local1, lambda c: point(c, shape, local1, seed, volunteers=0, held=True))
         costs = msgspec.structs.replace(costs, source=costs.source + " + the all-local 1-session rate + backbone rtt-0 breakdown")
     out = []
     for c in cases:
-        r = ServingSim(point(costs, shape, c, volunteers, seed)).run()
+        backbone = c["case"] == "backbone"
+        r = ServingSim(point(costs, shape, c, seed, volunteers=volunteers if backbone else 0, held=not backbone)).run()
         err = r.tokens_per_s / c["tokens_per_s"] - 1 if c["tokens_per_s"] else None
         out.append({"case": c["case"], "rtt_ms": c["rtt_ms"], "sessions": c["sessions"], "runs": c.get("runs", 1),
                     "measured_tokens_per_s": round(c["tokens_per_s"], 2), "predicted_tokens_per_s": round(r.tokens_per_s, 2),
@@ -166,19 +167,14 @@ def predict_offload(cases: list[dict[str, Any]], costs: Any, shape: dict[str, in
     """``offload.py``'s setup simulated: the coordinator at one ggml thread holding every expert, one volunteer
     at one thread on the same two cores serving every layer in four ranges, local-only (no volunteer listed)
     and adaptive; input: the local 1-session rate (``stream_s``)."""
-    from coordinator.core.events import DispatchConfig
-    from sim.serving import Point, ServingSim
-    from sim.serving_run import COORDINATOR_DISPATCH
+    from sim.serving import ServingSim
 
-    def pt(c: Any, case: dict[str, Any]) -> Point:
-        return Point(costs=c, n_layer=shape["n_moe_layer"], n_expert=shape["n_expert"], top_k=shape["top_k"],
-                     ranges_per_layer=4, sessions=int(case["sessions"]), slots=max(8, int(case["sessions"])),
-                     volunteers=1 if case["case"] == "adaptive" else 0, speed=1.0, rtt_s=float(case["rtt_ms"]) / 1000,
-                     bandwidth=1e9, shared_cores=True, machine_cores=2, coordinator_threads=1, warmup_s=20.0,
-                     measure_s=20.0, held=True, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
+    def pt(c: Any, case: dict[str, Any]) -> Any:
+        return point(c, shape, case, seed, volunteers=1 if case["case"] == "adaptive" else 0, held=True,
+                     ranges_per_layer=4, threads=1)
 
     local1 = next(c for c in cases if c["case"] == "local" and c["rtt_ms"] == 0 and c["sessions"] == 1)
-    costs = fit_stream(costs, shape, {**local1, "case": "all_local"}, seed, make=pt)
+    costs = fit_stream(costs, local1, lambda c: pt(c, local1))
     out = []
     for c in cases:
         r = ServingSim(pt(costs, c)).run()
