@@ -496,6 +496,24 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         """Run one step over all chunks; returns per chunk logits ``[n_tokens or 1, n_vocab]``."""
+        bounds, tokens, pos = self._inputs(chunks)
+        if self._ggml is not None:
+            return [torch.from_numpy(a) for a in self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)]
+        return self._forward_torch(chunks, bounds, self.model.token_embd(torch.from_numpy(tokens)), torch.from_numpy(pos))
+
+    def forward_np(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
+        """``forward``'s logits as float32 numpy arrays: on the ggml kernels no torch op at all when the step is
+        one graph (the engine thread's decode path: after a graph the interpreter's caches are cold, and
+        torch's dispatch and inference mode cost tens of microseconds a step there)."""
+        if self._ggml is None:
+            with torch.inference_mode():
+                return [t.to(torch.float32).numpy() for t in self.forward(chunks)]
+        bounds, tokens, pos = self._inputs(chunks)
+        return self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)
+
+    @staticmethod
+    def _inputs(chunks: list[SeqChunk]) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
+        """Each chunk's rows in the step, the step's token ids and positions."""
         bounds: list[tuple[int, int]] = []
         start = 0
         for c in chunks:
@@ -508,12 +526,10 @@ class Transformer:
             pos = np.fromiter((c.pos for c in chunks), dtype=np.int64, count=start)
         else:
             pos = np.concatenate([np.arange(c.pos, c.pos + len(c.tokens), dtype=np.int64) for c in chunks])
-        if self._ggml is not None:
-            return self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)
-        return self._forward_torch(chunks, bounds, self.model.token_embd(torch.from_numpy(tokens)), torch.from_numpy(pos))
+        return bounds, tokens, pos
 
     def _forward_ggml(self, gd: _GgmlDense, chunks: list[SeqChunk], bounds: list[tuple[int, int]], tokens: np.ndarray,
-                      pos: np.ndarray) -> list[torch.Tensor]:
+                      pos: np.ndarray) -> list[np.ndarray]:
         """Each layer: one graph to q/k/v, the new rows into the caches, one attention graph for every
         sequence, one graph to the router; the experts through ``self.experts``. numpy in between.
 
@@ -560,11 +576,11 @@ class Transformer:
         # the head once for every sequence's rows (its weights are read once per step, not per sequence)
         rows = [xn[s:e] if c.all_logits else xn[e - 1 : e] for c, (s, e) in zip(chunks, bounds, strict=True)]
         xs = rows[0] if len(rows) == 1 else np.concatenate(rows)
-        logits = torch.from_numpy(gd.head(xs, compute_threads(len(xs) * gd.head.macs)))
-        return list(torch.split(logits, [len(r) for r in rows])) if len(rows) > 1 else [logits]
+        logits = gd.head(xs, compute_threads(len(xs) * gd.head.macs))
+        return np.split(logits, np.cumsum([len(r) for r in rows[:-1]])) if len(rows) > 1 else [logits]
 
     def _stack_ggml(self, stack: StackGraph, chunks: list[SeqChunk], bounds: list[tuple[int, int]], tokens: np.ndarray,
-                    pos: np.ndarray) -> list[torch.Tensor]:
+                    pos: np.ndarray) -> list[np.ndarray]:
         """The whole step in one graph (``coordinator.engine.stack``); the backend hears of each MoE
         layer's experts (its time: the graph's, shared evenly)."""
         t0 = time.perf_counter()
@@ -576,9 +592,10 @@ class Transformer:
         share = (time.perf_counter() - t0) / max(1, len(ids))
         for ml, e in ids:
             self.experts.ran_here(ml, e, share)
-        out = torch.from_numpy(logits)
+        if len(chunks) == 1:
+            return [logits]
         sizes = [e - s if c.all_logits else 1 for c, (s, e) in zip(chunks, bounds, strict=True)]
-        return list(torch.split(out, sizes)) if len(sizes) > 1 else [out]
+        return np.split(logits, np.cumsum(sizes[:-1]))
 
     def _segments(self, here: list[bool]) -> dict[int, int]:
         """First layer -> end of each run of consecutive layers computed here (dense blocks and expert

@@ -6,7 +6,9 @@ Rules:
 - The scheduling decisions are the pure ``coordinator.core.scheduler.Scheduler``; this shell only
   moves tokens between it, the model and the channels. A lock guards the scheduler because both
   threads touch it; it is never held during a forward pass.
-- Events reach trio through ``TrioToken.run_sync_soon`` (never blocks the engine thread).
+- Events reach trio through a ``swarm.courier.Courier`` (never blocks the engine thread, and never makes it
+  give up the interpreter lock to the trio thread between two graphs: the courier's thread wakes the loop
+  while the next graph computes).
 - A cancelled request frees its slot before the next step is planned.
 - Speculative decoding (``coordinator.core.speculation``, drafters in ``coordinator.engine.drafters``):
   a decoding session whose drafter proposes tokens feeds them after its pending token in the same
@@ -42,6 +44,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import trio
 
@@ -65,6 +68,7 @@ from coordinator.engine.drafters import Drafter
 from coordinator.engine.model import KV_TYPES, ExpertBackend, KVCache, SeqChunk, Transformer
 from coordinator.engine.prefix_store import PrefixStore
 from coordinator.engine.sampling import make_generator, sample
+from swarm.courier import Courier
 from swarm.errors import DispatchFailed, RequestError
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend
@@ -215,6 +219,7 @@ class EngineRuntime:
         self._ids = itertools.count(1)
         self._reqs: dict[int, _ReqState] = {}
         self._token: trio.lowlevel.TrioToken | None = None
+        self._courier: Courier | None = None
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         if draft != "none" and draft not in self.drafters:
             raise ValueError(f"no drafter {draft!r}")
@@ -236,6 +241,7 @@ class EngineRuntime:
     # -- service ---------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
+        self._courier = courier = Courier(self._token, name="engine-events")
         thread = threading.Thread(target=self._run, name="engine", daemon=True)
         thread.start()
         try:
@@ -246,6 +252,8 @@ class EngineRuntime:
             self._wake.set()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.join)
+                await trio.to_thread.run_sync(courier.close)  # the engine's last events handed over
+                await trio.lowlevel.checkpoint()
 
     # -- trio side ---------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: GenParams, *, prompt_param: str = "prompt",
@@ -393,11 +401,8 @@ class EngineRuntime:
             self._notify()
 
     def _post(self, effects: list[Event]) -> None:
-        if effects and self._token is not None:
-            try:
-                self._token.run_sync_soon(self._deliver, effects)
-            except trio.RunFinishedError:
-                pass
+        if effects and self._courier is not None:
+            self._courier.post(self._deliver, effects)
 
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -507,7 +512,7 @@ class EngineRuntime:
         chunks = [SeqChunk(self.caches[e.slot], [*e.tokens, *drafts[i][1]] if i in drafts else list(e.tokens), e.pos,
                            all_logits=i in drafts) for i, e in enumerate(plan)]
         t0 = time.monotonic()
-        logits = self.transformer.forward(chunks)
+        logits = self.transformer.forward_np(chunks)
         now = time.monotonic()
         dt = max(now - t0, 1e-9)
         out: list[Event] = []
@@ -525,16 +530,17 @@ class EngineRuntime:
                     continue
                 name, proposed = drafts.get(i, ("none", []))
                 # the drafted positions' logits follow the pending token's: sampled in order, as plain decoding would
-                rows = lg[-1 - len(proposed):] if proposed else lg[-1:]
+                # numpy rows (``forward_np``): the check and a greedy choice run no torch op (after a graph the
+                # interpreter's caches are cold: torch's slicing and dispatch cost ~0.1 ms a token here)
+                rows_np = lg[-1 - len(proposed):] if proposed else lg[-1:]
                 broken = False
 
-                def target(j: int, rows: torch.Tensor = rows, st: _ReqState = st) -> int:
+                def target(j: int, rows_np: np.ndarray = rows_np, st: _ReqState = st) -> int:
                     nonlocal broken
-                    row = rows[j]
-                    if not bool(torch.isfinite(row).all()):
+                    if not np.isfinite(rows_np[j]).all():
                         broken = True
                         return -1
-                    return sample(row, temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
+                    return sample(rows_np[j], temperature=st.params.temperature, top_p=st.params.top_p, generator=st.generator)
 
                 emitted = verify(proposed, target)
                 if e.req_id in self._sessions:
@@ -595,11 +601,8 @@ class EngineRuntime:
                 assert isinstance(a.sid, int)
                 self.sched.resume(a.sid)
                 log.info("resumed session %s", a.sid)
-        if acts and self._token is not None:
-            try:
-                self._token.run_sync_soon(self._notify)
-            except trio.RunFinishedError:
-                pass
+        if acts and self._courier is not None:
+            self._courier.post(self._notify)
 
     def _sync_sessions(self, now: float) -> None:
         """Sessions that left the scheduler (finished, cancelled, failed) end (the lock is held)."""

@@ -9,6 +9,7 @@ Rules:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["make_generator", "sample"]
@@ -20,7 +21,13 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator) -> int:
+def sample(logits: torch.Tensor | np.ndarray, *, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from one row of logits (a torch tensor or a float32 numpy row: the engine passes numpy's
+    view, so a greedy step runs no torch op)."""
+    if isinstance(logits, np.ndarray):
+        if temperature <= 0.0:  # numpy's argmax: torch's (the first of equal maxima)
+            return int(logits.argmax())
+        logits = torch.from_numpy(logits)
     if temperature <= 0.0:  # numpy's argmax: torch's (the first of equal maxima), without torch's op overhead
         return int(logits.numpy().argmax()) if logits.dtype == torch.float32 and logits.device.type == "cpu" \
             and not logits.requires_grad \
