@@ -140,9 +140,9 @@ def wait_for(what: str, fn: Any, procs: Procs, timeout: float, interval: float =
 
 def stream_one(url: str, model_id: str, prompt: str, n_tokens: int, draft: str, out: dict[str, Any]) -> None:
     body: dict[str, Any] = {"model": model_id, "prompt": prompt, "max_tokens": n_tokens, "temperature": 0,
-                            "stream": True, "ignore_eos": True, "return_token_ids": True}
-    if draft != "none":
-        body["draft"] = draft
+                            "stream": True, "ignore_eos": True, "return_token_ids": True,
+                            # always named: a coordinator's default drafter (ngram) would draft a "none" case
+                            "draft": draft}
     ids: list[int] = []
     times: list[float] = []
     try:

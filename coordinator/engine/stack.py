@@ -122,7 +122,6 @@ class _Built:
                  ids: list[tuple[int, np.ndarray]], seqs: list[_Seq], sel: np.ndarray | None) -> None:
         self.ctx, self.galloc, self.plan = ctx, galloc, plan
         self.x, self.pos, self.out, self.ids, self.seqs, self.sel = x, pos, out, ids, seqs, sel
-        self.consts: list[tuple[np.ndarray, np.ndarray | float]] = []
         self.nbytes = int(g.ggml_gallocr_get_buffer_size(galloc, 0)) if galloc else 0
 
     def free(self) -> None:
@@ -330,9 +329,10 @@ class StackGraph:
         built.pos[:] = 0
         if built.sel is not None:
             built.sel[:] = 0
-        if ar is not None and zero is not None:
-            built.consts = [(_f32_view(ar, (b, self._n_expert)), np.arange(self._n_expert, dtype=np.float32)),
-                            (_f32_view(zero, (b, d)), 0.0)]
+        if ar is not None and zero is not None:  # written once: inputs and outputs, so the allocator never reuses
+            # their memory and no op writes into them (a per-step rewrite measured 0.16 ms a step at 4 sessions)
+            _f32_view(ar, (b, self._n_expert))[:] = np.arange(self._n_expert, dtype=np.float32)
+            _f32_view(zero, (b, d))[:] = 0.0
         for sq, n in zip(seqs, ns, strict=True):
             sq.n = n
             for bk in sq.blocks:
@@ -409,8 +409,6 @@ class StackGraph:
             built.pos[gmap] = pos
         if sel_rows is not None and built.sel is not None:
             built.sel[: len(sel_rows)] = sel_rows
-        for view, value in built.consts:  # rewritten every step: no allocator reuse can leave them stale
-            view[:] = value
         H = at.H
         for sq, (n, p0, kc, vc) in zip(built.seqs, seqs, strict=True):
             n_ctx = sq.n_ctx
