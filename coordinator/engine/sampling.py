@@ -24,14 +24,14 @@ def make_generator(seed: int) -> torch.Generator:
 def sample(logits: torch.Tensor | np.ndarray, *, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """One token from one row of logits (a torch tensor or a float32 numpy row: the engine passes numpy's
     view, so a greedy step runs no torch op)."""
-    if isinstance(logits, np.ndarray):
-        if temperature <= 0.0:  # numpy's argmax: torch's (the first of equal maxima)
-            return int(logits.argmax())
-        logits = torch.from_numpy(logits)
     if temperature <= 0.0:  # numpy's argmax: torch's (the first of equal maxima), without torch's op overhead
+        if isinstance(logits, np.ndarray):
+            return int(logits.argmax())
         return int(logits.numpy().argmax()) if logits.dtype == torch.float32 and logits.device.type == "cpu" \
             and not logits.requires_grad \
             else int(torch.argmax(logits).item())
+    if isinstance(logits, np.ndarray):
+        logits = torch.from_numpy(logits)
     probs = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
