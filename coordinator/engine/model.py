@@ -506,8 +506,7 @@ class Transformer:
         one graph (the engine thread's decode path: after a graph the interpreter's caches are cold, and
         torch's dispatch and inference mode cost tens of microseconds a step there)."""
         if self._ggml is None:
-            with torch.inference_mode():
-                return [t.to(torch.float32).numpy() for t in self.forward(chunks)]
+            return [t.to(torch.float32).numpy() for t in self.forward(chunks)]
         bounds, tokens, pos = self._inputs(chunks)
         return self._forward_ggml(self._ggml, chunks, bounds, tokens, pos)
 

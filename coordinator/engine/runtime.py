@@ -253,7 +253,6 @@ class EngineRuntime:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.join)
                 await trio.to_thread.run_sync(courier.close)  # the engine's last events handed over
-                await trio.lowlevel.checkpoint()
 
     # -- trio side ---------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: GenParams, *, prompt_param: str = "prompt",
