@@ -50,11 +50,17 @@ def _per_layer(model: GGUFModel) -> Transformer:
     return tr
 
 
+def _both(model: GGUFModel) -> tuple[Transformer, Transformer]:
+    """The stacked engine (its stack graph built) and the per-layer one, on ``model``."""
+    stacked = Transformer(model, LocalExperts(model))
+    assert stacked._ggml is not None and stacked._ggml.stack is not None
+    return stacked, _per_layer(model)
+
+
 @pytest.mark.parametrize("name", STACKING)
 def test_the_stacked_step_gives_the_per_layer_bits(name: str) -> None:
     model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
-    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
-    assert stacked._ggml is not None and stacked._ggml.stack is not None
+    stacked, plain = _both(model)
     for dtype in (torch.float32, torch.float16):
         for n_seq in (1, 3):
             a, b = _run(stacked, n_seq, 10, dtype), _run(plain, n_seq, 10, dtype)
@@ -65,7 +71,7 @@ def test_the_stacked_step_gives_the_per_layer_bits(name: str) -> None:
 @pytest.mark.parametrize("n_seq", [2, 8, 16])
 def test_many_sequences_and_moving_caches(n_seq: int) -> None:
     model = GGUFModel(FIXTURES / "golden" / "qwen2moe-tiny-q8_0.gguf")
-    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
+    stacked, plain = _both(model)
     for x, y in zip(_run(stacked, n_seq, 4, torch.float16, swap=True), _run(plain, n_seq, 4, torch.float16, swap=True),
                     strict=True):
         assert torch.equal(x, y), n_seq
@@ -196,8 +202,7 @@ PREFILL_PLAN = [
 @pytest.mark.parametrize("name", STACKING)
 def test_prefill_chunks_give_the_per_layer_bits(name: str) -> None:
     model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
-    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
-    assert stacked._ggml is not None and stacked._ggml.stack is not None
+    stacked, plain = _both(model)
     for dtype in (torch.float32, torch.float16):
         _, n0 = graph_time()
         a = _prefill(stacked, PREFILL_PLAN, 400, dtype)
@@ -212,10 +217,10 @@ def test_a_prefill_bucket_is_built_once() -> None:
     """Chunks of 33-48 rows share one graph (bucket 48): only the cache writes' row count and the data
     change."""
     model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
-    stacked, plain = Transformer(model, LocalExperts(model)), _per_layer(model)
-    assert stacked._ggml is not None and stacked._ggml.stack is not None
+    stacked, plain = _both(model)
     plan = [[(0, n, False)] for n in (33, 48, 40, 47, 34)]
     a = _prefill(stacked, plan, 256, torch.float16)
+    assert stacked._ggml is not None and stacked._ggml.stack is not None
     assert len(stacked._ggml.stack._graphs) == 1
     for x, y in zip(a, _prefill(plain, plan, 256, torch.float16), strict=True):
         assert torch.equal(x, y)
