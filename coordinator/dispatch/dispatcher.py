@@ -91,6 +91,7 @@ from swarm.dispatch_map import DispatchMap, RangeReplicas, partition_layer
 from swarm.errors import ConfigError, DispatchFailed, SwarmError
 from swarm.model.gguf import GGUFModel
 from swarm.model.kernels import KernelBackend, add_in_expert_order, expert_kernel, kernel_id
+from swarm.model.kernels.ggml import rest_workers
 from swarm.p2p.transport import Transport
 from swarm.protocol.coordinator import DispatchReport
 from swarm.protocol.expert import (
@@ -516,6 +517,8 @@ class Dispatcher:
         """Start one MoE layer (any thread; see the module rules): its placement is known when this
         returns, its local work is the call's ``work``, its remote calls are on their way."""
         t0 = time.perf_counter()
+        if self._token is not None:  # serving: the layer waits on others (volunteers, the network thread),
+            rest_workers()  # which need the cores the engine's ggml workers would spin on meanwhile
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids = np.asarray(ids)
         w = np.asarray(w, dtype=np.float32)

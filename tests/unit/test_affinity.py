@@ -61,3 +61,66 @@ def test_placement_refuses_a_thread_count_that_does_not_match() -> None:
     assert not p.active
     p.before_compute()  # nothing to place, nothing raised
     assert os.sched_getaffinity(me) == os.sched_getaffinity(0)
+
+
+def _cpu_ticks(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])  # utime + stime, in clock ticks
+
+
+def test_rested_workers_stop_spinning_until_the_next_graph() -> None:
+    """``rest_workers``: a pool that spins for its next graph (poll > 0) sleeps from the call on, and the
+    next compute on it wakes it with the same bits (what a coordinator does before it waits on volunteers)."""
+    import numpy as np
+
+    seen: dict[str, object] = {}
+    rng = np.random.default_rng(3)
+    w = G.quantize((rng.standard_normal((256, 512)) * 0.02).astype(np.float32), "Q8_0")
+    x = rng.standard_normal((64, 512)).astype(np.float32)
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def spent_over(tid: int, seconds: float) -> float:
+        a = _cpu_ticks(tid)
+        threading.Event().wait(seconds)
+        return (_cpu_ticks(tid) - a) / tick
+
+    def run() -> None:  # a fresh thread: pools of its own
+        mm = G.GgmlMatmul(w, "Q8_0", 256, 512, n_threads=2, poll=100)  # poll 100: spins for ~0.1-1 s after a graph
+        placement = G._PLACEMENT[G._threadpool(2, 100)[0]]
+        assert len(placement.workers) == 1
+        worker = placement.workers[0]
+        seen["first"] = mm(x)
+        seen["spinning"] = spent_over(worker, 0.1)
+        mm(x)
+        seen["paused"] = G.rest_workers()
+        seen["resting"] = spent_over(worker, 0.1)
+        seen["again"] = mm(x)  # the kick-off resumes the pool
+        seen["paused_again"] = G.rest_workers()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen["paused"] == 1 and seen["paused_again"] == 1
+    assert seen["spinning"] >= 0.05, seen  # the worker spun for most of the 0.1 s
+    assert seen["resting"] <= 0.02, seen  # ... and after the rest it slept
+    assert np.array_equal(seen["first"], seen["again"])  # type: ignore[arg-type]
+
+
+def test_rest_workers_leaves_other_threads_pools_and_non_spinning_ones_alone() -> None:
+    def spinning_pools() -> int:  # this thread's (an ident may be a finished thread's, with its pools)
+        return len([k for k in G._POOLS if k[2] == threading.get_ident() and k[0] > 1 and k[1] > 0])
+
+    got: list[tuple[int, int]] = []
+
+    def run() -> None:
+        before = spinning_pools()
+        G._threadpool(2, 0)  # poll 0: never spins
+        G._threadpool(1, 1)  # one thread: no worker
+        got.append((before, G.rest_workers()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert got[0][1] == got[0][0]  # the two new pools were not counted
+    assert G.rest_workers() == spinning_pools()  # only the calling thread's own

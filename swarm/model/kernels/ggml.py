@@ -54,6 +54,7 @@ __all__ = [
     "kernel_id",
     "quantize",
     "row_nbytes",
+    "rest_workers",
     "set_poll",
     "activation_type",
     "graph_time",
@@ -259,6 +260,22 @@ def set_poll(poll: int) -> None:
     if not 0 <= poll <= 100:
         raise KernelError(f"poll must be in 0..100, got {poll}")
     _POLL = int(poll)
+
+
+def rest_workers() -> int:
+    """Stop the spinning of the calling thread's threadpools' workers now: a thread about to wait on
+    something outside ggml (a remote layer's answers) calls it, so the workers that spin for its next
+    graph (``set_poll``) leave the other cores to the processes and threads that must run meanwhile
+    (the volunteers, the network thread). They sleep (ggml's ``ggml_threadpool_pause``) until this
+    thread's next compute on the pool, whose kick-off resumes them (a wake-up, ~20 us). Pools that
+    never spin (poll 0, one thread) are left alone. Returns how many were paused."""
+    me = threading.get_ident()
+    with _POOLS_LOCK:
+        pools = [v for k, v in _POOLS.items() if k[2] == me and k[0] > 1 and k[1] > 0]
+    for tp, lock in pools:
+        with lock:
+            g.ggml_threadpool_pause(tp)
+    return len(pools)
 
 
 def _threadpool(n_threads: int, poll: int) -> tuple[int, threading.Lock]:
