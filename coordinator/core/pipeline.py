@@ -114,15 +114,22 @@ def choose_groups(n_seqs: int, rows: int, latency_s: float, dense: Affine, remot
 
 class GroupArms:
     """The model's pick checked against what steps really take: the pick ``G`` runs only while its
-    measured seconds per row (an EWMA per ``(sequences, groups)``, from the step's start to its last
-    layer's end) beat one group's. The model cannot see every cost — on one machine the volunteers
-    share the coordinator's cores, and each group pays its own protocol work — so a pick that is
-    slower in fact is dropped. Both arms are measured first (the model's pick, then one group); then
-    every ``explore_every``-th step runs the arm not in use, so a changed network is noticed."""
+    measured seconds per row (per ``(sequences, groups)``: the mean of its last ``window`` steps, from a
+    step's start to its last layer's end) beat one group's. The model cannot see every cost — on one
+    machine the volunteers share the coordinator's cores, and each group pays its own protocol work — so
+    a pick that is slower in fact is dropped. Both arms are measured first, in turn (the model's pick,
+    then one group, until each has ``first`` steps); then every ``explore_every``-th step runs the arm
+    not in use, so a changed network is noticed. More groups are chosen only when their mean beats one
+    group's by ``margin`` (a share of it): one group makes fewer calls, and steps vary by tens of percent
+    here (the interpreter lock, the scheduler) -- with an EWMA of a third per step, one first sample
+    each and no margin, a noisy run of one group against the other arm's lucky sample flipped the
+    choice to the slower arm for a fifth to a third of the steps (a backbone coordinator at 4 sessions
+    on loopback, where one group is a few percent faster)."""
 
-    def __init__(self, *, explore_every: int = 24, alpha: float = 0.3) -> None:
-        self.explore_every, self.alpha = explore_every, alpha
+    def __init__(self, *, explore_every: int = 24, window: int = 8, margin: float = 0.1, first: int = 3) -> None:
+        self.explore_every, self.window, self.margin, self.first = explore_every, window, margin, first
         self.per_row: dict[tuple[int, int], float] = {}
+        self._samples: dict[tuple[int, int], deque[float]] = {}
         self._open: tuple[int, int, int, float] | None = None  # (sequences, groups, rows, started)
         self._steps = 0
 
@@ -134,9 +141,9 @@ class GroupArms:
         self._open = None
         if last_end is None or last_end <= t0 or rows <= 0:
             return
-        s = (last_end - t0) / rows
-        old = self.per_row.get((n, g))
-        self.per_row[(n, g)] = s if old is None else (1 - self.alpha) * old + self.alpha * s
+        d = self._samples.setdefault((n, g), deque(maxlen=self.window))
+        d.append((last_end - t0) / rows)
+        self.per_row[(n, g)] = sum(d) / len(d)
 
     def pick(self, n_seqs: int, rows: int, model_g: int, now: float, last_end: float | None) -> int:
         self.close(last_end)
@@ -148,10 +155,9 @@ class GroupArms:
         if model_g <= 1:
             return 1
         self._steps += 1
-        mine, one = self.per_row.get((n, model_g)), self.per_row.get((n, 1))
-        if mine is None:
-            return model_g
-        if one is None:
-            return 1
-        best, other = (model_g, 1) if mine < one else (1, model_g)
+        seen_g, seen_1 = len(self._samples.get((n, model_g), ())), len(self._samples.get((n, 1), ()))
+        if min(seen_g, seen_1) < self.first:  # both arms measured first, in turn, ``first`` times each
+            return model_g if seen_g <= seen_1 else 1
+        mine, one = self.per_row[(n, model_g)], self.per_row[(n, 1)]
+        best, other = (model_g, 1) if mine < one * (1.0 - self.margin) else (1, model_g)
         return other if self._steps % self.explore_every == 0 else best
