@@ -47,7 +47,11 @@ remote layer's time goes), ``acceptance`` (speculative drafts accepted / propose
 worker is proven, as the cases are measured after a warm-up that waits for it), ``verified_rows``
 (rows of the case also computed here to check an answer) and ``network_ms_per_token`` (the CPU the
 coordinator's network thread -- trio: the API's streams, the dispatcher's protocol -- spent per token
-generated, from ``/proc``; None elsewhere).
+generated, from ``/proc``; None elsewhere); for the backbone also ``decisions`` (the dispatcher's placements,
+hedges and retries by reason over the case) and ``layout`` (the market's map at its end: per MoE layer its
+ranges ``[lo, hi, [volunteer indices]]`` -- the market hands out slices by demand, so one run's volunteers may
+hold whole layers and another's halves of them, with a call per range: ``benchmarks/sim_validate.py``
+simulates each case on its own layout).
 """
 
 from __future__ import annotations
@@ -251,7 +255,7 @@ class Backbone:
         self.rtt_ms = rtt_ms
         try:
             mport = free_port()
-            market = f"http://127.0.0.1:{mport}"
+            market = self.market = f"http://127.0.0.1:{mport}"
             # every volunteer speaks from 127.0.0.1: the per-address caps for strangers are lifted for the run
             self.procs.start("market", "market", "--db", str(work / f"bb{rtt_ms:g}-market.db"), "--port", str(mport),
                              "--token", "bench", "--poll-interval", "0.5", "--remote-base-target", "1",
@@ -313,8 +317,20 @@ class Backbone:
             link.close()
 
 
+def layout(market: str, model_id: str, workers: list[dict[str, Any]]) -> list[list[list[Any]]]:
+    """The market's dispatch map as the case ran it: per MoE layer its ranges ``[lo, hi, [volunteers]]``, each
+    volunteer by its index among the coordinator's workers (what a simulation of the case partitions alike)."""
+    r = httpx.get(f"{market}/api/expert-dispatch-map", params={"model": model_id},
+                  headers={"Authorization": "Bearer bench"}, timeout=10)
+    r.raise_for_status()
+    index = {w["peer_id"]: i for i, w in enumerate(sorted(workers, key=lambda w: w["peer_id"]))}
+    return [[[rg["lo"], rg["hi"], sorted(index[p["peer_id"]] for p in rg["replicas"] if p["peer_id"] in index)]
+             for rg in sorted(L["ranges"], key=lambda rg: rg["lo"])]
+            for L in sorted(r.json()["layers"], key=lambda L: L["layer"])]
+
+
 def run_case(url: str, model_id: str, kind: str, rtt: float, sessions: int, draft: str, n_tokens: int,
-             ref: dict[int, list[list[int]]] | None) -> tuple[dict[str, Any], list[list[int]]]:
+             ref: dict[int, list[list[int]]] | None, market: str | None = None) -> tuple[dict[str, Any], list[list[int]]]:
     before = dispatch(url) if kind == "backbone" else None
     drafted = draft_counts(url, draft) if draft != "none" else None
     net0 = network_thread_cpu_s(url)
@@ -338,6 +354,11 @@ def run_case(url: str, model_id: str, kind: str, rtt: float, sessions: int, draf
         case["remote_share"] = round(rows["remote_rows"] / max(1, rows["remote_rows"] + rows["local_rows"]), 4)
         case["verified_rows"] = rows["verified_rows"]
         case["layer_breakdown_ms"] = after.get("layer_path")
+        # why the calls are what they are: placements, hedges, retries by reason over the case
+        d0, d1 = before.get("decisions") or {}, after.get("decisions") or {}
+        case["decisions"] = {k: d1[k] - d0.get(k, 0) for k in sorted(d1) if d1[k] - d0.get(k, 0)}
+        if market is not None:
+            case["layout"] = layout(market, model_id, after["workers"])
     if drafted is not None:
         proposed, accepted = draft_counts(url, draft)
         dp, da = proposed - drafted[0], accepted - drafted[1]
@@ -461,7 +482,7 @@ def main() -> None:
                             c, _ = run_case(ref_url, mid, "all_local", rtt, n, "none", n_tokens, ref)
                             c["pair"] = (rtt, n, draft)
                             cases.append(c)
-                        c, _ = run_case(world.url, world.model_id, "backbone", rtt, n, draft, n_tokens, ref)
+                        c, _ = run_case(world.url, world.model_id, "backbone", rtt, n, draft, n_tokens, ref, world.market)
                         c["pair"] = (rtt, n, draft)
                         cases.append(c)
                         print(f"  backbone rtt {rtt:g} ms, {n} session(s), draft {draft}: {c['tokens_per_s']:.2f} "

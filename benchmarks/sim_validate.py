@@ -80,14 +80,18 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "ms_per_token": statistics.median(c["ms_per_token"] for c in cs),
                     "network_ms_per_token": statistics.median(nets) if (nets := [c["network_ms_per_token"] for c in cs
                                                                                 if c.get("network_ms_per_token")]) else None,
+                    "round_trips_per_token": statistics.median(rts) if (rts := [c["round_trips_per_token"] for c in cs
+                                                                                if c.get("round_trips_per_token")]) else None,
                     "all_tokens_per_s": [c["tokens_per_s"] for c in cs],
+                    "layouts": [c.get("layout") for c in cs],  # each run's map (the backbone's; None: not recorded)
                     "layer_breakdown_ms": mid.get("layer_breakdown_ms")})
     return out
 
 
 def point(costs: Any, shape: dict[str, int], case: dict[str, Any], seed: int, *, volunteers: int, held: bool,
-          ranges_per_layer: int = 1, threads: int = 2) -> Any:
-    """A measured case as a simulated point on this machine (2 cores shared by every process)."""
+          ranges_per_layer: int = 1, threads: int = 2, layout: list[Any] | None = None) -> Any:
+    """A measured case as a simulated point on this machine (2 cores shared by every process); ``layout``: the
+    map the run had (``backbone.py``'s), else each volunteer holding whole layers in turn."""
     from coordinator.core.events import DispatchConfig
     from sim.serving import Point
     from sim.serving_run import COORDINATOR_DISPATCH
@@ -96,7 +100,9 @@ def point(costs: Any, shape: dict[str, int], case: dict[str, Any], seed: int, *,
                  ranges_per_layer=ranges_per_layer, sessions=int(case["sessions"]), slots=max(8, int(case["sessions"])),
                  volunteers=volunteers, speed=1.0, rtt_s=float(case["rtt_ms"]) / 1000, bandwidth=1e9,
                  shared_cores=True, machine_cores=2, coordinator_threads=threads, warmup_s=20.0, measure_s=20.0,
-                 held=held, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed)
+                 held=held, replicas=1, dispatch=DispatchConfig(**COORDINATOR_DISPATCH), seed=seed,
+                 layout=tuple(tuple((int(lo), int(hi), tuple(int(v) for v in vs)) for lo, hi, vs in rs) for rs in layout)
+                 if layout else ())
 
 
 def fit_stream(costs: Any, local1: dict[str, Any], make: Callable[[Any], Any]) -> Any:
@@ -134,6 +140,10 @@ def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volu
     anchor = next(c for c in cases if c["case"] == "backbone" and c["rtt_ms"] == 0 and c["sessions"] == 1)
     local1 = next(c for c in cases if c["case"] == "all_local" and c["rtt_ms"] == 0 and c["sessions"] == 1)
     costs = msgspec.structs.replace(costs, **machinery(anchor))
+    if anchor.get("network_ms_per_token") and local1.get("network_ms_per_token") and anchor.get("round_trips_per_token"):
+        # the backbone's network thread per token beyond the streaming all-local pays: its work per remote call
+        extra = anchor["network_ms_per_token"] - local1["network_ms_per_token"]
+        costs = msgspec.structs.replace(costs, net_call_s=max(0.0, extra) / 1000 / anchor["round_trips_per_token"])
     if local1.get("network_ms_per_token"):  # measured: the network thread's CPU per token streamed, all-local
         costs = msgspec.structs.replace(costs, stream_s=local1["network_ms_per_token"] / 1000, step_s=0.0,
                                         source=costs.source + " + the all-local 1-session network thread + backbone rtt-0 breakdown")
@@ -143,12 +153,22 @@ def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volu
     out = []
     for c in cases:
         backbone = c["case"] == "backbone"
-        r = ServingSim(point(costs, shape, c, seed, volunteers=volunteers if backbone else 0, held=not backbone)).run()
-        err = r.tokens_per_s / c["tokens_per_s"] - 1 if c["tokens_per_s"] else None
+        # each run on the map it had (the market's hand-out differs between runs); the median over the runs
+        layouts = (c.get("layouts") or [None]) if backbone else [None]
+        runs = {json.dumps(L): ServingSim(point(costs, shape, c, seed, volunteers=volunteers if backbone else 0,
+                                                held=not backbone, layout=L)).run() for L in layouts}
+        rates = [runs[json.dumps(L)].tokens_per_s for L in layouts]
+        predicted = statistics.median(rates)
+        groups: dict[str, int] = {}
+        for r in runs.values():
+            for k, v in r.groups.items():
+                groups[str(k)] = groups.get(str(k), 0) + v
+        err = predicted / c["tokens_per_s"] - 1 if c["tokens_per_s"] else None
         out.append({"case": c["case"], "rtt_ms": c["rtt_ms"], "sessions": c["sessions"], "runs": c.get("runs", 1),
-                    "measured_tokens_per_s": round(c["tokens_per_s"], 2), "predicted_tokens_per_s": round(r.tokens_per_s, 2),
+                    "measured_tokens_per_s": round(c["tokens_per_s"], 2), "predicted_tokens_per_s": round(predicted, 2),
+                    "predicted_per_run": [round(x, 2) for x in rates],
                     "error": None if err is None else round(err, 4), "input": c is anchor or c is local1,
-                    "groups": {str(k): v for k, v in sorted(r.groups.items())}})
+                    "groups": dict(sorted(groups.items()))})
     return out, costs
 
 

@@ -64,6 +64,9 @@ class Costs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     worker_proto_s: NonNeg = 0.0005  # a volunteer's protocol CPU per call
     wake_s: NonNeg = 0.0002  # a process waking for a message (each end of a call)
     wire_s: NonNeg = 0.0  # the transport's own round trip on loopback (both stacks), beside the declared RTT
+    net_call_s: NonNeg = 0.0  # the network thread's own work per remote call, beside the call's path (the
+    # dispatcher's timers and effects the engine hands it, the comparisons' calls on the streams): half at the
+    # send, half at the answer
     coord_layer_s: NonNeg = 0.0  # the coordinator's machinery per remote layer on the engine's path (placing,
     # handing the calls to the network thread and the answers back, combining): from a measured breakdown
     # the share of the engine's work that holds Python's interpreter lock (outside ggml's graphs, which release

@@ -39,6 +39,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 from collections import Counter
@@ -80,6 +81,7 @@ from coordinator.core.events import (
 )
 from coordinator.core.pipeline import GroupArms, PipelineModel, group_cuts
 from sim.costs import Costs
+from swarm.dispatch_map import RangeReplicas, Replica, partition_layer
 
 __all__ = ["Point", "PointResult", "ServingSim"]
 
@@ -110,6 +112,9 @@ class Point:
     rtt_sigma: float = 0.0  # each volunteer's round trip is rtt_s x lognormal(0, sigma)
     lie_after_calls: int = 0  # a liar answers its first N calls honestly (a sleeper), then lies
     replicas: int = 0  # volunteers holding each range, in turn over (layer, range) (0: every volunteer)
+    # the map itself, when known (a measured run's): per MoE layer its ranges (lo, hi, volunteer indices); it
+    # replaces ranges_per_layer and replicas (a gap in it is a range the coordinator computes, as partition_layer)
+    layout: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = ()
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     seed: int = 0
 
@@ -307,10 +312,22 @@ class ServingSim:
         self.remote_calls = 0
         self.calls_to: Counter[str] = Counter()  # remote calls sent to each volunteer
         self.quarantined_after: dict[str, int] = {}  # a quarantined volunteer: the calls it had been sent
-        self.width = p.n_expert // p.ranges_per_layer
-        k = min(p.replicas or p.volunteers, p.volunteers)
-        self.holders = [[tuple(self.peers[(layer * p.ranges_per_layer + r + j) % p.volunteers] for j in range(k))
-                         for r in range(p.ranges_per_layer)] for layer in range(p.n_layer)]
+        # per layer: its ranges' lower bounds, (lo, hi) and holders (the map's, as the dispatcher partitions it)
+        self.ranges: list[list[tuple[int, int, tuple[str, ...]]]] = []
+        if p.layout:
+            if len(p.layout) != p.n_layer:
+                raise ValueError(f"layout: {len(p.layout)} layers for {p.n_layer}")
+            for rs in p.layout:
+                listed = [RangeReplicas(lo, hi, [Replica(self.peers[v]) for v in vols]) for lo, hi, vols in rs]
+                self.ranges.append([(r.lo, r.hi, tuple(x.peer_id for x in r.replicas))
+                                    for r in partition_layer(listed, p.n_expert)])
+        else:
+            width = p.n_expert // p.ranges_per_layer
+            k = min(p.replicas or p.volunteers, p.volunteers)
+            self.ranges = [[(r * width, (r + 1) * width, tuple(self.peers[(layer * p.ranges_per_layer + r + j) % p.volunteers]
+                                                                for j in range(k)))
+                            for r in range(p.ranges_per_layer)] for layer in range(p.n_layer)]
+        self.lows = [[lo for lo, _, _ in rs] for rs in self.ranges]
         self.end = p.warmup_s + p.measure_s
 
     # -- the run ---------------------------------------------------------------------------------------
@@ -391,13 +408,14 @@ class ServingSim:
         k, n = self.p.top_k, self.p.n_expert
         rows: dict[int, set[int]] = {}
         pairs: Counter[int] = Counter()
+        lows, ranges = self.lows[layer], self.ranges[layer]
         for row in range(rows_n):
             for e in self.rng.sample(range(n), k):
-                r = e // self.width
+                r = bisect.bisect_right(lows, e) - 1
                 rows.setdefault(r, set()).add(row)
                 pairs[r] += 1
-        return tuple(RangeWork(r * self.width, (r + 1) * self.width, len(rows[r]), pairs[r], self.holders[layer][r],
-                               self.p.held) for r in sorted(pairs))
+        return tuple(RangeWork(ranges[r][0], ranges[r][1], len(rows[r]), pairs[r], ranges[r][2],
+                               self.p.held or not ranges[r][2]) for r in sorted(pairs))
 
     def _moe(self, grp: _Group, layer: int) -> None:
         ranges = self._route(layer, grp.rows)
@@ -515,11 +533,15 @@ class ServingSim:
             if call in self.cancelled:
                 return
             L.answered = True
+            if c.net_call_s > 0:
+                self.net.submit(None, lambda: c.net_call_s / 2, lambda _s: None)
             self.net.submit(None, lambda: c.wake_s + c.coord_call_s / 2, lambda _s: None if call in self.cancelled else
                             self._handle(RemoteDone(call, int(self.clock.now * 1000))))
 
         self.net.submit(None, lambda: c.coord_call_s / 2 + c.wire_s / 2,
                         lambda _s: self.clock.at(self.clock.now + one_way, arrive))
+        if c.net_call_s > 0:
+            self.net.submit(None, lambda: c.net_call_s / 2, lambda _s: None)
 
 
 def local_only(p: Point) -> Point:

@@ -15,7 +15,7 @@ from coordinator.core.events import DispatchConfig
 from sim.costs import Costs, calibrate, dump_costs, load_costs
 from sim.scenario import ScenarioError
 from sim.serving import Point, ServingSim, _Clock, _Fifo, _Machine, local_only
-from sim.serving_run import load_serving, run_serving
+from sim.serving_run import COORDINATOR_DISPATCH, load_serving, run_serving
 from tests.conftest import GOLDEN_GGUF
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,3 +184,36 @@ def test_the_cost_fit_never_goes_negative() -> None:
     assert _fit([1, 2, 4], [2.0, 3.0, 5.0]) == pytest.approx((1.0, 1.0))
     a, b = _fit([1, 2, 4], [3.0, 2.0, 1.0])  # noise: a falling cost is the line through the origin
     assert a == 0.0 and b == pytest.approx(6.0 / 7.0)
+
+
+def test_a_layout_is_the_map_the_dispatcher_partitions() -> None:
+    """``layout`` (a measured run's map): the default alternation written out gives the same run; two ranges
+    per layer on two volunteers make two calls a layer; a gap is computed by the coordinator."""
+    base = point(held=False, ranges_per_layer=1, replicas=1, sessions=1, rtt_s=0.0,
+                 dispatch=DispatchConfig(**COORDINATOR_DISPATCH))
+    alternating = tuple(((0, 32, (layer % 2,)),) for layer in range(4))
+    a, b = ServingSim(base).run(), ServingSim(Point(**{**base.__dict__, "layout": alternating})).run()
+    assert (a.tokens_per_s, a.remote_calls) == (b.tokens_per_s, b.remote_calls)
+    halves = tuple(((0, 16, (0,)), (16, 32, (1,))) for _ in range(4))
+    h = ServingSim(Point(**{**base.__dict__, "layout": halves})).run()
+    assert h.remote_calls > 1.5 * a.remote_calls  # top-4 of 32: most layers touch both halves
+    gap = tuple(((0, 16, (0,)),) for _ in range(4))  # experts 16..31 listed nowhere: computed here
+    g = ServingSim(Point(**{**base.__dict__, "layout": gap})).run()
+    assert g.local_rows > 0 and g.remote_rows > 0 and g.wrong_tokens == 0
+    with pytest.raises(ValueError, match="layout"):
+        ServingSim(Point(**{**base.__dict__, "layout": alternating[:2]}))
+
+
+def test_the_network_threads_work_per_call_delays_the_engine_behind_the_lock() -> None:
+    """``net_call_s``: the network thread's own work per remote call holds the interpreter lock, which the
+    engine's Python share waits for: a backbone decodes slower with it, and by no more than it adds."""
+    import msgspec
+
+    costs = msgspec.structs.replace(COSTS, py_share_dense=0.6, coord_layer_s=0.0001, coord_call_s=0.0002)
+    base = point(costs=costs, held=False, ranges_per_layer=1, replicas=1, sessions=4, rtt_s=0.0, shared_cores=True,
+                 dispatch=DispatchConfig(**COORDINATOR_DISPATCH))
+    slow = Point(**{**base.__dict__, "costs": msgspec.structs.replace(costs, net_call_s=0.0004)})
+    a, b = ServingSim(base).run(), ServingSim(slow).run()
+    assert b.tokens_per_s < 0.97 * a.tokens_per_s
+    calls_per_token = a.remote_calls / max(1.0, a.tokens_per_s * (base.warmup_s + base.measure_s))
+    assert 1 / b.tokens_per_s <= 1 / a.tokens_per_s + 1.5 * calls_per_token * 0.0004
