@@ -8,14 +8,21 @@ Runs ``benchmarks/backbone.py`` (``--quick``: the ``small`` shape, rtt 0 and 20 
 1. calibrates the same model file in this process (``sim.costs.calibrate``: the real engine and ggml kernels,
    the coordinator at 2 threads and a volunteer at 1, as backbone.py runs them, and the runtime's own work
    per step);
-2. takes what the calibration cannot see from the two measured cases the prediction may use: the serving
-   path's own work per token (HTTP, streaming: the all-local 1-session ms per token less the calibrated
-   step), and the dispatch machinery of the backbone at rtt 0 and 1 session: its layer breakdown (``/dispatch``'s ``layer_path``) gives the per-call encode, the
-   per-layer work on the coordinator's path (place, group, hand-off to the network thread, core, wake-up,
-   combine), the loopback wire and the volunteer's queue;
+2. takes what the calibration cannot see from the two measured cases the prediction may use (its inputs):
+   - the all-local 1-session case: the network thread's CPU per token streamed (``stream_s``, from ``/proc``);
+   - the backbone at rtt 0 and 1 session: its layer breakdown (``/dispatch``'s ``layer_path``) gives the
+     per-call encode, the per-layer work on the coordinator's path (place, group, hand-off to the network
+     thread, core, wake-up, combine), the loopback wire, the volunteer's queue and its expert compute as the
+     run measured it (the calibrated volunteer costs are scaled to it); its network thread's CPU per token
+     beyond the all-local one, per remote call (``net_call_s``: the dispatcher's effects and timers, the
+     comparisons' streams); and the engine's work per step outside its layers (``head_s``: embedding, head,
+     the runtime's step and its waits for the network thread's burst at the step's end), fitted by bisection
+     so that this case's simulated rate is its measured one;
 3. simulates every case of the JSON (``sim.serving``, the real dispatch core and session-group choice): the
    all-local coordinator (every expert held, no volunteer) and the backbone (no expert held; the volunteers
-   on the same 2 cores, each holding whole layers in turn, as the market hands them out here).
+   on the same 2 cores), each backbone run on the map it had (``backbone.py``'s ``layout``: the market hands
+   slices out by demand, whole layers to one volunteer or halves of them) -- the median prediction over the
+   runs against the median measurement.
 
 ``--offload`` (or ``--offload-json``) also runs ``benchmarks/offload.py`` (the bench model, 1 and 4 sessions, 96
 tokens, 2 repeats: the coordinator and one volunteer at one ggml thread each on the two cores, every expert held)
@@ -129,6 +136,36 @@ def fit_stream(costs: Any, local1: dict[str, Any], make: Callable[[Any], Any]) -
     return msgspec.structs.replace(costs, stream_s=(lo + hi) / 2, step_s=0.0)
 
 
+def backbone_costs(costs: Any, anchor: dict[str, Any], shape: dict[str, int], make: Callable[[Any], Any]) -> Any:
+    """``costs`` for the backbone cases from the anchor (the backbone at rtt 0 and 1 session): the volunteers'
+    expert compute scaled to the anchor's measured ``compute`` (a remote layer's, ``top_k`` pairs), then
+    ``head_s`` (the engine's work per step outside its layers) by bisection so the anchor's simulated rate is
+    its measured one (0 when the layers alone are already slower)."""
+    import msgspec
+
+    from sim.serving import ServingSim
+
+    measured = (anchor.get("layer_breakdown_ms") or {}).get("compute", 0.0) / 1000
+    calibrated = costs.worker(shape["top_k"], 1.0)
+    if measured > 0 and calibrated > 0:
+        f = measured / calibrated
+        costs = msgspec.structs.replace(costs, worker_call_s=costs.worker_call_s * f, worker_pair_s=costs.worker_pair_s * f)
+
+    def rate(head_s: float) -> float:
+        return ServingSim(make(msgspec.structs.replace(costs, head_s=head_s))).run().tokens_per_s
+
+    target = float(anchor["tokens_per_s"])
+    lo, hi = 0.0, 0.005
+    if rate(lo) <= target:
+        return costs
+    if rate(hi) > target:
+        return msgspec.structs.replace(costs, head_s=hi)
+    for _ in range(10):  # to 5 us
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
+    return msgspec.structs.replace(costs, head_s=(lo + hi) / 2)
+
+
 def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volunteers: int,
             seed: int) -> tuple[list[dict[str, Any]], Any]:
     """Every case simulated from ``costs`` (calibrated alone) and the two inputs: the all-local 1-session rate
@@ -150,12 +187,19 @@ def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volu
     else:  # a JSON from before backbone.py measured it: fitted to the all-local 1-session rate
         costs = fit_stream(costs, local1, lambda c: point(c, shape, local1, seed, volunteers=0, held=True))
         costs = msgspec.structs.replace(costs, source=costs.source + " + the all-local 1-session rate + backbone rtt-0 breakdown")
+    # the backbone path's own measurements where the calibration cannot see them (the anchor: an input): the
+    # volunteers' compute as the run measured it (the calibration times one expert call alone, in a quiet
+    # process), then the engine's work per step outside the layers (embedding, head, the runtime's step, the
+    # waits for the network thread's burst at the step's end) fitted so the anchor decodes at its measured rate
+    costs_bb = backbone_costs(costs, anchor, shape, lambda c: point(c, shape, anchor, seed, volunteers=volunteers,
+                                                                      held=False, layout=(anchor.get("layouts") or [None])[0]))
     out = []
     for c in cases:
         backbone = c["case"] == "backbone"
         # each run on the map it had (the market's hand-out differs between runs); the median over the runs
         layouts = (c.get("layouts") or [None]) if backbone else [None]
-        runs = {json.dumps(L): ServingSim(point(costs, shape, c, seed, volunteers=volunteers if backbone else 0,
+        runs = {json.dumps(L): ServingSim(point(costs_bb if backbone else costs, shape, c, seed,
+                                                volunteers=volunteers if backbone else 0,
                                                 held=not backbone, layout=L)).run() for L in layouts}
         rates = [runs[json.dumps(L)].tokens_per_s for L in layouts]
         predicted = statistics.median(rates)
@@ -169,7 +213,7 @@ def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volu
                     "predicted_per_run": [round(x, 2) for x in rates],
                     "error": None if err is None else round(err, 4), "input": c is anchor or c is local1,
                     "groups": dict(sorted(groups.items()))})
-    return out, costs
+    return out, costs_bb
 
 
 def offload_medians(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -280,11 +324,13 @@ def main() -> None:
                   f"{r['predicted_tokens_per_s']:>9.2f} {err:>7}  remote rows {r['remote_rows']}")
     worst = max((abs(r["error"]) for r in rows if not r["input"] and r["error"] is not None), default=0.0)
     print(f"\nworst prediction error (inputs excluded): {100 * worst:.1f} % (target <= 20 %); "
-          f"fitted stream_s {1000 * fitted.stream_s:.3f} ms")
+          f"stream_s {1000 * fitted.stream_s:.3f} ms, backbone head_s {1000 * fitted.head_s:.3f} ms, "
+          f"volunteer pair {1000 * fitted.worker_pair_s:.4f} ms")
     # what a test needs to simulate the same cases again: the measured medians, the shape, the costs calibrated
     write_json(a.json, {"benchmark": "sim_validate", "size": runs[0].get("size"), "volunteers": runs[0]["volunteers"],
                         "runs": len(runs), "shape": shape, "measured": cases, "costs": msgspec.to_builtins(costs),
-                        "fitted_stream_s": fitted.stream_s, "offload": off, "cases": rows, "worst_error": round(worst, 4)})
+                        "fitted_stream_s": fitted.stream_s, "backbone_costs": msgspec.to_builtins(fitted),
+                        "offload": off, "cases": rows, "worst_error": round(worst, 4)})
 
 
 if __name__ == "__main__":
