@@ -21,6 +21,7 @@ Rules:
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -114,19 +115,24 @@ def choose_groups(n_seqs: int, rows: int, latency_s: float, dense: Affine, remot
 
 class GroupArms:
     """The model's pick checked against what steps really take: the pick ``G`` runs only while its
-    measured seconds per row (per ``(sequences, groups)``: the mean of its last ``window`` steps, from a
+    measured seconds per row (per ``(sequences, groups)``: the median of its last ``window`` steps, from a
     step's start to its last layer's end) beat one group's. The model cannot see every cost — on one
     machine the volunteers share the coordinator's cores, and each group pays its own protocol work — so
     a pick that is slower in fact is dropped. Both arms are measured first, in turn (the model's pick,
     then one group, until each has ``first`` steps); then every ``explore_every``-th step runs the arm
-    not in use, so a changed network is noticed. More groups are chosen only when their mean beats one
+    not in use, so a changed network is noticed. More groups are chosen only when their median beats one
     group's by ``margin`` (a share of it): one group makes fewer calls, and steps vary by tens of percent
     here (the interpreter lock, the scheduler) -- with an EWMA of a third per step, one first sample
     each and no margin, a noisy run of one group against the other arm's lucky sample flipped the
     choice to the slower arm for a fifth to a third of the steps (a backbone coordinator at 4 sessions
     on loopback, where one group is a few percent faster). Means of 8 such steps still differ by 10 %
-    and more between two equal arms (measured there: 1.6-2.3 ms a row for one group, 1.7-1.8 for two):
-    the margin is 20 %, so a pipelining gain smaller than that is given up for choices that hold."""
+    and more between two equal arms (measured there: 1.6-2.3 ms a row for one group, 1.7-1.8 for two),
+    and a mean kept a cold start's steps (new graph shapes: tens of ms) for 8 re-measurements -- with
+    one re-measurement in ~9 steps, four groups ran half of a 128-token case there. Hence the median
+    and a margin of 20 % (a pipelining gain smaller than that is given up for choices that hold). Steps
+    are sampled only while the model's pick is more than one group: one group's steps before (the
+    workers' probation, every call also computed here: 6 ms a row against 1.7) made four groups look
+    twice as fast."""
 
     def __init__(self, *, explore_every: int = 24, window: int = 8, margin: float = 0.2, first: int = 3) -> None:
         self.explore_every, self.window, self.margin, self.first = explore_every, window, margin, first
@@ -145,12 +151,15 @@ class GroupArms:
             return
         d = self._samples.setdefault((n, g), deque(maxlen=self.window))
         d.append((last_end - t0) / rows)
-        self.per_row[(n, g)] = sum(d) / len(d)
+        self.per_row[(n, g)] = statistics.median(d)
 
     def pick(self, n_seqs: int, rows: int, model_g: int, now: float, last_end: float | None) -> int:
         self.close(last_end)
         g = self._choose(n_seqs, model_g)
-        self._open = (n_seqs, g, rows, now)
+        # measured only where there is a choice: one group's steps while the model wants one are another
+        # regime (a coordinator's first minute: its workers' calls all checked here, graphs built) that
+        # would stand against the model's pick for a window of re-measurements
+        self._open = (n_seqs, g, rows, now) if model_g > 1 else None
         return g
 
     def _choose(self, n: int, model_g: int) -> int:

@@ -110,7 +110,12 @@ def test_a_model_pick_faster_in_fact_is_kept() -> None:
 def test_one_group_asked_is_one_group_and_idle_time_is_not_a_step() -> None:
     arms = GroupArms()
     assert drive(arms, 1, {1: 0.01}, 5)[0] == [1] * 5
-    assert arms.per_row == {(4, 1): pytest.approx(0.01 / 4)}  # measured all the same: the baseline
+    assert arms.per_row == {}  # no choice, no sample: steps before the model wants groups are another regime
+    # ... which then cannot stand against the model's pick: both arms are measured afresh
+    arms = GroupArms(explore_every=8)
+    _, t = drive(arms, 1, {1: 0.040}, 20)  # slow steps while the model wants one group (a warm-up)
+    picks, _ = drive(arms, 2, {1: 0.010, 2: 0.0105}, 40, t=t)
+    assert picks[:6] == [2, 1, 2, 1, 2, 1] and picks[6:].count(2) <= 40 // 8 + 1
     # a step whose layers ended before it began (an idle gap, no layer since) gives no sample
     arms = GroupArms()
     arms.pick(4, 4, 2, 10.0, None)
@@ -145,3 +150,23 @@ def test_noise_does_not_flip_the_choice_to_a_slightly_slower_arm(seed: int) -> N
     assert picks[100:].count(2) / len(picks[100:]) <= 1 / 24 + 0.03
     picks = noisy(GroupArms(), 2, {1: 0.0100, 2: 0.0070}, 3000, seed)
     assert picks[100:].count(1) / len(picks[100:]) <= 1 / 24 + 0.03
+
+
+def test_a_cold_start_does_not_decide_the_arms() -> None:
+    """One group's first steps are slow (graphs built for a new shape: 40 ms instead of 8): the median of
+    the window forgets them as soon as they are fewer than half of it, and one group is kept."""
+    arms = GroupArms(explore_every=8)
+    t, end = 0.0, None
+    picks: list[int] = []
+    cold = 3
+    for _ in range(200):
+        g = arms.pick(4, 4, 4, t, end)
+        picks.append(g)
+        if g == 1 and cold:
+            t += 0.040
+            cold -= 1
+        else:
+            t += 0.008 if g == 1 else 0.0085
+        end = t
+        t += 0.001
+    assert picks[40:].count(4) <= len(picks[40:]) // 8 + 1  # only the re-measurements
