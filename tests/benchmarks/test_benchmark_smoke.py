@@ -153,10 +153,15 @@ def check_backbone(result: dict[str, Any]) -> None:
     kinds = {c["case"] for c in result["cases"]}
     assert kinds == {"all_local", "backbone"}, kinds
     for c in result["cases"]:
-        assert set(c) == fields and c["tokens_per_s"] > 0, c
+        backbone = c["case"] == "backbone"
+        assert set(c) == fields | ({"decisions", "layout"} if backbone else set()) and c["tokens_per_s"] > 0, c
         assert c["network_ms_per_token"] is not None and c["network_ms_per_token"] >= 0, c  # Linux: from /proc
-        if c["case"] == "backbone":
+        if backbone:
             assert c["tokens_identical"] is True and c["round_trips_per_token"] > 0, c
+            # why the calls were what they were, and the map they followed (each range held by a volunteer)
+            assert c["decisions"] and all(isinstance(v, int) and v > 0 for v in c["decisions"].values()), c
+            assert c["layout"] and all(rs and all(0 <= lo < hi and vols and all(v >= 0 for v in vols)
+                                                  for lo, hi, vols in rs) for rs in c["layout"]), c
             assert c["remote_share"] == 1.0, c  # measured in the steady state: every routed row on a volunteer
             bd = c["layer_breakdown_ms"]
             assert bd["layers"] > 0 and bd["total"] > 0 and bd["crossings"] <= 2.0, bd  # the one layer path's bound
