@@ -93,6 +93,8 @@ def test_rested_workers_stop_spinning_until_the_next_graph() -> None:
         seen["first"] = mm(x)
         seen["spinning"] = spent_over(worker, 0.1)
         mm(x)
+        # this thread's spinning pools (an ident may be a finished thread's, whose pools stay keyed by it)
+        seen["spinning_pools"] = len([k for k in G._POOLS if k[2] == threading.get_ident() and k[0] > 1 and k[1] > 0])
         seen["paused"] = G.rest_workers()
         seen["resting"] = spent_over(worker, 0.1)
         seen["again"] = mm(x)  # the kick-off resumes the pool
@@ -101,7 +103,7 @@ def test_rested_workers_stop_spinning_until_the_next_graph() -> None:
     t = threading.Thread(target=run)
     t.start()
     t.join()
-    assert seen["paused"] == 1 and seen["paused_again"] == 1
+    assert seen["paused"] == seen["paused_again"] == seen["spinning_pools"] >= 1
     assert seen["spinning"] >= 0.05, seen  # the worker spun for most of the 0.1 s
     assert seen["resting"] <= 0.02, seen  # ... and after the rest it slept
     assert np.array_equal(seen["first"], seen["again"])  # type: ignore[arg-type]
