@@ -112,28 +112,37 @@ def point(costs: Any, shape: dict[str, int], case: dict[str, Any], seed: int, *,
                  if layout else ())
 
 
-def fit_stream(costs: Any, local1: dict[str, Any], make: Callable[[Any], Any]) -> Any:
-    """The API's streaming cost per token on the network thread (``stream_s``, what the calibration, which
-    runs no server, cannot see): the value whose simulated all-local 1-session rate is the measured one
-    (bisection; 0 when the engine alone is already slower than measured)."""
+def fit_cost(costs: Any, name: str, target: float, make: Callable[[Any], Any], *, steps: int, hi: float = 0.005,
+             **fixed: float) -> Any:
+    """``costs`` with ``name`` (seconds, in 0..``hi``) set by bisection so the point ``make`` builds decodes at
+    ``target`` tokens/s in simulation (0 when it is slower already, ``hi`` when even that is too fast); ``fixed``
+    other fields set alike."""
     import msgspec
 
     from sim.serving import ServingSim
 
-    def rate(stream_s: float) -> float:
-        c = msgspec.structs.replace(costs, stream_s=stream_s, step_s=0.0)
-        return ServingSim(make(c)).run().tokens_per_s
+    def at(v: float) -> Any:
+        return msgspec.structs.replace(costs, **{name: v}, **fixed)
 
-    target = float(local1["tokens_per_s"])
-    lo, hi = 0.0, 0.005
+    def rate(v: float) -> float:
+        return ServingSim(make(at(v))).run().tokens_per_s
+
+    lo = 0.0
     if rate(lo) <= target:
-        return msgspec.structs.replace(costs, stream_s=0.0, step_s=0.0)
+        return at(lo)
     if rate(hi) > target:
-        return msgspec.structs.replace(costs, stream_s=hi, step_s=0.0)
-    for _ in range(20):
+        return at(hi)
+    for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
-    return msgspec.structs.replace(costs, stream_s=(lo + hi) / 2, step_s=0.0)
+    return at((lo + hi) / 2)
+
+
+def fit_stream(costs: Any, local1: dict[str, Any], make: Callable[[Any], Any]) -> Any:
+    """The API's streaming cost per token on the network thread (``stream_s``, what the calibration, which
+    runs no server, cannot see): the value whose simulated all-local 1-session rate is the measured one
+    (bisection; 0 when the engine alone is already slower than measured)."""
+    return fit_cost(costs, "stream_s", float(local1["tokens_per_s"]), make, steps=20, step_s=0.0)
 
 
 def backbone_costs(costs: Any, anchor: dict[str, Any], shape: dict[str, int], make: Callable[[Any], Any]) -> Any:
@@ -143,27 +152,12 @@ def backbone_costs(costs: Any, anchor: dict[str, Any], shape: dict[str, int], ma
     its measured one (0 when the layers alone are already slower)."""
     import msgspec
 
-    from sim.serving import ServingSim
-
     measured = (anchor.get("layer_breakdown_ms") or {}).get("compute", 0.0) / 1000
     calibrated = costs.worker(shape["top_k"], 1.0)
     if measured > 0 and calibrated > 0:
         f = measured / calibrated
         costs = msgspec.structs.replace(costs, worker_call_s=costs.worker_call_s * f, worker_pair_s=costs.worker_pair_s * f)
-
-    def rate(head_s: float) -> float:
-        return ServingSim(make(msgspec.structs.replace(costs, head_s=head_s))).run().tokens_per_s
-
-    target = float(anchor["tokens_per_s"])
-    lo, hi = 0.0, 0.005
-    if rate(lo) <= target:
-        return costs
-    if rate(hi) > target:
-        return msgspec.structs.replace(costs, head_s=hi)
-    for _ in range(10):  # to 5 us
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
-    return msgspec.structs.replace(costs, head_s=(lo + hi) / 2)
+    return fit_cost(costs, "head_s", float(anchor["tokens_per_s"]), make, steps=10)  # to 5 us
 
 
 def predict(cases: list[dict[str, Any]], costs: Any, shape: dict[str, int], volunteers: int,
