@@ -15,7 +15,8 @@ import swarm.model.kernels.ggml as K
 from swarm.model.kernels import repack
 
 PACKED_MM = ("Q4_0", "IQ4_NL", "MXFP4")
-PACKED_MMID = ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4")
+PACKED_MMID = PACKED_MM  # and Q4_K with MOE_SWARM_REPACK=all
+ALL_MMID = (*PACKED_MMID, "Q4_K")
 NS = (1, 2, 3, 4, 5, 8, 16)
 
 
@@ -32,6 +33,16 @@ def rng() -> np.random.Generator:
 def plain() -> Iterator[None]:
     """Repacking off for what is built inside (and back on after)."""
     repack.set_repack(False)
+    try:
+        yield
+    finally:
+        repack.set_repack(True)
+
+
+@pytest.fixture
+def with_q4k() -> Iterator[None]:
+    """``MOE_SWARM_REPACK=all``: Q4_K experts repacked too."""
+    repack.set_repack("all")
     try:
         yield
     finally:
@@ -58,12 +69,19 @@ def test_the_build_repacks():
 
 @pytest.mark.parametrize("t", K.SUPPORTED_TYPES)
 def test_which_weights_are_repacked(t):
-    mm, mmid = K._type_id(t), K._type_id(t)
-    assert repack.packs(mm, (512, 64), "mul_mat") == (t in PACKED_MM)
-    assert repack.packs(mmid, (512, 64, 4), "mul_mat_id") == (t in PACKED_MMID)
-    assert not repack.packs(mm, (512, 64), "get_rows")  # any other use reads the stored layout
+    tid = K._type_id(t)
+    assert repack.packs(tid, (512, 64), "mul_mat") == (t in PACKED_MM)
+    assert repack.packs(tid, (512, 64, 4), "mul_mat_id") == (t in PACKED_MMID)
+    assert not repack.packs(tid, (512, 64), "get_rows")  # any other use reads the stored layout
+    assert not repack.packs(tid, (512, 64, 4), "mul_mat")  # 3-D MUL_MAT (MLA heads): as stored
     if t in PACKED_MMID:
-        assert not repack.packs(mmid, (512, 60, 4), "mul_mat_id")  # rows interleave 8 at a time
+        assert not repack.packs(tid, (512, 60, 4), "mul_mat_id")  # rows interleave 8 at a time
+    repack.set_repack("all")
+    try:
+        assert repack.packs(tid, (512, 64, 4), "mul_mat_id") == (t in ALL_MMID)
+        assert repack.packs(tid, (512, 64), "mul_mat") == (t in PACKED_MM)  # never Q4_K's gemm
+    finally:
+        repack.set_repack(True)
 
 
 @pytest.mark.parametrize("t", PACKED_MM)
@@ -80,7 +98,7 @@ def test_matmul_repacked_batch_and_thread_invariant(rng, t):
             assert np.array_equal(bits(mm(x[:n])), bits(alone[:n])), (t, nt, n)
 
 
-def test_q4k_matmul_stays_as_stored(rng):
+def test_q4k_matmul_stays_as_stored(rng, with_q4k):
     """A 2-D Q4_K weight keeps the plain kernels: the repacked gemm (4 rows at a time) does not give
     the repacked gemv's bits. The evidence: the same weight forced into the repacked layout, whose
     rows 0..3 of a batch of 4 differ from each row alone (in the last bits)."""
@@ -100,8 +118,8 @@ def test_q4k_matmul_stays_as_stored(rng):
     np.testing.assert_allclose(together, alone, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("t", [*PACKED_MMID, ("Q4_K", "Q4_K", "Q5_0")])
-def test_experts_repacked_batch_and_thread_invariant(rng, t):
+@pytest.mark.parametrize("t", [*ALL_MMID, ("Q4_K", "Q4_K", "Q5_0")])
+def test_experts_repacked_batch_and_thread_invariant(rng, t, with_q4k):
     """Every (row, expert) pair through the gemv: a pair's bits never depend on the others, the
     bucket, or the threads; ``combined`` (one graph) has ``compute``'s bits."""
     types = (t, t, t) if isinstance(t, str) else t
@@ -110,7 +128,7 @@ def test_experts_repacked_batch_and_thread_invariant(rng, t):
     x = rng.standard_normal((16, d)).astype(np.float32)
     rows, exps = np.arange(16), rng.integers(0, e, 16)
     k1 = K.GgmlExpertKernel(*raws, types, d, f, e)
-    assert k1._packed == tuple(tt in PACKED_MMID for tt in types)
+    assert k1._packed == tuple(tt in ALL_MMID for tt in types)
     alone = np.stack([k1.expert_outputs(x, rows[i:i + 1], exps[i:i + 1])[0] for i in range(16)])
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(16)])
     w = rng.random((16, k)).astype(np.float32)
@@ -122,7 +140,7 @@ def test_experts_repacked_batch_and_thread_invariant(rng, t):
             assert np.array_equal(bits(kk.combined(x[:n], ids[:n], w[:n])), bits(want)), (t, nt, mp, n)
 
 
-@pytest.mark.parametrize("t", PACKED_MMID)
+@pytest.mark.parametrize("t", ALL_MMID)
 def test_repacked_bits_against_the_plain_kernels(rng, t, plain):
     """Other bits than the plain kernels' (another summation order in the dot products; the down
     projection's input, quantised to 8 bits, may then round to a neighbouring step: ~1e-4 here)."""
@@ -132,7 +150,7 @@ def test_repacked_bits_against_the_plain_kernels(rng, t, plain):
     rows, exps = np.arange(8), np.arange(8) % e
     flat = K.GgmlExpertKernel(*raws, t, d, f, e)  # built with repacking off
     assert flat._packed == (False, False, False) and flat._w[0].contents.data == raws[0].ctypes.data
-    repack.set_repack(True)
+    repack.set_repack("all")
     pk = K.GgmlExpertKernel(*raws, t, d, f, e)
     assert pk._packed == (True, True, True)
     a, b = flat.expert_outputs(x, rows, exps), pk.expert_outputs(x, rows, exps)
@@ -140,7 +158,7 @@ def test_repacked_bits_against_the_plain_kernels(rng, t, plain):
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3)
 
 
-def test_views_share_the_mirror_and_rebind(rng):
+def test_views_share_the_mirror_and_rebind(rng, with_q4k):
     """Experts lo..hi of a stack (a view of its bytes) are the same range of the one repacked copy;
     a pooled kernel rebound to another stack's bytes computes that stack (its repacked copy)."""
     t, d, f, e = "Q4_K", 256, 256, 8

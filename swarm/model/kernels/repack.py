@@ -42,14 +42,21 @@ from typing import Any
 import ggml.ggml as g
 import numpy as np
 
-__all__ = ["MUL_MAT_TYPES", "MUL_MAT_ID_TYPES", "available", "mark", "packed", "packs", "repack_active",
+__all__ = ["MUL_MAT_TYPES", "MUL_MAT_ID_TYPES", "Q4_K_TYPES", "available", "mark", "packed", "packs", "repack_active",
            "repacked_types", "set_repack"]
 
 # type ids, not names: this module must not import the kernel module (it imports this one)
 MUL_MAT_TYPES: frozenset[int] = frozenset(int(getattr(g, f"GGML_TYPE_{n}")) for n in ("Q4_0", "IQ4_NL", "MXFP4"))
-MUL_MAT_ID_TYPES: frozenset[int] = MUL_MAT_TYPES | {int(g.GGML_TYPE_Q4_K)}
+Q4_K_TYPES: frozenset[int] = frozenset({int(g.GGML_TYPE_Q4_K)})  # opt-in for MUL_MAT_ID: see the module rules
+MUL_MAT_ID_TYPES: frozenset[int] = MUL_MAT_TYPES
 
-_ON = os.environ.get("MOE_SWARM_REPACK", "1").strip() not in ("0", "false", "no", "off")
+
+def _mode(value: str) -> str:
+    v = value.strip().lower()
+    return "off" if v in ("0", "false", "no", "off") else "all" if v == "all" else "on"
+
+
+_MODE = _mode(os.environ.get("MOE_SWARM_REPACK", "1"))
 _LOCK = threading.Lock()
 _BUFT: list[Any] = []  # [the CPU_REPACK buffer type or None], resolved once
 _TRAITS: dict[tuple[int, int], tuple[int, int] | None] = {}  # (type, rows) -> (a buffer of the type, layout)
@@ -78,22 +85,31 @@ def available() -> bool:
     return _buft() is not None
 
 
-def set_repack(on: bool) -> None:
-    """Turn repacking on or off for the weights bound from now on (``MOE_SWARM_REPACK``)."""
-    global _ON
-    _ON = bool(on)
+def set_repack(mode: bool | str) -> None:
+    """Repacking for the weights bound from now on (``MOE_SWARM_REPACK``): True/"on" (the default
+    types), False/"off", or "all" (Q4_K experts too)."""
+    global _MODE
+    _MODE = ("on" if mode else "off") if isinstance(mode, bool) else _mode(mode)
 
 
 def repack_active() -> bool:
     """Whether weights bound now are repacked (on, and the build has it)."""
-    return _ON and available()
+    return _MODE != "off" and available()
+
+
+def _types(op: str) -> frozenset[int]:
+    if not repack_active():
+        return frozenset()
+    if op == "mul_mat":
+        return MUL_MAT_TYPES
+    if op == "mul_mat_id":
+        return MUL_MAT_ID_TYPES | Q4_K_TYPES if _MODE == "all" else MUL_MAT_ID_TYPES
+    return frozenset()
 
 
 def repacked_types() -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The type ids repacked for ``MUL_MAT`` and for ``MUL_MAT_ID``, as bound now (empty when off)."""
-    if not repack_active():
-        return (), ()
-    return tuple(sorted(MUL_MAT_TYPES)), tuple(sorted(MUL_MAT_ID_TYPES))
+    return tuple(sorted(_types("mul_mat"))), tuple(sorted(_types("mul_mat_id")))
 
 
 def _traits(tid: int, rows: int) -> tuple[int, int] | None:
@@ -127,9 +143,8 @@ def _traits(tid: int, rows: int) -> tuple[int, int] | None:
 def packs(tid: int, ne: Sequence[int], op: str) -> bool:
     """Whether a weight of type ``tid`` and ggml shape ``ne`` (``[cols, rows(, experts)]``) used by
     ``op`` (``"mul_mat"``: 2-D, ``"mul_mat_id"``: 3-D) is repacked when bound now."""
-    types = MUL_MAT_TYPES if op == "mul_mat" else MUL_MAT_ID_TYPES if op == "mul_mat_id" else frozenset()
     dims = 2 if op == "mul_mat" else 3
-    if not repack_active() or int(tid) not in types or len(ne) != dims or ne[0] % 256:
+    if int(tid) not in _types(op) or len(ne) != dims:
         return False
     return _traits(int(tid), int(ne[1])) is not None
 
@@ -182,11 +197,13 @@ def _drop(key: int, m: _Mirror) -> None:
             del _MIRRORS[key]
 
 
-@g.ggml_log_callback
-def _quiet_log(level: int, text: bytes | None, user_data: Any) -> None:
+def _quiet(level: int, text: bytes | None, user_data: Any) -> None:
     """ggml's log while repacking: its debug line per repacked matrix dropped, the rest to stderr."""
     if level != g.GGML_LOG_LEVEL_DEBUG and text:
         sys.stderr.write(text.decode(errors="replace"))
+
+
+_quiet_log: Any = g.ggml_log_callback(_quiet)
 
 
 def _pack_one(dst: int, src: int, tid: int, cols: int, rows: int) -> None:
