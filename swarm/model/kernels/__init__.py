@@ -24,7 +24,10 @@ Rules:
   experts' biases); a slice of any other is refused at load.
 - The ggml kernels are pooled per (types, shape): a pooled kernel is rebound to the slice's bytes
   for one call and returned, so concurrent callers each get their own and graph buffers are shared
-  across layers; the bytes are never copied (zero-copy over the memory-mapped GGUF or slice file).
+  across layers; the bytes are never copied (zero-copy over the memory-mapped GGUF or slice file),
+  except the types ggml's CPU backend repacks for its faster kernels (``swarm.model.kernels.repack``:
+  Q4_0, IQ4_NL, MXFP4 by default; Q4_K experts with ``MOE_SWARM_REPACK=all``), computed from one
+  repacked copy of the stored bytes (made on first use; part of ``kernel_id``).
 """
 
 from __future__ import annotations
