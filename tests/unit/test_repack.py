@@ -197,3 +197,17 @@ def test_opt_out_keeps_zero_copy(rng, plain):
     assert all(k._w[i].contents.data == raws[i].ctypes.data and not k._w[i].contents.extra for i in range(3))
     mm = K.GgmlMatmul(quant(rng, "Q4_0", (64, 256)), "Q4_0", 64, 256)
     assert not mm._w.contents.extra
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-small-w224-q4_k_m", "qwen3moe-tiny-q4_0", "qwen2moe-tiny-mxfp4_moe"])
+def test_fused_moe_on_repacked_experts_gives_the_separate_paths_bits(name, with_q4k):
+    """The engine's fused layer (``AttnOutMoE``: ``mul_mat_id`` on the repacked experts in its graph)
+    and the separate path (``GgmlExpertKernel``, as a volunteer computes them) agree bit for bit on
+    repacked weights too, Q4_K included (with_q4k): all-local equals distributed."""
+    from swarm.model.gguf import GGUFModel
+    from tests.conftest import FIXTURES
+    from tests.unit.test_fused_moe import test_fused_layers_give_the_separate_paths_bits as same_bits
+
+    st = GGUFModel(FIXTURES / "golden" / f"{name}.gguf").expert_stack(0)
+    assert repack.packs(int(st.gate_t.qtype), (st.d_model, st.d_expert, st.n_expert), "mul_mat_id")
+    same_bits(name)
