@@ -31,6 +31,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import sys
@@ -164,19 +165,28 @@ class _Mirror:
     def __init__(self, n: int) -> None:
         self.arr = np.frombuffer(mmap.mmap(-1, max(1, n)), dtype=np.uint8)
         self.done: set[tuple[int, int, int, int]] = set()
+        self.ranges: set[tuple[int, int, int, int, int]] = set()  # (offset, bytes, type, cols, rows) all done
 
 
 _MIRRORS: dict[int, tuple[weakref.ref[np.ndarray], _Mirror]] = {}
 
 
-def _root(a: np.ndarray) -> np.ndarray:
+def _addr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _root(a: np.ndarray, addr: int) -> tuple[np.ndarray, int]:
+    """The array at the bottom of ``a``'s views (``addr``: ``a``'s address) and its address; ``a``
+    itself where that is not one contiguous block around ``a``."""
     r = a
     while isinstance(r.base, np.ndarray):
         r = r.base
-    start, end = r.ctypes.data, r.ctypes.data + r.nbytes
-    if not r.flags.c_contiguous or not start <= a.ctypes.data <= a.ctypes.data + a.nbytes <= end:
-        return a
-    return r
+    if r is a:
+        return a, addr
+    start = _addr(r)
+    if not r.flags.c_contiguous or not start <= addr <= addr + a.nbytes <= start + r.nbytes:
+        return a, addr
+    return r, start
 
 
 def _mirror(root: np.ndarray) -> _Mirror:
@@ -226,17 +236,22 @@ def packed(raw: np.ndarray, tid: int, ne: Sequence[int]) -> np.ndarray:
     """The repacked bytes of the weight stored in ``raw`` (uint8, C-contiguous, type ``tid``, ggml shape
     ``ne``): a view of its root's mirror, every matrix in it repacked once. ``packs`` must hold."""
     cols, rows = int(ne[0]), int(ne[1])
-    n_mat = int(np.prod([int(x) for x in ne[2:]], dtype=np.int64)) if len(ne) > 2 else 1
-    mat = int(g.ggml_row_size(tid, cols)) * rows
-    if raw.nbytes != mat * n_mat:
-        raise ValueError(f"packed: {raw.nbytes} bytes for {n_mat} matrices of {mat}")
+    n_mat = math.prod(int(x) for x in ne[2:])
+    addr = _addr(raw)
     with _LOCK:
-        root = _root(raw)
+        root, start = _root(raw, addr)
         m = _mirror(root)
-        off = raw.ctypes.data - root.ctypes.data
-        for i in range(n_mat):
-            key = (off + i * mat, tid, cols, rows)
-            if key not in m.done:
-                _pack_one(m.arr.ctypes.data + key[0], raw.ctypes.data + i * mat, tid, cols, rows)
-                m.done.add(key)
+        off = addr - start
+        rng = (off, raw.nbytes, tid, cols, rows)
+        if rng not in m.ranges:  # a pooled kernel rebinds to the same ranges call after call
+            mat = int(g.ggml_row_size(tid, cols)) * rows
+            if raw.nbytes != mat * n_mat:
+                raise ValueError(f"packed: {raw.nbytes} bytes for {n_mat} matrices of {mat}")
+            base = _addr(m.arr)
+            for i in range(n_mat):
+                key = (off + i * mat, tid, cols, rows)
+                if key not in m.done:
+                    _pack_one(base + key[0], addr + i * mat, tid, cols, rows)
+                    m.done.add(key)
+            m.ranges.add(rng)
         return m.arr[off:off + raw.nbytes]
