@@ -6,6 +6,7 @@ sub-ranges, freed with the stored bytes), the opt-out, and the kernel id."""
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -182,12 +183,12 @@ def test_views_share_the_mirror_and_rebind(rng, with_q4k):
 def test_mirror_lives_as_long_as_the_stored_bytes(rng):
     t, d, f, e = "Q4_0", 256, 256, 2
     raws = [quant(rng, t, s) for s in ((e, f, d), (e, f, d), (e, d, f))]
-    before = len(repack._MIRRORS)
     k = K.GgmlExpertKernel(*raws, t, d, f, e)
-    assert len(repack._MIRRORS) == before + 3
+    mirrors = [weakref.ref(repack._MIRRORS[id(r)][1]) for r in raws]  # each array its own root
+    assert all(np.shares_memory(k._raw[i], mirrors[i]().arr) for i in range(3))
     del k, raws
     gc.collect()
-    assert len(repack._MIRRORS) == before
+    assert all(m() is None for m in mirrors)
 
 
 def test_opt_out_keeps_zero_copy(rng, plain):
