@@ -193,15 +193,18 @@ class TorchExpertKernel:
                              torch.from_numpy(np.array(topk_w, dtype=np.float32))).numpy()
 
 
-_PoolKey = tuple[tuple[int, int, int], int, int, int, int, str, bool]
+_PoolKey = tuple[tuple[int, int, int], int, int, int, int, str, bool, Any]
 _POOL: dict[_PoolKey, list[GgmlExpertKernel]] = {}
 _POOL_LOCK = threading.Lock()
 
 
 def _pool_key(stack: ExpertStack, n_threads: int) -> _PoolKey:
     """Which pooled ggml kernels can compute ``stack`` (the same types, shapes and activation)."""
+    from swarm.model.kernels import repack
+
     types = (int(stack.gate_t.qtype), int(stack.up_t.qtype), int(stack.down_t.qtype))
-    return (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads, stack.activation, stack.biases is not None)
+    return (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads, stack.activation, stack.biases is not None,
+            repack.repacked_types())  # a kernel keeps the layout it was built with
 
 
 @contextmanager
