@@ -50,7 +50,7 @@ from swarm.model.kernels.ggml import (
     _i32_view,
     _Plan,
     _type_id,
-    _weight_tensor,
+    _weight,
     row_nbytes,
 )
 
@@ -125,16 +125,16 @@ class _Graphs:
     def _dense(self, w: DenseWeight, name: str) -> Any:
         tid = _type_id(w.qtype)
         raw = _as_raw(w.raw, row_nbytes(tid, w.in_features) * w.out_features, name)
-        self._keep.append(raw)
-        t = _weight_tensor(self._wctx, tid, (w.in_features, w.out_features), raw, name)
+        t, kept = _weight(self._wctx, tid, (w.in_features, w.out_features), raw, name, "mul_mat")
+        self._keep.append(kept)
         self._leaves.append(t)
         return t
 
-    def _dense3(self, w: HeadWeights, name: str) -> Any:
+    def _dense3(self, w: HeadWeights, name: str, op: str | None = None) -> Any:
         tid = _type_id(w.qtype)
         raw = _as_raw(w.raw, row_nbytes(tid, w.in_features) * w.out_features * w.heads, name)
-        self._keep.append(raw)
-        t = _weight_tensor(self._wctx, tid, (w.in_features, w.out_features, w.heads), raw, name)
+        t, kept = _weight(self._wctx, tid, (w.in_features, w.out_features, w.heads), raw, name, op)
+        self._keep.append(kept)
         self._leaves.append(t)
         return t
 
@@ -685,7 +685,7 @@ class AttnOutMoE(AttnOut):
             raise KernelError(f"fused MoE: {e.n_group} groups ({e.n_group_used} used) do not fit {e.n_expert} experts, k {e.k}")
         d, f, n = self.d, e.width, e.n_expert
         self.ex = e
-        self._we = tuple(self._dense3(HeadWeights(raw, t, n, out, inn), name) for raw, t, out, inn, name in (
+        self._we = tuple(self._dense3(HeadWeights(raw, t, n, out, inn), name, "mul_mat_id") for raw, t, out, inn, name in (
             (e.gate, e.types[0], f, d, "gate_exps"), (e.up, e.types[1], f, d, "up_exps"), (e.down, e.types[2], d, f, "down_exps")))
         self._eb = None if e.biases is None else tuple(
             self._dense(DenseWeight(_as_raw(bias, 4 * m * n, name), int(g.GGML_TYPE_F32), n, m), name)

@@ -81,6 +81,7 @@ def test_build_flags_portable_v3():
     assert fl["avx512"] == fl["avx512_vnni"] == fl["avx512_bf16"] == fl["avx_vnni"] == fl["amx_int8"] == 0
     assert fl["llamafile"] == 0, "LLAMAFILE=ON breaks batch invariance for F32/F16/BF16/IQ4_NL"
     assert bi["openmp"] is False
+    assert bi["repack"] is True, "ops/ggml-cmake-args builds with GGML_CPU_REPACK=ON (swarm.model.kernels.repack)"
     kid = K.kernel_id()
     assert kid.startswith("ggml-0.15.3-avx+avx2+fma+f16c+bmi2-") and kid == K.kernel_id()
 

@@ -24,7 +24,10 @@ Rules:
   experts' biases); a slice of any other is refused at load.
 - The ggml kernels are pooled per (types, shape): a pooled kernel is rebound to the slice's bytes
   for one call and returned, so concurrent callers each get their own and graph buffers are shared
-  across layers; the bytes are never copied (zero-copy over the memory-mapped GGUF or slice file).
+  across layers; the bytes are never copied (zero-copy over the memory-mapped GGUF or slice file),
+  except the types ggml's CPU backend repacks for its faster kernels (``swarm.model.kernels.repack``:
+  Q4_0, IQ4_NL, MXFP4 by default; Q4_K experts with ``MOE_SWARM_REPACK=all``), computed from one
+  repacked copy of the stored bytes (made on first use; part of ``kernel_id``).
 """
 
 from __future__ import annotations
@@ -190,15 +193,18 @@ class TorchExpertKernel:
                              torch.from_numpy(np.array(topk_w, dtype=np.float32))).numpy()
 
 
-_PoolKey = tuple[tuple[int, int, int], int, int, int, int, str, bool]
+_PoolKey = tuple[tuple[int, int, int], int, int, int, int, str, bool, Any]
 _POOL: dict[_PoolKey, list[GgmlExpertKernel]] = {}
 _POOL_LOCK = threading.Lock()
 
 
 def _pool_key(stack: ExpertStack, n_threads: int) -> _PoolKey:
     """Which pooled ggml kernels can compute ``stack`` (the same types, shapes and activation)."""
+    from swarm.model.kernels import repack
+
     types = (int(stack.gate_t.qtype), int(stack.up_t.qtype), int(stack.down_t.qtype))
-    return (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads, stack.activation, stack.biases is not None)
+    return (types, stack.d_model, stack.d_expert, stack.n_expert, n_threads, stack.activation, stack.biases is not None,
+            repack.repacked_types())  # a kernel keeps the layout it was built with
 
 
 @contextmanager

@@ -7,7 +7,10 @@ exactly, and a mismatch segfaults rather than raising.
 Rules this module keeps:
 - Weights are never copied: ggml tensors point straight at the caller's uint8 arrays (typically
   zero-copy views of a memory-mapped GGUF or slice file). The kernel keeps a reference to them;
-  the caller must not close the mmap while the kernel lives.
+  the caller must not close the mmap while the kernel lives. The one exception: the types ggml's
+  CPU backend repacks into an interleaved layout for faster kernels (``repack``: Q4_0, Q4_K,
+  IQ4_NL, MXFP4 where that keeps batch invariance) are computed from a repacked copy, made once
+  per weight (``_weight``); ``MOE_SWARM_REPACK=0`` keeps them as stored.
 - Batch invariance: a row's (a pair's) result never depends on the other rows in the call, the
   bucket size, the chunking, or the thread count. This holds for a build with
   GGML_LLAMAFILE=OFF and no BLAS (see REPORT.md); `tests` check it for every type.
@@ -42,6 +45,7 @@ import numpy as np
 
 from swarm.errors import KernelError
 from swarm.model.combine import add_in_expert_order
+from swarm.model.kernels import repack
 from swarm.model.kernels.affinity import WorkerPlacement, started_threads
 
 __all__ = [
@@ -185,12 +189,14 @@ def build_info() -> dict[str, Any]:
                 "libggml-base.so": hashlib.sha256(base).hexdigest(),
             },
             "algo": ALGO_VERSION,
+            "repack": repack.available(),
         }
     return dict(_BUILD_INFO)
 
 
 def kernel_id() -> str:
-    """A short id for 'same bits': ggml version, ISA flags, llamafile/OpenMP, compiler, algorithm.
+    """A short id for 'same bits': ggml version, ISA flags, llamafile/OpenMP, compiler, algorithm,
+    and the repacked weight types (``repack``) when repacking is on.
 
     Two hosts with equal kernel_id run the same C code paths with the same compiler, so (by the
     batch-invariance property) they produce identical bits. The library sha256 is not part of it
@@ -201,6 +207,9 @@ def kernel_id() -> str:
     isa = "+".join(f for f in ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512", "avx512_vbmi",
                                "avx512_vnni", "avx512_bf16", "amx_int8") if fl[f])
     key = f"ggml{bi['ggml']}|gp{bi['ggml_python']}|{isa}|lf{fl['llamafile']}|omp{int(bi['openmp'])}|{bi['compiler']}|{bi['algo']}"
+    mm, mmid = repack.repacked_types()
+    if mm or mmid:  # repacked weights compute other bits (ids without repacking stay as they were)
+        key += f"|repack:{','.join(map(str, mm))}/{','.join(map(str, mmid))}"
     return f"ggml-{bi['ggml']}-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -357,6 +366,18 @@ def _weight_tensor(wctx: _Ctx, tid: int, ne: Sequence[int], raw: np.ndarray, nam
     return t
 
 
+def _weight(wctx: _Ctx, tid: int, ne: Sequence[int], raw: np.ndarray, name: str, op: str | None) -> tuple[Any, np.ndarray]:
+    """A weight tensor for ``op`` (``"mul_mat"``, ``"mul_mat_id"``, or None: any other use) and the
+    array its data points into, which the caller keeps (and re-points leaves at): ``raw`` itself
+    (zero-copy), or, where ``repack.packs`` says so, ``raw``'s repacked copy (``repack.packed``)."""
+    if op is None or not repack.packs(tid, ne, op):
+        return _weight_tensor(wctx, tid, ne, raw, name), raw
+    arr = repack.packed(raw, tid, ne)
+    t = _weight_tensor(wctx, tid, ne, arr, name)
+    repack.mark(t, tid, ne)
+    return t, arr
+
+
 class _Plan:
     """A built graph with its plan and owned work buffer."""
 
@@ -457,11 +478,13 @@ class GgmlExpertKernel:
         self.n_threads, self.max_pairs = int(n_threads), int(max_pairs)
         self._pool, self._poll = _threadpool(self.n_threads, _POLL if poll is None else poll)[0], poll
         self._wctx = _Ctx(8 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
-        self._w = (
-            _weight_tensor(self._wctx, self.types[0], (d_model, d_expert, n_expert), self._raw[0], "gate_exps"),
-            _weight_tensor(self._wctx, self.types[1], (d_model, d_expert, n_expert), self._raw[1], "up_exps"),
-            _weight_tensor(self._wctx, self.types[2], (d_expert, d_model, n_expert), self._raw[2], "down_exps"),
-        )
+        self._ne = ((d_model, d_expert, n_expert), (d_model, d_expert, n_expert), (d_expert, d_model, n_expert))
+        made = [_weight(self._wctx, t, ne, r, name, "mul_mat_id")
+                for t, ne, r, name in zip(self.types, self._ne, self._raw, ("gate_exps", "up_exps", "down_exps"),
+                                          strict=True)]
+        self._w = (made[0][0], made[1][0], made[2][0])
+        self._packed = tuple(m[1] is not r for m, r in zip(made, self._raw, strict=True))
+        self._raw = (made[0][1], made[1][1], made[2][1])  # what the tensors point into (repacked copies or raw)
         # gpt-oss: F32 bias rows per expert, added with ggml_add_id after each projection, as llama.cpp
         self._b: tuple[Any, Any, Any] | None = None
         self._braw: tuple[np.ndarray, ...] = ()
@@ -484,9 +507,14 @@ class GgmlExpertKernel:
         """Point the kernel at another stack of the same shape and types (e.g. another layer),
         keeping the built graphs and buffers: one kernel (and ~tens of MB of bucket buffers) can
         serve every layer. Safe because the weight tensors are graph leaves, not views: ggml
-        reads ``tensor->data`` at compute time."""
+        reads ``tensor->data`` at compute time. Repacked weights are bound to the new bytes' repacked
+        copy (made on the first bind of those bytes)."""
         raws = (_as_raw(gate, self._raw[0].nbytes, "gate"), _as_raw(up, self._raw[1].nbytes, "up"),
                 _as_raw(down, self._raw[2].nbytes, "down"))
+        pk = self._packed
+        raws = (repack.packed(raws[0], self.types[0], self._ne[0]) if pk[0] else raws[0],
+                repack.packed(raws[1], self.types[1], self._ne[1]) if pk[1] else raws[1],
+                repack.packed(raws[2], self.types[2], self._ne[2]) if pk[2] else raws[2])
         if (biases is None) != (self._b is None):
             raise KernelError("rebind: biases must come exactly when the kernel was built with them")
         braws = () if biases is None else tuple(_as_raw(b, r.nbytes, "bias") for b, r in zip(biases, self._braw,
@@ -714,17 +742,16 @@ class GgmlExpertKernel:
 # ----------------------------------------------------------------------------- dense matmul
 
 class _OneWeight:
-    """One zero-copy weight leaf and one op over it, in graphs per row bucket, computed ``max_rows``
+    """One weight leaf (zero-copy, or repacked for ``op``) and one op over it, in graphs per row bucket, computed ``max_rows``
     rows at a time (``GgmlMatmul``, ``GgmlGetRows``). An input row is ``n_in`` float32 values, or
     one int32 index when ``n_in`` is 0; an output row is ``n_out`` float32 values."""
 
     def __init__(self, raw: np.ndarray, tid: int, ne: tuple[int, int], name: str, *, n_in: int, n_out: int,
-                 n_threads: int, poll: int | None, max_rows: int) -> None:
+                 n_threads: int, poll: int | None, max_rows: int, op: str | None) -> None:
         self.n_threads, self.max_rows, self._n_in, self._n_out = int(n_threads), int(max_rows), n_in, n_out
-        self._raw = raw
         self._pool, self._poll = _threadpool(self.n_threads, _POLL if poll is None else poll)[0], poll
         self._wctx = _Ctx(2 * g.ggml_tensor_overhead() + 1024, no_alloc=True)
-        self._w = _weight_tensor(self._wctx, tid, ne, raw, name)
+        self._w, self._raw = _weight(self._wctx, tid, ne, raw, name, op)
         self._plans: dict[int, tuple[_Plan, np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
@@ -796,7 +823,7 @@ class GgmlMatmul(_OneWeight):
         self.out_features, self.in_features = int(out_features), int(in_features)
         raw = _as_raw(w, row_nbytes(self.type, in_features) * out_features, "W")
         super().__init__(raw, self.type, (self.in_features, self.out_features), "W", n_in=self.in_features,
-                         n_out=self.out_features, n_threads=n_threads, poll=poll, max_rows=max_rows)
+                         n_out=self.out_features, n_threads=n_threads, poll=poll, max_rows=max_rows, op="mul_mat")
 
     def _op(self, ctx: Any, x: Any) -> Any:
         return g.ggml_mul_mat(ctx, self._w, x)
@@ -821,7 +848,7 @@ class GgmlGetRows(_OneWeight):
         self.n_rows, self.n_cols = int(n_rows), int(n_cols)
         raw = _as_raw(w, row_nbytes(self.type, n_cols) * n_rows, "table")
         super().__init__(raw, self.type, (self.n_cols, self.n_rows), "table", n_in=0, n_out=self.n_cols, n_threads=1,
-                         poll=0, max_rows=max_rows)
+                         poll=0, max_rows=max_rows, op=None)
 
     def _op(self, ctx: Any, x: Any) -> Any:
         return g.ggml_get_rows(ctx, self._w, x)
