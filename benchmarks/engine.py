@@ -2,7 +2,8 @@
 requests, plus resident memory (DESIGN §11 benchmark format).
 
     python benchmarks/engine.py [--quick | --smoke] [--json OUT] [--model PATH] [--kernel ggml|torch]
-                                [--llamacpp-python PYTHON]
+                                [--llamacpp-python PYTHON [--llamacpp-invariant]]
+                                [--llamacpp-same-build PYTHON]
 
 ``--smoke`` (``make test``): the ``tiny`` model, 16-token prompts, 4 tokens, one round.
 
@@ -14,6 +15,15 @@ default the physical cores, as the coordinator: ``swarm.model.kernels.configure_
 kernels use that many for big calls and one for small ones; torch (attention, norms) one intra-op
 thread on the engine thread (all of them with ``--kernel torch``).
 
+llama.cpp runs in its defaults (``Llama(...)``'s: repacked weights where its CPU backend has a layout,
+ggml's tiled K-quant matmuls for >= 8 rows, and whatever its build enabled -- pip builds it for the
+host's own CPU, with llamafile's sgemm). ``--llamacpp-invariant`` adds llama.cpp with the kernels the
+engine must use, in the same rounds: ``GGML_CPU_TILED_MM=0`` and no repacked weights (each gives a row
+other last bits in a batch than alone, or than on a machine without the layout); ``--llamacpp-same-build``
+adds a llama-cpp-python built with the engine's own ggml flags (``ops/ggml-cmake-args``: x86-64-v3, no
+llamafile), run invariant -- the like-for-like comparison: the same kernels, so the ratio is the engine's
+own overhead. Each is a column (``llamacpp_variants`` in the JSON).
+
 The model is generated once into ``benchmarks/.cache/`` (``moe-swarm make-model --size bench``).
 Requests go through the real engine runtime (engine thread + scheduler), in process, with
 ``ignore_eos`` so every request decodes exactly ``--decode`` tokens.
@@ -22,7 +32,9 @@ Requests go through the real engine runtime (engine thread + scheduler), in proc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -113,10 +125,14 @@ async def one_case(rt: EngineRuntime, conc: int, rep: int, prompt_len: int, n_de
             (g_end - g0) / wall, (n_end - n_decode_0) / max(1, n_decode - 1), (g_decode - g0) / prefill_wall)
 
 
+Reference = Callable[[int, int], dict[str, Any]]  # (concurrency, round) -> llama.cpp's prefill/decode rates
+
+
 async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int,
-                    llamacpp: Callable[[int, int], dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Medians over ``reps`` rounds; each round runs llama.cpp (same concurrency) right after ours (the
-    machine's memory bandwidth drifts by 20-30 % over minutes: interleaving keeps the ratio fair)."""
+                    refs: dict[str, Reference]) -> list[dict[str, Any]]:
+    """Medians over ``reps`` rounds; each round runs each llama.cpp reference (same concurrency) right
+    after ours (the machine's memory bandwidth drifts by 20-30 % over minutes: interleaving keeps the
+    ratios fair). The first reference is ``llamacpp_tokens_per_s``; all are in ``llamacpp_variants``."""
     cases: list[dict[str, Any]] = []
     for conc in (1, 4):
         pre: list[float] = []
@@ -125,8 +141,8 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
         case_share: list[float] = []  # over the whole case, prefill included
         graphs: list[float] = []  # ggml graphs per decode step (1: token ids to logits in one graph)
         pre_shares: list[float] = []  # the prefill phase's share inside ggml's graph compute
-        ref_pre: list[float] = []
-        ref_dec: list[float] = []
+        ref_pre: dict[str, list[float]] = {k: [] for k in refs}
+        ref_dec: dict[str, list[float]] = {k: [] for k in refs}
         version = ""
         for rep in range(reps):
             p, d, gs, whole, per_step, pre_share = await one_case(rt, conc, rep, prompt_len, n_decode)
@@ -136,10 +152,10 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
             dec.append(d)
             share.append(gs)
             case_share.append(whole)
-            if llamacpp is not None:
-                ref = await trio.to_thread.run_sync(llamacpp, conc, rep)
-                ref_pre.append(ref["prefill"])
-                ref_dec.append(ref["decode"])
+            for key, fn in refs.items():
+                ref = await trio.to_thread.run_sync(fn, conc, rep)
+                ref_pre[key].append(ref["prefill"])
+                ref_dec[key].append(ref["decode"])
                 version = ref["version"]
         for name, ours, theirs in (("prefill", pre, ref_pre), ("decode", dec, ref_dec)):
             c: dict[str, Any] = {"case": f"{name}_c{conc}", "concurrency": conc,
@@ -158,10 +174,13 @@ async def run_cases(rt: EngineRuntime, prompt_len: int, n_decode: int, reps: int
                 c["outside_graph_ms"] = round(step_ms * (1.0 - statistics.median(share)), 3)
                 c["graphs_per_step"] = round(statistics.median(graphs), 2)
             if theirs:
-                c["llamacpp_tokens_per_s"] = round(statistics.median(theirs), 2)
+                first = theirs[next(iter(theirs))]
+                c["llamacpp_tokens_per_s"] = round(statistics.median(first), 2)
                 c["llamacpp_version"] = version
-                c["rounds"] = [{"tokens_per_s": round(a, 2), "llamacpp_tokens_per_s": round(b, 2)}
-                               for a, b in zip(ours, theirs, strict=True)]
+                c["llamacpp_variants"] = {k: round(statistics.median(v), 2) for k, v in theirs.items()}
+                c["rounds"] = [{"tokens_per_s": round(a, 2)} | {f"llamacpp_{k}_tokens_per_s": round(v[i], 2)
+                                                                 for k, v in theirs.items()}
+                               for i, a in enumerate(ours)]
             cases.append(c)
     return cases
 
@@ -174,7 +193,7 @@ import llama_cpp as L
 path, prompt_len, n_decode, n_par, rep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 _CB = L.llama_log_callback(lambda *a: None)
 L.llama_log_set(_CB, None)
-mp = L.llama_model_default_params(); mp.n_gpu_layers = 0
+mp = L.llama_model_default_params(); mp.n_gpu_layers = 0; mp.use_extra_bufts = sys.argv[6] == '1'  # repack
 model = L.llama_model_load_from_file(path.encode(), mp)
 vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
 cp = L.llama_context_default_params()
@@ -207,14 +226,41 @@ print(json.dumps({"prefill": n_par * prompt_len / (t1 - t0), "decode": n_par * (
 """
 
 
-def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, n_par: int, rep: int = 0) -> dict[str, Any]:
+# llama.cpp's configurations in the comparison: its defaults (what `Llama(...)` runs: repacked weights
+# where its CPU backend has a layout for them, ggml's tiled K-quant matmuls for >= 8 rows) and its
+# batch-invariant kernels, the ones the goldens are made with and the engine runs (GGML_CPU_TILED_MM=0,
+# no repacked weights: either one gives a row other last bits in a batch than alone, or than on a
+# machine without the layout -- moe-swarm's remote experts must give equal bits everywhere)
+LLAMACPP_CONFIGS: dict[str, tuple[dict[str, str], bool]] = {  # name -> (environment, repack)
+    "default": ({}, True),
+    "invariant": ({"GGML_CPU_TILED_MM": "0"}, False),
+}
+
+
+def run_llamacpp(python: str, path: Path, prompt_len: int, n_decode: int, n_par: int, rep: int = 0,
+                 config: str = "default") -> dict[str, Any]:
     """llama.cpp (low-level API: one context, ``n_par`` sequences decoded in one batch per step, as a
     server with parallel slots; each prompt prefilled in its own batch; F16 KV, 2 threads, no flash
-    attention) on ``path``, in a subprocess. The prompts are ours (same token ids)."""
-    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(prompt_len), str(n_decode), str(n_par), str(rep)],
-                         capture_output=True, text=True, check=True, timeout=1800)
+    attention) on ``path``, in a subprocess, in one of ``LLAMACPP_CONFIGS``. The prompts are ours (same
+    token ids). The subprocess gets none of this process's ggml settings."""
+    extra, repack = LLAMACPP_CONFIGS[config]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_") and k != "PYTHONPATH"} | extra
+    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, str(path), str(prompt_len), str(n_decode), str(n_par), str(rep),
+                          "1" if repack else "0"], capture_output=True, text=True, check=True, timeout=1800, env=env)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+def references(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(key, python, configuration) of each llama.cpp reference asked for, the default first."""
+    out: list[tuple[str, str, str]] = []
+    if args.llamacpp_python:
+        out.append(("default", args.llamacpp_python, "default"))
+        if args.llamacpp_invariant:
+            out.append(("invariant", args.llamacpp_python, "invariant"))
+    if args.llamacpp_same_build:
+        out.append(("same_build", args.llamacpp_same_build, "invariant"))
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,11 +281,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         # warm-up at full size: every expert's pages of the memory-mapped file are read once, and the
         # kernels' graphs for these sizes are built, before anything is timed
         await one_request(rt, [(5 * j + 1) % (model.config.n_vocab - 3) for j in range(prompt_len)], n_decode)
-        llamacpp = None
-        if args.llamacpp_python:
-            def llamacpp(conc: int, rep: int) -> dict[str, Any]:
-                return run_llamacpp(args.llamacpp_python, path, prompt_len, n_decode, conc, rep)
-        cases = await run_cases(rt, prompt_len, n_decode, reps, llamacpp)
+        refs: dict[str, Reference] = {}
+        for key, python, config in references(args):
+            refs[key] = functools.partial(run_llamacpp, python, path, prompt_len, n_decode, config=config)
+        cases = await run_cases(rt, prompt_len, n_decode, reps, refs)
         n.cancel_scope.cancel()
     for c in cases:
         c["model"] = path.name
@@ -261,15 +306,21 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["ggml", "torch"], default="ggml", help="expert and dense kernels")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the physical cores)")
     ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python: run llama.cpp too")
+    ap.add_argument("--llamacpp-invariant", action="store_true",
+                    help="also run llama.cpp with its batch-invariant kernels (GGML_CPU_TILED_MM=0, no repack)")
+    ap.add_argument("--llamacpp-same-build", default=None, metavar="PYTHON",
+                    help="a Python whose llama-cpp-python is built with ops/ggml-cmake-args: run it too, invariant")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per case (medians; llama.cpp interleaved)")
     args = ap.parse_args()
     result = trio.run(main_async, args)
     print(f"\nengine benchmark: {result['model']} ({result['model_shape']})")
-    print(f"{'case':<12} {'tokens/s':>10} {'llama.cpp':>10} {'ratio':>7}   (kernel {args.kernel}; medians)")
+    keys = [k for k, _, _ in references(args)]
+    head = "".join(f" {'llama.cpp ' + k:>20} {'ratio':>6}" for k in keys)
+    print(f"{'case':<12} {'tokens/s':>10}{head}   (kernel {args.kernel}; medians)")
     for c in result["cases"]:
         if "tokens_per_s" in c:
-            ref = c.get("llamacpp_tokens_per_s")
-            extra = f" {ref:>10.2f} {c['tokens_per_s'] / ref:>7.2f}" if ref else ""
+            variants = c.get("llamacpp_variants", {})
+            extra = "".join(f" {variants[k]:>20.2f} {c['tokens_per_s'] / variants[k]:>6.2f}" for k in keys if k in variants)
             split = (f"   step {c['step_ms']:.2f} ms: {100 * c['graph_share']:.0f} % in ggml graphs, "
                      f"{c['outside_graph_ms']:.2f} ms outside, {c['graphs_per_step']:.1f} graphs a step"
                      if "step_ms" in c else f"   {100 * c['graph_share']:.0f} % in ggml graphs, "

@@ -744,6 +744,24 @@ class AttnOutMoE(AttnOut):
         sorted_ids = g.ggml_get_rows(ctx, idxf, order)  # [1, k, b]
         return xn, g.ggml_cont(ctx, sorted_ids)
 
+    def moe_ops_rows(self, ctx: Any, outs: list[Any], ar: Any, zero: Any, b: int, sel: Any, n_sel: int
+                     ) -> tuple[Any, Any]:
+        """``moe_ops`` with the experts and the combine on the rows ``sel`` only (``[n_sel]`` int32, of the
+        ``b`` rows), as llama.cpp's last layer computes only the rows whose logits are asked for; the
+        router's top-k still for all ``b`` (the dispatcher hears of every row's experts). Returns
+        ``(x_next [d, n_sel], experts [k, b] as floats, ascending)``; a selected row's bits are
+        ``moe_ops``'s (every op here is per row, the kernels batch-invariant)."""
+        e = self.ex
+        ids, _ = _gate_ops(ctx, outs[2], b, e)
+        idxf = g.ggml_get_rows(ctx, ar, ids)  # [1, k, b]
+        order = g.ggml_argsort(ctx, g.ggml_reshape_2d(ctx, idxf, e.k, b), g.GGML_SORT_ORDER_ASC)
+        experts = g.ggml_cont(ctx, g.ggml_get_rows(ctx, idxf, order))
+        picked = [g.ggml_get_rows(ctx, t, sel) for t in outs]  # x2, h, probs (, shared): [*, n_sel]
+        ar_sel = g.ggml_view_3d(ctx, ar, 1, e.n_expert, n_sel, ar.contents.nb[1], ar.contents.nb[2], 0)
+        zero_sel = g.ggml_view_2d(ctx, zero, self.d, n_sel, zero.contents.nb[1], 0)
+        xn, _ = self.moe_ops(ctx, picked, ar_sel, zero_sel, n_sel)
+        return xn, experts
+
     def __call__(self, a: np.ndarray, x: np.ndarray, n_threads: int = 1  # type: ignore[override]
                  ) -> tuple[np.ndarray, np.ndarray]:
         """``(x_next [n, d], experts [n, k] int64, ascending per row)``."""

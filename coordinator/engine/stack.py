@@ -218,7 +218,7 @@ class StackGraph:
         b = off  # the graph's rows: every sequence's slot
         n_layer, n_blk = hi - lo, sum(len(sq.blocks) for sq in seqs)
         k_max = max((s.moe.ex.k for s in self.layers if s.moe is not None), default=0)
-        nodes = 64 + n_layer * (160 + 4 * k_max + 12 * len(seqs) + 16 * n_blk)
+        nodes = 128 + n_layer * (160 + 4 * k_max + 12 * len(seqs) + 16 * n_blk)
         ctx = _Ctx(2 * nodes * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(nodes, False) + 4096,
                    no_alloc=True)
         c = ctx.ctx
@@ -244,8 +244,12 @@ class StackGraph:
                 for w in windows:
                     bk.masks[w] = (io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, sq.n_ctx, bk.b)), np.empty(0, np.float32))
         ids_out: list[tuple[int, Any]] = []
+        # the rows asked for (the per-layer path's head takes only them); as llama.cpp, the last layer
+        # computes its FFN on them alone (its attention, KV writes and router on every row)
+        sel = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, n_sel)) if whole and n_sel else None
         cur = x
         for li in range(lo, hi):
+            last = sel if li == hi - 1 else None
             spec = self.layers[li]
             q, k, v = spec.attn_in.ops(c, cur, pos, b)
             outs = []
@@ -293,19 +297,19 @@ class StackGraph:
                 a = g.ggml_concat(c, a, o, 2)
             a = g.ggml_reshape_2d(c, a, H * hdv, b)
             if spec.moe is not None and spec.moe_layer is not None:
-                xo, ids = spec.moe.moe_ops(c, spec.moe.ops(c, a, cur, b), ar, zero, b)
+                outs = spec.moe.ops(c, a, cur, b)
+                xo, ids = (spec.moe.moe_ops(c, outs, ar, zero, b) if last is None
+                           else spec.moe.moe_ops_rows(c, outs, ar, zero, b, last, n_sel))
                 g.ggml_set_output(ids)
                 ids_out.append((spec.moe_layer, ids))
                 cur = xo
             else:
                 assert spec.dense is not None
-                o = spec.dense.ops(c, a, cur, b)
+                if last is not None:  # a dense block's rows are independent: select before it
+                    a, cur = g.ggml_get_rows(c, a, last), g.ggml_get_rows(c, cur, last)
+                o = spec.dense.ops(c, a, cur, n_sel if last is not None else b)
                 cur = g.ggml_add(c, o[0], o[-1])  # a dense block: x2 + its FFN
-        sel = None
         if whole:
-            if n_sel:  # the rows asked for (the per-layer path's head takes only them)
-                sel = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, n_sel))
-                cur = g.ggml_get_rows(c, cur, sel)
             logits = self.head.ops(c, cur)  # [n_vocab, rows]
         else:
             logits = cur  # the residual [d, b]

@@ -264,3 +264,41 @@ def test_verifications_throughput_case_gives_offload_every_option_it_reads() -> 
     missing = _options(BENCH / "offload.py") - ns.keys()
     assert not missing, f"verification.offload_namespace lacks {sorted(missing)}"
     assert ns["sessions"] == [4] and ns["verify_cases"] is True
+
+
+STAND_IN = """#!/bin/sh
+# a stand-in for a Python with llama-cpp-python: engine.py runs `PY -c SCRIPT path prompt decode n_par rep repack`;
+# the decode rate it reports encodes what reached it: +2 repack, +4 GGML_CPU_TILED_MM=0, +8 any other GGML_*
+# variable or PYTHONPATH, +OFFSET (which stand-in)
+rate=$((1 + OFFSET))
+[ "$8" = "1" ] && rate=$((rate + 2))
+[ "${GGML_CPU_TILED_MM-unset}" = "0" ] && rate=$((rate + 4))
+others=$(env | grep -E '^(GGML_|PYTHONPATH=)' | grep -v '^GGML_CPU_TILED_MM=0$')
+[ -n "$others" ] && rate=$((rate + 8))
+echo '{"prefill": 100.0, "decode": '$rate'.0, "version": "stand-in"}'
+"""
+
+
+def test_engine_runs_each_llamacpp_configuration_with_its_own_environment(tmp_path: Path) -> None:
+    """``--llamacpp-invariant`` and ``--llamacpp-same-build`` add columns, each llama.cpp run in its own
+    configuration (repack on/off, ``GGML_CPU_TILED_MM``) and none of the engine's ggml settings or paths:
+    stand-in executables report what reached them."""
+    pys = []
+    for i, offset in enumerate((0, 100)):
+        p = tmp_path / f"py{i}"
+        p.write_text(STAND_IN.replace("OFFSET", str(offset)))
+        p.chmod(0o755)
+        pys.append(str(p))
+    out = tmp_path / "engine.json"
+    r = subprocess.run([sys.executable, str(BENCH / "engine.py"), "--smoke", "--json", str(out),
+                        "--llamacpp-python", pys[0], "--llamacpp-invariant", "--llamacpp-same-build", pys[1]],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "GGML_SCHED_X": "1", "GGML_CPU_TILED_MM": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cases = check_design_shape(json.loads(out.read_text()), "engine")
+    for name in ("decode_c1", "decode_c4"):
+        c = cases[name]
+        assert c["llamacpp_variants"] == {"default": 3.0, "invariant": 5.0, "same_build": 105.0}, c
+        assert c["llamacpp_tokens_per_s"] == 3.0 and c["llamacpp_version"] == "stand-in"
+        assert c["rounds"][0]["llamacpp_same_build_tokens_per_s"] == 105.0, c
+    assert "llama.cpp same_build" in r.stdout and "llama.cpp invariant" in r.stdout

@@ -6,6 +6,8 @@ one graph per step, built once per shape (a prefill: per bucket) and reused."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -235,3 +237,59 @@ def test_a_step_beyond_the_stack_takes_the_layer_path() -> None:
     _, n0 = graph_time()
     tr.forward([SeqChunk(KVCache(tr.cfg, 1200), [j % 300 for j in range(1100)], 0)])
     assert graph_time()[1] - n0 > 1 and not stack._graphs
+
+
+class _Heard(LocalExperts):
+    """Local experts that keep what the engine tells the dispatcher: each MoE layer's rows' experts."""
+
+    def __init__(self, model: GGUFModel) -> None:
+        super().__init__(model)
+        self.heard: list[tuple[int, list[list[int]]]] = []
+
+    def ran_here(self, layer: int, ids: Any, seconds: float) -> None:
+        self.heard.append((layer, [sorted(int(e) for e in row) for row in ids]))
+        super().ran_here(layer, ids, seconds)
+
+    def begin(self, layer: int, x: Any, ids: Any, w: Any, **kw: Any) -> Any:  # the per-layer path's unfused layers
+        self.heard.append((layer, [sorted(int(e) for e in row) for row in ids]))
+        return super().begin(layer, x, ids, w, **kw)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny-q8_0", "deepseek2-tiny-q8_0", "gpt-oss-tiny-q8_0"])
+def test_the_last_layer_computes_the_asked_rows_and_reports_every_rows_experts(name: str) -> None:
+    """As llama.cpp, the last layer's FFN runs on the rows whose logits are asked for only; the dispatcher
+    still hears every row's experts in every layer -- the per-layer path's reports, row for row."""
+    model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
+    got = []
+    for stack in (True, False):
+        ex = _Heard(model)
+        tr = Transformer(model, ex)
+        assert tr._ggml is not None and tr._ggml.stack is not None
+        if not stack:
+            tr._ggml.stack = None
+        got.append((_prefill(tr, PREFILL_PLAN, 400, torch.float16), ex.heard))
+    (a, heard_a), (b, heard_b) = got
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    last = max(layer for layer, _ in heard_b)
+    assert any(layer == last for layer, _ in heard_a)
+    for layer in sorted({layer for layer, _ in heard_b}):  # per layer, every real row's experts, in order
+        rows_a = [r for lay, rows in heard_a if lay == layer for r in rows]
+        rows_b = [r for lay, rows in heard_b if lay == layer for r in rows]
+        assert rows_a == rows_b, (name, layer)
+
+
+def test_only_the_last_layer_narrows_to_the_asked_rows() -> None:
+    """The built graph of a 40-row prompt that asks for its last row's logits: every layer's experts run
+    on the bucket's 48 rows but the last layer's (gate, up, down) on that one row."""
+    import ggml.ggml as g
+
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
+    tr, _ = _both(model)
+    _prefill(tr, [[(0, 40, False)]], 256, torch.float16)
+    assert tr._ggml is not None and tr._ggml.stack is not None
+    [built] = tr._ggml.stack._graphs.values()
+    graph = built.plan.graph
+    rows = [int(node.contents.ne[2]) for node in (g.ggml_graph_node(graph, i) for i in range(g.ggml_graph_n_nodes(graph)))
+            if node.contents.op == g.GGML_OP_MUL_MAT_ID]
+    n_moe = sum(1 for s in tr._ggml.stack.layers if s.moe is not None)
+    assert rows == [48] * 3 * (n_moe - 1) + [1] * 3, rows
