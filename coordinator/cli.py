@@ -72,6 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--prefix-cache-disk", type=_cache_size, default="4G", metavar="SIZE",
                    help="the most the prefix cache's files in --prefix-cache-dir may take")
     m.add_argument("--threads", type=int, default=None, help="compute threads in all (default: the physical cores)")
+    m.add_argument("--repack", choices=["off", "on", "all"], default=None,
+                   help="ggml's repacked weight layouts: on (default, or MOE_SWARM_REPACK) Q4_0/IQ4_NL/MXFP4; all: Q4_K "
+                        "experts too -- faster Q4_K_M, other last bits, so its volunteers need --repack all as well")
     m.add_argument("--data-dir", default=None,
                    help="identity key and slice cache, one coordinator each (default ~/.local/share/moe-swarm/coordinator)")
 
@@ -199,6 +202,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         "kernel": ns.kernel,
         "kv_type": ns.kv_type,
         "threads": ns.threads,
+        "repack": ns.repack,
         "dispatch": ns.dispatch,
         "saturation_threshold": ns.saturation_threshold,
         "serve_ttl_s": ns.serve_ttl,

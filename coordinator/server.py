@@ -45,6 +45,7 @@ from swarm.errors import ConfigError, ModelError
 from swarm.model.gguf import GGUFModel
 from swarm.model.hub import is_hub_model, resolve_hub_model
 from swarm.model.kernels import DEFAULT_BACKEND, KernelBackend, configure_threads
+from swarm.model.kernels.repack import set_repack
 from swarm.model.slices import SliceCache, build_manifest
 from swarm.p2p.libp2p import open_libp2p_transport
 from swarm.progress import show_transfers
@@ -85,6 +86,10 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # compute threads: the ggml kernels' threads for big calls (torch's too with the torch kernel; with
     # ggml, torch keeps one: swarm.model.kernels.configure_threads). None: the physical cores
     threads: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
+    # repacked weights (swarm.model.kernels.repack): "on" Q4_0/IQ4_NL/MXFP4, "all" Q4_K experts too (faster
+    # Q4_K_M, other last bits: its volunteers need the same setting, which their kernel id shows), "off";
+    # None: MOE_SWARM_REPACK or "on"
+    repack: Literal["off", "on", "all"] | None = None
     # load-adaptive dispatch (DESIGN §5 layer 1; coordinator.core.dispatch): "offload" sends every range
     # with a live replica remote whatever the load (the behaviour before adaptive dispatch)
     dispatch: Literal["adaptive", "offload"] = "adaptive"
@@ -169,6 +174,8 @@ def open_model(ref: str, kernel: KernelBackend) -> GGUFModel:
 def load_runtime(cfg: CoordinatorConfig) -> EngineRuntime:
     threads = cfg.threads or physical_cores()
     configure_threads(threads, cfg.kernel)
+    if cfg.repack is not None:  # before any weight is bound: a kernel keeps the layout it was built with
+        set_repack(cfg.repack)
     model = open_model(cfg.model, cfg.kernel)
     tok = Tokenizer.from_gguf_fields(model.fields)
     n_ctx = min(cfg.ctx_size, model.config.n_ctx_train) if cfg.ctx_size else model.config.n_ctx_train

@@ -59,6 +59,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="compute threads of one computation (ggml's, as llama.cpp's -t)")
     g.add_argument("--kernel", choices=["ggml", "torch"], default="ggml",
                    help="expert kernels: ggml's on the stored quantised bytes, or the torch reference")
+    g.add_argument("--repack", choices=["off", "on", "all"], default=None,
+                   help="ggml's repacked weight layouts, as the coordinators served run them (default on, or "
+                        "MOE_SWARM_REPACK): all repacks Q4_K experts too")
     g.add_argument("--no-progress", action="store_true", help="no download progress bar")
     p = v.add_argument_group("pull mode (--market)")
     p.add_argument("--market", action="append", default=None, metavar="URL",
@@ -248,6 +251,10 @@ def _serve(ns: argparse.Namespace, cfg: Any) -> None:
     # call at a time with all of them (the expert server's one lane); torch keeps one intra-op thread
     configure_threads(ns.threads, KernelBackend.GGML)
     torch.set_num_threads(1)
+    if ns.repack is not None:  # before any slice is bound (part of the kernel id the coordinators check)
+        from swarm.model.kernels.repack import set_repack
+
+        set_repack(ns.repack)
     if ns.market:
         from volunteer.daemon import serve_pull_volunteer
 

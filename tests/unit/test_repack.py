@@ -212,3 +212,40 @@ def test_fused_moe_on_repacked_experts_gives_the_separate_paths_bits(name, with_
     st = GGUFModel(FIXTURES / "golden" / f"{name}.gguf").expert_stack(0)
     assert repack.packs(int(st.gate_t.qtype), (st.d_model, st.d_expert, st.n_expert), "mul_mat_id")
     same_bits(name)
+
+
+def test_the_coordinators_repack_flag_reaches_the_kernels() -> None:
+    """``moe-swarm coordinator --repack all`` (the config's ``repack``): the runtime's weights are bound with
+    Q4_K experts repacked and its kernel id says so; without the flag the process's setting stays."""
+    import argparse
+
+    from coordinator.cli import add_parser, config_from_args
+    from coordinator.server import load_runtime
+    from tests.conftest import FIXTURES
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    model = str(FIXTURES / "golden" / "qwen3moe-small-w224-q4_k_m.gguf")
+    assert config_from_args(p.parse_args(["coordinator", "--model", model])).repack is None
+    cfg = config_from_args(p.parse_args(["coordinator", "--model", model, "--repack", "all"]))
+    assert cfg.repack == "all"
+    plain_id = K.kernel_id()
+    try:
+        load_runtime(cfg)
+        assert K._type_id("Q4_K") in repack.repacked_types()[1] and K.kernel_id() != plain_id
+    finally:
+        repack.set_repack(True)
+    assert K.kernel_id() == plain_id
+
+
+def test_the_volunteers_repack_flag_parses() -> None:
+    import argparse
+
+    from volunteer.cli import add_parser
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    assert p.parse_args(["volunteer", "--repack", "off"]).repack == "off"
+    assert p.parse_args(["volunteer"]).repack is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["volunteer", "--repack", "maybe"])
