@@ -42,8 +42,8 @@ import torch
 from coordinator.core.pipeline import group_cuts
 from coordinator.dispatch.dispatcher import Dispatcher
 from coordinator.dispatch.layer import LayerCall, ThreadWaker, Waker
+from coordinator.engine.attention import Attention
 from coordinator.engine.block import (
-    Attention,
     AttnIn,
     AttnOut,
     AttnOutMoE,

@@ -52,7 +52,8 @@ from typing import Any
 import ggml.ggml as g
 import numpy as np
 
-from coordinator.engine.block import Attention, AttnIn, AttnOut, AttnOutMoE, DenseWeight, Head, MlaIn, _Graphs
+from coordinator.engine.attention import Attention
+from coordinator.engine.block import AttnIn, AttnOut, AttnOutMoE, DenseWeight, Head, MlaIn, _Graphs
 from swarm.errors import KernelError
 from swarm.model.kernels.ggml import (
     _as_raw,

@@ -1,4 +1,4 @@
-"""The ggml graphs of a layer's dense halves, the head and attention (``coordinator.engine.block``):
+"""The ggml graphs of a layer's dense halves, the head and attention (``coordinator.engine.block``, ``.attention``):
 they agree with a float64 reference of the same math, every row's result is independent of the other
 rows in the call (batch invariance, n in {1, 2, 3, 8, 64}) and of the thread count, and stale cache
 rows past a sequence's end never leak into its attention."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.engine.block import Attention, AttnIn, AttnOut, DenseWeight, Head
+from coordinator.engine.attention import Attention
+from coordinator.engine.block import AttnIn, AttnOut, DenseWeight, Head
 from swarm.errors import KernelError
 from swarm.model.kernels.ggml import _type_id, quantize
 
