@@ -614,6 +614,12 @@ def _gate_ops(ctx: Any, probs: Any, b: int, e: RoutedExperts) -> tuple[Any, Any]
     return ids, w
 
 
+def _ascending(ctx: Any, ar: Any, ids: Any, k: int, b: int) -> tuple[Any, Any]:
+    """``(idxf [1, k, b], order [k, b])``: the chosen experts' indices as floats (exact; ``ar`` holds 0 ..
+    n_expert-1 per row) and the slots' order by ascending index."""
+    idxf = g.ggml_get_rows(ctx, ar, ids)
+    return idxf, g.ggml_argsort(ctx, g.ggml_reshape_2d(ctx, idxf, k, b), g.GGML_SORT_ORDER_ASC)
+
 class Gate(_Graphs):
     """``_gate_ops`` alone: router rows ``[n, n_expert]`` -> ``(experts [n, k] int64, weights [n, k])``,
     for the per-layer path of the gates ``Transformer.select_np`` does not compute (gpt-oss's top-k
@@ -731,8 +737,7 @@ class AttnOutMoE(AttnOut):
         if self._eb is not None:
             y = g.ggml_add_id(ctx, y, self._eb[2], ids)
         yw = g.ggml_mul(ctx, y, w)
-        idxf = g.ggml_get_rows(ctx, ar, ids)  # [1, k, b]: the experts' indices as floats (exact)
-        order = g.ggml_argsort(ctx, g.ggml_reshape_2d(ctx, idxf, k, b), g.GGML_SORT_ORDER_ASC)  # [k, b]
+        idxf, order = _ascending(ctx, ar, ids, k, b)
         ywa = g.ggml_get_rows(ctx, yw, order)  # [d, k, b], slots in ascending expert order
         acc = zero
         nb1, nb2 = ywa.contents.nb[1], ywa.contents.nb[2]
@@ -753,8 +758,7 @@ class AttnOutMoE(AttnOut):
         ``moe_ops``'s (every op here is per row, the kernels batch-invariant)."""
         e = self.ex
         ids, _ = _gate_ops(ctx, outs[2], b, e)
-        idxf = g.ggml_get_rows(ctx, ar, ids)  # [1, k, b]
-        order = g.ggml_argsort(ctx, g.ggml_reshape_2d(ctx, idxf, e.k, b), g.GGML_SORT_ORDER_ASC)
+        idxf, order = _ascending(ctx, ar, ids, e.k, b)
         experts = g.ggml_cont(ctx, g.ggml_get_rows(ctx, idxf, order))
         picked = [g.ggml_get_rows(ctx, t, sel) for t in outs]  # x2, h, probs (, shared): [*, n_sel]
         ar_sel = g.ggml_view_3d(ctx, ar, 1, e.n_expert, n_sel, ar.contents.nb[1], ar.contents.nb[2], 0)
