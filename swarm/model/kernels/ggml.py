@@ -509,12 +509,11 @@ class GgmlExpertKernel:
         serve every layer. Safe because the weight tensors are graph leaves, not views: ggml
         reads ``tensor->data`` at compute time. Repacked weights are bound to the new bytes' repacked
         copy (made on the first bind of those bytes)."""
-        raws = (_as_raw(gate, self._raw[0].nbytes, "gate"), _as_raw(up, self._raw[1].nbytes, "up"),
-                _as_raw(down, self._raw[2].nbytes, "down"))
-        pk = self._packed
-        raws = (repack.packed(raws[0], self.types[0], self._ne[0]) if pk[0] else raws[0],
-                repack.packed(raws[1], self.types[1], self._ne[1]) if pk[1] else raws[1],
-                repack.packed(raws[2], self.types[2], self._ne[2]) if pk[2] else raws[2])
+        def bound(i: int, arr: Any, what: str) -> np.ndarray:  # the stored bytes, or their repacked copy
+            r = _as_raw(arr, self._raw[i].nbytes, what)
+            return repack.packed(r, self.types[i], self._ne[i]) if self._packed[i] else r
+
+        raws = (bound(0, gate, "gate"), bound(1, up, "up"), bound(2, down, "down"))
         if (biases is None) != (self._b is None):
             raise KernelError("rebind: biases must come exactly when the kernel was built with them")
         braws = () if biases is None else tuple(_as_raw(b, r.nbytes, "bias") for b, r in zip(biases, self._braw,
