@@ -312,6 +312,8 @@ def main() -> None:
                     help="a Python whose llama-cpp-python is built with ops/ggml-cmake-args: run it too, invariant")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per case (medians; llama.cpp interleaved)")
     args = ap.parse_args()
+    if args.llamacpp_invariant and not args.llamacpp_python:
+        ap.error("--llamacpp-invariant runs the llama.cpp of --llamacpp-python: give that too")
     result = trio.run(main_async, args)
     print(f"\nengine benchmark: {result['model']} ({result['model_shape']})")
     keys = [k for k, _, _ in references(args)]
