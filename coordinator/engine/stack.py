@@ -246,11 +246,14 @@ class StackGraph:
                     bk.masks[w] = (io(g.ggml_new_tensor_2d(c, g.GGML_TYPE_F32, sq.n_ctx, bk.b)), np.empty(0, np.float32))
         ids_out: list[tuple[int, Any]] = []
         # the rows asked for (the per-layer path's head takes only them); as llama.cpp, the last layer
-        # computes its FFN on them alone (its attention, KV writes and router on every row)
+        # computes its FFN on them alone (its attention, KV writes and router on every row) -- unless
+        # their bucket is no smaller than the graph's rows (a few 1-row sequences beside a drafted one:
+        # 5 rows asked for, bucket 8, in 6 graph rows), then the head takes them after it
         sel = io(g.ggml_new_tensor_1d(c, g.GGML_TYPE_I32, n_sel)) if whole and n_sel else None
+        narrow = sel is not None and n_sel < b
         cur = x
         for li in range(lo, hi):
-            last = sel if li == hi - 1 else None
+            last = sel if narrow and li == hi - 1 else None
             spec = self.layers[li]
             q, k, v = spec.attn_in.ops(c, cur, pos, b)
             outs = []
@@ -311,6 +314,8 @@ class StackGraph:
                 o = spec.dense.ops(c, a, cur, n_sel if last is not None else b)
                 cur = g.ggml_add(c, o[0], o[-1])  # a dense block: x2 + its FFN
         if whole:
+            if sel is not None and not narrow:
+                cur = g.ggml_get_rows(c, cur, sel)
             logits = self.head.ops(c, cur)  # [n_vocab, rows]
         else:
             logits = cur  # the residual [d, b]

@@ -293,3 +293,16 @@ def test_only_the_last_layer_narrows_to_the_asked_rows() -> None:
             if node.contents.op == g.GGML_OP_MUL_MAT_ID]
     n_moe = sum(1 for s in tr._ggml.stack.layers if s.moe is not None)
     assert rows == [48] * 3 * (n_moe - 1) + [1] * 3, rows
+
+
+def test_asked_rows_whose_bucket_exceeds_the_graph_rows() -> None:
+    """Drafted sequences (every row's logits) beside a prompt chunk: 10 rows asked for, bucketed to 12, in a
+    graph of 11 rows -- the last layer cannot narrow to them (a view past its input: ggml aborted the
+    coordinator in `make demo`); the head takes them after it, with the per-layer path's bits."""
+    model = GGUFModel(FIXTURES / "golden" / "qwen3moe-tiny-q8_0.gguf")
+    stacked, plain = _both(model)
+    plan = [[(0, 5, True), (1, 4, True), (2, 2, False)], [(0, 1, False), (1, 3, True), (2, 7, False)]]
+    a = _prefill(stacked, plan, 256, torch.float16)
+    assert [x.shape[0] for x in a] == [5, 4, 1, 1, 3, 1]
+    for x, y in zip(a, _prefill(plain, plan, 256, torch.float16), strict=True):
+        assert torch.equal(x, y)
