@@ -32,7 +32,7 @@ Admission rules (``decide``), in order; the first that applies wins:
 1. a continuation of a running session (the shell tells: an ``X-Session-Id`` it knows, or a prompt that
    starts with a recent prompt: ``remember``/``continues``) is admitted; so is a request with
    ``"overcommit": true``;
-2. fewer than ``guarantee_min_sessions`` sessions: admitted (parked ones count);
+2. fewer than ``guarantee_min_sessions`` sessions and none parked: admitted (parked ones count);
 3. no floor, or ``advisory`` mode: admitted (``capacity`` still says what enforcing would do);
 4. settling: held (``HOLD``, recheck at the window's end) until the hold started ``hold_s`` ago; a hold
    past its bound goes on to rule 5 without the settle window;
@@ -64,6 +64,8 @@ rows; other processes take the CPU); admission cannot undo an admit, so the coor
   resumes in the same call; when the mean is below the floor or the projection with them back is, as
   many park candidates are parked in their place (a *swap*), so over-subscribed sessions take turns of
   ``max_park_s`` rather than one waiting forever.
+- A parked session that comes to be among the ``guarantee_min_sessions`` first admitted (earlier ones ended)
+  resumes at the next call, whatever the mean: those are never parked.
 - A resumed session restarts its clock (its tokens' interval spans the pause) and warms again: its settle
   window is an admit's. A parked session that ends leaves the parked set.
 - No ordinary admit while a session is parked (``decide``: ``PARKED`` -- held, rejected or warned per
@@ -436,6 +438,11 @@ class AdmissionCore:
             self._resume_fails, self._last_resume_at = 0, None  # the last resume held
         waiting = self.parked()
         if waiting:
+            first = {sid for sid, _ in sorted(self.sessions.items(), key=lambda kv: kv[1].order)[:p.guarantee_min_sessions]}
+            owed = [sid for sid in waiting if sid in first]  # guaranteed now that earlier sessions ended
+            if owed:
+                self._mark(now)
+                return [self._resume(sid, now) for sid in owed]
             running = any(s.parked_at is None for s in self.sessions.values())
             due = [sid for sid in waiting if now - (self.sessions[sid].parked_at or now) >= p.max_park_s]
             if due:
@@ -517,7 +524,7 @@ class AdmissionCore:
             return Decision(Verdict.ADMIT, Reason.CONTINUATION)
         if overcommit:
             return Decision(Verdict.ADMIT, Reason.OVERCOMMIT)
-        if len(self.sessions) < p.guarantee_min_sessions:
+        if len(self.sessions) < p.guarantee_min_sessions and not self.parked():
             return Decision(Verdict.ADMIT, Reason.GUARANTEED)
         if p.tps_floor is None:
             return Decision(Verdict.ADMIT, Reason.NO_FLOOR)
