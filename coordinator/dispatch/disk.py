@@ -15,7 +15,8 @@ Rules:
   the pooled ggml kernels are bound by shape, one per capacity. (With a fresh stack per check and
   per used-expert count, a 30b-a3b backbone coordinator grew by ~6.6 GB of kernels and their last
   stacks over a volunteer's probation, every call checked.)
-- Checks run one at a time (a lock: the buffers are shared).
+- Checks run one at a time (a lock: the buffers are shared). A buffer read into again is ``repack.changed``:
+  the kernels' repacked copy of it is made again (else a check computed the previous experts).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from coordinator.dispatch.layer import LocalJob
 from swarm.model.gguf import ExpertStack, GGUFModel, QTensor, pread_chunks
-from swarm.model.kernels import KernelBackend, expert_kernel
+from swarm.model.kernels import KernelBackend, expert_kernel, repack
 
 __all__ = ["DiskExperts"]
 
@@ -75,6 +76,7 @@ class DiskExperts:
             self.bytes_read += at
             if at < flat.size:  # slots past the used experts: zero (no pair points at them)
                 flat[at:] = 0
+            repack.changed(buf)  # other bytes in the same buffer: not the repacked copy of the last ones
             tensors.append(QTensor(t.name, t.qtype, (cap, *t.shape[1:]), buf))
         biases = None
         if stack.biases is not None:

@@ -20,7 +20,7 @@ def test_capacities_are_powers_of_two() -> None:
     assert [capacity(n) for n in (1, 2, 3, 4, 5, 8, 9, 31, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
 
 
-@pytest.mark.parametrize("name", ["qwen3moe-tiny-q8_0", "gpt-oss-tiny-f32"])
+@pytest.mark.parametrize("name", ["qwen3moe-tiny-q8_0", "gpt-oss-tiny-f32", "gpt-oss-tiny-mxfp4_moe"])
 def test_any_call_has_the_bits_of_the_model_and_the_buffers_stay_few(name: str) -> None:
     model = GGUFModel(FIXTURES / "golden" / f"{name}.gguf")
     cfg = model.config

@@ -22,7 +22,9 @@ Rules this module keeps:
   repacked, at the same offsets: a view of experts ``lo..hi`` of a repacked stack is the same
   range of the mirror (the rows are interleaved within each expert matrix, and a repacked matrix
   has the stored size). Each expert matrix is repacked once (under a lock), when a kernel first
-  binds it; the mirror lives as long as the root array.
+  binds it; the mirror lives as long as the root array. So stored bytes are taken as immutable: a
+  caller that rewrites an array in place (``coordinator.dispatch.disk``'s read buffers) calls
+  ``changed`` on it, and its matrices are repacked again when next bound.
 - Off with ``MOE_SWARM_REPACK=0`` in the environment, or ``set_repack(False)`` before any weight is
   bound (a kernel keeps the layout it was built with); off by itself on a build without the buffer
   type (e.g. ``GGML_CPU_REPACK=OFF``) or a CPU without AVX2.
@@ -43,7 +45,7 @@ from typing import Any
 import ggml.ggml as g
 import numpy as np
 
-__all__ = ["MUL_MAT_TYPES", "MUL_MAT_ID_TYPES", "Q4_K_TYPES", "available", "mark", "packed", "packs", "repack_active",
+__all__ = ["MUL_MAT_TYPES", "MUL_MAT_ID_TYPES", "Q4_K_TYPES", "available", "changed", "mark", "packed", "packs", "repack_active",
            "repacked_types", "set_repack"]
 
 # type ids, not names: this module must not import the kernel module (it imports this one)
@@ -230,6 +232,17 @@ def _pack_one(dst: int, src: int, tid: int, cols: int, rows: int) -> None:
     finally:
         g.ggml_log_set(prev, prev_ud)
         g.ggml_free(ctx)
+
+
+def changed(raw: np.ndarray) -> None:
+    """``raw``'s bytes were rewritten in place: every matrix repacked from its root is made again when
+    next bound (``packed``)."""
+    with _LOCK:
+        root, _ = _root(raw, _addr(raw))
+        got = _MIRRORS.get(id(root))
+        if got is not None and got[0]() is root:
+            got[1].done.clear()
+            got[1].ranges.clear()
 
 
 def packed(raw: np.ndarray, tid: int, ne: Sequence[int]) -> np.ndarray:
